@@ -1,0 +1,38 @@
+"""Attention backends, chosen by name or automatically (flash-attn on CUDA when it
+imports, else SDPA). Backends load lazily so an absent native package costs nothing."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from splitserve.engine.attention.base import AttentionBackend, SeqSpan
+
+_BACKENDS = {
+    "sdpa": ("splitserve.engine.attention.sdpa", "SdpaBackend"),
+    "flash_attn": ("splitserve.engine.attention.flash_attn", "FlashAttnBackend"),
+}
+
+
+def flash_attn_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``name`` is "auto", "sdpa" or "flash_attn"."""
+    if name == "auto":
+        name = "flash_attn" if flash_attn_available(device) else "sdpa"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_BACKENDS)}")
+    module, cls = _BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)()
+
+
+__all__ = ["AttentionBackend", "SeqSpan", "get_backend", "flash_attn_available"]

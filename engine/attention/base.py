@@ -1,0 +1,51 @@
+"""The attention backend interface.
+
+The model runner describes each step's batch as ``SeqSpan``s over the packed
+token dimension, decode spans (one query token each) first::
+
+    packed tokens   [d0 d1 d2 | p0 p0 p0 p0 p0 | p1 p1 p1]
+    spans           q_len 1 1 1   q_len 5          q_len 3
+                    ctx_len = tokens in cache after this step (prefix + new)
+
+Before ``forward`` the layer has already written this step's K/V into the paged
+cache (``slot_mapping``), so a backend reads every key from the cache (or, for a
+prompt with no cached prefix, straight from the fresh K/V). ``prepare`` runs once
+per step and its result is shared by all layers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    q_start: int  # offset of the sequence's first new token in the packed batch
+    q_len: int  # new tokens this step
+    ctx_len: int  # tokens with KV in the cache after this step (includes the new ones)
+    block_table: list[int]
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def prepare(self, spans: list[SeqSpan], num_decodes: int, block_size: int, device: torch.device) -> Any:
+        """Build per-step metadata (tensors shared by every layer)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim], already written to the cache
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: Any,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of every query over its sequence's keys; returns [T, H, D]."""

@@ -1,0 +1,168 @@
+"""Paged KV-cache bookkeeping: a pool of fixed-size blocks, reference counts and
+prefix caching. No torch: block ids index the tensors that ``kv_cache`` owns.
+
+Layout of one sequence over its block table (block_size = 4)::
+
+    token_ids      t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9
+    block_table    [   17      |    4        |  9   ]   <- last block partly filled
+    hashes         [   h0      |    h1       ]          <- only full blocks are hashed
+
+Prefix caching: a full block is identified by ``hash(parent_hash, its tokens)``,
+so equal content after a different prefix never matches. When a block's last
+token has been computed its hash is registered; a later sequence whose prompt
+starts with the same tokens takes a reference to the block instead of computing
+it again. Freed blocks keep their hash and stay findable until the allocator
+reuses them, least recently freed first (LRU eviction). The block holding a
+prompt's last token is never taken from the cache, so every prompt computes at
+least one token (its logits give the first output token) and never writes into
+a shared block.
+
+Ownership: the sequence holds one reference per entry in its block table;
+``free`` drops them all. A block returns to the free pool when its count is 0.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from splitserve.engine.sequence import Sequence
+
+
+def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """Hash of a full block given its parent's hash; deterministic across processes."""
+    return hash((parent if parent is not None else -1, tokens))
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences. Check with ``can_*``, then act."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # Free blocks in eviction order (oldest freed first); values unused.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Per-sequence chain of hashes of its full, computed blocks.
+        self._seq_hashes: dict[int, list[int]] = {}
+        self.prefix_hits = 0  # tokens served from the cache since start (a metric)
+
+    # ---- queries -----------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids that hold a prefix of ``seq``'s tokens (no references taken)."""
+        if not self.enable_prefix_caching:
+            return []
+        found: list[int] = []
+        parent = None
+        bs = self.block_size
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, tokens)
+            block = self.hash_to_block.get(h)
+            if block is None or self.block_tokens[block] != tokens:
+                break
+            found.append(block)
+            parent = h
+        return found
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        """Whether ``seq`` (holding its current table, or about to take ``cached``)
+        can grow to cover ``num_computed_tokens + num_new_tokens`` tokens."""
+        have = len(seq.block_table) + len(cached)
+        computed = seq.num_computed_tokens + len(cached) * self.block_size
+        need = self.blocks_needed(computed + num_new_tokens) - have
+        taken_from_free = sum(1 for b in cached if b in self.free_blocks)
+        return need + taken_from_free <= len(self.free_blocks)
+
+    # ---- actions -----------------------------------------------------------
+    def take_cached_prefix(self, seq: Sequence, cached: list[int]) -> None:
+        """Give a fresh sequence references to ``cached`` and count them computed."""
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError("prefix can only be taken by a sequence holding no blocks")
+        parent = None
+        hashes = []
+        for b in cached:
+            self._ref(b)
+            parent = self.block_hashes[b]
+            hashes.append(parent)
+        seq.block_table = list(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self.prefix_hits += seq.num_computed_tokens
+        self._seq_hashes[seq.seq_no] = hashes
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Append blocks so ``seq`` covers its computed tokens plus ``num_new_tokens``.
+        Call ``can_allocate`` first; raises ``RuntimeError`` if the pool is short."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need > len(self.free_blocks):
+            raise RuntimeError("allocate() called without enough free blocks")
+        for _ in range(need):
+            seq.block_table.append(self._pop_free())
+
+    def commit_computed(self, seq: Sequence) -> None:
+        """Register hashes of blocks that became full and computed (prefix caching)."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._seq_hashes.setdefault(seq.seq_no, [])
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, tokens)
+            block = seq.block_table[i]
+            if self.block_hashes[block] is None and h not in self.hash_to_block:
+                self.block_hashes[block] = h
+                self.block_tokens[block] = tokens
+                self.hash_to_block[h] = block
+            hashes.append(h)
+            parent = h
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references (last block first, so a prefix outlives its tail)."""
+        for b in reversed(seq.block_table):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free_blocks[b] = None
+        seq.block_table = []
+        self._seq_hashes.pop(seq.seq_no, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (e.g. after the weights changed)."""
+        self.hash_to_block.clear()
+        self.block_hashes = [None] * self.num_blocks
+        self.block_tokens = [None] * self.num_blocks
+
+    # ---- internals ---------------------------------------------------------
+    def _ref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_blocks[block]
+        self.ref_counts[block] += 1
+
+    def _pop_free(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        h = self.block_hashes[block]
+        if h is not None:  # evict: its content is about to be overwritten
+            if self.hash_to_block.get(h) == block:
+                del self.hash_to_block[h]
+            self.block_hashes[block] = None
+            self.block_tokens[block] = None
+        self.ref_counts[block] = 1
+        return block

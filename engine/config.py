@@ -1,0 +1,65 @@
+"""Engine configuration: one validated dataclass, shared by every process role."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """How to build and run one engine. Invalid values raise ``ValueError`` at construction.
+
+    ``model`` is ``"smollm2"`` (the bundled SmolLM2-135M-Instruct GGUF), a ``.gguf``
+    file or a Hugging Face model directory. With ``random_weights`` only the
+    config is read and weights are drawn from ``seed``.
+    """
+
+    model: str = "smollm2"
+    tokenizer: str | None = None  # directory; default: the model's own
+    random_weights: bool = False
+    dtype: str = "auto"  # auto: bfloat16 where the hardware has it natively, else float32
+    device: str = "auto"  # auto: cuda if available, else cpu
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: as many as kv_cache_memory_mib holds
+    kv_cache_memory_mib: int = 1024
+    max_num_batched_tokens: int = 512  # token budget per step; longer prompts are chunked
+    max_num_seqs: int = 256  # running sequences at most
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | sdpa | flash_attn
+    seed: int = 0  # random weights and unseeded sampling
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "kv_cache_memory_mib", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when oneDNN has bf16 kernels for this CPU (AVX512-BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False

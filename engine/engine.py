@@ -1,0 +1,295 @@
+"""The engine: a plain in-process library (no Ray, no gRPC) that runs one model.
+
+Whole-request use::
+
+    engine = Engine(EngineConfig())
+    engine.add_request("Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+The two halves disaggregated serving needs:
+
+- prefill side: ``add_request(..., prefill_only=True)``; after the step that
+  samples its first token the request is PREFILLED and ``prefilled(id)`` tells
+  which blocks hold its KV. The engine keeps those blocks until ``release(id)``.
+- decode side: ``import_request(...)`` allocates blocks for incoming KV and
+  returns their ids (the request is IMPORTING, not scheduled); the caller fills
+  them (``kv_cache.write_blocks`` or a transfer library writing into
+  ``kv_cache.tensor``) and calls ``activate(id)`` to start decoding, or
+  ``abort(id)`` to give the blocks back. ``add_request_from_kv`` does all three.
+
+Every public method validates first and raises ``InvalidRequest`` (a
+``ValueError``) before touching any state, so bad input never leaks blocks.
+Not thread-safe: one thread drives an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import torch
+
+from splitserve.engine.attention import get_backend
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.errors import InvalidRequest, Overloaded, UnknownRequest
+from splitserve.engine.kv_cache import KVCache, KVLayout
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.loader import (
+    build_model,
+    checkpoint_weights,
+    load_hf_config,
+    resolve_source,
+)
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.outputs import CompletionOutput, PrefilledRequest, RequestOutput
+from splitserve.engine.request_state import RequestState
+from splitserve.engine.sampler import Sampler
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from splitserve.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, hf_config=None, tokenizer: Tokenizer | None = None):
+        """Load the model named by ``config`` (or build ``hf_config`` with random
+        weights) and allocate the KV cache."""
+        self.config = config
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        source = None
+        if hf_config is None:
+            source = resolve_source(config.model)
+            hf_config = load_hf_config(source)
+        self.model_config = ModelConfig.from_hf(hf_config)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        weights = None if (config.random_weights or source is None) else checkpoint_weights(source)
+        self.model = build_model(mc, self.dtype, self.device, self.max_model_len, weights, config.seed)
+        if tokenizer is None and config.tokenizer:
+            tokenizer = Tokenizer.from_source(config.tokenizer)
+        elif tokenizer is None and source is not None and source.has_tokenizer:
+            tokenizer = Tokenizer.from_source(str(source.directory), **source.hf_kwargs)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        bytes_per_block = mc.num_layers * 2 * config.block_size * mc.kv_size * elem
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mib * 2**20 // bytes_per_block)
+        layout = KVLayout(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+                          str(self.dtype).removeprefix("torch."))
+        self.kv_cache = KVCache(layout, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.kv_cache, get_backend(config.attention_backend, self.device),
+                                  Sampler(config.seed), self.device)
+        self.requests: dict[str, RequestState] = {}
+        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s", mc.model_type,
+                 self.dtype, self.device, num_blocks, config.block_size, self.runner.backend.name)
+
+    # ---- requests ----------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        prefill_only: bool = False,
+    ) -> str:
+        """Queue a request given as text, token ids, or chat ``messages``; return its id."""
+        params = params or SamplingParams()
+        request_id = self._new_id(request_id)
+        prompt_ids = self.encode_prompt(prompt, messages)
+        self._validate(prompt_ids, params)
+        seq = Sequence(request_id, prompt_ids, params, prefill_only=prefill_only)
+        self.requests[request_id] = RequestState(seq, self.tokenizer, len(prompt_ids))
+        self.scheduler.add(seq)
+        return request_id
+
+    def encode_prompt(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise InvalidRequest("give exactly one of a prompt or chat messages")
+        if messages is not None:
+            if not messages or any(not isinstance(m, dict) or "role" not in m or "content" not in m
+                                   for m in messages):
+                raise InvalidRequest("messages must be a non-empty list of {role, content}")
+            return self._require_tokenizer().apply_chat_template(messages)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty")
+            return self._require_tokenizer().encode(prompt)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request in any state and free its blocks. False if unknown or done."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return False
+        self._finish(state, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; return what changed per request."""
+        sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        for seq in sched.unschedulable:
+            state = self.requests[seq.request_id]
+            self._finish(state, FinishReason.LENGTH)
+            outputs.append(state.output([]))
+        if not sched.scheduled:
+            return outputs
+        samples = [s.samples for s in sched.scheduled]
+        sampling = {id(s.seq) for s, smp in zip(sched.scheduled, samples) if smp}
+        ordered, result = self.runner.execute(sched.scheduled)
+        k = 0
+        for s in ordered:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.commit_computed(seq)
+            if id(seq) not in sampling:
+                continue
+            token, logprob = result.token_ids[k], result.logprobs[k]
+            k += 1
+            seq.append_token(token, logprob)
+            state = self.requests[seq.request_id]
+            reason = state.update_text_and_check_stop(self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                self._finish(state, reason)
+            elif seq.prefill_only:
+                self._park_prefilled(state)
+            outputs.append(state.output([token], [] if logprob is None else [logprob]))
+        return outputs
+
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Run requests to completion (a convenience loop over ``step``)."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        states = {i: self.requests[i] for i in ids}
+        while self.has_unfinished():
+            self.step()
+        return [states[i].completion() for i in ids]
+
+    # ---- prefill half ------------------------------------------------------
+    def prefilled(self, request_id: str) -> PrefilledRequest:
+        seq = self._get(request_id, SequenceStatus.PREFILLED).seq
+        return PrefilledRequest(request_id, list(seq.prompt_token_ids), seq.output_token_ids,
+                                list(seq.block_table), seq.num_computed_tokens, seq.num_cached_tokens)
+
+    def release(self, request_id: str) -> None:
+        """Free a PREFILLED request's blocks (its KV has been delivered or given up)."""
+        self._finish(self._get(request_id, SequenceStatus.PREFILLED), FinishReason.PREFILL_DONE)
+
+    # ---- decode half -------------------------------------------------------
+    def import_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+    ) -> list[int]:
+        """Allocate blocks for the KV of ``prompt_token_ids`` computed elsewhere.
+
+        Returns the block ids to fill (in order; the last may be partial). Raises
+        ``Overloaded`` if the cache has no room now. The request stays IMPORTING
+        until ``activate`` (or ``abort``, which frees the blocks)."""
+        if not output_token_ids:
+            raise InvalidRequest("an imported request needs its first sampled token")
+        request_id = self._new_id(request_id)
+        prompt_ids = self.encode_prompt(list(prompt_token_ids), None)
+        self._validate(prompt_ids, params)
+        seq = Sequence(request_id, prompt_ids, params)
+        if not self.block_manager.can_allocate(seq, len(prompt_ids)):
+            raise Overloaded(f"not enough free KV blocks for {len(prompt_ids)} tokens")
+        self.block_manager.allocate(seq, len(prompt_ids))
+        for t in output_token_ids:
+            seq.append_token(t)
+        seq.num_computed_tokens = len(prompt_ids)
+        seq.status = SequenceStatus.IMPORTING
+        self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
+        return list(seq.block_table)
+
+    def activate(self, request_id: str) -> None:
+        """The KV of an IMPORTING request is in place: start decoding it."""
+        state = self._get(request_id, SequenceStatus.IMPORTING)
+        self.block_manager.commit_computed(state.seq)
+        self.scheduler.add_running(state.seq)
+
+    def add_request_from_kv(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                            params: SamplingParams, kv: torch.Tensor) -> str:
+        """``import_request`` + ``kv_cache.write_blocks`` + ``activate`` in one call."""
+        blocks = self.import_request(request_id, prompt_token_ids, output_token_ids, params)
+        try:
+            self.kv_cache.write_blocks(blocks, kv)
+        except ValueError:
+            self.abort(request_id)
+            raise
+        self.activate(request_id)
+        return request_id
+
+    # ---- internals ---------------------------------------------------------
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        n, limit = len(prompt_ids), self.max_model_len
+        if n >= limit:
+            raise InvalidRequest(f"the prompt has {n} tokens but the model's context is {limit} tokens, "
+                                 "and at least one must remain for output")
+        if n + params.max_tokens > limit:
+            raise InvalidRequest(f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, "
+                                 f"more than the model's context of {limit} tokens; "
+                                 f"lower max_tokens to at most {limit - n}")
+        if self.block_manager.blocks_needed(n + 1) > self.block_manager.num_blocks:
+            raise InvalidRequest(f"the prompt has {n} tokens, more than this engine's KV cache holds")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer, and this engine has none")
+
+    def _new_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            return uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        return request_id
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise InvalidRequest("this engine has no tokenizer; send token ids")
+        return self.tokenizer
+
+    def _get(self, request_id: str, status: SequenceStatus) -> RequestState:
+        state = self.requests.get(request_id)
+        if state is None or state.seq.status != status:
+            raise UnknownRequest(f"no {status.value} request with id {request_id!r}")
+        return state
+
+    def _park_prefilled(self, state: RequestState) -> None:
+        self.scheduler.remove(state.seq)
+        state.seq.status = SequenceStatus.PREFILLED
+        state.seq.finish_reason = FinishReason.PREFILL_DONE
+
+    def _finish(self, state: RequestState, reason: FinishReason) -> None:
+        seq = state.seq
+        self.scheduler.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.requests.pop(seq.request_id, None)

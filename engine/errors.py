@@ -1,0 +1,38 @@
+"""The exception hierarchy shared by every splitserve layer.
+
+The engine sits at the bottom of the dependency graph, so the base classes live
+here; later layers (kv_transfer, router) subclass them and the router maps them
+to gRPC status codes in one place.
+
+- ``SplitserveError``: base of everything splitserve raises on purpose.
+- ``InvalidRequest`` (also a ``ValueError``): the caller's input is wrong; the
+  message is a sentence a user can act on. Raising it never leaves state behind.
+- ``ModelLoadError``: weights or a config could not be loaded or are unsupported.
+- ``Overloaded``: a resource is exhausted right now (KV blocks, queue space).
+- ``UnknownRequest``: an operation named a request the engine does not hold.
+"""
+
+from __future__ import annotations
+
+
+class SplitserveError(Exception):
+    """Base class of errors splitserve raises deliberately."""
+
+
+class InvalidRequest(SplitserveError, ValueError):
+    """A request (prompt, sampling parameters, ...) is malformed or out of range."""
+
+
+class ModelLoadError(SplitserveError):
+    """A model could not be loaded, or uses a feature the engine does not support."""
+
+
+class Overloaded(SplitserveError):
+    """A resource (KV blocks, queue space) is exhausted right now; retry later."""
+
+
+class UnknownRequest(SplitserveError, KeyError):
+    """An operation named a request id the engine does not hold."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of its argument
+        return str(self.args[0]) if self.args else ""

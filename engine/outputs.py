@@ -1,0 +1,53 @@
+"""What the engine hands back: per-step deltas, whole completions, and the
+prefill half's description of the KV it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.engine.sequence import FinishReason
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress in one ``Engine.step()``: only what is new."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # new text (may lag tokens by an incomplete character or a possible stop string)
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # total so far
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    new_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    """A finished request, as ``Engine.generate`` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens, including a final EOS / stop token id
+    text: str
+    finish_reason: FinishReason | None
+    num_cached_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrefilledRequest:
+    """A prefill-only request whose KV is ready to ship.
+
+    The engine holds ``block_ids`` (KV of the first ``num_kv_tokens`` tokens of
+    ``prompt_token_ids``) until ``Engine.release(request_id)``; nothing else
+    writes to them meanwhile. ``output_token_ids`` holds the first sampled token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    num_kv_tokens: int
+    num_cached_tokens: int

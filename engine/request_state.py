@@ -1,0 +1,66 @@
+"""Per-request output state: incremental text, stop conditions, output deltas."""
+
+from __future__ import annotations
+
+from splitserve.engine.outputs import CompletionOutput, RequestOutput
+from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class RequestState:
+    """Wraps a ``Sequence`` with its text. ``num_emitted`` tokens (the prompt, plus a
+    first token sampled elsewhere for imported requests) are never re-emitted."""
+
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer | None, num_emitted: int):
+        self.seq = seq
+        self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids, num_emitted) if tokenizer else None
+        # Text of tokens emitted before this engine saw the request (context for stop strings).
+        self.text = tokenizer.decode(seq.token_ids[seq.num_prompt_tokens : num_emitted]) if tokenizer else ""
+        self.emitted_chars = len(self.text)
+        stops = seq.params.stop
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+
+    def update_text_and_check_stop(self, eos_token_ids: set[int], max_model_len: int) -> FinishReason | None:
+        """Account for the token just appended; return why the request ends, if it does."""
+        seq, params = self.seq, self.seq.params
+        token = seq.token_ids[-1]
+        if not params.ignore_eos and token in eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if self.detok is not None:
+            before = len(self.text)
+            self.text += self.detok.step(seq.token_ids)
+            if params.stop:
+                start = max(0, before - self.holdback)
+                hits = [i for i in (self.text.find(s, start) for s in params.stop) if i >= 0]
+                if hits:
+                    self.text = self.text[: min(hits)]
+                    return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def output(self, new_token_ids: list[int], new_logprobs: list[float] | None = None) -> RequestOutput:
+        seq = self.seq
+        finished = seq.status in (SequenceStatus.FINISHED, SequenceStatus.PREFILLED)
+        # While running, hold back a tail that could be the start of a stop string.
+        end = len(self.text) if finished else max(self.emitted_chars, len(self.text) - self.holdback)
+        delta = self.text[self.emitted_chars : end]
+        self.emitted_chars = end
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            text=delta,
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            new_logprobs=new_logprobs or [],
+        )
+
+    def completion(self) -> CompletionOutput:
+        seq = self.seq
+        return CompletionOutput(seq.request_id, list(seq.prompt_token_ids), seq.output_token_ids, self.text,
+                                seq.finish_reason, seq.num_cached_tokens, list(seq.logprobs))

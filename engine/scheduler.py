@@ -1,0 +1,132 @@
+"""Step scheduler: which sequences run in the next model step, and how many of
+their tokens. No torch.
+
+Each step has a token budget (``max_num_batched_tokens``). Running sequences go
+first, oldest first: a decoding sequence takes one token, a sequence still in
+prefill takes as much of its remaining prompt as the budget allows (chunked
+prefill), so decodes keep flowing while a long prompt is prefilled over several
+steps. Waiting sequences are then admitted first-come-first-served while the
+budget, ``max_num_seqs`` and free blocks allow. Admission reuses prefix-cached
+blocks when the block manager has them.
+
+When a running sequence needs a block and none is free, the newest running
+sequence is preempted: its blocks are freed and it returns to the front of the
+waiting queue, to be recomputed later (its generated tokens are kept and
+recomputed as part of its prefix). The engine never crashes for lack of blocks;
+no new sequence is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's last token (so a token is sampled)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # Sequences that can never fit in the cache; the engine finishes them.
+    unschedulable: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose blocks are already allocated and filled (KV import)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the queues (finish or abort); the caller frees its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_allocate(seq, n):
+                victim = self.running.pop()
+                if victim is seq and bm.blocks_needed(seq.num_computed_tokens + n) > bm.num_blocks:
+                    out.unschedulable.append(seq)  # larger than the whole cache
+                    break
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                bm.allocate(seq, n)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            # seq was preempted or dropped; the element at i is now a different one.
+
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq) if not seq.block_table else []
+            cached_tokens = len(cached) * bm.block_size
+            n = min(seq.num_uncomputed_tokens - cached_tokens, budget)
+            if not bm.can_allocate(seq, n, cached):
+                if bm.blocks_needed(seq.num_tokens) > bm.num_blocks:
+                    self.waiting.popleft()
+                    out.unschedulable.append(seq)  # larger than the whole cache
+                    continue
+                break
+            self.waiting.popleft()
+            if cached:
+                bm.take_cached_prefix(seq, cached)
+            bm.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)

@@ -1,0 +1,92 @@
+"""Sequence state: the bookkeeping unit the scheduler and block manager share.
+
+No torch here. A sequence's lifecycle::
+
+    WAITING --schedule--> RUNNING --(eos/stop/length)--> FINISHED
+       ^                    |   \\--(prefill_only: first token)--> PREFILLED
+       +----preempt---------+                                        |
+                                            release() frees blocks --+--> FINISHED
+
+    IMPORTING --activate()--> RUNNING    (decode side: KV arrived from elsewhere)
+
+``num_computed_tokens`` counts tokens whose KV is already in the cache; tokens
+``[num_computed_tokens:]`` of ``token_ids`` still have to go through the model.
+A sequence is *in prefill* while more than one token is uncomputed and *in decode*
+when exactly its last token is.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+from splitserve.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREFILLED = "prefilled"  # prefill-only request done; blocks held until release()
+    IMPORTING = "importing"  # blocks allocated for incoming KV; scheduled after activate()
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context reached
+    ABORT = "abort"  # cancelled by the caller
+    PREFILL_DONE = "prefill_done"  # prefill-only request produced its first token
+
+
+_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the engine tracks it. Mutated only by the engine's thread."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefill_only: bool = False
+
+    def __post_init__(self) -> None:
+        self.seq_no = next(_counter)  # arrival order, used for FCFS and preemption
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.finish_reason: FinishReason | None = None
+        self.logprobs: list[float] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)

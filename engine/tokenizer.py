@@ -1,0 +1,65 @@
+"""Tokenizer, chat template and incremental detokenization, through transformers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve.engine.errors import InvalidRequest
+
+
+class Tokenizer:
+    """Thin wrapper over a Hugging Face tokenizer with the operations the engine uses."""
+
+    def __init__(self, hf_tokenizer: Any):
+        self.hf = hf_tokenizer
+
+    @classmethod
+    def from_source(cls, directory: str, **kwargs: Any) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(directory, **kwargs))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        # Chat-templated text already carries its special tokens; raw prompts get
+        # whatever the tokenizer adds by default (e.g. BOS for Llama).
+        return self.hf.encode(text)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.hf, "chat_template", None):
+            raise InvalidRequest("this model has no chat template; send a raw prompt instead")
+        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+        return list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas without re-decoding everything.
+
+    Decodes a short window (``prefix_offset:``) and emits what lies beyond the
+    already-emitted part (``prefix_offset:read_offset``); holds text back while
+    it ends in an incomplete UTF-8 sequence (U+FFFD).
+    """
+
+    WINDOW = 5
+
+    def __init__(self, tokenizer: Tokenizer, token_ids: list[int], num_emitted: int):
+        self.tokenizer = tokenizer
+        self.read_offset = num_emitted
+        self.prefix_offset = max(0, num_emitted - self.WINDOW)
+
+    def step(self, token_ids: list[int]) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(token_ids[self.prefix_offset : self.read_offset])
+        full = decode(token_ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(token_ids)
+            return full[len(prefix) :]
+        return ""
