@@ -67,8 +67,9 @@ class Engine:
             hf_config = load_hf_config(source)
         self.model_config = ModelConfig.from_hf(hf_config)
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
         weights = None if (config.random_weights or source is None) else checkpoint_weights(source)
         self.model = build_model(mc, self.dtype, self.device, self.max_model_len, weights, config.seed)
         if tokenizer is None and config.tokenizer:
@@ -83,16 +84,34 @@ class Engine:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         bytes_per_block = mc.num_layers * 2 * config.block_size * mc.kv_size * elem
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mib * 2**20 // bytes_per_block)
-        layout = KVLayout(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-                          str(self.dtype).removeprefix("torch."))
+        layout = KVLayout(
+            mc.num_layers,
+            num_blocks,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            str(self.dtype).removeprefix("torch."),
+        )
         self.kv_cache = KVCache(layout, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.kv_cache, get_backend(config.attention_backend, self.device),
-                                  Sampler(config.seed), self.device)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_cache,
+            get_backend(config.attention_backend, self.device),
+            Sampler(config.seed),
+            self.device,
+        )
         self.requests: dict[str, RequestState] = {}
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s", mc.model_type,
-                 self.dtype, self.device, num_blocks, config.block_size, self.runner.backend.name)
+        log.info(
+            "engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s",
+            mc.model_type,
+            self.dtype,
+            self.device,
+            num_blocks,
+            config.block_size,
+            self.runner.backend.name,
+        )
 
     # ---- requests ----------------------------------------------------------
     def add_request(
@@ -113,12 +132,15 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
-    def encode_prompt(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None) -> list[int]:
+    def encode_prompt(
+        self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None
+    ) -> list[int]:
         if (prompt is None) == (messages is None):
             raise InvalidRequest("give exactly one of a prompt or chat messages")
         if messages is not None:
-            if not messages or any(not isinstance(m, dict) or "role" not in m or "content" not in m
-                                   for m in messages):
+            if not messages or any(
+                not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages
+            ):
                 raise InvalidRequest("messages must be a non-empty list of {role, content}")
             return self._require_tokenizer().apply_chat_template(messages)
         if isinstance(prompt, str):
@@ -193,8 +215,14 @@ class Engine:
     # ---- prefill half ------------------------------------------------------
     def prefilled(self, request_id: str) -> PrefilledRequest:
         seq = self._get(request_id, SequenceStatus.PREFILLED).seq
-        return PrefilledRequest(request_id, list(seq.prompt_token_ids), seq.output_token_ids,
-                                list(seq.block_table), seq.num_computed_tokens, seq.num_cached_tokens)
+        return PrefilledRequest(
+            request_id,
+            list(seq.prompt_token_ids),
+            seq.output_token_ids,
+            list(seq.block_table),
+            seq.num_computed_tokens,
+            seq.num_cached_tokens,
+        )
 
     def release(self, request_id: str) -> None:
         """Free a PREFILLED request's blocks (its KV has been delivered or given up)."""
@@ -235,8 +263,14 @@ class Engine:
         self.block_manager.commit_computed(state.seq)
         self.scheduler.add_running(state.seq)
 
-    def add_request_from_kv(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                            params: SamplingParams, kv: torch.Tensor) -> str:
+    def add_request_from_kv(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        kv: torch.Tensor,
+    ) -> str:
         """``import_request`` + ``kv_cache.write_blocks`` + ``activate`` in one call."""
         blocks = self.import_request(request_id, prompt_token_ids, output_token_ids, params)
         try:
@@ -252,12 +286,16 @@ class Engine:
         params.validate()
         n, limit = len(prompt_ids), self.max_model_len
         if n >= limit:
-            raise InvalidRequest(f"the prompt has {n} tokens but the model's context is {limit} tokens, "
-                                 "and at least one must remain for output")
+            raise InvalidRequest(
+                f"the prompt has {n} tokens but the model's context is {limit} tokens, "
+                "and at least one must remain for output"
+            )
         if n + params.max_tokens > limit:
-            raise InvalidRequest(f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, "
-                                 f"more than the model's context of {limit} tokens; "
-                                 f"lower max_tokens to at most {limit - n}")
+            raise InvalidRequest(
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, "
+                f"more than the model's context of {limit} tokens; "
+                f"lower max_tokens to at most {limit - n}"
+            )
         if self.block_manager.blocks_needed(n + 1) > self.block_manager.num_blocks:
             raise InvalidRequest(f"the prompt has {n} tokens, more than this engine's KV cache holds")
         if params.stop and self.tokenizer is None:

@@ -33,9 +33,13 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * torch.tensor(
-            [], dtype=getattr(torch, self.dtype)
-        ).element_size()
+        return (
+            self.num_layers
+            * 2
+            * self.num_kv_heads
+            * self.head_dim
+            * torch.tensor([], dtype=getattr(torch, self.dtype)).element_size()
+        )
 
 
 class KVCache:
@@ -44,8 +48,14 @@ class KVCache:
     def __init__(self, layout: KVLayout, device: torch.device):
         self.layout = layout
         self.tensor = torch.zeros(
-            layout.num_layers, 2, layout.num_blocks, layout.block_size, layout.num_kv_heads,
-            layout.head_dim, dtype=getattr(torch, layout.dtype), device=device,
+            layout.num_layers,
+            2,
+            layout.num_blocks,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            dtype=getattr(torch, layout.dtype),
+            device=device,
         )
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,13 +13,19 @@ import torch
 from splitserve.engine.attention import AttentionBackend, SeqSpan
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.llama import LlamaModel, StepContext
-from splitserve.engine.sampler import SampleRequest, Sampler, SampleResult
+from splitserve.engine.sampler import Sampler, SampleRequest, SampleResult
 from splitserve.engine.scheduler import ScheduledSeq
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, backend: AttentionBackend, sampler: Sampler,
-                 device: torch.device):
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+        sampler: Sampler,
+        device: torch.device,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend

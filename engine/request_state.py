@@ -62,5 +62,12 @@ class RequestState:
 
     def completion(self) -> CompletionOutput:
         seq = self.seq
-        return CompletionOutput(seq.request_id, list(seq.prompt_token_ids), seq.output_token_ids, self.text,
-                                seq.finish_reason, seq.num_cached_tokens, list(seq.logprobs))
+        return CompletionOutput(
+            seq.request_id,
+            list(seq.prompt_token_ids),
+            seq.output_token_ids,
+            self.text,
+            seq.finish_reason,
+            seq.num_cached_tokens,
+            list(seq.logprobs),
+        )

@@ -15,15 +15,33 @@ def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024):
     """A small config of the given family: llama, qwen2 (q/k/v bias) or qwen3 (q/k norm)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     if kind == "llama":
         return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
     if kind == "llama3":
-        return LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
-                           rope_theta=500000.0, tie_word_embeddings=True)
+        return LlamaConfig(
+            **common,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+        )
     if kind == "qwen2":
         return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
     if kind == "qwen3":
@@ -51,13 +69,20 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=No
     with torch.no_grad():
         ids = torch.tensor([prompt_ids])
         # An explicit mask: otherwise generate() masks every prompt token equal to pad_token_id.
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=eos_token_id,
-                             pad_token_id=0 if eos_token_id is None else eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=0 if eos_token_id is None else eos_token_id,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
-def random_prompts(lengths: list[int], vocab_size: int, seed: int = 1, shared_prefix: int = 0) -> list[list[int]]:
+def random_prompts(
+    lengths: list[int], vocab_size: int, seed: int = 1, shared_prefix: int = 0
+) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, vocab_size, (shared_prefix,), generator=g).tolist()
     return [prefix + torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]

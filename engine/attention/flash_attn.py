@@ -52,7 +52,9 @@ class FlashAttnBackend(AttentionBackend):
         slots: list[int] = []
         cu_q, cu_k = [0], [0]
         for s in varlen:
-            slots.extend(s.block_table[p // block_size] * block_size + p % block_size for p in range(s.ctx_len))
+            slots.extend(
+                s.block_table[p // block_size] * block_size + p % block_size for p in range(s.ctx_len)
+            )
             cu_q.append(cu_q[-1] + s.q_len)
             cu_k.append(cu_k[-1] + s.ctx_len)
 
@@ -80,9 +82,13 @@ class FlashAttnBackend(AttentionBackend):
         if meta.paged_decode:
             nd = meta.num_decodes
             o = flash_attn_with_kvcache(
-                q[:nd].unsqueeze(1), k_cache, v_cache,
-                cache_seqlens=meta.cache_seqlens, block_table=meta.block_table,
-                softmax_scale=scale, causal=True,
+                q[:nd].unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=meta.cache_seqlens,
+                block_table=meta.block_table,
+                softmax_scale=scale,
+                causal=True,
             )
             out[:nd] = o.squeeze(1)
         if meta.gather_slots is not None:
@@ -91,7 +97,14 @@ class FlashAttnBackend(AttentionBackend):
             vs = v_cache.view(-1, kv_heads, head_dim).index_select(0, meta.gather_slots)
             s = meta.varlen_q_start
             out[s:] = flash_attn_varlen_func(
-                q[s:], ks, vs, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, meta.max_k,
-                softmax_scale=scale, causal=True,
+                q[s:],
+                ks,
+                vs,
+                meta.cu_seqlens_q,
+                meta.cu_seqlens_k,
+                meta.max_q,
+                meta.max_k,
+                softmax_scale=scale,
+                causal=True,
             )
         return out

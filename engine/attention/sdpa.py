@@ -47,8 +47,10 @@ class SdpaBackend(AttentionBackend):
         if num_decodes:
             decodes = spans[:num_decodes]
             max_blocks = max(-(-s.ctx_len // block_size) for s in decodes)
-            table = [s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
-                     for s in decodes]
+            table = [
+                s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
+                for s in decodes
+            ]
             decode_blocks = torch.tensor(table, dtype=torch.long, device=device).view(-1)
             lens = torch.tensor([s.ctx_len for s in decodes], device=device)
             positions = torch.arange(max_blocks * block_size, device=device)
@@ -87,8 +89,16 @@ class SdpaBackend(AttentionBackend):
                 vs = v[p.q_start : p.q_start + p.q_len].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                ks = k_cache.index_select(0, p.blocks).view(-1, kv_heads, head_dim)[: p.ctx_len].transpose(0, 1)
-                vs = v_cache.index_select(0, p.blocks).view(-1, kv_heads, head_dim)[: p.ctx_len].transpose(0, 1)
+                ks = (
+                    k_cache.index_select(0, p.blocks)
+                    .view(-1, kv_heads, head_dim)[: p.ctx_len]
+                    .transpose(0, 1)
+                )
+                vs = (
+                    v_cache.index_select(0, p.blocks)
+                    .view(-1, kv_heads, head_dim)[: p.ctx_len]
+                    .transpose(0, 1)
+                )
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=True)
             out[p.q_start : p.q_start + p.q_len] = o.transpose(0, 1)
         return out

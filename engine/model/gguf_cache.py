@@ -46,8 +46,11 @@ def converted_checkpoint(gguf_path: Path) -> Path:
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the saved weights are dequantized
         config.save_pretrained(str(tmp))
-        tensors = {k: v.contiguous() for k, v in model.state_dict().items()
-                   if not (config.tie_word_embeddings and k == "lm_head.weight")}
+        tensors = {
+            k: v.contiguous()
+            for k, v in model.state_dict().items()
+            if not (config.tie_word_embeddings and k == "lm_head.weight")
+        }
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw).save_pretrained(str(tmp))
         try:

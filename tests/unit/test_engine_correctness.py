@@ -28,8 +28,9 @@ def reference(request, tmp_path_factory):
 
 
 def make_engine(directory, **overrides) -> Engine:
-    cfg = dict(model=str(directory), dtype="float32", block_size=8, max_num_batched_tokens=CHUNK,
-               max_num_seqs=16)
+    cfg = dict(
+        model=str(directory), dtype="float32", block_size=8, max_num_batched_tokens=CHUNK, max_num_seqs=16
+    )
     cfg.update(overrides)
     return Engine(EngineConfig(**cfg))
 

@@ -33,8 +33,12 @@ def engines(smollm2):
 @pytest.fixture(scope="module")
 def chats(smollm2):
     model, tok = smollm2
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                       tokenize=True)["input_ids"] for q in QUESTIONS]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
+        for q in QUESTIONS
+    ]
     prompts = [list(p) for p in prompts]
     expected = [hf_greedy(model, p, MAX_NEW, eos_token_id=tok.eos_token_id) for p in prompts]
     return prompts, expected
@@ -59,8 +63,10 @@ def test_smollm2_greedy_matches_hf(engines, chats, name):
 @pytest.mark.slow
 def test_smollm2_answers_paris_through_chat_template(engines):
     engine = engines["prefix"]
-    rid = engine.add_request(messages=[{"role": "user", "content": "What is the capital of France?"}],
-                             params=SamplingParams(max_tokens=30))
+    rid = engine.add_request(
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        params=SamplingParams(max_tokens=30),
+    )
     text, reason = "", None
     while engine.has_unfinished():
         for out in engine.step():
