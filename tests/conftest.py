@@ -57,7 +57,7 @@ def make_hf_checkpoint(kind: str, directory, seed: int = 0):
     model = AutoModelForCausalLM.from_config(tiny_hf_config(kind), attn_implementation="sdpa").eval()
     # Larger weights than the default init make logits less flat, so greedy ties are rare.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.2)
     model.save_pretrained(str(directory))
