@@ -1,0 +1,1 @@
+"""splitserve.cluster: configuration, starting the pools, and the command line."""
