@@ -1,5 +1,6 @@
-"""Attention backends, chosen by name or automatically (flash-attn on CUDA when it
-imports, else SDPA). Backends load lazily so an absent native package costs nothing."""
+"""Attention backends, chosen by name or automatically: flash-attn on CUDA when it
+imports; on CPU the native paged-decode kernel when it builds; SDPA otherwise.
+Backends load lazily so an absent native package costs nothing."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from splitserve.engine.attention.base import AttentionBackend, SeqSpan
 _BACKENDS = {
     "sdpa": ("splitserve.engine.attention.sdpa", "SdpaBackend"),
     "flash_attn": ("splitserve.engine.attention.flash_attn", "FlashAttnBackend"),
+    "cpu": ("splitserve.engine.attention.cpu", "CpuBackend"),
 }
 
 
@@ -28,7 +30,12 @@ def flash_attn_available(device: torch.device) -> bool:
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
     """``name`` is "auto", "sdpa" or "flash_attn"."""
     if name == "auto":
-        name = "flash_attn" if flash_attn_available(device) else "sdpa"
+        if device.type == "cpu":
+            from splitserve.engine.attention import cpu_kernels
+
+            name = "cpu" if cpu_kernels.load() is not None else "sdpa"
+        else:
+            name = "flash_attn" if flash_attn_available(device) else "sdpa"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_BACKENDS)}")
     module, cls = _BACKENDS[name]

@@ -18,6 +18,11 @@ MAX_NEW = 24
 CHUNK = 32
 
 
+@pytest.fixture(scope="module", params=["sdpa", "cpu"])
+def backend(request):
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["llama", "llama3", "qwen2", "qwen3"])
 def reference(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
@@ -27,9 +32,14 @@ def reference(request, tmp_path_factory):
     return directory, prompts, expected
 
 
-def make_engine(directory, **overrides) -> Engine:
+def make_engine(directory, backend, **overrides) -> Engine:
     cfg = dict(
-        model=str(directory), dtype="float32", block_size=8, max_num_batched_tokens=CHUNK, max_num_seqs=16
+        attention_backend=backend,
+        model=str(directory),
+        dtype="float32",
+        block_size=8,
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=16,
     )
     cfg.update(overrides)
     return Engine(EngineConfig(**cfg))
@@ -38,9 +48,9 @@ def make_engine(directory, **overrides) -> Engine:
 PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 
 
-def test_matches_hf_with_prefix_caching(reference):
+def test_matches_hf_with_prefix_caching(reference, backend):
     directory, prompts, expected = reference
-    engine = make_engine(directory, enable_prefix_caching=True)
+    engine = make_engine(directory, backend, enable_prefix_caching=True)
     first = engine.generate(prompts, PARAMS)
     assert [o.token_ids for o in first] == expected
     second = engine.generate(prompts, PARAMS)  # every prompt's full blocks are cached now
@@ -50,19 +60,19 @@ def test_matches_hf_with_prefix_caching(reference):
     assert engine.block_manager.num_used_blocks == 0
 
 
-def test_matches_hf_without_prefix_caching(reference):
+def test_matches_hf_without_prefix_caching(reference, backend):
     directory, prompts, expected = reference
-    engine = make_engine(directory, enable_prefix_caching=False)
+    engine = make_engine(directory, backend, enable_prefix_caching=False)
     out = engine.generate(prompts, PARAMS)
     assert [o.token_ids for o in out] == expected
     assert all(o.num_cached_tokens == 0 for o in out)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_matches_hf_under_preemption(reference, prefix_caching):
+def test_matches_hf_under_preemption(reference, backend, prefix_caching):
     directory, prompts, expected = reference
     # 40 blocks of 8 = 320 tokens: far less than the batch needs (~800), more than any one sequence.
-    engine = make_engine(directory, num_kv_blocks=40, enable_prefix_caching=prefix_caching)
+    engine = make_engine(directory, backend, num_kv_blocks=40, enable_prefix_caching=prefix_caching)
     ids = [engine.add_request(p, PARAMS) for p in prompts]
     states = {i: engine.requests[i] for i in ids}
     preempted = 0

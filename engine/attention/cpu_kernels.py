@@ -1,0 +1,33 @@
+"""Native CPU kernels, compiled from ``csrc/`` on first use with
+``torch.utils.cpp_extension`` (gcc; cached in torch's extensions directory, so
+only the first start of a machine pays the ~40 s build). If the build fails the
+caller falls back to the portable SDPA path; ``load()`` returns None then and
+logs why once."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / "paged_decode.cpp"]
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        return load_extension(
+            name="splitserve_cpu_kernels",
+            sources=[str(p) for p in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # a compiler problem of any kind: fall back, say so once
+        log.warning("CPU attention kernels unavailable (%s); using the SDPA path", e)
+        return None

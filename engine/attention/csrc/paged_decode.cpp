@@ -1,0 +1,208 @@
+// Paged decode attention for CPUs: one query token per sequence, keys and
+// values read in place from the paged KV cache through each sequence's block
+// table (no gather). Work is split over (sequence, kv head) pairs with torch's
+// own thread pool; the query heads that share a KV head are processed together
+// so every K/V row is loaded once. Accumulation is in float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline void load_row(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* __restrict__ src, float* __restrict__ dst,
+                                    int64_t n) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(raw[i]) << 16;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// One (sequence, kv head) with head_dim = 16 * NC, vectorised over head_dim.
+// qf: [group][16 * NC] floats (pre-scaled); scores: [group][len] scratch; acc: output [group][16 * NC].
+template <typename T, int NC>
+void attend_one(const float* qf, int64_t group, const T* kp, const T* vp, const int64_t* table, int64_t len,
+                int64_t block_size, int64_t blk_stride, int64_t tok_stride, int64_t head_off, float* scores,
+                float* acc) {
+  for (int64_t t = 0; t < len; ++t) {
+    const T* kr = kp + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + head_off;
+    __m512 k[NC];
+    for (int c = 0; c < NC; ++c) k[c] = load16(kr + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qf + g * 16 * NC), k[0]);
+      for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * 16 * NC + 16 * c), k[c], a);
+      scores[g * len + t] = _mm512_reduce_add_ps(a);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = std::exp(sg[t] - mx);
+      sum += sg[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+  constexpr int MAXG = 8;
+  for (int64_t g0 = 0; g0 < group; g0 += MAXG) {
+    const int64_t ng = std::min<int64_t>(MAXG, group - g0);
+    __m512 o[MAXG][NC];
+    for (int g = 0; g < MAXG; ++g)
+      for (int c = 0; c < NC; ++c) o[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      const T* vr = vp + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + head_off;
+      __m512 v[NC];
+      for (int c = 0; c < NC; ++c) v[c] = load16(vr + 16 * c);
+      for (int64_t g = 0; g < ng; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * len + t]);
+        for (int c = 0; c < NC; ++c) o[g][c] = _mm512_fmadd_ps(p, v[c], o[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < ng; ++g)
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (g0 + g) * 16 * NC + 16 * c, o[g][c]);
+  }
+}
+#endif
+
+template <typename T>
+void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                   torch::Tensor& out, double scale) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t tok_stride = kv_heads * head_dim;           // between tokens of one block
+  const int64_t blk_stride = block_size * tok_stride;       // between blocks
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
+
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), row(head_dim), acc(group * head_dim), scores;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t s = work / kv_heads, h = work % kv_heads;
+      const int64_t len = lens[s];
+      const int64_t* table = bt + s * max_blocks;
+      for (int64_t g = 0; g < group; ++g) {
+        load_row<T>(qp + s * q_seq_stride + (h * group + g) * q_head_stride, qf.data() + g * head_dim,
+                    head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] *= static_cast<float>(scale);
+      }
+      scores.resize(group * len);
+#if defined(__AVX512F__)
+      if (head_dim == 64 || head_dim == 128) {
+        auto f = head_dim == 64 ? attend_one<T, 4> : attend_one<T, 8>;
+        f(qf.data(), group, kp, vp, table, len, block_size, blk_stride, tok_stride, h * head_dim,
+          scores.data(), acc.data());
+        for (int64_t g = 0; g < group; ++g) {
+          T* o = op + (s * num_heads + h * group + g) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
+        }
+        continue;
+      }
+#endif
+      for (int64_t t = 0; t < len; ++t) {
+        const T* kr = kp + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + h * head_dim;
+        load_row<T>(kr, row.data(), head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * head_dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+          scores[g * len + t] = dot;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          sg[t] = std::exp(sg[t] - mx);
+          sum += sg[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* vr = vp + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + h * head_dim;
+        load_row<T>(vr, row.data(), head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * row[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* o = op + (s * num_heads + h * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q: [num_seqs, num_heads, head_dim] (rows may be strided); caches:
+// [num_blocks, block_size, kv_heads, head_dim] contiguous; block_tables:
+// [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64 (>= 1).
+// Returns [num_seqs, num_heads, head_dim].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [seqs, heads, head_dim] with unit stride");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of kv_heads");
+  auto bt = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.scalar_type() == torch::kBFloat16) {
+    decode_kernel<c10::BFloat16>(q, k_cache, v_cache, bt, lens, out, scale);
+  } else if (q.scalar_type() == torch::kFloat) {
+    decode_kernel<float>(q, k_cache, v_cache, bt, lens, out, scale);
+  } else if (q.scalar_type() == torch::kHalf) {
+    decode_kernel<c10::Half>(q, k_cache, v_cache, bt, lens, out, scale);
+  } else {
+    TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+}
