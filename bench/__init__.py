@@ -1,0 +1,1 @@
+"""splitserve.bench: benchmarks (engine vs transformers now; serving load generator later)."""

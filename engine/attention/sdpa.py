@@ -7,7 +7,9 @@ the query-length axis (``[B, kv_heads, group, D]``), so no K/V is repeated.
 
 Prefill: one call per sequence; a prompt with no cached prefix attends over its
 fresh K/V with ``is_causal``; a chunk after a prefix gathers the prefix from the
-cache and uses an explicit bottom-right-aligned causal mask.
+cache and uses an explicit bottom-right-aligned causal mask. KV heads are
+repeated for the query heads and inputs are 4-D (otherwise CPU SDPA drops to
+its slow math path).
 """
 
 from __future__ import annotations
@@ -85,20 +87,18 @@ class SdpaBackend(AttentionBackend):
         for p in meta.prefills:
             qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)
             if p.blocks is None:
-                ks = k[p.q_start : p.q_start + p.q_len].transpose(0, 1)
-                vs = v[p.q_start : p.q_start + p.q_len].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+                ks = k[p.q_start : p.q_start + p.q_len]
+                vs = v[p.q_start : p.q_start + p.q_len]
             else:
-                ks = (
-                    k_cache.index_select(0, p.blocks)
-                    .view(-1, kv_heads, head_dim)[: p.ctx_len]
-                    .transpose(0, 1)
-                )
-                vs = (
-                    v_cache.index_select(0, p.blocks)
-                    .view(-1, kv_heads, head_dim)[: p.ctx_len]
-                    .transpose(0, 1)
-                )
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=True)
-            out[p.q_start : p.q_start + p.q_len] = o.transpose(0, 1)
+                ks = k_cache.index_select(0, p.blocks).view(-1, kv_heads, head_dim)[: p.ctx_len]
+                vs = v_cache.index_select(0, p.blocks).view(-1, kv_heads, head_dim)[: p.ctx_len]
+            # 4-D inputs with KV heads repeated: 3-D inputs or enable_gqa drop CPU SDPA
+            # to its slow math path.
+            ks = ks.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+            vs = vs.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+            if p.blocks is None:
+                o = F.scaled_dot_product_attention(qs[None], ks, vs, is_causal=True, scale=scale)
+            else:
+                o = F.scaled_dot_product_attention(qs[None], ks, vs, attn_mask=p.mask, scale=scale)
+            out[p.q_start : p.q_start + p.q_len] = o[0].transpose(0, 1)
         return out

@@ -22,6 +22,7 @@ import torch
 
 from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.cpu_linear import pack_linears, packing_supported
 from splitserve.engine.model.gguf_cache import converted_checkpoint
 from splitserve.engine.model.llama import LlamaModel
 
@@ -83,7 +84,10 @@ def build_model(
         _init_random(model, seed)
     else:
         load_hf_weights(model, weights)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if packing_supported(device, dtype):
+        pack_linears(model)
+    return model
 
 
 def checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
