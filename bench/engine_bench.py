@@ -5,7 +5,9 @@ what carry across noisy shared machines).
 Workloads (all greedy, fixed lengths with ``ignore_eos``):
 
 - decode: batch B of random-token prompts of ``--input-len`` tokens, each
-  generating ``--output-len`` tokens; output tokens/s over the whole run;
+  generating ``--output-len`` tokens: output tokens/s over the whole run
+  (end-to-end), and over the decode phase alone (the run's time minus the time
+  of the same run with one output token, i.e. its prefill);
 - prefill: ``--prefill-batch`` prompts of ``--prefill-len`` tokens, one output
   token; prompt tokens/s;
 - mixed: ``--mixed`` requests with prompts of 32-1024 and outputs of 16-256
