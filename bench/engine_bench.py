@@ -114,19 +114,27 @@ def bench_dtype(dtype: str, args, rows: list[Row]) -> None:
 
     for b in args.batches:
         prompts = [random_prompt(rng, args.input_len, vocab) for _ in range(b)]
-        t_engine = engine_run(engine, prompts, [args.output_len] * b)
-        t_hf = hf_run(hf, prompts, args.output_len, pad)
-        n = b * args.output_len
+        n_out = args.output_len
+        t_engine = engine_run(engine, prompts, [n_out] * b)
+        t_hf = hf_run(hf, prompts, n_out, pad)
+        # Decode phase alone: the same run with one output token is its prefill.
+        t_engine_1 = engine_run(engine, prompts, [1] * b)
+        t_hf_1 = hf_run(hf, prompts, 1, pad)
+        shape = f"batch {b} ({args.input_len} in / {n_out} out)"
+        e2e = b * n_out
+        dec = b * (n_out - 1)
+        rows.append(Row(dtype, f"end-to-end {shape}", "output tok/s", e2e / t_engine, e2e / t_hf))
         rows.append(
             Row(
                 dtype,
-                f"decode batch {b} ({args.input_len} in / {args.output_len} out)",
+                f"decode phase {shape}",
                 "output tok/s",
-                n / t_engine,
-                n / t_hf,
+                dec / (t_engine - t_engine_1),
+                dec / (t_hf - t_hf_1),
             )
         )
-        log(f"   {rows[-1].workload}: {rows[-1].splitserve:.0f} vs {rows[-1].transformers:.0f}")
+        for r in rows[-2:]:
+            log(f"   {r.workload}: {r.splitserve:.0f} vs {r.transformers:.0f}")
 
     prompts = [random_prompt(rng, args.prefill_len, vocab) for _ in range(args.prefill_batch)]
     t_engine = engine_run(engine, prompts, [1] * len(prompts))

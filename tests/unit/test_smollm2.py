@@ -76,3 +76,44 @@ def test_smollm2_answers_paris_through_chat_template(engines):
     assert "Paris" in text
     assert reason == FinishReason.STOP
     assert "<|im_end|>" not in text
+
+
+def stream(engine: Engine, question: str, params: SamplingParams) -> tuple[str, list, FinishReason]:
+    rid = engine.add_request(messages=[{"role": "user", "content": question}], params=params)
+    text, tokens, reason = "", [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == rid
+            text += out.text
+            tokens += out.new_token_ids
+            reason = out.finish_reason
+    return text, tokens, reason
+
+
+@pytest.mark.slow
+def test_streamed_text_equals_decoding_the_tokens(engines):
+    engine = engines["prefix"]
+    text, tokens, _ = stream(engine, QUESTIONS[6], SamplingParams(max_tokens=60))
+    assert text == engine.tokenizer.decode(tokens)
+
+
+@pytest.mark.slow
+def test_stop_string_truncates_and_is_never_streamed(engines):
+    engine = engines["prefix"]
+    free, _, _ = stream(engine, "What is the capital of France?", SamplingParams(max_tokens=30))
+    assert "Paris" in free
+    text, _, reason = stream(
+        engine, "What is the capital of France?", SamplingParams(max_tokens=30, stop=["Paris"])
+    )
+    assert reason == FinishReason.STOP
+    assert text == free[: free.index("Paris")]
+
+
+@pytest.mark.slow
+def test_ignore_eos_runs_to_max_tokens(engines):
+    engine = engines["prefix"]
+    _, natural, reason = stream(engine, "Hi", SamplingParams(max_tokens=80))
+    assert reason == FinishReason.STOP and len(natural) < 80
+    _, forced, reason = stream(engine, "Hi", SamplingParams(max_tokens=80, ignore_eos=True))
+    assert reason == FinishReason.LENGTH and len(forced) == 80
+    assert forced[: len(natural)] == natural

@@ -1,0 +1,24 @@
+"""The engine on CUDA equals transformers' generate (float32; skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine import Engine, EngineConfig, SamplingParams
+from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_cuda_engine_matches_hf(tmp_path):
+    hf = make_hf_checkpoint("llama", tmp_path)
+    prompts = random_prompts([5, 40, 77, 130], 512)
+    expected = [hf_greedy(hf, p, 16) for p in prompts]
+    engine = Engine(
+        EngineConfig(
+            model=str(tmp_path), dtype="float32", device="cuda", block_size=16, max_num_batched_tokens=64
+        )
+    )
+    out = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [o.token_ids for o in out] == expected

@@ -1,0 +1,193 @@
+"""The engine's public API on a tiny random-weight Llama: validation that leaves
+nothing allocated, abort, the prefill/decode halves, seeds, logprobs, limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine import (
+    Engine,
+    EngineConfig,
+    FinishReason,
+    InvalidRequest,
+    ModelLoadError,
+    Overloaded,
+    SamplingParams,
+    UnknownRequest,
+)
+from tests.conftest import make_hf_checkpoint, random_prompts, tiny_hf_config
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny")
+    make_hf_checkpoint("llama", directory)
+    return directory
+
+
+@pytest.fixture()
+def engine(checkpoint):
+    return Engine(
+        EngineConfig(model=str(checkpoint), dtype="float32", block_size=8, max_num_batched_tokens=64)
+    )
+
+
+def assert_clean(engine: Engine) -> None:
+    assert engine.block_manager.num_used_blocks == 0
+    assert not engine.has_unfinished()
+    assert engine.requests == {}
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], GREEDY, "empty"),
+        ("", GREEDY, "empty"),
+        ([1] * 1024, GREEDY, "context"),
+        ([1] * 1000, SamplingParams(max_tokens=100), "max_tokens"),
+        ([1, 2, 99999], GREEDY, r"\[0, 512\)"),
+        ([1, 2, -1], GREEDY, r"\[0, 512\)"),
+        ("hello", GREEDY, "tokenizer"),
+    ],
+)
+def test_bad_requests_raise_and_leave_nothing_allocated(engine, prompt, params, match):
+    with pytest.raises(InvalidRequest, match=match):
+        engine.add_request(prompt, params)
+    assert_clean(engine)
+    assert isinstance(InvalidRequest("x"), ValueError)
+
+
+def test_bad_sampling_values_are_rejected_at_construction():
+    with pytest.raises(InvalidRequest, match="top_p"):
+        SamplingParams(top_p=1.2)
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+def test_duplicate_request_id_is_rejected(engine):
+    engine.add_request([1, 2, 3], GREEDY, request_id="a")
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.add_request([1, 2, 3], GREEDY, request_id="a")
+    engine.abort("a")
+    assert_clean(engine)
+
+
+def test_abort_mid_generation_frees_blocks(engine):
+    ids = [
+        engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
+        for p in random_prompts([30, 70], 512)
+    ]
+    for _ in range(4):
+        engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    assert all(engine.abort(i) for i in ids)
+    assert not engine.abort(ids[0])  # already gone
+    assert_clean(engine)
+
+
+def test_max_tokens_and_logprobs(engine):
+    out = engine.generate(
+        random_prompts([10], 512), SamplingParams(max_tokens=7, ignore_eos=True, logprobs=True)
+    )[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == FinishReason.LENGTH
+    assert len(out.logprobs) == 7 and all(lp <= 0 for lp in out.logprobs)
+
+
+def test_stop_token_ids_end_the_request(engine):
+    prompt = random_prompts([12], 512)[0]
+    free = engine.generate([prompt], GREEDY)[0].token_ids
+    stop_at = free[4]
+    out = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[stop_at]))[
+        0
+    ]
+    assert out.token_ids == free[: free.index(stop_at) + 1]
+    assert out.finish_reason == FinishReason.STOP
+
+
+def test_seeded_sampling_reproduces_across_batches(engine):
+    prompt = random_prompts([20], 512)[0]
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    alone = engine.generate([prompt], p)[0].token_ids
+    others = random_prompts([5, 40, 9], 512, seed=9)
+    crowd = engine.generate(others + [prompt], [SamplingParams(max_tokens=10, temperature=1.0)] * 3 + [p])
+    assert crowd[3].token_ids == alone
+    other_seed = engine.generate(
+        [prompt], SamplingParams(max_tokens=10, temperature=1.0, seed=8, ignore_eos=True)
+    )
+    assert other_seed[0].token_ids != alone
+
+
+def test_prefill_half_then_decode_half_equals_monolithic(checkpoint):
+    cfg = dict(model=str(checkpoint), dtype="float32", block_size=8, max_num_batched_tokens=32)
+    prefill, decode, mono = (Engine(EngineConfig(**cfg)) for _ in range(3))
+    prompts = random_prompts([5, 37, 64, 90], 512)
+    expected = [o.token_ids for o in mono.generate(prompts, GREEDY)]
+
+    ids = [prefill.add_request(p, GREEDY, prefill_only=True) for p in prompts]
+    while prefill.has_unfinished():
+        for out in prefill.step():
+            assert out.finished and out.finish_reason == FinishReason.PREFILL_DONE
+    used = prefill.block_manager.num_used_blocks
+    assert used > 0  # held for the transfer
+    for rid, p, exp in zip(ids, prompts, expected):
+        done = prefill.prefilled(rid)
+        assert done.output_token_ids == exp[:1] and done.num_kv_tokens == len(p)
+        kv = prefill.kv_cache.read_blocks(done.block_ids)
+        decode.add_request_from_kv(rid, done.prompt_token_ids, done.output_token_ids, GREEDY, kv)
+        prefill.release(rid)
+    assert prefill.block_manager.num_used_blocks == 0
+    with pytest.raises(UnknownRequest):
+        prefill.release(ids[0])
+    got = {}
+    while decode.has_unfinished():
+        for out in decode.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert [exp[:1] + got[rid] for rid, exp in zip(ids, expected)] == expected
+    assert_clean(decode)
+
+
+def test_import_two_phase_and_abort_before_activate(engine):
+    blocks = engine.import_request("x", list(range(20)), [5], GREEDY)
+    assert len(blocks) == 3 and engine.block_manager.num_used_blocks == 3
+    assert not engine.has_unfinished()  # not scheduled until activate()
+    engine.abort("x")
+    assert_clean(engine)
+    with pytest.raises(UnknownRequest):
+        engine.activate("x")
+
+
+def test_import_with_wrong_kv_shape_is_refused_and_freed(engine):
+    with pytest.raises(ValueError, match="shape"):
+        engine.add_request_from_kv("y", list(range(20)), [5], GREEDY, torch.zeros(1, 2, 3))
+    assert_clean(engine)
+
+
+def test_import_when_cache_is_full_raises_overloaded(checkpoint):
+    small = Engine(EngineConfig(model=str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=4))
+    small.import_request("a", list(range(30)), [1], GREEDY)
+    with pytest.raises(Overloaded):
+        small.import_request("b", list(range(30)), [1], GREEDY)
+    small.abort("a")
+    assert_clean(small)
+
+
+def test_random_weights_from_a_config(checkpoint):
+    cfg = dict(model=str(checkpoint), dtype="float32", random_weights=True)
+    a, b = Engine(EngineConfig(**cfg, seed=1)), Engine(EngineConfig(**cfg, seed=1))
+    c = Engine(EngineConfig(**cfg, seed=2))
+    prompts = random_prompts([16, 30], 512)
+    out_a, out_b, out_c = (e.generate(prompts, GREEDY) for e in (a, b, c))
+    assert [o.token_ids for o in out_a] == [o.token_ids for o in out_b]
+    assert [o.token_ids for o in out_a] != [o.token_ids for o in out_c]
+    in_memory = Engine(EngineConfig(dtype="float32", seed=1), hf_config=tiny_hf_config("llama"))
+    assert [o.token_ids for o in in_memory.generate(prompts, GREEDY)] == [o.token_ids for o in out_a]
+
+
+def test_unsupported_architecture_is_refused():
+    from transformers import GPT2Config
+
+    with pytest.raises(ModelLoadError, match="not supported"):
+        Engine(EngineConfig(), hf_config=GPT2Config())
