@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -16,10 +18,24 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / "paged_decode.cpp"]
 
 
+def _ensure_ninja_on_path() -> None:
+    """torch's extension builder runs ``ninja`` from PATH. The ``ninja`` wheel puts it
+    next to the interpreter, which is not on PATH when a virtualenv's script is run
+    without activating it; add the wheel's own bin directory for this process."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache
 def load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load as load_extension
+
+        _ensure_ninja_on_path()
 
         return load_extension(
             name="splitserve_cpu_kernels",
