@@ -30,7 +30,8 @@ class EngineConfig:
     max_num_seqs: int = 256  # running sequences at most
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | sdpa | flash_attn
+    attention_backend: str = "auto"  # auto | sdpa | cpu | flash_attn
+    native_kernels: bool = True  # CPU: build and use splitserve's C++ kernels (else pure torch)
     seed: int = 0  # random weights and unseeded sampling
 
     def __post_init__(self) -> None:

@@ -18,13 +18,15 @@ The two halves disaggregated serving needs:
   ``kv_cache.tensor``) and calls ``activate(id)`` to start decoding, or
   ``abort(id)`` to give the blocks back. ``add_request_from_kv`` does all three.
 
-Every public method validates first and raises ``InvalidRequest`` (a
-``ValueError``) before touching any state, so bad input never leaks blocks.
+Every public method validates first (``validate_request`` is the one place
+requests are checked) and raises ``InvalidRequest`` (a ``ValueError``) before
+touching any state, so bad input never leaks blocks.
 Not thread-safe: one thread drives an engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 
@@ -71,7 +73,9 @@ class Engine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         weights = None if (config.random_weights or source is None) else checkpoint_weights(source)
-        self.model = build_model(mc, self.dtype, self.device, self.max_model_len, weights, config.seed)
+        self.model = build_model(
+            mc, self.dtype, self.device, self.max_model_len, weights, config.seed, config.native_kernels
+        )
         if tokenizer is None and config.tokenizer:
             tokenizer = Tokenizer.from_source(config.tokenizer)
         elif tokenizer is None and source is not None and source.has_tokenizer:
@@ -81,24 +85,18 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
 
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        bytes_per_block = mc.num_layers * 2 * config.block_size * mc.kv_size * elem
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mib * 2**20 // bytes_per_block)
-        layout = KVLayout(
-            mc.num_layers,
-            num_blocks,
-            config.block_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            str(self.dtype).removeprefix("torch."),
-        )
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        layout = KVLayout(mc.num_layers, 0, config.block_size, mc.num_kv_heads, mc.head_dim, dtype_name)
+        per_block = 2 * mc.num_layers * layout.block_bytes
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mib * 2**20 // per_block)
+        layout = dataclasses.replace(layout, num_blocks=num_blocks)
         self.kv_cache = KVCache(layout, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
-            get_backend(config.attention_backend, self.device),
+            get_backend(config.attention_backend, self.device, config.native_kernels),
             Sampler(config.seed),
             self.device,
         )
@@ -125,16 +123,44 @@ class Engine:
         """Queue a request given as text, token ids, or chat ``messages``; return its id."""
         params = params or SamplingParams()
         request_id = self._new_id(request_id)
-        prompt_ids = self.encode_prompt(prompt, messages)
-        self._validate(prompt_ids, params)
+        prompt_ids = self.validate_request(prompt, params, messages)
         seq = Sequence(request_id, prompt_ids, params, prefill_only=prefill_only)
         self.requests[request_id] = RequestState(seq, self.tokenizer, len(prompt_ids))
         self.scheduler.add(seq)
         return request_id
 
-    def encode_prompt(
-        self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None
+    def validate_request(
+        self,
+        prompt: str | list[int] | None,
+        params: SamplingParams,
+        messages: list[dict[str, str]] | None = None,
     ) -> list[int]:
+        """The one place a request is checked: encode the prompt, then check it and
+        ``params`` against this engine's model and cache. Raises ``InvalidRequest``
+        with a sentence a user can act on; changes no state. Returns the prompt ids."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest("sampling parameters must be a SamplingParams")
+        params.validate()
+        prompt_ids = self._encode(prompt, messages)
+        n, limit = len(prompt_ids), self.max_model_len
+        if n >= limit:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens but the model's context is {limit} tokens, "
+                "and at least one must remain for output"
+            )
+        if n + params.max_tokens > limit:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, "
+                f"more than the model's context of {limit} tokens; "
+                f"lower max_tokens to at most {limit - n}"
+            )
+        if self.block_manager.blocks_needed(n + 1) > self.block_manager.num_blocks:
+            raise InvalidRequest(f"the prompt has {n} tokens, more than this engine's KV cache holds")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer, and this engine has none")
+        return prompt_ids
+
+    def _encode(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None) -> list[int]:
         if (prompt is None) == (messages is None):
             raise InvalidRequest("give exactly one of a prompt or chat messages")
         if messages is not None:
@@ -244,8 +270,7 @@ class Engine:
         if not output_token_ids:
             raise InvalidRequest("an imported request needs its first sampled token")
         request_id = self._new_id(request_id)
-        prompt_ids = self.encode_prompt(list(prompt_token_ids), None)
-        self._validate(prompt_ids, params)
+        prompt_ids = self.validate_request(list(prompt_token_ids), params)
         seq = Sequence(request_id, prompt_ids, params)
         if not self.block_manager.can_allocate(seq, len(prompt_ids)):
             raise Overloaded(f"not enough free KV blocks for {len(prompt_ids)} tokens")
@@ -282,25 +307,6 @@ class Engine:
         return request_id
 
     # ---- internals ---------------------------------------------------------
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        params.validate()
-        n, limit = len(prompt_ids), self.max_model_len
-        if n >= limit:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens but the model's context is {limit} tokens, "
-                "and at least one must remain for output"
-            )
-        if n + params.max_tokens > limit:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, "
-                f"more than the model's context of {limit} tokens; "
-                f"lower max_tokens to at most {limit - n}"
-            )
-        if self.block_manager.blocks_needed(n + 1) > self.block_manager.num_blocks:
-            raise InvalidRequest(f"the prompt has {n} tokens, more than this engine's KV cache holds")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequest("stop strings need a tokenizer, and this engine has none")
-
     def _new_id(self, request_id: str | None) -> str:
         if request_id is None:
             return uuid.uuid4().hex

@@ -27,19 +27,10 @@ class KVLayout:
     dtype: str  # torch dtype name, e.g. "bfloat16"
 
     @property
-    def block_elems(self) -> int:
-        """Elements in one block of one layer's K (or V)."""
-        return self.block_size * self.num_kv_heads * self.head_dim
-
-    @property
-    def bytes_per_token(self) -> int:
-        return (
-            self.num_layers
-            * 2
-            * self.num_kv_heads
-            * self.head_dim
-            * torch.tensor([], dtype=getattr(torch, self.dtype)).element_size()
-        )
+    def block_bytes(self) -> int:
+        """Bytes in one block of one layer's K (or V): the unit a transfer moves."""
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
 class KVCache:

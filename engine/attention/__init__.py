@@ -27,13 +27,16 @@ def flash_attn_available(device: torch.device) -> bool:
     return True
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``name`` is "auto", "sdpa" or "flash_attn"."""
+def get_backend(name: str, device: torch.device, native_kernels: bool = True) -> AttentionBackend:
+    """``name`` is "auto", "sdpa", "cpu" or "flash_attn"; "auto" picks "cpu" on CPU
+    only with ``native_kernels``."""
     if name == "auto":
-        if device.type == "cpu":
-            from splitserve.engine.attention import cpu_kernels
+        if device.type == "cpu" and not native_kernels:
+            name = "sdpa"
+        elif device.type == "cpu":
+            from splitserve.engine import kernels
 
-            name = "cpu" if cpu_kernels.load() is not None else "sdpa"
+            name = "cpu" if kernels.load() is not None else "sdpa"
         else:
             name = "flash_attn" if flash_attn_available(device) else "sdpa"
     if name not in _BACKENDS:

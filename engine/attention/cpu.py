@@ -1,4 +1,4 @@
-"""CPU attention: decode through the native paged kernel (``csrc/paged_decode.cpp``),
+"""CPU attention: decode through the native paged kernel (``engine/kernels/csrc/paged_decode.cpp``),
 which reads K/V in place through the block tables instead of gathering them;
 prefill as in the SDPA backend. Selected automatically on CPU when the kernel
 builds."""
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.attention import cpu_kernels
+from splitserve.engine import kernels
 from splitserve.engine.attention.base import SeqSpan
 from splitserve.engine.attention.sdpa import SdpaBackend, SdpaMetadata
 
@@ -26,7 +26,7 @@ class CpuBackend(SdpaBackend):
     name = "cpu"
 
     def __init__(self) -> None:
-        self.kernels = cpu_kernels.load()
+        self.kernels = kernels.load()
         if self.kernels is None:
             raise RuntimeError("the CPU attention kernels did not build")
 

@@ -22,14 +22,23 @@ from splitserve.engine.model.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, as the reference implementations do."""
+    """RMSNorm computed in float32, as the reference implementations do.
+
+    ``forward(x, delta)`` first adds ``delta`` into ``x`` **in place** (the residual
+    stream) and normalises the sum, so each layer reads the stream once. With
+    native ``kernels`` set (CPU) 2-D inputs take the fused kernel."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels: Any = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2 and x.is_contiguous():
+            return self.kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        if delta is not None:
+            x.add_(delta)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -69,9 +78,13 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.kernels: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -83,9 +96,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos, sin, k_cache, v_cache, ctx):
+        """``x`` is the residual stream, still missing the previous layer's output
+        ``delta``; returns this layer's output, to be added by the next norm."""
+        attn = self.self_attn(self.input_layernorm(x, delta), cos, sin, k_cache, v_cache, ctx)
+        return self.mlp(self.post_attention_layernorm(x, attn))
 
 
 class StepContext:
@@ -114,10 +129,17 @@ class LlamaModel(nn.Module):
         """Hidden states after the final norm, [T, hidden]; KV written to the cache."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
+        delta = None
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            x = layer(x, cos, sin, k_cache, v_cache, ctx)
-        return self.norm(x)
+            delta = layer(x, delta, cos, sin, k_cache, v_cache, ctx)
+        return self.norm(x, delta)
+
+    def use_kernels(self, kernels: Any) -> None:
+        """Route norms and the MLP activation through native fused kernels (CPU)."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, MLP)):
+                m.kernels = kernels
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from splitserve.engine import kernels
 from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.cpu_linear import pack_linears, packing_supported
@@ -76,8 +77,11 @@ def build_model(
     max_position: int,
     weights: Iterable[tuple[str, torch.Tensor]] | None,
     seed: int = 0,
+    native_kernels: bool = True,
 ) -> LlamaModel:
-    """Instantiate the model; load ``weights`` (HF names) or, if None, draw random ones."""
+    """Instantiate the model; load ``weights`` (HF names) or, if None, draw random ones.
+    On CPU, linears are pre-packed for oneDNN and, with ``native_kernels``, norms and
+    the MLP activation use the fused kernels of ``splitserve.engine.kernels``."""
     with torch.device("cpu"):
         model = LlamaModel(cfg, max_position)
     if weights is None:
@@ -87,6 +91,8 @@ def build_model(
     model = model.to(device=device, dtype=dtype).eval()
     if packing_supported(device, dtype):
         pack_linears(model)
+    if native_kernels and device.type == "cpu" and (native := kernels.load()) is not None:
+        model.use_kernels(native)
     return model
 
 

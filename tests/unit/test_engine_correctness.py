@@ -18,8 +18,9 @@ MAX_NEW = 24
 CHUNK = 32
 
 
-@pytest.fixture(scope="module", params=["sdpa", "cpu"])
+@pytest.fixture(scope="module", params=["portable", "native"])
 def backend(request):
+    """portable: pure torch (SDPA attention, torch norms); native: the C++ CPU kernels."""
     return request.param
 
 
@@ -34,7 +35,8 @@ def reference(request, tmp_path_factory):
 
 def make_engine(directory, backend, **overrides) -> Engine:
     cfg = dict(
-        attention_backend=backend,
+        attention_backend="sdpa" if backend == "portable" else "cpu",
+        native_kernels=backend == "native",
         model=str(directory),
         dtype="float32",
         block_size=8,

@@ -1,4 +1,5 @@
-"""Native CPU kernels, compiled from ``csrc/`` on first use with
+"""Native CPU kernels (paged decode attention, fused residual-add + RMSNorm,
+fused SiLU-and-multiply), compiled from ``csrc/`` on first use with
 ``torch.utils.cpp_extension`` (gcc; cached in torch's extensions directory, so
 only the first start of a machine pays the ~40 s build). If the build fails the
 caller falls back to the portable SDPA path; ``load()`` returns None then and
@@ -15,7 +16,9 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_decode.cpp"]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp")
+]
 
 
 def _ensure_ninja_on_path() -> None:
