@@ -203,8 +203,7 @@ class Engine:
             outputs.append(state.output([]))
         if not sched.scheduled:
             return outputs
-        samples = [s.samples for s in sched.scheduled]
-        sampling = {id(s.seq) for s, smp in zip(sched.scheduled, samples) if smp}
+        sampling = {id(s.seq) for s in sched.scheduled if s.samples}  # before counts change
         ordered, result = self.runner.execute(sched.scheduled)
         k = 0
         for s in ordered:

@@ -1,9 +1,10 @@
 """Native CPU kernels (paged decode attention, fused residual-add + RMSNorm,
 fused SiLU-and-multiply), compiled from ``csrc/`` on first use with
 ``torch.utils.cpp_extension`` (gcc; cached in torch's extensions directory, so
-only the first start of a machine pays the ~40 s build). If the build fails the
-caller falls back to the portable SDPA path; ``load()`` returns None then and
-logs why once."""
+only the first start of a machine pays the ~1 min build; ``-march=native``, so
+the cache belongs to the machine that built it). If the build fails, callers
+fall back to pure torch (SDPA attention, torch norms); ``load()`` returns None
+then and logs why once."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def load() -> ModuleType | None:
         from torch.utils.cpp_extension import load as load_extension
 
         _ensure_ninja_on_path()
+        log.info("loading native CPU kernels (compiled once on first use: about a minute)")
 
         return load_extension(
             name="splitserve_cpu_kernels",
