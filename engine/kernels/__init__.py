@@ -1,5 +1,5 @@
-"""Native CPU kernels (paged decode attention, fused residual-add + RMSNorm,
-fused SiLU-and-multiply), compiled from ``csrc/`` on first use with
+"""Native CPU kernels (paged decode attention, fused residual-add + RMSNorm),
+compiled from ``csrc/`` on first use with
 ``torch.utils.cpp_extension`` (gcc; cached in torch's extensions directory, so
 only the first start of a machine pays the ~1 min build; ``-march=native``, so
 the cache belongs to the machine that built it). If the build fails, callers

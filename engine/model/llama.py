@@ -78,13 +78,9 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.kernels: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -136,9 +132,9 @@ class LlamaModel(nn.Module):
         return self.norm(x, delta)
 
     def use_kernels(self, kernels: Any) -> None:
-        """Route norms and the MLP activation through native fused kernels (CPU)."""
+        """Route the norms through the native fused add+RMSNorm kernel (CPU)."""
         for m in self.modules():
-            if isinstance(m, (RMSNorm, MLP)):
+            if isinstance(m, RMSNorm):
                 m.kernels = kernels
 
     @torch.inference_mode()

@@ -80,8 +80,8 @@ def build_model(
     native_kernels: bool = True,
 ) -> LlamaModel:
     """Instantiate the model; load ``weights`` (HF names) or, if None, draw random ones.
-    On CPU, linears are pre-packed for oneDNN and, with ``native_kernels``, norms and
-    the MLP activation use the fused kernels of ``splitserve.engine.kernels``."""
+    On CPU, linears are pre-packed for oneDNN and, with ``native_kernels``, the norms
+    use the fused add+RMSNorm kernel of ``splitserve.engine.kernels``."""
     with torch.device("cpu"):
         model = LlamaModel(cfg, max_position)
     if weights is None:

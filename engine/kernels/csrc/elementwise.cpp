@@ -1,5 +1,5 @@
-// Fused elementwise ops for the CPU decoder layer: each reads and writes its
-// tensors once instead of once per torch op. Arithmetic in float32, results
+// Fused residual add + RMSNorm for the CPU decoder layer: reads and writes the
+// residual stream once instead of once per torch op. Arithmetic in float32, results
 // rounded to the input dtype at the same points as the reference models.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -41,23 +41,6 @@ void add_rms_norm_kernel(T* x, const T* delta, const T* w, T* out, int64_t rows,
   });
 }
 
-template <typename T>
-void silu_mul_kernel(const T* gu, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gu + r * 2 * inter;
-      const T* u = g + inter;
-      T* o = out + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gf = static_cast<float>(g[i]);
-        const T silu = static_cast<T>(gf / (1.f + std::exp(-gf)));
-        o[i] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(u[i]));
-      }
-    }
-  });
-}
-
 template <typename F>
 void dispatch(const torch::Tensor& t, F&& f) {
   switch (t.scalar_type()) {
@@ -86,20 +69,6 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
     using T = decltype(tag);
     add_rms_norm_kernel<T>(x.data_ptr<T>(), d.defined() ? d.data_ptr<T>() : nullptr, weight.data_ptr<T>(),
                            out.data_ptr<T>(), x.size(0), x.size(1), static_cast<float>(eps));
-  });
-  return out;
-}
-
-// silu(gate) * up for gate_up = [rows, 2 * inter] (gate first), as the reference
-// models compute it (silu rounded to the dtype, then the product).
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
-              "gate_up must be a contiguous [rows, 2 * inter] tensor");
-  const int64_t inter = gate_up.size(1) / 2;
-  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
-  dispatch(gate_up, [&](auto tag) {
-    using T = decltype(tag);
-    silu_mul_kernel<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), gate_up.size(0), inter);
   });
   return out;
 }
