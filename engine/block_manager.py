@@ -144,12 +144,6 @@ class BlockManager:
         seq.block_table = []
         self._seq_hashes.pop(seq.seq_no, None)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (e.g. after the weights changed)."""
-        self.hash_to_block.clear()
-        self.block_hashes = [None] * self.num_blocks
-        self.block_tokens = [None] * self.num_blocks
-
     # ---- internals ---------------------------------------------------------
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:

@@ -36,7 +36,6 @@ class SdpaMetadata:
     num_decodes: int
     decode_blocks: torch.Tensor | None  # [num_decodes * max_blocks] block ids
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]
-    max_blocks: int
     prefills: list[_Prefill]
 
 
@@ -68,7 +67,7 @@ class SdpaBackend(AttentionBackend):
             k_pos = torch.arange(s.ctx_len, device=device)
             mask = k_pos[None, :] <= q_pos[:, None]
             prefills.append(_Prefill(s.q_start, s.q_len, s.ctx_len, blocks, mask))
-        return SdpaMetadata(num_decodes, decode_blocks, decode_mask, max_blocks, prefills)
+        return SdpaMetadata(num_decodes, decode_blocks, decode_mask, prefills)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: SdpaMetadata, scale: float):
         num_heads, head_dim = q.shape[1], q.shape[2]
