@@ -1,0 +1,239 @@
+"""A KV source in a second process, driven over a pipe: the harness the KV
+transfer tests and ``kv_transfer_bench`` share.
+
+The child owns either a real prefill engine (``SourceSpec.engine``) or a bare
+KV pool of a given layout filled with random bytes (``SourceSpec.layout``),
+plus a ``KVSource`` of the chosen backend. It serves typed commands and calls
+``source.poll()`` between them (releasing the engine blocks of every lease
+that ends), as a prefill worker's loop does. The pipe stands in for the Ray
+calls of the real control plane.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine import Engine, EngineConfig, KVLayout, SamplingParams
+from splitserve.kv_transfer import CompatInfo, KVDescriptor, get_backend
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    backend: str
+    worker_id: str = "prefill-0"
+    engine: EngineConfig | None = None  # a real prefill engine, or
+    layout: KVLayout | None = None  # a bare KV pool of this layout (random contents)
+    model: str = "random"  # compatibility identity of the bare pool
+    lease_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prefill these prompts in one batch and export each one's KV (the requests'
+    real sampling parameters: one that finishes at its first token is not exported)."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Exported:
+    descriptor: KVDescriptor
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ExportRandom:
+    """Export ``num_tokens`` tokens' worth of blocks of the bare pool (ids ``first..``)."""
+
+    num_tokens: int
+    first_block: int = 0
+    lease_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Corrupt:
+    """Flip one byte of an exported transfer's last block (after its checksum was taken)."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class Confirm:
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class Status:
+    pass
+
+
+@dataclass(frozen=True)
+class SourceStatus:
+    pid: int
+    num_exported: int
+    num_free_blocks: int
+    released: list[str]  # request ids whose leases ended, in order
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+def compat_of(engine: Engine, model: str) -> CompatInfo:
+    return CompatInfo(model=model, layout=engine.kv_cache.layout)
+
+
+class SourceServer:
+    """The source side's state: an engine or a bare pool, a ``KVSource``, and the
+    request ids whose leases ended (their engine blocks already released)."""
+
+    def __init__(self, spec: SourceSpec):
+        self.engine = None
+        if spec.engine is not None:
+            self.engine = Engine(spec.engine)
+            cache, compat = self.engine.kv_cache.tensor, compat_of(self.engine, spec.engine.model)
+        else:
+            lay = spec.layout
+            shape = (lay.num_layers, 2, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+            cache = torch.randn(shape).to(getattr(torch, lay.dtype))
+            compat = CompatInfo(model=spec.model, layout=lay)
+        self.source = get_backend(spec.backend).source(spec.worker_id, cache, compat, spec.lease_s)
+        self.released: list[str] = []
+
+    def handshake(self):
+        return self.source.handshake()
+
+    def poll(self) -> None:
+        for end in self.source.poll():
+            self.released.append(end.request_id)
+            if self.engine is not None:
+                self.engine.release(end.request_id)
+
+    def handle(self, cmd):
+        self.poll()
+        return _handle(cmd, self.engine, self.source, self.released)
+
+
+def source_main(spec: SourceSpec, conn) -> None:
+    """Entry point of the source process: serve commands, poll in between."""
+    server = SourceServer(spec)
+    conn.send(server.handshake())
+    while True:
+        server.poll()
+        if not conn.poll(0.0005):
+            continue
+        cmd = conn.recv()
+        if isinstance(cmd, Stop):
+            server.source.close()
+            conn.send("stopped")
+            return
+        try:
+            conn.send(server.handle(cmd))
+        except Exception as e:  # report, keep serving
+            conn.send(RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _handle(cmd, engine: Engine | None, source, released: list[str]):
+    if isinstance(cmd, Prefill):
+        ids = [engine.add_request(p, cmd.params, prefill_only=True) for p in cmd.prompts]
+        while engine.has_unfinished():
+            engine.step()
+        out = []
+        for rid in ids:
+            if rid not in engine.requests:  # finished at its first token
+                continue
+            pre = engine.prefilled(rid)
+            desc = source.export(rid, pre.block_ids, pre.num_kv_tokens)
+            out.append(Exported(desc, pre.prompt_token_ids, pre.output_token_ids))
+        return out
+    if isinstance(cmd, ExportRandom):
+        bs = source.compat.layout.block_size
+        n = -(-cmd.num_tokens // bs)
+        blocks = list(range(cmd.first_block, cmd.first_block + n))
+        return source.export(f"rand-{cmd.first_block}-{n}", blocks, cmd.num_tokens, cmd.lease_s)
+    if isinstance(cmd, Corrupt):
+        desc = source._exports[cmd.transfer_id].descriptor
+        source.cache[0, 0, desc.block_ids[-1]].view(-1).view(torch.uint8)[7] ^= 0x40
+        return True
+    if isinstance(cmd, Confirm):
+        source.confirm(cmd.transfer_id)
+        return True
+    if isinstance(cmd, Status):
+        free = engine.block_manager.num_free_blocks if engine is not None else -1
+        return SourceStatus(os.getpid(), source.num_exported, free, list(released))
+    raise ValueError(f"unknown command {cmd!r}")
+
+
+class SourceProcess:
+    """Parent-side handle: start the child, wait for its handshake, send commands."""
+
+    def __init__(self, spec: SourceSpec, start_timeout: float = 120.0):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=source_main, args=(spec, child), daemon=True)
+        self.proc.start()
+        if not self._conn.poll(start_timeout):
+            self.proc.kill()
+            raise TimeoutError("the source process did not start")
+        self.handshake = self._conn.recv()
+
+    def call(self, cmd, timeout: float = 300.0):
+        self._conn.send(cmd)
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"the source process did not answer {type(cmd).__name__}")
+        reply = self._conn.recv()
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """Stop the child and return its exit code (0 when it closed cleanly)."""
+        if self.proc.is_alive():
+            try:
+                self.call(Stop(), timeout)
+            except (TimeoutError, EOFError, BrokenPipeError, OSError):
+                self.proc.kill()
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            self.proc.kill()
+            self.proc.join(timeout)
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(30)
+
+
+class SourceActor:
+    """The same as ``SourceProcess`` with the source in a Ray actor (needs ``ray.init``
+    first): the ray backend's descriptors hold ObjectRefs, which only travel through Ray."""
+
+    def __init__(self, spec: SourceSpec, start_timeout: float = 120.0):
+        import ray
+
+        self._ray = ray
+        self.actor = ray.remote(num_cpus=0)(SourceServer).remote(spec)
+        self.handshake = ray.get(self.actor.handshake.remote(), timeout=start_timeout)
+
+    def call(self, cmd, timeout: float = 300.0):
+        return self._ray.get(self.actor.handle.remote(cmd), timeout=timeout)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self._ray.kill(self.actor)
+        return 0
+
+    def kill(self) -> None:
+        self._ray.kill(self.actor, no_restart=True)
+
+
+def start_source(spec: SourceSpec) -> SourceProcess | SourceActor:
+    """A source in another process: a Ray actor for the ray backend, else a spawned child."""
+    return SourceActor(spec) if spec.backend == "ray" else SourceProcess(spec)

@@ -1,0 +1,99 @@
+"""splitserve.kv_transfer: ship a finished KV cache from a prefill to a decode worker.
+
+The contract (records, lifecycle, who frees what) is in ``contract``; the two
+sides every backend implements are in ``base``. Backends are registered by
+name and imported only when chosen::
+
+    backend = get_backend("nixl")
+    source = backend.source("prefill-0", engine.kv_cache.tensor, compat)   # prefill worker
+    sink = backend.sink("decode-0", engine.kv_cache.tensor, compat)        # decode worker
+    sink.connect(source.handshake())                                       # once per peer
+    desc = source.export(req_id, block_ids, num_tokens)                    # per request
+    conf = sink.pull(desc, my_block_ids, timeout=5.0)                      # raises KVTransferError
+    ... source.poll() -> [LeaseEnd]: release those blocks in the prefill engine
+
+| name | moves bytes with | confirms through |
+|---|---|---|
+| ``nixl`` | NIXL/UCX one-sided READ (DRAM or VRAM; RDMA, NVLink, cma on one host) | NIXL notification |
+| ``torch_dist`` | torch.distributed send/recv (gloo on CPU, NCCL on GPU) | a message on the same group |
+| ``ray`` | the Ray object store (``ray.put`` at export, ``ray.get`` at pull) | the control plane |
+| ``local`` | a tensor copy in the same process | a direct call |
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from splitserve.kv_transfer.base import KVSink, KVSource
+from splitserve.kv_transfer.contract import (
+    PROTOCOL_VERSION,
+    CompatInfo,
+    Confirmation,
+    Handshake,
+    KVDescriptor,
+    LeaseEnd,
+    TransferState,
+    TransferStats,
+)
+from splitserve.kv_transfer.errors import (
+    IncompatiblePeer,
+    IntegrityError,
+    KVTransferError,
+    LeaseExpired,
+    PeerLost,
+    TransferTimeout,
+)
+
+# name -> (module, source class, sink class); imported lazily so an optional
+# library (nixl, ray) is loaded only by the worker that chose it.
+_BACKENDS: dict[str, tuple[str, str, str]] = {
+    "nixl": ("splitserve.kv_transfer.backends.nixl_backend", "NixlSource", "NixlSink"),
+    "torch_dist": ("splitserve.kv_transfer.backends.torch_dist", "TorchDistSource", "TorchDistSink"),
+    "ray": ("splitserve.kv_transfer.backends.ray_store", "RaySource", "RaySink"),
+    "local": ("splitserve.kv_transfer.backends.local", "LocalSource", "LocalSink"),
+}
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    source: type[KVSource]
+    sink: type[KVSink]
+
+
+def backend_names() -> list[str]:
+    return list(_BACKENDS)
+
+
+def get_backend(name: str) -> Backend:
+    """The backend registered as ``name``; ``ValueError`` for an unknown name,
+    ``ImportError`` (with what to install) if its library is missing."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown KV transfer backend {name!r}; choose one of {', '.join(_BACKENDS)}")
+    module, source, sink = _BACKENDS[name]
+    mod = importlib.import_module(module)
+    return Backend(name, getattr(mod, source), getattr(mod, sink))
+
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Backend",
+    "CompatInfo",
+    "Confirmation",
+    "Handshake",
+    "IncompatiblePeer",
+    "IntegrityError",
+    "KVDescriptor",
+    "KVSink",
+    "KVSource",
+    "KVTransferError",
+    "LeaseEnd",
+    "LeaseExpired",
+    "PeerLost",
+    "TransferState",
+    "TransferStats",
+    "TransferTimeout",
+    "backend_names",
+    "get_backend",
+]

@@ -1,0 +1,1 @@
+"""Transfer backends; import them through ``splitserve.kv_transfer.get_backend``."""

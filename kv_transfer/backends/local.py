@@ -1,0 +1,71 @@
+"""``local``: same-process hand-over (colocated mode, unit tests).
+
+Sources register in a ``LocalHub`` that both sides are given; a sink copies
+blocks straight out of the source's cache tensor and confirms by calling the
+source. No serialization, no second process.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from splitserve.kv_transfer.base import KVSink, KVSource
+from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
+from splitserve.kv_transfer.errors import LeaseExpired, PeerLost, TransferTimeout
+from splitserve.kv_transfer.integrity import paired_runs
+
+
+class LocalHub:
+    """The in-process directory of local sources, passed explicitly to both sides."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, LocalSource] = {}
+
+
+class LocalSource(KVSource):
+    backend = "local"
+
+    def __init__(
+        self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = 30.0, *, hub: LocalHub
+    ):
+        super().__init__(worker_id, cache, compat, lease_s)
+        self.hub = hub
+        hub.sources[worker_id] = self
+
+    def close(self) -> None:
+        super().close()
+        if self.hub.sources.get(self.worker_id) is self:
+            del self.hub.sources[self.worker_id]
+
+
+class LocalSink(KVSink):
+    backend = "local"
+
+    def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, *, hub: LocalHub):
+        super().__init__(worker_id, cache, compat)
+        self.hub = hub
+
+    def _source(self, desc: KVDescriptor) -> LocalSource:
+        src = self.hub.sources.get(desc.source_worker)
+        if src is None or src.incarnation != desc.source_incarnation:
+            raise PeerLost(f"local worker {desc.source_worker} is gone")
+        return src
+
+    def _connect(self, hs: Handshake, replacing: Handshake | None) -> None:
+        if hs.worker_id not in self.hub.sources:
+            raise PeerLost(f"local worker {hs.worker_id} is not in this process")
+
+    def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float) -> None:
+        src = self._source(desc)
+        if not src._is_live(desc.transfer_id):
+            raise LeaseExpired(f"transfer {desc.transfer_id} is no longer exported")
+        for s, d, n in paired_runs(desc.block_ids, dst_blocks):
+            self.cache[:, :, d : d + n].copy_(src.cache[:, :, s : s + n], non_blocking=True)
+        if time.monotonic() > deadline:
+            raise TransferTimeout(f"local copy of {desc.transfer_id} overran its deadline")
+
+    def _confirm(self, desc: KVDescriptor) -> bool:
+        self._source(desc).confirm(desc.transfer_id)
+        return True

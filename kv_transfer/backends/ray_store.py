@@ -1,0 +1,64 @@
+"""``ray``: the Ray object store, the portable fallback wherever Ray runs.
+
+At export the source packs the blocks into one array and ``ray.put``s it (the
+object is owned by the source process and lives until the lease ends); the
+descriptor carries the ``ObjectRef``, so it must travel through Ray (actor
+calls) for Ray to track the reference. The sink ``ray.get``s it (zero-copy
+from the local object store; Ray moves it between nodes) and scatters it
+into place. The caller must be connected to Ray (``ray.init``) on both sides.
+Confirmations go through the control plane (``Confirmation.delivered`` is
+False): the caller forwards them to ``KVSource.confirm``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+from splitserve.kv_transfer.base import KVSink, KVSource
+from splitserve.kv_transfer.contract import CompatInfo, KVDescriptor
+from splitserve.kv_transfer.errors import PeerLost, TransferTimeout
+
+
+class RaySource(KVSource):
+    backend = "ray"
+
+    def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = 30.0):
+        super().__init__(worker_id, cache, compat, lease_s)
+        self._refs: dict[str, object] = {}  # transfer id -> ObjectRef, dropped when the lease ends
+
+    def _publish(self, desc: KVDescriptor):
+        import ray
+
+        idx = torch.tensor(desc.block_ids, device=self.cache.device)
+        packed = self.cache.index_select(2, idx).cpu()
+        ref = ray.put(packed.view(torch.uint8).numpy())  # uint8 view: numpy has no bfloat16
+        self._refs[desc.transfer_id] = ref
+        return ref
+
+    def _unpublish(self, desc: KVDescriptor) -> None:
+        self._refs.pop(desc.transfer_id, None)
+
+
+class RaySink(KVSink):
+    backend = "ray"
+
+    def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float) -> None:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayError
+
+        try:
+            arr = ray.get(desc.payload, timeout=max(deadline - time.monotonic(), 0.001))
+        except GetTimeoutError as e:
+            raise TransferTimeout(
+                f"KV transfer {desc.transfer_id} from {desc.source_worker} timed out"
+            ) from e
+        except RayError as e:
+            raise PeerLost(f"KV of {desc.transfer_id} is lost with {desc.source_worker}: {e}") from e
+        c = self.cache
+        with warnings.catch_warnings():  # a read-only view of the object store; it is only read
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(arr).view(c.dtype)
+        c.index_copy_(2, torch.tensor(dst_blocks, device=c.device), data.to(c.device))
