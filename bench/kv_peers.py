@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ class Prefill:
 
     prompts: list[list[int]]
     params: SamplingParams
+    lease_s: float | None = None  # default: the source's
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ def _handle(cmd, engine: Engine | None, source, released: list[str]):
             if rid not in engine.requests:  # finished at its first token
                 continue
             pre = engine.prefilled(rid)
-            desc = source.export(rid, pre.block_ids, pre.num_kv_tokens)
+            desc = source.export(rid, pre.block_ids, pre.num_kv_tokens, cmd.lease_s)
             out.append(Exported(desc, pre.prompt_token_ids, pre.output_token_ids))
         return out
     if isinstance(cmd, ExportRandom):
@@ -230,8 +232,17 @@ class SourceActor:
         self._ray.kill(self.actor)
         return 0
 
-    def kill(self) -> None:
+    def kill(self, timeout: float = 30.0) -> None:
+        """Kill the actor and return once Ray reports it dead (``ray.kill`` is asynchronous)."""
         self._ray.kill(self.actor, no_restart=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self._ray.get(self.actor.handshake.remote(), timeout=timeout)
+            except self._ray.exceptions.RayActorError:
+                return
+            time.sleep(0.05)
+        raise TimeoutError("the source actor did not die")
 
 
 def start_source(spec: SourceSpec) -> SourceProcess | SourceActor:

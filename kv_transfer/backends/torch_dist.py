@@ -173,9 +173,10 @@ class TorchDistSink(KVSink):
             raise PeerLost(f"cannot connect to {hs.worker_id} at {info.host}:{info.port}: {e}") from e
         self._groups[hs.worker_id] = pg
 
-    def _wait(self, work, desc: KVDescriptor, deadline: float) -> None:
+    def _wait(self, start, desc: KVDescriptor, deadline: float) -> None:
+        """Run ``start()`` (a send or recv) and wait for it until ``deadline``."""
         try:
-            work.wait(_secs(deadline - time.monotonic()))
+            start().wait(_secs(deadline - time.monotonic()))
         except RuntimeError as e:
             if time.monotonic() >= deadline or "imeout" in str(e):
                 raise TransferTimeout(
@@ -185,9 +186,9 @@ class TorchDistSink(KVSink):
 
     def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float) -> None:
         pg = self._groups[desc.source_worker]
-        self._wait(pg.send([torch.tensor([PULL, desc.payload.seq])], 0, _REQ_TAG), desc, deadline)
+        self._wait(lambda: pg.send([torch.tensor([PULL, desc.payload.seq])], 0, _REQ_TAG), desc, deadline)
         header = torch.zeros(2, dtype=torch.int64)
-        self._wait(pg.recv([header], 0, _DATA_TAG), desc, deadline)
+        self._wait(lambda: pg.recv([header], 0, _DATA_TAG), desc, deadline)
         if int(header[0]) != OK:
             raise LeaseExpired(f"{desc.source_worker} no longer holds {desc.transfer_id}")
         c = self.cache
@@ -196,7 +197,7 @@ class TorchDistSink(KVSink):
             raise KVTransferError(
                 f"{desc.source_worker} announced {int(header[1])} bytes, expected more/less"
             )
-        self._wait(pg.recv([data], 0, _DATA_TAG), desc, deadline)
+        self._wait(lambda: pg.recv([data], 0, _DATA_TAG), desc, deadline)
         c.index_copy_(2, torch.tensor(dst_blocks, device=c.device), data.to(c.device))
 
     def _confirm(self, desc: KVDescriptor) -> bool:

