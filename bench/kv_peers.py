@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine import Engine, EngineConfig, KVLayout, SamplingParams
+from splitserve.engine.kv_cache import allocate_zeros
 from splitserve.kv_transfer import CompatInfo, KVDescriptor, get_backend
 
 
@@ -57,6 +58,12 @@ class ExportRandom:
     num_tokens: int
     first_block: int = 0
     lease_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ExportedRandom:
+    descriptor: KVDescriptor
+    export_s: float  # hashing the blocks + publishing them, measured in the source process
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,8 @@ class SourceServer:
         else:
             lay = spec.layout
             shape = (lay.num_layers, 2, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
-            cache = torch.randn(shape).to(getattr(torch, lay.dtype))
+            cache = allocate_zeros(shape, getattr(torch, lay.dtype))
+            cache.view(torch.uint8).random_()  # arbitrary bytes: only moved and hashed
             compat = CompatInfo(model=spec.model, layout=lay)
         self.source = get_backend(spec.backend).source(spec.worker_id, cache, compat, spec.lease_s)
         self.released: list[str] = []
@@ -160,7 +168,11 @@ def _handle(cmd, engine: Engine | None, source, released: list[str]):
         bs = source.compat.layout.block_size
         n = -(-cmd.num_tokens // bs)
         blocks = list(range(cmd.first_block, cmd.first_block + n))
-        return source.export(f"rand-{cmd.first_block}-{n}", blocks, cmd.num_tokens, cmd.lease_s)
+        t0 = time.perf_counter()
+        desc = source.export(
+            f"rand-{cmd.first_block}-{n}-{time.time_ns()}", blocks, cmd.num_tokens, cmd.lease_s
+        )
+        return ExportedRandom(desc, time.perf_counter() - t0)
     if isinstance(cmd, Corrupt):
         desc = source._exports[cmd.transfer_id].descriptor
         source.cache[0, 0, desc.block_ids[-1]].view(-1).view(torch.uint8)[7] ^= 0x40

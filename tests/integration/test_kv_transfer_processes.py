@@ -200,7 +200,7 @@ def test_source_killed_after_export_fails_fast_or_delivers_intact(backend):
     at once. The ray backend copied the blocks into the object store at export,
     which outlives the source on this node: the pull completes, verified."""
     src, sink, cache = bare_pair(backend, "decode-k")
-    desc = src.call(ExportRandom(num_tokens=200))
+    desc = src.call(ExportRandom(num_tokens=200)).descriptor
     src.kill()
     dst = list(range(len(desc.block_ids)))
     t0 = time.monotonic()
@@ -217,7 +217,7 @@ def test_source_killed_after_export_fails_fast_or_delivers_intact(backend):
 def test_stalled_source_times_out():
     """A source that stops answering (SIGSTOP) mid-protocol: TransferTimeout, on time."""
     src, sink, _ = bare_pair("torch_dist", "decode-s")
-    desc = src.call(ExportRandom(num_tokens=200))
+    desc = src.call(ExportRandom(num_tokens=200)).descriptor
     os.kill(src.proc.pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
