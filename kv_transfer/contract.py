@@ -61,7 +61,7 @@ import enum
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from splitserve.engine.kv_cache import KVLayout
 
@@ -176,4 +176,3 @@ class TransferStats:
     transfer_s: float = 0.0  # moving bytes only
     verify_s: float = 0.0
     total_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
