@@ -35,7 +35,7 @@ from splitserve.kv_transfer.errors import (
     LeaseExpired,
     PeerLost,
 )
-from splitserve.kv_transfer.integrity import blocks_nbytes, checksum
+from splitserve.kv_transfer.integrity import checksum
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class KVSource:
             compat_hash=self.compat.hash,
             block_ids=tuple(block_ids),
             num_tokens=num_tokens,
-            num_bytes=blocks_nbytes(self.cache, len(block_ids)),
+            num_bytes=2 * self.compat.layout.num_layers * self.compat.layout.block_bytes * len(block_ids),
             checksum=checksum(self.cache, block_ids),
             lease_expiry=time.time() + (self.lease_s if lease_s is None else lease_s),
         )
@@ -209,7 +209,11 @@ class KVSink:
         self.peers[hs.worker_id] = hs
 
     def pull(self, desc: KVDescriptor, dst_blocks: list[int], timeout: float = 10.0) -> Confirmation:
-        """Move ``desc``'s KV into ``dst_blocks`` and verify it, within ``timeout`` seconds.
+        """Move ``desc``'s KV into ``dst_blocks`` and verify it.
+
+        ``timeout`` (seconds) bounds the transfer: past it the backend gives up and
+        raises ``TransferTimeout`` (no hang, whatever the source does); the
+        verification after it is one local hash pass over the bytes.
 
         Returns the confirmation (already delivered to the source when the backend
         can). Raises a ``KVTransferError`` subclass on any failure; then the

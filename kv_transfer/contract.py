@@ -44,9 +44,10 @@ Who frees what, when:
 Integrity: the source hashes the exported blocks (xxHash3-64 over every
 layer's K and V bytes of those blocks, in order) at export; the sink hashes
 what landed and raises ``IntegrityError`` on a mismatch. Costs one read of the
-bytes on each side (~30 GB/s single-threaded here, against ~6 GB/s moved by
-the transfer). Descriptors also carry the source's incarnation (a fresh id per
-process), so a descriptor from a restarted source fails with ``PeerLost``
+bytes on each side (~25-30 GB/s single-threaded here; NIXL moves ~14 GB/s, so
+the two passes together cost about one transfer time; see docs/kv_transfer.md).
+Descriptors also carry the source's incarnation (a fresh id per process), so a
+descriptor from a restarted source fails with ``PeerLost``
 instead of reading the new process's memory.
 
 Compatibility: ``Handshake`` carries ``PROTOCOL_VERSION`` and a compatibility

@@ -38,12 +38,6 @@ def paired_runs(
     return out
 
 
-def blocks_nbytes(cache: torch.Tensor, num_blocks: int) -> int:
-    """Bytes of ``num_blocks`` blocks across every layer's K and V."""
-    per_block = cache[0, 0, 0].numel() * cache.element_size()
-    return cache.shape[0] * 2 * num_blocks * per_block
-
-
 def checksum(cache: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> int:
     """xxh3-64 over the blocks' bytes in (layer, k/v, block) order.
 

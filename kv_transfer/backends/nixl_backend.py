@@ -128,7 +128,7 @@ class NixlSink(KVSink):
     def _descs(
         self, desc: KVDescriptor, dst_blocks: list[int], info: NixlPeerInfo
     ) -> tuple[np.ndarray, np.ndarray]:
-        block_bytes = self.cache[0, 0, 0].numel() * self.cache.element_size()
+        block_bytes = self.compat.layout.block_bytes
         pairs = np.array(paired_runs(desc.block_ids, dst_blocks), dtype=np.uint64).reshape(-1, 3)
         planes = np.arange(self.cache.shape[0] * 2, dtype=np.uint64)[:, None]  # (layer, k/v)
         src_off = (planes * np.uint64(info.num_blocks) + pairs[None, :, 0]) * np.uint64(block_bytes)
