@@ -3,6 +3,7 @@
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.errors import (
+    DeadlineExceeded,
     InvalidRequest,
     ModelLoadError,
     Overloaded,
@@ -10,14 +11,19 @@ from splitserve.engine.errors import (
     UnknownRequest,
 )
 from splitserve.engine.kv_cache import KVLayout
-from splitserve.engine.outputs import CompletionOutput, PrefilledRequest, RequestOutput
+from splitserve.engine.loop import EngineLoop
+from splitserve.engine.outputs import CompletionOutput, EngineStats, PrefilledRequest, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import FinishReason
+from splitserve.engine.validation import RequestValidator
 
 __all__ = [
     "CompletionOutput",
+    "DeadlineExceeded",
     "Engine",
     "EngineConfig",
+    "EngineLoop",
+    "EngineStats",
     "FinishReason",
     "InvalidRequest",
     "KVLayout",
@@ -25,6 +31,7 @@ __all__ = [
     "Overloaded",
     "PrefilledRequest",
     "RequestOutput",
+    "RequestValidator",
     "SamplingParams",
     "SplitserveError",
     "UnknownRequest",

@@ -45,13 +45,14 @@ from splitserve.engine.model.loader import (
     resolve_source,
 )
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.outputs import CompletionOutput, PrefilledRequest, RequestOutput
+from splitserve.engine.outputs import CompletionOutput, EngineStats, PrefilledRequest, RequestOutput
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.validation import RequestValidator
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,13 @@ class Engine:
             self.device,
         )
         self.requests: dict[str, RequestState] = {}
+        self.validator = RequestValidator(
+            model=config.model,
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            max_kv_tokens=num_blocks * config.block_size,
+            tokenizer=tokenizer,
+        )
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s",
             mc.model_type,
@@ -135,51 +143,9 @@ class Engine:
         params: SamplingParams,
         messages: list[dict[str, str]] | None = None,
     ) -> list[int]:
-        """The one place a request is checked: encode the prompt, then check it and
-        ``params`` against this engine's model and cache. Raises ``InvalidRequest``
-        with a sentence a user can act on; changes no state. Returns the prompt ids."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest("sampling parameters must be a SamplingParams")
-        params.validate()
-        prompt_ids = self._encode(prompt, messages)
-        n, limit = len(prompt_ids), self.max_model_len
-        if n >= limit:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens but the model's context is {limit} tokens, "
-                "and at least one must remain for output"
-            )
-        if n + params.max_tokens > limit:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, "
-                f"more than the model's context of {limit} tokens; "
-                f"lower max_tokens to at most {limit - n}"
-            )
-        if self.block_manager.blocks_needed(n + 1) > self.block_manager.num_blocks:
-            raise InvalidRequest(f"the prompt has {n} tokens, more than this engine's KV cache holds")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequest("stop strings need a tokenizer, and this engine has none")
-        return prompt_ids
-
-    def _encode(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None) -> list[int]:
-        if (prompt is None) == (messages is None):
-            raise InvalidRequest("give exactly one of a prompt or chat messages")
-        if messages is not None:
-            if not messages or any(
-                not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages
-            ):
-                raise InvalidRequest("messages must be a non-empty list of {role, content}")
-            return self._require_tokenizer().apply_chat_template(messages)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty")
-            return self._require_tokenizer().encode(prompt)
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
-        return ids
+        """Check a request against this engine (see ``RequestValidator.validate``);
+        changes no state. Returns the prompt ids."""
+        return self.validator.validate(prompt, params, messages)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in any state and free its blocks. False if unknown or done."""
@@ -191,6 +157,19 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        in_batch = [*sched.waiting, *sched.running]
+        pending = sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in in_batch)
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_pending_prompt_tokens=pending,
+            num_held=len(self.requests) - len(in_batch),
+            num_blocks=self.block_manager.num_blocks,
+            num_free_blocks=self.block_manager.num_free_blocks,
+        )
 
     # ---- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -312,11 +291,6 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         return request_id
-
-    def _require_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise InvalidRequest("this engine has no tokenizer; send token ids")
-        return self.tokenizer
 
     def _get(self, request_id: str, status: SequenceStatus) -> RequestState:
         state = self.requests.get(request_id)

@@ -10,6 +10,7 @@ to gRPC status codes in one place.
 - ``ModelLoadError``: weights or a config could not be loaded or are unsupported.
 - ``Overloaded``: a resource is exhausted right now (KV blocks, queue space).
 - ``UnknownRequest``: an operation named a request the engine does not hold.
+- ``DeadlineExceeded``: a request ran past its deadline and was aborted.
 """
 
 from __future__ import annotations
@@ -36,3 +37,7 @@ class UnknownRequest(SplitserveError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the repr of its argument
         return str(self.args[0]) if self.args else ""
+
+
+class DeadlineExceeded(SplitserveError):
+    """A request ran past its deadline; it was aborted and its blocks freed."""

@@ -51,3 +51,19 @@ class PrefilledRequest:
     block_ids: list[int]
     num_kv_tokens: int
     num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine's load, for routing and status pages."""
+
+    num_running: int  # sequences in the running batch (prefill or decode)
+    num_waiting: int  # queued, not yet admitted
+    num_pending_prompt_tokens: int  # prompt tokens of waiting and running sequences not yet computed
+    num_held: int  # requests parked outside the batch (PREFILLED or IMPORTING)
+    num_blocks: int
+    num_free_blocks: int
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks

@@ -1,0 +1,79 @@
+"""The one place a request is checked against a model and its cache.
+
+``RequestValidator`` holds only plain data and a tokenizer, so it pickles: the
+engine uses it at its front door, and a router gets a copy from a worker and
+rejects bad input before it costs any worker anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.engine.errors import InvalidRequest
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestValidator:
+    model: str  # the name requests may use for this model
+    vocab_size: int
+    max_model_len: int  # prompt + output tokens at most
+    max_kv_tokens: int  # tokens the smallest KV cache that must hold the request can hold
+    tokenizer: Tokenizer | None
+
+    def validate(
+        self,
+        prompt: str | list[int] | None,
+        params: SamplingParams,
+        messages: list[dict[str, str]] | None = None,
+    ) -> list[int]:
+        """Encode the prompt, then check it and ``params``. Raises ``InvalidRequest``
+        with a sentence a user can act on. Returns the prompt's token ids."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest("sampling parameters must be a SamplingParams")
+        params.validate()
+        prompt_ids = self.encode(prompt, messages)
+        n, limit = len(prompt_ids), self.max_model_len
+        if n >= limit:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens but the model's context is {limit} tokens, "
+                "and at least one must remain for output"
+            )
+        if n + params.max_tokens > limit:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, "
+                f"more than the model's context of {limit} tokens; "
+                f"lower max_tokens to at most {limit - n}"
+            )
+        if n + 1 > self.max_kv_tokens:
+            raise InvalidRequest(f"the prompt has {n} tokens, more than this engine's KV cache holds")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer, and this engine has none")
+        return prompt_ids
+
+    def encode(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None) -> list[int]:
+        """Token ids of a raw prompt, token ids, or chat ``messages`` (exactly one)."""
+        if (prompt is None) == (messages is None):
+            raise InvalidRequest("give exactly one of a prompt or chat messages")
+        if messages is not None:
+            if not messages or any(
+                not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages
+            ):
+                raise InvalidRequest("messages must be a non-empty list of {role, content}")
+            return self._require_tokenizer().apply_chat_template(messages)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty")
+            return self._require_tokenizer().encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        return ids
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer; send token ids")
+        return self.tokenizer
