@@ -1,0 +1,221 @@
+"""The decode worker: takes prefilled requests (KV pulled from a prefill worker)
+or whole ones, runs them in one continuous batch, and streams their tokens.
+
+A request's life here (the queues SGLang's decode side names)::
+
+    generate(task) with a descriptor:
+        import_request (blocks allocated; waits while the cache is full) --IMPORTING
+        -> sink.pull on the transfer thread (verified; confirms the source's lease)
+        -> activate --RUNNING in the batch-- tokens --> finished
+    generate(task) without one (colocated, or a short prompt by policy):
+        add_request --WAITING/RUNNING-- tokens --> finished
+
+``generate`` is an async generator: one call per request, yielding a
+``TokenBatch`` whenever the consumer asks and tokens are ready, so a slow
+consumer gets several tokens per item instead of one round trip per token.
+Leaving it early (the router cancels, the deadline passes, the client goes)
+aborts the request and frees its blocks; a pull in flight is first allowed to
+end (it is bounded by ``transfer_timeout_s``), because its bytes are still
+landing in those blocks.
+
+The class imports no Ray: ``cluster`` wraps it with ``ray.remote``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from splitserve.decode_worker.api import (
+    DecodeStats,
+    DecodeTask,
+    DecodeWorkerInfo,
+    DecodeWorkerSpec,
+    TokenBatch,
+)
+from splitserve.engine import (
+    DeadlineExceeded,
+    Engine,
+    EngineLoop,
+    InvalidRequest,
+    Overloaded,
+    RequestOutput,
+)
+from splitserve.kv_transfer import get_backend
+from splitserve.kv_transfer.contract import CompatInfo
+from splitserve.kv_transfer.errors import LeaseExpired
+
+log = logging.getLogger(__name__)
+
+_ABORTED = object()  # pushed into a stream by abort()
+
+
+class _Stream:
+    """One request's outputs, handed from the engine thread to its generator."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def push(self, item: object) -> None:  # any thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def next_items(self, timeout: float | None) -> list:
+        """Everything queued, waiting up to ``timeout`` for the first item."""
+        items = [await asyncio.wait_for(self.queue.get(), timeout)]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
+
+class DecodeWorker:
+    def __init__(self, spec: DecodeWorkerSpec):
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
+        self.spec = spec
+        self.worker_id = spec.worker_id
+        self.engine = Engine(spec.engine)
+        self.sink = None
+        if spec.backend is not None:
+            compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
+            sink_cls = get_backend(spec.backend).sink
+            self.sink = sink_cls(spec.worker_id, self.engine.kv_cache.tensor, compat)
+        # One thread drives the sink (it is not thread-safe); pulls overlap decode steps.
+        self._transfer = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.worker_id}-kv")
+        self._streams: dict[str, _Stream] = {}
+        self.loop = EngineLoop(self.engine, self._on_outputs, name=f"{spec.worker_id}-engine")
+        self.loop.start()
+
+    # ---- called by the router (asyncio) ------------------------------------------
+    async def info(self) -> DecodeWorkerInfo:
+        return DecodeWorkerInfo(self.worker_id, self.engine.validator, colocated=self.sink is None)
+
+    async def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
+        """Run ``task`` to the end, yielding its new tokens. Raises ``InvalidRequest``,
+        ``Overloaded`` (no room before the KV lease ran out), ``KVTransferError``
+        subclasses, or ``DeadlineExceeded`` past ``task.timeout_s``."""
+        rid = task.request_id
+        if rid in self._streams:
+            raise InvalidRequest(f"request id {rid!r} is already in use")
+        deadline = None if task.timeout_s is None else time.monotonic() + task.timeout_s
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[rid] = stream
+        finished = False
+        try:
+            transfer_s = None
+            if task.descriptor is not None:
+                transfer_s = await self._import(task, deadline)
+            else:
+                await self._call(lambda e: e.add_request(task.prompt_token_ids, task.params, rid))
+            while not finished:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                try:
+                    items = await stream.next_items(remaining)
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded(f"request {rid} ran past its {task.timeout_s:.3g} s") from None
+                if any(item is _ABORTED for item in items):
+                    return
+                batch = _batch(items, transfer_s)
+                transfer_s = None
+                finished = batch.finish_reason is not None
+                yield batch
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.loop.call(lambda e: e.abort(rid))
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop ``request_id`` and free its blocks; its stream ends. Idempotent."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.push(_ABORTED)
+        return await self._call(lambda e: e.abort(request_id))
+
+    async def stats(self) -> DecodeStats:
+        return await self._call(lambda e: DecodeStats(self.worker_id, e.stats(), len(self._streams)))
+
+    async def ping(self) -> str:
+        if self.loop.error is not None:
+            raise RuntimeError(f"engine loop failed: {self.loop.error!r}")
+        return self.worker_id
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self._transfer.shutdown(wait=True)
+        if self.sink is not None:
+            self.sink.close()
+
+    # ---- internals ------------------------------------------------------------
+    async def _call(self, fn):
+        return await asyncio.wrap_future(self.loop.call(fn))
+
+    async def _import(self, task: DecodeTask, deadline: float | None) -> float:
+        """Allocate blocks (waiting while the cache is full), pull and verify the KV,
+        activate. Returns the pull's seconds. On failure the blocks are freed."""
+        if self.sink is None:
+            raise InvalidRequest(f"worker {self.worker_id} is colocated and takes no KV from elsewhere")
+        desc, rid = task.descriptor, task.request_id
+        while True:
+            try:
+                blocks = await self._call(
+                    lambda e: e.import_request(rid, task.prompt_token_ids, task.output_token_ids, task.params)
+                )
+                break
+            except Overloaded:
+                if desc.remaining_lease() < 1.0 or (deadline is not None and time.monotonic() > deadline):
+                    raise Overloaded(
+                        f"decode worker {self.worker_id} had no room for request {rid} "
+                        "before its KV lease ran out"
+                    ) from None
+                await asyncio.sleep(0.01)
+        t0 = time.perf_counter()
+        timeout = self.spec.transfer_timeout_s
+        if deadline is not None:
+            timeout = max(0.001, min(timeout, deadline - time.monotonic()))
+        pull = asyncio.get_running_loop().run_in_executor(self._transfer, self._pull, task, blocks, timeout)
+        try:
+            await asyncio.shield(pull)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await pull  # bytes may still be landing in the blocks: free them only after
+            raise
+        if desc.remaining_lease() <= 0:
+            raise LeaseExpired(f"the KV lease of request {rid} ran out")
+        await self._call(lambda e: e.activate(rid))
+        return time.perf_counter() - t0
+
+    def _pull(self, task: DecodeTask, blocks: list[int], timeout: float) -> None:
+        self.sink.connect(task.handshake)
+        self.sink.pull(task.descriptor, blocks, timeout)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:  # engine thread
+        now = time.time()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.push((out, now))
+
+
+def _batch(items: list[tuple[RequestOutput, float]], transfer_s: float | None) -> TokenBatch:
+    token_ids, logprobs, times, text = [], [], [], []
+    for out, t in items:
+        token_ids.extend(out.new_token_ids)
+        logprobs.extend(out.new_logprobs)
+        times.extend([t] * len(out.new_token_ids))
+        text.append(out.text)
+    last = items[-1][0]
+    return TokenBatch(
+        token_ids=token_ids,
+        text="".join(text),
+        logprobs=logprobs,
+        token_times=times,
+        finish_reason=last.finish_reason if last.finished else None,
+        num_cached_tokens=last.num_cached_tokens,
+        transfer_s=transfer_s,
+    )

@@ -1,0 +1,185 @@
+"""The prefill worker: an engine that only prefills, and a KV source that ships
+what it computed.
+
+A request's life here (the engine batches prompts up to its token budget and
+chunks long ones)::
+
+    prefill(task) --add_request(prefill_only)--> WAITING/RUNNING in the engine
+        --first token sampled--> PREFILLED --source.export--> EXPORTED (lease)
+        --decode worker confirms | lease expires | abort()--> blocks released
+
+``prefill`` returns once the first token is sampled and the KV is exported;
+the blocks stay held until ``KVSource.poll`` reports the lease's end, which
+the engine loop's tick checks every few milliseconds (NIXL also needs that
+polling to make progress). A cancelled or timed-out ``prefill`` aborts its
+request, so no path leaves blocks behind.
+
+The class imports no Ray: ``cluster`` wraps it with ``ray.remote`` (it is an
+asyncio actor), and tests can drive it with plain asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine import (
+    DeadlineExceeded,
+    Engine,
+    EngineLoop,
+    FinishReason,
+    RequestOutput,
+    UnknownRequest,
+)
+from splitserve.kv_transfer import get_backend
+from splitserve.kv_transfer.contract import CompatInfo
+from splitserve.prefill_worker.api import (
+    PrefillResult,
+    PrefillStats,
+    PrefillTask,
+    PrefillWorkerInfo,
+    PrefillWorkerSpec,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Waiter:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def resolve(self, result: PrefillResult | None = None, error: BaseException | None = None) -> None:
+        def _set() -> None:
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)
+
+        self.loop.call_soon_threadsafe(_set)
+
+
+class PrefillWorker:
+    def __init__(self, spec: PrefillWorkerSpec):
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
+        self.spec = spec
+        self.worker_id = spec.worker_id
+        self.engine = Engine(spec.engine)
+        compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
+        backend = get_backend(spec.backend)
+        self.source = backend.source(spec.worker_id, self.engine.kv_cache.tensor, compat, spec.lease_s)
+        self.handshake = self.source.handshake()
+        self._waiters: dict[str, _Waiter] = {}  # requests whose prefill() is awaiting
+        self._exports: dict[str, str] = {}  # request id -> transfer id, lease open (loop thread only)
+        self.loop = EngineLoop(self.engine, self._on_outputs, self._on_tick, name=f"{spec.worker_id}-engine")
+        self.loop.start()
+
+    # ---- called by the router (asyncio) ------------------------------------------
+    async def info(self) -> PrefillWorkerInfo:
+        return PrefillWorkerInfo(self.worker_id, self.engine.validator, self.handshake)
+
+    async def prefill(self, task: PrefillTask) -> PrefillResult:
+        """Prefill ``task`` and export its KV. Raises ``InvalidRequest`` for bad
+        input, ``DeadlineExceeded`` past ``task.timeout_s``."""
+        rid = task.request_id
+        waiter = _Waiter(asyncio.get_running_loop(), asyncio.get_running_loop().create_future())
+        self._waiters[rid] = waiter
+        try:
+            await asyncio.wrap_future(
+                self.loop.call(
+                    lambda e: e.add_request(task.prompt_token_ids, task.params, rid, prefill_only=True)
+                )
+            )
+            return await asyncio.wait_for(waiter.future, task.timeout_s)
+        except asyncio.TimeoutError:
+            self._abort_later(rid)
+            raise DeadlineExceeded(f"request {rid} was not prefilled within {task.timeout_s:.3g} s") from None
+        except BaseException:
+            self._abort_later(rid)
+            raise
+        finally:
+            self._waiters.pop(rid, None)
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop ``request_id`` wherever it is here: queued, prefilling, or exported
+        and waiting for a decode worker (its lease is released). Idempotent."""
+        return await asyncio.wrap_future(self.loop.call(lambda e: self._abort(request_id)))
+
+    async def stats(self) -> PrefillStats:
+        return await asyncio.wrap_future(
+            self.loop.call(lambda e: PrefillStats(self.worker_id, e.stats(), len(self._exports)))
+        )
+
+    async def ping(self) -> str:
+        if self.loop.error is not None:
+            raise RuntimeError(f"engine loop failed: {self.loop.error!r}")
+        return self.worker_id
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self.source.close()
+
+    # ---- the engine loop thread ----------------------------------------------------
+    def _abort_later(self, request_id: str) -> None:
+        self.loop.call(lambda e: self._abort(request_id))
+
+    def _abort(self, request_id: str) -> bool:
+        transfer_id = self._exports.get(request_id)
+        if transfer_id is not None:
+            self.source.release(transfer_id)  # the next tick's poll frees the blocks
+            return True
+        return self.engine.abort(request_id)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if not out.finished:
+                continue
+            rid = out.request_id
+            waiter = self._waiters.get(rid)
+            if waiter is None:  # its caller is gone: nobody will take the KV
+                if out.finish_reason == FinishReason.PREFILL_DONE:
+                    self.engine.release(rid)
+                continue
+            try:
+                waiter.resolve(self._result(out))
+            except Exception as e:  # export failed: give the blocks back, tell the caller
+                log.exception("exporting the KV of %s failed", rid)
+                if rid in self.engine.requests:
+                    self.engine.release(rid)
+                waiter.resolve(error=e)
+
+    def _result(self, out: RequestOutput) -> PrefillResult:
+        now = time.time()
+        descriptor, cached = None, out.num_cached_tokens
+        finish = None if out.finish_reason == FinishReason.PREFILL_DONE else out.finish_reason
+        if finish is None:
+            pre = self.engine.prefilled(out.request_id)
+            descriptor = self.source.export(out.request_id, pre.block_ids, pre.num_kv_tokens)
+            self._exports[out.request_id] = descriptor.transfer_id
+        return PrefillResult(
+            request_id=out.request_id,
+            worker_id=self.worker_id,
+            output_token_ids=list(out.new_token_ids),
+            text=out.text,
+            logprobs=list(out.new_logprobs),
+            token_time=now,
+            finish_reason=finish,
+            num_cached_tokens=cached,
+            descriptor=descriptor,
+            handshake=self.handshake,
+        )
+
+    def _on_tick(self) -> None:
+        for end in self.source.poll():
+            self._exports.pop(end.request_id, None)
+            try:
+                self.engine.release(end.request_id)
+            except UnknownRequest:  # already aborted
+                pass
