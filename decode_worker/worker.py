@@ -117,7 +117,7 @@ class DecodeWorker:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 try:
                     items = await stream.next_items(remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise DeadlineExceeded(f"request {rid} ran past its {task.timeout_s:.3g} s") from None
                 if any(item is _ABORTED for item in items):
                     return

@@ -98,7 +98,7 @@ class PrefillWorker:
                 )
             )
             return await asyncio.wait_for(waiter.future, task.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._abort_later(rid)
             raise DeadlineExceeded(f"request {rid} was not prefilled within {task.timeout_s:.3g} s") from None
         except BaseException:
