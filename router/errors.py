@@ -1,0 +1,52 @@
+"""Errors the router raises, and the one place errors become gRPC statuses.
+
+Worker calls go through Ray, which wraps what a worker raised; ``unwrap`` turns
+that back into splitserve's own exception (or ``WorkerLost`` when the worker
+process itself is gone), so the mapping below sees one hierarchy.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import ray.exceptions
+
+from splitserve.engine import DeadlineExceeded, InvalidRequest, Overloaded, SplitserveError, UnknownRequest
+from splitserve.kv_transfer.errors import KVTransferError
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLost(SplitserveError):
+    """A worker died or became unreachable while it held a request."""
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The exception a worker raised, from Ray's wrapper; ``WorkerLost`` for a dead actor."""
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause
+        return cause if cause is not None else exc
+    if isinstance(exc, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError):
+        return WorkerLost(f"a worker was lost: {exc.__class__.__name__}")
+    return exc
+
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (WorkerLost, grpc.StatusCode.UNAVAILABLE),
+    (KVTransferError, grpc.StatusCode.UNAVAILABLE),
+    (UnknownRequest, grpc.StatusCode.NOT_FOUND),
+]
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and message a client gets for ``exc``."""
+    exc = unwrap(exc)
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code, str(exc)
+    log.error("internal error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({exc.__class__.__name__}); see the server log"

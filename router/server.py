@@ -1,0 +1,100 @@
+"""The router's gRPC server: the Splitserve service, standard health checking
+(``grpc.health.v1``) and server reflection, on one ``grpc.aio`` server.
+
+Health is NOT_SERVING until ``start`` has the workers' first stats, SERVING
+while up, and NOT_SERVING again once ``stop`` begins (load balancers drain
+first). A background task refreshes worker stats every ``stats_interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from splitserve.proto import splitserve_pb2 as pb
+from splitserve.proto import splitserve_pb2_grpc as pb_grpc
+from splitserve.router.dispatch import Dispatcher, poll_workers
+from splitserve.router.service import SplitserveService
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Splitserve"].full_name
+
+
+class RouterServer:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        mode: str,
+        host: str = "127.0.0.1",
+        port: int = 50051,
+        stats_interval_s: float = 0.5,
+        credentials: grpc.ServerCredentials | None = None,
+    ):
+        self.dispatcher = dispatcher
+        self.mode = mode
+        self.host, self.port = host, port
+        self.stats_interval_s = stats_interval_s
+        self.credentials = credentials
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._poller: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port (useful with port 0)."""
+        server = grpc.aio.server()
+        pb_grpc.add_SplitserveServicer_to_server(SplitserveService(self.dispatcher, self.mode), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
+        target = f"{self.host}:{self.port}"
+        if self.credentials is not None:
+            self.port = server.add_secure_port(target, self.credentials)
+        else:
+            self.port = server.add_insecure_port(target)
+        if self.port == 0:
+            raise OSError(f"could not listen on {target} (is the port in use?)")
+        await poll_workers(self._workers())
+        await server.start()
+        self._server = server
+        await self._set_serving(True)
+        self._poller = asyncio.create_task(self._poll_forever())
+        return self.port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop taking calls; let running ones finish for up to ``grace_s``."""
+        await self._set_serving(False)
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if self._server is not None:
+            await self._server.stop(grace_s)
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    def _workers(self):
+        return [*self.dispatcher.prefill, *self.dispatcher.decode]
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_interval_s)
+            try:
+                await poll_workers(self._workers(), timeout=max(1.0, 2 * self.stats_interval_s))
+            except Exception:  # never let status polling take the router down
+                log.exception("polling worker stats failed")

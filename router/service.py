@@ -1,0 +1,137 @@
+"""The gRPC servicer: ``splitserve.v1.Splitserve`` over a ``Dispatcher``.
+
+Converts protos to the router's typed inputs and back; every error becomes a
+status through ``router.errors.status_for``, and nothing else here decides codes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+
+from splitserve.engine import FinishReason, InvalidRequest, SamplingParams
+from splitserve.proto import splitserve_pb2 as pb
+from splitserve.proto import splitserve_pb2_grpc as pb_grpc
+from splitserve.router.dispatch import Dispatcher, FinalEvent, GenerateInput, TokenEvent, poll_workers
+from splitserve.router.errors import status_for
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 16
+_FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+
+
+def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
+    """Proto sampling fields -> ``SamplingParams`` (unset fields take the defaults)."""
+    return SamplingParams(
+        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        temperature=sp.temperature if sp.HasField("temperature") else 0.0,
+        top_k=sp.top_k if sp.HasField("top_k") else 0,
+        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+        seed=sp.seed if sp.HasField("seed") else None,
+        stop=list(sp.stop),
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        logprobs=sp.logprobs,
+    )
+
+
+def _input_of(msg) -> tuple[str | list[int] | None, list[dict[str, str]] | None]:
+    kind = msg.WhichOneof("input")
+    if kind == "prompt":
+        return msg.prompt, None
+    if kind == "token_ids":
+        return list(msg.token_ids.ids), None
+    if kind == "messages":
+        return None, [{"role": m.role, "content": m.content} for m in msg.messages.messages]
+    raise InvalidRequest("the request has no input: set prompt, token_ids or messages")
+
+
+def generate_input(request: pb.GenerateRequest, time_remaining: float | None) -> GenerateInput:
+    prompt, messages = _input_of(request)
+    timeouts = [t for t in (time_remaining, request.timeout_ms / 1000 if request.timeout_ms else None) if t]
+    return GenerateInput(
+        params=sampling_from_proto(request.sampling),
+        prompt=prompt,
+        messages=messages,
+        model=request.model,
+        request_id=request.request_id,
+        timeout_s=min(timeouts) if timeouts else None,
+    )
+
+
+def _token_proto(e: TokenEvent) -> pb.Token:
+    return pb.Token(token_ids=e.token_ids, text=e.text, logprobs=e.logprobs, times_ms=e.times_ms)
+
+
+def _final_proto(e: FinalEvent) -> pb.Final:
+    return pb.Final(
+        finish_reason=_FINISH.get(e.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+        usage=pb.Usage(
+            prompt_tokens=e.prompt_tokens,
+            completion_tokens=e.completion_tokens,
+            cached_prompt_tokens=e.cached_prompt_tokens,
+        ),
+        timing=pb.Timing(queue_ms=e.queue_ms, ttft_ms=e.ttft_ms, transfer_ms=e.transfer_ms, e2e_ms=e.e2e_ms),
+        prefill_worker=e.prefill_worker,
+        decode_worker=e.decode_worker,
+    )
+
+
+class SplitserveService(pb_grpc.SplitserveServicer):
+    def __init__(self, dispatcher: Dispatcher, mode: str):
+        self.dispatcher = dispatcher
+        self.mode = mode
+
+    async def Generate(self, request, context):
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            inp = dataclasses.replace(generate_input(request, context.time_remaining()), request_id=rid)
+            async for event in self.dispatcher.generate(inp):
+                if isinstance(event, TokenEvent):
+                    yield pb.GenerateResponse(request_id=rid, token=_token_proto(event))
+                else:
+                    yield pb.GenerateResponse(request_id=rid, final=_final_proto(event))
+        except Exception as e:
+            await context.abort(*status_for(e))
+
+    async def Tokenize(self, request, context):
+        try:
+            if request.model and request.model != self.dispatcher.served_model:
+                raise InvalidRequest(f"unknown model {request.model!r}")
+            ids = self.dispatcher.validator.encode(*_input_of(request))
+        except Exception as e:
+            await context.abort(*status_for(e))
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=self.dispatcher.validator.max_model_len)
+
+    async def ListModels(self, request, context):
+        v, name = self.dispatcher.validator, self.dispatcher.served_model
+        model = pb.ModelInfo(id=name, max_model_len=v.max_model_len, vocab_size=v.vocab_size)
+        return pb.ListModelsResponse(models=[model])
+
+    async def ClusterStatus(self, request, context):
+        d = self.dispatcher
+        pools = []
+        for role, workers in (("prefill", d.prefill), ("decode", d.decode)):
+            if not workers:
+                continue
+            pool = pb.PoolStatus(role=workers[0].role if role == "decode" else role, replicas=len(workers))
+            for report in await poll_workers(workers):
+                pool.workers.append(_worker_status(report))
+            pools.append(pool)
+        return pb.ClusterStatusResponse(
+            mode=self.mode, model=d.served_model, pools=pools, inflight_requests=len(d.inflight)
+        )
+
+
+def _worker_status(report) -> pb.WorkerStatus:
+    w, s = report.worker, report.stats
+    out = pb.WorkerStatus(worker_id=w.worker_id, role=w.role, alive=s is not None, error=report.error)
+    if s is not None:
+        e = s.engine
+        out.running, out.waiting = e.num_running, e.num_waiting
+        out.queued_prompt_tokens = e.num_pending_prompt_tokens
+        out.kv_blocks_total, out.kv_blocks_used = e.num_blocks, e.num_used_blocks
+        out.kv_exports_held = getattr(s, "num_exports", 0)
+    return out
