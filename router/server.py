@@ -54,7 +54,8 @@ class RouterServer:
         server = grpc.aio.server()
         pb_grpc.add_SplitserveServicer_to_server(SplitserveService(self.dispatcher, self.mode), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
+        names = (SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
         target = f"{self.host}:{self.port}"
         if self.credentials is not None:
             self.port = server.add_secure_port(target, self.credentials)
@@ -87,7 +88,8 @@ class RouterServer:
         return [*self.dispatcher.prefill, *self.dispatcher.decode]
 
     async def _set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        r = health_pb2.HealthCheckResponse
+        status = r.SERVING if serving else r.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
