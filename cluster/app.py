@@ -1,0 +1,145 @@
+"""A serving cluster: Ray, the worker pools and the router, started and
+stopped together.
+
+``ServingCluster`` runs on an asyncio loop (``splitserve serve`` runs it on
+the main thread); ``BackgroundCluster`` runs one on a thread of its own, for
+tests and benchmarks that want a live server next to their own code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import ray
+
+from splitserve.cluster.config import ClusterConfig
+from splitserve.cluster.pools import WorkerPool
+from splitserve.router.dispatch import Dispatcher, RoutingPolicy
+from splitserve.router.server import RouterServer
+
+log = logging.getLogger(__name__)
+
+
+def connect_ray(config: ClusterConfig) -> bool:
+    """Attach to Ray (an address in the config, or one this process already
+    joined) or start a local instance. Returns True if this call started it."""
+    if ray.is_initialized():
+        return False
+    if config.ray.address:
+        ray.init(address=config.ray.address, logging_level=logging.WARNING)
+        return False
+    needed = sum(p.replicas * p.num_cpus * p.tp_size for p in config.pools().values())
+    num_cpus = config.ray.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    return True
+
+
+class ServingCluster:
+    def __init__(self, config: ClusterConfig, progress: Callable[[str], None] = log.info):
+        self.config = config
+        self.progress = progress
+        self.pools: dict[str, WorkerPool] = {}
+        self.server: RouterServer | None = None
+        self._started_ray = False
+
+    @property
+    def address(self) -> str:
+        return self.server.address if self.server else ""
+
+    async def start(self) -> str:
+        """Start everything; returns the router's ``host:port`` once it serves."""
+        cfg = self.config
+        self._started_ray = connect_ray(cfg)
+        try:
+            for role, spec in cfg.pools().items():
+                self.pools[role] = WorkerPool(role, cfg)
+                self.progress(f"starting {spec.replicas} {role} worker(s), loading {cfg.model.name} ...")
+            refs = await asyncio.gather(*(p.add(p.spec.replicas) for p in self.pools.values()))
+            validators = await asyncio.gather(*(w.handle.info.remote() for ws in refs for w in ws))
+            validator = min((i.validator for i in validators), key=lambda v: v.max_kv_tokens)
+            lim, pol = cfg.limits, cfg.policy
+            policy = RoutingPolicy(
+                local_prefill_below_tokens=pol.local_prefill_below_tokens,
+                prefix_affinity=pol.prefix_affinity,
+                max_inflight_requests=lim.max_inflight_requests,
+                max_queued_prompt_tokens=lim.max_queued_prompt_tokens,
+                max_timeout_s=lim.max_timeout_s,
+            )
+            dispatcher = Dispatcher(validator, policy, cfg.model.public_name)
+            if cfg.mode == "colocated":
+                dispatcher.decode = self.pools["colocated"].workers
+            else:
+                dispatcher.prefill = self.pools["prefill"].workers
+                dispatcher.decode = self.pools["decode"].workers
+            r = cfg.router
+            self.server = RouterServer(dispatcher, cfg.mode, r.host, r.port, credentials=_credentials(cfg))
+            await self.server.start()
+        except BaseException:
+            await self.stop()
+            raise
+        self.progress(f"serving {cfg.model.public_name} ({cfg.mode}) on {self.address}")
+        return self.address
+
+    async def stop(self) -> None:
+        """Drain the router, stop the workers, and Ray if this cluster started it."""
+        if self.server is not None:
+            await self.server.stop(self.config.router.shutdown_grace_s)
+        for pool in self.pools.values():
+            pool.shutdown()
+        self.pools.clear()
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+def _credentials(config: ClusterConfig) -> grpc.ServerCredentials | None:
+    r = config.router
+    if r.tls_cert is None:
+        return None
+    pair = (Path(r.tls_key).read_bytes(), Path(r.tls_cert).read_bytes())
+    return grpc.ssl_server_credentials([pair])
+
+
+class BackgroundCluster:
+    """A ``ServingCluster`` on its own thread and event loop::
+
+    with BackgroundCluster(config) as c:
+        Client(c.address).generate(...)
+    """
+
+    def __init__(self, config: ClusterConfig, start_timeout_s: float = 900.0):
+        self.cluster = ServingCluster(config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="splitserve-router", daemon=True)
+        self._thread.start()
+        try:
+            self.address = self.run(self.cluster.start(), start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def run(self, coro, timeout: float | None = None):
+        """Run a coroutine on the cluster's loop (e.g. one reading the dispatcher)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        return self.cluster.server.dispatcher
+
+    def stop(self) -> None:
+        if self._loop.is_running():
+            self.run(self.cluster.stop(), 120)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def __enter__(self) -> BackgroundCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
