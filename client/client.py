@@ -1,0 +1,243 @@
+"""The gRPC client SDK: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+::
+
+    with Client("127.0.0.1:50051") as c:
+        print(c.generate("What is the capital of France?", max_tokens=32).text)
+        for item in c.stream(messages=[{"role": "user", "content": "Hi"}]):
+            ...  # Chunk(token_ids, text, ...) items, then one Final
+
+Errors arrive as typed exceptions (``splitserve.client.errors``). A call that
+fails with ``UNAVAILABLE`` before the server sent anything is retried with
+exponential backoff (``retries`` times); once tokens have arrived it is not,
+so no token is ever delivered twice. Leaving a ``stream`` early cancels the
+request on the server, which frees its KV everywhere. ``timeout`` (seconds)
+is the call's gRPC deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.client.errors import Unavailable, from_rpc_error
+from splitserve.client.types import Chunk, Completion, Final, build_request, item_of
+from splitserve.proto import splitserve_pb2 as pb
+from splitserve.proto import splitserve_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    max_model_len: int
+    vocab_size: int
+
+
+def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
+    if not tls and root_certificates is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+
+
+def _tokenize_request(prompt: str | None, messages: list[dict[str, str]] | None, model: str):
+    req = pb.TokenizeRequest(model=model)
+    if messages is not None:
+        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    elif prompt is not None:
+        req.prompt = prompt
+    return req
+
+
+class Client:
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        timeout: float | None = None,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+    ):
+        creds = _credentials(tls, root_certificates)
+        self._channel = (
+            grpc.secure_channel(target, creds) if creds is not None else grpc.insecure_channel(target)
+        )
+        self._stub = pb_grpc.SplitserveStub(self._channel)
+        self.target, self.timeout, self.retries, self.backoff_s = target, timeout, retries, backoff_s
+
+    # ---- generation -------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        timeout: float | None = None,
+        **options: Any,
+    ) -> Iterator[Chunk | Final]:
+        """Yield ``Chunk`` items as tokens arrive, then one ``Final``. ``options``:
+        model, request_id, max_tokens, temperature, top_k, top_p, seed, stop,
+        stop_token_ids, ignore_eos, logprobs, timeout_ms."""
+        request = build_request(prompt, messages, **options)
+        timeout = timeout if timeout is not None else self.timeout
+        for attempt in range(self.retries + 1):
+            call = self._stub.Generate(request, timeout=timeout)
+            received = False
+            try:
+                for resp in call:
+                    received = True
+                    yield item_of(resp)
+                return
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+                if isinstance(err, Unavailable) and not received and attempt < self.retries:
+                    time.sleep(self.backoff_s * 2**attempt)
+                    continue
+                raise err from None
+            finally:
+                call.cancel()  # a no-op after completion; frees the request if the caller left early
+
+    def generate(self, prompt: str | list[int] | None = None, **kwargs: Any) -> Completion:
+        """The whole completion (``stream`` collected)."""
+        out = Completion(request_id=kwargs.get("request_id", ""))
+        for item in self.stream(prompt, **kwargs):
+            out.add(item)
+        return out
+
+    # ---- other calls --------------------------------------------------------------------
+    def tokenize(
+        self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None, model: str = ""
+    ) -> list[int]:
+        resp = self._unary(self._stub.Tokenize, _tokenize_request(prompt, messages, model))
+        return list(resp.token_ids)
+
+    def list_models(self) -> list[ModelInfo]:
+        resp = self._unary(self._stub.ListModels, pb.ListModelsRequest())
+        return [ModelInfo(m.id, m.max_model_len, m.vocab_size) for m in resp.models]
+
+    def cluster_status(self) -> pb.ClusterStatusResponse:
+        return self._unary(self._stub.ClusterStatus, pb.ClusterStatusRequest())
+
+    def health(self, timeout: float = 2.0) -> bool:
+        """True when the server answers SERVING."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _unary(self, method, request):
+        for attempt in range(self.retries + 1):
+            try:
+                return method(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+                if isinstance(err, Unavailable) and attempt < self.retries:
+                    time.sleep(self.backoff_s * 2**attempt)
+                    continue
+                raise err from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """``Client``'s asyncio twin (same arguments, same semantics)."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        timeout: float | None = None,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+    ):
+        creds = _credentials(tls, root_certificates)
+        self._channel = (
+            grpc.aio.secure_channel(target, creds) if creds is not None else grpc.aio.insecure_channel(target)
+        )
+        self._stub = pb_grpc.SplitserveStub(self._channel)
+        self.target, self.timeout, self.retries, self.backoff_s = target, timeout, retries, backoff_s
+
+    async def stream(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        timeout: float | None = None,
+        **options: Any,
+    ) -> AsyncIterator[Chunk | Final]:
+        request = build_request(prompt, messages, **options)
+        timeout = timeout if timeout is not None else self.timeout
+        for attempt in range(self.retries + 1):
+            call = self._stub.Generate(request, timeout=timeout)
+            received = False
+            try:
+                async for resp in call:
+                    received = True
+                    yield item_of(resp)
+                return
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+                if isinstance(err, Unavailable) and not received and attempt < self.retries:
+                    await asyncio.sleep(self.backoff_s * 2**attempt)
+                    continue
+                raise err from None
+            finally:
+                call.cancel()
+
+    async def generate(self, prompt: str | list[int] | None = None, **kwargs: Any) -> Completion:
+        out = Completion(request_id=kwargs.get("request_id", ""))
+        async for item in self.stream(prompt, **kwargs):
+            out.add(item)
+        return out
+
+    async def tokenize(
+        self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None, model: str = ""
+    ) -> list[int]:
+        resp = await self._unary(self._stub.Tokenize, _tokenize_request(prompt, messages, model))
+        return list(resp.token_ids)
+
+    async def list_models(self) -> list[ModelInfo]:
+        resp = await self._unary(self._stub.ListModels, pb.ListModelsRequest())
+        return [ModelInfo(m.id, m.max_model_len, m.vocab_size) for m in resp.models]
+
+    async def cluster_status(self) -> pb.ClusterStatusResponse:
+        return await self._unary(self._stub.ClusterStatus, pb.ClusterStatusRequest())
+
+    async def _unary(self, method, request):
+        for attempt in range(self.retries + 1):
+            try:
+                return await method(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+                if isinstance(err, Unavailable) and attempt < self.retries:
+                    await asyncio.sleep(self.backoff_s * 2**attempt)
+                    continue
+                raise err from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

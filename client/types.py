@@ -1,0 +1,118 @@
+"""Plain results the SDK returns (the protos stay an implementation detail)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from splitserve.client.errors import InvalidArgument
+from splitserve.proto import splitserve_pb2 as pb
+
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New tokens of a streamed completion."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    times_ms: list[float]  # per token: ms since the router accepted the request
+
+
+@dataclass(frozen=True)
+class Final:
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    ttft_ms: float
+    transfer_ms: float
+    e2e_ms: float
+    prefill_worker: str
+    decode_worker: str
+
+
+@dataclass
+class Completion:
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    times_ms: list[float] = field(default_factory=list)
+    final: Final | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.final.finish_reason if self.final else None
+
+    def add(self, item: Chunk | Final) -> None:
+        if isinstance(item, Final):
+            self.final = item
+        else:
+            self.text += item.text
+            self.token_ids.extend(item.token_ids)
+            self.logprobs.extend(item.logprobs)
+            self.times_ms.extend(item.times_ms)
+
+
+def item_of(resp: pb.GenerateResponse) -> Chunk | Final:
+    if resp.WhichOneof("kind") == "token":
+        t = resp.token
+        return Chunk(list(t.token_ids), t.text, list(t.logprobs), list(t.times_ms))
+    f = resp.final
+    return Final(
+        finish_reason=_FINISH.get(f.finish_reason, "unspecified"),
+        prompt_tokens=f.usage.prompt_tokens,
+        completion_tokens=f.usage.completion_tokens,
+        cached_prompt_tokens=f.usage.cached_prompt_tokens,
+        ttft_ms=f.timing.ttft_ms,
+        transfer_ms=f.timing.transfer_ms,
+        e2e_ms=f.timing.e2e_ms,
+        prefill_worker=f.prefill_worker,
+        decode_worker=f.decode_worker,
+    )
+
+
+def build_request(
+    prompt: str | list[int] | None,
+    messages: list[dict[str, str]] | None,
+    *,
+    model: str = "",
+    request_id: str = "",
+    timeout_ms: int = 0,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool = False,
+    logprobs: bool = False,
+) -> pb.GenerateRequest:
+    sp = pb.SamplingParams(
+        stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos, logprobs=logprobs
+    )
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_k", top_k),
+        ("top_p", top_p),
+        ("seed", seed),
+    ):
+        if value is not None:
+            try:
+                setattr(sp, name, value)
+            except (ValueError, TypeError) as e:  # e.g. a negative value for an unsigned field
+                raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"{name}={value!r}: {e}") from None
+    req = pb.GenerateRequest(model=model, sampling=sp, request_id=request_id, timeout_ms=timeout_ms)
+    if messages is not None:
+        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    elif isinstance(prompt, str):
+        req.prompt = prompt
+    elif prompt is not None:
+        req.token_ids.ids.extend(prompt)
+    return req
