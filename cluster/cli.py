@@ -1,21 +1,112 @@
 """The ``splitserve`` command line.
 
-stdout carries only generated text, so scripts can capture it; logs and
-progress go to stderr.
+    splitserve serve [--config PATH] [--address RAY_ADDRESS] [--port N]
+    splitserve generate PROMPT [--server HOST:PORT] [--stream] [...]
+    splitserve status [--server HOST:PORT]
+
+stdout carries only generated text (and ``status`` output), so scripts can
+capture it; logs and progress go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
 import time
 
+DEFAULT_SERVER = "127.0.0.1:50051"
 
+
+def _err(msg: str) -> None:
+    print(f"splitserve: {msg}", file=sys.stderr, flush=True)
+
+
+# ---- serve -------------------------------------------------------------------------------
+def _serve(args: argparse.Namespace) -> int:
+    from splitserve.cluster.config import ClusterConfig, describe
+
+    if args.help_config:
+        print("\n".join(describe()))
+        return 0
+    try:
+        config = ClusterConfig.load(args.config)
+        overrides = {}
+        if args.address:
+            overrides["ray"] = config.ray.model_copy(update={"address": args.address})
+        if args.port is not None:
+            overrides["router"] = config.router.model_copy(update={"port": args.port})
+        config = ClusterConfig.model_validate(config.model_copy(update=overrides).model_dump())
+    except ValueError as e:
+        _err(str(e))
+        return 2
+    return asyncio.run(_serve_until_signal(config))
+
+
+async def _serve_until_signal(config) -> int:
+    from splitserve.cluster.app import ServingCluster
+
+    start = time.perf_counter()
+    cluster = ServingCluster(config, progress=_err)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(cluster.start())
+    await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        _err("interrupted while starting; shutting down")
+        await asyncio.gather(starting, return_exceptions=True)
+        return 130
+    if starting.exception() is not None:
+        _err(f"failed to start: {starting.exception()}")
+        return 1
+    _err(f"ready in {time.perf_counter() - start:.1f} s; Ctrl-C stops")
+    await stop.wait()
+    _err("shutting down (finishing running requests) ...")
+    await cluster.stop()
+    _err("stopped")
+    return 0
+
+
+# ---- generate ----------------------------------------------------------------------------
 def _generate(args: argparse.Namespace) -> int:
+    from splitserve.client import Client, SplitserveClientError
+    from splitserve.client.types import Chunk
+
+    server = args.server
+    if server is None:
+        with Client(DEFAULT_SERVER, retries=0) as probe:
+            if probe.health(timeout=1.0):
+                server = DEFAULT_SERVER
+    if server is None:
+        return _generate_in_process(args)
+    messages = None if args.raw else [{"role": "user", "content": args.prompt}]
+    prompt = args.prompt if args.raw else None
+    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    try:
+        with Client(server) as client:
+            if args.stream:
+                for item in client.stream(prompt, messages=messages, **options):
+                    if isinstance(item, Chunk):
+                        sys.stdout.write(item.text)
+                        sys.stdout.flush()
+            else:
+                sys.stdout.write(client.generate(prompt, messages=messages, **options).text)
+    except SplitserveClientError as e:
+        _err(f"{server}: {e}")
+        return 1
+    sys.stdout.write("\n")
+    return 0
+
+
+def _generate_in_process(args: argparse.Namespace) -> int:
     from splitserve.engine import Engine, EngineConfig, SamplingParams, SplitserveError
 
-    print("splitserve: no server given; running the engine in-process", file=sys.stderr)
+    _err(f"no server on {DEFAULT_SERVER}; running the engine in-process")
     start = time.perf_counter()
     try:
         engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
@@ -25,9 +116,9 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             engine.add_request(messages=[{"role": "user", "content": args.prompt}], params=params)
     except SplitserveError as e:
-        print(f"splitserve: {e}", file=sys.stderr)
+        _err(str(e))
         return 2
-    print(f"splitserve: model loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    _err(f"model loaded in {time.perf_counter() - start:.1f} s")
     while engine.has_unfinished():
         for out in engine.step():
             sys.stdout.write(out.text)
@@ -36,18 +127,63 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- status ------------------------------------------------------------------------------
+def _status(args: argparse.Namespace) -> int:
+    from splitserve.client import Client, SplitserveClientError
+
+    try:
+        with Client(args.server, retries=0, timeout=5.0) as client:
+            st = client.cluster_status()
+    except SplitserveClientError as e:
+        _err(f"{args.server}: {e}")
+        return 1
+    print(f"{st.model} ({st.mode}), {st.inflight_requests} request(s) in flight")
+    head = ("worker", "role", "alive", "running", "waiting", "queued tok", "KV used")
+    print(f"{head[0]:<14} {head[1]:<10} {head[2]:<6} {head[3]:>7} {head[4]:>7} {head[5]:>10} {head[6]:>13}")
+    for pool in st.pools:
+        for w in pool.workers:
+            kv = f"{w.kv_blocks_used}/{w.kv_blocks_total}"
+            print(
+                f"{w.worker_id:<14} {w.role:<10} {'yes' if w.alive else 'NO':<6} {w.running:>7} "
+                f"{w.waiting:>7} {w.queued_prompt_tokens:>10} {kv:>13}" + (f"  {w.error}" if w.error else "")
+            )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="start the cluster (Ray, workers, gRPC router) and serve until Ctrl-C")
+    srv.add_argument("--config", default=None, help="a cluster_configs/*.yaml (default: local.yaml)")
+    srv.add_argument(
+        "--address", default=None, help="attach to this Ray cluster ('auto') instead of starting one"
+    )
+    srv.add_argument("--port", type=int, default=None, help="gRPC port (overrides the config)")
+    srv.add_argument("--help-config", action="store_true", help="list every config field and exit")
+    srv.set_defaults(func=_serve)
+
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt", help="the user's message (or raw text with --raw)")
+    gen.add_argument(
+        "--server",
+        default=None,
+        help=f"HOST:PORT of a server (default: {DEFAULT_SERVER} if up, else in-process)",
+    )
+    gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    gen.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file or an HF directory")
-    gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    gen.add_argument(
+        "--model", default="smollm2", help="in-process only: smollm2, a .gguf file or an HF directory"
+    )
+    gen.add_argument("--dtype", default="auto", help="in-process only: auto, float32, bfloat16 or float16")
     gen.set_defaults(func=_generate)
+
+    st = sub.add_parser("status", help="pools, workers, queues and KV occupancy of a running server")
+    st.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
+    st.set_defaults(func=_status)
     return parser
 
 
