@@ -1,0 +1,58 @@
+"""The serving config: defaults, the shipped YAMLs, and clear errors."""
+
+import pytest
+
+from splitserve.cluster.config import CONFIG_DIR, ClusterConfig, describe
+
+
+def test_local_yaml_is_the_default():
+    assert ClusterConfig.load() == ClusterConfig()
+    assert ClusterConfig.load(CONFIG_DIR / "local.yaml").mode == "disaggregated"
+
+
+def test_every_shipped_config_loads():
+    paths = sorted(CONFIG_DIR.glob("*.yaml"))
+    assert paths
+    for path in paths:
+        ClusterConfig.load(path)
+    assert ClusterConfig.load(CONFIG_DIR / "colocated.yaml").pools().keys() == {"colocated"}
+
+
+def test_every_field_is_described():
+    from pydantic import BaseModel
+
+    def missing(model):
+        for name, f in model.model_fields.items():
+            if not f.description:
+                yield f"{model.__name__}.{name}"
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+                yield from missing(f.annotation)
+
+    assert list(missing(ClusterConfig)) == []
+    assert any(line.strip().startswith("backend: KV transfer backend") for line in describe())
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("mode: both\n", "mode"),
+        ("prefill: {replicas: 0}\n", "at least one prefill"),
+        ("decode: {engine: {block_size: 32}}\n", "same block_size"),
+        ("transfer: {backend: carrier-pigeon}\n", "backend"),
+        ("prefill: {tp_size: 2}\n", "tensor parallelism"),
+        ("router: {tls_cert: a.pem}\n", "tls_key"),
+        ("limits: {max_inflight_requests: 0}\n", "max_inflight_requests"),
+        ("modle: {name: x}\n", "modle"),
+        ("model: [unclosed\n", "not valid YAML"),
+    ],
+)
+def test_invalid_configs_name_the_problem(tmp_path, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=needle):
+        ClusterConfig.load(path)
+
+
+def test_missing_file():
+    with pytest.raises(ValueError, match="cannot read config"):
+        ClusterConfig.load("/nonexistent/cluster.yaml")

@@ -1,0 +1,57 @@
+"""EngineLoop: calls run on the loop thread between steps; outputs are routed."""
+
+import threading
+
+import pytest
+
+from splitserve.engine import Engine, EngineConfig, EngineLoop, InvalidRequest, SamplingParams
+from tests.conftest import make_hf_checkpoint, random_prompts
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    make_hf_checkpoint("llama", d)
+    return Engine(EngineConfig(model=str(d), dtype="float32", num_kv_blocks=64))
+
+
+def test_calls_run_on_the_loop_thread_and_outputs_arrive(engine):
+    outputs, ticks, done = [], [], threading.Event()
+
+    def on_outputs(outs):
+        outputs.extend(outs)
+        if any(o.finished for o in outs):
+            done.set()
+
+    prompt = random_prompts([9], 512)[0]
+    expected = engine.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
+    loop = EngineLoop(engine, on_outputs, on_tick=lambda: ticks.append(threading.current_thread())).start()
+    try:
+        thread = loop.call(lambda e: threading.current_thread()).result(5)
+        assert thread is not threading.current_thread() and thread.name == "engine-loop"
+        rid = loop.call(
+            lambda e: e.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+        ).result(5)
+        assert done.wait(10)
+        tokens = [t for o in outputs if o.request_id == rid for t in o.new_token_ids]
+        assert tokens == expected
+        assert ticks and all(t is thread for t in ticks[:5])  # the tick runs even when idle
+        with pytest.raises(InvalidRequest, match="empty"):  # errors reach the caller
+            loop.call(lambda e: e.add_request([], SamplingParams())).result(5)
+    finally:
+        loop.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        loop.call(lambda e: None).result(1)
+
+
+def test_a_failing_callback_stops_the_loop_loudly(engine):
+    def boom(outs):
+        raise ZeroDivisionError("bug")
+
+    loop = EngineLoop(engine, boom).start()
+    rid = loop.call(lambda e: e.add_request([1, 2, 3], SamplingParams(max_tokens=3))).result(5)
+    loop._thread.join(10)
+    assert isinstance(loop.error, ZeroDivisionError)
+    with pytest.raises(RuntimeError, match="stopped"):
+        loop.call(lambda e: None).result(1)
+    engine.abort(rid)

@@ -1,0 +1,45 @@
+"""One mapping from exceptions to gRPC codes (router) and back to types (client)."""
+
+import grpc
+import pytest
+
+from splitserve.client import errors as client_errors
+from splitserve.engine import DeadlineExceeded, InvalidRequest, Overloaded, UnknownRequest
+from splitserve.kv_transfer.errors import IntegrityError, PeerLost
+from splitserve.router.errors import WorkerLost, status_for
+
+
+@pytest.mark.parametrize(
+    "exc, code, client_cls",
+    [
+        (
+            InvalidRequest("the prompt is empty"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            client_errors.InvalidArgument,
+        ),
+        (Overloaded("full"), grpc.StatusCode.RESOURCE_EXHAUSTED, client_errors.ResourceExhausted),
+        (DeadlineExceeded("late"), grpc.StatusCode.DEADLINE_EXCEEDED, client_errors.DeadlineExceeded),
+        (WorkerLost("gone"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),
+        (IntegrityError("bad bytes"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),
+        (PeerLost("restarted"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),
+        (UnknownRequest("r1"), grpc.StatusCode.NOT_FOUND, client_errors.NotFound),
+        (ZeroDivisionError("bug"), grpc.StatusCode.INTERNAL, client_errors.ServerError),
+    ],
+)
+def test_status_and_client_type(exc, code, client_cls):
+    got_code, message = status_for(exc)
+    assert got_code == code
+    if code != grpc.StatusCode.INTERNAL:
+        assert message == str(exc)
+    else:
+        assert "internal error" in message
+
+    class FakeRpcError(grpc.RpcError):
+        def code(self):
+            return got_code
+
+        def details(self):
+            return message
+
+    err = client_errors.from_rpc_error(FakeRpcError())
+    assert type(err) is client_cls and err.details == message
