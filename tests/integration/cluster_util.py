@@ -1,0 +1,78 @@
+"""Shared pieces of the cluster tests: a tiny-model config, concurrent streams,
+and waiting for KV occupancy to drain (as the status service reports it)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from splitserve.client import Chunk, Client, Completion
+from splitserve.cluster.config import ClusterConfig
+from splitserve.engine import Engine, SamplingParams
+from tests.conftest import random_prompts
+
+VOCAB = 512
+
+
+def tiny_config(checkpoint: str, mode: str = "disaggregated", **overrides) -> ClusterConfig:
+    pool = {"num_cpus": 1, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
+    data = {
+        "mode": mode,
+        "model": {"name": checkpoint, "dtype": "float32"},
+        "prefill": pool,
+        "decode": pool,
+        "colocated": {**pool, "replicas": 2},
+        "router": {"port": 0, "shutdown_grace_s": 1},
+        "limits": {"max_inflight_requests": 64},
+    }
+    data.update(overrides)
+    return ClusterConfig.model_validate(data)
+
+
+def mixed_workload(n: int = 32, seed: int = 7) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts of 3..300 tokens and outputs of 1..40 tokens, some ending at a stop token."""
+    lengths = [3 + (i * 97) % 298 for i in range(n)]
+    prompts = random_prompts(lengths, VOCAB, seed=seed)
+    params = []
+    for i in range(n):
+        stop = (7, 11) if i % 4 == 0 else ()  # some requests may end early, by a stop token
+        params.append(SamplingParams(max_tokens=1 + (i * 13) % 40, stop_token_ids=stop))
+    return prompts, params
+
+
+def reference_tokens(engine: Engine, prompts, params) -> list[list[int]]:
+    return [c.token_ids for c in engine.generate(prompts, params)]
+
+
+def stream_all(address: str, prompts, params, timeout: float = 120) -> list[tuple[Completion, int]]:
+    """Stream every request at once, one thread each; returns (completion, number of chunks)."""
+
+    def one(i):
+        out, chunks = Completion(), 0
+        with Client(address, timeout=timeout) as client:
+            for item in client.stream(prompts[i], **_options(params[i])):
+                chunks += isinstance(item, Chunk)
+                out.add(item)
+        return out, chunks
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def _options(p: SamplingParams) -> dict:
+    return dict(max_tokens=p.max_tokens, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
+
+
+def kv_used(client: Client) -> dict[str, int]:
+    st = client.cluster_status()
+    return {w.worker_id: w.kv_blocks_used + w.kv_exports_held for p in st.pools for w in p.workers}
+
+
+def wait_kv_free(client: Client, timeout: float = 10.0) -> dict[str, int]:
+    """Poll the status service until no worker holds KV; returns the last reading."""
+    deadline = time.monotonic() + timeout
+    used = kv_used(client)
+    while any(used.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        used = kv_used(client)
+    return used
