@@ -185,3 +185,27 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
     assert (a.token_ids, b.token_ids) == (want[0], want[1])
     assert a.final.prefill_worker == "" and a.final.transfer_ms == 0
     assert b.final.prefill_worker == "prefill-0"
+
+
+def test_a_restarted_prefill_worker_is_used_again(cluster, reference, client):
+    """Ray restarts a killed prefill worker; its KV source comes back with a new
+    incarnation and the decode worker reconnects to it. Requests in between get
+    a clear UNAVAILABLE or succeed; none hangs. (Runs last: it kills a worker.)"""
+    import time
+
+    from splitserve.client import Unavailable
+
+    (pw,) = cluster.dispatcher.prefill
+    ray.kill(pw.handle, no_restart=False)
+    prompt = random_prompts([40], VOCAB, seed=9)[0]
+    (want,) = reference_tokens(reference, [prompt], [SamplingParams(max_tokens=6)])
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            got = client.generate(prompt, max_tokens=6, timeout=30)
+            break
+        except Unavailable:
+            assert time.monotonic() < deadline, "the prefill worker never came back"
+            time.sleep(0.5)
+    assert got.token_ids == want and got.final.prefill_worker == "prefill-0"
+    assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}

