@@ -78,6 +78,11 @@ def _generate(args: argparse.Namespace) -> int:
     from splitserve.client.types import Chunk
 
     server = args.server
+    if args.wait:
+        server = server or DEFAULT_SERVER
+        if not _wait_for_server(server, args.wait):
+            _err(f"no server became ready on {server} within {args.wait:.0f} s")
+            return 1
     if server is None:
         with Client(DEFAULT_SERVER, retries=0) as probe:
             if probe.health(timeout=1.0):
@@ -101,6 +106,24 @@ def _generate(args: argparse.Namespace) -> int:
         return 1
     sys.stdout.write("\n")
     return 0
+
+
+def _wait_for_server(server: str, timeout_s: float) -> bool:
+    from splitserve.client import Client
+
+    deadline = time.monotonic() + timeout_s
+    said = False
+    while True:
+        # A fresh channel per probe: a channel that failed to connect backs off for seconds.
+        with Client(server, retries=0) as probe:
+            if probe.health(timeout=1.0):
+                return True
+        if time.monotonic() > deadline:
+            return False
+        if not said:
+            _err(f"waiting for the server on {server} to be ready ...")
+            said = True
+        time.sleep(0.5)
 
 
 def _generate_in_process(args: argparse.Namespace) -> int:
@@ -171,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"HOST:PORT of a server (default: {DEFAULT_SERVER} if up, else in-process)",
     )
     gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    gen.add_argument(
+        "--wait",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="wait up to this long for the server to be ready",
+    )
     gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")

@@ -39,7 +39,16 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
             time.sleep(0.5)
         address = f"127.0.0.1:{port}"
         gen = subprocess.run(
-            [*CLI, "generate", "What is the capital of France?", "--server", address, "--stream"],
+            [
+                *CLI,
+                "generate",
+                "What is the capital of France?",
+                "--server",
+                address,
+                "--stream",
+                "--wait",
+                "60",
+            ],
             capture_output=True,
             text=True,
             timeout=120,
