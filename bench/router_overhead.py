@@ -1,0 +1,105 @@
+"""What the router adds per token: delivery lag through router + gRPC against
+calling the decode worker's stream directly over Ray, in the same run.
+
+    python -m splitserve.bench.router_overhead [--model smollm2] [--requests 20] [--tokens 64]
+
+One colocated worker (so both paths run the same prefill and decode on the
+same actor); requests run one at a time, alternating direct and routed, so
+machine noise hits both alike.
+
+- direct lag per token = time the driver got the token - time the worker sampled it
+- routed lag per token = time the SDK got the token - (time the SDK sent the
+  request + the token's ``times_ms``, which the router measures from when it
+  accepted the request); this includes the request's trip to the router once.
+
+Both clocks are this machine's, so the lags compare. Prints medians, p90s and
+the routed - direct difference (the router's added latency per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import ray
+
+from splitserve.client import Chunk, Client
+from splitserve.cluster.app import BackgroundCluster
+from splitserve.cluster.config import ClusterConfig
+from splitserve.decode_worker import DecodeTask
+from splitserve.engine import SamplingParams
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def direct(handle, prompt_ids: list[int], params: SamplingParams, rid: str) -> tuple[list[float], float]:
+    lags, start = [], time.time()
+    for ref in handle.generate.remote(DecodeTask(rid, prompt_ids, params)):
+        batch = ray.get(ref)
+        now = time.time()
+        lags.extend(now - t for t in batch.token_times)
+    return lags, time.time() - start
+
+
+def routed(client: Client, prompt_ids: list[int], params: SamplingParams) -> tuple[list[float], float]:
+    lags, sent = [], time.time()
+    for item in client.stream(prompt_ids, max_tokens=params.max_tokens, ignore_eos=True):
+        now = time.time()
+        if isinstance(item, Chunk):
+            lags.extend(now - (sent + ms / 1000) for ms in item.times_ms)
+    return lags, time.time() - sent
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--requests", type=int, default=20, help="requests per path")
+    ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    args = ap.parse_args(argv)
+    config = ClusterConfig.model_validate(
+        {
+            "mode": "colocated",
+            "model": {"name": args.model},
+            "colocated": {"replicas": 1, "num_cpus": 1},
+            "router": {"port": 0},
+        }
+    )
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with BackgroundCluster(config) as cluster, Client(cluster.address, timeout=120) as client:
+            handle = cluster.dispatcher.decode[0].handle
+            prompt_ids = client.tokenize(messages=[{"role": "user", "content": PROMPT}])
+            params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+            direct(handle, prompt_ids, params, "warmup")
+            routed(client, prompt_ids, params)
+            d_lags, r_lags, d_e2e, r_e2e = [], [], [], []
+            for i in range(args.requests):
+                lags, e2e = direct(handle, prompt_ids, params, f"direct-{i}")
+                d_lags += lags
+                d_e2e.append(e2e)
+                lags, e2e = routed(client, prompt_ids, params)
+                r_lags += lags
+                r_e2e.append(e2e)
+    finally:
+        ray.shutdown()
+    ms = 1000
+    print(f"model {args.model}, {args.requests} requests x {args.tokens} tokens per path, one at a time")
+    print(f"{'path':<8} {'lag p50 ms':>10} {'lag p90 ms':>10} {'e2e median ms':>14}")
+    for name, lags, e2e in (("direct", d_lags, d_e2e), ("routed", r_lags, r_e2e)):
+        p50, p90, e2e_ms = pct(lags, 0.5) * ms, pct(lags, 0.9) * ms, statistics.median(e2e) * ms
+        print(f"{name:<8} {p50:>10.2f} {p90:>10.2f} {e2e_ms:>14.1f}")
+    added = (pct(r_lags, 0.5) - pct(d_lags, 0.5)) * ms
+    e2e_ratio = statistics.median(r_e2e) / statistics.median(d_e2e)
+    print(f"router adds {added:.2f} ms per token (median lag); routed/direct e2e = {e2e_ratio:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
