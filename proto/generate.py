@@ -1,6 +1,7 @@
 """Regenerate the committed Python stubs from ``splitserve.proto``.
 
-    python -m splitserve.proto.generate      # rewrites proto/splitserve_pb2*.py[i]
+    python -m splitserve.proto.generate            # rewrites proto/splitserve_pb2*.py[i]
+    python -m splitserve.proto.generate --out DIR  # writes them elsewhere (the staleness test)
 
 Needs ``grpcio-tools`` (in the ``test`` extra). The stubs are generated as if
 the .proto lived at ``splitserve/proto/`` so that they import each other as
@@ -43,9 +44,11 @@ def generate(out_dir: Path) -> list[Path]:
         return paths
 
 
-def main() -> int:
-    for path in generate(HERE):
-        print(f"wrote {path.name}", file=sys.stderr)
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    out = Path(args[1]) if len(args) == 2 and args[0] == "--out" else HERE
+    for path in generate(out):
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
