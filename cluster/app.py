@@ -21,6 +21,7 @@ import ray
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.pools import WorkerPool
 from splitserve.router.dispatch import Dispatcher, RoutingPolicy
+from splitserve.router.openai_http import OpenAIServer
 from splitserve.router.server import RouterServer
 
 log = logging.getLogger(__name__)
@@ -46,11 +47,16 @@ class ServingCluster:
         self.progress = progress
         self.pools: dict[str, WorkerPool] = {}
         self.server: RouterServer | None = None
+        self.http: OpenAIServer | None = None
         self._started_ray = False
 
     @property
     def address(self) -> str:
         return self.server.address if self.server else ""
+
+    @property
+    def http_address(self) -> str:
+        return f"{self.http.host}:{self.http.port}" if self.http else ""
 
     async def start(self) -> str:
         """Start everything; returns the router's ``host:port`` once it serves."""
@@ -80,14 +86,20 @@ class ServingCluster:
             r = cfg.router
             self.server = RouterServer(dispatcher, cfg.mode, r.host, r.port, credentials=_credentials(cfg))
             await self.server.start()
+            if r.http_port is not None:
+                self.http = OpenAIServer(dispatcher, r.host, r.http_port)
+                await self.http.start()
         except BaseException:
             await self.stop()
             raise
-        self.progress(f"serving {cfg.model.public_name} ({cfg.mode}) on {self.address}")
+        http = f", OpenAI-compatible HTTP on http://{self.http_address}/v1" if self.http else ""
+        self.progress(f"serving {cfg.model.public_name} ({cfg.mode}) on {self.address} (gRPC){http}")
         return self.address
 
     async def stop(self) -> None:
         """Drain the router, stop the workers, and Ray if this cluster started it."""
+        if self.http is not None:
+            await self.http.stop()
         if self.server is not None:
             await self.server.stop(self.config.router.shutdown_grace_s)
         for pool in self.pools.values():
@@ -127,6 +139,10 @@ class BackgroundCluster:
     def run(self, coro, timeout: float | None = None):
         """Run a coroutine on the cluster's loop (e.g. one reading the dispatcher)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def http_address(self) -> str:
+        return self.cluster.http_address
 
     @property
     def dispatcher(self) -> Dispatcher:

@@ -1,6 +1,6 @@
 """The ``splitserve`` command line.
 
-    splitserve serve [--config PATH] [--address RAY_ADDRESS] [--port N]
+    splitserve serve [--config PATH] [--address RAY_ADDRESS] [--port N] [--http-port N]
     splitserve generate PROMPT [--server HOST:PORT] [--stream] [...]
     splitserve status [--server HOST:PORT]
 
@@ -36,8 +36,9 @@ def _serve(args: argparse.Namespace) -> int:
         overrides = {}
         if args.address:
             overrides["ray"] = config.ray.model_copy(update={"address": args.address})
-        if args.port is not None:
-            overrides["router"] = config.router.model_copy(update={"port": args.port})
+        router = {k: v for k, v in (("port", args.port), ("http_port", args.http_port)) if v is not None}
+        if router:
+            overrides["router"] = config.router.model_copy(update=router)
         config = ClusterConfig.model_validate(config.model_copy(update=overrides).model_dump())
     except ValueError as e:
         _err(str(e))
@@ -183,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--address", default=None, help="attach to this Ray cluster ('auto') instead of starting one"
     )
     srv.add_argument("--port", type=int, default=None, help="gRPC port (overrides the config)")
+    srv.add_argument(
+        "--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (overrides the config)"
+    )
     srv.add_argument("--help-config", action="store_true", help="list every config field and exit")
     srv.set_defaults(func=_serve)
 

@@ -80,6 +80,9 @@ class TransferSpec(_Strict):
 class RouterSpec(_Strict):
     host: str = Field("127.0.0.1", description="address the gRPC router listens on")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
+    http_port: int | None = Field(
+        8000, ge=0, le=65535, description="OpenAI-compatible HTTP port on the same host (0: any; null: off)"
+    )
     tls_cert: str | None = Field(None, description="PEM certificate chain file; enables TLS with tls_key")
     tls_key: str | None = Field(None, description="PEM private key file")
     shutdown_grace_s: float = Field(5.0, ge=0, description="how long running calls may finish on shutdown")

@@ -50,3 +50,18 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             return code, str(exc)
     log.error("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error ({exc.__class__.__name__}); see the server log"
+
+
+_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def http_status_for(exc: BaseException) -> tuple[int, str, str]:
+    """HTTP status, the gRPC code's name (as the error type) and the message for ``exc``."""
+    code, message = status_for(exc)
+    return _HTTP.get(code, 500), code.name.lower(), message

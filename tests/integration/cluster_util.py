@@ -22,7 +22,7 @@ def tiny_config(checkpoint: str, mode: str = "disaggregated", **overrides) -> Cl
         "prefill": pool,
         "decode": pool,
         "colocated": {**pool, "replicas": 2},
-        "router": {"port": 0, "shutdown_grace_s": 1},
+        "router": {"port": 0, "http_port": 0, "shutdown_grace_s": 1},
         "limits": {"max_inflight_requests": 64},
     }
     data.update(overrides)

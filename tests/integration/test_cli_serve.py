@@ -27,10 +27,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _check_openai_chat(address: str) -> None:
+    """The HTTP endpoint's greedy chat answer, streamed and not, equals the engine's."""
+    openai = pytest.importorskip("openai")
+    from splitserve.engine import Engine, EngineConfig, SamplingParams
+
+    messages = [{"role": "user", "content": "Name three colors."}]
+    engine = Engine(EngineConfig(model="smollm2", kv_cache_memory_mib=64))
+    engine.add_request(messages=messages, params=SamplingParams(max_tokens=24))
+    want = []
+    while engine.has_unfinished():
+        want.extend(o.text for o in engine.step())
+    api = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0)
+    out = api.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+    assert out.choices[0].message.content == "".join(want)
+    stream = api.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=24, temperature=0, stream=True
+    )
+    deltas = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(deltas) == "".join(want)
+
+
 def test_serve_generate_status_and_ctrl_c(tmp_path):
-    port = _free_port()
+    port, http_port = _free_port(), _free_port()
     log = open(tmp_path / "serve.log", "w+")
-    server = subprocess.Popen([*CLI, "serve", "--port", str(port)], stdout=log, stderr=log)
+    server = subprocess.Popen(
+        [*CLI, "serve", "--port", str(port), "--http-port", str(http_port)], stdout=log, stderr=log
+    )
     try:
         deadline = time.monotonic() + 600
         while "Ctrl-C stops" not in (tmp_path / "serve.log").read_text():
@@ -61,6 +84,7 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
         assert status.returncode == 0, status.stderr
         assert "smollm2 (disaggregated)" in status.stdout
         assert "prefill-0" in status.stdout and "decode-0" in status.stdout
+        _check_openai_chat(f"127.0.0.1:{http_port}")
     finally:
         server.send_signal(signal.SIGINT)
         try:

@@ -209,3 +209,36 @@ def test_a_restarted_prefill_worker_is_used_again(cluster, reference, client):
             time.sleep(0.5)
     assert got.token_ids == want and got.final.prefill_worker == "prefill-0"
     assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_openai_http_endpoint_with_the_official_client(cluster, client):
+    """The OpenAI-compatible endpoint, driven by the ``openai`` package itself."""
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0)
+    (model,) = api.models.list().data
+    prompt = random_prompts([30], VOCAB, seed=12)[0]
+    out = api.completions.create(
+        model=model.id, prompt=prompt, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (30, 7)
+    chunks = list(
+        api.completions.create(
+            model=model.id,
+            prompt=prompt,
+            max_tokens=7,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 7
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        api.completions.create(model=model.id, prompt=prompt, max_tokens=5000)
+    with pytest.raises(openai.BadRequestError, match="unknown model"):
+        api.completions.create(model="gpt-5", prompt=prompt, max_tokens=5)
+    with pytest.raises(openai.BadRequestError, match="n > 1"):
+        api.completions.create(model=model.id, prompt=prompt, max_tokens=5, n=2)
+    assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}
