@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import ray
 
+from splitserve.cluster.autoscale import Autoscaler
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.pools import WorkerPool
 from splitserve.router.dispatch import Dispatcher, RoutingPolicy
@@ -48,6 +49,8 @@ class ServingCluster:
         self.pools: dict[str, WorkerPool] = {}
         self.server: RouterServer | None = None
         self.http: OpenAIServer | None = None
+        self.autoscalers: dict[str, Autoscaler] = {}
+        self._tasks: list[asyncio.Task] = []
         self._started_ray = False
 
     @property
@@ -86,6 +89,12 @@ class ServingCluster:
             r = cfg.router
             self.server = RouterServer(dispatcher, cfg.mode, r.host, r.port, credentials=_credentials(cfg))
             await self.server.start()
+            for role, pool in self.pools.items():
+                if pool.spec.autoscaling is not None:
+                    routed = dispatcher.prefill if role == "prefill" else dispatcher.decode
+                    scaler = Autoscaler(pool, routed, pool.spec.autoscaling)
+                    self.autoscalers[role] = scaler
+                    self._tasks.append(asyncio.create_task(scaler.run()))
             if r.http_port is not None:
                 self.http = OpenAIServer(dispatcher, r.host, r.http_port)
                 await self.http.start()
@@ -98,6 +107,10 @@ class ServingCluster:
 
     async def stop(self) -> None:
         """Drain the router, stop the workers, and Ray if this cluster started it."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
         if self.http is not None:
             await self.http.stop()
         if self.server is not None:

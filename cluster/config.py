@@ -55,6 +55,31 @@ class EngineOptions(_Strict):
     )
 
 
+class AutoscalingSpec(_Strict):
+    min_replicas: int = Field(1, ge=1, description="the pool never shrinks below this")
+    max_replicas: int = Field(4, ge=1, description="the pool never grows past this")
+    target: float = Field(
+        ...,
+        gt=0,
+        description="load per worker to aim for: prefill, queued prompt tokens; "
+        "decode/colocated, busy fraction (max of KV occupancy and running/max_num_seqs)",
+    )
+    interval_s: float = Field(1.0, gt=0, description="how often the policy looks at the load")
+    upscale_delay_s: float = Field(2.0, ge=0, description="how long growth must be wanted before it happens")
+    downscale_delay_s: float = Field(
+        30.0, ge=0, description="how long shrinking must be wanted before it happens"
+    )
+    drain_timeout_s: float = Field(
+        120.0, ge=0, description="how long a removed worker may finish its requests"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        return self
+
+
 class PoolSpec(_Strict):
     replicas: int = Field(1, ge=0, description="number of workers in this pool")
     num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves per worker (per TP rank)")
@@ -63,6 +88,9 @@ class PoolSpec(_Strict):
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker; default: num_cpus")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the engine runs")
     engine: EngineOptions = Field(default_factory=EngineOptions, description="engine options of this pool")
+    autoscaling: AutoscalingSpec | None = Field(
+        None, description="scale this pool on its phase's load (None: fixed)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> PoolSpec:

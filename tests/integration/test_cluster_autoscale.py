@@ -1,0 +1,107 @@
+"""Per-phase autoscaling on a live disaggregated cluster: the decode pool grows
+under decode load, the new worker takes traffic, and removing a worker while
+it streams drops nothing (drain, then kill). One Ray instance for the module."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+
+from splitserve.client import Client
+from splitserve.cluster.app import BackgroundCluster
+from tests.conftest import make_hf_checkpoint, random_prompts
+from tests.integration.cluster_util import VOCAB, tiny_config, wait_kv_free
+
+LONG = 700  # output tokens of the load requests
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    make_hf_checkpoint("llama", d)
+    engine = {"kv_cache_memory_mib": 16, "max_num_seqs": 8}
+    config = tiny_config(
+        str(d),
+        prefill={"num_cpus": 0.5, "engine": engine},
+        decode={
+            "num_cpus": 0.5,
+            "engine": engine,
+            "autoscaling": {
+                "min_replicas": 1,
+                "max_replicas": 2,
+                "target": 0.3,
+                "interval_s": 0.2,
+                "upscale_delay_s": 0.4,
+                "downscale_delay_s": 3600,  # this test removes a worker itself
+            },
+        },
+    )
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 * 2**20, log_to_driver=False)
+    try:
+        with BackgroundCluster(config) as c:
+            yield c
+    finally:
+        ray.shutdown()
+
+
+class Load:
+    """``n`` client threads, each sending one long request after another until stopped."""
+
+    def __init__(self, address: str, n: int):
+        self.results, self.errors = [], []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(address, i)) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, address: str, i: int) -> None:
+        with Client(address, timeout=300) as c:
+            seed = 100 * i
+            while not self._stop.is_set():
+                seed += 1
+                try:
+                    self.results.append(
+                        c.generate(
+                            random_prompts([12], VOCAB, seed=seed)[0], max_tokens=LONG, ignore_eos=True
+                        )
+                    )
+                except Exception as e:  # any failure is a dropped request
+                    self.errors.append(e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(300)
+
+
+def _wait(cond, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_decode_pool_grows_under_load_and_drains_without_dropping(cluster):
+    scaler = cluster.cluster.autoscalers["decode"]
+    load = Load(cluster.address, 8)  # 8 streams on a worker of 8 seqs: load ~1.0 > target 0.3
+    try:
+        _wait(lambda: len(cluster.dispatcher.decode) == 2, "the decode pool did not grow")
+        assert scaler.events[-1][1] == 2
+        new = cluster.dispatcher.decode[1]
+        assert new.worker_id == "decode-1"
+        _wait(lambda: new.active >= 2, "the new worker got no requests")
+        # Scale down while it streams: it leaves routing at once, and is killed once idle.
+        cluster.run(scaler.remove(new), timeout=180)
+    finally:
+        load.stop()
+    assert load.errors == []
+    assert all(r.final.finish_reason == "length" and len(r.token_ids) == LONG for r in load.results)
+    assert any(r.final.decode_worker == "decode-1" for r in load.results)
+    assert [w.worker_id for w in scaler.pool.workers] == ["decode-0"]
+    assert [w.worker_id for w in cluster.dispatcher.decode] == ["decode-0"]
+    assert scaler.events[-1][1] == 1
+    with Client(cluster.address) as c:
+        assert wait_kv_free(c) == {"prefill-0": 0, "decode-0": 0}
