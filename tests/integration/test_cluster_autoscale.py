@@ -105,3 +105,27 @@ def test_decode_pool_grows_under_load_and_drains_without_dropping(cluster):
     assert scaler.events[-1][1] == 1
     with Client(cluster.address) as c:
         assert wait_kv_free(c) == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_streams_on_a_lost_decode_worker_continue_elsewhere(cluster):
+    """A decode worker killed mid-stream: its requests continue on another decode
+    worker (which prefills prompt + tokens already sent); clients see complete,
+    unrepeated outputs and no error."""
+    scaler = cluster.cluster.autoscalers["decode"]
+    if len([w for w in cluster.dispatcher.decode if w.routable]) < 2:
+        cluster.run(scaler.add(), timeout=180)
+    victim = cluster.dispatcher.decode[-1]
+    load = Load(cluster.address, 6)
+    try:
+        _wait(lambda: victim.active >= 2, "the second worker got no requests")
+        streaming_on_victim = victim.active
+        ray.kill(victim.handle, no_restart=True)
+        time.sleep(1.0)
+    finally:
+        load.stop()
+    assert streaming_on_victim >= 2
+    assert load.errors == []
+    assert all(r.final.finish_reason == "length" and len(r.token_ids) == LONG for r in load.results)
+    with Client(cluster.address) as c:
+        used = wait_kv_free(c)
+    assert all(v == 0 for k, v in used.items() if k != victim.worker_id)

@@ -1,0 +1,110 @@
+"""The router's gRPC server without workers (no Ray): TLS, health, the SDK's
+unary calls, and a clear UNAVAILABLE when no worker can take a request."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import threading
+
+import grpc
+import pytest
+
+from splitserve.client import Client, InvalidArgument, Unavailable
+from splitserve.engine import RequestValidator
+from splitserve.router.dispatch import Dispatcher, RoutingPolicy
+from splitserve.router.server import RouterServer
+
+
+class _Loop:
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _server(credentials=None) -> tuple[_Loop, RouterServer]:
+    validator = RequestValidator("tiny", vocab_size=100, max_model_len=64, max_kv_tokens=1024, tokenizer=None)
+    dispatcher = Dispatcher(validator, RoutingPolicy(), served_model="tiny")
+    loop = _Loop()
+    server = RouterServer(dispatcher, "disaggregated", "127.0.0.1", 0, credentials=credentials)
+    loop.run(server.start())
+    return loop, server
+
+
+@pytest.fixture()
+def plain():
+    loop, server = _server()
+    yield server
+    loop.run(server.stop(0))
+    loop.close()
+
+
+def test_unary_calls_and_errors_without_workers(plain):
+    with Client(plain.address, retries=0, timeout=10) as c:
+        assert c.health()
+        (model,) = c.list_models()
+        assert (model.id, model.max_model_len, model.vocab_size) == ("tiny", 64, 100)
+        with pytest.raises(InvalidArgument, match="tokenizer"):
+            c.tokenize("hello")
+        with pytest.raises(InvalidArgument, match="context"):
+            c.generate(list(range(70)))
+        with pytest.raises(Unavailable, match="no decode worker"):
+            c.generate([1, 2, 3], max_tokens=2)
+        assert c.cluster_status().inflight_requests == 0
+
+
+def test_health_turns_not_serving_on_stop():
+    loop, server = _server()
+    with Client(server.address, retries=0) as c:
+        assert c.health()
+        loop.run(server._set_serving(False))  # what stop() does first, before draining
+        assert not c.health()
+    loop.run(server.stop(0))
+    loop.close()
+
+
+def test_tls(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+    loop, server = _server(creds)
+    try:
+        with Client(server.address, root_certificates=cert.read_bytes(), retries=0, timeout=10) as c:
+            assert c.list_models()[0].id == "tiny"
+        with Client(server.address, retries=0, timeout=3) as insecure, pytest.raises(Unavailable):
+            insecure.list_models()
+    finally:
+        loop.run(server.stop(0))
+        loop.close()
