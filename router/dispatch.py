@@ -147,6 +147,7 @@ class Dispatcher:
         result: PrefillResult | None = None
         if not local:
             result = await self._prefill(req)
+            req.cached = result.num_cached_tokens
             r = result
             yield self._tokens(req, r.output_token_ids, r.text, r.logprobs, [r.token_time])
             if result.finish_reason is not None:

@@ -106,7 +106,7 @@ class OpenAIServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]  # the bound port, also when 0 was asked for
         return self.port
 
     async def stop(self) -> None:

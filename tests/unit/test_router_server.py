@@ -108,3 +108,45 @@ def test_tls(tmp_path):
     finally:
         loop.run(server.stop(0))
         loop.close()
+
+
+def test_openai_http_errors_without_workers():
+    import json
+    import urllib.error
+    import urllib.request
+
+    from splitserve.router.openai_http import OpenAIServer
+
+    loop, server = _server()
+    http = OpenAIServer(server.dispatcher, "127.0.0.1", 0)
+    loop.run(http.start())
+    base = f"http://127.0.0.1:{http.port}"
+
+    def post(path, body):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(base + path, data, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "tiny"
+        cases = [
+            ("/v1/completions", b"{not json", 400, "not valid JSON"),
+            ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+            ("/v1/completions", {"prompt": [1, 2], "n": 2}, 400, "n > 1"),
+            ("/v1/completions", {"prompt": [1, 2], "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+            ("/v1/completions", {"prompt": [1, 2], "model": "other"}, 400, "unknown model"),
+            ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2}, 503, "no decode worker"),
+            ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "stream": True}, 503, "no decode worker"),
+        ]
+        for path, body, status, needle in cases:
+            got, payload = post(path, body)
+            assert got == status and needle in payload["error"]["message"], (body, got, payload)
+    finally:
+        loop.run(http.stop())
+        loop.run(server.stop(0))
+        loop.close()
