@@ -148,8 +148,8 @@ class Dispatcher:
         if not local:
             result = await self._prefill(req)
             req.cached = result.num_cached_tokens
-            r = result
-            yield self._tokens(req, r.output_token_ids, r.text, r.logprobs, [r.token_time])
+            first = result.output_token_ids
+            yield self._tokens(req, first, result.text, result.logprobs, [result.token_time] * len(first))
             if result.finish_reason is not None:
                 yield self._final(req, result.finish_reason, result.worker_id, "")
                 return
@@ -184,6 +184,7 @@ class Dispatcher:
                 raise WorkerLost("no prefill worker is available")
             tried.add(id(pw))
             n = len(req.prompt_ids)
+            # An idle worker takes any prompt the validator allowed, however long.
             if pw.queued_prompt_tokens and pw.queued_prompt_tokens + n > self.policy.max_queued_prompt_tokens:
                 raise Overloaded(
                     f"prefill queues are full ({pw.queued_prompt_tokens} prompt tokens waiting); retry later"
