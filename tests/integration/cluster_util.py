@@ -3,13 +3,18 @@ and waiting for KV occupancy to drain (as the status service reports it)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import ray
+
 from splitserve.client import Chunk, Client, Completion
+from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.engine import Engine, SamplingParams
-from tests.conftest import random_prompts
+from tests.conftest import make_hf_checkpoint, random_prompts
 
 VOCAB = 512
 
@@ -27,6 +32,23 @@ def tiny_config(checkpoint: str, mode: str = "disaggregated", **overrides) -> Cl
     }
     data.update(overrides)
     return ClusterConfig.model_validate(data)
+
+
+def tiny_checkpoint(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("tiny-llama")
+    make_hf_checkpoint("llama", d)
+    return str(d)
+
+
+@contextlib.contextmanager
+def live_cluster(config: ClusterConfig) -> Iterator[BackgroundCluster]:
+    """A Ray instance (2 CPUs, as on CI) and a cluster on it, for one test module."""
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 * 2**20, log_to_driver=False)
+    try:
+        with BackgroundCluster(config) as c:
+            yield c
+    finally:
+        ray.shutdown()
 
 
 def mixed_workload(n: int = 32, seed: int = 7) -> tuple[list[list[int]], list[SamplingParams]]:

@@ -11,20 +11,17 @@ import pytest
 import ray
 
 from splitserve.client import Client
-from splitserve.cluster.app import BackgroundCluster
-from tests.conftest import make_hf_checkpoint, random_prompts
-from tests.integration.cluster_util import VOCAB, tiny_config, wait_kv_free
+from tests.conftest import random_prompts
+from tests.integration.cluster_util import VOCAB, live_cluster, tiny_checkpoint, tiny_config, wait_kv_free
 
 LONG = 700  # output tokens of the load requests
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    make_hf_checkpoint("llama", d)
     engine = {"kv_cache_memory_mib": 16, "max_num_seqs": 8}
     config = tiny_config(
-        str(d),
+        tiny_checkpoint(tmp_path_factory),
         prefill={"num_cpus": 0.5, "engine": engine},
         decode={
             "num_cpus": 0.5,
@@ -39,12 +36,8 @@ def cluster(tmp_path_factory):
             },
         },
     )
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 * 2**20, log_to_driver=False)
-    try:
-        with BackgroundCluster(config) as c:
-            yield c
-    finally:
-        ray.shutdown()
+    with live_cluster(config) as c:
+        yield c
 
 
 class Load:

@@ -5,18 +5,18 @@ disaggregated cluster. One Ray instance and one cluster for the module."""
 from __future__ import annotations
 
 import pytest
-import ray
 
 from splitserve.client import Client, DeadlineExceeded
-from splitserve.cluster.app import BackgroundCluster
 from splitserve.engine import Engine, EngineConfig
-from tests.conftest import make_hf_checkpoint, random_prompts
+from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
     kv_used,
+    live_cluster,
     mixed_workload,
     reference_tokens,
     stream_all,
+    tiny_checkpoint,
     tiny_config,
     wait_kv_free,
 )
@@ -26,19 +26,13 @@ IDLE = {"colocated-0": 0, "colocated-1": 0}
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    make_hf_checkpoint("llama", d)
-    return str(d)
+    return tiny_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def cluster(checkpoint):
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 * 2**20, log_to_driver=False)
-    try:
-        with BackgroundCluster(tiny_config(checkpoint, mode="colocated")) as c:
-            yield c
-    finally:
-        ray.shutdown()
+    with live_cluster(tiny_config(checkpoint, mode="colocated")) as c:
+        yield c
 
 
 @pytest.fixture()

@@ -16,15 +16,16 @@ from splitserve.client import (
     InvalidArgument,
     ResourceExhausted,
 )
-from splitserve.cluster.app import BackgroundCluster
 from splitserve.engine import Engine, EngineConfig, SamplingParams
-from tests.conftest import make_hf_checkpoint, random_prompts
+from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
     kv_used,
+    live_cluster,
     mixed_workload,
     reference_tokens,
     stream_all,
+    tiny_checkpoint,
     tiny_config,
     wait_kv_free,
 )
@@ -32,19 +33,13 @@ from tests.integration.cluster_util import (
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    make_hf_checkpoint("llama", d)
-    return str(d)
+    return tiny_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def cluster(checkpoint):
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 * 2**20, log_to_driver=False)
-    try:
-        with BackgroundCluster(tiny_config(checkpoint)) as c:
-            yield c
-    finally:
-        ray.shutdown()
+    with live_cluster(tiny_config(checkpoint)) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
