@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import ray
 from splitserve.cluster.autoscale import Autoscaler
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.pools import WorkerPool
+from splitserve.engine.model.loader import resolve_source
 from splitserve.router.dispatch import Dispatcher, RoutingPolicy
 from splitserve.router.openai_http import OpenAIServer
 from splitserve.router.server import RouterServer
@@ -66,12 +68,18 @@ class ServingCluster:
         cfg = self.config
         self._started_ray = connect_ray(cfg)
         try:
+            if not cfg.ray.address:  # one machine: convert a GGUF once here, not in every worker
+                await asyncio.to_thread(resolve_source, cfg.model.name)
             for role, spec in cfg.pools().items():
                 self.pools[role] = WorkerPool(role, cfg)
                 self.progress(f"starting {spec.replicas} {role} worker(s), loading {cfg.model.name} ...")
-            refs = await asyncio.gather(*(p.add(p.spec.replicas) for p in self.pools.values()))
-            validators = await asyncio.gather(*(w.handle.info.remote() for ws in refs for w in ws))
-            validator = min((i.validator for i in validators), key=lambda v: v.max_kv_tokens)
+            ticker = asyncio.create_task(self._tick_progress())
+            try:
+                refs = await asyncio.gather(*(p.add(p.spec.replicas) for p in self.pools.values()))
+            finally:
+                ticker.cancel()
+            infos = await asyncio.gather(*(w.handle.info.remote() for ws in refs for w in ws))
+            validator = min((i.validator for i in infos), key=lambda v: v.max_kv_tokens)
             lim, pol = cfg.limits, cfg.policy
             policy = RoutingPolicy(
                 local_prefill_below_tokens=pol.local_prefill_below_tokens,
@@ -104,6 +112,15 @@ class ServingCluster:
         http = f", OpenAI-compatible HTTP on http://{self.http_address}/v1" if self.http else ""
         self.progress(f"serving {cfg.model.public_name} ({cfg.mode}) on {self.address} (gRPC){http}")
         return self.address
+
+    async def _tick_progress(self, every_s: float = 10.0) -> None:
+        start = time.monotonic()
+        while True:
+            await asyncio.sleep(every_s)
+            self.progress(
+                f"still loading the model ({time.monotonic() - start:.0f} s; a first start on a machine "
+                "compiles the CPU kernels once)"
+            )
 
     async def stop(self) -> None:
         """Drain the router, stop the workers, and Ray if this cluster started it."""
