@@ -89,21 +89,25 @@ class PrefillWorker:
         """Prefill ``task`` and export its KV. Raises ``InvalidRequest`` for bad
         input, ``DeadlineExceeded`` past ``task.timeout_s``."""
         rid = task.request_id
-        waiter = _Waiter(asyncio.get_running_loop(), asyncio.get_running_loop().create_future())
-        self._waiters[rid] = waiter
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(loop, loop.create_future())
+
+        def add(engine: Engine) -> str:  # raises InvalidRequest, e.g. for a duplicate id
+            return engine.add_request(task.prompt_token_ids, task.params, rid, prefill_only=True)
+
+        self._waiters[rid] = waiter  # before the engine sees the request: no output is missed
         try:
-            await asyncio.wrap_future(
-                self.loop.call(
-                    lambda e: e.add_request(task.prompt_token_ids, task.params, rid, prefill_only=True)
-                )
-            )
-            return await asyncio.wait_for(waiter.future, task.timeout_s)
-        except TimeoutError:
-            self._abort_later(rid)
-            raise DeadlineExceeded(f"request {rid} was not prefilled within {task.timeout_s:.3g} s") from None
-        except BaseException:
-            self._abort_later(rid)
-            raise
+            await asyncio.wrap_future(self.loop.call(add))
+            try:
+                return await asyncio.wait_for(waiter.future, task.timeout_s)
+            except TimeoutError:
+                self._abort_later(rid)
+                raise DeadlineExceeded(
+                    f"request {rid} was not prefilled within {task.timeout_s:.3g} s"
+                ) from None
+            except BaseException:  # cancelled: the caller will not take the KV
+                self._abort_later(rid)
+                raise
         finally:
             self._waiters.pop(rid, None)
 
