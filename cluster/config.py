@@ -87,6 +87,9 @@ class PoolSpec(_Strict):
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per worker, placed on one node")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker; default: num_cpus")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the engine runs")
+    cpu_ids: list[int] | None = Field(
+        None, description="pin worker i of this pool to core cpu_ids[i % len] (Linux; None: no pinning)"
+    )
     engine: EngineOptions = Field(default_factory=EngineOptions, description="engine options of this pool")
     autoscaling: AutoscalingSpec | None = Field(
         None, description="scale this pool on its phase's load (None: fixed)"

@@ -72,10 +72,12 @@ class WorkerPool:
         eng = engine_config(self.config, self.spec)
         threads = self.spec.torch_threads or max(1, int(self.spec.num_cpus))
         t = self.config.transfer
+        ids = self.spec.cpu_ids
+        cpus = (ids[int(worker_id.rsplit("-", 1)[1]) % len(ids)],) if ids else None
         if self.role == "prefill":
-            return PrefillWorkerSpec(worker_id, eng, t.backend, t.lease_s, threads)
+            return PrefillWorkerSpec(worker_id, eng, t.backend, t.lease_s, threads, cpus)
         backend = t.backend if self.role == "decode" else None
-        return DecodeWorkerSpec(worker_id, eng, backend, t.timeout_s, threads)
+        return DecodeWorkerSpec(worker_id, eng, backend, t.timeout_s, threads, cpus)
 
     async def add(self, n: int, timeout_s: float = 900.0) -> list[WorkerRef]:
         """Start ``n`` workers and wait until each has loaded its model."""

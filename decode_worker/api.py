@@ -18,6 +18,7 @@ class DecodeWorkerSpec:
     backend: str | None
     transfer_timeout_s: float = 10.0  # bound on one KV pull
     torch_threads: int | None = None
+    cpu_ids: tuple[int, ...] | None = None  # pin the worker's process to these cores (Linux)
 
 
 @dataclass(frozen=True)

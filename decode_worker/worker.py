@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +77,8 @@ class _Stream:
 
 class DecodeWorker:
     def __init__(self, spec: DecodeWorkerSpec):
+        if spec.cpu_ids:
+            os.sched_setaffinity(0, spec.cpu_ids)
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
         self.spec = spec

@@ -17,6 +17,7 @@ class PrefillWorkerSpec:
     backend: str  # KV transfer backend name (splitserve.kv_transfer.backend_names())
     lease_s: float = 30.0  # how long exported KV waits for a decode worker to take it
     torch_threads: int | None = None  # torch intra-op threads; None: torch's default
+    cpu_ids: tuple[int, ...] | None = None  # pin the worker's process to these cores (Linux)
 
 
 @dataclass(frozen=True)

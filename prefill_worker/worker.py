@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -67,6 +68,8 @@ class _Waiter:
 
 class PrefillWorker:
     def __init__(self, spec: PrefillWorkerSpec):
+        if spec.cpu_ids:
+            os.sched_setaffinity(0, spec.cpu_ids)
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
         self.spec = spec

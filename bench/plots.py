@@ -1,0 +1,82 @@
+"""PNG plots of serving runs (matplotlib, imported only here: ``pip install matplotlib``).
+
+- ``slo_attainment.png``: SLO attainment vs request rate, one line per setup;
+- ``itl_cdf_<rate>.png``: the CDF of inter-token latency per setup at each rate;
+- ``ttft_over_time_<rate>.png``: each request's TTFT against its send time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _plt():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("plots need matplotlib: pip install matplotlib") from None
+    return plt
+
+
+def write_all(directory: str, runs: dict[str, list], slos_ms: dict[str, float]) -> list[Path]:
+    """``runs`` maps a setup's label to its ``RunResult``s (one per rate)."""
+    plt = _plt()
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    if slos_ms:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, results in runs.items():
+            ax.plot(
+                [r.rate for r in results], [r.metrics["slo_attainment"] for r in results], "o-", label=label
+            )
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("SLO attainment")
+        ax.set_ylim(0, 1.05)
+        ax.set_title("SLO attainment (" + ", ".join(f"{k} <= {v:g} ms" for k, v in slos_ms.items()) + ")")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        written.append(_save(fig, out / "slo_attainment.png"))
+    rates = sorted({r.rate for results in runs.values() for r in results})
+    for rate in rates:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        fig2, ax2 = plt.subplots(figsize=(6, 4))
+        for label, results in runs.items():
+            for r in results:
+                if r.rate != rate:
+                    continue
+                itl = np.sort([g * 1000 for rec in r.records if rec.success for g in rec.itls])
+                if len(itl):
+                    ax.plot(itl, np.arange(1, len(itl) + 1) / len(itl), label=label)
+                ok = [rec for rec in r.records if rec.success]
+                t0 = min((rec.send_time for rec in r.records), default=0.0)
+                ax2.scatter(
+                    [rec.send_time - t0 for rec in ok], [rec.ttft * 1000 for rec in ok], s=8, label=label
+                )
+        ax.set_xscale("log")
+        ax.set_xlabel("inter-token latency (ms)")
+        ax.set_ylabel("fraction of gaps")
+        ax.set_title(f"ITL CDF at {rate:g} req/s")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        ax2.set_xlabel("send time (s)")
+        ax2.set_ylabel("TTFT (ms)")
+        ax2.set_yscale("log")
+        ax2.set_title(f"TTFT over the run at {rate:g} req/s")
+        ax2.grid(alpha=0.3)
+        ax2.legend()
+        written.append(_save(fig, out / f"itl_cdf_{rate:g}.png"))
+        written.append(_save(fig2, out / f"ttft_over_time_{rate:g}.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    fig.clf()
+    return path

@@ -1,0 +1,198 @@
+"""``splitserve bench serve``: an open-loop load generator against a running
+server, through the SDK, reporting the field's metrics (``bench.metrics``).
+
+    splitserve bench serve --server 127.0.0.1:50051 --dataset random \\
+        --input-len 256 --output-len 128 --num-prompts 200 --request-rate 4 \\
+        --goodput tpot:100 --result-json out.json --plot-dir plots/
+
+Open loop: send times are fixed before the run (``bench.workloads.arrival_times``)
+and a slow server does not slow the arrivals (unless ``--max-concurrency``
+caps requests in flight, which makes it a closed loop of that size).
+``--request-rate`` takes several values for a sweep; each rate gets its own
+result, and the plots put them side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.bench import workloads
+from splitserve.bench.metrics import RequestRecord, compute_metrics
+from splitserve.client import AsyncClient, Chunk, ResourceExhausted, SplitserveClientError
+
+
+@dataclass
+class RunResult:
+    rate: float
+    metrics: dict
+    records: list[RequestRecord]
+
+
+async def run_load(
+    address: str,
+    requests: list[workloads.BenchRequest],
+    arrivals: list[float],
+    max_concurrency: int | None = None,
+    timeout_s: float = 600.0,
+    progress: bool = True,
+) -> tuple[list[RequestRecord], float]:
+    """Send ``requests`` at ``arrivals`` (s from start); returns the records and
+    the run's duration (first send to last arrival)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(requests), disable=not progress, file=sys.stderr, unit="req")
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    async with AsyncClient(address, retries=0, timeout=timeout_s) as client:
+        start = time.perf_counter()
+
+        async def one(req: workloads.BenchRequest, at: float) -> RequestRecord:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            async with limit:
+                rec = RequestRecord(len(req.prompt_ids), time.perf_counter())
+                try:
+                    stream = client.stream(req.prompt_ids, max_tokens=req.output_len, ignore_eos=True)
+                    async for item in stream:
+                        if isinstance(item, Chunk) and item.token_ids:
+                            rec.chunk_times.append(time.perf_counter())
+                            rec.chunk_tokens.append(len(item.token_ids))
+                    rec.success = bool(rec.chunk_times)
+                except ResourceExhausted as e:
+                    rec.rejected, rec.error = True, e.details
+                except SplitserveClientError as e:
+                    rec.error = str(e)
+            bar.update(1)
+            return rec
+
+        records = await asyncio.gather(*(one(r, t) for r, t in zip(requests, arrivals)))
+    bar.close()
+    ends = [r.chunk_times[-1] for r in records if r.chunk_times] or [time.perf_counter()]
+    return list(records), max(ends) - start
+
+
+def build_requests(
+    args: argparse.Namespace, vocab_size: int, max_model_len: int
+) -> list[workloads.BenchRequest]:
+    n, seed = args.num_prompts, args.seed
+    if args.dataset == "random":
+        reqs = workloads.random_requests(
+            n, args.input_len, args.output_len, vocab_size, seed, args.range_ratio
+        )
+    elif args.dataset == "sharegpt":
+        reqs = workloads.sharegpt_like(n, vocab_size, seed, max_input=max_model_len // 2)
+    elif args.dataset == "shared-prefix":
+        reqs = workloads.shared_prefix(n, args.prefix_len, args.input_len, args.output_len, vocab_size, seed)
+    elif args.dataset == "mixed":
+        reqs = workloads.mixed(
+            n, vocab_size, seed, args.long_fraction, args.long_len, args.input_len, args.output_len
+        )
+    elif args.dataset == "trace":
+        if not args.trace:
+            raise ValueError("--dataset trace needs --trace FILE")
+        reqs = workloads.trace(args.trace, vocab_size, seed)
+    else:
+        raise ValueError(f"unknown dataset {args.dataset!r}")
+    too_long = [r for r in reqs if len(r.prompt_ids) + r.output_len > max_model_len]
+    if too_long:
+        raise ValueError(f"{len(too_long)} request(s) exceed the model's context of {max_model_len} tokens")
+    return reqs
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (ms)."""
+    slos = {}
+    for item in items:
+        name, _, value = item.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {item!r}")
+        slos[name] = float(value)
+    return slos
+
+
+async def run_rates(args: argparse.Namespace, address: str) -> list[RunResult]:
+    async with AsyncClient(address, retries=2, timeout=30) as probe:
+        (model,) = await probe.list_models()
+    requests = build_requests(args, model.vocab_size, model.max_model_len)
+    slos = parse_goodput(args.goodput)
+    results = []
+    for rate in args.request_rate:
+        if args.dataset == "trace":
+            arrivals = [r.arrival_s for r in requests]
+        else:
+            arrivals = workloads.arrival_times(len(requests), rate, args.burstiness, args.seed)
+        print(f"rate {rate:g} req/s: {len(requests)} requests", file=sys.stderr)
+        records, duration = await run_load(address, requests, arrivals, args.max_concurrency, progress=True)
+        metrics = compute_metrics(records, duration, slos)
+        metrics |= {
+            "request_rate": rate,
+            "burstiness": args.burstiness,
+            "max_concurrency": args.max_concurrency,
+        }
+        results.append(RunResult(rate, metrics, records))
+    return results
+
+
+def print_summary(label: str, m: dict) -> None:
+    print(f"==== {label}: rate {m['request_rate']:g} req/s ====")
+    print(
+        f"completed {m['completed']}/{m['num_prompts']} (failed {m['failed']}, rejected {m['rejected']}) "
+        f"in {m['duration']:.1f} s; {m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} tok/s"
+    )
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        print(
+            f"  {name.upper():<5} mean {m[f'mean_{name}_ms']:8.1f}  median {m[f'median_{name}_ms']:8.1f}  "
+            f"p90 {m[f'p90_{name}_ms']:8.1f}  p99 {m[f'p99_{name}_ms']:8.1f} ms"
+        )
+    if "request_goodput" in m:
+        print(f"  goodput {m['request_goodput']:.2f} req/s, SLO attainment {m['slo_attainment']:.1%}")
+
+
+def write_json(path: str, payload: object) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dataset", default="random", choices=["random", "sharegpt", "shared-prefix", "mixed", "trace"]
+    )
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument(
+        "--input-len", type=int, default=256, help="random/mixed (short ones)/shared-prefix suffix"
+    )
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="random: widen lengths by this fraction")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: the common prefix")
+    p.add_argument("--long-len", type=int, default=2048, help="mixed: length of the long prompts")
+    p.add_argument("--long-fraction", type=float, default=0.1, help="mixed: fraction of long prompts")
+    p.add_argument("--trace", default=None, help="trace: JSONL of timestamp, input_len, output_len")
+    p.add_argument(
+        "--request-rate", type=float, nargs="+", default=[float("inf")], help="req/s; several = sweep"
+    )
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1.0 = Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument(
+        "--goodput", nargs="*", default=[], metavar="METRIC:MS", help="SLOs, e.g. tpot:100 ttft:2000"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-json", default=None, help="write the metrics (vLLM's keys) here")
+    p.add_argument("--plot-dir", default=None, help="write PNG plots here (needs matplotlib)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from splitserve.bench import plots
+
+    results = asyncio.run(run_rates(args, args.server))
+    for r in results:
+        print_summary(args.server, r.metrics)
+    if args.result_json:
+        write_json(args.result_json, [r.metrics for r in results])
+    if args.plot_dir:
+        plots.write_all(args.plot_dir, {"server": results}, parse_goodput(args.goodput))
+    return 0
