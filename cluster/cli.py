@@ -3,6 +3,7 @@
     splitserve serve [--config PATH] [--address RAY_ADDRESS] [--port N] [--http-port N]
     splitserve generate PROMPT [--server HOST:PORT] [--stream] [...]
     splitserve status [--server HOST:PORT]
+    splitserve bench serve|compare [...]     (see --help)
 
 stdout carries only generated text (and ``status`` output), so scripts can
 capture it; logs and progress go to stderr.
@@ -174,6 +175,27 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- bench -------------------------------------------------------------------------------
+def _add_bench_arguments(serve: argparse.ArgumentParser, compare: argparse.ArgumentParser) -> None:
+    from splitserve.bench import compare as compare_mod
+    from splitserve.bench import serve_bench
+
+    serve_bench.add_arguments(serve)
+    serve.set_defaults(func=lambda a: _run_bench(serve_bench.main, a))
+    compare_mod.add_arguments(compare)
+    compare.set_defaults(func=lambda a: _run_bench(compare_mod.main, a))
+
+
+def _run_bench(fn, args: argparse.Namespace) -> int:
+    from splitserve.client import SplitserveClientError
+
+    try:
+        return fn(args)
+    except (ValueError, RuntimeError, SplitserveClientError) as e:
+        _err(str(e))
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -214,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--dtype", default="auto", help="in-process only: auto, float32, bfloat16 or float16")
     gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="serving benchmarks (the field's metrics)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bs = bench_sub.add_parser("serve", help="open-loop load against a running server")
+    bs.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
+    bc = bench_sub.add_parser("compare", help="the same load against disaggregated and colocated clusters")
+    _add_bench_arguments(bs, bc)
 
     st = sub.add_parser("status", help="pools, workers, queues and KV occupancy of a running server")
     st.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")

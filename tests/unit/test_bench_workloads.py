@@ -1,0 +1,60 @@
+"""Workloads and arrivals of the serving benchmark."""
+
+import json
+
+import numpy as np
+import pytest
+
+from splitserve.bench import workloads
+from splitserve.bench.serve_bench import parse_goodput
+
+
+def test_gamma_arrivals_have_the_asked_rate_and_burstiness():
+    rate = 4.0
+    for burstiness in (1.0, 0.25):
+        t = np.array(workloads.arrival_times(20000, rate, burstiness, seed=1))
+        gaps = np.diff(t)
+        assert t[0] == 0.0 and np.all(gaps >= 0)
+        assert gaps.mean() == pytest.approx(1 / rate, rel=0.03)
+        # Gamma(k, theta): coefficient of variation 1/sqrt(k); burstier means more variable gaps.
+        assert gaps.std() / gaps.mean() == pytest.approx(1 / np.sqrt(burstiness), rel=0.05)
+    assert workloads.arrival_times(3, float("inf")) == [0.0, 0.0, 0.0]
+    assert workloads.arrival_times(5, 2.0, seed=7) == workloads.arrival_times(5, 2.0, seed=7)
+    with pytest.raises(ValueError):
+        workloads.arrival_times(5, 0.0)
+
+
+def test_datasets_lengths_and_token_range():
+    reqs = workloads.random_requests(50, 100, 20, vocab_size=1000, seed=0, range_ratio=0.5)
+    assert all(50 <= len(r.prompt_ids) <= 150 and 10 <= r.output_len <= 30 for r in reqs)
+    assert all(100 <= t < 1000 for r in reqs for t in r.prompt_ids)
+    fixed = workloads.random_requests(5, 64, 8, vocab_size=1000)
+    assert {len(r.prompt_ids) for r in fixed} == {64} and {r.output_len for r in fixed} == {8}
+    shared = workloads.shared_prefix(4, 32, 8, 5, vocab_size=1000)
+    assert all(r.prompt_ids[:32] == shared[0].prompt_ids[:32] and len(r.prompt_ids) == 40 for r in shared)
+    mixed = workloads.mixed(40, vocab_size=1000, long_fraction=0.1, long_len=2048, short_len=128)
+    assert sum(len(r.prompt_ids) == 2048 for r in mixed) == 4
+    assert all(64 <= len(r.prompt_ids) <= 192 for r in mixed if len(r.prompt_ids) != 2048)
+    sg = workloads.sharegpt_like(500, vocab_size=1000, max_input=1024)
+    lens = np.array([len(r.prompt_ids) for r in sg])
+    assert lens.max() <= 1024 and 60 < np.median(lens) < 160  # long-tailed around ~100
+
+
+def test_trace_replay(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": 12.5, "input_len": 3, "output_len": 4},
+        {"timestamp": 10.0, "input_len": 5, "output_len": 1},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    reqs = workloads.trace(path, vocab_size=1000)
+    assert [(r.arrival_s, len(r.prompt_ids), r.output_len) for r in reqs] == [(0.0, 5, 1), (2.5, 3, 4)]
+    path.write_text(json.dumps({"timestamp": 1}))
+    with pytest.raises(ValueError, match="input_len"):
+        workloads.trace(path, vocab_size=1000)
+
+
+def test_goodput_flag():
+    assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
+    with pytest.raises(ValueError, match="tpot:MS"):
+        parse_goodput(["itl:5"])
