@@ -9,10 +9,14 @@ chunks long ones)::
         --decode worker confirms | lease expires | abort()--> blocks released
 
 ``prefill`` returns once the first token is sampled and the KV is exported;
-the blocks stay held until ``KVSource.poll`` reports the lease's end, which
-the engine loop's tick checks every few milliseconds (NIXL also needs that
-polling to make progress). A cancelled or timed-out ``prefill`` aborts its
-request, so no path leaves blocks behind.
+the blocks stay held until ``KVSource.poll`` reports the lease's end. A
+poller thread calls ``poll`` every millisecond, because a NIXL source only
+makes progress when polled, and a decode worker's pull must not wait for a
+prefill step (a 512-token chunk takes over a second on one CPU core) to end;
+lease ends are handed to the engine thread, which releases the blocks on its
+next tick. The source is shared by two threads under ``_source_lock``. A
+cancelled or timed-out ``prefill`` aborts its request, so no path leaves
+blocks behind.
 
 The class imports no Ray: ``cluster`` wraps it with ``ray.remote`` (it is an
 asyncio actor), and tests can drive it with plain asyncio.
@@ -23,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass
 
@@ -37,7 +43,7 @@ from splitserve.engine import (
     UnknownRequest,
 )
 from splitserve.kv_transfer import get_backend
-from splitserve.kv_transfer.contract import CompatInfo
+from splitserve.kv_transfer.contract import CompatInfo, LeaseEnd
 from splitserve.prefill_worker.api import (
     PrefillResult,
     PrefillStats,
@@ -81,8 +87,15 @@ class PrefillWorker:
         self.handshake = self.source.handshake()
         self._waiters: dict[str, _Waiter] = {}  # requests whose prefill() is awaiting
         self._exports: dict[str, str] = {}  # request id -> transfer id, lease open (loop thread only)
+        self._source_lock = threading.Lock()
+        self._ended: queue.SimpleQueue[LeaseEnd] = queue.SimpleQueue()  # poller -> engine thread
+        self._stopping = threading.Event()
         self.loop = EngineLoop(self.engine, self._on_outputs, self._on_tick, name=f"{spec.worker_id}-engine")
         self.loop.start()
+        self._poller = threading.Thread(
+            target=self._poll_source, name=f"{spec.worker_id}-kv-poll", daemon=True
+        )
+        self._poller.start()
 
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> PrefillWorkerInfo:
@@ -130,8 +143,24 @@ class PrefillWorker:
         return self.worker_id
 
     def shutdown(self) -> None:
+        self._stopping.set()
+        self._poller.join(5)
         self.loop.stop()
-        self.source.close()
+        with self._source_lock:
+            self.source.close()
+
+    # ---- the poller thread ----------------------------------------------------------
+    def _poll_source(self, interval_s: float = 0.001) -> None:
+        while not self._stopping.is_set():
+            try:
+                with self._source_lock:
+                    ended = self.source.poll()
+            except Exception:  # keep polling: a stuck source would stall every pull
+                log.exception("polling the KV source failed")
+                ended = []
+            for end in ended:
+                self._ended.put(end)
+            time.sleep(interval_s)
 
     # ---- the engine loop thread ----------------------------------------------------
     def _abort_later(self, request_id: str) -> None:
@@ -140,7 +169,8 @@ class PrefillWorker:
     def _abort(self, request_id: str) -> bool:
         transfer_id = self._exports.get(request_id)
         if transfer_id is not None:
-            self.source.release(transfer_id)  # the next tick's poll frees the blocks
+            with self._source_lock:
+                self.source.release(transfer_id)  # the lease end frees the blocks on a later tick
             return True
         return self.engine.abort(request_id)
 
@@ -168,7 +198,8 @@ class PrefillWorker:
         finish = None if out.finish_reason == FinishReason.PREFILL_DONE else out.finish_reason
         if finish is None:
             pre = self.engine.prefilled(out.request_id)
-            descriptor = self.source.export(out.request_id, pre.block_ids, pre.num_kv_tokens)
+            with self._source_lock:
+                descriptor = self.source.export(out.request_id, pre.block_ids, pre.num_kv_tokens)
             self._exports[out.request_id] = descriptor.transfer_id
         return PrefillResult(
             request_id=out.request_id,
@@ -184,7 +215,8 @@ class PrefillWorker:
         )
 
     def _on_tick(self) -> None:
-        for end in self.source.poll():
+        while not self._ended.empty():
+            end = self._ended.get_nowait()
             self._exports.pop(end.request_id, None)
             try:
                 self.engine.release(end.request_id)
