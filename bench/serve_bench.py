@@ -9,7 +9,8 @@ Open loop: send times are fixed before the run (``bench.workloads.arrival_times`
 and a slow server does not slow the arrivals (unless ``--max-concurrency``
 caps requests in flight, which makes it a closed loop of that size).
 ``--request-rate`` takes several values for a sweep; each rate gets its own
-result, and the plots put them side by side.
+result (and its own prompts, seeded ``seed + i``, so that no rate finds the
+previous one's prompts in the prefix cache), and the plots put them side by side.
 """
 
 from __future__ import annotations
@@ -118,14 +119,16 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
 async def run_rates(args: argparse.Namespace, address: str) -> list[RunResult]:
     async with AsyncClient(address, retries=2, timeout=30) as probe:
         (model,) = await probe.list_models()
-    requests = build_requests(args, model.vocab_size, model.max_model_len)
+    limits = (model.vocab_size, model.max_model_len)
     slos = parse_goodput(args.goodput)
     results = []
-    for rate in args.request_rate:
+    for i, rate in enumerate(args.request_rate):
+        # Fresh prompts per rate (seed + i): a rerun of the same prompts would hit the prefix cache.
+        requests = build_requests(argparse.Namespace(**{**vars(args), "seed": args.seed + i}), *limits)
         if args.dataset == "trace":
             arrivals = [r.arrival_s for r in requests]
         else:
-            arrivals = workloads.arrival_times(len(requests), rate, args.burstiness, args.seed)
+            arrivals = workloads.arrival_times(len(requests), rate, args.burstiness, args.seed + i)
         print(f"rate {rate:g} req/s: {len(requests)} requests", file=sys.stderr)
         records, duration = await run_load(address, requests, arrivals, args.max_concurrency, progress=True)
         metrics = compute_metrics(records, duration, slos)
