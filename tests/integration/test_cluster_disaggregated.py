@@ -182,30 +182,6 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
     assert b.final.prefill_worker == "prefill-0"
 
 
-def test_a_restarted_prefill_worker_is_used_again(cluster, reference, client):
-    """Ray restarts a killed prefill worker; its KV source comes back with a new
-    incarnation and the decode worker reconnects to it. Requests in between get
-    a clear UNAVAILABLE or succeed; none hangs. (Runs last: it kills a worker.)"""
-    import time
-
-    from splitserve.client import Unavailable
-
-    (pw,) = cluster.dispatcher.prefill
-    ray.kill(pw.handle, no_restart=False)
-    prompt = random_prompts([40], VOCAB, seed=9)[0]
-    (want,) = reference_tokens(reference, [prompt], [SamplingParams(max_tokens=6)])
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            got = client.generate(prompt, max_tokens=6, timeout=30)
-            break
-        except Unavailable:
-            assert time.monotonic() < deadline, "the prefill worker never came back"
-            time.sleep(0.5)
-    assert got.token_ids == want and got.final.prefill_worker == "prefill-0"
-    assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}
-
-
 def test_openai_http_endpoint_with_the_official_client(cluster, client):
     """The OpenAI-compatible endpoint, driven by the ``openai`` package itself."""
     openai = pytest.importorskip("openai")
@@ -236,4 +212,51 @@ def test_openai_http_endpoint_with_the_official_client(cluster, client):
         api.completions.create(model="gpt-5", prompt=prompt, max_tokens=5)
     with pytest.raises(openai.BadRequestError, match="n > 1"):
         api.completions.create(model=model.id, prompt=prompt, max_tokens=5, n=2)
+    assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_bench_load_generator_against_the_live_cluster(cluster, client):
+    """``splitserve bench serve``'s load generator: every request completes with the
+    asked output length, and the metrics see every token."""
+    import asyncio
+
+    from splitserve.bench import workloads
+    from splitserve.bench.metrics import compute_metrics
+    from splitserve.bench.serve_bench import run_load
+
+    reqs = workloads.random_requests(8, 40, 12, vocab_size=VOCAB, seed=3, range_ratio=0.5)
+    arrivals = workloads.arrival_times(len(reqs), rate=20.0, seed=3)
+    records, duration = asyncio.run(
+        run_load(cluster.address, reqs, arrivals, max_concurrency=4, progress=False)
+    )
+    assert all(r.success for r in records)
+    assert [r.output_len for r in records] == [q.output_len for q in reqs]
+    assert [r.prompt_len for r in records] == [len(q.prompt_ids) for q in reqs]
+    m = compute_metrics(records, duration, {"tpot": 10_000})
+    assert m["completed"] == 8 and m["total_output_tokens"] == sum(q.output_len for q in reqs)
+    assert m["slo_attainment"] == 1.0 and 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"]
+    assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_a_restarted_prefill_worker_is_used_again(cluster, reference, client):
+    """Ray restarts a killed prefill worker; its KV source comes back with a new
+    incarnation and the decode worker reconnects to it. Requests in between get
+    a clear UNAVAILABLE or succeed; none hangs. (Runs last: it kills a worker.)"""
+    import time
+
+    from splitserve.client import Unavailable
+
+    (pw,) = cluster.dispatcher.prefill
+    ray.kill(pw.handle, no_restart=False)
+    prompt = random_prompts([40], VOCAB, seed=9)[0]
+    (want,) = reference_tokens(reference, [prompt], [SamplingParams(max_tokens=6)])
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            got = client.generate(prompt, max_tokens=6, timeout=30)
+            break
+        except Unavailable:
+            assert time.monotonic() < deadline, "the prefill worker never came back"
+            time.sleep(0.5)
+    assert got.token_ids == want and got.final.prefill_worker == "prefill-0"
     assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}
