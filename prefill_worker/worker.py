@@ -39,6 +39,7 @@ from splitserve.engine import (
     Engine,
     EngineLoop,
     FinishReason,
+    InvalidRequest,
     RequestOutput,
     UnknownRequest,
 )
@@ -105,10 +106,12 @@ class PrefillWorker:
         """Prefill ``task`` and export its KV. Raises ``InvalidRequest`` for bad
         input, ``DeadlineExceeded`` past ``task.timeout_s``."""
         rid = task.request_id
+        if rid in self._waiters:
+            raise InvalidRequest(f"request id {rid!r} is already in use")
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop, loop.create_future())
 
-        def add(engine: Engine) -> str:  # raises InvalidRequest, e.g. for a duplicate id
+        def add(engine: Engine) -> str:  # raises InvalidRequest, e.g. for an id still held here
             return engine.add_request(task.prompt_token_ids, task.params, rid, prefill_only=True)
 
         self._waiters[rid] = waiter  # before the engine sees the request: no output is missed
