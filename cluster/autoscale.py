@@ -119,7 +119,6 @@ class Autoscaler:
     async def remove(self, ref: WorkerRef) -> None:
         """Take ``ref`` out of routing now; kill it once its requests have finished."""
         log.info("draining %s", ref.worker_id)
-        ref.draining = True
         await self.pool.remove(ref, self.spec.drain_timeout_s)
         self.routed.remove(ref)
         self.events.append((time.time(), len(self.routed)))

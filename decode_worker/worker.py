@@ -134,7 +134,9 @@ class DecodeWorker:
                 self.loop.call(lambda e: e.abort(rid))
 
     async def abort(self, request_id: str) -> bool:
-        """Stop ``request_id`` and free its blocks; its stream ends. Idempotent."""
+        """Stop ``request_id`` and free its blocks. Idempotent. Its ``generate`` stream
+        ends without a finished batch, which a consumer still reading it (the
+        router only aborts after it stopped) would take for a lost worker."""
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.push(_ABORTED)
@@ -142,11 +144,6 @@ class DecodeWorker:
 
     async def stats(self) -> DecodeStats:
         return await self._call(lambda e: DecodeStats(self.worker_id, e.stats(), len(self._streams)))
-
-    async def ping(self) -> str:
-        if self.loop.error is not None:
-            raise RuntimeError(f"engine loop failed: {self.loop.error!r}")
-        return self.worker_id
 
     def shutdown(self) -> None:
         self.loop.stop()

@@ -166,7 +166,6 @@ class Engine:
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             num_pending_prompt_tokens=pending,
-            num_held=len(self.requests) - len(in_batch),
             num_blocks=self.block_manager.num_blocks,
             num_free_blocks=self.block_manager.num_free_blocks,
         )

@@ -60,7 +60,6 @@ class EngineStats:
     num_running: int  # sequences in the running batch (prefill or decode)
     num_waiting: int  # queued, not yet admitted
     num_pending_prompt_tokens: int  # prompt tokens of waiting and running sequences not yet computed
-    num_held: int  # requests parked outside the batch (PREFILLED or IMPORTING)
     num_blocks: int
     num_free_blocks: int
 

@@ -140,11 +140,6 @@ class PrefillWorker:
             self.loop.call(lambda e: PrefillStats(self.worker_id, e.stats(), len(self._exports)))
         )
 
-    async def ping(self) -> str:
-        if self.loop.error is not None:
-            raise RuntimeError(f"engine loop failed: {self.loop.error!r}")
-        return self.worker_id
-
     def shutdown(self) -> None:
         self._stopping.set()
         self._poller.join(5)

@@ -80,10 +80,6 @@ class RouterServer:
         if self._server is not None:
             await self._server.stop(grace_s)
 
-    async def wait(self) -> None:
-        if self._server is not None:
-            await self._server.wait_for_termination()
-
     def _workers(self):
         return [*self.dispatcher.prefill, *self.dispatcher.decode]
 
