@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.model.quant import QUANTIZATIONS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -32,6 +34,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | sdpa | cpu | flash_attn
     native_kernels: bool = True  # CPU: build and use splitserve's C++ kernels (else pure torch)
+    quantization: str = "none"  # none | fp8 (W8A8, prefill) | int8 (weight-only, decode)
+    tp_size: int = 1  # tensor-parallel ranks; each rank's process builds an Engine with its TPGroup
     seed: int = 0  # random weights and unseeded sampling
 
     def __post_init__(self) -> None:
@@ -40,6 +44,12 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_memory_mib", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

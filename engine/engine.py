@@ -46,6 +46,7 @@ from splitserve.engine.model.loader import (
 )
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionOutput, EngineStats, PrefilledRequest, RequestOutput
+from splitserve.engine.parallel import TPGroup, check_tp_compatible
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
@@ -58,9 +59,24 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, hf_config=None, tokenizer: Tokenizer | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config=None,
+        tokenizer: Tokenizer | None = None,
+        tp: TPGroup | None = None,
+    ):
         """Load the model named by ``config`` (or build ``hf_config`` with random
-        weights) and allocate the KV cache."""
+        weights) and allocate the KV cache.
+
+        With ``config.tp_size > 1`` every rank's process builds an ``Engine`` with its
+        joined ``tp`` group (``TPGroup.join``), from the same config and seed. Rank 0
+        (the driver) is used like any engine; the others call ``follow()``, which
+        returns once the driver calls ``stop_followers()``."""
+        tp = tp or TPGroup.single()
+        if tp.size != config.tp_size:
+            raise ValueError(f"config.tp_size is {config.tp_size} but the TP group has {tp.size} ranks")
+        self.tp = tp
         self.config = config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
@@ -70,12 +86,21 @@ class Engine:
             hf_config = load_hf_config(source)
         self.model_config = ModelConfig.from_hf(hf_config)
         mc = self.model_config
+        check_tp_compatible(mc, tp.size)
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         weights = None if (config.random_weights or source is None) else checkpoint_weights(source)
         self.model = build_model(
-            mc, self.dtype, self.device, self.max_model_len, weights, config.seed, config.native_kernels
+            mc,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            weights,
+            config.seed,
+            config.native_kernels,
+            config.quantization,
+            tp,
         )
         if tokenizer is None and config.tokenizer:
             tokenizer = Tokenizer.from_source(config.tokenizer)
@@ -87,7 +112,16 @@ class Engine:
             self.eos_token_ids.add(tokenizer.eos_token_id)
 
         dtype_name = str(self.dtype).removeprefix("torch.")
-        layout = KVLayout(mc.num_layers, 0, config.block_size, mc.num_kv_heads, mc.head_dim, dtype_name)
+        layout = KVLayout(
+            mc.num_layers,
+            0,
+            config.block_size,
+            mc.num_kv_heads // tp.size,
+            mc.head_dim,
+            dtype_name,
+            tp_size=tp.size,
+            tp_rank=tp.rank,
+        )
         per_block = 2 * mc.num_layers * layout.block_bytes
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mib * 2**20 // per_block)
         layout = dataclasses.replace(layout, num_blocks=num_blocks)
@@ -100,6 +134,7 @@ class Engine:
             get_backend(config.attention_backend, self.device, config.native_kernels),
             Sampler(config.seed),
             self.device,
+            tp,
         )
         self.requests: dict[str, RequestState] = {}
         self.validator = RequestValidator(
@@ -110,10 +145,13 @@ class Engine:
             tokenizer=tokenizer,
         )
         log.info(
-            "engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s",
+            "engine ready: %s, %s%s on %s (TP rank %d of %d), %d KV blocks of %d tokens, attention %s",
             mc.model_type,
             self.dtype,
+            "" if config.quantization == "none" else f" with {config.quantization} linears",
             self.device,
+            tp.rank,
+            tp.size,
             num_blocks,
             config.block_size,
             self.runner.backend.name,
@@ -172,7 +210,10 @@ class Engine:
 
     # ---- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; return what changed per request."""
+        """Schedule, run the model once, sample; return what changed per request.
+        Driver rank only under tensor parallelism."""
+        if not self.tp.is_driver:
+            raise RuntimeError("only TP rank 0 steps the engine; the other ranks call follow()")
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         for seq in sched.unschedulable:
@@ -214,6 +255,17 @@ class Engine:
         while self.has_unfinished():
             self.step()
         return [states[i].completion() for i in ids]
+
+    def follow(self) -> int:
+        """Non-driver TP ranks: run the driver's steps until ``stop_followers``; returns
+        the number of steps run."""
+        if self.tp.is_driver:
+            raise RuntimeError("TP rank 0 drives the engine; follow() is for the other ranks")
+        return self.runner.follow()
+
+    def stop_followers(self) -> None:
+        """Driver: end the other ranks' ``follow()`` (a no-op without tensor parallelism)."""
+        self.runner.stop_followers()
 
     # ---- prefill half ------------------------------------------------------
     def prefilled(self, request_id: str) -> PrefilledRequest:

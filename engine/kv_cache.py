@@ -8,6 +8,12 @@ so one block of one layer's K (or V) is a contiguous run of
 ``block_size * num_kv_heads * head_dim`` elements: the unit a transfer backend
 moves, and what it registers once as one memory region. ``KVLayout`` is the
 plain-data description the transfer layer needs to check compatibility.
+
+Under tensor parallelism each rank's cache holds only its KV heads:
+``num_kv_heads`` counts this rank's heads, which are the model's heads
+``[tp_rank * num_kv_heads, (tp_rank + 1) * num_kv_heads)``. With those two
+fields a transfer can split or merge heads between workers of different TP
+sizes (``splitserve.kv_transfer.tp_mapping``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,18 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name, e.g. "bfloat16"
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    @property
+    def total_kv_heads(self) -> int:
+        """The model's KV heads, over all ranks."""
+        return self.num_kv_heads * self.tp_size
+
+    @property
+    def kv_head_range(self) -> tuple[int, int]:
+        """The model's KV heads this cache holds: [start, stop)."""
+        return self.tp_rank * self.num_kv_heads, (self.tp_rank + 1) * self.num_kv_heads
 
     @property
     def block_bytes(self) -> int:

@@ -4,17 +4,37 @@ Packing order: sequences with one new token (decodes) first, then multi-token
 prefill chunks, so the attention backend can treat the decodes as one batch.
 Only the last position of sequences that reach their end this step goes through
 the LM head.
+
+Under tensor parallelism the driver rank (0) schedules, packs the step into a
+``StepInputs`` (plain lists), broadcasts it, and every rank runs the same
+forward (the collectives inside the model pair up); only the driver samples.
+The other ranks sit in ``follow()`` until the driver calls ``stop_followers()``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from splitserve.engine.attention import AttentionBackend, SeqSpan
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.llama import LlamaModel, StepContext
+from splitserve.engine.parallel import TPGroup
 from splitserve.engine.sampler import Sampler, SampleRequest, SampleResult
 from splitserve.engine.scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's model inputs, as plain data (what the driver broadcasts)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    spans: list[SeqSpan]
+    num_decodes: int
+    last_index: list[int]  # packed positions whose logits are sampled
 
 
 class ModelRunner:
@@ -25,48 +45,65 @@ class ModelRunner:
         backend: AttentionBackend,
         sampler: Sampler,
         device: torch.device,
+        tp: TPGroup | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.sampler = sampler
         self.device = device
+        self.tp = tp or TPGroup.single()
         self.block_size = kv_cache.layout.block_size
 
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], SampleResult | None]:
-        """Run one step. Returns the scheduled entries in packed order and the sampled
-        tokens for those entries whose ``samples`` is true (in the same order)."""
+        """Run one step (driver rank). Returns the scheduled entries in packed order and
+        the sampled tokens for those entries whose ``samples`` is true (in the same order)."""
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        num_decodes = sum(1 for s in ordered if s.num_new_tokens == 1)
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        spans: list[SeqSpan] = []
-        last_index: list[int] = []
+        inputs = StepInputs([], [], [], [], sum(1 for s in ordered if s.num_new_tokens == 1), [])
         rows: list[SampleRequest] = []
         for s in ordered:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
-            spans.append(SeqSpan(len(input_ids), s.num_new_tokens, end, seq.block_table))
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            inputs.spans.append(SeqSpan(len(inputs.input_ids), s.num_new_tokens, end, seq.block_table))
+            inputs.input_ids.extend(seq.token_ids[start:end])
+            inputs.positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if s.samples:
-                last_index.append(len(input_ids) - 1)
+                inputs.last_index.append(len(inputs.input_ids) - 1)
                 rows.append(SampleRequest(seq.params, seq.num_output_tokens))
+        self.tp.broadcast_object(inputs)
+        logits = self.forward(inputs)
+        return ordered, None if logits is None else self.sampler(logits, rows)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model on one step's inputs: KV written to the cache; the float32 logits
+        of ``last_index`` (full vocabulary), or None when nothing samples."""
         dev = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        ids_t = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
         ctx = StepContext(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=dev),
             backend=self.backend,
-            attn_meta=self.backend.prepare(spans, num_decodes, bs, dev),
+            attn_meta=self.backend.prepare(inputs.spans, inputs.num_decodes, self.block_size, dev),
         )
         hidden = self.model(ids_t, pos_t, self.kv_cache, ctx)
-        if not rows:
-            return ordered, None
-        idx = torch.tensor(last_index, dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
-        return ordered, self.sampler(logits, rows)
+        if not inputs.last_index:
+            return None
+        idx = torch.tensor(inputs.last_index, dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden.index_select(0, idx))
+
+    def follow(self) -> int:
+        """Non-driver ranks: run every step the driver broadcasts until it stops us.
+        Returns the number of steps run."""
+        steps = 0
+        while (inputs := self.tp.broadcast_object()) is not None:
+            self.forward(inputs)
+            steps += 1
+        return steps
+
+    def stop_followers(self) -> None:
+        """Driver: release the other ranks from ``follow()``."""
+        if self.tp.is_driver:
+            self.tp.broadcast_object(None)

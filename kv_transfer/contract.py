@@ -51,8 +51,10 @@ descriptor from a restarted source fails with ``PeerLost``
 instead of reading the new process's memory.
 
 Compatibility: ``Handshake`` carries ``PROTOCOL_VERSION`` and a compatibility
-hash over (model, dtype, block size, layers, KV heads, head dim, TP); a sink
-refuses a mismatch at handshake with ``IncompatiblePeer``, naming the field.
+hash over (model, dtype, block size, layers, KV heads, head dim, TP size and
+rank); a sink refuses a mismatch at handshake with ``IncompatiblePeer``, naming
+the field. Workers of different TP sizes meet through ``tp_mapping``, which
+pulls each source shard into a staging cache of exactly that shard's layout.
 """
 
 from __future__ import annotations
@@ -103,13 +105,11 @@ class CompatInfo:
 
     model: str  # model identity, e.g. a checkpoint path/name plus revision
     layout: KVLayout  # num_blocks is excluded from the hash: pools may differ in size
-    tp_size: int = 1
-    tp_rank: int = 0
 
     def fields(self) -> dict[str, object]:
         layout = dataclasses.asdict(self.layout)
         layout.pop("num_blocks")
-        return {"model": self.model, **layout, "tp_size": self.tp_size, "tp_rank": self.tp_rank}
+        return {"model": self.model, **layout}
 
     @property
     def hash(self) -> str:

@@ -26,6 +26,8 @@ from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.cpu_linear import pack_linears, packing_supported
 from splitserve.engine.model.gguf_cache import converted_checkpoint
 from splitserve.engine.model.llama import LlamaModel
+from splitserve.engine.model.quant import quantize_linears
+from splitserve.engine.parallel import TPGroup, shard_model
 
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,10 +80,14 @@ def build_model(
     weights: Iterable[tuple[str, torch.Tensor]] | None,
     seed: int = 0,
     native_kernels: bool = True,
+    quantization: str = "none",
+    tp: TPGroup | None = None,
 ) -> LlamaModel:
     """Instantiate the model; load ``weights`` (HF names) or, if None, draw random ones.
-    On CPU, linears are pre-packed for oneDNN and, with ``native_kernels``, the norms
-    use the fused add+RMSNorm kernel of ``splitserve.engine.kernels``."""
+    Then, in this order: keep this rank's shard under tensor parallelism (``tp``),
+    quantize the decoder's linears (``quantization``: none, fp8, int8), and on CPU
+    pre-pack the remaining float linears for oneDNN; with ``native_kernels`` the
+    norms use the fused add+RMSNorm kernel of ``splitserve.engine.kernels``."""
     with torch.device("cpu"):
         model = LlamaModel(cfg, max_position)
     if weights is None:
@@ -89,6 +95,8 @@ def build_model(
     else:
         load_hf_weights(model, weights)
     model = model.to(device=device, dtype=dtype).eval()
+    shard_model(model, tp or TPGroup.single())
+    quantize_linears(model, quantization)
     if packing_supported(device, dtype):
         pack_linears(model)
     if native_kernels and device.type == "cpu" and (native := kernels.load()) is not None:

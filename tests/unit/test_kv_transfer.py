@@ -169,12 +169,8 @@ def test_corrupted_bytes_fail_the_transfer_and_yield_no_tokens(pair):
 def test_handshake_refuses_incompatible_peers(pair, change, field):
     pre, _, source, _ = pair
     layout = pre.kv_cache.layout
-    layout_change = {k: v for k, v in change.items() if k in ("dtype", "block_size")}
-    other = CompatInfo(
-        model=change.get("model", "tiny"),
-        layout=dataclasses.replace(layout, **layout_change),
-        tp_size=change.get("tp_size", 1),
-    )
+    layout_change = {k: v for k, v in change.items() if k in ("dtype", "block_size", "tp_size")}
+    other = CompatInfo(model=change.get("model", "tiny"), layout=dataclasses.replace(layout, **layout_change))
     lay = other.layout
     cache = torch.zeros(
         lay.num_layers,

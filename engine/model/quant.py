@@ -1,0 +1,146 @@
+"""Quantized linear layers: FP8 (W8A8, for compute-bound prefill) and weight-only
+int8 (W8A16, for memory-bound decode), chosen per worker by ``EngineConfig.quantization``.
+
+FP8 (``Fp8Linear``)::
+
+    weight  W_q = fp8_e4m3(W / s_w)     s_w[n] = max|W[n, :]| / 448   (per output channel)
+    input   x_q = fp8_e4m3(x / s_x)     s_x[t] = max|x[t, :]| / 448   (per token, every call)
+    output  y[t, n] = s_x[t] * s_w[n] * sum_k x_q[t, k] * W_q[n, k]
+
+On GPUs with FP8 tensor cores (compute capability 8.9+) the sum is one
+``torch._scaled_mm`` with row-wise scales; elsewhere the same formula runs in
+float32 on the dequantized values ("exact-dequantizing fallback"), so CPU tests
+check the numerics the GPU computes, up to accumulation order.
+
+Int8 (``Int8Linear``): ``W_q = round(W / s)``, ``s[n] = max|W[n, :]| / 127``;
+``y = (x @ W_q^T) * s`` with activations left in the model dtype. Decode reads
+each weight once per step, so halving (vs bf16) or quartering (vs float32) the
+bytes is what speeds it up. Uses ``torch._weight_int8pack_mm`` where the device
+has it, else dequantizes on the fly.
+
+Embeddings, norms and the LM head stay unquantized (as in vLLM's FP8 checkpoints).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+INT8_MAX = 127
+QUANTIZATIONS = ("none", "fp8", "int8")
+_EPS = 1e-12
+
+
+def fp8_gemm_supported(device: torch.device) -> bool:
+    """True on CUDA devices with FP8 tensor cores (Ada sm_89, Hopper sm_90 and later)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantize_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise FP8: (``t_q`` float8_e4m3fn, ``scale`` float32 [rows, 1]) with ``t ≈ t_q * scale``."""
+    t32 = t.float()
+    scale = t32.abs().amax(dim=-1, keepdim=True).clamp(min=_EPS) / FP8_MAX
+    return (t32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise symmetric int8: (``t_q`` int8, ``scale`` float32 [rows]) with ``t ≈ t_q * scale``."""
+    t32 = t.float()
+    scale = t32.abs().amax(dim=-1).clamp(min=_EPS) / INT8_MAX
+    return (t32 / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+class Fp8Linear(nn.Module):
+    """W8A8 FP8 replacement for an ``nn.Linear`` (2-D input, inference only)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w_q, w_scale = quantize_fp8(linear.weight.detach())
+        self.register_buffer("weight", w_q)  # [out, in] float8_e4m3fn
+        self.register_buffer("weight_scale", w_scale.view(1, -1))  # [1, out] float32
+        self.bias = linear.bias
+        # _scaled_mm needs both GEMM dims divisible by 16.
+        self.use_scaled_mm = (
+            fp8_gemm_supported(w_q.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_q, x_scale = quantize_fp8(x)
+        if self.use_scaled_mm:
+            y = torch._scaled_mm(
+                x_q,
+                self.weight.t(),
+                scale_a=x_scale,
+                scale_b=self.weight_scale,
+                out_dtype=x.dtype,
+            )
+        else:
+            y = self.dequantized_matmul(x_q, x_scale).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized_matmul(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """The fallback: the FP8 product computed in float32 on exactly dequantized values."""
+        return F.linear(x_q.float(), self.weight.float()) * x_scale * self.weight_scale
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 replacement for an ``nn.Linear`` (2-D input, inference only)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w_q, scale = quantize_int8(linear.weight.detach())
+        self.register_buffer("weight", w_q)  # [out, in] int8
+        self.register_buffer("scale", scale.to(linear.weight.dtype))  # [out], model dtype
+        self.bias = linear.bias
+        self.use_packed = _int8pack_mm_works(w_q.device.type, linear.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_packed:
+            y = torch._weight_int8pack_mm(x, self.weight, self.scale)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scale
+        return y if self.bias is None else y + self.bias
+
+
+@functools.cache
+def _int8pack_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._weight_int8pack_mm`` runs for this device and dtype (it is
+    not built for every backend/dtype pair); probed once on a tiny input."""
+    try:
+        x = torch.ones(1, 32, dtype=dtype, device=device_type)
+        w = torch.ones(32, 32, dtype=torch.int8, device=device_type)
+        s = torch.ones(32, dtype=dtype, device=device_type)
+        torch._weight_int8pack_mm(x, w, s)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
+_LAYERS = {"fp8": Fp8Linear, "int8": Int8Linear}
+
+
+def quantize_linears(model: nn.Module, method: str) -> int:
+    """Replace every ``nn.Linear`` inside the decoder layers of ``model`` with the
+    ``method`` layer (in place, after the weights are loaded and moved to their
+    device and dtype); returns how many were replaced. ``"none"`` does nothing."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
+    if method == "none":
+        return 0
+    cls = _LAYERS[method]
+    replaced = 0
+    for parent in list(model.get_submodule("layers").modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, cls(child))
+                replaced += 1
+    return replaced

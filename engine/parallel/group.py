@@ -1,0 +1,95 @@
+"""The tensor-parallel process group: one process per rank, collectives through
+``torch.distributed`` (NCCL for GPU tensors, gloo for CPU tensors and for the
+small control messages the driver rank broadcasts each step).
+
+``TPGroup.single()`` is the group of one: every collective is the identity and
+``torch.distributed`` is never touched, so TP=1 costs nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPInit:
+    """How a rank joins its group (plain data: it is passed to each rank's process)."""
+
+    rank: int
+    size: int
+    init_method: str  # e.g. "tcp://127.0.0.1:29500" (rank 0 listens there)
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"TP rank {self.rank} is not in a group of size {self.size}")
+
+
+class TPGroup:
+    """This process's place in its tensor-parallel group and the collectives the model needs."""
+
+    def __init__(self, rank: int, size: int, device_group: Any = None, cpu_group: Any = None):
+        self.rank, self.size = rank, size
+        self._device_group = device_group
+        self._cpu_group = cpu_group
+
+    @classmethod
+    def single(cls) -> TPGroup:
+        return cls(0, 1)
+
+    @classmethod
+    def join(cls, init: TPInit, device: torch.device) -> TPGroup:
+        """Initialise ``torch.distributed`` for this rank and return its group.
+        Blocks until every rank has joined (or ``timeout_s`` passes)."""
+        if init.size == 1:
+            return cls.single()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=init.timeout_s)
+        dist.init_process_group(
+            backend, init_method=init.init_method, rank=init.rank, world_size=init.size, timeout=timeout
+        )
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+        return cls(init.rank, init.size, dist.group.WORLD, cpu_group)
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 schedules and samples; the other ranks follow its steps."""
+        return self.rank == 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks, in place; returns ``t``."""
+        if self.size > 1:
+            dist.all_reduce(t, group=self._device_group)
+        return t
+
+    def all_gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``t`` (equal shapes) along the last dimension, in rank order."""
+        if self.size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self._device_group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """The driver's ``obj`` on every rank (pickled; for small control messages)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._cpu_group)
+        return box[0]
+
+    def shard_range(self, n: int) -> tuple[int, int]:
+        """This rank's [start, stop) of ``n`` items split evenly (``n`` divisible by size)."""
+        if n % self.size:
+            raise ValueError(f"{n} does not split evenly over {self.size} tensor-parallel ranks")
+        per = n // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+    def destroy(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
