@@ -53,6 +53,7 @@ def _check_cache(cache: torch.Tensor, compat: CompatInfo) -> None:
 class _Export:
     descriptor: KVDescriptor
     state: TransferState
+    confirmations_left: int = 1
 
 
 class KVSource:
@@ -83,12 +84,21 @@ class KVSource:
         )
 
     def export(
-        self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float | None = None
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        lease_s: float | None = None,
+        readers: int = 1,
     ) -> KVDescriptor:
         """Hash the blocks, start a lease, make them readable. The caller must not
-        write to or free ``block_ids`` until ``poll`` returns this transfer's ``LeaseEnd``."""
+        write to or free ``block_ids`` until ``poll`` returns this transfer's ``LeaseEnd``.
+        The lease is confirmed once ``readers`` sinks have each confirmed it (more than
+        one when decode ranks of a larger TP group each take some of its KV heads)."""
         if not block_ids:
             raise ValueError("nothing to export: no blocks")
+        if readers < 1:
+            raise ValueError("readers must be >= 1")
         transfer_id = f"{request_id}:{uuid.uuid4().hex[:12]}"
         desc = KVDescriptor(
             transfer_id=transfer_id,
@@ -106,12 +116,18 @@ class KVSource:
         payload = self._publish(desc)
         if payload is not None:
             desc = dataclasses.replace(desc, payload=payload)
-        self._exports[transfer_id] = _Export(desc, check_transition(None, TransferState.EXPORTED))
+        self._exports[transfer_id] = _Export(desc, check_transition(None, TransferState.EXPORTED), readers)
         return desc
 
     def confirm(self, transfer_id: str) -> None:
-        """The sink holds a verified copy (idempotent; a no-op once the lease ended)."""
-        self._end(transfer_id, TransferState.CONFIRMED)
+        """A sink holds a verified copy; the lease ends with the last of the export's
+        ``readers`` (with one reader, idempotent; a no-op once the lease ended)."""
+        exp = self._exports.get(transfer_id)
+        if exp is None:
+            return
+        exp.confirmations_left -= 1
+        if exp.confirmations_left <= 0:
+            self._end(transfer_id, TransferState.CONFIRMED)
 
     def release(self, transfer_id: str) -> None:
         """Give an export up (request cancelled): stop serving it, end its lease."""

@@ -1,0 +1,91 @@
+"""Process bodies for the tensor-parallel tests: each rank of a TP group runs in
+its own spawned process (gloo over localhost) and reports through a queue."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine import Engine, EngineConfig, SamplingParams
+from splitserve.engine.parallel import TPGroup, TPInit
+
+
+@dataclass(frozen=True)
+class RankJob:
+    rank: int
+    size: int
+    port: int
+    config: EngineConfig
+    prompts: list[list[int]]
+    params: SamplingParams
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join(job: RankJob) -> tuple[TPGroup, Engine]:
+    torch.set_num_threads(1)
+    group = TPGroup.join(
+        TPInit(job.rank, job.size, f"tcp://127.0.0.1:{job.port}", timeout_s=120), torch.device("cpu")
+    )
+    return group, Engine(job.config, tp=group)
+
+
+def generate_rank(job: RankJob, out) -> None:
+    """Rank 0 generates and puts the token ids; the others put how many steps they followed."""
+    group, engine = _join(job)
+    try:
+        if group.is_driver:
+            done = engine.generate(job.prompts, job.params)
+            engine.stop_followers()
+            out.put(("tokens", [c.token_ids for c in done]))
+        else:
+            out.put(("steps", engine.follow()))
+    finally:
+        group.destroy()
+
+
+@dataclass(frozen=True)
+class ExportedShard:
+    rank: int
+    handshake: object
+    descriptors: list  # KVDescriptor per prompt, in prompt order
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]  # the first sampled token (driver only; else empty)
+
+
+def prefill_export_rank(job: RankJob, backend: str, out, done) -> None:
+    """Prefill every prompt under TP, export each rank's KV shard through ``backend``,
+    put an ``ExportedShard``, then serve reads until ``done`` is set."""
+    from splitserve.kv_transfer import CompatInfo, get_backend
+
+    group, engine = _join(job)
+    source = get_backend(backend).source(
+        f"prefill-tp{job.rank}", engine.kv_cache.tensor, CompatInfo(job.config.model, engine.kv_cache.layout)
+    )
+    try:
+        if group.is_driver:
+            ids = [engine.add_request(p, job.params, prefill_only=True) for p in job.prompts]
+            while engine.has_unfinished():
+                engine.step()
+            prefilled = [engine.prefilled(i) for i in ids]
+            engine.stop_followers()
+            plan = group.broadcast_object([(p.request_id, p.block_ids, p.num_kv_tokens) for p in prefilled])
+            firsts = [p.output_token_ids for p in prefilled]
+            prompts = [p.prompt_token_ids for p in prefilled]
+        else:
+            engine.follow()
+            plan = group.broadcast_object()  # the driver's block ids hold this rank's shard too
+            firsts, prompts = [], []
+        descs = [source.export(rid, blocks, n) for rid, blocks, n in plan]
+        out.put(ExportedShard(job.rank, source.handshake(), descs, prompts, firsts))
+        while not done.wait(0.005):
+            source.poll()
+    finally:
+        source.close()
+        group.destroy()

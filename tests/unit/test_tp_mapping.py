@@ -1,0 +1,102 @@
+"""KV head mapping between TP sizes: the plan on its own, then ``HeadMappingSink``
+over the in-process backend, checked against the unsharded cache it came from."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from splitserve.engine import KVLayout
+from splitserve.kv_transfer import CompatInfo, IncompatiblePeer, IntegrityError
+from splitserve.kv_transfer.backends.local import LocalHub, LocalSink, LocalSource
+from splitserve.kv_transfer.tp_mapping import (
+    HeadCopy,
+    HeadMappingSink,
+    plan_head_copies,
+    readers_per_export,
+    shard_layout,
+)
+
+FULL = KVLayout(num_layers=2, num_blocks=12, block_size=4, num_kv_heads=8, head_dim=8, dtype="float32")
+
+
+def test_plan_merge_split_and_regroup():
+    assert plan_head_copies(2, FULL) == [HeadCopy(0, 0, 4, 0, 4), HeadCopy(1, 0, 4, 4, 8)]
+    assert plan_head_copies(1, shard_layout(FULL, 4, 1, 12)) == [HeadCopy(0, 2, 4, 0, 2)]
+    assert plan_head_copies(4, shard_layout(FULL, 2, 1, 12)) == [
+        HeadCopy(2, 0, 2, 0, 2),
+        HeadCopy(3, 0, 2, 2, 4),
+    ]
+    assert plan_head_copies(2, shard_layout(FULL, 2, 1, 12)) == [HeadCopy(1, 0, 4, 0, 4)]
+    with pytest.raises(ValueError, match="do not split"):
+        plan_head_copies(3, FULL)
+
+
+def _cache(layout: KVLayout) -> torch.Tensor:
+    lay = layout
+    shape = (lay.num_layers, 2, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+    return torch.zeros(shape, dtype=getattr(torch, lay.dtype))
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", [(2, 1), (1, 2), (4, 2), (2, 4), (2, 2)])
+def test_mapping_sink_rebuilds_every_destination_shard(src_tp, dst_tp):
+    torch.manual_seed(0)
+    full = torch.randn(_cache(FULL).shape)  # the model's whole KV, as TP=1 would hold it
+    src_blocks = [7, 2, 9]
+    hub = LocalHub()
+    per = FULL.num_kv_heads // src_tp
+    sources = []
+    for r in range(src_tp):
+        lay = shard_layout(FULL, src_tp, r, FULL.num_blocks)
+        cache = full[..., r * per : (r + 1) * per, :].contiguous()
+        sources.append(LocalSource(f"p{r}", cache, CompatInfo("m", lay), hub=hub))
+    readers = readers_per_export(src_tp, dst_tp)
+    descs = [s.export("req", src_blocks, num_tokens=10, readers=readers) for s in sources]
+    make_sink = functools.partial(LocalSink, hub=hub)
+    for d in range(dst_tp):
+        lay = shard_layout(FULL, dst_tp, d, 6)
+        dst = _cache(lay)
+        sink = HeadMappingSink(f"d{d}", dst, CompatInfo("m", lay), make_sink, max_blocks=4)
+        sink.connect([s.handshake() for s in reversed(sources)])  # any order
+        confirmations = sink.pull(descs, [5, 0, 3])
+        if d == 0 and readers > 1:  # other decode ranks still have to read: leases stay
+            assert all(s.poll() == [] for s in sources)
+        assert len(confirmations) == len(sink.plan) >= 1
+        h0, h1 = lay.kv_head_range
+        expected = full[:, :, src_blocks][..., h0:h1, :]
+        torch.testing.assert_close(dst[:, :, [5, 0, 3]], expected, rtol=0, atol=0)
+        assert dst[:, :, [1, 2, 4]].abs().sum() == 0  # nothing written elsewhere
+        sink.close()
+    # Every source lease ends confirmed, and only after its last reader.
+    for s in sources:
+        assert [e.state.value for e in s.poll()] == ["confirmed"]
+
+
+def test_mapping_sink_refuses_another_model_and_incomplete_groups():
+    hub = LocalHub()
+    src_lay = shard_layout(FULL, 2, 0, FULL.num_blocks)
+    other = dataclasses.replace(FULL, head_dim=16)
+    src = LocalSource("p0", _cache(other), CompatInfo("m", other), hub=hub)
+    sink = HeadMappingSink("d", _cache(FULL), CompatInfo("m", FULL), functools.partial(LocalSink, hub=hub), 4)
+    with pytest.raises(IncompatiblePeer, match="head_dim"):
+        sink.connect([src.handshake()])
+    half = LocalSource("p1", _cache(src_lay), CompatInfo("m", src_lay), hub=hub)
+    with pytest.raises(IncompatiblePeer, match="one TP group"):
+        sink.connect([half.handshake()])  # rank 0 of 2 alone
+
+
+def test_corrupted_shard_fails_the_pull():
+    hub = LocalHub()
+    sources = []
+    for r in range(2):
+        lay = shard_layout(FULL, 2, r, FULL.num_blocks)
+        sources.append(LocalSource(f"p{r}", torch.randn(_cache(lay).shape), CompatInfo("m", lay), hub=hub))
+    descs = [s.export("req", [1, 2], num_tokens=8) for s in sources]
+    sources[1].cache[0, 0, 2, 0, 0, 0] += 1.0  # after the checksum was taken
+    sink = HeadMappingSink("d", _cache(FULL), CompatInfo("m", FULL), functools.partial(LocalSink, hub=hub), 4)
+    sink.connect([s.handshake() for s in sources])
+    with pytest.raises(IntegrityError, match="corrupted"):
+        sink.pull(descs, [3, 4])
