@@ -82,13 +82,16 @@ def build_model(
     native_kernels: bool = True,
     quantization: str = "none",
     tp: TPGroup | None = None,
+    init_on_device: bool = False,
 ) -> LlamaModel:
     """Instantiate the model; load ``weights`` (HF names) or, if None, draw random ones.
     Then, in this order: keep this rank's shard under tensor parallelism (``tp``),
     quantize the decoder's linears (``quantization``: none, fp8, int8), and on CPU
     pre-pack the remaining float linears for oneDNN; with ``native_kernels`` the
-    norms use the fused add+RMSNorm kernel of ``splitserve.engine.kernels``."""
-    with torch.device("cpu"):
+    norms use the fused add+RMSNorm kernel of ``splitserve.engine.kernels``.
+    ``init_on_device`` builds (and draws random weights) on ``device`` directly, for
+    random models too large to draw on the host quickly (GPU benchmarks)."""
+    with torch.device(device if init_on_device else "cpu"):
         model = LlamaModel(cfg, max_position)
     if weights is None:
         _init_random(model, seed)
@@ -174,11 +177,12 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 @torch.no_grad()
 def _init_random(model: LlamaModel, seed: int, std: float = 0.02) -> None:
     """Transformers' Llama init: normal(0, std) for matrices, ones for norms, zero biases."""
-    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    g = torch.Generator(device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith(".bias"):
             p.zero_()
         else:
-            p.copy_(torch.randn(p.shape, generator=g) * std)
+            p.copy_(torch.randn(p.shape, generator=g, device=device) * std)

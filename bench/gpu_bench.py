@@ -1,0 +1,397 @@
+"""The GPU paths against the hardware's limits (CUDA only).
+
+    python -m splitserve.bench.gpu_bench [--shape llama3-8b] [--result-json out.json]
+
+On a random-weight model with Llama-3-8B's shapes (speed does not depend on
+weight values) it measures, in one run:
+
+- HBM bandwidth (a device-to-device copy, bytes read + written) and the dense
+  GEMM rate actually reached by an 8192³ bf16 and FP8 matmul, as baselines;
+- decode step time (one token for each of B sequences with C tokens of context,
+  eager and as a replayed CUDA graph) at B = 1, 16, 64, next to the roofline
+  bound (weight bytes + KV bytes read) / measured HBM bandwidth, printed as
+  bound / measured: 1.0 would be the memory-bound limit;
+- prefill of one T-token prompt (T = 2k, 8k): tokens/s and achieved TFLOP/s
+  (2·T·weights + 2·L·H·D·T² causal attention), as a fraction of the dense
+  peak of that precision (the data-sheet figure for H100/H200, else the GEMM
+  rate measured above).
+
+for bf16 weights, weight-only int8 and FP8 (W8A8). Goals (issue 6): decode at
+B=1 within 80% of the roofline; FP8 prefill >= 1.6x bf16 and >= 50% of the FP8
+dense peak at 8k tokens. Attention is the engine's SDPA backend (flash-attn is
+not installed on these machines), whose paged decode gathers each sequence's
+blocks first: extra KV traffic the roofline does not count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.attention import SeqSpan, get_backend
+from splitserve.engine.kv_cache import KVCache, KVLayout
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.cpu_linear import PackedLinear
+from splitserve.engine.model.llama import LlamaModel, RMSNorm, StepContext
+from splitserve.engine.model.loader import build_model
+from splitserve.engine.model.quant import Fp8Linear, Int8Linear, fp8_gemm_supported, quantize_fp8
+
+SHAPES = {
+    "llama3-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+    "tiny": dict(  # for tests: the same code path in seconds
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+    ),
+}
+
+# Dense (no sparsity) tensor-core peaks from NVIDIA's data sheets, TFLOP/s: (bf16, fp8).
+DATASHEET_PEAKS = {"H200": (989.4, 1978.9), "H100 PCIe": (756.0, 1513.0), "H100": (989.4, 1978.9)}
+BLOCK_SIZE = 16
+
+
+@dataclass
+class DecodeRow:
+    quantization: str
+    batch: int
+    context: int
+    eager_ms: float
+    graph_ms: float
+    weight_bytes: int
+    kv_bytes: int
+    roofline_ms: float
+
+    @property
+    def fraction(self) -> float:
+        """Roofline bound / measured (graph) step time."""
+        return self.roofline_ms / self.graph_ms
+
+
+@dataclass
+class PrefillRow:
+    quantization: str
+    tokens: int
+    ms: float
+    tflop: float
+    peak_tflops: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.ms / 1e3)
+
+    @property
+    def tflops(self) -> float:
+        return self.tflop / (self.ms / 1e3)
+
+    @property
+    def fraction(self) -> float:
+        return self.tflops / self.peak_tflops
+
+
+@dataclass
+class Report:
+    device: str
+    shape: str
+    hbm_gb_s: float
+    gemm_tflops: dict[str, float]  # measured 8192^3 rates, by precision
+    peak_tflops: dict[str, float]  # what prefill fractions divide by
+    peak_source: str
+    decode: list[DecodeRow]
+    prefill: list[PrefillRow]
+
+    def goals(self) -> dict[str, tuple[float, float, bool]]:
+        """name -> (measured, goal, met)."""
+        out = {}
+        b1 = [r for r in self.decode if r.batch == 1 and r.quantization == "none"]
+        if b1:
+            out["decode B=1 bf16, fraction of roofline"] = (b1[0].fraction, 0.8, b1[0].fraction >= 0.8)
+        longest = max((r.tokens for r in self.prefill), default=0)
+        by_q = {r.quantization: r for r in self.prefill if r.tokens == longest}
+        if "none" in by_q and "fp8" in by_q:
+            ratio = by_q["fp8"].tflops / by_q["none"].tflops
+            out[f"prefill {longest} tokens, fp8 / bf16"] = (ratio, 1.6, ratio >= 1.6)
+            frac = by_q["fp8"].fraction
+            out[f"prefill {longest} tokens, fp8 fraction of fp8 peak"] = (frac, 0.5, frac >= 0.5)
+        return out
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["decode"] = [{**dataclasses.asdict(r), "fraction": r.fraction} for r in self.decode]
+        d["prefill"] = [
+            {
+                **dataclasses.asdict(r),
+                "tokens_per_s": r.tokens_per_s,
+                "tflops": r.tflops,
+                "fraction": r.fraction,
+            }
+            for r in self.prefill
+        ]
+        d["goals"] = {k: {"measured": m, "goal": g, "met": ok} for k, (m, g, ok) in self.goals().items()}
+        return d
+
+
+def cuda_time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of ``fn`` by CUDA events, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def hbm_bandwidth(device: torch.device, nbytes: int = 2**31) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read and written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms / 1e3)
+
+
+def gemm_tflops(device: torch.device, n: int = 8192) -> dict[str, float]:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    out = {"bf16": 2 * n**3 / (cuda_time_ms(lambda: a @ b) / 1e3) / 1e12}
+    if fp8_gemm_supported(device):
+        a8, sa = quantize_fp8(a)
+        b8, sb = quantize_fp8(b)
+        sb = sb.view(1, -1)
+
+        def fp8():
+            return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+        out["fp8"] = 2 * n**3 / (cuda_time_ms(fp8) / 1e3) / 1e12
+    return out
+
+
+def datasheet_peaks(name: str) -> dict[str, float] | None:
+    for key, (bf16, fp8) in DATASHEET_PEAKS.items():
+        if all(part in name for part in key.split()):
+            return {"bf16": bf16, "fp8": fp8}
+    return None
+
+
+def model_config(shape: str) -> ModelConfig:
+    from transformers import LlamaConfig
+
+    return ModelConfig.from_hf(LlamaConfig(**SHAPES[shape], tie_word_embeddings=False))
+
+
+def build(cfg: ModelConfig, quantization: str, device: torch.device) -> LlamaModel:
+    return build_model(
+        cfg,
+        torch.bfloat16,
+        device,
+        cfg.max_position_embeddings,
+        None,
+        quantization=quantization,
+        init_on_device=True,
+    )
+
+
+def weight_bytes(model: LlamaModel) -> int:
+    """Bytes a decode step reads: every decoder and LM-head weight with its scales, and
+    the norms (the embedding rows it reads are negligible)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, (Fp8Linear, Int8Linear)):
+            total += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False))
+        elif isinstance(m, PackedLinear):  # CPU only: oneDNN's copy of a float weight
+            total += m.in_features * m.out_features * m.packed.element_size()
+        elif isinstance(m, (torch.nn.Linear, RMSNorm)):
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def _kv_cache(cfg: ModelConfig, num_blocks: int, device: torch.device) -> KVCache:
+    layout = KVLayout(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, "bfloat16")
+    cache = KVCache(layout, device)
+    cache.tensor.normal_()  # values do not matter for speed; NaN-free keeps softmax honest
+    return cache
+
+
+def _step(model: LlamaModel, cache: KVCache, spans: list[SeqSpan], num_decodes: int, ids, positions, slots):
+    """Static tensors and a closure running one forward + logits of each sequence's last token."""
+    dev = cache.tensor.device
+    backend = get_backend("sdpa", dev)
+    ctx = StepContext(
+        torch.tensor(slots, device=dev), backend, backend.prepare(spans, num_decodes, BLOCK_SIZE, dev)
+    )
+    ids_t = torch.tensor(ids, device=dev)
+    pos_t = torch.tensor(positions, device=dev)
+    last = torch.tensor([s.q_start + s.q_len - 1 for s in spans], device=dev)
+
+    def run():
+        hidden = model(ids_t, pos_t, cache, ctx)
+        return model.compute_logits(hidden.index_select(0, last))
+
+    return run
+
+
+def graph_of(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """Capture ``fn`` as a CUDA graph; returns a replay that gives the graph's output
+    tensor (the same buffer each time, overwritten by each replay)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay
+
+
+def decode_row(
+    model: LlamaModel, cfg: ModelConfig, quantization: str, batch: int, context: int, bw: float
+) -> DecodeRow:
+    dev = next(model.buffers()).device
+    per_seq = -(-context // BLOCK_SIZE)
+    cache = _kv_cache(cfg, batch * per_seq, dev)
+    spans, slots = [], []
+    for b in range(batch):
+        table = list(range(b * per_seq, (b + 1) * per_seq))
+        spans.append(SeqSpan(b, 1, context, table))
+        p = context - 1
+        slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+    run = _step(model, cache, spans, batch, [1] * batch, [context - 1] * batch, slots)
+    eager = cuda_time_ms(run)
+    graphed = cuda_time_ms(graph_of(run))
+    kv = batch * context * cfg.num_layers * 2 * cfg.kv_size * 2  # bf16 K and V read once
+    wb = weight_bytes(model)
+    del cache
+    return DecodeRow(quantization, batch, context, eager, graphed, wb, kv, (wb + kv) / bw * 1e3)
+
+
+def prefill_row(
+    model: LlamaModel, cfg: ModelConfig, quantization: str, tokens: int, peak: float
+) -> PrefillRow:
+    dev = next(model.buffers()).device
+    blocks = list(range(-(-tokens // BLOCK_SIZE)))
+    cache = _kv_cache(cfg, len(blocks), dev)
+    slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(tokens)]
+    ids = torch.randint(0, cfg.vocab_size, (tokens,)).tolist()
+    run = _step(model, cache, [SeqSpan(0, tokens, tokens, blocks)], 0, ids, list(range(tokens)), slots)
+    ms = cuda_time_ms(run, warmup=2, iters=5)
+    linear = sum(m.in_features * m.out_features for m in model.layers.modules() if _is_linear(m))
+    attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens**2  # causal QK^T and PV
+    flop = 2 * tokens * linear + attention + 2 * cfg.hidden_size * cfg.vocab_size
+    del cache
+    return PrefillRow(quantization, tokens, ms, flop / 1e12, peak)
+
+
+def _is_linear(m: torch.nn.Module) -> bool:
+    return isinstance(m, (torch.nn.Linear, Fp8Linear, Int8Linear, PackedLinear))
+
+
+def run(
+    shape: str,
+    batches: list[int],
+    context: int,
+    prefill_tokens: list[int],
+    quantizations: list[str],
+    log: Callable[[str], None] = print,
+) -> Report:
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_bench needs a CUDA device")
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    bw = hbm_bandwidth(dev)
+    gemm = gemm_tflops(dev)
+    peaks, source = datasheet_peaks(name), "data sheet"
+    if peaks is None:
+        peaks, source = gemm, "measured 8192^3 GEMM"
+    log(
+        f"{name}: HBM {bw / 1e9:.0f} GB/s; GEMM " + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in gemm.items())
+    )
+    cfg = model_config(shape)
+    report = Report(name, shape, bw / 1e9, gemm, peaks, source, [], [])
+    for q in quantizations:
+        if q == "fp8" and not fp8_gemm_supported(dev):
+            log("fp8: this GPU has no FP8 tensor cores; skipped")
+            continue
+        model = build(cfg, q, dev)
+        for b in batches:
+            report.decode.append(decode_row(model, cfg, q, b, context, bw))
+            log(_fmt_decode(report.decode[-1]))
+        for t in prefill_tokens:
+            peak = peaks["fp8" if q == "fp8" else "bf16"]
+            report.prefill.append(prefill_row(model, cfg, q, t, peak))
+            log(_fmt_prefill(report.prefill[-1]))
+        del model
+        torch.cuda.empty_cache()
+    return report
+
+
+def _name(q: str) -> str:
+    return {"none": "bf16", "int8": "int8 weight-only", "fp8": "fp8 W8A8"}[q]
+
+
+def _fmt_decode(r: DecodeRow) -> str:
+    return (
+        f"decode  {_name(r.quantization):17} B={r.batch:<3} ctx={r.context}: eager {r.eager_ms:7.2f} ms, "
+        f"graph {r.graph_ms:7.2f} ms, roofline {r.roofline_ms:7.2f} ms "
+        f"({(r.weight_bytes + r.kv_bytes) / 1e9:.2f} GB) -> {r.fraction:.2f} of roofline"
+    )
+
+
+def _fmt_prefill(r: PrefillRow) -> str:
+    return (
+        f"prefill {_name(r.quantization):17} T={r.tokens:<5}: {r.ms:8.1f} ms, {r.tokens_per_s:9.0f} tok/s, "
+        f"{r.tflops:6.1f} TFLOP/s = {r.fraction:.2f} of {r.peak_tflops:.0f} peak"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--context", type=int, default=1024, help="tokens of context per decoding sequence")
+    ap.add_argument("--prefill-tokens", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--quantization", nargs="+", default=["none", "int8", "fp8"])
+    ap.add_argument("--result-json")
+    args = ap.parse_args(argv)
+    report = run(args.shape, args.batch, args.context, args.prefill_tokens, args.quantization)
+    print(
+        f"peaks ({report.peak_source}): " + ", ".join(f"{k} {v:.0f}" for k, v in report.peak_tflops.items())
+    )
+    for goal, (measured, target, met) in report.goals().items():
+        print(f"goal {goal}: {measured:.2f} (goal {target}) {'MET' if met else 'NOT MET'}")
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(report.to_json(), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

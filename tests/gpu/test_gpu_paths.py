@@ -1,0 +1,90 @@
+"""The GPU paths on CUDA (skipped without it): FP8 through ``torch._scaled_mm``,
+int8 weight-only, quantized engines against the reference, CUDA-graph replay of
+a decode step, and the benchmark end to end on a tiny shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from splitserve.bench import gpu_bench as gb
+from splitserve.engine import Engine, EngineConfig
+from splitserve.engine.model.quant import Fp8Linear, Int8Linear, fp8_gemm_supported, quantize_fp8
+from tests.conftest import make_hf_checkpoint, random_prompts
+from tests.unit.test_quantization import closeness
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA = torch.device("cuda")
+
+
+def test_fp8_linear_on_tensor_cores_matches_the_fallback():
+    if not fp8_gemm_supported(CUDA):
+        pytest.skip("no FP8 tensor cores on this GPU")
+    torch.manual_seed(0)
+    lin = nn.Linear(512, 256, bias=False, device=CUDA, dtype=torch.bfloat16)
+    layer = Fp8Linear(lin)
+    assert layer.use_scaled_mm
+    x = torch.randn(64, 512, device=CUDA, dtype=torch.bfloat16)
+    x_q, x_scale = quantize_fp8(x)
+    torch.testing.assert_close(layer(x).float(), layer.dequantized_matmul(x_q, x_scale), rtol=2e-2, atol=2e-2)
+
+
+def test_int8_linear_on_cuda():
+    torch.manual_seed(0)
+    lin = nn.Linear(512, 256, bias=False, device=CUDA, dtype=torch.bfloat16)
+    layer = Int8Linear(lin)
+    x = torch.randn(8, 512, device=CUDA, dtype=torch.bfloat16)
+    expected = (x.float() @ layer.weight.float().t()) * layer.scale.float()
+    torch.testing.assert_close(layer(x).float(), expected, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("method, min_cos, min_top1", [("int8", 0.99, 0.85), ("fp8", 0.95, 0.60)])
+def test_quantized_engine_on_cuda_stays_close(tmp_path, method, min_cos, min_top1):
+    if method == "fp8" and not fp8_gemm_supported(CUDA):
+        pytest.skip("no FP8 tensor cores on this GPU")
+    make_hf_checkpoint("llama", tmp_path)
+    cfg = dict(model=str(tmp_path), device="cuda", num_kv_blocks=32)
+    reference = Engine(EngineConfig(**cfg, dtype="float32"))
+    quantized = Engine(EngineConfig(**cfg, dtype="bfloat16", quantization=method))
+    cos, top1 = closeness(quantized, reference, random_prompts([5, 40, 77, 130], 512, seed=3))
+    assert cos >= min_cos and top1 >= min_top1, (cos, top1)
+
+
+def test_decode_step_graph_replays_the_eager_result():
+    cfg = gb.model_config("tiny")
+    model = gb.build(cfg, "none", CUDA)
+    cache = gb._kv_cache(cfg, 8, CUDA)
+    spans = [gb.SeqSpan(0, 1, 40, [0, 1, 2]), gb.SeqSpan(1, 1, 17, [5, 6])]
+    run = gb._step(model, cache, spans, 2, [3, 4], [39, 16], [2 * 16 + 7, 6 * 16 + 0])
+    eager = run().clone()
+    replay = gb.graph_of(run)
+    out = replay()
+    out.zero_()  # the next replay must write every logit again
+    torch.testing.assert_close(replay(), eager)
+    assert eager.shape == (2, cfg.vocab_size) and torch.isfinite(eager).all()
+
+
+def test_benchmark_end_to_end_on_a_tiny_shape(tmp_path):
+    report = gb.run("tiny", [1, 4], 64, [256], ["none", "int8", "fp8"], log=lambda s: None)
+    quants = {"none", "int8"} | ({"fp8"} if fp8_gemm_supported(CUDA) else set())
+    assert {r.quantization for r in report.decode} == quants
+    assert len(report.decode) == 2 * len(quants) and len(report.prefill) == len(quants)
+    assert report.hbm_gb_s > 100 and report.gemm_tflops["bf16"] > 1
+    for r in report.decode:
+        assert 0 < r.fraction and r.graph_ms > 0
+    for r in report.prefill:
+        assert 0 < r.fraction and r.tokens_per_s > 0
+    gb.main(
+        [
+            "--shape",
+            "tiny",
+            "--batch",
+            "1",
+            "--prefill-tokens",
+            "128",
+            "--result-json",
+            str(tmp_path / "r.json"),
+        ]
+    )
+    assert (tmp_path / "r.json").exists()
