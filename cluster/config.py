@@ -53,6 +53,11 @@ class EngineOptions(_Strict):
     attention_backend: Literal["auto", "sdpa", "cpu", "flash_attn"] = Field(
         "auto", description="attention implementation"
     )
+    quantization: Literal["none", "fp8", "int8"] = Field(
+        "none",
+        description="linear layers: fp8 (W8A8; FP8 tensor cores on sm_89+, suits compute-bound prefill), "
+        "int8 (weight-only; halves the bytes memory-bound decode reads), or none",
+    )
 
 
 class AutoscalingSpec(_Strict):
@@ -84,7 +89,12 @@ class PoolSpec(_Strict):
     replicas: int = Field(1, ge=0, description="number of workers in this pool")
     num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves per worker (per TP rank)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves per worker (per TP rank)")
-    tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per worker, placed on one node")
+    tp_size: int = Field(
+        1,
+        ge=1,
+        description="tensor-parallel ranks per worker, placed on one node (prefill pool only; "
+        "decode workers merge a TP prefill group's KV heads)",
+    )
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker; default: num_cpus")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the engine runs")
     cpu_ids: list[int] | None = Field(
@@ -94,12 +104,6 @@ class PoolSpec(_Strict):
     autoscaling: AutoscalingSpec | None = Field(
         None, description="scale this pool on its phase's load (None: fixed)"
     )
-
-    @model_validator(mode="after")
-    def _check(self) -> PoolSpec:
-        if self.tp_size > 1:
-            raise ValueError("tp_size > 1 needs the engine's tensor parallelism, which is not built yet")
-        return self
 
 
 class TransferSpec(_Strict):
@@ -175,7 +179,11 @@ class ClusterConfig(_Strict):
                 raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
             if self.prefill.engine.block_size != self.decode.engine.block_size:
                 raise ValueError("prefill and decode pools must use the same block_size")
-        elif self.colocated.replicas < 1:
+            if self.decode.tp_size > 1:
+                raise ValueError("decode.tp_size must be 1: only prefill workers run tensor-parallel so far")
+        elif self.colocated.tp_size > 1:
+            raise ValueError("colocated.tp_size must be 1: only prefill workers run tensor-parallel so far")
+        if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ValueError("colocated mode needs at least one worker")
         return self
 

@@ -7,14 +7,22 @@ pick up from the next handshake they are sent (``KVSink.connect`` replaces
 the stale link). ``remove`` drains a worker before killing it: it takes no
 new requests and is killed once its in-flight ones end (or a timeout passes),
 so scaling down drops nothing.
+
+A prefill worker with ``tp_size > 1`` is a group of actors in one placement
+group: the ``PrefillWorker`` (rank 0, bundle 0; the router's handle) and a
+``PrefillRank`` per other rank. They meet at a TCP address picked on bundle
+0's node. A group is not restarted (a lost rank breaks its collectives): it
+fails its requests, which the router retries elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -23,7 +31,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from splitserve.cluster.config import ClusterConfig, PoolSpec
 from splitserve.decode_worker import DecodeWorker, DecodeWorkerSpec
 from splitserve.engine import EngineConfig
+from splitserve.engine.parallel import TPInit
 from splitserve.prefill_worker import PrefillWorker, PrefillWorkerSpec
+from splitserve.prefill_worker.tp import PrefillRank
 from splitserve.router.balancer import WorkerRef
 from splitserve.router.errors import unwrap
 
@@ -46,6 +56,8 @@ def engine_config(config: ClusterConfig, pool: PoolSpec) -> EngineConfig:
         max_model_len=m.max_model_len,
         enable_prefix_caching=e.enable_prefix_caching,
         attention_backend=e.attention_backend,
+        quantization=e.quantization,
+        tp_size=pool.tp_size,
         seed=m.seed,
     )
 
@@ -54,6 +66,15 @@ def engine_config(config: ClusterConfig, pool: PoolSpec) -> EngineConfig:
 class _Member:
     ref: WorkerRef
     pg: PlacementGroup
+    ranks: list = field(default_factory=list)  # actor handles of TP ranks 1.. (prefill TP groups)
+
+
+def _rendezvous_address() -> str:
+    """A TCP address on this node for a TP group's ranks to meet (run in bundle 0)."""
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return f"tcp://{ip}:{s.getsockname()[1]}"
 
 
 class WorkerPool:
@@ -81,9 +102,11 @@ class WorkerPool:
 
     async def add(self, n: int, timeout_s: float = 900.0) -> list[WorkerRef]:
         """Start ``n`` workers and wait until each has loaded its model."""
-        started = [self._launch() for _ in range(n)]
         deadline = time.monotonic() + timeout_s
+        started: list[_Member] = []
         try:
+            for _ in range(n):
+                started.append(await self._launch(deadline))
             for m in started:
                 await self._wait_ready(m, deadline)
         except BaseException:
@@ -109,28 +132,59 @@ class WorkerPool:
         self.members.clear()
 
     # ---- internals ------------------------------------------------------------
-    def _launch(self) -> _Member:
+    async def _launch(self, deadline: float) -> _Member:
         s = self.spec
         worker_id = f"{self.role}-{self._next_index}"
         self._next_index += 1
         bundle = {"CPU": s.num_cpus} | ({"GPU": s.num_gpus} if s.num_gpus else {})
         pg = placement_group([bundle] * s.tp_size, strategy="STRICT_PACK", name=f"splitserve-{worker_id}")
+        spec = self._worker_spec(worker_id)
+        member = _Member(WorkerRef(worker_id, self.role, None, block_size=s.engine.block_size), pg)
         cls = PrefillWorker if self.role == "prefill" else DecodeWorker
-        actor = (
+        if s.tp_size > 1:
+            await self._placed(member, deadline)
+            address = (
+                await ray.remote(num_cpus=0)(_rendezvous_address)
+                .options(scheduling_strategy=self._bundle(pg, 0))
+                .remote()
+            )
+            for rank in range(s.tp_size):
+                rank_spec = dataclasses.replace(
+                    spec, tp=TPInit(rank, s.tp_size, address), cpu_ids=self._rank_cpus(worker_id, rank)
+                )
+                if rank == 0:
+                    spec = rank_spec
+                    continue
+                handle = ray.remote(PrefillRank).options(
+                    num_cpus=s.num_cpus, num_gpus=s.num_gpus, scheduling_strategy=self._bundle(pg, rank)
+                )
+                member.ranks.append(handle.remote(rank_spec))
+        member.ref.handle = (
             ray.remote(cls)
             .options(
                 num_cpus=s.num_cpus,
                 num_gpus=s.num_gpus,
-                max_restarts=MAX_RESTARTS,
+                max_restarts=MAX_RESTARTS if s.tp_size == 1 else 0,
                 max_concurrency=4096,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+                scheduling_strategy=self._bundle(pg, 0),
             )
-            .remote(self._worker_spec(worker_id))
+            .remote(spec)
         )
-        block = s.engine.block_size
-        return _Member(WorkerRef(worker_id, self.role, actor, block_size=block), pg)
+        return member
 
-    async def _wait_ready(self, m: _Member, deadline: float) -> None:
+    def _rank_cpus(self, worker_id: str, rank: int) -> tuple[int, ...] | None:
+        """Cores of one TP rank: the pool's ``cpu_ids`` dealt out rank by rank."""
+        ids = self.spec.cpu_ids
+        if not ids:
+            return None
+        index = int(worker_id.rsplit("-", 1)[1]) * self.spec.tp_size + rank
+        return (ids[index % len(ids)],)
+
+    @staticmethod
+    def _bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
+
+    async def _placed(self, m: _Member, deadline: float) -> None:
         s = self.spec
         try:
             await asyncio.wait_for(m.pg.ready(), max(0.1, deadline - time.monotonic()))
@@ -139,6 +193,9 @@ class WorkerPool:
                 f"Ray cannot place {m.ref.worker_id}: it needs {s.tp_size} x "
                 f"{{CPU: {s.num_cpus}, GPU: {s.num_gpus}}} on one node"
             ) from None
+
+    async def _wait_ready(self, m: _Member, deadline: float) -> None:
+        await self._placed(m, deadline)
         try:
             await asyncio.wait_for(m.ref.handle.info.remote(), max(0.1, deadline - time.monotonic()))
         except TimeoutError:
@@ -149,10 +206,11 @@ class WorkerPool:
 
     def _kill(self, m: _Member) -> None:
         m.ref.alive = False
-        try:
-            ray.kill(m.ref.handle, no_restart=True)
-        except Exception:  # already gone
-            pass
+        for handle in [m.ref.handle, *m.ranks]:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # already gone, or never started
+                pass
         try:
             remove_placement_group(m.pg)
         except Exception:

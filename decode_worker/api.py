@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.engine import EngineConfig, EngineStats, FinishReason, RequestValidator, SamplingParams
-from splitserve.kv_transfer.contract import Handshake, KVDescriptor
+from splitserve.kv_transfer.contract import Handshake, KVDescriptor, KVShard
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class DecodeTask:
     output_token_ids: list[int] = field(default_factory=list)
     descriptor: KVDescriptor | None = None
     handshake: Handshake | None = None  # the source's, for descriptor
+    shards: tuple[KVShard, ...] = ()  # a TP prefill group's other ranks: merged into this worker's heads
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ A request's life here (the queues SGLang's decode side names)::
 
     generate(task) with a descriptor:
         import_request (blocks allocated; waits while the cache is full) --IMPORTING
-        -> sink.pull on the transfer thread (verified; confirms the source's lease)
+        -> sink.pull on the transfer thread (verified; confirms the source's lease;
+           from a TP prefill group, every rank's shard, heads merged by HeadMappingSink)
         -> activate --RUNNING in the batch-- tokens --> finished
     generate(task) without one (colocated, or a short prompt by policy):
         add_request --WAITING/RUNNING-- tokens --> finished
@@ -51,6 +52,7 @@ from splitserve.engine import (
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.contract import CompatInfo
 from splitserve.kv_transfer.errors import LeaseExpired
+from splitserve.kv_transfer.tp_mapping import HeadMappingSink
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +87,11 @@ class DecodeWorker:
         self.worker_id = spec.worker_id
         self.engine = Engine(spec.engine)
         self.sink = None
+        self._tp_sinks: dict[str, HeadMappingSink] = {}  # by prefill worker id (TP groups only)
         if spec.backend is not None:
-            compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
-            sink_cls = get_backend(spec.backend).sink
-            self.sink = sink_cls(spec.worker_id, self.engine.kv_cache.tensor, compat)
+            self._compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
+            self._sink_cls = get_backend(spec.backend).sink
+            self.sink = self._sink_cls(spec.worker_id, self.engine.kv_cache.tensor, self._compat)
         # One thread drives the sink (it is not thread-safe); pulls overlap decode steps.
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.worker_id}-kv")
         self._streams: dict[str, _Stream] = {}
@@ -150,6 +153,8 @@ class DecodeWorker:
         self._transfer.shutdown(wait=True)
         if self.sink is not None:
             self.sink.close()
+        for sink in self._tp_sinks.values():
+            sink.close()
 
     # ---- internals ------------------------------------------------------------
     async def _call(self, fn):
@@ -190,9 +195,25 @@ class DecodeWorker:
         await self._call(lambda e: e.activate(rid))
         return time.perf_counter() - t0
 
-    def _pull(self, task: DecodeTask, blocks: list[int], timeout: float) -> None:
-        self.sink.connect(task.handshake)
-        self.sink.pull(task.descriptor, blocks, timeout)
+    def _pull(self, task: DecodeTask, blocks: list[int], timeout: float) -> None:  # transfer thread
+        if not task.shards:
+            self.sink.connect(task.handshake)
+            self.sink.pull(task.descriptor, blocks, timeout)
+            return
+        source = task.descriptor.source_worker
+        sink = self._tp_sinks.get(source)
+        if sink is None:
+            bs = self.engine.config.block_size
+            max_blocks = -(-self.engine.max_model_len // bs)
+            sink = self._tp_sinks[source] = HeadMappingSink(
+                f"{self.worker_id}<{source}",
+                self.engine.kv_cache.tensor,
+                self._compat,
+                self._sink_cls,
+                max_blocks,
+            )
+        sink.connect([task.handshake, *(s.handshake for s in task.shards)])
+        sink.pull([task.descriptor, *(s.descriptor for s in task.shards)], blocks, timeout)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:  # engine thread
         now = time.time()

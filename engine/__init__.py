@@ -4,6 +4,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.errors import (
     DeadlineExceeded,
+    EngineStopped,
     InvalidRequest,
     ModelLoadError,
     Overloaded,
@@ -20,6 +21,7 @@ from splitserve.engine.validation import RequestValidator
 __all__ = [
     "CompletionOutput",
     "DeadlineExceeded",
+    "EngineStopped",
     "Engine",
     "EngineConfig",
     "EngineLoop",

@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -256,12 +258,13 @@ class Engine:
             self.step()
         return [states[i].completion() for i in ids]
 
-    def follow(self) -> int:
-        """Non-driver TP ranks: run the driver's steps until ``stop_followers``; returns
-        the number of steps run."""
+    def follow(self, on_message: Callable[[Any], None] | None = None) -> int:
+        """Non-driver TP ranks: run the driver's steps until ``stop_followers``, handing
+        any other message the driver broadcasts to ``on_message``; returns the number
+        of steps run."""
         if self.tp.is_driver:
             raise RuntimeError("TP rank 0 drives the engine; follow() is for the other ranks")
-        return self.runner.follow()
+        return self.runner.follow(on_message)
 
     def stop_followers(self) -> None:
         """Driver: end the other ranks' ``follow()`` (a no-op without tensor parallelism)."""

@@ -11,6 +11,7 @@ to gRPC status codes in one place.
 - ``Overloaded``: a resource is exhausted right now (KV blocks, queue space).
 - ``UnknownRequest``: an operation named a request the engine does not hold.
 - ``DeadlineExceeded``: a request ran past its deadline and was aborted.
+- ``EngineStopped``: the engine's loop stopped; its worker serves nothing more.
 """
 
 from __future__ import annotations
@@ -41,3 +42,8 @@ class UnknownRequest(SplitserveError, KeyError):
 
 class DeadlineExceeded(SplitserveError):
     """A request ran past its deadline; it was aborted and its blocks freed."""
+
+
+class EngineStopped(SplitserveError):
+    """The engine's loop has stopped (a failed step, a lost tensor-parallel rank, or a
+    shutdown): the worker serves nothing more; callers treat it as a lost worker."""

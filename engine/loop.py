@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from splitserve.engine.engine import Engine
+from splitserve.engine.errors import EngineStopped
 from splitserve.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,14 @@ class EngineLoop:
         on_tick: Callable[[], None] = lambda: None,
         idle_s: float = 0.005,
         name: str = "engine-loop",
+        on_error: Callable[[BaseException], None] | None = None,
     ):
+        """``on_error`` runs on the loop thread if a step or callback raises and the loop
+        stops (after which every ``call`` fails at once)."""
         self.engine = engine
         self._on_outputs = on_outputs
         self._on_tick = on_tick
+        self._on_error = on_error
         self._idle_s = idle_s
         self._calls: queue.SimpleQueue[tuple[Callable[[Engine], object], Future] | None] = queue.SimpleQueue()
         self._stopping = False
@@ -59,7 +64,7 @@ class EngineLoop:
         holds its result or exception. Fails at once if the loop has stopped."""
         fut: Future[T] = Future()
         if self._stopping or not self._thread.is_alive():
-            fut.set_exception(RuntimeError(f"the engine loop has stopped ({self.error or 'shut down'})"))
+            fut.set_exception(EngineStopped(f"the engine loop has stopped ({self.error or 'shut down'})"))
             return fut
         self._calls.put((fn, fut))
         return fut
@@ -87,6 +92,11 @@ class EngineLoop:
             log.exception("engine loop failed; this worker stops serving")
             self.error = e
             self._stopping = True
+            if self._on_error is not None:
+                try:
+                    self._on_error(e)
+                except Exception:
+                    log.exception("the engine loop's error callback failed")
         finally:
             self._fail_pending()
 
@@ -115,4 +125,4 @@ class EngineLoop:
             except queue.Empty:
                 return
             if item is not None and item[1].set_running_or_notify_cancel():
-                item[1].set_exception(RuntimeError("the engine loop has stopped"))
+                item[1].set_exception(EngineStopped("the engine loop has stopped"))

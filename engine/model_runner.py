@@ -8,12 +8,17 @@ the LM head.
 Under tensor parallelism the driver rank (0) schedules, packs the step into a
 ``StepInputs`` (plain lists), broadcasts it, and every rank runs the same
 forward (the collectives inside the model pair up); only the driver samples.
-The other ranks sit in ``follow()`` until the driver calls ``stop_followers()``.
+The other ranks sit in ``follow()`` until the driver calls ``stop_followers()``;
+the driver may broadcast its own messages on the same channel (e.g. a worker's
+"export your KV shard"), which ``follow`` hands to a callback, in order with
+the steps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -94,13 +99,18 @@ class ModelRunner:
         idx = torch.tensor(inputs.last_index, dtype=torch.long, device=dev)
         return self.model.compute_logits(hidden.index_select(0, idx))
 
-    def follow(self) -> int:
-        """Non-driver ranks: run every step the driver broadcasts until it stops us.
-        Returns the number of steps run."""
+    def follow(self, on_message: Callable[[Any], None] | None = None) -> int:
+        """Non-driver ranks: run every step the driver broadcasts until it stops us;
+        any other message goes to ``on_message``. Returns the number of steps run."""
         steps = 0
-        while (inputs := self.tp.broadcast_object()) is not None:
-            self.forward(inputs)
-            steps += 1
+        while (msg := self.tp.broadcast_object()) is not None:
+            if isinstance(msg, StepInputs):
+                self.forward(msg)
+                steps += 1
+            elif on_message is not None:
+                on_message(msg)
+            else:
+                raise RuntimeError(f"TP rank {self.tp.rank} got a {type(msg).__name__} and has no handler")
         return steps
 
     def stop_followers(self) -> None:

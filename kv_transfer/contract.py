@@ -151,6 +151,15 @@ class KVDescriptor:
 
 
 @dataclass(frozen=True)
+class KVShard:
+    """The KV of one request held by TP rank r > 0 of a prefill group (rank 0's travels
+    as the plain descriptor and handshake): a sink merges every rank's heads."""
+
+    handshake: Handshake
+    descriptor: KVDescriptor
+
+
+@dataclass(frozen=True)
 class Confirmation:
     """A sink's acknowledgement that it holds a verified copy of a transfer."""
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.engine import EngineConfig, EngineStats, FinishReason, RequestValidator, SamplingParams
-from splitserve.kv_transfer.contract import Handshake, KVDescriptor
+from splitserve.engine.parallel import TPInit
+from splitserve.kv_transfer.contract import Handshake, KVDescriptor, KVShard
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class PrefillWorkerSpec:
     lease_s: float = 30.0  # how long exported KV waits for a decode worker to take it
     torch_threads: int | None = None  # torch intra-op threads; None: torch's default
     cpu_ids: tuple[int, ...] | None = None  # pin the worker's process to these cores (Linux)
+    tp: TPInit | None = None  # this process's rank in the worker's TP group (None: TP=1)
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class PrefillWorkerInfo:
     worker_id: str
     validator: RequestValidator  # checks requests exactly as this worker's engine does
     handshake: Handshake  # the KV source's; decode workers connect with it
+    shard_handshakes: tuple[Handshake, ...] = ()  # TP ranks 1.. of a TP group
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     descriptor: KVDescriptor | None  # None when finish_reason is set
     handshake: Handshake
+    shards: tuple[KVShard, ...] = ()  # TP ranks 1..: their KV heads of this request
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,11 @@ next tick. The source is shared by two threads under ``_source_lock``. A
 cancelled or timed-out ``prefill`` aborts its request, so no path leaves
 blocks behind.
 
+With ``spec.tp`` set the worker is rank 0 of a tensor-parallel group whose
+other ranks are ``PrefillRank``s (``splitserve.prefill_worker.tp`` describes
+the protocol); each request's result then also carries every other rank's KV
+shard, and its blocks are released once every rank's lease ended.
+
 The class imports no Ray: ``cluster`` wraps it with ``ray.remote`` (it is an
 asyncio actor), and tests can drive it with plain asyncio.
 """
@@ -26,25 +31,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
 
-import torch
-
 from splitserve.engine import (
     DeadlineExceeded,
     Engine,
     EngineLoop,
+    EngineStopped,
     FinishReason,
     InvalidRequest,
     RequestOutput,
     UnknownRequest,
 )
-from splitserve.kv_transfer import get_backend
-from splitserve.kv_transfer.contract import CompatInfo, LeaseEnd
+from splitserve.kv_transfer import KVTransferError, get_backend
+from splitserve.kv_transfer.contract import CompatInfo, KVShard, LeaseEnd, TransferState
 from splitserve.prefill_worker.api import (
     PrefillResult,
     PrefillStats,
@@ -52,6 +55,7 @@ from splitserve.prefill_worker.api import (
     PrefillWorkerInfo,
     PrefillWorkerSpec,
 )
+from splitserve.prefill_worker.tp import ExportShard, PollShards, ReleaseShard, join_group
 
 log = logging.getLogger(__name__)
 
@@ -75,23 +79,30 @@ class _Waiter:
 
 class PrefillWorker:
     def __init__(self, spec: PrefillWorkerSpec):
-        if spec.cpu_ids:
-            os.sched_setaffinity(0, spec.cpu_ids)
-        if spec.torch_threads:
-            torch.set_num_threads(spec.torch_threads)
+        if spec.tp is not None and spec.tp.rank != 0:
+            raise ValueError("a PrefillWorker is rank 0 of its TP group; the others are PrefillRanks")
         self.spec = spec
         self.worker_id = spec.worker_id
-        self.engine = Engine(spec.engine)
+        self.tp = join_group(spec)
+        self.engine = Engine(spec.engine, tp=self.tp)
         compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
         backend = get_backend(spec.backend)
         self.source = backend.source(spec.worker_id, self.engine.kv_cache.tensor, compat, spec.lease_s)
         self.handshake = self.source.handshake()
+        self.shard_handshakes = tuple(self.tp.gather_object(self.handshake)[1:])
         self._waiters: dict[str, _Waiter] = {}  # requests whose prefill() is awaiting
         self._exports: dict[str, str] = {}  # request id -> transfer id, lease open (loop thread only)
+        self._open_shards: dict[str, set[int]] = {}  # request id -> TP ranks > 0 whose lease is open
         self._source_lock = threading.Lock()
         self._ended: queue.SimpleQueue[LeaseEnd] = queue.SimpleQueue()  # poller -> engine thread
         self._stopping = threading.Event()
-        self.loop = EngineLoop(self.engine, self._on_outputs, self._on_tick, name=f"{spec.worker_id}-engine")
+        self.loop = EngineLoop(
+            self.engine,
+            self._on_outputs,
+            self._on_tick,
+            name=f"{spec.worker_id}-engine",
+            on_error=self._on_error,
+        )
         self.loop.start()
         self._poller = threading.Thread(
             target=self._poll_source, name=f"{spec.worker_id}-kv-poll", daemon=True
@@ -100,7 +111,7 @@ class PrefillWorker:
 
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> PrefillWorkerInfo:
-        return PrefillWorkerInfo(self.worker_id, self.engine.validator, self.handshake)
+        return PrefillWorkerInfo(self.worker_id, self.engine.validator, self.handshake, self.shard_handshakes)
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         """Prefill ``task`` and export its KV. Raises ``InvalidRequest`` for bad
@@ -144,8 +155,11 @@ class PrefillWorker:
         self._stopping.set()
         self._poller.join(5)
         self.loop.stop()
+        if self.loop.error is None:
+            self.engine.stop_followers()
         with self._source_lock:
             self.source.close()
+        self.tp.destroy()
 
     # ---- the poller thread ----------------------------------------------------------
     def _poll_source(self, interval_s: float = 0.001) -> None:
@@ -163,6 +177,11 @@ class PrefillWorker:
     # ---- the engine loop thread ----------------------------------------------------
     def _abort_later(self, request_id: str) -> None:
         self.loop.call(lambda e: self._abort(request_id))
+
+    def _on_error(self, error: BaseException) -> None:
+        """The engine loop died (a bug, or a lost TP rank): fail every waiting request now."""
+        for waiter in list(self._waiters.values()):
+            waiter.resolve(error=EngineStopped(f"prefill worker {self.worker_id} stopped: {error}"))
 
     def _abort(self, request_id: str) -> bool:
         transfer_id = self._exports.get(request_id)
@@ -194,11 +213,14 @@ class PrefillWorker:
         now = time.time()
         descriptor, cached = None, out.num_cached_tokens
         finish = None if out.finish_reason == FinishReason.PREFILL_DONE else out.finish_reason
+        shards: tuple[KVShard, ...] = ()
         if finish is None:
             pre = self.engine.prefilled(out.request_id)
             with self._source_lock:
                 descriptor = self.source.export(out.request_id, pre.block_ids, pre.num_kv_tokens)
             self._exports[out.request_id] = descriptor.transfer_id
+            if self.tp.size > 1:
+                shards = self._export_shards(out.request_id, pre.block_ids, pre.num_kv_tokens)
         return PrefillResult(
             request_id=out.request_id,
             worker_id=self.worker_id,
@@ -210,13 +232,48 @@ class PrefillWorker:
             num_cached_tokens=cached,
             descriptor=descriptor,
             handshake=self.handshake,
+            shards=shards,
         )
 
+    def _export_shards(self, request_id: str, block_ids: list[int], num_tokens: int) -> tuple[KVShard, ...]:
+        """Every other TP rank exports its heads of the same blocks. If one fails, all
+        shards and rank 0's own export are released and the error is raised."""
+        self.tp.broadcast_object(ExportShard(request_id, block_ids, num_tokens))
+        replies = self.tp.gather_object(None)
+        failed = next((d for d in replies[1:] if isinstance(d, Exception)), None)
+        if failed is not None:
+            self.tp.broadcast_object(ReleaseShard(request_id))
+            self._abort(request_id)  # rank 0's own export
+            raise KVTransferError(str(failed))
+        self._open_shards[request_id] = set(range(1, self.tp.size))
+        return tuple(KVShard(hs, d) for hs, d in zip(self.shard_handshakes, replies[1:]))
+
     def _on_tick(self) -> None:
+        ends = []
         while not self._ended.empty():
-            end = self._ended.get_nowait()
+            ends.append(self._ended.get_nowait())
+        for end in ends:
             self._exports.pop(end.request_id, None)
-            try:
-                self.engine.release(end.request_id)
-            except UnknownRequest:  # already aborted
-                pass
+            if end.state != TransferState.CONFIRMED and self._open_shards.get(end.request_id):
+                # rank 0's lease expired or was released: the other ranks' go too
+                self.tp.broadcast_object(ReleaseShard(end.request_id))
+                self._open_shards[end.request_id].clear()
+        if self._open_shards:
+            self.tp.broadcast_object(PollShards())
+            for rank, ended in enumerate(self.tp.gather_object(None)):
+                for request_id in ended or ():
+                    self._open_shards.get(request_id, set()).discard(rank)
+        for end in ends:
+            self._release_when_all_ended(end.request_id)
+        for request_id in [r for r, ranks in self._open_shards.items() if not ranks]:
+            self._release_when_all_ended(request_id)
+
+    def _release_when_all_ended(self, request_id: str) -> None:
+        """Free the request's blocks once rank 0's lease and every shard's have ended."""
+        if request_id in self._exports or self._open_shards.get(request_id):
+            return
+        self._open_shards.pop(request_id, None)
+        try:
+            self.engine.release(request_id)
+        except UnknownRequest:  # already aborted, or already released
+            pass

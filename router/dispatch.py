@@ -160,6 +160,7 @@ class Dispatcher:
                 output_token_ids=result.output_token_ids,
                 descriptor=result.descriptor,
                 handshake=result.handshake,
+                shards=result.shards,
             )
         prefill_id = result.worker_id if result else ""
         for attempt in range(2):

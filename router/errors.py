@@ -12,7 +12,14 @@ import logging
 import grpc
 import ray.exceptions
 
-from splitserve.engine import DeadlineExceeded, InvalidRequest, Overloaded, SplitserveError, UnknownRequest
+from splitserve.engine import (
+    DeadlineExceeded,
+    EngineStopped,
+    InvalidRequest,
+    Overloaded,
+    SplitserveError,
+    UnknownRequest,
+)
 from splitserve.kv_transfer.errors import KVTransferError
 
 log = logging.getLogger(__name__)
@@ -23,10 +30,12 @@ class WorkerLost(SplitserveError):
 
 
 def unwrap(exc: BaseException) -> BaseException:
-    """The exception a worker raised, from Ray's wrapper; ``WorkerLost`` for a dead actor."""
+    """The exception a worker raised, from Ray's wrapper; ``WorkerLost`` for a dead actor
+    or one whose engine stopped."""
     if isinstance(exc, ray.exceptions.RayTaskError):
-        cause = exc.cause
-        return cause if cause is not None else exc
+        exc = exc.cause if exc.cause is not None else exc
+    if isinstance(exc, EngineStopped):
+        return WorkerLost(str(exc))
     if isinstance(exc, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError):
         return WorkerLost(f"a worker was lost: {exc.__class__.__name__}")
     return exc

@@ -83,6 +83,14 @@ class TPGroup:
         dist.broadcast_object_list(box, src=0, group=self._cpu_group)
         return box[0]
 
+    def gather_object(self, obj: Any = None) -> list[Any] | None:
+        """Every rank's ``obj`` on the driver, in rank order (None on the other ranks)."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.size if self.is_driver else None
+        dist.gather_object(obj, out, dst=0, group=self._cpu_group)
+        return out
+
     def shard_range(self, n: int) -> tuple[int, int]:
         """This rank's [start, stop) of ``n`` items split evenly (``n`` divisible by size)."""
         if n % self.size:

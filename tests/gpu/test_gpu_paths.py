@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from splitserve.bench import gpu_bench as gb
+from splitserve.bench.quant_accuracy import closeness
 from splitserve.engine import Engine, EngineConfig
 from splitserve.engine.model.quant import Fp8Linear, Int8Linear, fp8_gemm_supported, quantize_fp8
 from tests.conftest import make_hf_checkpoint, random_prompts
-from tests.unit.test_quantization import closeness
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda")
@@ -47,8 +47,8 @@ def test_quantized_engine_on_cuda_stays_close(tmp_path, method, min_cos, min_top
     cfg = dict(model=str(tmp_path), device="cuda", num_kv_blocks=32)
     reference = Engine(EngineConfig(**cfg, dtype="float32"))
     quantized = Engine(EngineConfig(**cfg, dtype="bfloat16", quantization=method))
-    cos, top1 = closeness(quantized, reference, random_prompts([5, 40, 77, 130], 512, seed=3))
-    assert cos >= min_cos and top1 >= min_top1, (cos, top1)
+    c = closeness(quantized, reference, random_prompts([5, 40, 77, 130], 512, seed=3))
+    assert c.mean_cos >= min_cos and c.top1 >= min_top1, c
 
 
 def test_decode_step_graph_replays_the_eager_result():

@@ -39,7 +39,9 @@ def test_every_field_is_described():
         ("prefill: {replicas: 0}\n", "at least one prefill"),
         ("decode: {engine: {block_size: 32}}\n", "same block_size"),
         ("transfer: {backend: carrier-pigeon}\n", "backend"),
-        ("prefill: {tp_size: 2}\n", "tensor parallelism"),
+        ("decode: {tp_size: 2}\n", "only prefill workers run tensor-parallel"),
+        ("mode: colocated\ncolocated: {tp_size: 2}\n", "only prefill workers run tensor-parallel"),
+        ("decode: {engine: {quantization: int4}}\n", "quantization"),
         ("router: {tls_cert: a.pem}\n", "tls_key"),
         ("limits: {max_inflight_requests: 0}\n", "max_inflight_requests"),
         ("modle: {name: x}\n", "modle"),
@@ -51,6 +53,17 @@ def test_invalid_configs_name_the_problem(tmp_path, text, needle):
     path.write_text(text)
     with pytest.raises(ValueError, match=needle):
         ClusterConfig.load(path)
+
+
+def test_quantization_is_chosen_per_pool(tmp_path):
+    from splitserve.cluster.pools import engine_config
+
+    path = tmp_path / "q.yaml"
+    path.write_text("prefill: {engine: {quantization: fp8}}\ndecode: {engine: {quantization: int8}}\n")
+    config = ClusterConfig.load(path)
+    assert engine_config(config, config.prefill).quantization == "fp8"
+    assert engine_config(config, config.decode).quantization == "int8"
+    assert engine_config(ClusterConfig(), ClusterConfig().colocated).quantization == "none"
 
 
 def test_missing_file():

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from splitserve.engine import Engine, EngineConfig, EngineLoop, InvalidRequest, SamplingParams
+from splitserve.engine import Engine, EngineConfig, EngineLoop, EngineStopped, InvalidRequest, SamplingParams
 from tests.conftest import make_hf_checkpoint, random_prompts
 
 
@@ -40,7 +40,7 @@ def test_calls_run_on_the_loop_thread_and_outputs_arrive(engine):
             loop.call(lambda e: e.add_request([], SamplingParams())).result(5)
     finally:
         loop.stop()
-    with pytest.raises(RuntimeError, match="stopped"):
+    with pytest.raises(EngineStopped, match="stopped"):
         loop.call(lambda e: None).result(1)
 
 
@@ -48,10 +48,12 @@ def test_a_failing_callback_stops_the_loop_loudly(engine):
     def boom(outs):
         raise ZeroDivisionError("bug")
 
-    loop = EngineLoop(engine, boom).start()
+    errors = []
+    loop = EngineLoop(engine, boom, on_error=errors.append).start()
     rid = loop.call(lambda e: e.add_request([1, 2, 3], SamplingParams(max_tokens=3))).result(5)
     loop._thread.join(10)
     assert isinstance(loop.error, ZeroDivisionError)
-    with pytest.raises(RuntimeError, match="stopped"):
+    assert errors == [loop.error]  # the worker hears of it (and fails its waiting requests)
+    with pytest.raises(EngineStopped, match="stopped"):
         loop.call(lambda e: None).result(1)
     engine.abort(rid)

@@ -4,7 +4,7 @@ import grpc
 import pytest
 
 from splitserve.client import errors as client_errors
-from splitserve.engine import DeadlineExceeded, InvalidRequest, Overloaded, UnknownRequest
+from splitserve.engine import DeadlineExceeded, EngineStopped, InvalidRequest, Overloaded, UnknownRequest
 from splitserve.kv_transfer.errors import IntegrityError, PeerLost
 from splitserve.router.errors import WorkerLost, status_for
 
@@ -20,6 +20,7 @@ from splitserve.router.errors import WorkerLost, status_for
         (Overloaded("full"), grpc.StatusCode.RESOURCE_EXHAUSTED, client_errors.ResourceExhausted),
         (DeadlineExceeded("late"), grpc.StatusCode.DEADLINE_EXCEEDED, client_errors.DeadlineExceeded),
         (WorkerLost("gone"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),
+        (EngineStopped("a TP rank was lost"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),
         (IntegrityError("bad bytes"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),
         (PeerLost("restarted"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),
         (UnknownRequest("r1"), grpc.StatusCode.NOT_FOUND, client_errors.NotFound),

@@ -1,0 +1,140 @@
+"""How close quantized models stay to the float32 reference.
+
+    python -m splitserve.bench.quant_accuracy [--model smollm2] [--dtype auto]
+
+For each quantization (int8 weight-only, FP8 W8A8; on CPU FP8 runs its
+exact-dequantizing fallback, the same numbers FP8 tensor cores compute) and
+for unquantized bf16 as a yardstick, over a set of chat prompts:
+
+- teacher-forced logits at every prompt position, against float32: cosine
+  (mean and minimum) and top-1 agreement (the token greedy decoding would
+  pick there);
+- free-running greedy generation of ``--max-tokens`` tokens: prompts whose
+  output is identical, and the mean length of the identical prefix.
+
+With ``--speed B``, also the decode phase's output tokens/s at batch B (256-token
+prompts, 64 output tokens, minus the same run with one output token), as a
+ratio to unquantized bf16 measured in the same run. On GPUs use ``gpu_bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from splitserve.bench.engine_bench import engine_run, random_prompt
+from splitserve.engine import Engine, EngineConfig, SamplingParams
+from splitserve.engine.attention import SeqSpan
+from splitserve.engine.model_runner import StepInputs
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Write a haiku about the sea.",
+    "Explain gravity to a child.",
+    "What is 12 times 7?",
+    "Give me a recipe for pancakes.",
+    "Who wrote Hamlet?",
+    "Translate 'good morning' into Spanish.",
+]
+
+
+@dataclass
+class Closeness:
+    mean_cos: float
+    min_cos: float
+    top1: float  # teacher-forced top-1 agreement
+
+
+def prompt_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """float32 logits at every position of ``ids``: one prefill into blocks 0.. of an
+    engine with no requests (it overwrites those blocks; use a dedicated engine)."""
+    bs, n = engine.config.block_size, len(ids)
+    blocks = list(range(-(-n // bs)))
+    slots = [blocks[p // bs] * bs + p % bs for p in range(n)]
+    inputs = StepInputs(ids, list(range(n)), slots, [SeqSpan(0, n, n, blocks)], 0, list(range(n)))
+    return engine.runner.forward(inputs)
+
+
+def closeness(engine: Engine, reference: Engine, prompts: list[list[int]]) -> Closeness:
+    cos, top1 = [], []
+    for p in prompts:
+        got, ref = prompt_logits(engine, p), prompt_logits(reference, p)
+        cos.append(nn.functional.cosine_similarity(got, ref, dim=-1))
+        top1.append((got.argmax(-1) == ref.argmax(-1)).float())
+    c = torch.cat(cos)
+    return Closeness(c.mean().item(), c.min().item(), torch.cat(top1).mean().item())
+
+
+def greedy_agreement(got: list[list[int]], ref: list[list[int]]) -> tuple[int, float]:
+    """(outputs identical to the reference, mean identical-prefix length)."""
+
+    def prefix(a: list[int], b: list[int]) -> int:
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        return k
+
+    return sum(a == b for a, b in zip(got, ref)), sum(map(prefix, got, ref)) / len(ref)
+
+
+def decode_tokens_per_s(engine: Engine, batch: int, input_len: int = 256, output_len: int = 64) -> float:
+    """Output tokens/s of the decode phase of ``batch`` random prompts (prefix cache off)."""
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    prompts = [random_prompt(rng, input_len, vocab) for _ in range(batch)]
+    engine_run(engine, prompts[:2], [4, 4])  # warm-up
+    whole = engine_run(engine, prompts, [output_len] * batch)
+    prefill = engine_run(engine, prompts, [1] * batch)
+    return batch * (output_len - 1) / (whole - prefill)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="auto", help="compute dtype of the quantized models")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--speed", type=int, metavar="B", help="also time the decode phase at batch B")
+    args = ap.parse_args(argv)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    reference = Engine(EngineConfig(model=args.model, dtype="float32", kv_cache_memory_mib=64))
+    prompts = [reference.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    ref_out = [c.token_ids for c in reference.generate(prompts, params)]
+    print(f"{args.model}: {len(prompts)} chat prompts, {sum(map(len, prompts))} positions, reference float32")
+    speed_col = f" decode tok/s at B={args.speed} (vs bf16) |" if args.speed else ""
+    header = "| variant | mean cosine | min cosine | top-1 agreement | greedy identical | identical prefix |"
+    print(header + speed_col)
+    print("|---|---|---|---|---|---|" + ("---|" if args.speed else ""))
+    variants = [("bfloat16", "none"), (args.dtype, "int8"), (args.dtype, "fp8")]
+    baseline = None
+    for dtype, q in variants:
+        engine = Engine(
+            EngineConfig(
+                model=args.model,
+                dtype=dtype,
+                quantization=q,
+                kv_cache_memory_mib=256,
+                enable_prefix_caching=False,
+                max_num_batched_tokens=2048,
+            )
+        )
+        c = closeness(engine, reference, prompts)
+        same, prefix = greedy_agreement([o.token_ids for o in engine.generate(prompts, params)], ref_out)
+        label = f"{q} ({engine.dtype})".replace("torch.", "")
+        speed = ""
+        if args.speed:
+            tps = decode_tokens_per_s(engine, args.speed)
+            baseline = baseline or tps
+            speed = f" {tps:.0f} ({tps / baseline:.2f}x) |"
+        print(
+            f"| {label} | {c.mean_cos:.4f} | {c.min_cos:.4f} | {c.top1:.3f} | {same}/{len(prompts)} "
+            f"| {prefix:.1f}/{args.max_tokens} |" + speed
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""A prefill worker as a tensor-parallel group: rank 0 is the ``PrefillWorker``
+the router talks to; ranks 1.. are ``PrefillRank``s, each a process (a Ray actor
+in the same placement group) with its shard of the model, its own KV cache
+holding its KV heads, and its own KV source.
+
+Rank 0 drives: every engine step and every message below goes out on the
+group's broadcast channel in one order, so the ranks never disagree on what
+happened first::
+
+    rank 0 (PrefillWorker)                     rank r (PrefillRank.follow)
+    ----------------------                     ---------------------------
+    engine.step()        -- StepInputs ------>  forward (collectives pair up)
+    request prefilled    -- ExportShard ----->  source.export(same block ids)
+      gather <-------------- KVDescriptor ----
+    abort / lease ended  -- ReleaseShard ---->  source.release
+    tick, exports open   -- PollShards ------>  lease ends since the last poll
+      gather <-------------- request ids -----
+    shutdown             -- None ------------>  leave the loop, close
+
+A request's blocks (the same ids on every rank: only rank 0 allocates) are
+released once the lease ended on *every* rank: a decode worker may still be
+reading rank r's shard after rank 0's was confirmed. Decode workers pull all
+shards and merge the heads (``splitserve.kv_transfer.tp_mapping``).
+
+Failure: a rank that dies breaks the group's collectives; rank 0's engine loop
+then stops and fails every waiting request, and the worker serves nothing more
+(the router retries on another prefill worker). The group is not restarted
+piecewise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine import Engine
+from splitserve.engine.parallel import TPGroup
+from splitserve.kv_transfer import KVTransferError, get_backend
+from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
+from splitserve.prefill_worker.api import PrefillWorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExportShard:
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ReleaseShard:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class PollShards:
+    pass
+
+
+def join_group(spec: PrefillWorkerSpec) -> TPGroup:
+    """Pin and size this process as ``spec`` says, then join its TP group (blocks until
+    every rank has joined)."""
+    if spec.cpu_ids:
+        os.sched_setaffinity(0, spec.cpu_ids)
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
+    if spec.tp is None:
+        return TPGroup.single()
+    return TPGroup.join(spec.tp, spec.engine.resolve_device())
+
+
+class PrefillRank:
+    """Rank r > 0 of a prefill worker's TP group. Its constructor returns once the
+    group has formed and the shard is loaded; a thread then follows rank 0."""
+
+    def __init__(self, spec: PrefillWorkerSpec):
+        if spec.tp is None or spec.tp.rank == 0:
+            raise ValueError("a PrefillRank is rank 1 or above of a TP group")
+        self.spec = spec
+        self.group = join_group(spec)
+        self.engine = Engine(spec.engine, tp=self.group)
+        compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
+        name = f"{spec.worker_id}/tp{spec.tp.rank}"
+        self.source = get_backend(spec.backend).source(
+            name, self.engine.kv_cache.tensor, compat, spec.lease_s
+        )
+        self.handshake: Handshake = self.source.handshake()
+        self.group.gather_object(self.handshake)  # rank 0 collects every rank's handshake
+        self._lock = threading.Lock()  # the source: the follower thread and the poller
+        self._ended: set[str] = set()  # request ids whose lease ended, not yet reported
+        self._exports: dict[str, str] = {}  # request id -> transfer id
+        self._stopping = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name=f"{name}-kv-poll", daemon=True)
+        self._poller.start()
+        self._follower = threading.Thread(target=self._follow, name=f"{name}-follow", daemon=True)
+        self._follower.start()
+
+    async def info(self) -> Handshake:
+        return self.handshake
+
+    def is_following(self) -> bool:
+        return self._follower.is_alive()
+
+    # ---- threads ----------------------------------------------------------------------
+    def _follow(self) -> None:
+        try:
+            self.engine.follow(self._on_message)
+        except Exception:
+            log.exception("TP rank %d lost its group", self.group.rank)
+        finally:
+            self._stopping.set()
+            with self._lock:
+                self.source.close()
+
+    def _on_message(self, msg: object) -> None:
+        if isinstance(msg, ExportShard):
+            self.group.gather_object(self._export(msg))
+        elif isinstance(msg, ReleaseShard):
+            with self._lock:
+                transfer_id = self._exports.pop(msg.request_id, None)
+                if transfer_id is not None:
+                    self.source.release(transfer_id)
+                self._ended.discard(msg.request_id)
+        elif isinstance(msg, PollShards):
+            with self._lock:
+                ended, self._ended = sorted(self._ended), set()
+            self.group.gather_object(ended)
+        else:
+            raise RuntimeError(f"unknown message {type(msg).__name__} from TP rank 0")
+
+    def _export(self, msg: ExportShard) -> KVDescriptor | KVTransferError:
+        try:
+            with self._lock:
+                desc = self.source.export(msg.request_id, msg.block_ids, msg.num_tokens)
+                self._exports[msg.request_id] = desc.transfer_id
+            return desc
+        except Exception as e:  # reported to rank 0, which fails the request
+            return KVTransferError(f"TP rank {self.group.rank} could not export its KV shard: {e}")
+
+    def _poll(self, interval_s: float = 0.001) -> None:
+        while not self._stopping.is_set():
+            try:
+                with self._lock:
+                    for end in self.source.poll():
+                        if self._exports.pop(end.request_id, None) is not None:
+                            self._ended.add(end.request_id)
+            except Exception:
+                log.exception("polling the KV source failed")
+            time.sleep(interval_s)

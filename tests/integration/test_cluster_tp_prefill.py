@@ -1,0 +1,88 @@
+"""A prefill worker that is a tensor-parallel group (2 Ray actors over gloo, each
+holding half the KV heads), feeding a TP=1 decode worker that merges the heads
+of both shards as it pulls them over NIXL. One Ray instance for the module.
+
+- 32 concurrent streams equal the TP=1 monolithic engine's greedy tokens.
+- Every lease ends on both ranks: no KV stays held anywhere afterwards.
+- Killing rank 1 fails the next request fast, with a clear error, not a hang.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from splitserve.client import Client, DeadlineExceeded
+from splitserve.client.errors import SplitserveClientError
+from splitserve.engine import Engine, EngineConfig
+from tests.conftest import random_prompts
+from tests.integration.cluster_util import (
+    VOCAB,
+    kv_used,
+    live_cluster,
+    mixed_workload,
+    reference_tokens,
+    stream_all,
+    tiny_checkpoint,
+    tiny_config,
+    wait_kv_free,
+)
+
+IDLE = {"prefill-0": 0, "decode-0": 0}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint):
+    engine = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}
+    config = tiny_config(checkpoint, prefill={"num_cpus": 0.5, "tp_size": 2, "engine": engine})
+    with live_cluster(config) as c:
+        yield c
+
+
+@pytest.fixture()
+def client(cluster):
+    with Client(cluster.address, timeout=60) as c:
+        yield c
+
+
+def test_tp2_prefill_group_serves_tp1_decode_exactly(cluster, checkpoint, client):
+    reference = Engine(EngineConfig(model=checkpoint, dtype="float32", num_kv_blocks=2048))
+    prompts, params = mixed_workload(32)
+    expected = reference_tokens(reference, prompts, params)
+    results = stream_all(cluster.address, prompts, params)
+    assert [out.token_ids for out, _ in results] == expected
+    finals = [out.final for out, _ in results]
+    assert {f.prefill_worker for f in finals} == {"prefill-0"}
+    assert any(f.transfer_ms > 0 for f in finals)  # KV pulled from both ranks
+    assert wait_kv_free(client) == IDLE  # every shard's lease ended; blocks released
+
+
+def test_cancel_releases_both_ranks(client):
+    prompt = random_prompts([200], VOCAB, seed=3)[0]
+    stream = client.stream(prompt, max_tokens=800, ignore_eos=True)
+    for _ in range(3):
+        next(stream)
+    assert sum(kv_used(client).values()) > 0
+    stream.close()
+    assert wait_kv_free(client) == IDLE
+    # The group still serves after the cancellation.
+    assert len(client.generate(prompt, max_tokens=5, ignore_eos=True).token_ids) == 5
+
+
+def test_a_lost_rank_fails_requests_fast(cluster, client):
+    (member,) = cluster.cluster.pools["prefill"].members
+    ray.kill(member.ranks[0], no_restart=True)
+    prompt = random_prompts([50], VOCAB, seed=9)[0]
+    t0 = time.monotonic()
+    with pytest.raises(SplitserveClientError) as err:
+        client.generate(prompt, max_tokens=5, timeout_ms=30_000)
+    assert time.monotonic() - t0 < 20, "a broken TP group must fail fast, not wait for the deadline"
+    assert not isinstance(err.value, DeadlineExceeded)
+    assert "prefill" in str(err.value)
