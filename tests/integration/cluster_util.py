@@ -98,3 +98,16 @@ def wait_kv_free(client: Client, timeout: float = 10.0) -> dict[str, int]:
         time.sleep(0.1)
         used = kv_used(client)
     return used
+
+
+def cancel_mid_stream(client: Client, seed: int = 3) -> dict[str, int]:
+    """Start a long stream, read 3 chunks, check KV is held, cancel; returns the KV
+    each worker still holds once it drained (all zeros when every block was freed)."""
+    prompt = random_prompts([200], VOCAB, seed=seed)[0]
+    stream = client.stream(prompt, max_tokens=800, ignore_eos=True)
+    for _ in range(3):
+        next(stream)
+    if sum(kv_used(client).values()) == 0:
+        raise AssertionError("the request holds no KV mid-stream: nothing to free")
+    stream.close()  # the client cancels the call
+    return wait_kv_free(client)

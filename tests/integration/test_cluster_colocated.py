@@ -11,7 +11,7 @@ from splitserve.engine import Engine, EngineConfig
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
-    kv_used,
+    cancel_mid_stream,
     live_cluster,
     mixed_workload,
     reference_tokens,
@@ -55,13 +55,8 @@ def test_32_concurrent_streams_equal_monolithic_greedy(cluster, checkpoint, clie
 
 
 def test_cancel_and_deadline_free_every_block(client):
+    assert cancel_mid_stream(client) == IDLE
     prompt = random_prompts([200], VOCAB, seed=3)[0]
-    stream = client.stream(prompt, max_tokens=800, ignore_eos=True)
-    for _ in range(3):
-        next(stream)
-    assert sum(kv_used(client).values()) > 0
-    stream.close()
-    assert wait_kv_free(client) == IDLE
     with pytest.raises(DeadlineExceeded):
         client.generate(prompt, max_tokens=800, ignore_eos=True, timeout_ms=300)
     assert wait_kv_free(client) == IDLE
