@@ -22,7 +22,9 @@ import ray
 from splitserve.cluster.autoscale import Autoscaler
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.pools import WorkerPool
-from splitserve.engine.model.loader import resolve_source
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.loader import load_hf_config, resolve_source
+from splitserve.engine.parallel import check_tp_compatible
 from splitserve.router.dispatch import Dispatcher, RoutingPolicy
 from splitserve.router.openai_http import OpenAIServer
 from splitserve.router.server import RouterServer
@@ -42,6 +44,15 @@ def connect_ray(config: ClusterConfig) -> bool:
     num_cpus = config.ray.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
     ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     return True
+
+
+def check_model_fits_pools(config: ClusterConfig, model: ModelConfig) -> None:
+    """Refuse, before any worker starts, a ``tp_size`` the model's heads do not split over."""
+    for role, pool in config.pools().items():
+        try:
+            check_tp_compatible(model, pool.tp_size)
+        except ValueError as e:
+            raise ValueError(f"{role}.tp_size does not fit the model {config.model.name}: {e}") from None
 
 
 class ServingCluster:
@@ -69,7 +80,8 @@ class ServingCluster:
         self._started_ray = connect_ray(cfg)
         try:
             if not cfg.ray.address:  # one machine: convert a GGUF once here, not in every worker
-                await asyncio.to_thread(resolve_source, cfg.model.name)
+                source = await asyncio.to_thread(resolve_source, cfg.model.name)
+                check_model_fits_pools(cfg, ModelConfig.from_hf(load_hf_config(source)))
             for role, spec in cfg.pools().items():
                 self.pools[role] = WorkerPool(role, cfg)
                 self.progress(f"starting {spec.replicas} {role} worker(s), loading {cfg.model.name} ...")

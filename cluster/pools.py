@@ -69,6 +69,16 @@ class _Member:
     ranks: list = field(default_factory=list)  # actor handles of TP ranks 1.. (prefill TP groups)
 
 
+def _startup_error(e: BaseException) -> str:
+    """The sentence that says why an actor's constructor failed: Ray's ``ActorDiedError``
+    carries the constructor's traceback, whose last line is the exception itself."""
+    if isinstance(e, ray.exceptions.ActorDiedError):
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        if lines:
+            return lines[-1]
+    return str(unwrap(e))
+
+
 def _rendezvous_address() -> str:
     """A TCP address on this node for a TP group's ranks to meet (run in bundle 0)."""
     ip = ray.util.get_node_ip_address()
@@ -195,13 +205,24 @@ class WorkerPool:
             ) from None
 
     async def _wait_ready(self, m: _Member, deadline: float) -> None:
+        """Until the worker (and every TP rank of it) has loaded its model; the first
+        failure of any of them fails the start at once."""
         await self._placed(m, deadline)
+        calls = [asyncio.ensure_future(h.info.remote()) for h in [m.ref.handle, *m.ranks]]
         try:
-            await asyncio.wait_for(m.ref.handle.info.remote(), max(0.1, deadline - time.monotonic()))
+            done, pending = await asyncio.wait(
+                calls, timeout=max(0.1, deadline - time.monotonic()), return_when=asyncio.FIRST_EXCEPTION
+            )
+            for call in pending:
+                call.cancel()
+            if pending and not any(c.exception() for c in done):
+                raise TimeoutError
+            for call in done:
+                call.result()
         except TimeoutError:
             raise RuntimeError(f"{m.ref.worker_id} did not load its model in time") from None
         except ray.exceptions.RayError as e:
-            raise RuntimeError(f"{m.ref.worker_id} failed to start: {unwrap(e)}") from None
+            raise RuntimeError(f"{m.ref.worker_id} failed to start: {_startup_error(e)}") from None
         log.info("%s is ready", m.ref.worker_id)
 
     def _kill(self, m: _Member) -> None:

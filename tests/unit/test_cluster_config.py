@@ -69,3 +69,14 @@ def test_quantization_is_chosen_per_pool(tmp_path):
 def test_missing_file():
     with pytest.raises(ValueError, match="cannot read config"):
         ClusterConfig.load("/nonexistent/cluster.yaml")
+
+
+def test_a_tp_size_the_model_cannot_split_is_refused_before_any_worker_starts():
+    from splitserve.cluster.app import check_model_fits_pools
+    from splitserve.engine.model.config import ModelConfig
+    from tests.conftest import tiny_hf_config
+
+    model = ModelConfig.from_hf(tiny_hf_config("llama"))  # 4 heads, 2 KV heads
+    check_model_fits_pools(ClusterConfig.model_validate({"prefill": {"tp_size": 2}}), model)
+    with pytest.raises(ValueError, match=r"prefill.tp_size does not fit .* KV heads \(2\) to divide by 4"):
+        check_model_fits_pools(ClusterConfig.model_validate({"prefill": {"tp_size": 4}}), model)
