@@ -50,8 +50,8 @@ class EngineOptions(_Strict):
     )
     max_num_seqs: int = Field(64, ge=1, description="sequences in a worker's batch at most")
     enable_prefix_caching: bool = Field(True, description="reuse KV of prompt prefixes seen before")
-    attention_backend: Literal["auto", "sdpa", "cpu", "flash_attn"] = Field(
-        "auto", description="attention implementation"
+    attention_backend: Literal["auto", "sdpa", "cpu", "triton", "flash_attn"] = Field(
+        "auto", description="attention implementation (triton: paged-decode kernel for CUDA, by name only)"
     )
     quantization: Literal["none", "fp8", "int8"] = Field(
         "none",

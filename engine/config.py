@@ -32,7 +32,7 @@ class EngineConfig:
     max_num_seqs: int = 256  # running sequences at most
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | sdpa | cpu | flash_attn
+    attention_backend: str = "auto"  # auto | sdpa | cpu | triton | flash_attn
     native_kernels: bool = True  # CPU: build and use splitserve's C++ kernels (else pure torch)
     quantization: str = "none"  # none | fp8 (W8A8, prefill) | int8 (weight-only, decode)
     tp_size: int = 1  # tensor-parallel ranks; each rank's process builds an Engine with its TPGroup

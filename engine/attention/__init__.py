@@ -14,6 +14,7 @@ _BACKENDS = {
     "sdpa": ("splitserve.engine.attention.sdpa", "SdpaBackend"),
     "flash_attn": ("splitserve.engine.attention.flash_attn", "FlashAttnBackend"),
     "cpu": ("splitserve.engine.attention.cpu", "CpuBackend"),
+    "triton": ("splitserve.engine.attention.triton", "TritonBackend"),
 }
 
 
@@ -28,8 +29,8 @@ def flash_attn_available(device: torch.device) -> bool:
 
 
 def get_backend(name: str, device: torch.device, native_kernels: bool = True) -> AttentionBackend:
-    """``name`` is "auto", "sdpa", "cpu" or "flash_attn"; "auto" picks "cpu" on CPU
-    only with ``native_kernels``."""
+    """``name`` is "auto", "sdpa", "cpu", "triton" or "flash_attn"; "auto" picks "cpu"
+    on CPU only with ``native_kernels``, and never "triton" (chosen by name)."""
     if name == "auto":
         if device.type == "cpu" and not native_kernels:
             name = "sdpa"
@@ -42,7 +43,8 @@ def get_backend(name: str, device: torch.device, native_kernels: bool = True) ->
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_BACKENDS)}")
     module, cls = _BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)()
+    backend_cls = getattr(importlib.import_module(module), cls)
+    return backend_cls(device) if name == "triton" else backend_cls()
 
 
 __all__ = ["AttentionBackend", "SeqSpan", "get_backend", "flash_attn_available"]

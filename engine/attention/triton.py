@@ -1,0 +1,66 @@
+"""GPU attention with a Triton paged-decode kernel (``triton_decode``), which reads
+K/V in place through the block tables instead of gathering them (the SDPA
+backend's decode copies every block of every sequence first); prefill as in the
+SDPA backend. Chosen by name (``attention_backend: triton``): it is tested
+against SDPA under Triton's CPU interpreter, and on CUDA only where a GPU was lent.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.attention.base import SeqSpan
+from splitserve.engine.attention.sdpa import SdpaBackend, SdpaMetadata
+
+
+@dataclass
+class TritonMetadata:
+    sdpa: SdpaMetadata  # prefill spans (its decode part is left empty)
+    num_decodes: int
+    block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
+    context_lens: torch.Tensor | None  # [num_decodes] int32
+
+
+class TritonBackend(SdpaBackend):
+    name = "triton"
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")
+        from splitserve.engine.attention import triton_decode  # imports triton
+
+        self._kernel = triton_decode
+        self._num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        )
+
+    def prepare(self, spans: list[SeqSpan], num_decodes: int, block_size: int, device: torch.device):
+        if block_size & (block_size - 1):
+            raise ValueError(f"the triton backend needs a power-of-two block_size, got {block_size}")
+        tables = lens = None
+        if num_decodes:
+            decodes = spans[:num_decodes]
+            width = max(len(s.block_table) for s in decodes)
+            rows = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
+            tables = torch.tensor(rows, dtype=torch.int32, device=device)
+            lens = torch.tensor([s.ctx_len for s in decodes], dtype=torch.int32, device=device)
+        prefill = super().prepare(spans[num_decodes:], 0, block_size, device)  # q_start stays absolute
+        return TritonMetadata(prefill, num_decodes, tables, lens)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float):
+        nd = meta.num_decodes
+        if nd == 0:
+            return super().forward(q, k, v, k_cache, v_cache, meta.sdpa, scale)
+        tables = meta.block_tables
+        splits = self._kernel.choose_splits(nd, k_cache.shape[2], tables.shape[1], self._num_sms)
+        decoded = self._kernel.paged_decode(
+            q[:nd].contiguous(), k_cache, v_cache, tables, meta.context_lens, scale, splits
+        )
+        if nd == q.shape[0]:
+            return decoded
+        out = super().forward(q, k, v, k_cache, v_cache, meta.sdpa, scale)
+        out[:nd] = decoded
+        return out

@@ -1,0 +1,119 @@
+"""The Triton paged-decode kernel against the SDPA backend, run by Triton's CPU
+interpreter (``TRITON_INTERPRET=1``, set before triton is imported), so CI checks
+the kernel's arithmetic without a GPU. Skipped when triton is not installed;
+tests/gpu runs it compiled for CUDA."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if old is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+def paged_case(ctx_lens, heads, kv_heads, dim, block=16, q_lens=None, seed=0):
+    """Random paged caches, shuffled block tables, this step's K/V already written."""
+    g = torch.Generator().manual_seed(seed)
+    q_lens = q_lens or [1] * len(ctx_lens)
+    need = sum(-(-c // block) for c in ctx_lens)
+    k_cache = torch.randn(need + 3, block, kv_heads, dim, generator=g)
+    v_cache = torch.randn(need + 3, block, kv_heads, dim, generator=g)
+    perm = torch.randperm(need + 3, generator=g).tolist()
+    spans, start, used = [], 0, 0
+    from splitserve.engine.attention import SeqSpan
+
+    for c, ql in zip(ctx_lens, q_lens):
+        nb = -(-c // block)
+        spans.append(SeqSpan(start, ql, c, perm[used : used + nb]))
+        used += nb
+        start += ql
+    q = torch.randn(start, heads, dim, generator=g)
+    k = torch.randn(start, kv_heads, dim, generator=g)
+    v = torch.randn(start, kv_heads, dim, generator=g)
+    for s in spans:
+        for i in range(s.q_len):
+            pos = s.ctx_len - s.q_len + i
+            k_cache[s.block_table[pos // block], pos % block] = k[s.q_start + i]
+            v_cache[s.block_table[pos // block], pos % block] = v[s.q_start + i]
+    return q, k, v, k_cache, v_cache, spans
+
+
+def run(name, case, num_decodes, block=16):
+    from splitserve.engine.attention import get_backend
+
+    q, k, v, k_cache, v_cache, spans = case
+    backend = get_backend(name, CPU)
+    meta = backend.prepare(spans, num_decodes, block, CPU)
+    return backend.forward(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize(
+    "ctx_lens, heads, kv_heads, dim",
+    [
+        ([1, 17, 300, 64], 8, 2, 64),  # GQA group 4; a one-token context; exact and partial blocks
+        ([40, 5], 4, 4, 128),  # no GQA
+        ([33], 6, 2, 80),  # group 3 and head_dim 80: both padded inside the kernel
+    ],
+)
+def test_paged_decode_matches_sdpa(ctx_lens, heads, kv_heads, dim):
+    case = paged_case(ctx_lens, heads, kv_heads, dim)
+    torch.testing.assert_close(run("triton", case, len(ctx_lens)), run("sdpa", case, len(ctx_lens)))
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8, 40])
+def test_every_split_count_gives_the_same_attention(splits):
+    """More splits than a sequence has blocks leave some splits empty: they must weigh 0."""
+    from splitserve.engine.attention.triton_decode import paged_decode
+
+    q, _, _, k_cache, v_cache, spans = paged_case([1, 70, 250], 8, 2, 64)
+    width = max(len(s.block_table) for s in spans)
+    tables = torch.tensor(
+        [s.block_table + [0] * (width - len(s.block_table)) for s in spans], dtype=torch.int32
+    )
+    lens = torch.tensor([s.ctx_len for s in spans], dtype=torch.int32)
+    one = paged_decode(q, k_cache, v_cache, tables, lens, 0.125, 1)
+    torch.testing.assert_close(paged_decode(q, k_cache, v_cache, tables, lens, 0.125, splits), one)
+
+
+def test_mixed_batch_decodes_and_prefills():
+    case = paged_case([50, 120, 30, 90], 8, 2, 64, q_lens=[1, 1, 30, 20])  # 2 decodes, a prompt, a chunk
+    torch.testing.assert_close(run("triton", case, 2), run("sdpa", case, 2))
+
+
+def test_engine_with_the_triton_backend_equals_hf(tmp_path):
+    from splitserve.engine import Engine, EngineConfig, SamplingParams
+    from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
+
+    hf = make_hf_checkpoint("llama", tmp_path)
+    prompts = random_prompts([5, 40, 77], 512)
+    expected = [hf_greedy(hf, p, 8) for p in prompts]
+    engine = Engine(
+        EngineConfig(model=str(tmp_path), dtype="float32", attention_backend="triton", num_kv_blocks=64)
+    )
+    assert engine.runner.backend.name == "triton"
+    out = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in out] == expected
+
+
+def test_refused_without_cuda_or_the_interpreter(monkeypatch):
+    from splitserve.engine.attention import get_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        get_backend("triton", CPU)
