@@ -65,11 +65,39 @@ def test_decode_step_graph_replays_the_eager_result():
     assert eager.shape == (2, cfg.vocab_size) and torch.isfinite(eager).all()
 
 
+@pytest.mark.parametrize("splits", [1, 7])
+def test_triton_paged_decode_compiled_matches_sdpa(splits):
+    from splitserve.engine.attention import SeqSpan, get_backend
+    from splitserve.engine.attention.triton_decode import paged_decode
+
+    torch.manual_seed(0)
+    k_cache = torch.randn(64, 16, 2, 128, device=CUDA, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(64).tolist()
+    lens = [1, 100, 600]
+    spans, used = [], 0
+    for i, c in enumerate(lens):
+        nb = -(-c // 16)
+        spans.append(SeqSpan(i, 1, c, perm[used : used + nb]))
+        used += nb
+    q = torch.randn(3, 8, 128, device=CUDA, dtype=torch.bfloat16)
+    k = torch.zeros(3, 2, 128, device=CUDA, dtype=torch.bfloat16)  # decode reads only the cache
+    sdpa = get_backend("sdpa", CUDA)
+    expected = sdpa.forward(q, k, k, k_cache, v_cache, sdpa.prepare(spans, 3, 16, CUDA), 128**-0.5)
+    width = max(len(s.block_table) for s in spans)
+    tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in spans], device=CUDA)
+    got = paged_decode(
+        q, k_cache, v_cache, tables.int(), torch.tensor(lens, device=CUDA).int(), 128**-0.5, splits
+    )
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_benchmark_end_to_end_on_a_tiny_shape(tmp_path):
     report = gb.run("tiny", [1, 4], 64, [256], ["none", "int8", "fp8"], log=lambda s: None)
     quants = {"none", "int8"} | ({"fp8"} if fp8_gemm_supported(CUDA) else set())
     assert {r.quantization for r in report.decode} == quants
-    assert len(report.decode) == 2 * len(quants) and len(report.prefill) == len(quants)
+    assert len(report.decode) == 2 * 2 * len(quants) and len(report.prefill) == len(quants)
+    assert {r.attention for r in report.decode} == {"sdpa", "triton"}
     assert report.hbm_gb_s > 100 and report.gemm_tflops["bf16"] > 1
     for r in report.decode:
         assert 0 < r.fraction and r.graph_ms > 0

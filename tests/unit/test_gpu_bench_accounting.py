@@ -69,7 +69,7 @@ def test_datasheet_peaks():
 
 def test_goal_verdicts():
     def decode(ms):
-        return gb.DecodeRow("none", 1, 1024, ms, ms, 16 * 10**9, 0, 5.0)
+        return gb.DecodeRow("none", "triton", 1, 1024, ms, ms, 16 * 10**9, 0, 5.0)
 
     def prefill(q, ms):
         return gb.PrefillRow(q, 8192, ms, 100.0, 1000.0 if q == "none" else 2000.0)
@@ -78,7 +78,7 @@ def test_goal_verdicts():
         "H100", "x", 3000, {}, {}, "data sheet", [decode(6.0)], [prefill("none", 200), prefill("fp8", 100)]
     )
     assert {k: v[2] for k, v in met.goals().items()} == {
-        "decode B=1 bf16, fraction of roofline": True,  # 5/6 = 0.83
+        "decode B=1 bf16 (triton), fraction of roofline": True,  # 5/6 = 0.83
         "prefill 8192 tokens, fp8 / bf16": True,  # 2.0
         "prefill 8192 tokens, fp8 fraction of fp8 peak": True,  # 1000/2000
     }
