@@ -1,6 +1,7 @@
 """The Triton paged-decode kernel against the SDPA backend, run by Triton's CPU
-interpreter (``TRITON_INTERPRET=1``, set before triton is imported), so CI checks
-the kernel's arithmetic without a GPU. Skipped when triton is not installed;
+interpreter (``TRITON_INTERPRET=1``, which tests/conftest.py sets for the whole
+run on machines without CUDA, before anything imports triton), so CI checks the
+kernel's arithmetic without a GPU. Skipped when triton is not installed;
 tests/gpu runs it compiled for CUDA."""
 
 from __future__ import annotations
@@ -11,20 +12,12 @@ import os
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter"),
+]
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
 
 
 def paged_case(ctx_lens, heads, kv_heads, dim, block=16, q_lens=None, seed=0):
