@@ -52,12 +52,13 @@ class Closeness:
 
 def prompt_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     """float32 logits at every position of ``ids``: one prefill into blocks 0.. of an
-    engine with no requests (it overwrites those blocks; use a dedicated engine)."""
+    engine with no requests (it overwrites those blocks; use a dedicated engine).
+    Under tensor parallelism, call it on the driver while the other ranks follow."""
     bs, n = engine.config.block_size, len(ids)
     blocks = list(range(-(-n // bs)))
     slots = [blocks[p // bs] * bs + p % bs for p in range(n)]
     inputs = StepInputs(ids, list(range(n)), slots, [SeqSpan(0, n, n, blocks)], 0, list(range(n)))
-    return engine.runner.forward(inputs)
+    return engine.runner.run(inputs)
 
 
 def closeness(engine: Engine, reference: Engine, prompts: list[list[int]]) -> Closeness:

@@ -152,23 +152,11 @@ class WorkerPool:
         member = _Member(WorkerRef(worker_id, self.role, None, block_size=s.engine.block_size), pg)
         cls = PrefillWorker if self.role == "prefill" else DecodeWorker
         if s.tp_size > 1:
-            await self._placed(member, deadline)
-            address = (
-                await ray.remote(num_cpus=0)(_rendezvous_address)
-                .options(scheduling_strategy=self._bundle(pg, 0))
-                .remote()
-            )
-            for rank in range(s.tp_size):
-                rank_spec = dataclasses.replace(
-                    spec, tp=TPInit(rank, s.tp_size, address), cpu_ids=self._rank_cpus(worker_id, rank)
-                )
-                if rank == 0:
-                    spec = rank_spec
-                    continue
-                handle = ray.remote(PrefillRank).options(
-                    num_cpus=s.num_cpus, num_gpus=s.num_gpus, scheduling_strategy=self._bundle(pg, rank)
-                )
-                member.ranks.append(handle.remote(rank_spec))
+            try:
+                spec = await self._start_ranks(member, spec, deadline)
+            except BaseException:
+                self._kill(member)  # the placement group and any rank already started
+                raise
         member.ref.handle = (
             ray.remote(cls)
             .options(
@@ -181,6 +169,28 @@ class WorkerPool:
             .remote(spec)
         )
         return member
+
+    async def _start_ranks(self, m: _Member, spec: PrefillWorkerSpec, deadline: float) -> PrefillWorkerSpec:
+        """Start TP ranks 1.. of a prefill group; returns rank 0's spec (with its ``TPInit``)."""
+        s = self.spec
+        await self._placed(m, deadline)
+        address = (
+            await ray.remote(num_cpus=0)(_rendezvous_address)
+            .options(scheduling_strategy=self._bundle(m.pg, 0))
+            .remote()
+        )
+        ranks = [
+            dataclasses.replace(
+                spec, tp=TPInit(r, s.tp_size, address), cpu_ids=self._rank_cpus(m.ref.worker_id, r)
+            )
+            for r in range(s.tp_size)
+        ]
+        for r in range(1, s.tp_size):
+            handle = ray.remote(PrefillRank).options(
+                num_cpus=s.num_cpus, num_gpus=s.num_gpus, scheduling_strategy=self._bundle(m.pg, r)
+            )
+            m.ranks.append(handle.remote(ranks[r]))
+        return ranks[0]
 
     def _rank_cpus(self, worker_id: str, rank: int) -> tuple[int, ...] | None:
         """Cores of one TP rank: the pool's ``cpu_ids`` dealt out rank by rank."""

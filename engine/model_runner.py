@@ -78,9 +78,13 @@ class ModelRunner:
             if s.samples:
                 inputs.last_index.append(len(inputs.input_ids) - 1)
                 rows.append(SampleRequest(seq.params, seq.num_output_tokens))
-        self.tp.broadcast_object(inputs)
-        logits = self.forward(inputs)
+        logits = self.run(inputs)
         return ordered, None if logits is None else self.sampler(logits, rows)
+
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Driver: send ``inputs`` to the other TP ranks and run the step with them."""
+        self.tp.broadcast_object(inputs)
+        return self.forward(inputs)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's inputs: KV written to the cache; the float32 logits

@@ -9,15 +9,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 
 import pytest
+import torch
 
 from splitserve.engine import Engine, EngineConfig, SamplingParams
 from splitserve.kv_transfer import CompatInfo, get_backend
 from splitserve.kv_transfer.tp_mapping import HeadMappingSink
 from tests.conftest import make_hf_checkpoint, random_prompts
-from tests.integration.tp_ranks import RankJob, free_port, generate_rank, prefill_export_rank
+from tests.integration.tp_ranks import RankJob, free_port, generate_rank, logits_rank, prefill_export_rank
 
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
 CTX = mp.get_context("spawn")
@@ -36,9 +38,10 @@ def start_ranks(target, jobs, *extra):
     return procs
 
 
-def jobs_for(directory, prompts, size=2):
+def jobs_for(directory, prompts, size=2, **engine):
     port = free_port()
-    return [RankJob(r, size, port, config(directory, size), prompts, PARAMS) for r in range(size)]
+    cfg = dataclasses.replace(config(directory, size), **engine)
+    return [RankJob(r, size, port, cfg, prompts, PARAMS) for r in range(size)]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "llama3"])
@@ -54,6 +57,30 @@ def test_tp2_greedy_equals_tp1(tmp_path, kind):
         assert p.exitcode == 0
     assert results["tokens"] == expected
     assert results["steps"] > 0  # the follower ran the driver's steps (prefill chunks + decodes)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantization_composes_with_tp(tmp_path, method):
+    """Quantized linears inside the sharded layers: TP=2 stays as close to the float
+    TP=1 model as TP=1 quantized does (row-parallel shards get their own scales)."""
+    from splitserve.bench.quant_accuracy import prompt_logits
+
+    make_hf_checkpoint("llama", tmp_path)
+    prompts = random_prompts([5, 40, 77, 130], 512, seed=3)
+    reference = Engine(config(tmp_path, 1))
+    quantized = Engine(dataclasses.replace(config(tmp_path, 1), quantization=method))
+    out = CTX.Queue()
+    procs = start_ranks(logits_rank, jobs_for(tmp_path, prompts, quantization=method), out)
+    tp_logits = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for p, got in zip(prompts, map(torch.from_numpy, tp_logits)):
+        ref, tp1 = prompt_logits(reference, p), prompt_logits(quantized, p)
+        cos_tp2 = torch.nn.functional.cosine_similarity(got, ref, dim=-1).mean()
+        cos_tp1 = torch.nn.functional.cosine_similarity(tp1, ref, dim=-1).mean()
+        assert cos_tp2 >= cos_tp1 - 0.01, (cos_tp2, cos_tp1)
+        assert cos_tp2 < 1 - 1e-6  # the quantized layers ran
 
 
 def test_kv_from_tp2_prefill_decodes_under_tp1(tmp_path):

@@ -50,6 +50,22 @@ def generate_rank(job: RankJob, out) -> None:
         group.destroy()
 
 
+def logits_rank(job: RankJob, out) -> None:
+    """Rank 0 puts the logits at every position of each prompt (teacher-forced)."""
+    from splitserve.bench.quant_accuracy import prompt_logits
+
+    group, engine = _join(job)
+    try:
+        if group.is_driver:
+            logits = [prompt_logits(engine, p).numpy() for p in job.prompts]  # by value, not shared memory
+            engine.stop_followers()
+            out.put(logits)
+        else:
+            engine.follow()
+    finally:
+        group.destroy()
+
+
 @dataclass(frozen=True)
 class ExportedShard:
     rank: int
