@@ -53,6 +53,9 @@ class EngineOptions(_Strict):
     attention_backend: Literal["auto", "sdpa", "cpu", "triton", "flash_attn"] = Field(
         "auto", description="attention implementation (triton: paged-decode kernel for CUDA, by name only)"
     )
+    cuda_graphs: bool = Field(
+        False, description="replay decode steps from CUDA graphs (needs attention_backend triton)"
+    )
     quantization: Literal["none", "fp8", "int8"] = Field(
         "none",
         description="linear layers: fp8 (W8A8; FP8 tensor cores on sm_89+, suits compute-bound prefill), "
@@ -104,6 +107,14 @@ class PoolSpec(_Strict):
     autoscaling: AutoscalingSpec | None = Field(
         None, description="scale this pool on its phase's load (None: fixed)"
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolSpec:
+        if self.engine.cuda_graphs and self.engine.attention_backend != "triton":
+            raise ValueError("engine.cuda_graphs needs engine.attention_backend: triton")
+        if self.engine.cuda_graphs and self.tp_size > 1:
+            raise ValueError("engine.cuda_graphs needs tp_size 1")
+        return self
 
 
 class TransferSpec(_Strict):

@@ -57,6 +57,7 @@ def engine_config(config: ClusterConfig, pool: PoolSpec) -> EngineConfig:
         enable_prefix_caching=e.enable_prefix_caching,
         attention_backend=e.attention_backend,
         quantization=e.quantization,
+        cuda_graphs=e.cuda_graphs,
         tp_size=pool.tp_size,
         seed=m.seed,
     )

@@ -36,6 +36,7 @@ class EngineConfig:
     native_kernels: bool = True  # CPU: build and use splitserve's C++ kernels (else pure torch)
     quantization: str = "none"  # none | fp8 (W8A8, prefill) | int8 (weight-only, decode)
     tp_size: int = 1  # tensor-parallel ranks; each rank's process builds an Engine with its TPGroup
+    cuda_graphs: bool = False  # replay decode steps from CUDA graphs (needs attention_backend triton, TP=1)
     seed: int = 0  # random weights and unseeded sampling
 
     def __post_init__(self) -> None:

@@ -37,6 +37,7 @@ import torch
 from splitserve.engine.attention import get_backend
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.errors import InvalidRequest, Overloaded, UnknownRequest
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.engine.model.config import ModelConfig
@@ -128,15 +129,23 @@ class Engine:
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mib * 2**20 // per_block)
         layout = dataclasses.replace(layout, num_blocks=num_blocks)
         self.kv_cache = KVCache(layout, self.device)
+        backend = get_backend(config.attention_backend, self.device, config.native_kernels)
+        graphs = None
+        if config.cuda_graphs:
+            graphs = DecodeGraphs.for_engine(
+                self.model, self.kv_cache, backend, config.max_num_seqs, self.max_model_len, tp.size
+            )
+            num_blocks = graphs.scratch_block  # the last block is the padding rows' scratch space
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
-            get_backend(config.attention_backend, self.device, config.native_kernels),
+            backend,
             Sampler(config.seed),
             self.device,
             tp,
+            graphs,
         )
         self.requests: dict[str, RequestState] = {}
         self.validator = RequestValidator(

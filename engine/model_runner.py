@@ -12,6 +12,9 @@ The other ranks sit in ``follow()`` until the driver calls ``stop_followers()``;
 the driver may broadcast its own messages on the same channel (e.g. a worker's
 "export your KV shard"), which ``follow`` hands to a callback, in order with
 the steps.
+
+With ``graphs`` (TP=1 only), pure-decode steps replay a recorded forward
+(``splitserve.engine.cuda_graphs``) instead of launching it kernel by kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from splitserve.engine.attention import AttentionBackend, SeqSpan
+from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.llama import LlamaModel, StepContext
 from splitserve.engine.parallel import TPGroup
@@ -51,8 +55,10 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         tp: TPGroup | None = None,
+        graphs: DecodeGraphs | None = None,
     ):
         self.model = model
+        self.graphs = graphs
         self.kv_cache = kv_cache
         self.backend = backend
         self.sampler = sampler
@@ -78,7 +84,12 @@ class ModelRunner:
             if s.samples:
                 inputs.last_index.append(len(inputs.input_ids) - 1)
                 rows.append(SampleRequest(seq.params, seq.num_output_tokens))
-        logits = self.run(inputs)
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(len(inputs.input_ids), inputs.num_decodes, len(rows)):
+            tables = [s.block_table for s in inputs.spans]
+            logits = graphs.run(inputs.input_ids, inputs.positions, inputs.slots, tables)
+        else:
+            logits = self.run(inputs)
         return ordered, None if logits is None else self.sampler(logits, rows)
 
     def run(self, inputs: StepInputs) -> torch.Tensor | None:

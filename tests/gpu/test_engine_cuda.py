@@ -22,3 +22,23 @@ def test_cuda_engine_matches_hf(tmp_path):
     )
     out = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in out] == expected
+
+
+def test_cuda_engine_with_triton_attention_and_decode_graphs_matches_hf(tmp_path):
+    hf = make_hf_checkpoint("llama", tmp_path)
+    prompts = random_prompts([5, 40, 77, 130, 9], 512)
+    expected = [hf_greedy(hf, p, 16) for p in prompts]
+    engine = Engine(
+        EngineConfig(
+            model=str(tmp_path),
+            dtype="float32",
+            device="cuda",
+            attention_backend="triton",
+            cuda_graphs=True,
+            max_num_seqs=8,
+            max_model_len=512,
+            num_kv_blocks=128,
+        )
+    )
+    out = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [o.token_ids for o in out] == expected

@@ -42,6 +42,7 @@ def test_every_field_is_described():
         ("decode: {tp_size: 2}\n", "only prefill workers run tensor-parallel"),
         ("mode: colocated\ncolocated: {tp_size: 2}\n", "only prefill workers run tensor-parallel"),
         ("decode: {engine: {quantization: int4}}\n", "quantization"),
+        ("decode: {engine: {cuda_graphs: true}}\n", "needs engine.attention_backend: triton"),
         ("router: {tls_cert: a.pem}\n", "tls_key"),
         ("limits: {max_inflight_requests: 0}\n", "max_inflight_requests"),
         ("modle: {name: x}\n", "modle"),

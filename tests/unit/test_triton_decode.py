@@ -128,3 +128,54 @@ def test_gpu_bench_decode_step_runs_the_kernel(monkeypatch):
         step = gb._step(model, cache, spans, 2, [3, 4], [39, 16], [2 * 16 + 7, 6 * 16], attention)
         logits[attention] = step().float()
     torch.testing.assert_close(logits["triton"], logits["sdpa"], atol=2e-2, rtol=2e-2)
+
+
+def test_engine_with_decode_graphs_equals_hf(tmp_path):
+    """``cuda_graphs``: pure-decode steps go through the static buffers, padded to the
+    next recorded batch size (off CUDA the "recording" re-runs; the buffer logic is the
+    same). 7 sequences of different lengths finish at different steps, so the batch
+    crosses several sizes (7 -> 8 rows, then 4, 2, 1), and prefill steps run eagerly."""
+    from splitserve.engine import Engine, EngineConfig, SamplingParams
+    from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
+
+    hf = make_hf_checkpoint("llama", tmp_path)
+    prompts = random_prompts([5, 40, 77, 12, 30, 9, 64], 512, seed=5)
+    max_tokens = [3, 12, 7, 1, 9, 5, 10]
+    expected = [hf_greedy(hf, p, n) for p, n in zip(prompts, max_tokens)]
+    engine = Engine(
+        EngineConfig(
+            model=str(tmp_path),
+            dtype="float32",
+            attention_backend="triton",
+            cuda_graphs=True,
+            num_kv_blocks=64,
+            max_num_seqs=8,
+            max_model_len=256,
+        )
+    )
+    graphs = engine.runner.graphs
+    assert graphs.sizes == [1, 2, 4, 8] and graphs.scratch_block == 63
+    assert engine.block_manager.num_blocks == 63  # the scratch block is never handed out
+    replays = {b: 0 for b in graphs.sizes}
+    for b, replay in list(graphs.replays.items()):
+
+        def counted(b=b, replay=replay):
+            replays[b] += 1
+            return replay()
+
+        graphs.replays[b] = counted
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+    out = engine.generate(prompts, params)
+    assert [o.token_ids for o in out] == expected
+    assert replays[8] > 0 and replays[2] > 0 and replays[1] > 0  # several sizes were replayed
+
+
+def test_decode_graphs_are_refused_with_another_backend_or_tp():
+    from splitserve.engine import Engine, EngineConfig
+    from tests.conftest import tiny_hf_config
+
+    with pytest.raises(ValueError, match="triton attention backend"):
+        Engine(
+            EngineConfig(model="x", random_weights=True, attention_backend="sdpa", cuda_graphs=True),
+            hf_config=tiny_hf_config("llama"),
+        )
