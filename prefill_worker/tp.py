@@ -105,9 +105,6 @@ class PrefillRank:
     async def info(self) -> Handshake:
         return self.handshake
 
-    def is_following(self) -> bool:
-        return self._follower.is_alive()
-
     # ---- threads ----------------------------------------------------------------------
     def _follow(self) -> None:
         try:
