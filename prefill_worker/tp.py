@@ -15,6 +15,9 @@ happened first::
     abort / lease ended  -- ReleaseShard ---->  source.release
     tick, exports open   -- PollShards ------>  lease ends since the last poll
       gather <-------------- request ids -----
+    tick, every timeout/4 -- Heartbeat ------>  (nothing: an idle rank waiting
+                                                longer than the group's timeout
+                                                would fail its receive)
     shutdown             -- None ------------>  leave the loop, close
 
 A request's blocks (the same ids on every rank: only rank 0 allocates) are
@@ -64,6 +67,11 @@ class PollShards:
     pass
 
 
+@dataclass(frozen=True)
+class Heartbeat:
+    pass
+
+
 def join_group(spec: PrefillWorkerSpec) -> TPGroup:
     """Pin and size this process as ``spec`` says, then join its TP group (blocks until
     every rank has joined)."""
@@ -105,6 +113,10 @@ class PrefillRank:
     async def info(self) -> Handshake:
         return self.handshake
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until rank 0 stops the group (for a rank hosted outside Ray)."""
+        self._follower.join(timeout)
+
     # ---- threads ----------------------------------------------------------------------
     def _follow(self) -> None:
         try:
@@ -113,8 +125,10 @@ class PrefillRank:
             log.exception("TP rank %d lost its group", self.group.rank)
         finally:
             self._stopping.set()
+            self._poller.join(5)
             with self._lock:
                 self.source.close()
+            self.group.destroy()
 
     def _on_message(self, msg: object) -> None:
         if isinstance(msg, ExportShard):
@@ -125,6 +139,8 @@ class PrefillRank:
                 if transfer_id is not None:
                     self.source.release(transfer_id)
                 self._ended.discard(msg.request_id)
+        elif isinstance(msg, Heartbeat):
+            pass
         elif isinstance(msg, PollShards):
             with self._lock:
                 ended, self._ended = sorted(self._ended), set()

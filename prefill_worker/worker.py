@@ -55,7 +55,7 @@ from splitserve.prefill_worker.api import (
     PrefillWorkerInfo,
     PrefillWorkerSpec,
 )
-from splitserve.prefill_worker.tp import ExportShard, PollShards, ReleaseShard, join_group
+from splitserve.prefill_worker.tp import ExportShard, Heartbeat, PollShards, ReleaseShard, join_group
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,8 @@ class PrefillWorker:
         self._waiters: dict[str, _Waiter] = {}  # requests whose prefill() is awaiting
         self._exports: dict[str, str] = {}  # request id -> transfer id, lease open (loop thread only)
         self._open_shards: dict[str, set[int]] = {}  # request id -> TP ranks > 0 whose lease is open
+        self._heartbeat_s = spec.tp.timeout_s / 4 if spec.tp else 0.0
+        self._last_heartbeat = time.monotonic()
         self._source_lock = threading.Lock()
         self._ended: queue.SimpleQueue[LeaseEnd] = queue.SimpleQueue()  # poller -> engine thread
         self._stopping = threading.Event()
@@ -249,6 +251,9 @@ class PrefillWorker:
         return tuple(KVShard(hs, d) for hs, d in zip(self.shard_handshakes, replies[1:]))
 
     def _on_tick(self) -> None:
+        if self.tp.size > 1 and time.monotonic() - self._last_heartbeat > self._heartbeat_s:
+            self.tp.broadcast_object(Heartbeat())  # idle ranks must hear from rank 0 within the timeout
+            self._last_heartbeat = time.monotonic()
         ends = []
         while not self._ended.empty():
             ends.append(self._ended.get_nowait())

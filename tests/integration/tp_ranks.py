@@ -105,3 +105,10 @@ def prefill_export_rank(job: RankJob, backend: str, out, done) -> None:
     finally:
         source.close()
         group.destroy()
+
+
+def prefill_rank_main(spec) -> None:
+    """Host one ``PrefillRank`` (rank >= 1) in this process until rank 0 stops the group."""
+    from splitserve.prefill_worker.tp import PrefillRank
+
+    PrefillRank(spec).wait()
