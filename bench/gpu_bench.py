@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.attention import SeqSpan, get_backend
+from splitserve.engine.cuda_graphs import cuda_graph_recorder
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.cpu_linear import PackedLinear
@@ -266,26 +267,6 @@ def _step(
     return run
 
 
-def graph_of(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """Capture ``fn`` as a CUDA graph; returns a replay that gives the graph's output
-    tensor (the same buffer each time, overwritten by each replay)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return out
-
-    return replay
-
-
 def decode_row(
     model: LlamaModel,
     cfg: ModelConfig,
@@ -306,7 +287,7 @@ def decode_row(
         slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
     run = _step(model, cache, spans, batch, [1] * batch, [context - 1] * batch, slots, attention)
     eager = cuda_time_ms(run)
-    graphed = cuda_time_ms(graph_of(run))
+    graphed = cuda_time_ms(cuda_graph_recorder(run))
     kv = batch * context * cfg.num_layers * 2 * cfg.kv_size * 2  # bf16 K and V read once
     wb = weight_bytes(model)
     del cache

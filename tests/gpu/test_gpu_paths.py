@@ -58,7 +58,7 @@ def test_decode_step_graph_replays_the_eager_result():
     spans = [gb.SeqSpan(0, 1, 40, [0, 1, 2]), gb.SeqSpan(1, 1, 17, [5, 6])]
     run = gb._step(model, cache, spans, 2, [3, 4], [39, 16], [2 * 16 + 7, 6 * 16 + 0])
     eager = run().clone()
-    replay = gb.graph_of(run)
+    replay = gb.cuda_graph_recorder(run)
     out = replay()
     out.zero_()  # the next replay must write every logit again
     torch.testing.assert_close(replay(), eager)

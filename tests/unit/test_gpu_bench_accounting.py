@@ -21,7 +21,7 @@ def cpu_timer(monkeypatch):
         return (time.perf_counter() - t0) * 1e3
 
     monkeypatch.setattr(gb, "cuda_time_ms", wall_ms)
-    monkeypatch.setattr(gb, "graph_of", lambda fn: fn)
+    monkeypatch.setattr(gb, "cuda_graph_recorder", lambda fn: fn)
 
 
 def _linear_params(cfg) -> int:
