@@ -198,7 +198,7 @@ def accuracy_vs_float32(args) -> dict[str, dict[str, float]]:
             continue
         eng = Engine(EngineConfig(model=args.model, dtype=dtype))
         out = [o.token_ids for o in eng.generate(prompts, params)]
-        agree = sum(_common_prefix(a, b) for a, b in zip(out, ref_out)) / sum(len(r) for r in ref_out)
+        agree = sum(common_prefix(a, b) for a, b in zip(out, ref_out)) / sum(len(r) for r in ref_out)
         identical = sum(a == b for a, b in zip(out, ref_out)) / len(out)
         cos = torch.nn.functional.cosine_similarity(_last_logits(eng, prompts), ref_logits, dim=-1)
         results[dtype] = {
@@ -222,7 +222,8 @@ def _last_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

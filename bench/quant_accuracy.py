@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from splitserve.bench.engine_bench import engine_run, random_prompt
+from splitserve.bench.engine_bench import common_prefix, engine_run, random_prompt
 from splitserve.engine import Engine, EngineConfig, SamplingParams
 from splitserve.engine.attention import SeqSpan
 from splitserve.engine.model_runner import StepInputs
@@ -73,14 +73,7 @@ def closeness(engine: Engine, reference: Engine, prompts: list[list[int]]) -> Cl
 
 def greedy_agreement(got: list[list[int]], ref: list[list[int]]) -> tuple[int, float]:
     """(outputs identical to the reference, mean identical-prefix length)."""
-
-    def prefix(a: list[int], b: list[int]) -> int:
-        k = 0
-        while k < min(len(a), len(b)) and a[k] == b[k]:
-            k += 1
-        return k
-
-    return sum(a == b for a, b in zip(got, ref)), sum(map(prefix, got, ref)) / len(ref)
+    return sum(a == b for a, b in zip(got, ref)), sum(map(common_prefix, got, ref)) / len(ref)
 
 
 def decode_tokens_per_s(engine: Engine, batch: int, input_len: int = 256, output_len: int = 64) -> float:

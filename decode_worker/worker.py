@@ -87,7 +87,9 @@ class DecodeWorker:
         self.worker_id = spec.worker_id
         self.engine = Engine(spec.engine)
         self.sink = None
-        self._tp_sinks: dict[str, HeadMappingSink] = {}  # by prefill worker id (TP groups only)
+        # By prefill worker id (TP groups only). Each holds staging caches for one request of
+        # max_model_len per source rank, for the life of this worker.
+        self._tp_sinks: dict[str, HeadMappingSink] = {}
         if spec.backend is not None:
             self._compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
             self._sink_cls = get_backend(spec.backend).sink

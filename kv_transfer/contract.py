@@ -38,8 +38,11 @@ Who frees what, when:
 - Confirmation: ``pull`` confirms through the backend's own channel when it
   has one (``Confirmation.delivered`` is then True); otherwise the caller
   forwards the ``Confirmation`` through the control plane to
-  ``KVSource.confirm``. Confirming is idempotent; confirming an ended lease is
-  a no-op.
+  ``KVSource.confirm``. Confirming an ended lease is a no-op. An export made
+  with ``readers=n`` (decode ranks of a larger TP group each taking some of
+  its heads) stays leased until it has been confirmed n times, so each reader
+  confirms exactly once (``pull`` does); with one reader, confirming again is
+  harmless.
 
 Integrity: the source hashes the exported blocks (xxHash3-64 over every
 layer's K and V bytes of those blocks, in order) at export; the sink hashes

@@ -30,6 +30,17 @@ class SeqSpan:
     block_table: list[int]
 
 
+def decode_tables(
+    decodes: list[SeqSpan], device: torch.device, dtype: torch.dtype = torch.long
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables [n, widest table] (short rows padded with block 0, which a kernel
+    never reads past a sequence's length) and context lengths [n] of decode spans."""
+    width = max(len(s.block_table) for s in decodes)
+    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
+    tables = torch.tensor(rows, dtype=dtype, device=device)
+    return tables, torch.tensor([s.ctx_len for s in decodes], dtype=dtype, device=device)
+
+
 class AttentionBackend(ABC):
     name: str
 

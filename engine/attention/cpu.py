@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine import kernels
-from splitserve.engine.attention.base import SeqSpan
+from splitserve.engine.attention.base import SeqSpan, decode_tables
 from splitserve.engine.attention.sdpa import SdpaBackend, SdpaMetadata
 
 
@@ -33,10 +33,7 @@ class CpuBackend(SdpaBackend):
     def prepare(self, spans: list[SeqSpan], num_decodes: int, block_size: int, device: torch.device):
         tables = lens = None
         if num_decodes:
-            decodes = spans[:num_decodes]
-            width = max(len(s.block_table) for s in decodes)
-            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes])
-            lens = torch.tensor([s.ctx_len for s in decodes])
+            tables, lens = decode_tables(spans[:num_decodes], torch.device("cpu"))
         prefill = super().prepare(spans[num_decodes:], 0, block_size, device)  # q_start stays absolute
         return CpuMetadata(prefill, num_decodes, tables, lens)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.attention.base import SeqSpan
+from splitserve.engine.attention.base import SeqSpan, decode_tables
 from splitserve.engine.attention.sdpa import SdpaBackend, SdpaMetadata
 
 
@@ -42,11 +42,7 @@ class TritonBackend(SdpaBackend):
             raise ValueError(f"the triton backend needs a power-of-two block_size, got {block_size}")
         tables = lens = None
         if num_decodes:
-            decodes = spans[:num_decodes]
-            width = max(len(s.block_table) for s in decodes)
-            rows = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
-            tables = torch.tensor(rows, dtype=torch.int32, device=device)
-            lens = torch.tensor([s.ctx_len for s in decodes], dtype=torch.int32, device=device)
+            tables, lens = decode_tables(spans[:num_decodes], device, torch.int32)
         prefill = super().prepare(spans[num_decodes:], 0, block_size, device)  # q_start stays absolute
         return TritonMetadata(prefill, num_decodes, tables, lens)
 
