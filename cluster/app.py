@@ -25,8 +25,9 @@ from splitserve.cluster.pools import WorkerPool
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_hf_config, resolve_source
 from splitserve.engine.parallel import check_tp_compatible
-from splitserve.router.dispatch import Dispatcher, RoutingPolicy
+from splitserve.router.dispatch import Dispatcher
 from splitserve.router.openai_http import OpenAIServer
+from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class ServingCluster:
     def __init__(self, config: ClusterConfig, progress: Callable[[str], None] = log.info):
         self.config = config
         self.progress = progress
+        self.registry = WorkerRegistry()
         self.pools: dict[str, WorkerPool] = {}
         self.server: RouterServer | None = None
         self.http: OpenAIServer | None = None
@@ -83,36 +85,29 @@ class ServingCluster:
                 source = await asyncio.to_thread(resolve_source, cfg.model.name)
                 check_model_fits_pools(cfg, ModelConfig.from_hf(load_hf_config(source)))
             for role, spec in cfg.pools().items():
-                self.pools[role] = WorkerPool(role, cfg)
+                self.pools[role] = WorkerPool(role, cfg, self.registry)
                 self.progress(f"starting {spec.replicas} {role} worker(s), loading {cfg.model.name} ...")
             ticker = asyncio.create_task(self._tick_progress())
             try:
                 refs = await asyncio.gather(*(p.add(p.spec.replicas) for p in self.pools.values()))
             finally:
                 ticker.cancel()
-            infos = await asyncio.gather(*(w.handle.info.remote() for ws in refs for w in ws))
+            infos = await asyncio.gather(*(w.client.info() for ws in refs for w in ws))
             validator = min((i.validator for i in infos), key=lambda v: v.max_kv_tokens)
-            lim, pol = cfg.limits, cfg.policy
-            policy = RoutingPolicy(
-                local_prefill_below_tokens=pol.local_prefill_below_tokens,
-                prefix_affinity=pol.prefix_affinity,
-                max_inflight_requests=lim.max_inflight_requests,
-                max_queued_prompt_tokens=lim.max_queued_prompt_tokens,
-                max_timeout_s=lim.max_timeout_s,
+            dispatcher = Dispatcher(
+                self.registry,
+                validator,
+                cfg.model.public_name,
+                colocated=cfg.mode == "colocated",
+                limits=cfg.limits,
+                policy=cfg.policy,
             )
-            dispatcher = Dispatcher(validator, policy, cfg.model.public_name)
-            if cfg.mode == "colocated":
-                dispatcher.decode = self.pools["colocated"].workers
-            else:
-                dispatcher.prefill = self.pools["prefill"].workers
-                dispatcher.decode = self.pools["decode"].workers
             r = cfg.router
             self.server = RouterServer(dispatcher, cfg.mode, r.host, r.port, credentials=_credentials(cfg))
             await self.server.start()
             for role, pool in self.pools.items():
                 if pool.spec.autoscaling is not None:
-                    routed = dispatcher.prefill if role == "prefill" else dispatcher.decode
-                    scaler = Autoscaler(pool, routed, pool.spec.autoscaling)
+                    scaler = Autoscaler(pool, pool.spec.autoscaling)
                     self.autoscalers[role] = scaler
                     self._tasks.append(asyncio.create_task(scaler.run()))
             if r.http_port is not None:
@@ -189,6 +184,10 @@ class BackgroundCluster:
     @property
     def dispatcher(self) -> Dispatcher:
         return self.cluster.server.dispatcher
+
+    @property
+    def registry(self) -> WorkerRegistry:
+        return self.cluster.registry
 
     def stop(self) -> None:
         if self._loop.is_running():

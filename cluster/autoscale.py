@@ -24,13 +24,12 @@ from collections.abc import Callable
 
 from splitserve.cluster.config import AutoscalingSpec
 from splitserve.cluster.pools import WorkerPool
-from splitserve.router.balancer import WorkerRef
-from splitserve.router.dispatch import poll_workers
+from splitserve.router.registry import WorkerRecord
 
 log = logging.getLogger(__name__)
 
 
-def pool_load(role: str, workers: list[WorkerRef], max_num_seqs: int) -> float:
+def pool_load(role: str, workers: list[WorkerRecord], max_num_seqs: int) -> float:
     """The pool's mean load in the unit its target uses (see the module docstring)."""
     live = [w for w in workers if w.routable]
     if not live:
@@ -74,15 +73,17 @@ class ScaleDecision:
 
 
 class Autoscaler:
-    """Runs ``ScaleDecision`` for one pool and applies it to the pool and the
-    router's worker list (``routed``, the dispatcher's list for this role)."""
+    """Runs ``ScaleDecision`` for one pool and applies it through the pool, which
+    records membership in the registry (the autoscaler only reads it)."""
 
-    def __init__(self, pool: WorkerPool, routed: list[WorkerRef], spec: AutoscalingSpec):
+    def __init__(self, pool: WorkerPool, spec: AutoscalingSpec):
         self.pool = pool
-        self.routed = routed
         self.spec = spec
         self.decision = ScaleDecision(spec)
         self.events: list[tuple[float, int]] = []  # (time, new size), for status and tests
+
+    def _routable(self) -> list[WorkerRecord]:
+        return self.pool.registry.routable(self.pool.role)
 
     async def run(self) -> None:
         while True:
@@ -95,8 +96,9 @@ class Autoscaler:
                 log.exception("autoscaling the %s pool failed", self.pool.role)
 
     async def step(self) -> None:
-        current = len([w for w in self.routed if w.routable])
-        load = pool_load(self.pool.role, self.routed, self.pool.spec.engine.max_num_seqs)
+        routable = self._routable()
+        current = len(routable)
+        load = pool_load(self.pool.role, routable, self.pool.spec.engine.max_num_seqs)
         new = self.decision.update(current, load)
         if new is None:
             return
@@ -104,21 +106,18 @@ class Autoscaler:
             log.info("scaling the %s pool up to %d (load %.2f)", self.pool.role, new, load)
             await self.add()
         else:
-            victim = min((w for w in self.routed if w.routable), key=lambda w: (w.active, w.running))
+            victim = min(routable, key=lambda w: (w.active, w.running))
             log.info("scaling the %s pool down to %d (load %.2f)", self.pool.role, new, load)
-            await self.remove(victim)
+            await self.remove(victim.worker_id)
 
-    async def add(self) -> WorkerRef:
-        """Start one worker and route to it once it has loaded its model."""
-        (ref,) = await self.pool.add(1)
-        await poll_workers([ref])  # route to it with real free-block numbers from the start
-        self.routed.append(ref)
-        self.events.append((time.time(), len(self.routed)))
-        return ref
+    async def add(self) -> WorkerRecord:
+        """Start one worker; the pool routes to it once it has loaded its model."""
+        (record,) = await self.pool.add(1)
+        self.events.append((time.time(), len(self._routable())))
+        return record
 
-    async def remove(self, ref: WorkerRef) -> None:
-        """Take ``ref`` out of routing now; kill it once its requests have finished."""
-        log.info("draining %s", ref.worker_id)
-        await self.pool.remove(ref, self.spec.drain_timeout_s)
-        self.routed.remove(ref)
-        self.events.append((time.time(), len(self.routed)))
+    async def remove(self, worker_id: str) -> None:
+        """Take ``worker_id`` out of routing now; kill it once its requests have finished."""
+        log.info("draining %s", worker_id)
+        await self.pool.remove(worker_id, self.spec.drain_timeout_s)
+        self.events.append((time.time(), len(self._routable())))

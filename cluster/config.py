@@ -4,35 +4,57 @@ the tests and the benchmarks. Loaded from ``cluster_configs/*.yaml``;
 
 Every field has a description (``splitserve serve --help-config`` prints
 them). Invalid configs raise ``ValueError`` with the offending field named.
+
+One set of defaults: a field that configures the engine takes its default
+from ``EngineConfig`` (``_engine_default``), the router's limits and policy
+are the router's own models (``router.policy``), and the worker specs have
+no defaults for what the config sets; ``engine_config`` passes the fields
+through by name. A test checks that no default is written twice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from splitserve.engine.config import EngineConfig
+from splitserve.router.policy import LimitsSpec, PolicySpec
+from splitserve.router.policy import StrictModel as _Strict
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "cluster_configs"
 DEFAULT_CONFIG = "local.yaml"
 
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+def _engine_default(name: str):
+    """``EngineConfig``'s default for ``name``: the one place engine defaults are written."""
+    return _ENGINE_DEFAULTS[name]
 
 
 class ModelSpec(_Strict):
     name: str = Field(
-        "smollm2", description="smollm2 (the bundled SmolLM2-135M-Instruct), a .gguf file or an HF directory"
+        _engine_default("model"),
+        description="smollm2 (the bundled SmolLM2-135M-Instruct), a .gguf file or an HF directory",
     )
     served_name: str | None = Field(None, description="the name clients use; default: derived from name")
-    random_weights: bool = Field(False, description="read only the model's config and draw random weights")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights and KV cache dtype; auto: bfloat16 where native, else float32"
+    random_weights: bool = Field(
+        _engine_default("random_weights"), description="read only the model's config and draw random weights"
     )
-    max_model_len: int | None = Field(None, ge=2, description="context length cap; default: the model's")
-    seed: int = Field(0, ge=0, description="seed for random weights and unseeded sampling")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        _engine_default("dtype"),
+        description="weights and KV cache dtype; auto: bfloat16 where native, else float32",
+    )
+    max_model_len: int | None = Field(
+        _engine_default("max_model_len"), ge=2, description="context length cap; default: the model's"
+    )
+    seed: int = Field(
+        _engine_default("seed"), ge=0, description="seed for random weights and unseeded sampling"
+    )
 
     @property
     def public_name(self) -> str:
@@ -43,21 +65,35 @@ class ModelSpec(_Strict):
 
 
 class EngineOptions(_Strict):
-    block_size: int = Field(16, ge=1, description="tokens per KV block (must match across pools)")
-    kv_cache_memory_mib: int = Field(256, ge=1, description="KV cache size per worker, MiB")
-    max_num_batched_tokens: int = Field(
-        512, ge=1, description="token budget per model step; longer prompts are chunked"
+    """Passed to ``EngineConfig`` field by field, under the same names."""
+
+    block_size: int = Field(
+        _engine_default("block_size"), ge=1, description="tokens per KV block (must match across pools)"
     )
-    max_num_seqs: int = Field(64, ge=1, description="sequences in a worker's batch at most")
-    enable_prefix_caching: bool = Field(True, description="reuse KV of prompt prefixes seen before")
+    kv_cache_memory_mib: int = Field(
+        _engine_default("kv_cache_memory_mib"), ge=1, description="KV cache size per worker, MiB"
+    )
+    max_num_batched_tokens: int = Field(
+        _engine_default("max_num_batched_tokens"),
+        ge=1,
+        description="token budget per model step; longer prompts are chunked",
+    )
+    max_num_seqs: int = Field(
+        _engine_default("max_num_seqs"), ge=1, description="sequences in a worker's batch at most"
+    )
+    enable_prefix_caching: bool = Field(
+        _engine_default("enable_prefix_caching"), description="reuse KV of prompt prefixes seen before"
+    )
     attention_backend: Literal["auto", "sdpa", "cpu", "triton", "flash_attn"] = Field(
-        "auto", description="attention implementation (triton: paged-decode kernel for CUDA, by name only)"
+        _engine_default("attention_backend"),
+        description="attention implementation (triton: paged-decode kernel for CUDA, by name only)",
     )
     cuda_graphs: bool = Field(
-        False, description="replay decode steps from CUDA graphs (needs attention_backend triton)"
+        _engine_default("cuda_graphs"),
+        description="replay decode steps from CUDA graphs (needs attention_backend triton)",
     )
     quantization: Literal["none", "fp8", "int8"] = Field(
-        "none",
+        _engine_default("quantization"),
         description="linear layers: fp8 (W8A8; FP8 tensor cores on sm_89+, suits compute-bound prefill), "
         "int8 (weight-only; halves the bytes memory-bound decode reads), or none",
     )
@@ -93,13 +129,15 @@ class PoolSpec(_Strict):
     num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves per worker (per TP rank)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves per worker (per TP rank)")
     tp_size: int = Field(
-        1,
+        _engine_default("tp_size"),
         ge=1,
         description="tensor-parallel ranks per worker, placed on one node (prefill pool only; "
         "decode workers merge a TP prefill group's KV heads)",
     )
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker; default: num_cpus")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the engine runs")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        _engine_default("device"), description="where the engine runs"
+    )
     cpu_ids: list[int] | None = Field(
         None, description="pin worker i of this pool to core cpu_ids[i % len] (Linux; None: no pinning)"
     )
@@ -140,25 +178,6 @@ class RouterSpec(_Strict):
         return self
 
 
-class LimitsSpec(_Strict):
-    max_inflight_requests: int = Field(
-        512, ge=1, description="requests admitted and unfinished; past it: RESOURCE_EXHAUSTED"
-    )
-    max_queued_prompt_tokens: int = Field(
-        32768, ge=1, description="prompt tokens waiting per prefill worker; past it: RESOURCE_EXHAUSTED"
-    )
-    max_timeout_s: float | None = Field(None, gt=0, description="cap on any request's duration")
-
-
-class PolicySpec(_Strict):
-    local_prefill_below_tokens: int = Field(
-        0, ge=0, description="prompts shorter than this are prefilled on the decode worker (0: never)"
-    )
-    prefix_affinity: bool = Field(
-        False, description="send prompts with the same first block to one prefill worker"
-    )
-
-
 class RaySpec(_Strict):
     address: str | None = Field(
         None, description="Ray cluster to attach to ('auto', ray://...); None: start one"
@@ -197,6 +216,18 @@ class ClusterConfig(_Strict):
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ValueError("colocated mode needs at least one worker")
         return self
+
+    def engine_config(self, role: str) -> EngineConfig:
+        """The engine config of a worker of pool ``role``: every field passed through by name."""
+        pool = self.pools()[role]
+        model = self.model.model_dump(exclude={"name", "served_name"})
+        return EngineConfig(
+            model=self.model.name,
+            device=pool.device,
+            tp_size=pool.tp_size,
+            **model,
+            **pool.engine.model_dump(),
+        )
 
     def pools(self) -> dict[str, PoolSpec]:
         """The pools this mode runs, by role."""

@@ -1,12 +1,17 @@
 """Pools of worker actors: one per role, each worker in its own placement group
 (a TP group's bundles packed on one node), restarted by Ray when it dies.
 
-A restarted worker keeps its actor handle, so the router's ``WorkerRef`` stays
-valid; its KV source comes back with a new incarnation, which decode workers
-pick up from the next handshake they are sent (``KVSink.connect`` replaces
-the stale link). ``remove`` drains a worker before killing it: it takes no
-new requests and is killed once its in-flight ones end (or a timeout passes),
-so scaling down drops nothing.
+The pool owns its actors and placement groups; what the router knows of
+each worker lives in the ``WorkerRegistry``, where the pool writes only
+membership: ``add`` registers a worker STARTING, activates it once its model
+has loaded (the registry takes its handshakes and first stats), and
+``remove`` drains it (DRAINING: no new requests) and kills it once its
+in-flight ones end (or a timeout passes), so scaling down drops nothing.
+
+A restarted worker keeps its actor handle, so its registry record stays
+valid; its KV source comes back with a new incarnation, which the router
+notices in the next handoff and sends to decode workers then
+(``router.peers``).
 
 A prefill worker with ``tp_size > 1`` is a group of actors in one placement
 group: the ``PrefillWorker`` (rank 0, bundle 0; the router's handle) and a
@@ -30,43 +35,25 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from splitserve.cluster.config import ClusterConfig, PoolSpec
 from splitserve.decode_worker import DecodeWorker, DecodeWorkerSpec
-from splitserve.engine import EngineConfig
-from splitserve.engine.parallel import TPInit
+from splitserve.engine.parallel.tp_init import TPInit
 from splitserve.prefill_worker import PrefillWorker, PrefillWorkerSpec
 from splitserve.prefill_worker.tp import PrefillRank
-from splitserve.router.balancer import WorkerRef
 from splitserve.router.errors import unwrap
+from splitserve.router.registry import WorkerRecord, WorkerRegistry
+from splitserve.router.workers import RayWorker
 
 log = logging.getLogger(__name__)
 
 MAX_RESTARTS = 3  # a worker that keeps dying (e.g. its model cannot load) stops being restarted
 
 
-def engine_config(config: ClusterConfig, pool: PoolSpec) -> EngineConfig:
-    m, e = config.model, pool.engine
-    return EngineConfig(
-        model=m.name,
-        random_weights=m.random_weights,
-        dtype=m.dtype,
-        device=pool.device,
-        block_size=e.block_size,
-        kv_cache_memory_mib=e.kv_cache_memory_mib,
-        max_num_batched_tokens=e.max_num_batched_tokens,
-        max_num_seqs=e.max_num_seqs,
-        max_model_len=m.max_model_len,
-        enable_prefix_caching=e.enable_prefix_caching,
-        attention_backend=e.attention_backend,
-        quantization=e.quantization,
-        cuda_graphs=e.cuda_graphs,
-        tp_size=pool.tp_size,
-        seed=m.seed,
-    )
-
-
 @dataclass
 class _Member:
-    ref: WorkerRef
+    """What the pool owns for one worker (the registry holds what the router knows)."""
+
+    worker_id: str
     pg: PlacementGroup
+    actor: object = None  # the Ray handle of rank 0 (the worker the router talks to)
     ranks: list = field(default_factory=list)  # actor handles of TP ranks 1.. (prefill TP groups)
 
 
@@ -89,19 +76,21 @@ def _rendezvous_address() -> str:
 
 
 class WorkerPool:
-    def __init__(self, role: str, config: ClusterConfig):
+    def __init__(self, role: str, config: ClusterConfig, registry: WorkerRegistry):
         self.role = role
         self.config = config
+        self.registry = registry
         self.spec: PoolSpec = config.pools()[role]
-        self.members: list[_Member] = []
+        self._members: dict[str, _Member] = {}
         self._next_index = 0
 
     @property
-    def workers(self) -> list[WorkerRef]:
-        return [m.ref for m in self.members]
+    def workers(self) -> list[WorkerRecord]:
+        """This pool's workers, from the registry."""
+        return self.registry.workers(self.role)
 
     def _worker_spec(self, worker_id: str) -> PrefillWorkerSpec | DecodeWorkerSpec:
-        eng = engine_config(self.config, self.spec)
+        eng = self.config.engine_config(self.role)
         threads = self.spec.torch_threads or max(1, int(self.spec.num_cpus))
         t = self.config.transfer
         ids = self.spec.cpu_ids
@@ -109,10 +98,12 @@ class WorkerPool:
         if self.role == "prefill":
             return PrefillWorkerSpec(worker_id, eng, t.backend, t.lease_s, threads, cpus)
         backend = t.backend if self.role == "decode" else None
-        return DecodeWorkerSpec(worker_id, eng, backend, t.timeout_s, threads, cpus)
+        queue = self.config.limits.max_admission_queue
+        return DecodeWorkerSpec(worker_id, eng, backend, t.timeout_s, queue, threads, cpus)
 
-    async def add(self, n: int, timeout_s: float = 900.0) -> list[WorkerRef]:
-        """Start ``n`` workers and wait until each has loaded its model."""
+    async def add(self, n: int, timeout_s: float = 900.0) -> list[WorkerRecord]:
+        """Start ``n`` workers (STARTING in the registry), wait until each has loaded its
+        model, then activate them (routed to from then on). If any fails, all are removed."""
         deadline = time.monotonic() + timeout_s
         started: list[_Member] = []
         try:
@@ -120,27 +111,24 @@ class WorkerPool:
                 started.append(await self._launch(deadline))
             for m in started:
                 await self._wait_ready(m, deadline)
+            return [await self.registry.activate(m.worker_id) for m in started]
         except BaseException:
             for m in started:
                 self._kill(m)
             raise
-        self.members.extend(started)
-        return [m.ref for m in started]
 
-    async def remove(self, ref: WorkerRef, drain_timeout_s: float = 60.0) -> None:
-        """Drain ``ref`` (no new requests; in-flight ones finish), then kill it."""
-        member = next(m for m in self.members if m.ref is ref)
-        ref.draining = True
+    async def remove(self, worker_id: str, drain_timeout_s: float = 60.0) -> None:
+        """Drain ``worker_id`` (no new requests; in-flight ones finish), then kill it."""
+        record = self.registry.get(worker_id)
+        self.registry.drain(worker_id)
         deadline = time.monotonic() + drain_timeout_s
-        while ref.active > 0 and time.monotonic() < deadline:
+        while record.active > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self.members.remove(member)
-        self._kill(member)
+        self._kill(self._members[worker_id])
 
     def shutdown(self) -> None:
-        for m in self.members:
+        for m in list(self._members.values()):
             self._kill(m)
-        self.members.clear()
 
     # ---- internals ------------------------------------------------------------
     async def _launch(self, deadline: float) -> _Member:
@@ -150,7 +138,7 @@ class WorkerPool:
         bundle = {"CPU": s.num_cpus} | ({"GPU": s.num_gpus} if s.num_gpus else {})
         pg = placement_group([bundle] * s.tp_size, strategy="STRICT_PACK", name=f"splitserve-{worker_id}")
         spec = self._worker_spec(worker_id)
-        member = _Member(WorkerRef(worker_id, self.role, None, block_size=s.engine.block_size), pg)
+        member = self._members[worker_id] = _Member(worker_id, pg)
         cls = PrefillWorker if self.role == "prefill" else DecodeWorker
         if s.tp_size > 1:
             try:
@@ -158,7 +146,7 @@ class WorkerPool:
             except BaseException:
                 self._kill(member)  # the placement group and any rank already started
                 raise
-        member.ref.handle = (
+        member.actor = (
             ray.remote(cls)
             .options(
                 num_cpus=s.num_cpus,
@@ -169,6 +157,7 @@ class WorkerPool:
             )
             .remote(spec)
         )
+        self.registry.add(worker_id, self.role, RayWorker(member.actor), s.engine.block_size)
         return member
 
     async def _start_ranks(self, m: _Member, spec: PrefillWorkerSpec, deadline: float) -> PrefillWorkerSpec:
@@ -182,7 +171,7 @@ class WorkerPool:
         )
         ranks = [
             dataclasses.replace(
-                spec, tp=TPInit(r, s.tp_size, address), cpu_ids=self._rank_cpus(m.ref.worker_id, r)
+                spec, tp=TPInit(r, s.tp_size, address), cpu_ids=self._rank_cpus(m.worker_id, r)
             )
             for r in range(s.tp_size)
         ]
@@ -211,7 +200,7 @@ class WorkerPool:
             await asyncio.wait_for(m.pg.ready(), max(0.1, deadline - time.monotonic()))
         except TimeoutError:
             raise RuntimeError(
-                f"Ray cannot place {m.ref.worker_id}: it needs {s.tp_size} x "
+                f"Ray cannot place {m.worker_id}: it needs {s.tp_size} x "
                 f"{{CPU: {s.num_cpus}, GPU: {s.num_gpus}}} on one node"
             ) from None
 
@@ -219,7 +208,7 @@ class WorkerPool:
         """Until the worker (and every TP rank of it) has loaded its model; the first
         failure of any of them fails the start at once."""
         await self._placed(m, deadline)
-        calls = [asyncio.ensure_future(h.info.remote()) for h in [m.ref.handle, *m.ranks]]
+        calls = [asyncio.ensure_future(h.info.remote()) for h in [m.actor, *m.ranks]]
         try:
             done, pending = await asyncio.wait(
                 calls, timeout=max(0.1, deadline - time.monotonic()), return_when=asyncio.FIRST_EXCEPTION
@@ -231,14 +220,15 @@ class WorkerPool:
             for call in done:
                 call.result()
         except TimeoutError:
-            raise RuntimeError(f"{m.ref.worker_id} did not load its model in time") from None
+            raise RuntimeError(f"{m.worker_id} did not load its model in time") from None
         except ray.exceptions.RayError as e:
-            raise RuntimeError(f"{m.ref.worker_id} failed to start: {_startup_error(e)}") from None
-        log.info("%s is ready", m.ref.worker_id)
+            raise RuntimeError(f"{m.worker_id} failed to start: {_startup_error(e)}") from None
+        log.info("%s is ready", m.worker_id)
 
     def _kill(self, m: _Member) -> None:
-        m.ref.alive = False
-        for handle in [m.ref.handle, *m.ranks]:
+        self.registry.remove(m.worker_id)
+        self._members.pop(m.worker_id, None)
+        for handle in [m.actor, *m.ranks]:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception:  # already gone, or never started

@@ -1,22 +1,29 @@
-"""What crosses the boundary of a decode worker: typed records, no tuples or dicts."""
+"""What crosses the boundary of a decode worker: typed records, no tuples or dicts.
+Plain data: importing this module loads no torch (a router unpickles these)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitserve.engine import EngineConfig, EngineStats, FinishReason, RequestValidator, SamplingParams
-from splitserve.kv_transfer.contract import Handshake, KVDescriptor, KVShard
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.outputs import EngineStats
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import FinishReason
+from splitserve.engine.validation import RequestValidator
+from splitserve.kv_transfer.contract import Confirmation, KVHandoff
 
 
 @dataclass(frozen=True)
 class DecodeWorkerSpec:
-    """How to build one decode worker. With ``backend`` None it takes no KV from
-    elsewhere and prefills every request itself (colocated mode)."""
+    """How to build one decode worker (the cluster config fills every field). With
+    ``backend`` None it takes no KV from elsewhere and prefills every request
+    itself (colocated mode)."""
 
     worker_id: str
     engine: EngineConfig
     backend: str | None
-    transfer_timeout_s: float = 10.0  # bound on one KV pull
+    transfer_timeout_s: float  # bound on one KV pull
+    max_admission_queue: int  # imported requests waiting for KV blocks; past it: Overloaded
     torch_threads: int | None = None
     cpu_ids: tuple[int, ...] | None = None  # pin the worker's process to these cores (Linux)
 
@@ -32,7 +39,7 @@ class DecodeWorkerInfo:
 class DecodeTask:
     """One request for a decode worker.
 
-    With ``descriptor`` set, the prompt's KV and the first ``output_token_ids``
+    With ``handoff`` set, the prompt's KV and the first ``output_token_ids``
     come from a prefill worker: the decode worker pulls the KV and continues
     from there, never re-emitting those tokens. Without it, the worker prefills
     ``prompt_token_ids`` itself."""
@@ -42,15 +49,17 @@ class DecodeTask:
     params: SamplingParams
     timeout_s: float | None = None  # past it the worker aborts the request (DeadlineExceeded)
     output_token_ids: list[int] = field(default_factory=list)
-    descriptor: KVDescriptor | None = None
-    handshake: Handshake | None = None  # the source's, for descriptor
-    shards: tuple[KVShard, ...] = ()  # a TP prefill group's other ranks: merged into this worker's heads
+    handoff: KVHandoff | None = None
 
 
 @dataclass(frozen=True)
 class TokenBatch:
     """New tokens of one request since the previous batch (coalesced when the
-    consumer is slower than the decode steps). The last batch has ``finish_reason``."""
+    consumer is slower than the decode steps). The last batch has ``finish_reason``.
+
+    For an imported request the first batch comes right after the pull, with no
+    tokens: ``transfer_s`` and the ``confirmations`` the backend could not
+    deliver itself, which the consumer forwards to the prefill worker."""
 
     token_ids: list[int]
     text: str
@@ -59,6 +68,7 @@ class TokenBatch:
     finish_reason: FinishReason | None
     num_cached_tokens: int
     transfer_s: float | None = None  # on the first batch of an imported request: the KV pull
+    confirmations: tuple[Confirmation, ...] = ()  # on that batch: to deliver to the prefill worker
 
 
 @dataclass(frozen=True)
@@ -66,3 +76,5 @@ class DecodeStats:
     worker_id: str
     engine: EngineStats
     num_streams: int  # requests this worker is streaming
+    num_waiting_for_blocks: int  # imported requests queued for KV blocks (FIFO)
+    num_pulling: int  # imported requests whose KV is moving in

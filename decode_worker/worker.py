@@ -3,13 +3,19 @@ or whole ones, runs them in one continuous batch, and streams their tokens.
 
 A request's life here (the queues SGLang's decode side names)::
 
-    generate(task) with a descriptor:
-        import_request (blocks allocated; waits while the cache is full) --IMPORTING
-        -> sink.pull on the transfer thread (verified; confirms the source's lease;
-           from a TP prefill group, every rank's shard, heads merged by HeadMappingSink)
+    connect(handshakes)   once per prefill worker incarnation (the router sends it
+                          before the first handoff from that incarnation)
+    generate(task) with a handoff:
+        handshakes held for handoff.incarnations? else HandshakeRequired (nothing held)
+        -> WAITING_FOR_BLOCKS: the FIFO AdmissionQueue (decode_worker.admission)
+        -> PULLING: import_request (blocks allocated) + sink.pull on the transfer
+           thread (verified; from a TP prefill group, every rank's shard, heads
+           merged by HeadMappingSink)
+        -> first TokenBatch at once: transfer_s and the confirmations the backend
+           could not deliver (the router forwards them to the prefill worker)
         -> activate --RUNNING in the batch-- tokens --> finished
     generate(task) without one (colocated, or a short prompt by policy):
-        add_request --WAITING/RUNNING-- tokens --> finished
+        add_request --WAITING/RUNNING (the engine's own FIFO)-- tokens --> finished
 
 ``generate`` is an async generator: one call per request, yielding a
 ``TokenBatch`` whenever the consumer asks and tokens are ready, so a slow
@@ -34,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from splitserve.decode_worker.admission import AdmissionQueue, AdmissionState
 from splitserve.decode_worker.api import (
     DecodeStats,
     DecodeTask,
@@ -50,8 +57,8 @@ from splitserve.engine import (
     RequestOutput,
 )
 from splitserve.kv_transfer import get_backend
-from splitserve.kv_transfer.contract import CompatInfo
-from splitserve.kv_transfer.errors import LeaseExpired
+from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVHandoff
+from splitserve.kv_transfer.errors import HandshakeRequired, LeaseExpired
 from splitserve.kv_transfer.tp_mapping import HeadMappingSink
 
 log = logging.getLogger(__name__)
@@ -90,6 +97,11 @@ class DecodeWorker:
         # By prefill worker id (TP groups only). Each holds staging caches for one request of
         # max_model_len per source rank, for the life of this worker.
         self._tp_sinks: dict[str, HeadMappingSink] = {}
+        # prefill worker id -> the source incarnations (one per TP rank) whose handshakes the
+        # sink holds. Written on the actor's event loop after connect() finished.
+        self._peers: dict[str, tuple[str, ...]] = {}
+        self._states: dict[str, AdmissionState] = {}  # imported requests, until they run
+        self._admission: AdmissionQueue | None = None  # made on the actor's loop
         if spec.backend is not None:
             self._compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
             self._sink_cls = get_backend(spec.backend).sink
@@ -104,21 +116,33 @@ class DecodeWorker:
     async def info(self) -> DecodeWorkerInfo:
         return DecodeWorkerInfo(self.worker_id, self.engine.validator, colocated=self.sink is None)
 
+    async def connect(self, handshakes: tuple[Handshake, ...]) -> None:
+        """Take a prefill worker's handshakes (one per TP rank, rank order) and link to
+        it; handoffs from exactly those incarnations are pulled from then on. Raises
+        ``IncompatiblePeer`` (nothing is linked then)."""
+        if self.sink is None:
+            raise InvalidRequest(f"worker {self.worker_id} is colocated and takes no KV from elsewhere")
+        await asyncio.get_running_loop().run_in_executor(self._transfer, self._connect, handshakes)
+        self._peers[handshakes[0].worker_id] = tuple(hs.incarnation for hs in handshakes)
+
     async def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
         """Run ``task`` to the end, yielding its new tokens. Raises ``InvalidRequest``,
-        ``Overloaded`` (no room before the KV lease ran out), ``KVTransferError``
+        ``HandshakeRequired`` (before anything is held), ``Overloaded`` (the admission
+        queue is full, or no room before the KV lease ran out), ``KVTransferError``
         subclasses, or ``DeadlineExceeded`` past ``task.timeout_s``."""
         rid = task.request_id
         if rid in self._streams:
             raise InvalidRequest(f"request id {rid!r} is already in use")
+        if task.handoff is not None:
+            self._check_linked(task.handoff)
         deadline = None if task.timeout_s is None else time.monotonic() + task.timeout_s
         stream = _Stream(asyncio.get_running_loop())
         self._streams[rid] = stream
         finished = False
         try:
-            transfer_s = None
-            if task.descriptor is not None:
-                transfer_s = await self._import(task, deadline)
+            if task.handoff is not None:
+                transfer_s, confirmations = await self._import(task, deadline)
+                yield TokenBatch([], "", [], [], None, 0, transfer_s, confirmations)
             else:
                 await self._call(lambda e: e.add_request(task.prompt_token_ids, task.params, rid))
             while not finished:
@@ -129,14 +153,15 @@ class DecodeWorker:
                     raise DeadlineExceeded(f"request {rid} ran past its {task.timeout_s:.3g} s") from None
                 if any(item is _ABORTED for item in items):
                     return
-                batch = _batch(items, transfer_s)
-                transfer_s = None
+                batch = _batch(items)
                 finished = batch.finish_reason is not None
                 yield batch
         finally:
             self._streams.pop(rid, None)
+            self._states.pop(rid, None)
             if not finished:
                 self.loop.call(lambda e: e.abort(rid))
+                self._wake_admission()
 
     async def abort(self, request_id: str) -> bool:
         """Stop ``request_id`` and free its blocks. Idempotent. Its ``generate`` stream
@@ -145,10 +170,20 @@ class DecodeWorker:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.push(_ABORTED)
-        return await self._call(lambda e: e.abort(request_id))
+        aborted = await self._call(lambda e: e.abort(request_id))
+        self._wake_admission()
+        return aborted
 
     async def stats(self) -> DecodeStats:
-        return await self._call(lambda e: DecodeStats(self.worker_id, e.stats(), len(self._streams)))
+        engine = await self._call(lambda e: e.stats())
+        states = list(self._states.values())
+        return DecodeStats(
+            self.worker_id,
+            engine,
+            len(self._streams),
+            num_waiting_for_blocks=states.count(AdmissionState.WAITING_FOR_BLOCKS),
+            num_pulling=states.count(AdmissionState.PULLING),
+        )
 
     def shutdown(self) -> None:
         self.loop.stop()
@@ -162,47 +197,65 @@ class DecodeWorker:
     async def _call(self, fn):
         return await asyncio.wrap_future(self.loop.call(fn))
 
-    async def _import(self, task: DecodeTask, deadline: float | None) -> float:
-        """Allocate blocks (waiting while the cache is full), pull and verify the KV,
-        activate. Returns the pull's seconds. On failure the blocks are freed."""
+    def _check_linked(self, handoff: KVHandoff) -> None:
         if self.sink is None:
             raise InvalidRequest(f"worker {self.worker_id} is colocated and takes no KV from elsewhere")
-        desc, rid = task.descriptor, task.request_id
-        while True:
+        held = self._peers.get(handoff.source_worker)
+        if held != handoff.incarnations:
+            raise HandshakeRequired(
+                f"decode worker {self.worker_id} holds no handshake for this incarnation of "
+                f"{handoff.source_worker}"
+            )
+
+    def _wake_admission(self) -> None:
+        if self._admission is not None:
+            self._admission.wake()
+
+    async def _import(
+        self, task: DecodeTask, deadline: float | None
+    ) -> tuple[float, tuple[Confirmation, ...]]:
+        """Wait in the admission queue for blocks, pull and verify the KV, activate.
+        Returns the pull's seconds and the confirmations still to deliver. On failure
+        the caller's abort frees the blocks."""
+        handoff, rid = task.handoff, task.request_id
+        if self._admission is None:
+            self._admission = AdmissionQueue(self.worker_id, self.spec.max_admission_queue)
+
+        async def allocate() -> list[int] | None:
             try:
-                blocks = await self._call(
+                return await self._call(
                     lambda e: e.import_request(rid, task.prompt_token_ids, task.output_token_ids, task.params)
                 )
-                break
             except Overloaded:
-                if desc.remaining_lease() < 1.0 or (deadline is not None and time.monotonic() > deadline):
-                    raise Overloaded(
-                        f"decode worker {self.worker_id} had no room for request {rid} "
-                        "before its KV lease ran out"
-                    ) from None
-                await asyncio.sleep(0.01)
+                return None
+
+        self._states[rid] = AdmissionState.WAITING_FOR_BLOCKS
+        blocks = await self._admission.admit(rid, allocate, deadline, handoff.remaining_lease())
+        self._states[rid] = AdmissionState.PULLING
         t0 = time.perf_counter()
         timeout = self.spec.transfer_timeout_s
         if deadline is not None:
             timeout = max(0.001, min(timeout, deadline - time.monotonic()))
-        pull = asyncio.get_running_loop().run_in_executor(self._transfer, self._pull, task, blocks, timeout)
+        pull = asyncio.get_running_loop().run_in_executor(
+            self._transfer, self._pull, handoff, blocks, timeout
+        )
         try:
-            await asyncio.shield(pull)
+            confirmations = await asyncio.shield(pull)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await pull  # bytes may still be landing in the blocks: free them only after
             raise
-        if desc.remaining_lease() <= 0:
+        if handoff.remaining_lease() <= 0:
             raise LeaseExpired(f"the KV lease of request {rid} ran out")
         await self._call(lambda e: e.activate(rid))
-        return time.perf_counter() - t0
+        self._states[rid] = AdmissionState.RUNNING
+        return time.perf_counter() - t0, tuple(c for c in confirmations if not c.delivered)
 
-    def _pull(self, task: DecodeTask, blocks: list[int], timeout: float) -> None:  # transfer thread
-        if not task.shards:
-            self.sink.connect(task.handshake)
-            self.sink.pull(task.descriptor, blocks, timeout)
+    def _connect(self, handshakes: tuple[Handshake, ...]) -> None:  # transfer thread
+        if len(handshakes) == 1:
+            self.sink.connect(handshakes[0])
             return
-        source = task.descriptor.source_worker
+        source = handshakes[0].worker_id
         sink = self._tp_sinks.get(source)
         if sink is None:
             bs = self.engine.config.block_size
@@ -214,8 +267,15 @@ class DecodeWorker:
                 self._sink_cls,
                 max_blocks,
             )
-        sink.connect([task.handshake, *(s.handshake for s in task.shards)])
-        sink.pull([task.descriptor, *(s.descriptor for s in task.shards)], blocks, timeout)
+        sink.connect(list(handshakes))
+
+    def _pull(
+        self, handoff: KVHandoff, blocks: list[int], timeout: float
+    ) -> list[Confirmation]:  # transfer thread
+        if len(handoff.descriptors) == 1:
+            return [self.sink.pull(handoff.descriptors[0], blocks, timeout)]
+        sink = self._tp_sinks[handoff.source_worker]
+        return sink.pull(list(handoff.descriptors), blocks, timeout)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:  # engine thread
         now = time.time()
@@ -223,9 +283,11 @@ class DecodeWorker:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.push((out, now))
+        if self._admission is not None and any(out.finished for out in outputs):
+            self._admission.wake_threadsafe()  # blocks were freed
 
 
-def _batch(items: list[tuple[RequestOutput, float]], transfer_s: float | None) -> TokenBatch:
+def _batch(items: list[tuple[RequestOutput, float]]) -> TokenBatch:
     token_ids, logprobs, times, text = [], [], [], []
     for out, t in items:
         token_ids.extend(out.new_token_ids)
@@ -240,5 +302,4 @@ def _batch(items: list[tuple[RequestOutput, float]], transfer_s: float | None) -
         token_times=times,
         finish_reason=last.finish_reason if last.finished else None,
         num_cached_tokens=last.num_cached_tokens,
-        transfer_s=transfer_s,
     )

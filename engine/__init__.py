@@ -1,31 +1,72 @@
-"""splitserve.engine: the inference engine every worker runs (no Ray, no gRPC)."""
+"""splitserve.engine: the inference engine every worker runs (no Ray, no gRPC).
 
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.engine import Engine
-from splitserve.engine.errors import (
-    DeadlineExceeded,
-    EngineStopped,
-    InvalidRequest,
-    ModelLoadError,
-    Overloaded,
-    SplitserveError,
-    UnknownRequest,
-)
-from splitserve.engine.kv_cache import KVLayout
-from splitserve.engine.loop import EngineLoop
-from splitserve.engine.outputs import CompletionOutput, EngineStats, PrefilledRequest, RequestOutput
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.sequence import FinishReason
-from splitserve.engine.validation import RequestValidator
+Names are imported on first use (PEP 562), so a process that needs only the
+plain-data types (``SamplingParams``, ``FinishReason``, the errors,
+``RequestValidator``, ``KVLayout``; a router, a client) never loads torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "CompletionOutput": "outputs",
+    "DeadlineExceeded": "errors",
+    "Engine": "engine",
+    "EngineConfig": "config",
+    "EngineLoop": "loop",
+    "EngineStats": "outputs",
+    "EngineStopped": "errors",
+    "FinishReason": "sequence",
+    "InvalidRequest": "errors",
+    "KVLayout": "kv_layout",
+    "ModelLoadError": "errors",
+    "Overloaded": "errors",
+    "PrefilledRequest": "outputs",
+    "RequestOutput": "outputs",
+    "RequestValidator": "validation",
+    "SamplingParams": "sampling_params",
+    "SplitserveError": "errors",
+    "UnknownRequest": "errors",
+}
+
+if TYPE_CHECKING:
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine
+    from splitserve.engine.errors import (
+        DeadlineExceeded,
+        EngineStopped,
+        InvalidRequest,
+        ModelLoadError,
+        Overloaded,
+        SplitserveError,
+        UnknownRequest,
+    )
+    from splitserve.engine.kv_layout import KVLayout
+    from splitserve.engine.loop import EngineLoop
+    from splitserve.engine.outputs import CompletionOutput, EngineStats, PrefilledRequest, RequestOutput
+    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.engine.sequence import FinishReason
+    from splitserve.engine.validation import RequestValidator
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CompletionOutput",
     "DeadlineExceeded",
-    "EngineStopped",
     "Engine",
     "EngineConfig",
     "EngineLoop",
     "EngineStats",
+    "EngineStopped",
     "FinishReason",
     "InvalidRequest",
     "KVLayout",

@@ -1,14 +1,19 @@
-"""Engine configuration: one validated dataclass, shared by every process role."""
+"""Engine configuration: one validated dataclass, shared by every process role.
+
+Plain data: importing this module does not import torch (a router unpickles
+worker specs and stats without loading it); only ``resolve_device`` and
+``resolve_dtype`` do."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from splitserve.engine.model.quant import QUANTIZATIONS
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "fp8", "int8")
 
 
 @dataclass
@@ -57,13 +62,17 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return getattr(torch, self.dtype)
         if device.type == "cuda":
             return torch.bfloat16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
@@ -71,6 +80,8 @@ class EngineConfig:
 
 def cpu_has_native_bf16() -> bool:
     """True when oneDNN has bf16 kernels for this CPU (AVX512-BF16 or AMX)."""
+    import torch
+
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):

@@ -20,40 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.kv_layout import KVLayout
+
 _HUGE_PAGE = 2 * 2**20
 _MADV_HUGEPAGE = 14
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # torch dtype name, e.g. "bfloat16"
-    tp_size: int = 1
-    tp_rank: int = 0
-
-    @property
-    def total_kv_heads(self) -> int:
-        """The model's KV heads, over all ranks."""
-        return self.num_kv_heads * self.tp_size
-
-    @property
-    def kv_head_range(self) -> tuple[int, int]:
-        """The model's KV heads this cache holds: [start, stop)."""
-        return self.tp_rank * self.num_kv_heads, (self.tp_rank + 1) * self.num_kv_heads
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes in one block of one layer's K (or V): the unit a transfer moves."""
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
 class KVCache:

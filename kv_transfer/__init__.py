@@ -2,13 +2,15 @@
 
 The contract (records, lifecycle, who frees what) is in ``contract``; the two
 sides every backend implements are in ``base``. Backends are registered by
-name and imported only when chosen::
+name and imported only when chosen, and ``KVSource``/``KVSink`` on first use,
+so the records and errors load without torch::
 
     backend = get_backend("nixl")
     source = backend.source("prefill-0", engine.kv_cache.tensor, compat)   # prefill worker
     sink = backend.sink("decode-0", engine.kv_cache.tensor, compat)        # decode worker
     sink.connect(source.handshake())                                       # once per peer
     desc = source.export(req_id, block_ids, num_tokens)                    # per request
+    handoff = KVHandoff("prefill-0", (desc,))                              # what travels
     conf = sink.pull(desc, my_block_ids, timeout=5.0)                      # raises KVTransferError
     ... source.poll() -> [LeaseEnd]: release those blocks in the prefill engine
 
@@ -24,20 +26,21 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from splitserve.kv_transfer.base import KVSink, KVSource
 from splitserve.kv_transfer.contract import (
     PROTOCOL_VERSION,
     CompatInfo,
     Confirmation,
     Handshake,
     KVDescriptor,
-    KVShard,
+    KVHandoff,
     LeaseEnd,
     TransferState,
     TransferStats,
 )
 from splitserve.kv_transfer.errors import (
+    HandshakeRequired,
     IncompatiblePeer,
     IntegrityError,
     KVTransferError,
@@ -45,6 +48,9 @@ from splitserve.kv_transfer.errors import (
     PeerLost,
     TransferTimeout,
 )
+
+if TYPE_CHECKING:  # imported on first use: they load torch
+    from splitserve.kv_transfer.base import KVSink, KVSource
 
 # name -> (module, source class, sink class); imported lazily so an optional
 # library (nixl, ray) is loaded only by the worker that chose it.
@@ -77,16 +83,25 @@ def get_backend(name: str) -> Backend:
     return Backend(name, getattr(mod, source), getattr(mod, sink))
 
 
+def __getattr__(name: str):
+    if name in ("KVSink", "KVSource"):  # importing this package must not load torch
+        from splitserve.kv_transfer import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "PROTOCOL_VERSION",
     "Backend",
     "CompatInfo",
     "Confirmation",
     "Handshake",
+    "HandshakeRequired",
     "IncompatiblePeer",
     "IntegrityError",
     "KVDescriptor",
-    "KVShard",
+    "KVHandoff",
     "KVSink",
     "KVSource",
     "KVTransferError",

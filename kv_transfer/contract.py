@@ -2,7 +2,8 @@
 
 Roles (as vLLM's KVConnector splits scheduler and worker): the *control plane*
 (the workers and the router, through Ray calls) moves small typed records —
-``Handshake`` once per peer pair, ``KVDescriptor`` once per request,
+``Handshake`` once per peer pair (cached by the source's incarnation),
+``KVHandoff`` (the descriptors of one request) once per request,
 ``Confirmation`` back — and decides what moves where. The *data plane* is a
 backend's ``KVSource`` (prefill side) and ``KVSink`` (decode side), which own
 the registered KV memory and move the bytes.
@@ -36,9 +37,14 @@ Who frees what, when:
   ``pull`` raises, the caller frees them (``Engine.abort``). A failed pull never
   yields tokens.
 - Confirmation: ``pull`` confirms through the backend's own channel when it
-  has one (``Confirmation.delivered`` is then True); otherwise the caller
-  forwards the ``Confirmation`` through the control plane to
-  ``KVSource.confirm``. Confirming an ended lease is a no-op. An export made
+  has one (``Confirmation.delivered`` is then True: nixl, torch_dist, local);
+  otherwise (ray) the caller delivers the ``Confirmation`` through the
+  control plane to ``KVSource.confirm``. In the cluster the decode worker
+  returns every undelivered confirmation in the first item of the request's
+  stream, right after the pull, and the router, which holds both workers'
+  handles, forwards it to the prefill worker's ``confirm``: the prefill blocks
+  are freed at the pull for every backend, not at the end of the request.
+  Confirming an ended lease is a no-op. An export made
   with ``readers=n`` (decode ranks of a larger TP group each taking some of
   its heads) stays leased until it has been confirmed n times, so each reader
   confirms exactly once (``pull`` does); with one reader, confirming again is
@@ -56,7 +62,12 @@ instead of reading the new process's memory.
 Compatibility: ``Handshake`` carries ``PROTOCOL_VERSION`` and a compatibility
 hash over (model, dtype, block size, layers, KV heads, head dim, TP size and
 rank); a sink refuses a mismatch at handshake with ``IncompatiblePeer``, naming
-the field. Workers of different TP sizes meet through ``tp_mapping``, which
+the field. Handshakes cross once per (source incarnation, sink) pair: a decode
+worker keeps the handshakes it was given by the source's worker id and
+incarnation, and a ``KVHandoff`` from an incarnation it holds no handshake for
+is refused with ``HandshakeRequired`` before any block is allocated (the
+router then sends the current handshakes and retries); a descriptor from an
+incarnation older than the handshake held fails with ``PeerLost``. Workers of different TP sizes meet through ``tp_mapping``, which
 pulls each source shard into a staging cache of exactly that shard's layout.
 """
 
@@ -69,7 +80,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from splitserve.engine.kv_cache import KVLayout
+from splitserve.engine.kv_layout import KVLayout
 
 PROTOCOL_VERSION = 1
 
@@ -154,12 +165,42 @@ class KVDescriptor:
 
 
 @dataclass(frozen=True)
-class KVShard:
-    """The KV of one request held by TP rank r > 0 of a prefill group (rank 0's travels
-    as the plain descriptor and handshake): a sink merges every rank's heads."""
+class KVHandoff:
+    """One request's exported KV, as it travels unchanged from the prefill worker's
+    result to the decode worker's task: the one record of the handover.
 
-    handshake: Handshake
-    descriptor: KVDescriptor
+    ``descriptors`` has one descriptor per rank of the source's TP group, in rank
+    order (just one for TP=1); rank r's carries that rank's KV heads of the same
+    blocks. ``incarnations`` names the exact source processes: a decode worker
+    pulls only from sources whose handshakes it holds for exactly those
+    incarnations, and raises ``HandshakeRequired`` otherwise, so handshakes
+    cross once per peer pair (and again after a restart), never per request."""
+
+    source_worker: str  # the prefill worker (rank 0's id)
+    descriptors: tuple[KVDescriptor, ...]
+
+    def __post_init__(self) -> None:
+        if not self.descriptors:
+            raise ValueError("a handoff needs at least one descriptor")
+        if len({d.request_id for d in self.descriptors}) != 1:
+            raise ValueError("every descriptor of a handoff must belong to one request")
+
+    @property
+    def request_id(self) -> str:
+        return self.descriptors[0].request_id
+
+    @property
+    def incarnations(self) -> tuple[str, ...]:
+        """The source process of each rank: the key a decode worker's handshakes are cached by."""
+        return tuple(d.source_incarnation for d in self.descriptors)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(d.num_bytes for d in self.descriptors)
+
+    def remaining_lease(self, now: float | None = None) -> float:
+        """Seconds until the first of the ranks' leases ends."""
+        return min(d.remaining_lease(now) for d in self.descriptors)
 
 
 @dataclass(frozen=True)

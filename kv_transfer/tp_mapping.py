@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.kv_cache import KVLayout
+from splitserve.engine.kv_layout import KVLayout
 from splitserve.kv_transfer.base import KVSink
 from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVDescriptor
 from splitserve.kv_transfer.errors import IncompatiblePeer, PeerLost

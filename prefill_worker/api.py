@@ -1,22 +1,27 @@
-"""What crosses the boundary of a prefill worker: typed records, no tuples or dicts."""
+"""What crosses the boundary of a prefill worker: typed records, no tuples or dicts.
+Plain data: importing this module loads no torch (a router unpickles these)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.engine import EngineConfig, EngineStats, FinishReason, RequestValidator, SamplingParams
-from splitserve.engine.parallel import TPInit
-from splitserve.kv_transfer.contract import Handshake, KVDescriptor, KVShard
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.outputs import EngineStats
+from splitserve.engine.parallel.tp_init import TPInit
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import FinishReason
+from splitserve.engine.validation import RequestValidator
+from splitserve.kv_transfer.contract import Handshake, KVHandoff
 
 
 @dataclass(frozen=True)
 class PrefillWorkerSpec:
-    """How to build one prefill worker."""
+    """How to build one prefill worker (the cluster config fills every field)."""
 
     worker_id: str
     engine: EngineConfig
     backend: str  # KV transfer backend name (splitserve.kv_transfer.backend_names())
-    lease_s: float = 30.0  # how long exported KV waits for a decode worker to take it
+    lease_s: float  # how long exported KV waits for a decode worker to take it
     torch_threads: int | None = None  # torch intra-op threads; None: torch's default
     cpu_ids: tuple[int, ...] | None = None  # pin the worker's process to these cores (Linux)
     tp: TPInit | None = None  # this process's rank in the worker's TP group (None: TP=1)
@@ -24,12 +29,11 @@ class PrefillWorkerSpec:
 
 @dataclass(frozen=True)
 class PrefillWorkerInfo:
-    """What a router needs from a worker once, at start-up."""
+    """What a router needs from a worker at start-up (and again after it restarted)."""
 
     worker_id: str
     validator: RequestValidator  # checks requests exactly as this worker's engine does
-    handshake: Handshake  # the KV source's; decode workers connect with it
-    shard_handshakes: tuple[Handshake, ...] = ()  # TP ranks 1.. of a TP group
+    handshakes: tuple[Handshake, ...]  # its KV sources', one per TP rank in rank order
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class PrefillTask:
 @dataclass(frozen=True)
 class PrefillResult:
     """A prefilled request: its first token and, unless the request already ended
-    at that token, the descriptor of its KV (held under a lease until a decode
+    at that token, the ``KVHandoff`` of its KV (held under a lease until a decode
     worker confirms it, the lease ends, or ``abort`` releases it)."""
 
     request_id: str
@@ -54,13 +58,14 @@ class PrefillResult:
     token_time: float  # time.time() when it was sampled
     finish_reason: FinishReason | None  # set when the request ended at its first token
     num_cached_tokens: int  # prompt tokens served from the prefix cache
-    descriptor: KVDescriptor | None  # None when finish_reason is set
-    handshake: Handshake
-    shards: tuple[KVShard, ...] = ()  # TP ranks 1..: their KV heads of this request
+    handoff: KVHandoff | None  # None when finish_reason is set
 
 
 @dataclass(frozen=True)
 class PrefillStats:
     worker_id: str
     engine: EngineStats
-    num_exports: int  # KV exports waiting for a decode worker
+    exports: tuple[str, ...]  # request ids whose KV is exported and not yet taken (lease open)
+    leases_confirmed: int  # exports ended by a decode worker's confirmation, since start
+    leases_expired: int  # exports whose lease ran out unconfirmed
+    leases_released: int  # exports given up (request cancelled or failed)

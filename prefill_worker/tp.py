@@ -13,6 +13,8 @@ happened first::
     request prefilled    -- ExportShard ----->  source.export(same block ids)
       gather <-------------- KVDescriptor ----
     abort / lease ended  -- ReleaseShard ---->  source.release
+    confirm (router)     -- ConfirmShard ---->  source.confirm (backends that
+                                                confirm through the control plane)
     tick, exports open   -- PollShards ------>  lease ends since the last poll
       gather <-------------- request ids -----
     tick, every timeout/4 -- Heartbeat ------>  (nothing: an idle rank waiting
@@ -60,6 +62,11 @@ class ExportShard:
 @dataclass(frozen=True)
 class ReleaseShard:
     request_id: str
+
+
+@dataclass(frozen=True)
+class ConfirmShard:
+    transfer_ids: tuple[str, ...]  # a rank confirms those it exported and ignores the rest
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,10 @@ class PrefillRank:
                 if transfer_id is not None:
                     self.source.release(transfer_id)
                 self._ended.discard(msg.request_id)
+        elif isinstance(msg, ConfirmShard):
+            with self._lock:
+                for transfer_id in msg.transfer_ids:
+                    self.source.confirm(transfer_id)  # the poller reports the lease end
         elif isinstance(msg, Heartbeat):
             pass
         elif isinstance(msg, PollShards):

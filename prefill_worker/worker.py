@@ -8,6 +8,11 @@ chunks long ones)::
         --first token sampled--> PREFILLED --source.export--> EXPORTED (lease)
         --decode worker confirms | lease expires | abort()--> blocks released
 
+A decode worker confirms through the backend's own channel (nixl,
+torch_dist), or, for a backend without one (ray), through ``confirm``, which
+the router calls with the confirmations the decode worker returned right
+after its pull; either way the blocks are freed at the pull.
+
 ``prefill`` returns once the first token is sampled and the KV is exported;
 the blocks stay held until ``KVSource.poll`` reports the lease's end. A
 poller thread calls ``poll`` every millisecond, because a NIXL source only
@@ -47,7 +52,14 @@ from splitserve.engine import (
     UnknownRequest,
 )
 from splitserve.kv_transfer import KVTransferError, get_backend
-from splitserve.kv_transfer.contract import CompatInfo, KVShard, LeaseEnd, TransferState
+from splitserve.kv_transfer.contract import (
+    CompatInfo,
+    Confirmation,
+    KVDescriptor,
+    KVHandoff,
+    LeaseEnd,
+    TransferState,
+)
 from splitserve.prefill_worker.api import (
     PrefillResult,
     PrefillStats,
@@ -55,7 +67,14 @@ from splitserve.prefill_worker.api import (
     PrefillWorkerInfo,
     PrefillWorkerSpec,
 )
-from splitserve.prefill_worker.tp import ExportShard, Heartbeat, PollShards, ReleaseShard, join_group
+from splitserve.prefill_worker.tp import (
+    ConfirmShard,
+    ExportShard,
+    Heartbeat,
+    PollShards,
+    ReleaseShard,
+    join_group,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +107,13 @@ class PrefillWorker:
         compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
         backend = get_backend(spec.backend)
         self.source = backend.source(spec.worker_id, self.engine.kv_cache.tensor, compat, spec.lease_s)
-        self.handshake = self.source.handshake()
-        self.shard_handshakes = tuple(self.tp.gather_object(self.handshake)[1:])
+        self.handshakes = tuple(self.tp.gather_object(self.source.handshake()))  # every rank's
         self._waiters: dict[str, _Waiter] = {}  # requests whose prefill() is awaiting
         self._exports: dict[str, str] = {}  # request id -> transfer id, lease open (loop thread only)
         self._open_shards: dict[str, set[int]] = {}  # request id -> TP ranks > 0 whose lease is open
+        self._lease_ends = {
+            state: 0 for state in (TransferState.CONFIRMED, TransferState.EXPIRED, TransferState.RELEASED)
+        }
         self._heartbeat_s = spec.tp.timeout_s / 4 if spec.tp else 0.0
         self._last_heartbeat = time.monotonic()
         self._source_lock = threading.Lock()
@@ -113,7 +134,7 @@ class PrefillWorker:
 
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> PrefillWorkerInfo:
-        return PrefillWorkerInfo(self.worker_id, self.engine.validator, self.handshake, self.shard_handshakes)
+        return PrefillWorkerInfo(self.worker_id, self.engine.validator, self.handshakes)
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         """Prefill ``task`` and export its KV. Raises ``InvalidRequest`` for bad
@@ -148,10 +169,32 @@ class PrefillWorker:
         and waiting for a decode worker (its lease is released). Idempotent."""
         return await asyncio.wrap_future(self.loop.call(lambda e: self._abort(request_id)))
 
+    async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
+        """A decode worker holds verified copies of these transfers (for backends that
+        confirm through the control plane): end their leases. Unknown or ended
+        transfers are ignored."""
+        mine = [c.transfer_id for c in confirmations if c.source_worker == self.worker_id]
+        if mine:
+            with self._source_lock:
+                for transfer_id in mine:
+                    self.source.confirm(transfer_id)  # the poller reports the lease end
+        shards = tuple(c.transfer_id for c in confirmations if c.source_worker != self.worker_id)
+        if shards:
+            self.loop.call(lambda e: self.tp.broadcast_object(ConfirmShard(shards)))
+
     async def stats(self) -> PrefillStats:
-        return await asyncio.wrap_future(
-            self.loop.call(lambda e: PrefillStats(self.worker_id, e.stats(), len(self._exports)))
-        )
+        def snapshot(engine: Engine) -> PrefillStats:
+            ends = self._lease_ends
+            return PrefillStats(
+                self.worker_id,
+                engine.stats(),
+                tuple(sorted(self._exports.keys() | self._open_shards.keys())),
+                leases_confirmed=ends[TransferState.CONFIRMED],
+                leases_expired=ends[TransferState.EXPIRED],
+                leases_released=ends[TransferState.RELEASED],
+            )
+
+        return await asyncio.wrap_future(self.loop.call(snapshot))
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -213,16 +256,17 @@ class PrefillWorker:
 
     def _result(self, out: RequestOutput) -> PrefillResult:
         now = time.time()
-        descriptor, cached = None, out.num_cached_tokens
+        handoff = None
         finish = None if out.finish_reason == FinishReason.PREFILL_DONE else out.finish_reason
-        shards: tuple[KVShard, ...] = ()
         if finish is None:
             pre = self.engine.prefilled(out.request_id)
             with self._source_lock:
                 descriptor = self.source.export(out.request_id, pre.block_ids, pre.num_kv_tokens)
             self._exports[out.request_id] = descriptor.transfer_id
+            shards: tuple[KVDescriptor, ...] = ()
             if self.tp.size > 1:
                 shards = self._export_shards(out.request_id, pre.block_ids, pre.num_kv_tokens)
+            handoff = KVHandoff(self.worker_id, (descriptor, *shards))
         return PrefillResult(
             request_id=out.request_id,
             worker_id=self.worker_id,
@@ -231,13 +275,13 @@ class PrefillWorker:
             logprobs=list(out.new_logprobs),
             token_time=now,
             finish_reason=finish,
-            num_cached_tokens=cached,
-            descriptor=descriptor,
-            handshake=self.handshake,
-            shards=shards,
+            num_cached_tokens=out.num_cached_tokens,
+            handoff=handoff,
         )
 
-    def _export_shards(self, request_id: str, block_ids: list[int], num_tokens: int) -> tuple[KVShard, ...]:
+    def _export_shards(
+        self, request_id: str, block_ids: list[int], num_tokens: int
+    ) -> tuple[KVDescriptor, ...]:
         """Every other TP rank exports its heads of the same blocks. If one fails, all
         shards and rank 0's own export are released and the error is raised."""
         self.tp.broadcast_object(ExportShard(request_id, block_ids, num_tokens))
@@ -248,7 +292,7 @@ class PrefillWorker:
             self._abort(request_id)  # rank 0's own export
             raise KVTransferError(str(failed))
         self._open_shards[request_id] = set(range(1, self.tp.size))
-        return tuple(KVShard(hs, d) for hs, d in zip(self.shard_handshakes, replies[1:]))
+        return tuple(replies[1:])
 
     def _on_tick(self) -> None:
         if self.tp.size > 1 and time.monotonic() - self._last_heartbeat > self._heartbeat_s:
@@ -258,6 +302,7 @@ class PrefillWorker:
         while not self._ended.empty():
             ends.append(self._ended.get_nowait())
         for end in ends:
+            self._lease_ends[end.state] += 1
             self._exports.pop(end.request_id, None)
             if end.state != TransferState.CONFIRMED and self._open_shards.get(end.request_id):
                 # rank 0's lease expired or was released: the other ranks' go too

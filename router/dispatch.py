@@ -3,11 +3,14 @@
 ::
 
     generate(inp)
-      validate (InvalidRequest) -> admit (Overloaded past the limits)
+      validate (InvalidRequest) -> admit (Overloaded past LimitsSpec)
       -> pick a decode worker, and a prefill worker unless the policy prefills
          on the decode worker (colocated mode, or a prompt under the threshold)
-      -> prefill.prefill(task)            -> first token: TokenEvent
-      -> decode.generate(task) (stream)   -> TokenEvents ... FinalEvent
+      -> prefill(task)                   -> first token: TokenEvent; a KVHandoff
+      -> link the pair (handshakes, once per decode worker and prefill incarnation)
+      -> generate(task with the handoff) -> first batch: confirmations, forwarded
+                                            to the prefill worker (frees its KV)
+                                         -> TokenEvents ... FinalEvent
 
 A lost worker is retried once: a lost prefill worker before any token means
 prefilling elsewhere; a lost decode worker means the request continues on
@@ -18,6 +21,10 @@ Whatever ends the request early (client cancel, deadline, error), the
 ``finally`` aborts it on every worker that saw it, so blocks are freed
 everywhere. Deadlines bound every wait here, and are passed to the workers,
 which enforce them too (a router that dies cannot leave work behind).
+
+Workers come from the ``WorkerRegistry``; the load the router puts on each
+(prompt tokens queued, requests active, KV reserved) is recorded there for
+exactly as long as the call that causes it lasts.
 """
 
 from __future__ import annotations
@@ -29,83 +36,54 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-
-import ray
 
 from splitserve.decode_worker.api import DecodeTask, TokenBatch
-from splitserve.engine import (
-    DeadlineExceeded,
-    FinishReason,
-    InvalidRequest,
-    Overloaded,
-    RequestValidator,
-    SamplingParams,
-)
+from splitserve.engine.errors import InvalidRequest, Overloaded
+from splitserve.engine.sequence import FinishReason
+from splitserve.engine.validation import RequestValidator
+from splitserve.kv_transfer.errors import HandshakeRequired
 from splitserve.prefill_worker.api import PrefillResult, PrefillTask
-from splitserve.router.balancer import WorkerRef, pick_decode, pick_prefill
-from splitserve.router.errors import WorkerLost, unwrap
+from splitserve.router.balancer import pick_decode, pick_prefill
+from splitserve.router.errors import WorkerLost
+from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
+from splitserve.router.peers import PeerLinks
+from splitserve.router.policy import LimitsSpec, PolicySpec
+from splitserve.router.registry import WorkerRecord, WorkerRegistry
+from splitserve.router.request import RequestState
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class RoutingPolicy:
-    local_prefill_below_tokens: int = 0  # shorter prompts are prefilled on the decode worker
-    prefix_affinity: bool = False
-    max_inflight_requests: int = 1024  # admitted and not finished, over the whole router
-    max_queued_prompt_tokens: int = 65536  # per prefill worker: sent, not yet prefilled
-    max_timeout_s: float | None = None  # cap on any request's time
-
-
-@dataclass(frozen=True)
-class GenerateInput:
-    """A validated-shape request as the router's front ends (gRPC, HTTP) build it."""
-
-    params: SamplingParams
-    prompt: str | list[int] | None = None  # text or token ids
-    messages: list[dict[str, str]] | None = None
-    model: str = ""
-    request_id: str = ""
-    timeout_s: float | None = None
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]
-    times_ms: list[float]  # per token, since the router accepted the request
-
-
-@dataclass(frozen=True)
-class FinalEvent:
-    finish_reason: FinishReason
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
-    queue_ms: float
-    ttft_ms: float
-    transfer_ms: float
-    e2e_ms: float
-    prefill_worker: str
-    decode_worker: str
+__all__ = ["Dispatcher", "FinalEvent", "GenerateInput", "TokenEvent"]
 
 
 class Dispatcher:
-    """Routes requests over the current workers. Used from one asyncio loop."""
+    """Routes requests over the registry's workers. Used from one asyncio loop.
 
-    def __init__(self, validator: RequestValidator, policy: RoutingPolicy, served_model: str):
+    ``limits`` and ``policy`` may be replaced at any time (whole objects); each
+    request reads them when it needs them."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        validator: RequestValidator,
+        served_model: str,
+        colocated: bool = False,
+        limits: LimitsSpec | None = None,
+        policy: PolicySpec | None = None,
+    ):
+        self.registry = registry
         self.validator = validator
-        self.policy = policy
         self.served_model = served_model
-        self.prefill: list[WorkerRef] = []
-        self.decode: list[WorkerRef] = []
+        self.colocated = colocated  # every worker does both phases; no prefill pool
+        self.limits = limits or LimitsSpec()
+        self.policy = policy or PolicySpec()
+        self.links = PeerLinks(registry)
         self.inflight: dict[str, float] = {}  # request id -> accepted (time.time())
+        self._background: set[asyncio.Task] = set()
 
     @property
-    def colocated(self) -> bool:
-        return not self.prefill
+    def decode_role(self) -> str:
+        return "colocated" if self.colocated else "decode"
 
     def validate(self, inp: GenerateInput) -> list[int]:
         if inp.model and inp.model != self.served_model:
@@ -122,12 +100,12 @@ class Dispatcher:
         rid = inp.request_id or uuid.uuid4().hex
         if rid in self.inflight:
             raise InvalidRequest(f"request id {rid!r} is already in use")
-        if len(self.inflight) >= self.policy.max_inflight_requests:
+        if len(self.inflight) >= self.limits.max_inflight_requests:
             raise Overloaded(
                 f"the server is at capacity ({len(self.inflight)} requests in flight); retry later"
             )
-        timeouts = [t for t in (inp.timeout_s, self.policy.max_timeout_s) if t is not None]
-        req = _Request(rid, prompt_ids, inp.params, time.time(), min(timeouts) if timeouts else None)
+        timeouts = [t for t in (inp.timeout_s, self.limits.max_timeout_s) if t is not None]
+        req = RequestState(rid, prompt_ids, inp.params, min(timeouts) if timeouts else None)
         self.inflight[rid] = req.accepted
         try:
             async for event in self._run(req):
@@ -135,16 +113,17 @@ class Dispatcher:
         finally:
             self.inflight.pop(rid, None)
             for worker in req.touched:
-                _fire_and_forget(worker.handle.abort.remote(rid))
+                self._in_background(worker.client.abort(rid))
 
     # ---- the path ------------------------------------------------------------------
-    async def _run(self, req: _Request) -> AsyncIterator[TokenEvent | FinalEvent]:
+    async def _run(self, req: RequestState) -> AsyncIterator[TokenEvent | FinalEvent]:
         n = len(req.prompt_ids)
-        dw = pick_decode(self.decode, n + 1)
+        dw = pick_decode(self.registry.routable(self.decode_role), n + 1)
         if dw is None:
             raise WorkerLost("no decode worker is available")
         local = self.colocated or n < self.policy.local_prefill_below_tokens
         result: PrefillResult | None = None
+        task = DecodeTask(req.request_id, req.prompt_ids, req.params, req.remaining())
         if not local:
             result = await self._prefill(req)
             req.cached = result.num_cached_tokens
@@ -153,101 +132,113 @@ class Dispatcher:
             if result.finish_reason is not None:
                 yield self._final(req, result.finish_reason, result.worker_id, "")
                 return
-        task = DecodeTask(req.request_id, req.prompt_ids, req.params, req.remaining())
-        if result is not None:
-            task = dataclasses.replace(
-                task,
-                output_token_ids=result.output_token_ids,
-                descriptor=result.descriptor,
-                handshake=result.handshake,
-                shards=result.shards,
-            )
-        prefill_id = result.worker_id if result else ""
+            task = dataclasses.replace(task, output_token_ids=first, handoff=result.handoff)
+        prefill = self.registry.get(result.worker_id) if result else None
         for attempt in range(2):
             try:
-                async for event in self._decode(req, dw, task, prefill_id):
+                async for event in self._decode(req, dw, task, prefill):
                     yield event
                 return
             except WorkerLost:
-                dw = pick_decode([w for w in self.decode if w is not dw], n + 1) if attempt == 0 else None
+                self.links.forget(dw.worker_id)
+                candidates = [w for w in self.registry.routable(self.decode_role) if w is not dw]
+                dw = pick_decode(candidates, n + 1) if attempt == 0 else None
                 if dw is None:
                     raise
                 log.warning("decode worker lost during %s; continuing on %s", req.request_id, dw.worker_id)
                 task = self._resume_task(req)
 
-    async def _prefill(self, req: _Request) -> PrefillResult:
-        tried: set[int] = set()
+    async def _prefill(self, req: RequestState) -> PrefillResult:
+        tried: set[str] = set()
+        n = len(req.prompt_ids)
         while True:
-            pw = pick_prefill(
-                [w for w in self.prefill if id(w) not in tried], req.prompt_ids, self.policy.prefix_affinity
-            )
+            candidates = [w for w in self.registry.routable("prefill") if w.worker_id not in tried]
+            pw = pick_prefill(candidates, req.prompt_ids, self.policy.prefix_affinity)
             if pw is None:
                 raise WorkerLost("no prefill worker is available")
-            tried.add(id(pw))
-            n = len(req.prompt_ids)
+            tried.add(pw.worker_id)
+            queued = pw.queued_prompt_tokens
             # An idle worker takes any prompt the validator allowed, however long.
-            if pw.queued_prompt_tokens and pw.queued_prompt_tokens + n > self.policy.max_queued_prompt_tokens:
-                raise Overloaded(
-                    f"prefill queues are full ({pw.queued_prompt_tokens} prompt tokens waiting); retry later"
-                )
+            if queued and queued + n > self.limits.max_queued_prompt_tokens:
+                raise Overloaded(f"prefill queues are full ({queued} prompt tokens waiting); retry later")
             req.touched.append(pw)
-            pw.queued_prompt_tokens += n
-            pw.active += 1
             req.prefill_started = time.time()
             try:
-                task = PrefillTask(req.request_id, req.prompt_ids, req.params, req.remaining())
-                return await req.within(pw.handle.prefill.remote(task))
+                with self.registry.prefilling(pw, req.request_id, n):
+                    task = PrefillTask(req.request_id, req.prompt_ids, req.params, req.remaining())
+                    return await req.within(pw.client.prefill(task))
             except WorkerLost:
                 log.warning("prefill worker %s lost request %s; retrying", pw.worker_id, req.request_id)
-            finally:
-                pw.queued_prompt_tokens -= n
-                pw.active -= 1
 
     async def _decode(
-        self, req: _Request, dw: WorkerRef, task: DecodeTask, prefill_id: str
+        self, req: RequestState, dw: WorkerRecord, task: DecodeTask, prefill: WorkerRecord | None
     ) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """Stream ``task`` from ``dw``. A handoff's pair is linked first; a decode worker
+        that lost its handshakes (restarted) is linked again once, before any token."""
         req.touched.append(dw)
-        reserve = len(task.prompt_token_ids) + task.params.max_tokens
-        dw.active += 1
-        dw.reserved_tokens += reserve
-        stream = dw.handle.generate.remote(task)
-        done = False
-        try:
-            while not done:
-                try:
-                    ref = await req.within(stream.__anext__())
-                except StopAsyncIteration:
-                    raise WorkerLost(f"decode worker {dw.worker_id} ended the stream early") from None
-                batch: TokenBatch = await req.within(ref)
-                if batch.transfer_s is not None:
-                    req.transfer_s = batch.transfer_s
-                req.cached = max(req.cached, batch.num_cached_tokens)
-                if batch.token_ids or batch.text:
-                    yield self._tokens(req, batch.token_ids, batch.text, batch.logprobs, batch.token_times)
-                if batch.finish_reason is not None:
-                    done = True
-                    yield self._final(req, batch.finish_reason, prefill_id, dw.worker_id)
-        finally:
-            dw.active -= 1
-            dw.reserved_tokens = max(0, dw.reserved_tokens - reserve)
-            if not done:
-                with contextlib.suppress(Exception):
-                    ray.cancel(stream)
+        for attempt in range(2):
+            if task.handoff is not None:
+                await req.within(self.links.ensure(dw, prefill, task.handoff))
+            try:
+                async for event in self._stream(req, dw, task, prefill):
+                    yield event
+                return
+            except HandshakeRequired:
+                self.links.forget(dw.worker_id)
+                if attempt:
+                    raise
 
-    def _resume_task(self, req: _Request) -> DecodeTask:
+    async def _stream(
+        self, req: RequestState, dw: WorkerRecord, task: DecodeTask, prefill: WorkerRecord | None
+    ) -> AsyncIterator[TokenEvent | FinalEvent]:
+        reserve = len(task.prompt_token_ids) + task.params.max_tokens
+        with self.registry.decoding(dw, req.request_id, reserve):
+            async with contextlib.aclosing(dw.client.generate(task)) as stream:
+                while True:
+                    try:
+                        batch: TokenBatch = await req.within(anext(stream))
+                    except StopAsyncIteration:
+                        raise WorkerLost(f"decode worker {dw.worker_id} ended the stream early") from None
+                    if batch.confirmations and prefill is not None:
+                        self._in_background(prefill.client.confirm(batch.confirmations))
+                    if batch.transfer_s is not None:
+                        req.transfer_s = batch.transfer_s
+                    req.cached = max(req.cached, batch.num_cached_tokens)
+                    if batch.token_ids or batch.text:
+                        yield self._tokens(
+                            req, batch.token_ids, batch.text, batch.logprobs, batch.token_times
+                        )
+                    if batch.finish_reason is not None:
+                        prefill_id = prefill.worker_id if prefill else ""
+                        yield self._final(req, batch.finish_reason, prefill_id, dw.worker_id)
+                        return
+
+    def _resume_task(self, req: RequestState) -> DecodeTask:
         """Continue on another decode worker: prefill prompt + sent tokens there."""
         left = req.params.max_tokens - len(req.sent)
         params = dataclasses.replace(req.params, max_tokens=max(1, left))
         return DecodeTask(req.request_id, req.prompt_ids + req.sent, params, req.remaining())
 
-    def _tokens(self, req, token_ids, text, logprobs, times) -> TokenEvent:
+    def _in_background(self, coro) -> None:
+        """Run a worker call without awaiting it (abort, confirm): its errors are of no
+        interest (a lost worker frees everything anyway; a lease ends by itself)."""
+
+        async def quiet() -> None:
+            with contextlib.suppress(Exception):
+                await coro
+
+        task = asyncio.ensure_future(quiet())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _tokens(self, req: RequestState, token_ids, text, logprobs, times) -> TokenEvent:
         if req.first_token_at is None:
             req.first_token_at = time.time()
         req.sent.extend(token_ids)
         ms = [max(0.0, (t - req.accepted) * 1000) for t in times]
         return TokenEvent(list(token_ids), text, list(logprobs), ms)
 
-    def _final(self, req: _Request, reason: FinishReason, prefill_id: str, decode_id: str) -> FinalEvent:
+    def _final(self, req: RequestState, reason: FinishReason, prefill_id: str, decode_id: str) -> FinalEvent:
         now = time.time()
         started = req.prefill_started or req.accepted
         return FinalEvent(
@@ -262,77 +253,3 @@ class Dispatcher:
             prefill_worker=prefill_id,
             decode_worker=decode_id,
         )
-
-
-class _Request:
-    """The router's state for one request in flight."""
-
-    def __init__(self, request_id, prompt_ids, params, accepted: float, timeout_s: float | None):
-        self.request_id = request_id
-        self.prompt_ids: list[int] = prompt_ids
-        self.params: SamplingParams = params
-        self.accepted = accepted
-        self.timeout_s = timeout_s
-        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self.touched: list[WorkerRef] = []  # workers to abort on if the request ends early
-        self.sent: list[int] = []
-        self.first_token_at: float | None = None
-        self.prefill_started: float | None = None
-        self.transfer_s = 0.0
-        self.cached = 0
-
-    def remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
-
-    async def within(self, awaitable):
-        """Await a worker call before the deadline; errors come back unwrapped."""
-        try:
-            if self.deadline is None:
-                return await awaitable
-            return await asyncio.wait_for(awaitable, self.deadline - time.monotonic())
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"request {self.request_id} did not finish within {self.timeout_s:.3g} s"
-            ) from None
-        except (ray.exceptions.RayError, ray.exceptions.ActorUnavailableError) as e:
-            raise unwrap(e) from None
-
-
-def _fire_and_forget(ref) -> None:
-    """Let a Ray call run without awaiting it (its errors are of no interest)."""
-    with contextlib.suppress(Exception):
-        asyncio.ensure_future(_quiet(ref))
-
-
-async def _quiet(ref) -> None:
-    with contextlib.suppress(Exception):
-        await ref
-
-
-@dataclass(frozen=True)
-class WorkerReport:
-    """One worker's answer to a stats poll (or why it gave none)."""
-
-    worker: WorkerRef
-    stats: object | None  # PrefillStats | DecodeStats
-    error: str = ""
-
-
-async def poll_workers(workers: list[WorkerRef], timeout: float = 2.0) -> list[WorkerReport]:
-    """Ask every worker for its stats at once; refresh each ``WorkerRef``'s view."""
-
-    async def one(w: WorkerRef) -> WorkerReport:
-        try:
-            stats = await asyncio.wait_for(w.handle.stats.remote(), timeout)
-        except Exception as e:
-            err = unwrap(e)
-            w.alive = not isinstance(err, WorkerLost)
-            return WorkerReport(w, None, f"{err.__class__.__name__}: {err}")
-        w.alive = True
-        w.free_blocks = stats.engine.num_free_blocks
-        w.num_blocks = stats.engine.num_blocks
-        w.running = stats.engine.num_running
-        w.reserved_tokens = 0  # the new free count includes what was reserved
-        return WorkerReport(w, stats)
-
-    return list(await asyncio.gather(*(one(w) for w in workers)))

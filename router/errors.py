@@ -12,7 +12,7 @@ import logging
 import grpc
 import ray.exceptions
 
-from splitserve.engine import (
+from splitserve.engine.errors import (
     DeadlineExceeded,
     EngineStopped,
     InvalidRequest,

@@ -25,9 +25,11 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from splitserve.engine import InvalidRequest, SamplingParams
-from splitserve.router.dispatch import Dispatcher, FinalEvent, GenerateInput, TokenEvent
+from splitserve.engine.errors import InvalidRequest
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import http_status_for
+from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 
 log = logging.getLogger(__name__)
 

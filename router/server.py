@@ -3,7 +3,8 @@
 
 Health is NOT_SERVING until ``start`` has the workers' first stats, SERVING
 while up, and NOT_SERVING again once ``stop`` begins (load balancers drain
-first). A background task refreshes worker stats every ``stats_interval_s``.
+first). A background task refreshes the registry's worker stats every
+``stats_interval_s``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
-from splitserve.router.dispatch import Dispatcher, poll_workers
+from splitserve.router.dispatch import Dispatcher
 from splitserve.router.service import SplitserveService
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class RouterServer:
             self.port = server.add_insecure_port(target)
         if self.port == 0:
             raise OSError(f"could not listen on {target} (is the port in use?)")
-        await poll_workers(self._workers())
+        await self.dispatcher.registry.poll()
         await server.start()
         self._server = server
         await self._set_serving(True)
@@ -80,9 +81,6 @@ class RouterServer:
         if self._server is not None:
             await self._server.stop(grace_s)
 
-    def _workers(self):
-        return [*self.dispatcher.prefill, *self.dispatcher.decode]
-
     async def _set_serving(self, serving: bool) -> None:
         r = health_pb2.HealthCheckResponse
         status = r.SERVING if serving else r.NOT_SERVING
@@ -93,6 +91,6 @@ class RouterServer:
         while True:
             await asyncio.sleep(self.stats_interval_s)
             try:
-                await poll_workers(self._workers(), timeout=max(1.0, 2 * self.stats_interval_s))
+                await self.dispatcher.registry.poll()
             except Exception:  # never let status polling take the router down
                 log.exception("polling worker stats failed")

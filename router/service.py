@@ -10,11 +10,17 @@ import dataclasses
 import logging
 import uuid
 
-from splitserve.engine import FinishReason, InvalidRequest, SamplingParams
+from splitserve.decode_worker.api import DecodeStats
+from splitserve.engine.errors import InvalidRequest
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import FinishReason
+from splitserve.prefill_worker.api import PrefillStats
 from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
-from splitserve.router.dispatch import Dispatcher, FinalEvent, GenerateInput, TokenEvent, poll_workers
+from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import status_for
+from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
+from splitserve.router.registry import WorkerRecord
 
 log = logging.getLogger(__name__)
 
@@ -112,26 +118,38 @@ class SplitserveService(pb_grpc.SplitserveServicer):
 
     async def ClusterStatus(self, request, context):
         d = self.dispatcher
+        registry = d.registry
+        await registry.poll()  # fresh figures for whoever asks
         pools = []
-        for role, workers in (("prefill", d.prefill), ("decode", d.decode)):
-            if not workers:
-                continue
-            pool = pb.PoolStatus(role=workers[0].role if role == "decode" else role, replicas=len(workers))
-            for report in await poll_workers(workers):
-                pool.workers.append(_worker_status(report))
-            pools.append(pool)
+        for role in ("prefill", "decode", "colocated"):
+            workers = registry.workers(role)
+            if workers:
+                routable = sum(w.routable for w in workers)
+                pools.append(
+                    pb.PoolStatus(role=role, replicas=routable, workers=[_worker_status(w) for w in workers])
+                )
         return pb.ClusterStatusResponse(
             mode=self.mode, model=d.served_model, pools=pools, inflight_requests=len(d.inflight)
         )
 
 
-def _worker_status(report) -> pb.WorkerStatus:
-    w, s = report.worker, report.stats
-    out = pb.WorkerStatus(worker_id=w.worker_id, role=w.role, alive=s is not None, error=report.error)
+def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
+    out = pb.WorkerStatus(
+        worker_id=w.worker_id,
+        role=w.role,
+        alive=w.alive and not w.error,
+        error=w.error,
+        state=w.state.value,
+        router_active=w.active,
+    )
+    s = w.stats
     if s is not None:
         e = s.engine
         out.running, out.waiting = e.num_running, e.num_waiting
         out.queued_prompt_tokens = e.num_pending_prompt_tokens
         out.kv_blocks_total, out.kv_blocks_used = e.num_blocks, e.num_used_blocks
-        out.kv_exports_held = getattr(s, "num_exports", 0)
+    if isinstance(s, PrefillStats):
+        out.kv_exports_held = len(s.exports)
+    if isinstance(s, DecodeStats):
+        out.waiting_for_blocks, out.pulling = s.num_waiting_for_blocks, s.num_pulling
     return out

@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine.config import QUANTIZATIONS
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 INT8_MAX = 127
-QUANTIZATIONS = ("none", "fp8", "int8")
 _EPS = 1e-12
 
 

@@ -4,7 +4,8 @@ import pytest
 
 from splitserve.cluster.autoscale import ScaleDecision, desired_replicas, pool_load
 from splitserve.cluster.config import AutoscalingSpec
-from splitserve.router.balancer import WorkerRef
+from splitserve.router.registry import Membership
+from tests.unit.router_fakes import record
 
 
 def spec(**kw):
@@ -13,12 +14,12 @@ def spec(**kw):
 
 
 def test_load_per_phase():
-    p = [WorkerRef("p0", "prefill", None, queued_prompt_tokens=3000), WorkerRef("p1", "prefill", None)]
+    p = [record("p0", "prefill", queued=3000), record("p1", "prefill")]
     assert pool_load("prefill", p, 64) == 1500
-    d0 = WorkerRef("d0", "decode", None, free_blocks=25, num_blocks=100, active=2)  # KV 75% used
-    d1 = WorkerRef("d1", "decode", None, free_blocks=100, num_blocks=100, active=8)  # 8/16 seqs
+    d0 = record("d0", "decode", free_blocks=25, num_blocks=100, active=2)  # KV 75% used
+    d1 = record("d1", "decode", free_blocks=100, num_blocks=100, active=8)  # 8/16 seqs
     assert pool_load("decode", [d0, d1], 16) == pytest.approx((0.75 + 0.5) / 2)
-    d1.draining = True  # a draining worker no longer counts
+    d1.state = Membership.DRAINING  # a draining worker no longer counts
     assert pool_load("decode", [d0, d1], 16) == pytest.approx(0.75)
     assert pool_load("decode", [], 16) == 0.0
 

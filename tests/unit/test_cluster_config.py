@@ -57,14 +57,52 @@ def test_invalid_configs_name_the_problem(tmp_path, text, needle):
 
 
 def test_quantization_is_chosen_per_pool(tmp_path):
-    from splitserve.cluster.pools import engine_config
-
     path = tmp_path / "q.yaml"
     path.write_text("prefill: {engine: {quantization: fp8}}\ndecode: {engine: {quantization: int8}}\n")
     config = ClusterConfig.load(path)
-    assert engine_config(config, config.prefill).quantization == "fp8"
-    assert engine_config(config, config.decode).quantization == "int8"
-    assert engine_config(ClusterConfig(), ClusterConfig().colocated).quantization == "none"
+    assert config.engine_config("prefill").quantization == "fp8"
+    assert config.engine_config("decode").quantization == "int8"
+    colocated = ClusterConfig.model_validate({"mode": "colocated"})
+    assert colocated.engine_config("colocated").quantization == "none"
+
+
+def test_no_default_is_written_twice():
+    """Engine fields take EngineConfig's defaults (no literal in the config models), the
+    router reads LimitsSpec/PolicySpec themselves, and the worker specs leave what the
+    config sets without a default."""
+    import ast
+    import dataclasses
+
+    from splitserve.cluster import config as config_mod
+    from splitserve.decode_worker.api import DecodeWorkerSpec
+    from splitserve.engine import EngineConfig
+    from splitserve.prefill_worker.api import PrefillWorkerSpec
+
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} | {"name"}
+    literal = []
+    for node in ast.walk(ast.parse(open(config_mod.__file__).read())):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            call = node.value
+            if node.target.id in engine_fields and isinstance(call, ast.Call) and call.args:
+                if isinstance(call.args[0], ast.Constant):
+                    literal.append(node.target.id)
+    assert literal == [], f"engine defaults written again in cluster/config.py: {literal}"
+    # The default cluster gives every worker EngineConfig's own defaults.
+    built = ClusterConfig().engine_config("prefill")
+    assert built == EngineConfig(model=built.model)
+    for spec, names in (
+        (PrefillWorkerSpec, {"lease_s"}),
+        (DecodeWorkerSpec, {"transfer_timeout_s", "max_admission_queue"}),
+    ):
+        for f in dataclasses.fields(spec):
+            if f.name in names:
+                assert f.default is dataclasses.MISSING, f"{spec.__name__}.{f.name} repeats a config default"
+    # The router has no policy record of its own: the dispatcher holds the config's models.
+    from splitserve.router import dispatch
+    from splitserve.router.policy import LimitsSpec
+
+    assert not hasattr(dispatch, "RoutingPolicy")
+    assert config_mod.LimitsSpec is LimitsSpec and ClusterConfig().limits == LimitsSpec()
 
 
 def test_missing_file():

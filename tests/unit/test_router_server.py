@@ -13,7 +13,8 @@ import pytest
 
 from splitserve.client import Client, InvalidArgument, Unavailable
 from splitserve.engine import RequestValidator
-from splitserve.router.dispatch import Dispatcher, RoutingPolicy
+from splitserve.router.dispatch import Dispatcher
+from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
 
 
@@ -33,7 +34,7 @@ class _Loop:
 
 def _server(credentials=None) -> tuple[_Loop, RouterServer]:
     validator = RequestValidator("tiny", vocab_size=100, max_model_len=64, max_kv_tokens=1024, tokenizer=None)
-    dispatcher = Dispatcher(validator, RoutingPolicy(), served_model="tiny")
+    dispatcher = Dispatcher(WorkerRegistry(), validator, served_model="tiny")
     loop = _Loop()
     server = RouterServer(dispatcher, "disaggregated", "127.0.0.1", 0, credentials=credentials)
     loop.run(server.start())

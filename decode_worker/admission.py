@@ -1,0 +1,143 @@
+"""Decode admission: imported requests wait here, in arrival order, for KV blocks.
+
+A request with a ``KVHandoff`` goes through three states (``AdmissionState``)::
+
+    WAITING_FOR_BLOCKS  in this queue; only its head is offered blocks
+      -> PULLING        blocks allocated; the KV moves in (the worker's transfer thread)
+      -> RUNNING        in the engine's decode batch
+
+Only the head is tried, so under block pressure requests are admitted in the
+order they arrived: a small request never overtakes a large one queued before
+it, and nothing starves. The head is tried again when the engine frees blocks
+(``wake``: a request finished or was aborted) and, as a fallback, every
+``retry_s``. A request leaves the queue without blocks when
+
+- the queue already holds ``max_waiting`` requests when it arrives: ``Overloaded``;
+- its deadline comes first: ``DeadlineExceeded``;
+- its KV lease would end first (less than ``lease_margin_s`` left, too little
+  to pull): ``Overloaded``, naming the lease.
+
+One asyncio loop owns the queue; ``wake_threadsafe`` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from splitserve.engine.errors import DeadlineExceeded, Overloaded
+
+Allocate = Callable[[], Awaitable[list[int] | None]]  # the blocks, or None while the cache is full
+
+
+class AdmissionState(enum.Enum):
+    WAITING_FOR_BLOCKS = "waiting_for_blocks"
+    PULLING = "pulling"
+    RUNNING = "running"
+
+
+@dataclass(eq=False)
+class _Waiting:
+    request_id: str
+    allocate: Allocate
+    deadline: float | None  # time.monotonic()
+    lease_end: float  # time.monotonic() past which the pull could not start in time
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class AdmissionQueue:
+    def __init__(self, worker_id: str, max_waiting: int, retry_s: float = 0.5, lease_margin_s: float = 1.0):
+        if max_waiting < 1:
+            raise ValueError("max_waiting must be >= 1")
+        self.worker_id = worker_id
+        self.max_waiting = max_waiting
+        self.retry_s = retry_s
+        self.lease_margin_s = lease_margin_s
+        self._queue: deque[_Waiting] = deque()
+        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._runner: asyncio.Task | None = None
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    async def admit(
+        self, request_id: str, allocate: Allocate, deadline: float | None, lease_s: float
+    ) -> list[int]:
+        """Wait for this request's turn and its blocks; returns the block ids
+        ``allocate`` produced. Raises ``Overloaded`` or ``DeadlineExceeded`` (see the
+        module docstring), or what ``allocate`` raised. If the caller is cancelled
+        the request leaves the queue; blocks allocated meanwhile are the caller's
+        to free (by request id)."""
+        if len(self._queue) >= self.max_waiting:
+            raise Overloaded(
+                f"decode worker {self.worker_id} has {len(self._queue)} requests waiting for KV blocks; "
+                "retry later"
+            )
+        lease_end = time.monotonic() + lease_s - self.lease_margin_s
+        entry = _Waiting(request_id, allocate, deadline, lease_end)
+        self._queue.append(entry)
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._run())
+        else:
+            self._wake.set()
+        try:
+            return await entry.future
+        finally:
+            if not entry.future.done():  # cancelled: the runner drops it when it reaches it
+                entry.future.cancel()
+
+    def wake(self) -> None:
+        """Blocks may have been freed: try the head again now."""
+        self._wake.set()
+
+    def wake_threadsafe(self) -> None:
+        self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def _run(self) -> None:
+        while self._queue:
+            head = self._queue[0]
+            if head.future.done():  # its caller gave up
+                self._queue.popleft()
+                continue
+            now = time.monotonic()
+            error = self._expired(head, now)
+            if error is not None:
+                self._queue.popleft()
+                head.future.set_exception(error)
+                continue
+            self._wake.clear()  # a wake during allocate() below is not lost
+            try:
+                blocks = await head.allocate()
+            except Exception as e:  # e.g. InvalidRequest: this request only
+                self._queue.popleft()
+                if not head.future.done():
+                    head.future.set_exception(e)
+                continue
+            if blocks is not None:
+                self._queue.popleft()
+                if not head.future.done():
+                    head.future.set_result(blocks)
+                continue
+            wait = min(self.retry_s, head.lease_end - now)
+            if head.deadline is not None:
+                wait = min(wait, head.deadline - now)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(wait, 0.0))
+
+    def _expired(self, head: _Waiting, now: float) -> Exception | None:
+        if head.deadline is not None and now >= head.deadline:
+            return DeadlineExceeded(
+                f"request {head.request_id} found no KV blocks on {self.worker_id} before its deadline"
+            )
+        if now >= head.lease_end:
+            return Overloaded(
+                f"decode worker {self.worker_id} had no room for request {head.request_id} "
+                "before its KV lease ran out"
+            )
+        return None

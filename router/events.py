@@ -1,0 +1,43 @@
+"""The router's typed records between its front ends (gRPC, HTTP) and the
+dispatcher: what a request asks for, and what its stream yields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import FinishReason
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """A validated-shape request as the router's front ends (gRPC, HTTP) build it."""
+
+    params: SamplingParams
+    prompt: str | list[int] | None = None  # text or token ids
+    messages: list[dict[str, str]] | None = None
+    model: str = ""
+    request_id: str = ""
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    times_ms: list[float]  # per token, since the router accepted the request
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    queue_ms: float
+    ttft_ms: float
+    transfer_ms: float
+    e2e_ms: float
+    prefill_worker: str
+    decode_worker: str

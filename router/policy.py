@@ -1,0 +1,38 @@
+"""The router's admission limits and routing policy, as the serving config states
+them: these pydantic models are the only definition of their fields and
+defaults (``cluster.config`` nests them; the dispatcher reads them as they are)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StrictModel(BaseModel):
+    """A config section: unknown fields are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LimitsSpec(StrictModel):
+    max_inflight_requests: int = Field(
+        512, ge=1, description="requests admitted and unfinished; past it: RESOURCE_EXHAUSTED"
+    )
+    max_queued_prompt_tokens: int = Field(
+        32768, ge=1, description="prompt tokens waiting per prefill worker; past it: RESOURCE_EXHAUSTED"
+    )
+    max_admission_queue: int = Field(
+        256,
+        ge=1,
+        description="prefilled requests waiting for KV blocks per decode worker (served in arrival order); "
+        "past it: RESOURCE_EXHAUSTED",
+    )
+    max_timeout_s: float | None = Field(None, gt=0, description="cap on any request's duration")
+
+
+class PolicySpec(StrictModel):
+    local_prefill_below_tokens: int = Field(
+        0, ge=0, description="prompts shorter than this are prefilled on the decode worker (0: never)"
+    )
+    prefix_affinity: bool = Field(
+        False, description="send prompts with the same first block to one prefill worker"
+    )

@@ -1,0 +1,195 @@
+"""The one record of every worker in every pool: ``WorkerRegistry``.
+
+Pools, the dispatcher, the autoscaler, the status service (and metrics) all
+read it; nobody keeps a list of their own. Each field has one writer, always
+through a registry method::
+
+    field                               written by (method)
+    ---------------------------------   -------------------------------------------
+    state (membership)                  the pools: add, activate, drain, remove
+    alive, stats, error                 poll() (the router's poller, status calls)
+    handshakes (prefill)                activate (from info), refresh_handshakes
+    prefilling / decoding / unpolled    the dispatcher: prefilling(), decoding()
+
+A worker's lifecycle::
+
+    add() --> STARTING --activate()--> ACTIVE --drain()--> DRAINING --remove()--> (gone)
+                 |  (model loading,       (routable         (finishes its
+                 |   not routable)         when alive)       requests, takes no new)
+                 +--remove()--> (gone: it failed to start)
+
+Router load is derived, never counted up and down: a worker's queued prompt
+tokens and active requests are sums over the requests the dispatcher holds
+open on it (``prefilling``/``decoding`` context managers, which always end),
+and its decode reservations are the requests sent since the last poll began
+(the poll's free-block count includes the rest). Nothing can drift.
+
+One asyncio loop owns the registry (the router's); it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from splitserve.kv_transfer.contract import Handshake
+from splitserve.kv_transfer.errors import PeerLost
+from splitserve.prefill_worker.api import PrefillWorkerInfo
+from splitserve.router.errors import WorkerLost
+from splitserve.router.workers import WorkerClient, WorkerStats
+
+log = logging.getLogger(__name__)
+
+
+class Membership(enum.Enum):
+    STARTING = "starting"  # launched, loading its model; not routed to
+    ACTIVE = "active"  # routed to while alive
+    DRAINING = "draining"  # finishing its requests; takes no new ones
+
+
+@dataclass(eq=False)
+class WorkerRecord:
+    """One worker. Read by anyone; written only by ``WorkerRegistry`` (see its table)."""
+
+    worker_id: str
+    role: str  # "prefill", "decode" or "colocated"
+    client: WorkerClient
+    block_size: int
+    state: Membership = Membership.STARTING
+    alive: bool = True
+    stats: WorkerStats | None = None  # the last poll's answer
+    error: str = ""  # why the last poll got none
+    handshakes: tuple[Handshake, ...] = ()  # a prefill worker's KV sources', rank order
+    prefilling: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens sent
+    decoding: dict[str, int] = field(default_factory=dict)  # request id -> KV tokens reserved
+    unpolled: set[str] = field(default_factory=set)  # decoding ids sent since the last poll began
+
+    @property
+    def routable(self) -> bool:
+        return self.state == Membership.ACTIVE and self.alive
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens sent to this worker for prefill and not yet back."""
+        return sum(self.prefilling.values())
+
+    @property
+    def active(self) -> int:
+        """Requests this worker holds for the router (prefilling or streaming)."""
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV tokens of requests sent since the last poll began (not in its free count)."""
+        return sum(self.decoding[r] for r in self.unpolled)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.stats.engine.num_free_blocks if self.stats else 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.stats.engine.num_blocks if self.stats else 0
+
+    @property
+    def running(self) -> int:
+        return self.stats.engine.num_running if self.stats else 0
+
+    @property
+    def free_tokens(self) -> int:
+        return self.free_blocks * self.block_size - self.reserved_tokens
+
+
+class WorkerRegistry:
+    def __init__(self, poll_timeout_s: float = 2.0):
+        self.poll_timeout_s = poll_timeout_s
+        self._workers: dict[str, WorkerRecord] = {}
+
+    # ---- reads --------------------------------------------------------------------
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        return self._workers.get(worker_id)
+
+    def workers(self, *roles: str) -> list[WorkerRecord]:
+        """Every member of these roles (all roles if none given), in the order they were added."""
+        return [w for w in self._workers.values() if not roles or w.role in roles]
+
+    def routable(self, *roles: str) -> list[WorkerRecord]:
+        return [w for w in self.workers(*roles) if w.routable]
+
+    # ---- membership (the pools) -------------------------------------------------------
+    def add(self, worker_id: str, role: str, client: WorkerClient, block_size: int) -> WorkerRecord:
+        """A launched worker, STARTING (not routed to until ``activate``)."""
+        if worker_id in self._workers:
+            raise ValueError(f"worker {worker_id} is already registered")
+        record = WorkerRecord(worker_id, role, client, block_size)
+        self._workers[worker_id] = record
+        return record
+
+    async def activate(self, worker_id: str) -> WorkerRecord:
+        """A worker has loaded its model: take its handshakes and first stats, route to it."""
+        record = self._workers[worker_id]
+        info = await record.client.info()
+        if isinstance(info, PrefillWorkerInfo):
+            record.handshakes = info.handshakes
+        await self.poll([record])
+        record.state = Membership.ACTIVE
+        return record
+
+    def drain(self, worker_id: str) -> None:
+        self._workers[worker_id].state = Membership.DRAINING
+
+    def remove(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    # ---- polling -----------------------------------------------------------------------
+    async def poll(self, records: list[WorkerRecord] | None = None) -> None:
+        """Ask these workers (default: all) for their stats at once."""
+        await asyncio.gather(*(self._poll_one(w) for w in (self.workers() if records is None else records)))
+
+    async def _poll_one(self, w: WorkerRecord) -> None:
+        seen = set(w.unpolled)  # requests the answer will include
+        try:
+            stats = await asyncio.wait_for(w.client.stats(), self.poll_timeout_s)
+        except Exception as e:
+            w.alive = not isinstance(e, WorkerLost)
+            w.error = f"{e.__class__.__name__}: {e}"
+            return
+        w.alive, w.stats, w.error = True, stats, ""
+        w.unpolled -= seen
+
+    # ---- router load (the dispatcher) ----------------------------------------------------
+    @contextlib.contextmanager
+    def prefilling(self, w: WorkerRecord, request_id: str, prompt_tokens: int) -> Iterator[None]:
+        """``request_id``'s prompt is with ``w`` for prefill for the duration."""
+        w.prefilling[request_id] = prompt_tokens
+        try:
+            yield
+        finally:
+            w.prefilling.pop(request_id, None)
+
+    @contextlib.contextmanager
+    def decoding(self, w: WorkerRecord, request_id: str, kv_tokens: int) -> Iterator[None]:
+        """``request_id`` streams from ``w`` for the duration, holding up to ``kv_tokens``."""
+        w.decoding[request_id] = kv_tokens
+        w.unpolled.add(request_id)
+        try:
+            yield
+        finally:
+            w.decoding.pop(request_id, None)
+            w.unpolled.discard(request_id)
+
+    # ---- handshakes --------------------------------------------------------------------
+    async def handshakes_for(self, w: WorkerRecord, incarnations: tuple[str, ...]) -> tuple[Handshake, ...]:
+        """``w``'s handshakes for exactly these source incarnations. A prefill worker
+        that restarted since the registry last asked is asked again; KV from an
+        incarnation that is no longer running is refused with ``PeerLost``."""
+        if tuple(hs.incarnation for hs in w.handshakes) != incarnations:
+            info = await w.client.info()
+            w.handshakes = info.handshakes
+            if tuple(hs.incarnation for hs in w.handshakes) != incarnations:
+                raise PeerLost(f"prefill worker {w.worker_id} restarted since it exported this KV")
+        return w.handshakes

@@ -1,0 +1,201 @@
+"""Shared factories for the router's tests without Ray: worker records with given
+load, and fake worker clients (``WorkerClient``) that script what a prefill or
+decode worker answers. The fakes stand in for workers only in tests of the
+router's own logic (registry, balancer, dispatcher, autoscaling policy)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from splitserve.decode_worker.api import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
+from splitserve.engine.kv_layout import KVLayout
+from splitserve.engine.outputs import EngineStats
+from splitserve.engine.sequence import FinishReason
+from splitserve.engine.validation import RequestValidator
+from splitserve.kv_transfer.contract import (
+    PROTOCOL_VERSION,
+    CompatInfo,
+    Confirmation,
+    Handshake,
+    KVDescriptor,
+    KVHandoff,
+)
+from splitserve.prefill_worker.api import PrefillResult, PrefillStats, PrefillTask, PrefillWorkerInfo
+from splitserve.router.errors import WorkerLost
+from splitserve.router.registry import Membership, WorkerRecord
+
+VALIDATOR = RequestValidator(
+    "tiny", vocab_size=1000, max_model_len=4096, max_kv_tokens=100_000, tokenizer=None
+)
+COMPAT = CompatInfo("tiny", KVLayout(2, 64, 16, 1, 8, "float32"))
+
+
+def engine_stats(free_blocks: int = 1000, num_blocks: int = 1000, running: int = 0) -> EngineStats:
+    return EngineStats(running, 0, 0, num_blocks, free_blocks)
+
+
+def record(
+    wid: str,
+    role: str = "prefill",
+    *,
+    queued: int = 0,
+    active: int = 0,
+    free_blocks: int = 0,
+    num_blocks: int = 0,
+    running: int = 0,
+    block_size: int = 16,
+) -> WorkerRecord:
+    """An ACTIVE record with this load (as the registry would hold it)."""
+    w = WorkerRecord(wid, role, client=None, block_size=block_size, state=Membership.ACTIVE)
+    w.stats = DecodeStats(wid, engine_stats(free_blocks, num_blocks, running), 0, 0, 0)
+    if queued:
+        w.prefilling["queued"] = queued
+    for i in range(active):
+        w.decoding[f"active-{i}"] = 0
+    return w
+
+
+def next_token(context: list[int]) -> int:
+    """The deterministic 'model' every fake shares: the next token after ``context``."""
+    return (sum(context) * 31 + len(context) * 7) % 1000
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    """The greedy output of ``n`` tokens after ``prompt``."""
+    context = list(prompt)
+    for _ in range(n):
+        context.append(next_token(context))
+    return context[len(prompt) :]
+
+
+class FakePrefill:
+    """A prefill worker: samples the first token of ``expected_tokens`` and exports a
+    handoff; ``fail`` (a callable of the task) may raise instead."""
+
+    def __init__(
+        self, worker_id: str, fail: Callable[[PrefillTask], None] | None = None, delay_s: float = 0.0
+    ):
+        self.worker_id = worker_id
+        self.fail = fail
+        self.delay_s = delay_s
+        self.incarnation = uuid.uuid4().hex
+        self.calls: list[PrefillTask] = []
+        self.aborted: list[str] = []
+        self.confirmed: list[Confirmation] = []
+        self.info_calls = 0
+
+    def restart(self) -> None:
+        self.incarnation = uuid.uuid4().hex
+
+    def handshake(self) -> Handshake:
+        return Handshake(PROTOCOL_VERSION, "fake", self.worker_id, self.incarnation, COMPAT)
+
+    async def info(self) -> PrefillWorkerInfo:
+        self.info_calls += 1
+        return PrefillWorkerInfo(self.worker_id, VALIDATOR, (self.handshake(),))
+
+    async def stats(self) -> PrefillStats:
+        return PrefillStats(self.worker_id, engine_stats(), (), 0, 0, 0)
+
+    async def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return True
+
+    async def prefill(self, task: PrefillTask) -> PrefillResult:
+        self.calls.append(task)
+        await asyncio.sleep(self.delay_s)
+        if self.fail is not None:
+            self.fail(task)
+        first = expected_tokens(task.prompt_token_ids, 1)
+        finish = FinishReason.LENGTH if task.params.max_tokens == 1 else None
+        handoff = None
+        if finish is None:
+            desc = KVDescriptor(
+                f"{task.request_id}:t",
+                task.request_id,
+                "fake",
+                self.worker_id,
+                self.incarnation,
+                COMPAT.hash,
+                (0,),
+                len(task.prompt_token_ids),
+                0,
+                0,
+                lease_expiry=1e12,
+            )
+            handoff = KVHandoff(self.worker_id, (desc,))
+        return PrefillResult(task.request_id, self.worker_id, first, "", [0.0], 0.0, finish, 0, handoff)
+
+    async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
+        self.confirmed.extend(confirmations)
+
+
+class FakeDecode:
+    """A decode worker: continues ``expected_tokens`` from where the task starts, in
+    batches of ``batch`` tokens. ``lose_after`` tokens into a request it raises
+    ``WorkerLost`` (once per request); ``fail`` may raise at the start."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        batch: int = 2,
+        lose_after: int | None = None,
+        fail: Callable[[DecodeTask], None] | None = None,
+        step_s: float = 0.0,
+    ):
+        self.worker_id = worker_id
+        self.batch = batch
+        self.lose_after = lose_after
+        self.fail = fail
+        self.step_s = step_s
+        self.linked: dict[str, tuple[str, ...]] = {}
+        self.connect_calls = 0
+        self.calls: list[DecodeTask] = []
+        self.aborted: list[str] = []
+
+    def restart(self) -> None:
+        self.linked.clear()
+
+    async def info(self) -> DecodeWorkerInfo:
+        return DecodeWorkerInfo(self.worker_id, VALIDATOR, colocated=False)
+
+    async def stats(self) -> DecodeStats:
+        return DecodeStats(self.worker_id, engine_stats(), 0, 0, 0)
+
+    async def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return True
+
+    async def connect(self, handshakes: tuple[Handshake, ...]) -> None:
+        self.connect_calls += 1
+        self.linked[handshakes[0].worker_id] = tuple(h.incarnation for h in handshakes)
+
+    async def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
+        from splitserve.kv_transfer.errors import HandshakeRequired
+
+        self.calls.append(task)
+        if self.fail is not None:
+            self.fail(task)
+        if task.handoff is not None:
+            if self.linked.get(task.handoff.source_worker) != task.handoff.incarnations:
+                raise HandshakeRequired(f"{self.worker_id} holds no handshake for this source")
+            conf = Confirmation(task.handoff.descriptors[0].transfer_id, task.handoff.source_worker, False)
+            yield TokenBatch([], "", [], [], None, 0, transfer_s=0.001, confirmations=(conf,))
+        # Continue the context (a resumed task's prompt already holds the tokens sent).
+        context = list(task.prompt_token_ids) + list(task.output_token_ids)
+        left = task.params.max_tokens - len(task.output_token_ids)
+        sent_here = 0
+        while left > 0:
+            await asyncio.sleep(self.step_s)
+            if self.lose_after is not None and sent_here >= self.lose_after:
+                raise WorkerLost(f"{self.worker_id} died")
+            ids = []
+            for _ in range(min(self.batch, left)):
+                ids.append(next_token(context))
+                context.append(ids[-1])
+            left -= len(ids)
+            sent_here += len(ids)
+            finish = FinishReason.LENGTH if left == 0 else None
+            yield TokenBatch(ids, "", [0.0] * len(ids), [0.0] * len(ids), finish, 0)
