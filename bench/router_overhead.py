@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with BackgroundCluster(config) as cluster, Client(cluster.address, timeout=120) as client:
-            handle = cluster.dispatcher.decode[0].handle
+            handle = cluster.registry.workers("colocated")[0].client.actor
             prompt_ids = client.tokenize(messages=[{"role": "user", "content": PROMPT}])
             params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
             direct(handle, prompt_ids, params, "warmup")

@@ -163,14 +163,18 @@ def _status(args: argparse.Namespace) -> int:
         _err(f"{args.server}: {e}")
         return 1
     print(f"{st.model} ({st.mode}), {st.inflight_requests} request(s) in flight")
-    head = ("worker", "role", "alive", "running", "waiting", "queued tok", "KV used")
-    print(f"{head[0]:<14} {head[1]:<10} {head[2]:<6} {head[3]:>7} {head[4]:>7} {head[5]:>10} {head[6]:>13}")
+    head = ("worker", "role", "state", "alive", "running", "waiting", "queued tok", "KV used", "admission")
+    print(
+        f"{head[0]:<14} {head[1]:<10} {head[2]:<9} {head[3]:<6} {head[4]:>7} {head[5]:>7} {head[6]:>10} "
+        f"{head[7]:>13} {head[8]:>9}"
+    )
     for pool in st.pools:
         for w in pool.workers:
             kv = f"{w.kv_blocks_used}/{w.kv_blocks_total}"
             print(
-                f"{w.worker_id:<14} {w.role:<10} {'yes' if w.alive else 'NO':<6} {w.running:>7} "
-                f"{w.waiting:>7} {w.queued_prompt_tokens:>10} {kv:>13}" + (f"  {w.error}" if w.error else "")
+                f"{w.worker_id:<14} {w.role:<10} {w.state:<9} {'yes' if w.alive else 'NO':<6} {w.running:>7} "
+                f"{w.waiting:>7} {w.queued_prompt_tokens:>10} {kv:>13} {w.waiting_for_blocks:>9}"
+                + (f"  {w.error}" if w.error else "")
             )
     return 0
 

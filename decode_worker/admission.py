@@ -89,8 +89,10 @@ class AdmissionQueue:
         try:
             return await entry.future
         finally:
-            if not entry.future.done():  # cancelled: the runner drops it when it reaches it
+            if entry.future.cancelled() or not entry.future.done():  # the caller was cancelled
                 entry.future.cancel()
+                self._drop(entry)
+                self._wake.set()  # the runner may have been waiting on this entry
 
     def wake(self) -> None:
         """Blocks may have been freed: try the head again now."""
@@ -99,29 +101,30 @@ class AdmissionQueue:
     def wake_threadsafe(self) -> None:
         self._loop.call_soon_threadsafe(self._wake.set)
 
+    def _drop(self, entry: _Waiting) -> None:
+        with contextlib.suppress(ValueError):
+            self._queue.remove(entry)
+
     async def _run(self) -> None:
         while self._queue:
             head = self._queue[0]
-            if head.future.done():  # its caller gave up
-                self._queue.popleft()
-                continue
             now = time.monotonic()
             error = self._expired(head, now)
             if error is not None:
-                self._queue.popleft()
+                self._drop(head)
                 head.future.set_exception(error)
                 continue
             self._wake.clear()  # a wake during allocate() below is not lost
             try:
                 blocks = await head.allocate()
             except Exception as e:  # e.g. InvalidRequest: this request only
-                self._queue.popleft()
+                self._drop(head)
                 if not head.future.done():
                     head.future.set_exception(e)
                 continue
             if blocks is not None:
-                self._queue.popleft()
-                if not head.future.done():
+                self._drop(head)
+                if not head.future.done():  # else its caller gave up meanwhile and frees them
                     head.future.set_result(blocks)
                 continue
             wait = min(self.retry_s, head.lease_end - now)

@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from splitserve.client import Client
+from splitserve.cluster.autoscale import ScaleDecision
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import VOCAB, live_cluster, tiny_checkpoint, tiny_config, wait_kv_free
 
@@ -81,20 +82,22 @@ def test_decode_pool_grows_under_load_and_drains_without_dropping(cluster):
     scaler = cluster.cluster.autoscalers["decode"]
     load = Load(cluster.address, 8)  # 8 streams on a worker of 8 seqs: load ~1.0 > target 0.3
     try:
-        _wait(lambda: len(cluster.dispatcher.decode) == 2, "the decode pool did not grow")
+        _wait(lambda: len(cluster.registry.routable("decode")) == 2, "the decode pool did not grow")
         assert scaler.events[-1][1] == 2
-        new = cluster.dispatcher.decode[1]
+        new = cluster.registry.workers("decode")[1]
         assert new.worker_id == "decode-1"
         _wait(lambda: new.active >= 2, "the new worker got no requests")
+        # From here the policy allows one worker (the load would grow the pool again).
+        scaler.decision = ScaleDecision(scaler.spec.model_copy(update={"max_replicas": 1}))
         # Scale down while it streams: it leaves routing at once, and is killed once idle.
-        cluster.run(scaler.remove(new), timeout=180)
+        cluster.run(scaler.remove(new.worker_id), timeout=180)
     finally:
         load.stop()
     assert load.errors == []
     assert all(r.final.finish_reason == "length" and len(r.token_ids) == LONG for r in load.results)
     assert any(r.final.decode_worker == "decode-1" for r in load.results)
     assert [w.worker_id for w in scaler.pool.workers] == ["decode-0"]
-    assert [w.worker_id for w in cluster.dispatcher.decode] == ["decode-0"]
+    assert [w.worker_id for w in cluster.registry.workers("decode")] == ["decode-0"]
     assert scaler.events[-1][1] == 1
     with Client(cluster.address) as c:
         assert wait_kv_free(c) == {"prefill-0": 0, "decode-0": 0}
@@ -105,15 +108,16 @@ def test_streams_on_a_lost_decode_worker_continue_elsewhere(cluster):
     worker (which prefills prompt + tokens already sent); clients see complete,
     unrepeated outputs and no error."""
     scaler = cluster.cluster.autoscalers["decode"]
-    if len([w for w in cluster.dispatcher.decode if w.routable]) < 2:
+    if len(cluster.registry.routable("decode")) < 2:
         cluster.run(scaler.add(), timeout=180)
-    victim = cluster.dispatcher.decode[-1]
+    victim = cluster.registry.workers("decode")[-1]
     load = Load(cluster.address, 6)
     try:
         _wait(lambda: victim.active >= 2, "the second worker got no requests")
         streaming_on_victim = victim.active
-        ray.kill(victim.handle, no_restart=True)
-        time.sleep(1.0)
+        ray.kill(victim.client.actor, no_restart=True)
+        # Let the load run on after the kill until the router has seen the worker gone.
+        _wait(lambda: not victim.alive or victim.active == 0, "the router never noticed the lost worker")
     finally:
         load.stop()
     assert streaming_on_victim >= 2

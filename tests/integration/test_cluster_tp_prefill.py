@@ -4,12 +4,12 @@ of both shards as it pulls them over NIXL. One Ray instance for the module.
 
 - 32 concurrent streams equal the TP=1 monolithic engine's greedy tokens.
 - Every lease ends on both ranks: no KV stays held anywhere afterwards.
-- Killing rank 1 fails the next request fast, with a clear error, not a hang.
+- Killing rank 1 fails the next request with a clear error (UNAVAILABLE, not
+  the deadline), not a hang; replacing the broken group restores service, so
+  no test here depends on running before another.
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import ray
@@ -29,7 +29,9 @@ from tests.integration.cluster_util import (
     wait_kv_free,
 )
 
-IDLE = {"prefill-0": 0, "decode-0": 0}
+
+def idle(used: dict[str, int]) -> bool:
+    return set(used.values()) == {0}
 
 
 @pytest.fixture(scope="module")
@@ -58,24 +60,30 @@ def test_tp2_prefill_group_serves_tp1_decode_exactly(cluster, checkpoint, client
     results = stream_all(cluster.address, prompts, params)
     assert [out.token_ids for out, _ in results] == expected
     finals = [out.final for out, _ in results]
-    assert {f.prefill_worker for f in finals} == {"prefill-0"}
+    assert len({f.prefill_worker for f in finals}) == 1  # the one TP group
     assert any(f.transfer_ms > 0 for f in finals)  # KV pulled from both ranks
-    assert wait_kv_free(client) == IDLE  # every shard's lease ended; blocks released
+    assert idle(wait_kv_free(client))  # every shard's lease ended; blocks released
 
 
 def test_cancel_releases_both_ranks(client):
-    assert cancel_mid_stream(client) == IDLE
+    assert idle(cancel_mid_stream(client))
     # The group still serves after the cancellation.
     prompt = random_prompts([200], VOCAB, seed=4)[0]
     assert len(client.generate(prompt, max_tokens=5, ignore_eos=True).token_ids) == 5
 
 
 def test_a_lost_rank_fails_requests_fast(cluster, client):
-    (member,) = cluster.cluster.pools["prefill"].members
-    ray.kill(member.ranks[0], no_restart=True)
+    pool = cluster.cluster.pools["prefill"]
+    (broken,) = pool.workers
+    ray.kill(pool._members[broken.worker_id].ranks[0], no_restart=True)
     prompt = random_prompts([50], VOCAB, seed=9)[0]
-    t0 = time.monotonic()
+    # A deadline far away: UNAVAILABLE (not DEADLINE_EXCEEDED) shows the request failed
+    # when the group broke, instead of waiting.
     with pytest.raises(Unavailable) as err:
-        client.generate(prompt, max_tokens=5, timeout_ms=30_000)
-    assert time.monotonic() - t0 < 20, "a broken TP group must fail fast, not wait for the deadline"
+        client.generate(prompt, max_tokens=5, timeout_ms=600_000)
     assert "prefill" in str(err.value)
+    # Replace the broken group: the cluster serves again.
+    cluster.run(pool.remove(broken.worker_id, drain_timeout_s=0), timeout=120)
+    cluster.run(pool.add(1), timeout=600)
+    assert len(client.generate(prompt, max_tokens=5, ignore_eos=True).token_ids) == 5
+    assert idle(wait_kv_free(client))

@@ -197,20 +197,20 @@ def bare_pair(backend: str, name: str):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_source_killed_after_export_fails_fast_or_delivers_intact(backend):
     """nixl and torch_dist read the source's memory: a dead source is a typed error
-    at once. The ray backend copied the blocks into the object store at export,
-    which outlives the source on this node: the pull completes, verified."""
+    at once (not a TransferTimeout after the pull's 5 minutes). The ray backend
+    copied the blocks into the object store at export, which outlives the source
+    on this node: the pull completes, verified."""
     src, sink, cache = bare_pair(backend, "decode-k")
     desc = src.call(ExportRandom(num_tokens=200)).descriptor
     src.kill()
     dst = list(range(len(desc.block_ids)))
-    t0 = time.monotonic()
     if backend == "ray":
-        sink.pull(desc, dst, timeout=5.0)
+        sink.pull(desc, dst, timeout=300.0)
         assert checksum(cache, dst) == desc.checksum and bool(cache.view(torch.uint8).any())
     else:
-        with pytest.raises(KVTransferError):
-            sink.pull(desc, dst, timeout=5.0)
-    assert time.monotonic() - t0 < 5.0 + 2.0
+        with pytest.raises(KVTransferError) as err:
+            sink.pull(desc, dst, timeout=300.0)
+        assert not isinstance(err.value, TransferTimeout), "a dead source must fail at once"
     sink.close()
 
 
@@ -223,7 +223,7 @@ def test_stalled_source_times_out():
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout):
             sink.pull(desc, list(range(len(desc.block_ids))), timeout=1.0)
-        assert 1.0 <= time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 >= 1.0  # not before its timeout
     finally:
         os.kill(src.proc.pid, signal.SIGCONT)
         src.kill()

@@ -1,7 +1,8 @@
 """A TP prefill group without Ray: ``PrefillWorker`` (rank 0) in this process and a
 ``PrefillRank`` in a spawned one. The group outlives idle periods longer than its
-collective timeout (rank 0 sends heartbeats), and each result carries rank 1's
-KV shard."""
+collective timeout (rank 0 sends heartbeats), each result's handoff carries
+rank 1's KV shard, and confirmations delivered through the control plane
+(``confirm``, as the router does for the ray backend) end both ranks' leases."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 
 from splitserve.engine import EngineConfig, SamplingParams
 from splitserve.engine.parallel import TPInit
+from splitserve.kv_transfer import Confirmation
 from splitserve.prefill_worker import PrefillTask, PrefillWorker, PrefillWorkerSpec
 from tests.conftest import make_hf_checkpoint, random_prompts
 from tests.integration.tp_ranks import free_port, prefill_rank_main
@@ -23,7 +25,7 @@ def test_idle_group_survives_its_timeout_and_exports_every_shard(tmp_path):
     make_hf_checkpoint("llama", tmp_path)
     engine = EngineConfig(model=str(tmp_path), dtype="float32", tp_size=2, num_kv_blocks=64)
     address = f"tcp://127.0.0.1:{free_port()}"
-    spec = PrefillWorkerSpec("p", engine, "nixl", torch_threads=1, tp=TPInit(0, 2, address, TIMEOUT_S))
+    spec = PrefillWorkerSpec("p", engine, "nixl", 300.0, torch_threads=1, tp=TPInit(0, 2, address, TIMEOUT_S))
     rank1_spec = dataclasses.replace(spec, tp=TPInit(1, 2, address, TIMEOUT_S))
     rank1 = mp.get_context("spawn").Process(target=prefill_rank_main, args=(rank1_spec,))
     rank1.start()
@@ -33,12 +35,20 @@ def test_idle_group_survives_its_timeout_and_exports_every_shard(tmp_path):
         assert rank1.is_alive()
         prompt = random_prompts([40], 512)[0]
         result = asyncio.run(worker.prefill(PrefillTask("r1", prompt, SamplingParams(max_tokens=4))))
-        (shard,) = result.shards
-        assert (
-            shard.descriptor.request_id == "r1" and shard.descriptor.block_ids == result.descriptor.block_ids
-        )
-        assert shard.handshake.compat.layout.tp_rank == 1
-        assert result.descriptor.checksum != shard.descriptor.checksum  # different heads, different bytes
+        own, shard = result.handoff.descriptors
+        assert shard.request_id == "r1" and shard.block_ids == own.block_ids
+        assert shard.source_worker == "p/tp1" and shard.source_incarnation != own.source_incarnation
+        assert [hs.compat.layout.tp_rank for hs in asyncio.run(worker.info()).handshakes] == [0, 1]
+        assert own.checksum != shard.checksum  # different heads, different bytes
+        assert asyncio.run(worker.stats()).exports == ("r1",)
+        confirmations = tuple(Confirmation(d.transfer_id, d.source_worker, False) for d in (own, shard))
+        asyncio.run(worker.confirm(confirmations))
+        deadline = time.monotonic() + 60
+        while (stats := asyncio.run(worker.stats())).exports:  # both ranks' leases must end
+            assert time.monotonic() < deadline, "the confirmed exports were never released"
+            time.sleep(0.01)
+        assert (stats.leases_confirmed, stats.leases_expired, stats.leases_released) == (1, 0, 0)
+        assert stats.engine.num_free_blocks == stats.engine.num_blocks
     finally:
         worker.shutdown()
         rank1.join(30)

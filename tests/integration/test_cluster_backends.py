@@ -1,0 +1,166 @@
+"""The disaggregated cluster end to end, once per KV transfer backend (nixl,
+torch_dist, ray): real Ray actors, the real gRPC router and SDK over
+localhost, a tiny random-weight model (float32). One Ray instance and one
+cluster per backend.
+
+For each backend: 32 concurrent streams equal the monolithic engine's greedy
+output; cancel and deadlines free every block; the prefill worker gives a
+request's KV up at the decode worker's pull (confirmed), not at the end of the
+request; handshakes cross once per peer pair; a restarted prefill worker is
+re-handshaken and used again."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from splitserve.client import Chunk, Client, DeadlineExceeded, Unavailable
+from splitserve.engine import Engine, EngineConfig, SamplingParams
+from tests.conftest import random_prompts
+from tests.integration.cluster_util import (
+    VOCAB,
+    kv_used,
+    live_cluster,
+    mixed_workload,
+    reference_tokens,
+    stream_all,
+    tiny_checkpoint,
+    tiny_config,
+    wait_kv_free,
+)
+
+IDLE = {"prefill-0": 0, "decode-0": 0}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["nixl", "torch_dist", "ray"])
+def cluster(request, checkpoint):
+    # A long lease: a KV export that is freed during the stream was freed by the pull's
+    # confirmation, never by the lease running out.
+    config = tiny_config(checkpoint, transfer={"backend": request.param, "lease_s": 300})
+    with live_cluster(config) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return Engine(EngineConfig(model=checkpoint, dtype="float32", num_kv_blocks=2048))
+
+
+@pytest.fixture()
+def client(cluster):
+    with Client(cluster.address, timeout=60) as c:
+        yield c
+
+
+def test_32_concurrent_streams_equal_monolithic_greedy(cluster, reference, client):
+    prompts, params = mixed_workload(32)
+    expected = reference_tokens(reference, prompts, params)
+    results = stream_all(cluster.address, prompts, params)
+    for i, ((out, _), want) in enumerate(zip(results, expected)):
+        assert out.token_ids == want, f"request {i} (prompt {len(prompts[i])} tokens) differs"
+        f = out.final
+        assert f.completion_tokens == len(want) and f.prompt_tokens == len(prompts[i])
+        assert f.finish_reason == ("length" if len(want) == params[i].max_tokens else "stop")
+        assert f.prefill_worker == "prefill-0"
+        assert len(out.times_ms) == len(want) and out.times_ms == sorted(out.times_ms)
+        if len(want) > 1:
+            assert f.decode_worker == "decode-0" and f.transfer_ms > 0
+    # Streaming, not one final blob: long outputs arrive in several chunks.
+    assert max(chunks for _, chunks in results) > 3
+    assert wait_kv_free(client) == IDLE
+
+
+def test_cancel_mid_stream_frees_every_block(client):
+    prompt = random_prompts([200], VOCAB, seed=3)[0]
+    stream = client.stream(prompt, max_tokens=800, ignore_eos=True)
+    for _ in range(3):
+        next(stream)
+    assert kv_used(client)["decode-0"] > 0  # the request holds blocks now
+    stream.close()  # the client cancels the call
+    assert wait_kv_free(client) == IDLE
+    assert client.cluster_status().inflight_requests == 0
+
+
+@pytest.mark.parametrize("how", ["timeout_ms", "grpc_deadline"])
+def test_deadline_ends_the_call_and_frees_blocks(client, how):
+    prompt = random_prompts([50], VOCAB, seed=4)[0]
+    kwargs = {"timeout_ms": 300} if how == "timeout_ms" else {"timeout": 0.3}
+    with pytest.raises(DeadlineExceeded):
+        client.generate(prompt, max_tokens=960, ignore_eos=True, **kwargs)
+    assert wait_kv_free(client) == IDLE
+
+
+def _prefill_stats(cluster):
+    (pw,) = cluster.registry.workers("prefill")
+    return cluster.run(pw.client.stats())
+
+
+def test_prefill_kv_is_freed_at_the_pull_not_at_the_end(cluster, client):
+    """A long generation: once the decode worker has pulled the KV (its first token
+    arrives), the prefill worker holds no export for the request, while the stream
+    still runs; the export ended by confirmation (not by the lease, which is 300 s,
+    nor by an abort)."""
+    before = _prefill_stats(cluster)
+    prompt = random_prompts([120], VOCAB, seed=21)[0]
+    stream = client.stream(prompt, max_tokens=600, ignore_eos=True, request_id="long-1")
+    first = [next(stream) for _ in range(2)]  # the prefill token, then the decode worker's first
+    assert all(isinstance(c, Chunk) for c in first)
+    pulled_at = time.monotonic()
+    deadline = pulled_at + 60
+    while "long-1" in (st := _prefill_stats(cluster)).exports:
+        assert time.monotonic() < deadline, "the prefill worker still holds the export"
+        time.sleep(0.01)
+    freed_after_s = time.monotonic() - pulled_at
+    item = next(stream)  # the stream is still running after the export was freed
+    assert isinstance(item, Chunk)
+    assert st.leases_confirmed == before.leases_confirmed + 1
+    assert (st.leases_expired, st.leases_released) == (before.leases_expired, before.leases_released)
+    backend = cluster.cluster.config.transfer.backend
+    print(f"{backend}: export freed {freed_after_s * 1000:.0f} ms after the pull")
+    rest = list(stream)
+    assert rest[-1].finish_reason == "length"
+    assert wait_kv_free(client) == IDLE
+
+
+def test_handshakes_cross_once_per_peer_pair(cluster, client):
+    """Many requests over one (prefill, decode) pair: the decode worker already holds
+    the prefill worker's handshakes, so no request carries them (the router links a
+    pair once per incarnation)."""
+    links = cluster.dispatcher.links
+    prompts, params = mixed_workload(8, seed=13)
+    stream_all(cluster.address, prompts, params)
+    (pw,) = cluster.registry.workers("prefill")
+    incarnations = tuple(hs.incarnation for hs in pw.handshakes)
+    assert links._linked == {("decode-0", "prefill-0"): incarnations}
+
+
+def test_a_restarted_prefill_worker_is_used_again(cluster, reference, client):
+    """Ray restarts a killed prefill worker; its KV source comes back with a new
+    incarnation, which the router notices in the next handoff and sends to the
+    decode worker. Requests in between get a clear UNAVAILABLE or succeed; none
+    hangs. The test ends with the cluster serving again, so its place in the
+    module does not matter."""
+    (pw,) = cluster.registry.workers("prefill")
+    old = tuple(hs.incarnation for hs in pw.handshakes)
+    ray.kill(pw.client.actor, no_restart=False)
+    prompt = random_prompts([40], VOCAB, seed=9)[0]
+    (want,) = reference_tokens(reference, [prompt], [SamplingParams(max_tokens=6)])
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            got = client.generate(prompt, max_tokens=6, timeout=30)
+            break
+        except Unavailable:
+            assert time.monotonic() < deadline, "the prefill worker never came back"
+            time.sleep(0.5)
+    assert got.token_ids == want and got.final.prefill_worker == "prefill-0"
+    new = tuple(hs.incarnation for hs in pw.handshakes)
+    assert new != old and cluster.dispatcher.links._linked[("decode-0", "prefill-0")] == new
+    assert wait_kv_free(client) == IDLE

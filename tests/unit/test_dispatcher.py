@@ -1,0 +1,188 @@
+"""The dispatcher without Ray: the request path against fake worker clients
+(``tests.unit.router_fakes``), whose "model" is a fixed next-token rule, so
+every output has an exact expected value.
+
+Retry of a lost prefill worker, resumption after a lost decode worker (no
+token repeated or skipped), admission limits, confirmations forwarded,
+handshakes once per peer pair, and the registry's load bookkeeping returning
+to zero after 1,000 requests with random cancels and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from splitserve.engine import InvalidRequest, Overloaded, SamplingParams
+from splitserve.router.dispatch import Dispatcher
+from splitserve.router.errors import WorkerLost
+from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
+from splitserve.router.policy import LimitsSpec
+from splitserve.router.registry import WorkerRegistry
+from tests.unit.router_fakes import VALIDATOR, FakeDecode, FakePrefill, expected_tokens
+
+
+def _cluster(prefills, decodes, **limits) -> Dispatcher:
+    registry = WorkerRegistry()
+
+    async def setup():
+        for role, fakes in (("prefill", prefills), ("decode", decodes)):
+            for fake in fakes:
+                registry.add(fake.worker_id, role, fake, 16)
+                await registry.activate(fake.worker_id)
+
+    asyncio.run(setup())
+    return Dispatcher(registry, VALIDATOR, "tiny", limits=LimitsSpec(**limits))
+
+
+async def _collect(d: Dispatcher, prompt, max_tokens=8, **kw) -> tuple[list[int], FinalEvent]:
+    tokens, final = [], None
+    inp = GenerateInput(SamplingParams(max_tokens=max_tokens), prompt=prompt, **kw)
+    async for event in d.generate(inp):
+        if isinstance(event, TokenEvent):
+            tokens.extend(event.token_ids)
+        else:
+            final = event
+    return tokens, final
+
+
+def _lost(task):
+    raise WorkerLost("the actor died")
+
+
+def test_lost_prefill_worker_is_retried_on_another():
+    p0, p1 = FakePrefill("p0", fail=_lost), FakePrefill("p1")
+    d = _cluster([p0, p1], [FakeDecode("d0")])
+    prompt = [5, 6, 7]
+    tokens, final = asyncio.run(_collect(d, prompt))
+    assert len(p0.calls) == 1 and len(p1.calls) == 1  # p0 (first of two idle ones) lost it; p1 served it
+    assert tokens == expected_tokens(prompt, 8)
+    assert final.prefill_worker == "p1" and final.decode_worker == "d0"
+
+
+def test_lost_decode_worker_mid_stream_resumes_elsewhere_without_repeating():
+    d0, d1 = FakeDecode("d0", batch=2, lose_after=4), FakeDecode("d1")
+    d = _cluster([FakePrefill("p0")], [d0, d1])
+    d.registry.get("d1").decoding["other"] = 10**6  # d0 looks emptier: it is chosen first
+    d.registry.get("d1").unpolled.add("other")
+    prompt = [1, 2, 3, 4]
+    tokens, final = asyncio.run(_collect(d, prompt, max_tokens=10))
+    assert tokens == expected_tokens(prompt, 10)  # nothing repeated, nothing skipped
+    assert final.decode_worker == "d1" and final.completion_tokens == 10
+    (resumed,) = d1.calls
+    sent = expected_tokens(prompt, 5)  # the prefill token and d0's two batches
+    assert resumed.prompt_token_ids == prompt + sent and resumed.handoff is None
+    assert resumed.params.max_tokens == 5
+    assert d0.aborted == [final_id := resumed.request_id] and final_id in d1.aborted
+
+
+def test_no_worker_and_lost_twice_fail_clearly():
+    d = _cluster([FakePrefill("p0", fail=_lost)], [FakeDecode("d0")])
+    with pytest.raises(WorkerLost, match="no prefill worker"):
+        asyncio.run(_collect(d, [1, 2]))
+    d = _cluster([FakePrefill("p0")], [FakeDecode("d0", lose_after=1)])
+    with pytest.raises(WorkerLost):  # the only decode worker is lost: nowhere to resume
+        asyncio.run(_collect(d, [1, 2]))
+
+
+def test_admission_limits():
+    d = _cluster([FakePrefill("p0", delay_s=0.05)], [FakeDecode("d0")], max_inflight_requests=2)
+
+    async def run():
+        first = [asyncio.ensure_future(_collect(d, [i, 1])) for i in range(2)]
+        await asyncio.sleep(0.01)  # both admitted, prefilling
+        assert len(d.inflight) == 2
+        with pytest.raises(Overloaded, match="capacity"):
+            await _collect(d, [9, 9])
+        await asyncio.gather(*first)
+        assert await _collect(d, [9, 9])  # room again
+
+    asyncio.run(run())
+    d = _cluster([FakePrefill("p0", delay_s=0.05)], [FakeDecode("d0")], max_queued_prompt_tokens=100)
+
+    async def queued():
+        busy = asyncio.ensure_future(_collect(d, list(range(80))))
+        await asyncio.sleep(0.01)
+        assert d.registry.get("p0").queued_prompt_tokens == 80
+        with pytest.raises(Overloaded, match="prefill queues are full"):
+            await _collect(d, list(range(30)))
+        await busy
+
+    asyncio.run(queued())
+    with pytest.raises(InvalidRequest, match="unknown model"):
+        asyncio.run(_collect(d, [1], model="gpt-5"))
+
+
+def test_confirmations_reach_the_prefill_worker():
+    p0 = FakePrefill("p0")
+    d = _cluster([p0], [FakeDecode("d0")])
+    asyncio.run(_collect(d, [3, 3, 3]))
+    (conf,) = p0.confirmed
+    assert conf.source_worker == "p0" and conf.transfer_id.endswith(":t")
+
+
+def test_handshakes_once_per_pair_and_again_after_a_restart():
+    p0, d0 = FakePrefill("p0"), FakeDecode("d0")
+    d = _cluster([p0], [d0])
+
+    async def run(n):
+        for i in range(n):
+            await _collect(d, [i, 2, 3], max_tokens=3)
+
+    asyncio.run(run(10))
+    assert d0.connect_calls == 1 and p0.info_calls == 1  # info: once, when the worker joined
+    p0.restart()  # a new incarnation: the registry asks it again, the decode worker is linked again
+    asyncio.run(run(5))
+    assert d0.connect_calls == 2 and p0.info_calls == 2
+    d0.restart()  # the decode worker lost its handshakes: it says so, the router links again
+    tokens, _ = asyncio.run(_collect(d, [4, 4], max_tokens=5))
+    assert tokens == expected_tokens([4, 4], 5) and d0.connect_calls == 3
+
+
+def test_reservations_return_to_zero_after_1000_requests_with_cancels_and_errors():
+    rng = random.Random(0)
+
+    def flaky_prefill(task):
+        if rng.random() < 0.05:
+            raise WorkerLost("flaky prefill")
+
+    def flaky_decode(task):
+        if rng.random() < 0.05:
+            raise RuntimeError("a bug in the decode worker")
+
+    prefills = [FakePrefill(f"p{i}", fail=flaky_prefill) for i in range(2)]
+    decodes = [FakeDecode(f"d{i}", fail=flaky_decode, step_s=0.0005) for i in range(2)]
+    decodes.append(FakeDecode("d2", lose_after=2, step_s=0.0005))
+    d = _cluster(prefills, decodes, max_inflight_requests=10_000)
+    outcomes = {"ok": 0, "cancelled": 0, "error": 0, "timeout": 0}
+
+    async def one(i):
+        prompt = [rng.randrange(1000) for _ in range(rng.randrange(1, 40))]
+        timeout = 0.002 if i % 17 == 0 else None
+        task = asyncio.ensure_future(_collect(d, prompt, max_tokens=rng.randrange(1, 12), timeout_s=timeout))
+        if i % 7 == 0:
+            await asyncio.sleep(rng.random() * 0.003)
+            task.cancel()
+        try:
+            tokens, final = await task
+            assert tokens == expected_tokens(prompt, final.completion_tokens)
+            outcomes["ok"] += 1
+        except asyncio.CancelledError:
+            outcomes["cancelled"] += 1
+        except Exception as e:
+            outcomes["timeout" if "did not finish" in str(e) else "error"] += 1
+
+    async def run():
+        for start in range(0, 1000, 50):
+            await asyncio.gather(*(one(i) for i in range(start, start + 50)))
+            if start % 200 == 0:
+                await d.registry.poll()  # polls interleave with requests in flight
+        await asyncio.sleep(0.05)  # background aborts and confirmations finish
+
+    asyncio.run(run())
+    assert sum(outcomes.values()) == 1000 and min(outcomes.values()) > 0, outcomes
+    assert d.inflight == {}
+    for w in d.registry.workers():
+        assert (w.prefilling, w.decoding, w.unpolled) == ({}, {}, set()), w.worker_id
+        assert (w.queued_prompt_tokens, w.active, w.reserved_tokens) == (0, 0, 0)
