@@ -1,7 +1,8 @@
 """splitserve.kv_transfer: ship a finished KV cache from a prefill to a decode worker.
 
 The contract (records, lifecycle, who frees what) is in ``contract``; the two
-sides every backend implements are in ``base``. Backends are registered by
+sides every backend implements are ``source.KVSource`` (prefill) and
+``sink.KVSink`` (decode). Backends are registered by
 name and imported only when chosen, and ``KVSource``/``KVSink`` on first use,
 so the records and errors load without torch::
 
@@ -50,7 +51,8 @@ from splitserve.kv_transfer.errors import (
 )
 
 if TYPE_CHECKING:  # imported on first use: they load torch
-    from splitserve.kv_transfer.base import KVSink, KVSource
+    from splitserve.kv_transfer.sink import KVSink
+    from splitserve.kv_transfer.source import KVSource
 
 # name -> (module, source class, sink class); imported lazily so an optional
 # library (nixl, ray) is loaded only by the worker that chose it.
@@ -84,10 +86,14 @@ def get_backend(name: str) -> Backend:
 
 
 def __getattr__(name: str):
-    if name in ("KVSink", "KVSource"):  # importing this package must not load torch
-        from splitserve.kv_transfer import base
+    if name == "KVSource":  # imported on first use: importing this package must not load torch
+        from splitserve.kv_transfer.source import KVSource
 
-        return getattr(base, name)
+        return KVSource
+    if name == "KVSink":
+        from splitserve.kv_transfer.sink import KVSink
+
+        return KVSink
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

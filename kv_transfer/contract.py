@@ -67,8 +67,10 @@ worker keeps the handshakes it was given by the source's worker id and
 incarnation, and a ``KVHandoff`` from an incarnation it holds no handshake for
 is refused with ``HandshakeRequired`` before any block is allocated (the
 router then sends the current handshakes and retries); a descriptor from an
-incarnation older than the handshake held fails with ``PeerLost``. Workers of different TP sizes meet through ``tp_mapping``, which
-pulls each source shard into a staging cache of exactly that shard's layout.
+incarnation older than the handshake held fails with ``PeerLost``.
+
+Workers of different TP sizes meet through ``tp_mapping``, which pulls each
+source shard into a staging cache of exactly that shard's layout.
 """
 
 from __future__ import annotations

@@ -11,6 +11,18 @@ from __future__ import annotations
 import torch
 import xxhash
 
+from splitserve.kv_transfer.contract import CompatInfo
+
+
+def check_cache(cache: torch.Tensor, compat: CompatInfo) -> None:
+    """Raise ``ValueError`` unless ``cache`` is contiguous and laid out as ``compat`` says."""
+    lay = compat.layout
+    expected = (lay.num_layers, 2, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+    if tuple(cache.shape) != expected or str(cache.dtype) != f"torch.{lay.dtype}":
+        raise ValueError(f"KV cache {tuple(cache.shape)} {cache.dtype} does not match layout {lay}")
+    if not cache.is_contiguous():
+        raise ValueError("the KV cache tensor must be contiguous")
+
 
 def runs(block_ids: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
     """Maximal runs of consecutive ids as (first id, length): [3,4,5,9] -> [(3,3),(9,1)]."""

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.kv_layout import KVLayout
-from splitserve.kv_transfer.base import KVSink
 from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVDescriptor
 from splitserve.kv_transfer.errors import IncompatiblePeer, PeerLost
+from splitserve.kv_transfer.sink import KVSink
 
 # Fields that differ between the shards of one model's KV cache under different TP.
 _SHARD_FIELDS = ("num_blocks", "num_kv_heads", "tp_size", "tp_rank")

@@ -11,10 +11,11 @@ import time
 
 import torch
 
-from splitserve.kv_transfer.base import KVSink, KVSource
 from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
 from splitserve.kv_transfer.errors import LeaseExpired, PeerLost, TransferTimeout
 from splitserve.kv_transfer.integrity import paired_runs
+from splitserve.kv_transfer.sink import KVSink
+from splitserve.kv_transfer.source import KVSource
 
 
 class LocalHub:

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitserve.kv_transfer.base import KVSink, KVSource
 from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
 from splitserve.kv_transfer.errors import KVTransferError, PeerLost, TransferTimeout
 from splitserve.kv_transfer.integrity import paired_runs
+from splitserve.kv_transfer.sink import KVSink
+from splitserve.kv_transfer.source import KVSource
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,10 @@ import warnings
 
 import torch
 
-from splitserve.kv_transfer.base import KVSink, KVSource
 from splitserve.kv_transfer.contract import CompatInfo, KVDescriptor
 from splitserve.kv_transfer.errors import PeerLost, TransferTimeout
+from splitserve.kv_transfer.sink import KVSink
+from splitserve.kv_transfer.source import KVSource
 
 
 class RaySource(KVSource):

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from splitserve.kv_transfer.base import KVSink, KVSource
 from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
 from splitserve.kv_transfer.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
+from splitserve.kv_transfer.sink import KVSink
+from splitserve.kv_transfer.source import KVSource
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,159 @@
+"""``KVSource``: the prefill side of a transfer. Exports blocks, holds them under
+leases, serves reads, and reports every lease that ended (see
+``kv_transfer.contract`` for the lifecycle and who frees what). Not
+thread-safe: one thread at a time drives a source."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.kv_transfer.contract import (
+    PROTOCOL_VERSION,
+    CompatInfo,
+    Handshake,
+    KVDescriptor,
+    LeaseEnd,
+    TransferState,
+    check_transition,
+)
+from splitserve.kv_transfer.integrity import check_cache, checksum
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Export:
+    descriptor: KVDescriptor
+    state: TransferState
+    confirmations_left: int = 1
+
+
+class KVSource:
+    """Prefill side: exports blocks, holds them under leases, serves reads.
+
+    Subclasses implement ``_publish`` (make a transfer readable; may return a
+    descriptor payload), ``_unpublish`` and ``_progress`` (drive the backend and
+    return the transfer ids confirmed through its channel)."""
+
+    backend = ""
+
+    def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = 30.0):
+        check_cache(cache, compat)
+        if lease_s <= 0:
+            raise ValueError("lease_s must be positive")
+        self.worker_id = worker_id
+        self.incarnation = uuid.uuid4().hex
+        self.cache = cache
+        self.compat = compat
+        self.lease_s = lease_s
+        self._exports: dict[str, _Export] = {}
+        self._ended: list[LeaseEnd] = []
+
+    # ---- control plane ------------------------------------------------------
+    def handshake(self) -> Handshake:
+        return Handshake(
+            PROTOCOL_VERSION, self.backend, self.worker_id, self.incarnation, self.compat, self._payload()
+        )
+
+    def export(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        lease_s: float | None = None,
+        readers: int = 1,
+    ) -> KVDescriptor:
+        """Hash the blocks, start a lease, make them readable. The caller must not
+        write to or free ``block_ids`` until ``poll`` returns this transfer's ``LeaseEnd``.
+        The lease is confirmed once ``readers`` sinks have each confirmed it (more than
+        one when decode ranks of a larger TP group each take some of its KV heads)."""
+        if not block_ids:
+            raise ValueError("nothing to export: no blocks")
+        if readers < 1:
+            raise ValueError("readers must be >= 1")
+        transfer_id = f"{request_id}:{uuid.uuid4().hex[:12]}"
+        desc = KVDescriptor(
+            transfer_id=transfer_id,
+            request_id=request_id,
+            backend=self.backend,
+            source_worker=self.worker_id,
+            source_incarnation=self.incarnation,
+            compat_hash=self.compat.hash,
+            block_ids=tuple(block_ids),
+            num_tokens=num_tokens,
+            num_bytes=2 * self.compat.layout.num_layers * self.compat.layout.block_bytes * len(block_ids),
+            checksum=checksum(self.cache, block_ids),
+            lease_expiry=time.time() + (self.lease_s if lease_s is None else lease_s),
+        )
+        payload = self._publish(desc)
+        if payload is not None:
+            desc = dataclasses.replace(desc, payload=payload)
+        self._exports[transfer_id] = _Export(desc, check_transition(None, TransferState.EXPORTED), readers)
+        return desc
+
+    def confirm(self, transfer_id: str) -> None:
+        """A sink holds a verified copy; the lease ends with the last of the export's
+        ``readers`` (with one reader, idempotent; a no-op once the lease ended)."""
+        exp = self._exports.get(transfer_id)
+        if exp is None:
+            return
+        exp.confirmations_left -= 1
+        if exp.confirmations_left <= 0:
+            self._end(transfer_id, TransferState.CONFIRMED)
+
+    def release(self, transfer_id: str) -> None:
+        """Give an export up (request cancelled): stop serving it, end its lease."""
+        self._end(transfer_id, TransferState.RELEASED)
+
+    def poll(self) -> list[LeaseEnd]:
+        """Drive the backend; return every export whose lease ended since the last call.
+        The caller releases those blocks in its engine."""
+        for transfer_id in self._progress():
+            self.confirm(transfer_id)
+        now = time.time()
+        for tid, exp in list(self._exports.items()):
+            if exp.descriptor.lease_expiry <= now:
+                log.warning("KV lease of %s expired unconfirmed; releasing its blocks", tid)
+                self._end(tid, TransferState.EXPIRED)
+        ended, self._ended = self._ended, []
+        return ended
+
+    @property
+    def num_exported(self) -> int:
+        return len(self._exports)
+
+    def close(self) -> None:
+        """Stop serving; leases that are still open are returned by no later poll."""
+        self._exports.clear()
+
+    # ---- internals ------------------------------------------------------------
+    def _end(self, transfer_id: str, state: TransferState) -> None:
+        exp = self._exports.pop(transfer_id, None)
+        if exp is None:
+            return
+        exp.state = check_transition(exp.state, state)
+        self._unpublish(exp.descriptor)
+        d = exp.descriptor
+        self._ended.append(LeaseEnd(d.transfer_id, d.request_id, d.block_ids, state))
+
+    def _is_live(self, transfer_id: str) -> bool:
+        exp = self._exports.get(transfer_id)
+        return exp is not None and exp.descriptor.lease_expiry > time.time()
+
+    def _payload(self) -> object:
+        return None
+
+    def _publish(self, desc: KVDescriptor) -> object:
+        return None
+
+    def _unpublish(self, desc: KVDescriptor) -> None:
+        pass
+
+    def _progress(self) -> list[str]:
+        return []
