@@ -14,17 +14,13 @@ from splitserve.decode_worker.api import (
     DecodeWorkerSpec,
     TokenBatch,
 )
+from splitserve.engine.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from splitserve.decode_worker.worker import DecodeWorker
 
 
-def __getattr__(name: str):
-    if name == "DecodeWorker":
-        from splitserve.decode_worker.worker import DecodeWorker
-
-        return DecodeWorker
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, {"DecodeWorker": "worker"})
 
 
 __all__ = ["DecodeStats", "DecodeTask", "DecodeWorker", "DecodeWorkerInfo", "DecodeWorkerSpec", "TokenBatch"]

@@ -7,8 +7,9 @@ plain-data types (``SamplingParams``, ``FinishReason``, the errors,
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from splitserve.engine.lazy import lazy_attributes
 
 _EXPORTS = {
     "CompletionOutput": "outputs",
@@ -51,12 +52,7 @@ if TYPE_CHECKING:
     from splitserve.engine.validation import RequestValidator
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _EXPORTS)
 
 
 __all__ = [

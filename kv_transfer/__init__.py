@@ -29,6 +29,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from splitserve.engine.lazy import lazy_attributes
 from splitserve.kv_transfer.contract import (
     PROTOCOL_VERSION,
     CompatInfo,
@@ -85,16 +86,8 @@ def get_backend(name: str) -> Backend:
     return Backend(name, getattr(mod, source), getattr(mod, sink))
 
 
-def __getattr__(name: str):
-    if name == "KVSource":  # imported on first use: importing this package must not load torch
-        from splitserve.kv_transfer.source import KVSource
-
-        return KVSource
-    if name == "KVSink":
-        from splitserve.kv_transfer.sink import KVSink
-
-        return KVSink
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Imported on first use: importing this package must not load torch.
+__getattr__ = lazy_attributes(__name__, {"KVSink": "sink", "KVSource": "source"})
 
 
 __all__ = [

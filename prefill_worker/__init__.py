@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from splitserve.engine.lazy import lazy_attributes
 from splitserve.prefill_worker.api import (
     PrefillResult,
     PrefillStats,
@@ -19,12 +20,7 @@ if TYPE_CHECKING:
     from splitserve.prefill_worker.worker import PrefillWorker
 
 
-def __getattr__(name: str):
-    if name == "PrefillWorker":
-        from splitserve.prefill_worker.worker import PrefillWorker
-
-        return PrefillWorker
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, {"PrefillWorker": "worker"})
 
 
 __all__ = [

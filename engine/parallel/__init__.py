@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from splitserve.engine.lazy import lazy_attributes
 
 _EXPORTS = {"TPGroup": "group", "TPInit": "tp_init", "check_tp_compatible": "layers", "shard_model": "layers"}
 
@@ -14,12 +15,7 @@ if TYPE_CHECKING:
     from splitserve.engine.parallel.tp_init import TPInit
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _EXPORTS)
 
 
 __all__ = [
