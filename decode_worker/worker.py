@@ -160,8 +160,7 @@ class DecodeWorker:
             self._streams.pop(rid, None)
             self._states.pop(rid, None)
             if not finished:
-                self.loop.call(lambda e: e.abort(rid))
-                self._wake_admission()
+                self._abort_in_engine(rid)
 
     async def abort(self, request_id: str) -> bool:
         """Stop ``request_id`` and free its blocks. Idempotent. Its ``generate`` stream
@@ -170,9 +169,7 @@ class DecodeWorker:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.push(_ABORTED)
-        aborted = await self._call(lambda e: e.abort(request_id))
-        self._wake_admission()
-        return aborted
+        return await asyncio.wrap_future(self._abort_in_engine(request_id))
 
     async def stats(self) -> DecodeStats:
         engine = await self._call(lambda e: e.stats())
@@ -207,9 +204,13 @@ class DecodeWorker:
                 f"{handoff.source_worker}"
             )
 
-    def _wake_admission(self) -> None:
+    def _abort_in_engine(self, request_id: str):
+        """Abort on the engine thread; once its blocks are free, the admission queue's
+        head is offered them. Returns the engine call's future."""
+        future = self.loop.call(lambda e: e.abort(request_id))
         if self._admission is not None:
-            self._admission.wake()
+            future.add_done_callback(lambda _: self._admission.wake_threadsafe())
+        return future
 
     async def _import(
         self, task: DecodeTask, deadline: float | None

@@ -147,6 +147,8 @@ class Dispatcher:
                     raise
                 log.warning("decode worker lost during %s; continuing on %s", req.request_id, dw.worker_id)
                 task = self._resume_task(req)
+                if prefill is not None:  # the resumed task prefills again: free the export now
+                    self._in_background(prefill.client.abort(req.request_id))
 
     async def _prefill(self, req: RequestState) -> PrefillResult:
         tried: set[str] = set()

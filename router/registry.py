@@ -22,7 +22,8 @@ Router load is derived, never counted up and down: a worker's queued prompt
 tokens and active requests are sums over the requests the dispatcher holds
 open on it (``prefilling``/``decoding`` context managers, which always end),
 and its decode reservations are the requests sent since the last poll began
-(the poll's free-block count includes the rest). Nothing can drift.
+(a poll that began later is taken to count their blocks in its free count).
+Nothing can drift.
 
 One asyncio loop owns the registry (the router's); it is not thread-safe.
 """
