@@ -18,47 +18,31 @@ The two halves disaggregated serving needs:
   ``kv_cache.tensor``) and calls ``activate(id)`` to start decoding, or
   ``abort(id)`` to give the blocks back. ``add_request_from_kv`` does all three.
 
-Every public method validates first (``validate_request`` is the one place
-requests are checked) and raises ``InvalidRequest`` (a ``ValueError``) before
-touching any state, so bad input never leaks blocks.
+Building the parts (model, KV cache, scheduler, runner) is ``engine.build``;
+this module is the request lifecycle. Every public method validates first
+(``validate_request`` is the one place requests are checked) and raises
+``InvalidRequest`` (a ``ValueError``) before touching any state, so bad input
+never leaks blocks.
 Not thread-safe: one thread drives an engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from splitserve.engine.attention import get_backend
-from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.build import build_engine
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.errors import InvalidRequest, Overloaded, UnknownRequest
-from splitserve.engine.kv_cache import KVCache, KVLayout
-from splitserve.engine.model.config import ModelConfig
-from splitserve.engine.model.loader import (
-    build_model,
-    checkpoint_weights,
-    load_hf_config,
-    resolve_source,
-)
-from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionOutput, EngineStats, PrefilledRequest, RequestOutput
-from splitserve.engine.parallel import TPGroup, check_tp_compatible
+from splitserve.engine.parallel import TPGroup
 from splitserve.engine.request_state import RequestState
-from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.engine.validation import RequestValidator
-
-log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -81,92 +65,19 @@ class Engine:
             raise ValueError(f"config.tp_size is {config.tp_size} but the TP group has {tp.size} ranks")
         self.tp = tp
         self.config = config
-        self.device = config.resolve_device()
-        self.dtype = config.resolve_dtype(self.device)
-        source = None
-        if hf_config is None:
-            source = resolve_source(config.model)
-            hf_config = load_hf_config(source)
-        self.model_config = ModelConfig.from_hf(hf_config)
-        mc = self.model_config
-        check_tp_compatible(mc, tp.size)
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
-        weights = None if (config.random_weights or source is None) else checkpoint_weights(source)
-        self.model = build_model(
-            mc,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            weights,
-            config.seed,
-            config.native_kernels,
-            config.quantization,
-            tp,
-        )
-        if tokenizer is None and config.tokenizer:
-            tokenizer = Tokenizer.from_source(config.tokenizer)
-        elif tokenizer is None and source is not None and source.has_tokenizer:
-            tokenizer = Tokenizer.from_source(str(source.directory))
-        self.tokenizer = tokenizer
-        self.eos_token_ids = set(mc.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(tokenizer.eos_token_id)
-
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        layout = KVLayout(
-            mc.num_layers,
-            0,
-            config.block_size,
-            mc.num_kv_heads // tp.size,
-            mc.head_dim,
-            dtype_name,
-            tp_size=tp.size,
-            tp_rank=tp.rank,
-        )
-        per_block = 2 * mc.num_layers * layout.block_bytes
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mib * 2**20 // per_block)
-        layout = dataclasses.replace(layout, num_blocks=num_blocks)
-        self.kv_cache = KVCache(layout, self.device)
-        backend = get_backend(config.attention_backend, self.device, config.native_kernels)
-        graphs = None
-        if config.cuda_graphs:
-            graphs = DecodeGraphs.for_engine(
-                self.model, self.kv_cache, backend, config.max_num_seqs, self.max_model_len, tp.size
-            )
-            num_blocks = graphs.scratch_block  # the last block is the padding rows' scratch space
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_cache,
-            backend,
-            Sampler(config.seed),
-            self.device,
-            tp,
-            graphs,
-        )
+        parts = build_engine(config, hf_config, tokenizer, tp)
+        self.device, self.dtype = parts.device, parts.dtype
+        self.model_config = parts.model_config
+        self.max_model_len = parts.max_model_len
+        self.model = parts.model
+        self.tokenizer = parts.tokenizer
+        self.eos_token_ids = parts.eos_token_ids
+        self.kv_cache = parts.kv_cache
+        self.block_manager = parts.block_manager
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.validator = parts.validator
         self.requests: dict[str, RequestState] = {}
-        self.validator = RequestValidator(
-            model=config.model,
-            vocab_size=mc.vocab_size,
-            max_model_len=self.max_model_len,
-            max_kv_tokens=num_blocks * config.block_size,
-            tokenizer=tokenizer,
-        )
-        log.info(
-            "engine ready: %s, %s%s on %s (TP rank %d of %d), %d KV blocks of %d tokens, attention %s",
-            mc.model_type,
-            self.dtype,
-            "" if config.quantization == "none" else f" with {config.quantization} linears",
-            self.device,
-            tp.rank,
-            tp.size,
-            num_blocks,
-            config.block_size,
-            self.runner.backend.name,
-        )
 
     # ---- requests ----------------------------------------------------------
     def add_request(

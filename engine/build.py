@@ -1,0 +1,145 @@
+"""Building an engine's parts from its config: the model (loaded or random),
+the tokenizer, the paged KV cache sized from the memory budget, the block
+manager, scheduler, model runner and request validator. ``Engine`` (the
+request lifecycle) holds what this returns."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.attention import get_backend
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.cuda_graphs import DecodeGraphs
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_layout import KVLayout
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.loader import build_model, checkpoint_weights, load_hf_config, resolve_source
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.parallel import TPGroup, check_tp_compatible
+from splitserve.engine.sampler import Sampler
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.validation import RequestValidator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    device: torch.device
+    dtype: torch.dtype
+    model_config: ModelConfig
+    max_model_len: int
+    model: torch.nn.Module
+    tokenizer: Tokenizer | None
+    eos_token_ids: set[int]
+    kv_cache: KVCache
+    block_manager: BlockManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    validator: RequestValidator
+
+
+def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, tp: TPGroup) -> EngineParts:
+    """Load the model named by ``config`` (or build ``hf_config`` with random weights)
+    as this rank's shard, and allocate the KV cache and the bookkeeping around it."""
+    device = config.resolve_device()
+    dtype = config.resolve_dtype(device)
+    source = None
+    if hf_config is None:
+        source = resolve_source(config.model)
+        hf_config = load_hf_config(source)
+    mc = ModelConfig.from_hf(hf_config)
+    check_tp_compatible(mc, tp.size)
+    max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    weights = None if (config.random_weights or source is None) else checkpoint_weights(source)
+    model = build_model(
+        mc,
+        dtype,
+        device,
+        max_model_len,
+        weights,
+        config.seed,
+        config.native_kernels,
+        config.quantization,
+        tp,
+    )
+    if tokenizer is None and config.tokenizer:
+        tokenizer = Tokenizer.from_source(config.tokenizer)
+    elif tokenizer is None and source is not None and source.has_tokenizer:
+        tokenizer = Tokenizer.from_source(str(source.directory))
+    eos_token_ids = set(mc.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos_token_ids.add(tokenizer.eos_token_id)
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    layout = KVLayout(
+        mc.num_layers,
+        0,
+        config.block_size,
+        mc.num_kv_heads // tp.size,
+        mc.head_dim,
+        dtype_name,
+        tp_size=tp.size,
+        tp_rank=tp.rank,
+    )
+    per_block = 2 * mc.num_layers * layout.block_bytes
+    num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mib * 2**20 // per_block)
+    layout = dataclasses.replace(layout, num_blocks=num_blocks)
+    kv_cache = KVCache(layout, device)
+    backend = get_backend(config.attention_backend, device, config.native_kernels)
+    graphs = None
+    if config.cuda_graphs:
+        graphs = DecodeGraphs.for_engine(
+            model, kv_cache, backend, config.max_num_seqs, max_model_len, tp.size
+        )
+        num_blocks = graphs.scratch_block  # the last block is the padding rows' scratch space
+    block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    scheduler = Scheduler(block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+    runner = ModelRunner(
+        model,
+        kv_cache,
+        backend,
+        Sampler(config.seed),
+        device,
+        tp,
+        graphs,
+    )
+    validator = RequestValidator(
+        model=config.model,
+        vocab_size=mc.vocab_size,
+        max_model_len=max_model_len,
+        max_kv_tokens=num_blocks * config.block_size,
+        tokenizer=tokenizer,
+    )
+    log.info(
+        "engine ready: %s, %s%s on %s (TP rank %d of %d), %d KV blocks of %d tokens, attention %s",
+        mc.model_type,
+        dtype,
+        "" if config.quantization == "none" else f" with {config.quantization} linears",
+        device,
+        tp.rank,
+        tp.size,
+        num_blocks,
+        config.block_size,
+        runner.backend.name,
+    )
+    return EngineParts(
+        device=device,
+        dtype=dtype,
+        model_config=mc,
+        max_model_len=max_model_len,
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids,
+        kv_cache=kv_cache,
+        block_manager=block_manager,
+        scheduler=scheduler,
+        runner=runner,
+        validator=validator,
+    )
