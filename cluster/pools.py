@@ -118,11 +118,12 @@ class WorkerPool:
             raise
 
     async def remove(self, worker_id: str, drain_timeout_s: float = 60.0) -> None:
-        """Drain ``worker_id`` (no new requests; in-flight ones finish), then kill it."""
+        """Drain ``worker_id`` (no new requests; in-flight ones finish, and a prefill
+        worker's exports are pulled), then kill it."""
         record = self.registry.get(worker_id)
         self.registry.drain(worker_id)
         deadline = time.monotonic() + drain_timeout_s
-        while record.active > 0 and time.monotonic() < deadline:
+        while record.holds_work and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self._kill(self._members[worker_id])
 

@@ -122,8 +122,9 @@ class Dispatcher:
         if dw is None:
             raise WorkerLost("no decode worker is available")
         local = self.colocated or n < self.policy.local_prefill_below_tokens
-        result: PrefillResult | None = None
-        task = DecodeTask(req.request_id, req.prompt_ids, req.params, req.remaining())
+        prefill: WorkerRecord | None = None
+        first: list[int] = []
+        handoff = None
         if not local:
             result = await self._prefill(req)
             req.cached = result.num_cached_tokens
@@ -132,8 +133,10 @@ class Dispatcher:
             if result.finish_reason is not None:
                 yield self._final(req, result.finish_reason, result.worker_id, "")
                 return
-            task = dataclasses.replace(task, output_token_ids=first, handoff=result.handoff)
-        prefill = self.registry.get(result.worker_id) if result else None
+            prefill, handoff = self.registry.get(result.worker_id), result.handoff
+        task = DecodeTask(req.request_id, req.prompt_ids, req.params, req.remaining(), first, handoff)
+        if handoff is not None and prefill is None:  # the prefill worker left the cluster meanwhile
+            task = self._resume_task(req)
         for attempt in range(2):
             try:
                 async for event in self._decode(req, dw, task, prefill):

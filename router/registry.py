@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from splitserve.kv_transfer.contract import Handshake
 from splitserve.kv_transfer.errors import PeerLost
-from splitserve.prefill_worker.api import PrefillWorkerInfo
+from splitserve.prefill_worker.api import PrefillStats, PrefillWorkerInfo
 from splitserve.router.errors import WorkerLost
 from splitserve.router.workers import WorkerClient, WorkerStats
 
@@ -82,6 +82,11 @@ class WorkerRecord:
     def active(self) -> int:
         """Requests this worker holds for the router (prefilling or streaming)."""
         return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def holds_work(self) -> bool:
+        """Requests open on it, or (as last polled) KV exports a decode worker may still pull."""
+        return self.active > 0 or bool(isinstance(self.stats, PrefillStats) and self.stats.exports)
 
     @property
     def reserved_tokens(self) -> int:

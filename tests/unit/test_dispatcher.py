@@ -186,3 +186,24 @@ def test_reservations_return_to_zero_after_1000_requests_with_cancels_and_errors
     for w in d.registry.workers():
         assert (w.prefilling, w.decoding, w.unpolled) == ({}, {}, set()), w.worker_id
         assert (w.queued_prompt_tokens, w.active, w.reserved_tokens) == (0, 0, 0)
+
+
+def test_a_prefill_worker_that_left_before_the_handover_is_not_relied_on():
+    """Removed from the cluster between its answer and the decode call: its KV may be
+    gone, so the decode worker prefills prompt + first token itself."""
+    p0, d0 = FakePrefill("p0", delay_s=0.01), FakeDecode("d0")
+    d = _cluster([p0], [d0])
+    prompt = [7, 7, 7]
+
+    async def run():
+        request = asyncio.ensure_future(_collect(d, prompt, max_tokens=6))
+        while not p0.calls:  # the prefill has started
+            await asyncio.sleep(0)
+        d.registry.remove("p0")
+        return await request
+
+    tokens, final = asyncio.run(run())
+    assert tokens == expected_tokens(prompt, 6)
+    (task,) = d0.calls
+    assert task.handoff is None and task.prompt_token_ids == prompt + tokens[:1]
+    assert d0.connect_calls == 0
