@@ -8,7 +8,7 @@ through a registry method::
     ---------------------------------   -------------------------------------------
     state (membership)                  the pools: add, activate, drain, remove
     alive, stats, error                 poll() (the router's poller, status calls)
-    handshakes (prefill)                activate (from info), refresh_handshakes
+    handshakes (prefill)                activate (from info), handshakes_for (after a restart)
     prefilling / decoding / unpolled    the dispatcher: prefilling(), decoding()
 
 A worker's lifecycle::
@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -42,8 +41,6 @@ from splitserve.kv_transfer.errors import PeerLost
 from splitserve.prefill_worker.api import PrefillStats, PrefillWorkerInfo
 from splitserve.router.errors import WorkerLost
 from splitserve.router.workers import WorkerClient, WorkerStats
-
-log = logging.getLogger(__name__)
 
 
 class Membership(enum.Enum):
