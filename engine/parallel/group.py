@@ -86,5 +86,9 @@ class TPGroup:
         return self.rank * per, (self.rank + 1) * per
 
     def destroy(self) -> None:
+        """Leave the group. Drops this object's references to the process groups too,
+        so their C++ objects (and gloo's threads) end now rather than during
+        interpreter shutdown, which can abort the process."""
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+        self._device_group = self._cpu_group = None

@@ -36,6 +36,14 @@ def _join(job: RankJob) -> tuple[TPGroup, Engine]:
     return group, Engine(job.config, tp=group)
 
 
+def _leave(group: TPGroup) -> None:
+    """Meet every rank once more, then tear the group down: no rank closes its gloo
+    pairs while another is still inside the last collective (which can abort the
+    process at exit)."""
+    group.gather_object(None)
+    group.destroy()
+
+
 def generate_rank(job: RankJob, out) -> None:
     """Rank 0 generates and puts the token ids; the others put how many steps they followed."""
     group, engine = _join(job)
@@ -46,6 +54,7 @@ def generate_rank(job: RankJob, out) -> None:
             out.put(("tokens", [c.token_ids for c in done]))
         else:
             out.put(("steps", engine.follow()))
+        _leave(group)
     finally:
         group.destroy()
 
@@ -62,6 +71,7 @@ def logits_rank(job: RankJob, out) -> None:
             out.put(logits)
         else:
             engine.follow()
+        _leave(group)
     finally:
         group.destroy()
 
@@ -102,6 +112,7 @@ def prefill_export_rank(job: RankJob, backend: str, out, done) -> None:
         out.put(ExportedShard(job.rank, source.handshake(), descs, prompts, firsts))
         while not done.wait(0.005):
             source.poll()
+        _leave(group)
     finally:
         source.close()
         group.destroy()
