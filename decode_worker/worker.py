@@ -67,18 +67,17 @@ _ABORTED = object()  # pushed into a stream by abort()
 
 
 class _Stream:
-    """One request's outputs, handed from the engine thread to its generator."""
+    """One request's outputs, on the actor's event loop, for its generator."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
+    def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
-
-    def push(self, item: object) -> None:  # any thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def next_items(self, timeout: float | None) -> list:
         """Everything queued, waiting up to ``timeout`` for the first item."""
-        items = [await asyncio.wait_for(self.queue.get(), timeout)]
+        items = []
+        if self.queue.empty():
+            get = self.queue.get()
+            items.append(await (get if timeout is None else asyncio.wait_for(get, timeout)))
         while not self.queue.empty():
             items.append(self.queue.get_nowait())
         return items
@@ -102,6 +101,7 @@ class DecodeWorker:
         self._peers: dict[str, tuple[str, ...]] = {}
         self._states: dict[str, AdmissionState] = {}  # imported requests, until they run
         self._admission: AdmissionQueue | None = None  # made on the actor's loop
+        self._aloop: asyncio.AbstractEventLoop | None = None  # the actor's loop, once a request came
         if spec.backend is not None:
             self._compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
             self._sink_cls = get_backend(spec.backend).sink
@@ -136,7 +136,8 @@ class DecodeWorker:
         if task.handoff is not None:
             self._check_linked(task.handoff)
         deadline = None if task.timeout_s is None else time.monotonic() + task.timeout_s
-        stream = _Stream(asyncio.get_running_loop())
+        self._aloop = asyncio.get_running_loop()
+        stream = _Stream()
         self._streams[rid] = stream
         finished = False
         try:
@@ -168,7 +169,7 @@ class DecodeWorker:
         router only aborts after it stopped) would take for a lost worker."""
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.push(_ABORTED)
+            stream.queue.put_nowait(_ABORTED)
         return await asyncio.wrap_future(self._abort_in_engine(request_id))
 
     async def stats(self) -> DecodeStats:
@@ -279,13 +280,19 @@ class DecodeWorker:
         return sink.pull(list(handoff.descriptors), blocks, timeout)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:  # engine thread
-        now = time.time()
+        """One hand-over to the actor's loop per step, whatever the batch size."""
+        if self._aloop is not None:
+            self._aloop.call_soon_threadsafe(self._deliver, outputs, time.time())
+
+    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:  # the actor's loop
+        finished = False
         for out in outputs:
+            finished = finished or out.finished
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.push((out, now))
-        if self._admission is not None and any(out.finished for out in outputs):
-            self._admission.wake_threadsafe()  # blocks were freed
+                stream.queue.put_nowait((out, now))
+        if finished and self._admission is not None:
+            self._admission.wake()  # blocks were freed
 
 
 def _batch(items: list[tuple[RequestOutput, float]]) -> TokenBatch:
