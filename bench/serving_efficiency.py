@@ -27,6 +27,7 @@ from splitserve.client import AsyncClient
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.engine import Engine, SamplingParams
+from splitserve.engine.model.loader import load_hf_config, resolve_source
 
 
 def log(msg: str) -> None:
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     engine_cfg = config.engine_config("colocated")
-    vocab = 49152 if args.model == "smollm2" else 32000
+    vocab = load_hf_config(resolve_source(args.model)).vocab_size
     reqs = random_requests(args.requests, args.input_len, args.output_len, vocab_size=vocab, seed=args.seed)
     prompts = [r.prompt_ids for r in reqs]
     log(f"served: one colocated worker with {cpus} CPUs ...")

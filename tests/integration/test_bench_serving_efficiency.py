@@ -1,0 +1,21 @@
+"""``bench.serving_efficiency`` end to end on the tiny model: it serves every
+request through a real cluster (the bench itself checks every output token
+arrived), runs the same requests offline, and prints the ratio."""
+
+from __future__ import annotations
+
+import re
+
+from splitserve.bench import serving_efficiency
+from tests.integration.cluster_util import tiny_checkpoint
+
+
+def test_serving_efficiency_runs_both_paths(tmp_path_factory, capsys):
+    checkpoint = tiny_checkpoint(tmp_path_factory)
+    args = ["--model", checkpoint, "--requests", "4", "--input-len", "20", "--output-len", "8"]
+    assert serving_efficiency.main(args) == 0
+    out = capsys.readouterr().out
+    rates = {m[0]: float(m[1]) for m in re.findall(r"^(offline|served)\s+([\d.]+)$", out, re.M)}
+    offline, served = rates["offline"], rates["served"]
+    assert offline > 0 and served > 0
+    assert f"served / offline = {served / offline:.3f}x" in out
