@@ -16,8 +16,8 @@ import time
 import pytest
 import ray
 
-from splitserve.client import Chunk, Client, DeadlineExceeded, Unavailable
-from splitserve.engine import Engine, EngineConfig, SamplingParams
+from splitserve.client import Chunk, DeadlineExceeded, Unavailable
+from splitserve.engine import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
@@ -26,17 +26,11 @@ from tests.integration.cluster_util import (
     mixed_workload,
     reference_tokens,
     stream_all,
-    tiny_checkpoint,
     tiny_config,
     wait_kv_free,
 )
 
 IDLE = {"prefill-0": 0, "decode-0": 0}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=["nixl", "torch_dist", "ray"])
@@ -45,17 +39,6 @@ def cluster(request, checkpoint):
     # confirmation, never by the lease running out.
     config = tiny_config(checkpoint, transfer={"backend": request.param, "lease_s": 300})
     with live_cluster(config) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    return Engine(EngineConfig(model=checkpoint, dtype="float32", num_kv_blocks=2048))
-
-
-@pytest.fixture()
-def client(cluster):
-    with Client(cluster.address, timeout=60) as c:
         yield c
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.client import Client, DeadlineExceeded
-from splitserve.engine import Engine, EngineConfig
+from splitserve.client import DeadlineExceeded
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
@@ -16,7 +15,6 @@ from tests.integration.cluster_util import (
     mixed_workload,
     reference_tokens,
     stream_all,
-    tiny_checkpoint,
     tiny_config,
     wait_kv_free,
 )
@@ -25,24 +23,12 @@ IDLE = {"colocated-0": 0, "colocated-1": 0}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def cluster(checkpoint):
     with live_cluster(tiny_config(checkpoint, mode="colocated")) as c:
         yield c
 
 
-@pytest.fixture()
-def client(cluster):
-    with Client(cluster.address, timeout=60) as c:
-        yield c
-
-
-def test_32_concurrent_streams_equal_monolithic_greedy(cluster, checkpoint, client):
-    reference = Engine(EngineConfig(model=checkpoint, dtype="float32", num_kv_blocks=2048))
+def test_32_concurrent_streams_equal_monolithic_greedy(cluster, reference, client):
     prompts, params = mixed_workload(32)
     expected = reference_tokens(reference, prompts, params)
     results = stream_all(cluster.address, prompts, params)

@@ -12,11 +12,10 @@ import threading
 import pytest
 
 from splitserve.client import (
-    Client,
     InvalidArgument,
     ResourceExhausted,
 )
-from splitserve.engine import Engine, EngineConfig, SamplingParams
+from splitserve.engine import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
@@ -24,31 +23,14 @@ from tests.integration.cluster_util import (
     mixed_workload,
     reference_tokens,
     stream_all,
-    tiny_checkpoint,
     tiny_config,
     wait_kv_free,
 )
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def cluster(checkpoint):
     with live_cluster(tiny_config(checkpoint)) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    return Engine(EngineConfig(model=checkpoint, dtype="float32", num_kv_blocks=2048))
-
-
-@pytest.fixture()
-def client(cluster):
-    with Client(cluster.address, timeout=60) as c:
         yield c
 
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from splitserve.client import Client, Unavailable
-from splitserve.engine import Engine, EngineConfig
+from splitserve.client import Unavailable
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
@@ -24,7 +23,6 @@ from tests.integration.cluster_util import (
     mixed_workload,
     reference_tokens,
     stream_all,
-    tiny_checkpoint,
     tiny_config,
     wait_kv_free,
 )
@@ -35,11 +33,6 @@ def idle(used: dict[str, int]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def cluster(checkpoint):
     engine = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}
     config = tiny_config(checkpoint, prefill={"num_cpus": 0.5, "tp_size": 2, "engine": engine})
@@ -47,14 +40,7 @@ def cluster(checkpoint):
         yield c
 
 
-@pytest.fixture()
-def client(cluster):
-    with Client(cluster.address, timeout=60) as c:
-        yield c
-
-
-def test_tp2_prefill_group_serves_tp1_decode_exactly(cluster, checkpoint, client):
-    reference = Engine(EngineConfig(model=checkpoint, dtype="float32", num_kv_blocks=2048))
+def test_tp2_prefill_group_serves_tp1_decode_exactly(cluster, reference, client):
     prompts, params = mixed_workload(32)
     expected = reference_tokens(reference, prompts, params)
     results = stream_all(cluster.address, prompts, params)

@@ -1,0 +1,29 @@
+"""Fixtures shared by the cluster test modules. Each module defines its own
+``cluster`` (module scope: one Ray instance and one cluster per module); the
+fixtures here build on it."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.client import Client
+from splitserve.engine import Engine, EngineConfig
+from tests.integration.cluster_util import tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random-weight Llama checkpoint, one per module."""
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """The monolithic engine every cluster's greedy output is compared with."""
+    return Engine(EngineConfig(model=checkpoint, dtype="float32", num_kv_blocks=2048))
+
+
+@pytest.fixture()
+def client(cluster):
+    with Client(cluster.address, timeout=60) as c:
+        yield c
