@@ -3,7 +3,9 @@ its own spawned process (gloo over localhost) and reports through a queue."""
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +38,18 @@ def _join(job: RankJob) -> tuple[TPGroup, Engine]:
     return group, Engine(job.config, tp=group)
 
 
-def _leave(group: TPGroup) -> None:
-    """Meet every rank once more, then tear the group down: no rank closes its gloo
-    pairs while another is still inside the last collective (which can abort the
-    process at exit)."""
-    group.gather_object(None)
-    group.destroy()
+def _exit(out=None) -> None:
+    """End a rank process that finished its work: flush what it reported, then exit
+    without running C++ static destructors. gloo's transport threads outlive
+    ``destroy_process_group`` (torch keeps the device), and destroying them at
+    interpreter exit aborts the process now and then ("terminate called without
+    an active exception", seen about one run in six)."""
+    if out is not None:
+        out.close()
+        out.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def generate_rank(job: RankJob, out) -> None:
@@ -54,9 +62,9 @@ def generate_rank(job: RankJob, out) -> None:
             out.put(("tokens", [c.token_ids for c in done]))
         else:
             out.put(("steps", engine.follow()))
-        _leave(group)
     finally:
         group.destroy()
+    _exit(out)
 
 
 def logits_rank(job: RankJob, out) -> None:
@@ -71,9 +79,9 @@ def logits_rank(job: RankJob, out) -> None:
             out.put(logits)
         else:
             engine.follow()
-        _leave(group)
     finally:
         group.destroy()
+    _exit(out)
 
 
 @dataclass(frozen=True)
@@ -112,10 +120,10 @@ def prefill_export_rank(job: RankJob, backend: str, out, done) -> None:
         out.put(ExportedShard(job.rank, source.handshake(), descs, prompts, firsts))
         while not done.wait(0.005):
             source.poll()
-        _leave(group)
     finally:
         source.close()
         group.destroy()
+    _exit(out)
 
 
 def prefill_rank_main(spec) -> None:
@@ -123,3 +131,4 @@ def prefill_rank_main(spec) -> None:
     from splitserve.prefill_worker.tp import PrefillRank
 
     PrefillRank(spec).wait()
+    _exit()
