@@ -86,9 +86,10 @@ class TPGroup:
         return self.rank * per, (self.rank + 1) * per
 
     def destroy(self) -> None:
-        """Leave the group. Drops this object's references to the process groups too,
-        so their C++ objects (and gloo's threads) end now rather than during
-        interpreter shutdown, which can abort the process."""
+        """Leave the group and drop this object's references to its process groups.
+        gloo's transport threads may outlive this (torch keeps the device) until the
+        process exits; a process that must exit cleanly right after can end with
+        ``os._exit`` (see ``tests/integration/tp_ranks.py``)."""
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
         self._device_group = self._cpu_group = None
