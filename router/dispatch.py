@@ -41,7 +41,7 @@ from splitserve.decode_worker.api import DecodeTask, TokenBatch
 from splitserve.engine.errors import InvalidRequest, Overloaded
 from splitserve.engine.sequence import FinishReason
 from splitserve.engine.validation import RequestValidator
-from splitserve.kv_transfer.errors import HandshakeRequired
+from splitserve.kv_transfer.errors import HandshakeRequired, PeerLost
 from splitserve.prefill_worker.api import PrefillResult, PrefillTask
 from splitserve.router.balancer import pick_decode, pick_prefill
 from splitserve.router.errors import WorkerLost
@@ -179,11 +179,16 @@ class Dispatcher:
         self, req: RequestState, dw: WorkerRecord, task: DecodeTask, prefill: WorkerRecord | None
     ) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Stream ``task`` from ``dw``. A handoff's pair is linked first; a decode worker
-        that lost its handshakes (restarted) is linked again once, before any token."""
+        that lost its handshakes (restarted) is linked again once, before any token. If
+        the handoff's source is gone before the pull, ``dw`` prefills the request itself."""
         req.touched.append(dw)
         for attempt in range(2):
             if task.handoff is not None:
-                await req.within(self.links.ensure(dw, prefill, task.handoff))
+                try:
+                    await req.within(self.links.ensure(dw, prefill, task.handoff))
+                except PeerLost:  # the KV's source is gone: prefill prompt + first token here
+                    log.warning("the KV of %s is unreachable; prefilling on %s", req.request_id, dw.worker_id)
+                    task = self._resume_task(req)
             try:
                 async for event in self._stream(req, dw, task, prefill):
                     yield event

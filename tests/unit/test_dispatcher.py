@@ -207,3 +207,26 @@ def test_a_prefill_worker_that_left_before_the_handover_is_not_relied_on():
     (task,) = d0.calls
     assert task.handoff is None and task.prompt_token_ids == prompt + tokens[:1]
     assert d0.connect_calls == 0
+
+
+def test_a_prefill_worker_lost_between_export_and_pull_is_recomputed_on_the_decode_worker():
+    """The prefill worker restarted after exporting (a new incarnation) and then died:
+    its handshakes cannot be had, its KV is gone; the decode worker prefills prompt +
+    first token itself instead of failing the request."""
+    p0, d0 = FakePrefill("p0"), FakeDecode("d0")
+    d = _cluster([p0], [d0])
+    prompt = [9, 8, 7]
+
+    async def info_lost():
+        raise WorkerLost("the prefill actor died")
+
+    async def run():
+        p0.restart()  # the registry holds the old incarnation's handshakes
+        p0.info = info_lost
+        return await _collect(d, prompt, max_tokens=6)
+
+    tokens, final = asyncio.run(run())
+    assert tokens == expected_tokens(prompt, 6)
+    (task,) = d0.calls
+    assert task.handoff is None and task.prompt_token_ids == prompt + tokens[:1]
+    assert final.completion_tokens == 6
