@@ -92,8 +92,7 @@ class ServingCluster:
                 refs = await asyncio.gather(*(p.add(p.spec.replicas) for p in self.pools.values()))
             finally:
                 ticker.cancel()
-            infos = await asyncio.gather(*(w.client.info() for ws in refs for w in ws))
-            validator = min((i.validator for i in infos), key=lambda v: v.max_kv_tokens)
+            validator = min((w.info.validator for ws in refs for w in ws), key=lambda v: v.max_kv_tokens)
             dispatcher = Dispatcher(
                 self.registry,
                 validator,

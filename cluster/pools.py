@@ -4,7 +4,7 @@
 The pool owns its actors and placement groups; what the router knows of
 each worker lives in the ``WorkerRegistry``, where the pool writes only
 membership: ``add`` registers a worker STARTING, activates it once its model
-has loaded (the registry takes its handshakes and first stats), and
+has loaded (the registry takes its info and first stats), and
 ``remove`` drains it (DRAINING: no new requests) and kills it once its
 in-flight ones end (or a timeout passes), so scaling down drops nothing.
 

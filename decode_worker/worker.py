@@ -120,8 +120,7 @@ class DecodeWorker:
         """Take a prefill worker's handshakes (one per TP rank, rank order) and link to
         it; handoffs from exactly those incarnations are pulled from then on. Raises
         ``IncompatiblePeer`` (nothing is linked then)."""
-        if self.sink is None:
-            raise InvalidRequest(f"worker {self.worker_id} is colocated and takes no KV from elsewhere")
+        self._require_sink()
         await asyncio.get_running_loop().run_in_executor(self._transfer, self._connect, handshakes)
         self._peers[handshakes[0].worker_id] = tuple(hs.incarnation for hs in handshakes)
 
@@ -195,9 +194,12 @@ class DecodeWorker:
     async def _call(self, fn):
         return await asyncio.wrap_future(self.loop.call(fn))
 
-    def _check_linked(self, handoff: KVHandoff) -> None:
+    def _require_sink(self) -> None:
         if self.sink is None:
             raise InvalidRequest(f"worker {self.worker_id} is colocated and takes no KV from elsewhere")
+
+    def _check_linked(self, handoff: KVHandoff) -> None:
+        self._require_sink()
         held = self._peers.get(handoff.source_worker)
         if held != handoff.incarnations:
             raise HandshakeRequired(

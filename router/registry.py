@@ -8,7 +8,7 @@ through a registry method::
     ---------------------------------   -------------------------------------------
     state (membership)                  the pools: add, activate, drain, remove
     alive, stats, error                 poll() (the router's poller, status calls)
-    handshakes (prefill)                activate (from info), handshakes_for (after a restart)
+    info (validator, handshakes)        activate, handshakes_for (after a restart)
     prefilling / decoding / unpolled    the dispatcher: prefilling(), decoding()
 
 A worker's lifecycle::
@@ -40,7 +40,7 @@ from splitserve.kv_transfer.contract import Handshake
 from splitserve.kv_transfer.errors import PeerLost
 from splitserve.prefill_worker.api import PrefillStats, PrefillWorkerInfo
 from splitserve.router.errors import WorkerLost
-from splitserve.router.workers import WorkerClient, WorkerStats
+from splitserve.router.workers import WorkerClient, WorkerInfo, WorkerStats
 
 
 class Membership(enum.Enum):
@@ -61,10 +61,15 @@ class WorkerRecord:
     alive: bool = True
     stats: WorkerStats | None = None  # the last poll's answer
     error: str = ""  # why the last poll got none
-    handshakes: tuple[Handshake, ...] = ()  # a prefill worker's KV sources', rank order
+    info: WorkerInfo | None = None  # what the worker said of itself when it joined (or restarted)
     prefilling: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens sent
     decoding: dict[str, int] = field(default_factory=dict)  # request id -> KV tokens reserved
     unpolled: set[str] = field(default_factory=set)  # decoding ids sent since the last poll began
+
+    @property
+    def handshakes(self) -> tuple[Handshake, ...]:
+        """A prefill worker's KV sources' handshakes, rank order (none for other roles)."""
+        return self.info.handshakes if isinstance(self.info, PrefillWorkerInfo) else ()
 
     @property
     def routable(self) -> bool:
@@ -133,11 +138,10 @@ class WorkerRegistry:
         return record
 
     async def activate(self, worker_id: str) -> WorkerRecord:
-        """A worker has loaded its model: take its handshakes and first stats, route to it."""
+        """A worker has loaded its model: take its info (validator, handshakes) and first
+        stats, route to it."""
         record = self._workers[worker_id]
-        info = await record.client.info()
-        if isinstance(info, PrefillWorkerInfo):
-            record.handshakes = info.handshakes
+        record.info = await record.client.info()
         await self.poll([record])
         record.state = Membership.ACTIVE
         return record
@@ -191,8 +195,7 @@ class WorkerRegistry:
         that restarted since the registry last asked is asked again; KV from an
         incarnation that is no longer running is refused with ``PeerLost``."""
         if tuple(hs.incarnation for hs in w.handshakes) != incarnations:
-            info = await w.client.info()
-            w.handshakes = info.handshakes
+            w.info = await w.client.info()
             if tuple(hs.incarnation for hs in w.handshakes) != incarnations:
                 raise PeerLost(f"prefill worker {w.worker_id} restarted since it exported this KV")
         return w.handshakes
