@@ -1,5 +1,6 @@
 """What the router adds per token: delivery lag through router + gRPC against
-calling the decode worker's stream directly over Ray, in the same run.
+taking the decode worker's tokens directly over Ray (the router's own
+``RayWorker``, in this process), in the same run.
 
     python -m splitserve.bench.router_overhead [--model smollm2] [--requests 20] [--tokens 64]
 
@@ -19,6 +20,7 @@ the routed - direct difference (the router's added latency per token).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
@@ -30,14 +32,16 @@ from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.decode_worker import DecodeTask
 from splitserve.engine import SamplingParams
+from splitserve.router.workers import RayWorker
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def direct(handle, prompt_ids: list[int], params: SamplingParams, rid: str) -> tuple[list[float], float]:
+async def direct(
+    worker: RayWorker, prompt_ids: list[int], params: SamplingParams, rid: str
+) -> tuple[list[float], float]:
     lags, start = [], time.time()
-    for ref in handle.generate.remote(DecodeTask(rid, prompt_ids, params)):
-        batch = ray.get(ref)
+    async for batch in worker.generate(DecodeTask(rid, prompt_ids, params)):
         now = time.time()
         lags.extend(now - t for t in batch.token_times)
     return lags, time.time() - start
@@ -74,19 +78,23 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with BackgroundCluster(config) as cluster, Client(cluster.address, timeout=120) as client:
-            handle = cluster.registry.workers("colocated")[0].client.actor
+            worker = RayWorker(cluster.registry.workers("colocated")[0].client.actor)
+            loop = (
+                asyncio.new_event_loop()
+            )  # one loop for every direct request: the worker's inbox lives on it
             prompt_ids = client.tokenize(messages=[{"role": "user", "content": PROMPT}])
             params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-            direct(handle, prompt_ids, params, "warmup")
+            loop.run_until_complete(direct(worker, prompt_ids, params, "warmup"))
             routed(client, prompt_ids, params)
             d_lags, r_lags, d_e2e, r_e2e = [], [], [], []
             for i in range(args.requests):
-                lags, e2e = direct(handle, prompt_ids, params, f"direct-{i}")
+                lags, e2e = loop.run_until_complete(direct(worker, prompt_ids, params, f"direct-{i}"))
                 d_lags += lags
                 d_e2e.append(e2e)
                 lags, e2e = routed(client, prompt_ids, params)
                 r_lags += lags
                 r_e2e.append(e2e)
+            loop.run_until_complete(worker.close())
     finally:
         ray.shutdown()
     ms = 1000

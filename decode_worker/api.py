@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.errors import SplitserveError
 from splitserve.engine.outputs import EngineStats
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import FinishReason
@@ -55,12 +56,14 @@ class DecodeTask:
 @dataclass(frozen=True)
 class TokenBatch:
     """New tokens of one request since the previous batch (coalesced when the
-    consumer is slower than the decode steps). The last batch has ``finish_reason``.
+    consumer is slower than the decode steps). The last batch of a request has
+    ``finish_reason`` or ``error``.
 
     For an imported request the first batch comes right after the pull, with no
     tokens: ``transfer_s`` and the ``confirmations`` the backend could not
     deliver itself, which the consumer forwards to the prefill worker."""
 
+    request_id: str
     token_ids: list[int]
     text: str
     logprobs: list[float]
@@ -69,6 +72,7 @@ class TokenBatch:
     num_cached_tokens: int
     transfer_s: float | None = None  # on the first batch of an imported request: the KV pull
     confirmations: tuple[Confirmation, ...] = ()  # on that batch: to deliver to the prefill worker
+    error: SplitserveError | None = None  # the request ended here with this error (tokens before it stand)
 
 
 @dataclass(frozen=True)

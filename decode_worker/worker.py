@@ -1,29 +1,33 @@
 """The decode worker: takes prefilled requests (KV pulled from a prefill worker)
 or whole ones, runs them in one continuous batch, and streams their tokens.
 
+A consumer (the router) reads one ``stream(outbox_id)`` per worker and starts
+requests on it with ``start(outbox_id, task)``; every engine step's tokens of
+all its requests come back as one item (``decode_worker.outbox``).
+
 A request's life here (the queues SGLang's decode side names)::
 
     connect(handshakes)   once per prefill worker incarnation (the router sends it
                           before the first handoff from that incarnation)
-    generate(task) with a handoff:
+    start(outbox, task) with a handoff:
         handshakes held for handoff.incarnations? else HandshakeRequired (nothing held)
         -> WAITING_FOR_BLOCKS: the FIFO AdmissionQueue (decode_worker.admission)
         -> PULLING: import_request (blocks allocated) + sink.pull on the transfer
            thread (verified; from a TP prefill group, every rank's shard, heads
            merged by HeadMappingSink)
-        -> first TokenBatch at once: transfer_s and the confirmations the backend
+        -> a first TokenBatch at once: transfer_s and the confirmations the backend
            could not deliver (the router forwards them to the prefill worker)
         -> activate --RUNNING in the batch-- tokens --> finished
-    generate(task) without one (colocated, or a short prompt by policy):
-        add_request --WAITING/RUNNING (the engine's own FIFO)-- tokens --> finished
+    start(outbox, task) without one (colocated, or a short prompt by policy):
+        add_request (InvalidRequest raised by start) --WAITING/RUNNING-- tokens --> finished
 
-``generate`` is an async generator: one call per request, yielding a
-``TokenBatch`` whenever the consumer asks and tokens are ready, so a slow
-consumer gets several tokens per item instead of one round trip per token.
-Leaving it early (the router cancels, the deadline passes, the client goes)
-aborts the request and frees its blocks; a pull in flight is first allowed to
-end (it is bounded by ``transfer_timeout_s``), because its bytes are still
-landing in those blocks.
+``start`` returns once the request is accepted; everything after ends in the
+outbox, as tokens and a last batch with ``finish_reason`` or with ``error``
+(``Overloaded``, ``KVTransferError``, ``DeadlineExceeded`` past
+``task.timeout_s``). ``abort`` ends a request early and frees its blocks; a pull
+in flight is first allowed to end (it is bounded by ``transfer_timeout_s``),
+because its bytes are still landing in those blocks. When a stream's consumer
+goes (closes it, or dies), every request of its outbox is aborted.
 
 The class imports no Ray: ``cluster`` wraps it with ``ray.remote``.
 """
@@ -37,6 +41,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -48,6 +53,7 @@ from splitserve.decode_worker.api import (
     DecodeWorkerSpec,
     TokenBatch,
 )
+from splitserve.decode_worker.outbox import Outbox
 from splitserve.engine import (
     DeadlineExceeded,
     Engine,
@@ -63,24 +69,15 @@ from splitserve.kv_transfer.tp_mapping import HeadMappingSink
 
 log = logging.getLogger(__name__)
 
-_ABORTED = object()  # pushed into a stream by abort()
 
+@dataclass(eq=False)
+class _Request:
+    """A request started here and not yet ended. On the actor's loop."""
 
-class _Stream:
-    """One request's outputs, on the actor's event loop, for its generator."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    async def next_items(self, timeout: float | None) -> list:
-        """Everything queued, waiting up to ``timeout`` for the first item."""
-        items = []
-        if self.queue.empty():
-            get = self.queue.get()
-            items.append(await (get if timeout is None else asyncio.wait_for(get, timeout)))
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
-        return items
+    request_id: str
+    outbox: Outbox
+    deadline: asyncio.TimerHandle | None = None  # ends it with DeadlineExceeded
+    importing: asyncio.Task | None = None  # admission + pull, for a handoff
 
 
 class DecodeWorker:
@@ -108,7 +105,8 @@ class DecodeWorker:
             self.sink = self._sink_cls(spec.worker_id, self.engine.kv_cache.tensor, self._compat)
         # One thread drives the sink (it is not thread-safe); pulls overlap decode steps.
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.worker_id}-kv")
-        self._streams: dict[str, _Stream] = {}
+        self._outboxes: dict[str, Outbox] = {}  # by outbox id (one per consumer)
+        self._requests: dict[str, _Request] = {}  # started and not yet ended
         self.loop = EngineLoop(self.engine, self._on_outputs, name=f"{spec.worker_id}-engine")
         self.loop.start()
 
@@ -124,51 +122,60 @@ class DecodeWorker:
         await asyncio.get_running_loop().run_in_executor(self._transfer, self._connect, handshakes)
         self._peers[handshakes[0].worker_id] = tuple(hs.incarnation for hs in handshakes)
 
-    async def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
-        """Run ``task`` to the end, yielding its new tokens. Raises ``InvalidRequest``,
-        ``HandshakeRequired`` (before anything is held), ``Overloaded`` (the admission
-        queue is full, or no room before the KV lease ran out), ``KVTransferError``
-        subclasses, or ``DeadlineExceeded`` past ``task.timeout_s``."""
+    async def stream(self, outbox_id: str) -> AsyncIterator[tuple[TokenBatch, ...]]:
+        """The batches of the requests started on ``outbox_id``, every step's as one item
+        (one ``TokenBatch`` per request that has news). Runs until the consumer closes
+        it; then every request of the outbox still running is aborted."""
+        outbox = self._outbox(outbox_id)
+        if outbox.reading:
+            raise InvalidRequest(f"outbox {outbox_id!r} already has a reader")
+        outbox.reading = True
+        try:
+            while True:
+                yield await outbox.take()
+        finally:
+            for rid in list(outbox.requests):
+                self._end(rid)
+            self._outboxes.pop(outbox_id, None)
+
+    async def start(self, outbox_id: str, task: DecodeTask) -> None:
+        """Accept ``task``; its tokens and its end come through ``outbox_id``'s stream.
+        Raises (holding nothing) ``InvalidRequest`` or ``HandshakeRequired``."""
         rid = task.request_id
-        if rid in self._streams:
+        if rid in self._requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         if task.handoff is not None:
             self._check_linked(task.handoff)
-        deadline = None if task.timeout_s is None else time.monotonic() + task.timeout_s
-        self._aloop = asyncio.get_running_loop()
-        stream = _Stream()
-        self._streams[rid] = stream
-        finished = False
+        self._aloop = loop = asyncio.get_running_loop()
+        outbox = self._outbox(outbox_id)
+        req = self._requests[rid] = _Request(rid, outbox)
+        outbox.requests.add(rid)
+        deadline = None
+        if task.timeout_s is not None:
+            deadline = time.monotonic() + task.timeout_s
+            error = DeadlineExceeded(f"request {rid} ran past its {task.timeout_s:.3g} s")
+            req.deadline = loop.call_at(loop.time() + task.timeout_s, self._fail, rid, error)
+        if task.handoff is not None:
+            req.importing = asyncio.ensure_future(self._import(task, deadline, outbox))
+            return
         try:
-            if task.handoff is not None:
-                transfer_s, confirmations = await self._import(task, deadline)
-                yield TokenBatch([], "", [], [], None, 0, transfer_s, confirmations)
-            else:
-                await self._call(lambda e: e.add_request(task.prompt_token_ids, task.params, rid))
-            while not finished:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                try:
-                    items = await stream.next_items(remaining)
-                except TimeoutError:
-                    raise DeadlineExceeded(f"request {rid} ran past its {task.timeout_s:.3g} s") from None
-                if any(item is _ABORTED for item in items):
-                    return
-                batch = _batch(items)
-                finished = batch.finish_reason is not None
-                yield batch
-        finally:
-            self._streams.pop(rid, None)
-            self._states.pop(rid, None)
-            if not finished:
-                self._abort_in_engine(rid)
+            await self._call(lambda e: e.add_request(task.prompt_token_ids, task.params, rid))
+        except BaseException:
+            self._end(rid)
+            raise
 
     async def abort(self, request_id: str) -> bool:
-        """Stop ``request_id`` and free its blocks. Idempotent. Its ``generate`` stream
-        ends without a finished batch, which a consumer still reading it (the
-        router only aborts after it stopped) would take for a lost worker."""
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.queue.put_nowait(_ABORTED)
+        """Stop ``request_id`` and free its blocks (awaited); its batches not taken yet
+        are dropped (the consumer stopped reading it). Idempotent."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            req.outbox.drop(request_id)
+            importing = req.importing
+            if importing is not None and not importing.done():
+                self._end(request_id)  # the import frees the blocks once its pull is over
+                await asyncio.wait([importing])
+                return True
+            self._end(request_id, abort=False)
         return await asyncio.wrap_future(self._abort_in_engine(request_id))
 
     async def stats(self) -> DecodeStats:
@@ -177,7 +184,7 @@ class DecodeWorker:
         return DecodeStats(
             self.worker_id,
             engine,
-            len(self._streams),
+            len(self._requests),
             num_waiting_for_blocks=states.count(AdmissionState.WAITING_FOR_BLOCKS),
             num_pulling=states.count(AdmissionState.PULLING),
         )
@@ -193,6 +200,37 @@ class DecodeWorker:
     # ---- internals ------------------------------------------------------------
     async def _call(self, fn):
         return await asyncio.wrap_future(self.loop.call(fn))
+
+    def _outbox(self, outbox_id: str) -> Outbox:
+        outbox = self._outboxes.get(outbox_id)
+        if outbox is None:
+            outbox = self._outboxes[outbox_id] = Outbox(outbox_id)
+        return outbox
+
+    def _end(self, rid: str, abort: bool = True) -> bool:
+        """Forget request ``rid``; with ``abort``, free what it holds in the engine (an
+        import in flight is cancelled and frees it once its pull is over). Returns
+        whether the request was here."""
+        req = self._requests.pop(rid, None)
+        if req is None:
+            return False
+        req.outbox.requests.discard(rid)
+        self._states.pop(rid, None)
+        if req.deadline is not None:
+            req.deadline.cancel()
+        importing = req.importing
+        if importing is not None and not importing.done() and importing is not asyncio.current_task():
+            importing.cancel()
+        elif abort:
+            self._abort_in_engine(rid)
+        return True
+
+    def _fail(self, rid: str, error: Exception) -> None:
+        """End ``rid`` with ``error``, the last batch its consumer gets."""
+        req = self._requests.get(rid)
+        if req is not None:
+            req.outbox.put(TokenBatch(rid, [], "", [], [], None, 0, error=error))
+            self._end(rid)
 
     def _require_sink(self) -> None:
         if self.sink is None:
@@ -215,12 +253,11 @@ class DecodeWorker:
             future.add_done_callback(lambda _: self._admission.wake_threadsafe())
         return future
 
-    async def _import(
-        self, task: DecodeTask, deadline: float | None
-    ) -> tuple[float, tuple[Confirmation, ...]]:
-        """Wait in the admission queue for blocks, pull and verify the KV, activate.
-        Returns the pull's seconds and the confirmations still to deliver. On failure
-        the caller's abort frees the blocks."""
+    async def _import(self, task: DecodeTask, deadline: float | None, outbox: Outbox) -> None:
+        """Wait in the admission queue for blocks, pull and verify the KV, activate (a
+        task of its own). The first batch reports the pull; a failure ends the request
+        with its error. Cancelled (abort, deadline), it frees the blocks once the pull
+        is over."""
         handoff, rid = task.handoff, task.request_id
         if self._admission is None:
             self._admission = AdmissionQueue(self.worker_id, self.spec.max_admission_queue)
@@ -233,27 +270,34 @@ class DecodeWorker:
             except Overloaded:
                 return None
 
-        self._states[rid] = AdmissionState.WAITING_FOR_BLOCKS
-        blocks = await self._admission.admit(rid, allocate, deadline, handoff.remaining_lease())
-        self._states[rid] = AdmissionState.PULLING
-        t0 = time.perf_counter()
-        timeout = self.spec.transfer_timeout_s
-        if deadline is not None:
-            timeout = max(0.001, min(timeout, deadline - time.monotonic()))
-        pull = asyncio.get_running_loop().run_in_executor(
-            self._transfer, self._pull, handoff, blocks, timeout
-        )
+        pull = None
         try:
+            self._states[rid] = AdmissionState.WAITING_FOR_BLOCKS
+            blocks = await self._admission.admit(rid, allocate, deadline, handoff.remaining_lease())
+            self._states[rid] = AdmissionState.PULLING
+            t0 = time.perf_counter()
+            timeout = self.spec.transfer_timeout_s
+            if deadline is not None:
+                timeout = max(0.001, min(timeout, deadline - time.monotonic()))
+            pull = asyncio.get_running_loop().run_in_executor(
+                self._transfer, self._pull, handoff, blocks, timeout
+            )
             confirmations = await asyncio.shield(pull)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await pull  # bytes may still be landing in the blocks: free them only after
+            undelivered = tuple(c for c in confirmations if not c.delivered)
+            # Reported before activation, so that it reaches the consumer before any token.
+            outbox.put(TokenBatch(rid, [], "", [], [], None, 0, time.perf_counter() - t0, undelivered))
+            if handoff.remaining_lease() <= 0:
+                raise LeaseExpired(f"the KV lease of request {rid} ran out")
+            await self._call(lambda e: e.activate(rid))
+            self._states[rid] = AdmissionState.RUNNING
+        except asyncio.CancelledError:  # ended by abort or deadline
+            if pull is not None:
+                with contextlib.suppress(BaseException):
+                    await pull  # bytes may still be landing in the blocks: free them only after
+            self._abort_in_engine(rid)
             raise
-        if handoff.remaining_lease() <= 0:
-            raise LeaseExpired(f"the KV lease of request {rid} ran out")
-        await self._call(lambda e: e.activate(rid))
-        self._states[rid] = AdmissionState.RUNNING
-        return time.perf_counter() - t0, tuple(c for c in confirmations if not c.delivered)
+        except Exception as e:
+            self._fail(rid, e)
 
     def _connect(self, handshakes: tuple[Handshake, ...]) -> None:  # transfer thread
         if len(handshakes) == 1:
@@ -289,27 +333,24 @@ class DecodeWorker:
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:  # the actor's loop
         finished = False
         for out in outputs:
-            finished = finished or out.finished
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.queue.put_nowait((out, now))
+            req = self._requests.get(out.request_id)
+            if req is None:
+                continue
+            req.outbox.put(_batch(out, now))
+            if out.finished:
+                finished = True
+                self._end(out.request_id, abort=False)
         if finished and self._admission is not None:
             self._admission.wake()  # blocks were freed
 
 
-def _batch(items: list[tuple[RequestOutput, float]]) -> TokenBatch:
-    token_ids, logprobs, times, text = [], [], [], []
-    for out, t in items:
-        token_ids.extend(out.new_token_ids)
-        logprobs.extend(out.new_logprobs)
-        times.extend([t] * len(out.new_token_ids))
-        text.append(out.text)
-    last = items[-1][0]
+def _batch(out: RequestOutput, now: float) -> TokenBatch:
     return TokenBatch(
-        token_ids=token_ids,
-        text="".join(text),
-        logprobs=logprobs,
-        token_times=times,
-        finish_reason=last.finish_reason if last.finished else None,
-        num_cached_tokens=last.num_cached_tokens,
+        request_id=out.request_id,
+        token_ids=list(out.new_token_ids),
+        text=out.text,
+        logprobs=list(out.new_logprobs),
+        token_times=[now] * len(out.new_token_ids),
+        finish_reason=out.finish_reason if out.finished else None,
+        num_cached_tokens=out.num_cached_tokens,
     )

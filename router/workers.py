@@ -2,14 +2,16 @@
 ``RayWorker``, which implements it over a Ray actor handle.
 
 Everything the dispatcher and the registry do to a worker goes through these
-six calls, and every error comes back as splitserve's own exception
+seven calls, and every error comes back as splitserve's own exception
 (``router.errors.unwrap``: a dead actor is ``WorkerLost``), so the request
 path never sees Ray, and its tests can drive it with plain fakes.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import dataclasses
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -18,7 +20,7 @@ import ray
 from splitserve.decode_worker.api import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
 from splitserve.kv_transfer.contract import Confirmation, Handshake
 from splitserve.prefill_worker.api import PrefillResult, PrefillStats, PrefillTask, PrefillWorkerInfo
-from splitserve.router.errors import unwrap
+from splitserve.router.errors import WorkerLost, unwrap
 
 WorkerStats = PrefillStats | DecodeStats
 WorkerInfo = PrefillWorkerInfo | DecodeWorkerInfo
@@ -49,6 +51,8 @@ class RayWorker:
 
     def __init__(self, actor: Any):
         self.actor = actor
+        self._inbox: _Inbox | None = None  # made by the first generate, on the router's loop
+        self._aborting: set[asyncio.Task] = set()
 
     async def info(self) -> WorkerInfo:
         return await _call(self.actor.info.remote())
@@ -69,25 +73,84 @@ class RayWorker:
         await _call(self.actor.connect.remote(handshakes))
 
     async def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
-        """The worker's stream of batches; leaving it before the last batch cancels the
-        worker's generator (which aborts the request there)."""
-        stream = self.actor.generate.remote(task)
+        """The request's batches, up to the one with ``finish_reason``; a batch's
+        ``error`` is raised (after its tokens). Leaving early aborts the request on
+        the worker."""
+        if self._inbox is None or self._inbox.closed:
+            self._inbox = _Inbox(self.actor)
+        inbox, rid = self._inbox, task.request_id
+        queue = inbox.open(rid)
         finished = False
         try:
+            await _call(self.actor.start.remote(inbox.inbox_id, task))
             while not finished:
-                try:
-                    ref = await stream.__anext__()
-                except StopAsyncIteration:
-                    return
-                except (ray.exceptions.RayError, ray.exceptions.ActorUnavailableError) as e:
-                    raise unwrap(e) from None
-                batch: TokenBatch = await _call(ref)
-                finished = batch.finish_reason is not None
-                yield batch
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None:
+                    if item.token_ids:
+                        yield dataclasses.replace(item, error=None)
+                    finished = True
+                    raise item.error
+                finished = item.finish_reason is not None
+                yield item
         finally:
-            if not finished:
-                with contextlib.suppress(Exception):
-                    ray.cancel(stream)
+            inbox.close(rid)
+            if not finished:  # not awaited; its errors are of no interest (a dead worker holds nothing)
+                aborting = asyncio.ensure_future(self.abort(rid))
+                self._aborting.add(aborting)
+                aborting.add_done_callback(self._aborted)
+
+    async def close(self) -> None:
+        """Stop reading the worker's tokens (its requests from here are aborted there)."""
+        if self._inbox is not None:
+            await self._inbox.close_all()
+
+    def _aborted(self, task: asyncio.Task) -> None:
+        self._aborting.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved, so asyncio does not log it
+
+
+class _Inbox:
+    """One Ray stream from a decode worker, read by one task that hands each
+    request's batches to its queue. A failed stream fails every request open on it
+    (``WorkerLost`` for a dead worker); the next request opens a new inbox."""
+
+    def __init__(self, actor: Any):
+        self.inbox_id = uuid.uuid4().hex
+        self.closed = False
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader = asyncio.ensure_future(self._read(actor.stream.remote(self.inbox_id)))
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        queue = self._queues[request_id] = asyncio.Queue()
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def close_all(self) -> None:
+        self._reader.cancel()
+        await asyncio.wait([self._reader])
+
+    async def _read(self, stream) -> None:
+        error: BaseException = WorkerLost("a decode worker ended its token stream")
+        try:
+            async for ref in stream:
+                for batch in await ref:
+                    queue = self._queues.get(batch.request_id)
+                    if queue is not None:
+                        queue.put_nowait(batch)
+        except (ray.exceptions.RayError, ray.exceptions.ActorUnavailableError) as e:
+            error = unwrap(e)
+        except asyncio.CancelledError:
+            error = WorkerLost("the router stopped reading a decode worker's tokens")
+            raise
+        finally:
+            self.closed = True
+            for queue in self._queues.values():
+                queue.put_nowait(error)
 
 
 async def _call(ref):

@@ -182,7 +182,9 @@ class FakeDecode:
             if self.linked.get(task.handoff.source_worker) != task.handoff.incarnations:
                 raise HandshakeRequired(f"{self.worker_id} holds no handshake for this source")
             conf = Confirmation(task.handoff.descriptors[0].transfer_id, task.handoff.source_worker, False)
-            yield TokenBatch([], "", [], [], None, 0, transfer_s=0.001, confirmations=(conf,))
+            yield TokenBatch(
+                task.request_id, [], "", [], [], None, 0, transfer_s=0.001, confirmations=(conf,)
+            )
         # Continue the context (a resumed task's prompt already holds the tokens sent).
         context = list(task.prompt_token_ids) + list(task.output_token_ids)
         left = task.params.max_tokens - len(task.output_token_ids)
@@ -198,4 +200,4 @@ class FakeDecode:
             left -= len(ids)
             sent_here += len(ids)
             finish = FinishReason.LENGTH if left == 0 else None
-            yield TokenBatch(ids, "", [0.0] * len(ids), [0.0] * len(ids), finish, 0)
+            yield TokenBatch(task.request_id, ids, "", [0.0] * len(ids), [0.0] * len(ids), finish, 0)

@@ -14,7 +14,8 @@ from splitserve.decode_worker.api import TokenBatch
 from splitserve.engine import FinishReason, RequestValidator, SamplingParams
 from splitserve.prefill_worker import PrefillResult
 validator = RequestValidator("m", vocab_size=10, max_model_len=8, max_kv_tokens=8, tokenizer=None)
-pickle.loads(pickle.dumps((validator, SamplingParams(), TokenBatch([1], "", [], [], FinishReason.STOP, 0))))
+batch = TokenBatch("r", [1], "", [], [], FinishReason.STOP, 0)
+pickle.loads(pickle.dumps((validator, SamplingParams(), batch)))
 loaded = sorted(
     m for m in sys.modules
     if m.split(".")[0] in ("torch", "transformers")
