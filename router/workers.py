@@ -146,6 +146,7 @@ class _Inbox:
             error = unwrap(e)
         except asyncio.CancelledError:
             error = WorkerLost("the router stopped reading a decode worker's tokens")
+            ray.cancel(stream)  # the worker's stream ends, aborting what it still runs for us
             raise
         finally:
             self.closed = True
