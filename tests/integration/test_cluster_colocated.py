@@ -5,12 +5,16 @@ disaggregated cluster. One Ray instance and one cluster for the module."""
 from __future__ import annotations
 
 import pytest
+import ray
 
 from splitserve.client import DeadlineExceeded
+from splitserve.decode_worker.api import DecodeTask
+from splitserve.engine import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
     cancel_mid_stream,
+    kv_used,
     live_cluster,
     mixed_workload,
     reference_tokens,
@@ -45,4 +49,19 @@ def test_cancel_and_deadline_free_every_block(client):
     prompt = random_prompts([200], VOCAB, seed=3)[0]
     with pytest.raises(DeadlineExceeded):
         client.generate(prompt, max_tokens=800, ignore_eos=True, timeout_ms=300)
+    assert wait_kv_free(client) == IDLE
+
+
+def test_requests_on_a_token_stream_its_reader_left_are_aborted(cluster, client):
+    """A worker's tokens reach a router over one stream; when the router stops
+    reading it (closes it, or dies), the worker aborts every request started on it."""
+    actor = cluster.registry.workers("colocated")[0].client.actor
+    prompt = random_prompts([200], VOCAB, seed=5)[0]
+    task = DecodeTask("left-behind", prompt, SamplingParams(max_tokens=800, ignore_eos=True))
+    stream = actor.stream.remote("reader-1")
+    ray.get(actor.start.remote("reader-1", task))
+    first = ray.get(next(stream))
+    assert [b.request_id for b in first] == ["left-behind"] and first[0].token_ids
+    assert sum(kv_used(client).values()) > 0
+    ray.cancel(stream)
     assert wait_kv_free(client) == IDLE
