@@ -92,6 +92,9 @@ class ServingCluster:
                 refs = await asyncio.gather(*(p.add(p.spec.replicas) for p in self.pools.values()))
             finally:
                 ticker.cancel()
+            for role, workers in zip(self.pools, refs):
+                for engine in sorted({w.info.engine for w in workers}):
+                    self.progress(f"{role} engine: {engine}")
             validator = min((w.info.validator for ws in refs for w in ws), key=lambda v: v.max_kv_tokens)
             dispatcher = Dispatcher(
                 self.registry,

@@ -34,6 +34,7 @@ class DecodeWorkerInfo:
     worker_id: str
     validator: RequestValidator
     colocated: bool  # prefills every request itself (no KV transfer backend)
+    engine: str = ""  # what its engine chose (Engine.summary)
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,9 @@ class DecodeWorker:
 
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> DecodeWorkerInfo:
-        return DecodeWorkerInfo(self.worker_id, self.engine.validator, colocated=self.sink is None)
+        return DecodeWorkerInfo(
+            self.worker_id, self.engine.validator, colocated=self.sink is None, engine=self.engine.summary
+        )
 
     async def connect(self, handshakes: tuple[Handshake, ...]) -> None:
         """Take a prefill worker's handshakes (one per TP rank, rank order) and link to

@@ -43,6 +43,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     validator: RequestValidator
+    summary: str  # what was chosen (dtype, threads or device, attention, KV), for logs and status
 
 
 def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, tp: TPGroup) -> EngineParts:
@@ -117,19 +118,16 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         max_kv_tokens=num_blocks * config.block_size,
         tokenizer=tokenizer,
     )
-    log.info(
-        "engine ready: %s, %s%s on %s (TP rank %d of %d), %d KV blocks of %d tokens, attention %s",
-        mc.model_type,
-        dtype,
-        "" if config.quantization == "none" else f" with {config.quantization} linears",
-        device,
-        tp.rank,
-        tp.size,
-        num_blocks,
-        config.block_size,
-        runner.backend.name,
+    threads = f"{torch.get_num_threads()} torch threads" if device.type == "cpu" else str(device)
+    summary = (
+        f"{mc.model_type}, {str(dtype).removeprefix('torch.')}"
+        f"{'' if config.quantization == 'none' else f' with {config.quantization} linears'} on {threads}"
+        f"{f' (TP {tp.size})' if tp.size > 1 else ''}, attention {runner.backend.name}, "
+        f"{num_blocks} KV blocks of {config.block_size} tokens, up to {config.max_num_seqs} sequences"
     )
+    log.info("engine ready (TP rank %d): %s", tp.rank, summary)
     return EngineParts(
+        summary=summary,
         device=device,
         dtype=dtype,
         model_config=mc,

@@ -77,6 +77,7 @@ class Engine:
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.validator = parts.validator
+        self.summary = parts.summary  # one line: dtype, threads or device, attention backend, KV blocks
         self.requests: dict[str, RequestState] = {}
 
     # ---- requests ----------------------------------------------------------

@@ -34,6 +34,7 @@ class PrefillWorkerInfo:
     worker_id: str
     validator: RequestValidator  # checks requests exactly as this worker's engine does
     handshakes: tuple[Handshake, ...]  # its KV sources', one per TP rank in rank order
+    engine: str = ""  # what its engine chose (Engine.summary)
 
 
 @dataclass(frozen=True)

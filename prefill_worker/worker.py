@@ -134,7 +134,7 @@ class PrefillWorker:
 
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> PrefillWorkerInfo:
-        return PrefillWorkerInfo(self.worker_id, self.engine.validator, self.handshakes)
+        return PrefillWorkerInfo(self.worker_id, self.engine.validator, self.handshakes, self.engine.summary)
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         """Prefill ``task`` and export its KV. Raises ``InvalidRequest`` for bad

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from splitserve.engine.config import cpu_has_native_bf16
 from tests.conftest import HAS_SMOLLM2
 
 pytestmark = [
@@ -92,5 +93,10 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             raise
-    assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
-    assert "stopped" in (tmp_path / "serve.log").read_text()
+    text = (tmp_path / "serve.log").read_text()
+    assert code == 0, text[-3000:]
+    assert "stopped" in text
+    # It says what each pool's engine chose (the dtype this CPU is best at, the threads it got).
+    dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    for role in ("prefill", "decode"):
+        assert f"{role} engine: llama, {dtype} on 1 torch threads" in text, text[-3000:]
