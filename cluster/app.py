@@ -141,6 +141,7 @@ class ServingCluster:
             await self.http.stop()
         if self.server is not None:
             await self.server.stop(self.config.router.shutdown_grace_s)
+        await asyncio.gather(*(w.client.close() for w in self.registry.workers()), return_exceptions=True)
         for pool in self.pools.values():
             pool.shutdown()
         self.pools.clear()

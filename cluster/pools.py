@@ -125,6 +125,7 @@ class WorkerPool:
         deadline = time.monotonic() + drain_timeout_s
         while record.holds_work and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        await record.client.close()
         self._kill(self._members[worker_id])
 
     def shutdown(self) -> None:

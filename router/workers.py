@@ -2,7 +2,7 @@
 ``RayWorker``, which implements it over a Ray actor handle.
 
 Everything the dispatcher and the registry do to a worker goes through these
-seven calls, and every error comes back as splitserve's own exception
+eight calls, and every error comes back as splitserve's own exception
 (``router.errors.unwrap``: a dead actor is ``WorkerLost``), so the request
 path never sees Ray, and its tests can drive it with plain fakes.
 """
@@ -44,6 +44,10 @@ class WorkerClient(Protocol):
 
     def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]: ...
 
+    async def close(self) -> None:
+        """Let go of what this client keeps open to the worker (a decode worker's token
+        stream; requests still running on it are aborted there). Before removal."""
+
 
 class RayWorker:
     """``WorkerClient`` over a worker actor. ``actor`` is the Ray handle (a restarted
@@ -80,9 +84,10 @@ class RayWorker:
             self._inbox = _Inbox(self.actor)
         inbox, rid = self._inbox, task.request_id
         queue = inbox.open(rid)
-        finished = False
+        started = finished = False
         try:
             await _call(self.actor.start.remote(inbox.inbox_id, task))
+            started = True  # a start that raised holds nothing there
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -96,7 +101,7 @@ class RayWorker:
                 yield item
         finally:
             inbox.close(rid)
-            if not finished:  # not awaited; its errors are of no interest (a dead worker holds nothing)
+            if started and not finished:  # not awaited; its errors are of no interest
                 aborting = asyncio.ensure_future(self.abort(rid))
                 self._aborting.add(aborting)
                 aborting.add_done_callback(self._aborted)

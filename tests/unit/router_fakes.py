@@ -103,6 +103,9 @@ class FakePrefill:
         self.aborted.append(request_id)
         return True
 
+    async def close(self) -> None:
+        pass
+
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         self.calls.append(task)
         await asyncio.sleep(self.delay_s)
@@ -167,6 +170,9 @@ class FakeDecode:
     async def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
         return True
+
+    async def close(self) -> None:
+        pass
 
     async def connect(self, handshakes: tuple[Handshake, ...]) -> None:
         self.connect_calls += 1
