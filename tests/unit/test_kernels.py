@@ -15,12 +15,13 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_rms_norm_matches_torch(dtype):
+@pytest.mark.parametrize("dim", [96, 100])  # 100: not a multiple of 16 (the bf16 vector path's unit)
+def test_add_rms_norm_matches_torch(dtype, dim):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(37, 96, generator=g).to(dtype)
-    delta = torch.randn(37, 96, generator=g).to(dtype)
-    norm = RMSNorm(96, 1e-5).to(dtype)
-    norm.weight.data = torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(37, dim, generator=g).to(dtype)
+    delta = torch.randn(37, dim, generator=g).to(dtype)
+    norm = RMSNorm(dim, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(dim, generator=g).to(dtype)
     x_ref, x_nat = x.clone(), x.clone()
     ref = norm(x_ref, delta)  # eager path: x_ref += delta, then normalise
     out = native.add_rms_norm(x_nat, delta, norm.weight, 1e-5)
@@ -33,18 +34,20 @@ def test_add_rms_norm_matches_torch(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128, 32])  # 32 takes the portable C++ path
-def test_paged_decode_matches_sdpa(dtype, head_dim):
+@pytest.mark.parametrize("group", [4, 3])  # query heads per KV head (SmolLM2: 3)
+def test_paged_decode_matches_sdpa(dtype, head_dim, group):
     g = torch.Generator().manual_seed(2)
-    seqs, heads, kv_heads, blocks, bs = 5, 8, 2, 40, 16
+    seqs, kv_heads, blocks, bs = 5, 2, 40, 16
+    heads = kv_heads * group
     k_cache = torch.randn(blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
-    lens = torch.tensor([1, 17, 40, 63, 100])
+    lens = torch.tensor([1, 17, 48, 63, 100])  # partial and whole blocks, 16-token runs and single tokens
     table = torch.randperm(blocks, generator=g)[: seqs * 7].view(seqs, 7)
     q = torch.randn(seqs, heads, head_dim, generator=g).to(dtype)
     out = native.paged_decode(q, k_cache, v_cache, table, lens, head_dim**-0.5)
     for s in range(seqs):
         n = int(lens[s])
-        k = k_cache[table[s]].reshape(-1, kv_heads, head_dim)[:n].float().repeat_interleave(4, dim=1)
-        v = v_cache[table[s]].reshape(-1, kv_heads, head_dim)[:n].float().repeat_interleave(4, dim=1)
+        k = k_cache[table[s]].reshape(-1, kv_heads, head_dim)[:n].float().repeat_interleave(group, dim=1)
+        v = v_cache[table[s]].reshape(-1, kv_heads, head_dim)[:n].float().repeat_interleave(group, dim=1)
         ref = F.scaled_dot_product_attention(q[s].float()[:, None], k.transpose(0, 1), v.transpose(0, 1))
         torch.testing.assert_close(out[s].float(), ref[:, 0], **TOL[dtype])

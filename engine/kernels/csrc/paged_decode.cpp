@@ -8,6 +8,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -84,20 +85,72 @@ inline void softmax_row(float* row, int64_t len) {
   for (; t < len; ++t) row[t] *= _mm512_cvtss_f32(inv);
 }
 
-// One (sequence, kv head) with head_dim = 16 * NC, vectorised over head_dim.
+// The sums of 16 vectors as one vector: out[j] = sum of a[j]'s 16 floats. A
+// transpose-and-add tree: about 3 instructions per vector instead of a full
+// horizontal reduction each.
+inline __m512 reduce16(const __m512* a) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // lanes: [a2i.l0+l2, a2i.l1+l3, a2i+1.l0+l2, a2i+1.l1+l3]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // lane L: four partial sums of a[4i + L]
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  const __m512 z0 = _mm512_add_ps(_mm512_unpacklo_ps(y[0], y[1]), _mm512_unpackhi_ps(y[0], y[1]));
+  const __m512 z1 = _mm512_add_ps(_mm512_unpacklo_ps(y[2], y[3]), _mm512_unpackhi_ps(y[2], y[3]));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(3, 2, 3, 2)));
+  // r[4L + p] holds the sum of a[4p + L]: put it at index 4p + L.
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(idx, r);
+}
+
+// One (sequence, kv head) with head_dim = 16 * NC, vectorised over head_dim; the
+// cache is walked block by block (no division per token). Scores are computed 16
+// tokens at a time where a block has 16 left.
 // qf: [group][16 * NC] floats (pre-scaled); scores: [group][len] scratch; acc: output [group][16 * NC].
+// Ask for the next block's rows of this head ahead of use: blocks sit at random
+// places in the cache, so the hardware prefetcher cannot follow from one to the next.
+template <typename T, int NC>
+inline void prefetch_block(const T* rows, int64_t n, int64_t tok_stride) {
+  constexpr int64_t kLines = (16 * NC * sizeof(T) + 63) / 64;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t l = 0; l < kLines; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(rows + t * tok_stride) + 64 * l, _MM_HINT_T0);
+}
+
 template <typename T, int NC>
 void attend_one(const float* qf, int64_t group, const T* kp, const T* vp, const int64_t* table, int64_t len,
                 int64_t block_size, int64_t blk_stride, int64_t tok_stride, int64_t head_off, float* scores,
                 float* acc) {
-  for (int64_t t = 0; t < len; ++t) {
-    const T* kr = kp + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + head_off;
-    __m512 k[NC];
-    for (int c = 0; c < NC; ++c) k[c] = load16(kr + 16 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qf + g * 16 * NC), k[0]);
-      for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * 16 * NC + 16 * c), k[c], a);
-      scores[g * len + t] = _mm512_reduce_add_ps(a);
+  for (int64_t base = 0; base < len; base += block_size) {
+    const T* kb = kp + table[base / block_size] * blk_stride + head_off;
+    const int64_t n = std::min(block_size, len - base);
+    if (base + block_size < len)
+      prefetch_block<T, NC>(kp + table[base / block_size + 1] * blk_stride + head_off,
+                            std::min(block_size, len - base - block_size), tok_stride);
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 q[NC], a[16];
+        for (int c = 0; c < NC; ++c) q[c] = _mm512_loadu_ps(qf + g * 16 * NC + 16 * c);
+        for (int j = 0; j < 16; ++j) {
+          const T* kr = kb + (t + j) * tok_stride;
+          a[j] = _mm512_mul_ps(q[0], load16(kr));
+          for (int c = 1; c < NC; ++c) a[j] = _mm512_fmadd_ps(q[c], load16(kr + 16 * c), a[j]);
+        }
+        _mm512_storeu_ps(scores + g * len + base + t, reduce16(a));
+      }
+    }
+    for (; t < n; ++t) {
+      const T* kr = kb + t * tok_stride;
+      __m512 k[NC];
+      for (int c = 0; c < NC; ++c) k[c] = load16(kr + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qf + g * 16 * NC), k[0]);
+        for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * 16 * NC + 16 * c), k[c], a);
+        scores[g * len + base + t] = _mm512_reduce_add_ps(a);
+      }
     }
   }
   for (int64_t g = 0; g < group; ++g) softmax_row(scores + g * len, len);
@@ -107,13 +160,20 @@ void attend_one(const float* qf, int64_t group, const T* kp, const T* vp, const 
     __m512 o[MAXG][NC];
     for (int g = 0; g < MAXG; ++g)
       for (int c = 0; c < NC; ++c) o[g][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) {
-      const T* vr = vp + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + head_off;
-      __m512 v[NC];
-      for (int c = 0; c < NC; ++c) v[c] = load16(vr + 16 * c);
-      for (int64_t g = 0; g < ng; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * len + t]);
-        for (int c = 0; c < NC; ++c) o[g][c] = _mm512_fmadd_ps(p, v[c], o[g][c]);
+    for (int64_t base = 0; base < len; base += block_size) {
+      const T* vb = vp + table[base / block_size] * blk_stride + head_off;
+      const int64_t n = std::min(block_size, len - base);
+      if (base + block_size < len)
+        prefetch_block<T, NC>(vp + table[base / block_size + 1] * blk_stride + head_off,
+                              std::min(block_size, len - base - block_size), tok_stride);
+      for (int64_t t = 0; t < n; ++t) {
+        const T* vr = vb + t * tok_stride;
+        __m512 v[NC];
+        for (int c = 0; c < NC; ++c) v[c] = load16(vr + 16 * c);
+        for (int64_t g = 0; g < ng; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[(g0 + g) * len + base + t]);
+          for (int c = 0; c < NC; ++c) o[g][c] = _mm512_fmadd_ps(p, v[c], o[g][c]);
+        }
       }
     }
     for (int64_t g = 0; g < ng; ++g)
