@@ -198,19 +198,20 @@ def bare_pair(backend: str, name: str):
 def test_source_killed_after_export_fails_fast_or_delivers_intact(backend):
     """nixl and torch_dist read the source's memory: a dead source is a typed error
     at once (not a TransferTimeout after the pull's 5 minutes). The ray backend
-    copied the blocks into the object store at export, which outlives the source
-    on this node: the pull completes, verified."""
+    copied the blocks into the object store at export, but the source process owns
+    that object, and Ray drops an object whose owner died: the pull either still
+    finds it (delivered, verified) or fails at once with a typed error."""
     src, sink, cache = bare_pair(backend, "decode-k")
     desc = src.call(ExportRandom(num_tokens=200)).descriptor
     src.kill()
     dst = list(range(len(desc.block_ids)))
-    if backend == "ray":
+    try:
         sink.pull(desc, dst, timeout=300.0)
-        assert checksum(cache, dst) == desc.checksum and bool(cache.view(torch.uint8).any())
+    except KVTransferError as e:
+        assert not isinstance(e, TransferTimeout), "a dead source must fail at once"
     else:
-        with pytest.raises(KVTransferError) as err:
-            sink.pull(desc, dst, timeout=300.0)
-        assert not isinstance(err.value, TransferTimeout), "a dead source must fail at once"
+        assert backend == "ray", "only the ray backend can deliver from a dead source"
+        assert checksum(cache, dst) == desc.checksum and bool(cache.view(torch.uint8).any())
     sink.close()
 
 
