@@ -8,6 +8,13 @@ engine config generates the same requests offline in one ``generate`` call.
 Prints both output tokens/s and their ratio (served / offline), measured in
 the same run; the serving path is "free" at 1.0.
 
+Then the latency half: the same cluster takes ``--requests`` fresh prompts as a
+Poisson stream at half the request rate it just sustained. Its TPOT p50
+(client-side: (last token - first token) / (tokens - 1), as vLLM's) is set
+against the engine's own decode step at that load's mean concurrency (Little's
+law: rate x mean end-to-end time), measured offline on the same engine config
+as (time for ``--output-len`` tokens - time for 1) / (``--output-len`` - 1).
+
     python -m splitserve.bench.serving_efficiency                      # SmolLM2, 48 x 256/128
     python -m splitserve.bench.serving_efficiency --requests 16 --output-len 64
 """
@@ -17,13 +24,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import sys
 import time
+from dataclasses import dataclass
 
 import ray
 
 from splitserve.bench.workloads import random_requests
-from splitserve.client import AsyncClient
+from splitserve.client import AsyncClient, Chunk
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.engine import Engine, SamplingParams
@@ -34,8 +43,23 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def served(config: ClusterConfig, prompts: list[list[int]], output_len: int, cpus: int) -> float:
-    """Output tokens/s of the whole batch through router, Ray and the worker."""
+@dataclass(frozen=True)
+class HalfRate:
+    rate: float  # requests/s offered
+    tpot_p50_ms: float
+    concurrency: float  # mean requests in flight (rate x mean e2e)
+
+
+def served(
+    config: ClusterConfig,
+    prompts: list[list[int]],
+    fresh: list[list[int]],
+    output_len: int,
+    cpus: int,
+    seed: int,
+) -> tuple[float, HalfRate]:
+    """Output tokens/s of the whole batch through router, Ray and the worker; then
+    ``fresh`` as a Poisson stream at half the request rate that batch achieved."""
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     try:
         with BackgroundCluster(config) as cluster:
@@ -43,11 +67,42 @@ def served(config: ClusterConfig, prompts: list[list[int]], output_len: int, cpu
             t0 = time.perf_counter()
             tokens = asyncio.run(_generate(cluster.address, prompts, output_len))
             elapsed = time.perf_counter() - t0
+            rate = len(prompts) / elapsed / 2
+            half = asyncio.run(_poisson(cluster.address, fresh, output_len, rate, seed))
     finally:
         ray.shutdown()
     if tokens != len(prompts) * output_len:
         raise RuntimeError(f"expected {len(prompts) * output_len} output tokens, got {tokens}")
-    return tokens / elapsed
+    return tokens / elapsed, half
+
+
+async def _poisson(
+    address: str, prompts: list[list[int]], output_len: int, rate: float, seed: int
+) -> HalfRate:
+    client = AsyncClient(address, timeout=3600)
+    rng = random.Random(seed)
+
+    async def one(prompt: list[int]) -> tuple[float, float]:
+        """(TPOT in s, e2e in s), from the times this client saw."""
+        sent, seen = time.perf_counter(), []
+        async for item in client.stream(prompt, max_tokens=output_len, ignore_eos=True):
+            if isinstance(item, Chunk):
+                seen.extend([time.perf_counter()] * len(item.token_ids))
+        if len(seen) != output_len:
+            raise RuntimeError(f"expected {output_len} output tokens, got {len(seen)}")
+        return (seen[-1] - seen[0]) / (len(seen) - 1), time.perf_counter() - sent
+
+    tasks = []
+    try:
+        for prompt in prompts:
+            tasks.append(asyncio.ensure_future(one(prompt)))
+            await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+    finally:
+        await client.close()
+    tpots = sorted(t for t, _ in results)
+    mean_e2e = sum(e for _, e in results) / len(results)
+    return HalfRate(rate, tpots[len(tpots) // 2] * 1000, rate * mean_e2e)
 
 
 async def _generate(address: str, prompts: list[list[int]], output_len: int) -> int:
@@ -61,14 +116,28 @@ async def _generate(address: str, prompts: list[list[int]], output_len: int) -> 
     return sum(len(o.token_ids) for o in outs)
 
 
-def offline(config: ClusterConfig, prompts: list[list[int]], output_len: int) -> float:
+def offline(
+    config: ClusterConfig, prompts: list[list[int]], step_prompts: list[list[int]], output_len: int
+) -> tuple[float, float]:
+    """Output tokens/s of ``prompts`` in one ``generate``; and the decode step (ms) with
+    ``len(step_prompts)`` sequences running."""
     engine = Engine(config.engine_config("colocated"))
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
     done = engine.generate(prompts, params)
     elapsed = time.perf_counter() - t0
-    return sum(len(c.token_ids) for c in done) / elapsed
+    tps = sum(len(c.token_ids) for c in done) / elapsed
+
+    def timed(n: int) -> float:
+        t = time.perf_counter()
+        engine.generate(step_prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - t
+
+    # The first call caches the prompts' blocks, so both timed calls prefill alike (cached).
+    timed(1)
+    step_ms = (timed(output_len) - timed(1)) / (output_len - 1) * 1000
+    return tps, step_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.output_len < 2:
+        ap.error("--output-len must be at least 2 (TPOT needs two tokens)")
     cpus = os.cpu_count() or 1
     config = ClusterConfig.model_validate(
         {
@@ -91,11 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     engine_cfg = config.engine_config("colocated")
     vocab = load_hf_config(resolve_source(args.model)).vocab_size
     reqs = random_requests(args.requests, args.input_len, args.output_len, vocab_size=vocab, seed=args.seed)
+    fresh = random_requests(
+        args.requests, args.input_len, args.output_len, vocab_size=vocab, seed=args.seed + 1
+    )
     prompts = [r.prompt_ids for r in reqs]
     log(f"served: one colocated worker with {cpus} CPUs ...")
-    served_tps = served(config, prompts, args.output_len, cpus)
-    log("offline: the same engine config in this process ...")
-    offline_tps = offline(config, prompts, args.output_len)
+    served_tps, half = served(
+        config, prompts, [r.prompt_ids for r in fresh], args.output_len, cpus, args.seed
+    )
+    batch = max(1, round(half.concurrency))
+    step = random_requests(batch, args.input_len, args.output_len, vocab_size=vocab, seed=args.seed + 2)
+    log(f"offline: the same engine config in this process; decode step at batch {batch} ...")
+    offline_tps, step_ms = offline(config, prompts, [r.prompt_ids for r in step], args.output_len)
     print(
         f"model {args.model}, {args.requests} requests x {args.input_len}/{args.output_len} tokens, "
         f"{cpus} CPUs, max_num_seqs {engine_cfg.max_num_seqs}"
@@ -104,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'offline':<8} {offline_tps:>12.1f}")
     print(f"{'served':<8} {served_tps:>12.1f}")
     print(f"served / offline = {served_tps / offline_tps:.3f}x")
+    print(
+        f"at half that rate ({half.rate:.2f} req/s, Poisson; mean concurrency {half.concurrency:.1f}): "
+        f"TPOT p50 {half.tpot_p50_ms:.1f} ms; the engine's decode step at batch {batch}: {step_ms:.1f} ms; "
+        f"TPOT / step = {half.tpot_p50_ms / step_ms:.2f}x"
+    )
     return 0
 
 

@@ -1,6 +1,7 @@
 """``bench.serving_efficiency`` end to end on the tiny model: it serves every
 request through a real cluster (the bench itself checks every output token
-arrived), runs the same requests offline, and prints the ratio."""
+arrived), runs the same requests offline, and prints the ratio; then a Poisson stream at
+half that rate, whose TPOT it sets against the engine's own decode step."""
 
 from __future__ import annotations
 
@@ -19,3 +20,8 @@ def test_serving_efficiency_runs_both_paths(tmp_path_factory, capsys):
     offline, served = rates["offline"], rates["served"]
     assert offline > 0 and served > 0
     assert f"served / offline = {served / offline:.3f}x" in out
+    half = re.search(
+        r"TPOT p50 ([\d.]+) ms; .* decode step at batch (\d+): ([\d.]+) ms; TPOT / step = ([\d.]+)x", out
+    )
+    assert half is not None, out
+    assert float(half[1]) > 0 and int(half[2]) >= 1 and float(half[3]) > 0 and float(half[4]) > 0
