@@ -94,9 +94,13 @@ if __name__ == "__main__":
 def offline_vllm(vllm: Vllm, work_file: Path) -> dict[str, float]:
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(VLLM_OFFLINE)
-    proc = vllm.popen(["python", f.name, str(vllm.model), str(work_file)], stdout=subprocess.PIPE, text=True)
-    out, _ = proc.communicate(timeout=1800)
-    os.unlink(f.name)
+    try:
+        proc = vllm.popen(
+            ["python", f.name, str(vllm.model), str(work_file)], stdout=subprocess.PIPE, text=True
+        )
+        out, _ = proc.communicate(timeout=1800)
+    finally:
+        os.unlink(f.name)
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM's offline run failed (exit {proc.returncode})")
@@ -134,11 +138,13 @@ def offline(vllm: Vllm, args: argparse.Namespace, vocab: int) -> None:
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(work, f)
-    log("offline: vLLM ...")
-    theirs = offline_vllm(vllm, Path(f.name))
+    try:
+        log("offline: vLLM ...")
+        theirs = offline_vllm(vllm, Path(f.name))
+    finally:
+        os.unlink(f.name)
     log("offline: splitserve ...")
     ours = offline_splitserve(work)
-    os.unlink(f.name)
     shape = f"{args.batch} x {args.input_len}/{args.output_len}; batch 1: {args.single_len} new"
     print(f"\noffline output tok/s ({shape})")
     print(f"{'':<22} {'vLLM':>8} {'splitserve':>11} {'ratio':>7}")

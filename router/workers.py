@@ -42,7 +42,11 @@ class WorkerClient(Protocol):
 
     async def connect(self, handshakes: tuple[Handshake, ...]) -> None: ...
 
-    def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]: ...
+    def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
+        """The request's batches, up to the one with ``finish_reason``. A batch's
+        ``error`` is raised after its tokens; a lost worker is ``WorkerLost``.
+        Leaving early aborts the request on the worker (its blocks are freed)."""
+        ...
 
     async def close(self) -> None:
         """Let go of what this client keeps open to the worker (a decode worker's token

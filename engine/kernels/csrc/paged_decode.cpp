@@ -123,12 +123,18 @@ template <typename T, int NC>
 void attend_one(const float* qf, int64_t group, const T* kp, const T* vp, const int64_t* table, int64_t len,
                 int64_t block_size, int64_t blk_stride, int64_t tok_stride, int64_t head_off, float* scores,
                 float* acc) {
-  for (int64_t base = 0; base < len; base += block_size) {
-    const T* kb = kp + table[base / block_size] * blk_stride + head_off;
-    const int64_t n = std::min(block_size, len - base);
+  // This head's rows in the block holding token `base` of `cache`; the next block's
+  // rows are prefetched on the way.
+  auto enter_block = [&](const T* cache, int64_t base) {
+    const int64_t b = base / block_size;
     if (base + block_size < len)
-      prefetch_block<T, NC>(kp + table[base / block_size + 1] * blk_stride + head_off,
+      prefetch_block<T, NC>(cache + table[b + 1] * blk_stride + head_off,
                             std::min(block_size, len - base - block_size), tok_stride);
+    return cache + table[b] * blk_stride + head_off;
+  };
+  for (int64_t base = 0; base < len; base += block_size) {
+    const T* kb = enter_block(kp, base);
+    const int64_t n = std::min(block_size, len - base);
     int64_t t = 0;
     for (; t + 16 <= n; t += 16) {
       for (int64_t g = 0; g < group; ++g) {
@@ -161,11 +167,8 @@ void attend_one(const float* qf, int64_t group, const T* kp, const T* vp, const 
     for (int g = 0; g < MAXG; ++g)
       for (int c = 0; c < NC; ++c) o[g][c] = _mm512_setzero_ps();
     for (int64_t base = 0; base < len; base += block_size) {
-      const T* vb = vp + table[base / block_size] * blk_stride + head_off;
+      const T* vb = enter_block(vp, base);
       const int64_t n = std::min(block_size, len - base);
-      if (base + block_size < len)
-        prefetch_block<T, NC>(vp + table[base / block_size + 1] * blk_stride + head_off,
-                              std::min(block_size, len - base - block_size), tok_stride);
       for (int64_t t = 0; t < n; ++t) {
         const T* vr = vb + t * tok_stride;
         __m512 v[NC];
