@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.errors import SplitserveError
 from splitserve.engine.outputs import EngineStats
+from splitserve.engine.prefix_cache import PrefixUpdate
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import FinishReason
 from splitserve.engine.validation import RequestValidator
@@ -83,3 +84,4 @@ class DecodeStats:
     num_streams: int  # requests this worker is streaming
     num_waiting_for_blocks: int  # imported requests queued for KV blocks (FIFO)
     num_pulling: int  # imported requests whose KV is moving in
+    prefix: PrefixUpdate | None = None  # its prefix cache's changes since the caller's cursor

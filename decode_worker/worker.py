@@ -62,6 +62,7 @@ from splitserve.engine import (
     Overloaded,
     RequestOutput,
 )
+from splitserve.engine.prefix_cache import PrefixCursor
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVHandoff
 from splitserve.kv_transfer.errors import HandshakeRequired, LeaseExpired
@@ -180,8 +181,9 @@ class DecodeWorker:
             self._end(request_id, abort=False)
         return await asyncio.wrap_future(self._abort_in_engine(request_id))
 
-    async def stats(self) -> DecodeStats:
-        engine = await self._call(lambda e: e.stats())
+    async def stats(self, prefix_since: PrefixCursor | None = None) -> DecodeStats:
+        """Load figures, and the prefix cache's changes since ``prefix_since``."""
+        engine, prefix = await self._call(lambda e: (e.stats(), e.prefix_update(prefix_since)))
         states = list(self._states.values())
         return DecodeStats(
             self.worker_id,
@@ -189,6 +191,7 @@ class DecodeWorker:
             len(self._requests),
             num_waiting_for_blocks=states.count(AdmissionState.WAITING_FOR_BLOCKS),
             num_pulling=states.count(AdmissionState.PULLING),
+            prefix=prefix,
         )
 
     def shutdown(self) -> None:

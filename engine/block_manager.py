@@ -7,8 +7,9 @@ Layout of one sequence over its block table (block_size = 4)::
     block_table    [   17      |    4        |  9   ]   <- last block partly filled
     hashes         [   h0      |    h1       ]          <- only full blocks are hashed
 
-Prefix caching: a full block is identified by ``hash(parent_hash, its tokens)``,
-so equal content after a different prefix never matches. When a block's last
+Prefix caching: a full block is identified by ``block_hash(parent_hash, its
+tokens)`` (``engine.prefix_cache``: a named hash, the same in every process), so
+equal content after a different prefix never matches. When a block's last
 token has been computed its hash is registered; a later sequence whose prompt
 starts with the same tokens takes a reference to the block instead of computing
 it again. Freed blocks keep their hash and stay findable until the allocator
@@ -16,6 +17,9 @@ reuses them, least recently freed first (LRU eviction). The block holding a
 prompt's last token is never taken from the cache, so every prompt computes at
 least one token (its logits give the first output token) and never writes into
 a shared block.
+
+Every hash registered or dropped is written to ``prefix_log``, which a router
+follows to know which prefixes this cache holds.
 
 Ownership: the sequence holds one reference per entry in its block table;
 ``free`` drops them all. A block returns to the free pool when its count is 0.
@@ -25,12 +29,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from splitserve.engine.prefix_cache import PrefixCursor, PrefixLog, PrefixUpdate, block_hash
 from splitserve.engine.sequence import Sequence
-
-
-def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Hash of a full block given its parent's hash; deterministic across processes."""
-    return hash((parent if parent is not None else -1, tokens))
 
 
 class BlockManager:
@@ -51,6 +51,7 @@ class BlockManager:
         # Per-sequence chain of hashes of its full, computed blocks.
         self._seq_hashes: dict[int, list[int]] = {}
         self.prefix_hits = 0  # tokens served from the cache since start (a metric)
+        self.prefix_log = PrefixLog()
 
     # ---- queries -----------------------------------------------------------
     @property
@@ -60,6 +61,10 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_blocks)
+
+    def prefix_update(self, cursor: PrefixCursor | None) -> PrefixUpdate:
+        """The registered hashes that changed since ``cursor`` (``engine.prefix_cache``)."""
+        return self.prefix_log.since(cursor, self.hash_to_block)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -132,6 +137,7 @@ class BlockManager:
                 self.block_hashes[block] = h
                 self.block_tokens[block] = tokens
                 self.hash_to_block[h] = block
+                self.prefix_log.stored(h)
             hashes.append(h)
             parent = h
 
@@ -156,6 +162,7 @@ class BlockManager:
         if h is not None:  # evict: its content is about to be overwritten
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
+                self.prefix_log.removed(h)
             self.block_hashes[block] = None
             self.block_tokens[block] = None
         self.ref_counts[block] = 1

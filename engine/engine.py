@@ -28,6 +28,7 @@ Not thread-safe: one thread drives an engine.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.errors import InvalidRequest, Overloaded, UnknownRequest
 from splitserve.engine.outputs import CompletionOutput, EngineStats, PrefilledRequest, RequestOutput
 from splitserve.engine.parallel import TPGroup
+from splitserve.engine.prefix_cache import PrefixCursor, PrefixUpdate
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -79,6 +81,7 @@ class Engine:
         self.validator = parts.validator
         self.summary = parts.summary  # one line: dtype, threads or device, attention backend, KV blocks
         self.requests: dict[str, RequestState] = {}
+        self._prefill_rate = PrefillRate()
 
     # ---- requests ----------------------------------------------------------
     def add_request(
@@ -129,7 +132,12 @@ class Engine:
             num_pending_prompt_tokens=pending,
             num_blocks=self.block_manager.num_blocks,
             num_free_blocks=self.block_manager.num_free_blocks,
+            prefill_tokens_per_s=self._prefill_rate.tokens_per_s,
         )
+
+    def prefix_update(self, cursor: PrefixCursor | None) -> PrefixUpdate:
+        """The prefix-cache hashes this engine registered or dropped since ``cursor``."""
+        return self.block_manager.prefix_update(cursor)
 
     # ---- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -146,7 +154,15 @@ class Engine:
         if not sched.scheduled:
             return outputs
         sampling = {id(s.seq) for s in sched.scheduled if s.samples}  # before counts change
+        prompt_tokens = sum(
+            min(s.num_new_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens)
+            for s in sched.scheduled
+            if s.seq.num_computed_tokens < s.seq.num_prompt_tokens
+        )
+        started = time.perf_counter()
         ordered, result = self.runner.execute(sched.scheduled)
+        if prompt_tokens:
+            self._prefill_rate.add(prompt_tokens, time.perf_counter() - started)
         k = 0
         for s in ordered:
             seq = s.seq
@@ -285,3 +301,22 @@ class Engine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.requests.pop(seq.request_id, None)
+
+
+class PrefillRate:
+    """Prompt tokens per second over recent steps that computed prompt tokens: token
+    and time totals that decay by ``decay`` per step (so one odd step moves it little,
+    and it follows a load that changes)."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self._tokens = 0.0
+        self._seconds = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self._tokens = self._tokens * self.decay + tokens
+        self._seconds = self._seconds * self.decay + seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self._tokens / self._seconds if self._seconds > 0 else 0.0

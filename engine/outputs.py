@@ -62,6 +62,9 @@ class EngineStats:
     num_pending_prompt_tokens: int  # prompt tokens of waiting and running sequences not yet computed
     num_blocks: int
     num_free_blocks: int
+    # prompt tokens computed per second of the steps that computed any (a moving
+    # average, mixed steps included); 0.0 until the first such step
+    prefill_tokens_per_s: float = 0.0
 
     @property
     def num_used_blocks(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.outputs import EngineStats
 from splitserve.engine.parallel.tp_init import TPInit
+from splitserve.engine.prefix_cache import PrefixUpdate
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import FinishReason
 from splitserve.engine.validation import RequestValidator
@@ -70,3 +71,4 @@ class PrefillStats:
     leases_confirmed: int  # exports ended by a decode worker's confirmation, since start
     leases_expired: int  # exports whose lease ran out unconfirmed
     leases_released: int  # exports given up (request cancelled or failed)
+    prefix: PrefixUpdate | None = None  # its prefix cache's changes since the caller's cursor

@@ -51,6 +51,7 @@ from splitserve.engine import (
     RequestOutput,
     UnknownRequest,
 )
+from splitserve.engine.prefix_cache import PrefixCursor
 from splitserve.kv_transfer import KVTransferError, get_backend
 from splitserve.kv_transfer.contract import (
     CompatInfo,
@@ -182,7 +183,9 @@ class PrefillWorker:
         if shards:
             self.loop.call(lambda e: self.tp.broadcast_object(ConfirmShard(shards)))
 
-    async def stats(self) -> PrefillStats:
+    async def stats(self, prefix_since: PrefixCursor | None = None) -> PrefillStats:
+        """Load and lease figures, and the prefix cache's changes since ``prefix_since``."""
+
         def snapshot(engine: Engine) -> PrefillStats:
             ends = self._lease_ends
             return PrefillStats(
@@ -192,6 +195,7 @@ class PrefillWorker:
                 leases_confirmed=ends[TransferState.CONFIRMED],
                 leases_expired=ends[TransferState.EXPIRED],
                 leases_released=ends[TransferState.RELEASED],
+                prefix=engine.prefix_update(prefix_since),
             )
 
         return await asyncio.wrap_future(self.loop.call(snapshot))

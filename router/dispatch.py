@@ -4,8 +4,8 @@
 
     generate(inp)
       validate (InvalidRequest) -> admit (Overloaded past LimitsSpec)
-      -> pick a decode worker, and a prefill worker unless the policy prefills
-         on the decode worker (colocated mode, or a prompt under the threshold)
+      -> pick a decode worker and a prefill worker (router.balancer), and decide
+         where the prompt is prefilled (router.decider): LOCAL skips to generate
       -> prefill(task)                   -> first token: TokenEvent; a KVHandoff
       -> link the pair (handshakes, once per decode worker and prefill incarnation)
       -> generate(task with the handoff) -> first batch: confirmations, forwarded
@@ -43,7 +43,8 @@ from splitserve.engine.sequence import FinishReason
 from splitserve.engine.validation import RequestValidator
 from splitserve.kv_transfer.errors import HandshakeRequired, PeerLost
 from splitserve.prefill_worker.api import PrefillResult, PrefillTask
-from splitserve.router.balancer import pick_decode, pick_prefill
+from splitserve.router.balancer import Prompt, pick_decode, pick_prefill
+from splitserve.router.decider import Decider, Placement
 from splitserve.router.errors import WorkerLost
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.peers import PeerLinks
@@ -78,6 +79,7 @@ class Dispatcher:
         self.limits = limits or LimitsSpec()
         self.policy = policy or PolicySpec()
         self.links = PeerLinks(registry)
+        self.decider = Decider()
         self.inflight: dict[str, float] = {}  # request id -> accepted (time.time())
         self._background: set[asyncio.Task] = set()
 
@@ -118,15 +120,21 @@ class Dispatcher:
     # ---- the path ------------------------------------------------------------------
     async def _run(self, req: RequestState) -> AsyncIterator[TokenEvent | FinalEvent]:
         n = len(req.prompt_ids)
-        dw = pick_decode(self.registry.routable(self.decode_role), n + 1)
-        if dw is None:
+        decoders = self.registry.routable(self.decode_role)
+        if not decoders:
             raise WorkerLost("no decode worker is available")
-        local = self.colocated or n < self.policy.local_prefill_below_tokens
+        prompt = Prompt.of(req.prompt_ids, decoders[0].block_size)
+        dw = pick_decode(decoders, prompt, n + 1)
+        pw = None
+        if not self.colocated:
+            pw = pick_prefill(self.registry.routable("prefill"), prompt, self.policy.prefix_affinity)
+        decision = self.decider.decide(self.policy, prompt, dw, pw, self.colocated)
         prefill: WorkerRecord | None = None
         first: list[int] = []
         handoff = None
-        if not local:
-            result = await self._prefill(req)
+        if decision.placement == Placement.REMOTE:
+            result = await self._prefill(req, prompt, pw)
+            req.prefilled_at = time.monotonic()
             req.cached = result.num_cached_tokens
             first = result.output_token_ids
             yield self._tokens(req, first, result.text, result.logprobs, [result.token_time] * len(first))
@@ -145,7 +153,7 @@ class Dispatcher:
             except WorkerLost:
                 self.links.forget(dw.worker_id)
                 candidates = [w for w in self.registry.routable(self.decode_role) if w is not dw]
-                dw = pick_decode(candidates, n + 1) if attempt == 0 else None
+                dw = pick_decode(candidates, prompt, n + 1) if attempt == 0 else None
                 if dw is None:
                     raise
                 log.warning("decode worker lost during %s; continuing on %s", req.request_id, dw.worker_id)
@@ -153,12 +161,14 @@ class Dispatcher:
                 if prefill is not None:  # the resumed task prefills again: free the export now
                     self._in_background(prefill.client.abort(req.request_id))
 
-    async def _prefill(self, req: RequestState) -> PrefillResult:
+    async def _prefill(self, req: RequestState, prompt: Prompt, pw: WorkerRecord) -> PrefillResult:
+        """Prefill on ``pw``; a lost worker is replaced by the next pick, once each."""
         tried: set[str] = set()
         n = len(req.prompt_ids)
         while True:
-            candidates = [w for w in self.registry.routable("prefill") if w.worker_id not in tried]
-            pw = pick_prefill(candidates, req.prompt_ids, self.policy.prefix_affinity)
+            if pw is None:
+                candidates = [w for w in self.registry.routable("prefill") if w.worker_id not in tried]
+                pw = pick_prefill(candidates, prompt, self.policy.prefix_affinity)
             if pw is None:
                 raise WorkerLost("no prefill worker is available")
             tried.add(pw.worker_id)
@@ -174,6 +184,7 @@ class Dispatcher:
                     return await req.within(pw.client.prefill(task))
             except WorkerLost:
                 log.warning("prefill worker %s lost request %s; retrying", pw.worker_id, req.request_id)
+                pw = None
 
     async def _decode(
         self, req: RequestState, dw: WorkerRecord, task: DecodeTask, prefill: WorkerRecord | None
@@ -202,26 +213,33 @@ class Dispatcher:
         self, req: RequestState, dw: WorkerRecord, task: DecodeTask, prefill: WorkerRecord | None
     ) -> AsyncIterator[TokenEvent | FinalEvent]:
         reserve = len(task.prompt_token_ids) + task.params.max_tokens
-        with self.registry.decoding(dw, req.request_id, reserve):
-            async with contextlib.aclosing(dw.client.generate(task)) as stream:
-                while True:
-                    try:
-                        batch: TokenBatch = await req.within(anext(stream))
-                    except StopAsyncIteration:
-                        raise WorkerLost(f"decode worker {dw.worker_id} ended the stream early") from None
-                    if batch.confirmations and prefill is not None:
-                        self._in_background(prefill.client.confirm(batch.confirmations))
-                    if batch.transfer_s is not None:
-                        req.transfer_s = batch.transfer_s
-                    req.cached = max(req.cached, batch.num_cached_tokens)
-                    if batch.token_ids or batch.text:
-                        yield self._tokens(
-                            req, batch.token_ids, batch.text, batch.logprobs, batch.token_times
-                        )
-                    if batch.finish_reason is not None:
-                        prefill_id = prefill.worker_id if prefill else ""
-                        yield self._final(req, batch.finish_reason, prefill_id, dw.worker_id)
-                        return
+        local_prefill = task.handoff is None  # dw prefills the prompt: queued there until its first token
+        async with contextlib.AsyncExitStack() as held:
+            held.enter_context(self.registry.decoding(dw, req.request_id, reserve))
+            if local_prefill:
+                held.enter_context(self.registry.prefilling(dw, req.request_id, len(task.prompt_token_ids)))
+            stream = await held.enter_async_context(contextlib.aclosing(dw.client.generate(task)))
+            while True:
+                try:
+                    batch: TokenBatch = await req.within(anext(stream))
+                except StopAsyncIteration:
+                    raise WorkerLost(f"decode worker {dw.worker_id} ended the stream early") from None
+                if batch.confirmations and prefill is not None:
+                    self._in_background(prefill.client.confirm(batch.confirmations))
+                if batch.transfer_s is not None:
+                    req.transfer_s = batch.transfer_s
+                    if req.prefilled_at is not None:
+                        self.decider.observe_handover(time.monotonic() - req.prefilled_at)
+                if local_prefill and (batch.token_ids or batch.finish_reason is not None):
+                    self.registry.prefill_done(dw, req.request_id)
+                    local_prefill = False
+                req.cached = max(req.cached, batch.num_cached_tokens)
+                if batch.token_ids or batch.text:
+                    yield self._tokens(req, batch.token_ids, batch.text, batch.logprobs, batch.token_times)
+                if batch.finish_reason is not None:
+                    prefill_id = prefill.worker_id if prefill else ""
+                    yield self._final(req, batch.finish_reason, prefill_id, dw.worker_id)
+                    return
 
     def _resume_task(self, req: RequestState) -> DecodeTask:
         """Continue on another decode worker: prefill prompt + sent tokens there."""

@@ -30,9 +30,29 @@ class LimitsSpec(StrictModel):
 
 
 class PolicySpec(StrictModel):
+    """How the router places work (``router.decider`` and ``router.balancer`` say how
+    each field is used)."""
+
+    conditional_disaggregation: bool = Field(
+        True,
+        description="decide per request whether the decode worker prefills the prompt itself, from "
+        "measured prefill rate, handover time, queues and cached prefixes (router.decider); "
+        "false: every prompt goes to a prefill worker unless under local_prefill_below_tokens",
+    )
+    local_prefill_max_stall_ms: float = Field(
+        100.0,
+        ge=0,
+        description="the longest a prefill on a decode worker may hold up the sequences it is "
+        "decoding (estimated from the measured prefill rate); past it the prompt goes to a prefill worker",
+    )
     local_prefill_below_tokens: int = Field(
-        0, ge=0, description="prompts shorter than this are prefilled on the decode worker (0: never)"
+        0,
+        ge=0,
+        description="prompts with fewer uncached tokens than this are always prefilled on the decode "
+        "worker (0: no such floor)",
     )
     prefix_affinity: bool = Field(
-        False, description="send prompts with the same first block to one prefill worker"
+        False,
+        description="send prompts with the same first block to one prefill worker even before any "
+        "worker reports it cached (workers that report a cached prefix are preferred anyway)",
     )

@@ -7,9 +7,9 @@ through a registry method::
     field                               written by (method)
     ---------------------------------   -------------------------------------------
     state (membership)                  the pools: add, activate, drain, remove
-    alive, stats, error                 poll() (the router's poller, status calls)
+    alive, stats, error, prefix         poll() (the router's poller, status calls)
     info (validator, handshakes)        activate, handshakes_for (after a restart)
-    prefilling / decoding / unpolled    the dispatcher: prefilling(), decoding()
+    prefilling / decoding / unpolled    the dispatcher: prefilling(), prefill_done(), decoding()
 
 A worker's lifecycle::
 
@@ -40,6 +40,7 @@ from splitserve.kv_transfer.contract import Handshake
 from splitserve.kv_transfer.errors import PeerLost
 from splitserve.prefill_worker.api import PrefillStats, PrefillWorkerInfo
 from splitserve.router.errors import WorkerLost
+from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.workers import WorkerClient, WorkerInfo, WorkerStats
 
 
@@ -65,6 +66,7 @@ class WorkerRecord:
     prefilling: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens sent
     decoding: dict[str, int] = field(default_factory=dict)  # request id -> KV tokens reserved
     unpolled: set[str] = field(default_factory=set)  # decoding ids sent since the last poll began
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)  # its prefix cache, as last polled
 
     @property
     def handshakes(self) -> tuple[Handshake, ...]:
@@ -83,7 +85,7 @@ class WorkerRecord:
     @property
     def active(self) -> int:
         """Requests this worker holds for the router (prefilling or streaming)."""
-        return len(self.prefilling) + len(self.decoding)
+        return len(self.prefilling.keys() | self.decoding.keys())
 
     @property
     def holds_work(self) -> bool:
@@ -110,6 +112,22 @@ class WorkerRecord:
     @property
     def free_tokens(self) -> int:
         return self.free_blocks * self.block_size - self.reserved_tokens
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Its engine's measured prompt throughput (0.0 until measured)."""
+        return self.stats.engine.prefill_tokens_per_s if self.stats else 0.0
+
+    @property
+    def pending_prompt_tokens(self) -> int:
+        """Prompt tokens its engine has still to compute (as last polled)."""
+        return self.stats.engine.num_pending_prompt_tokens if self.stats else 0
+
+    def cached_tokens(self, prompt_hashes: list[int], prompt_len: int) -> int:
+        """Prompt tokens this worker would take from its prefix cache (as last polled);
+        the block holding the prompt's last token is always computed."""
+        usable = (prompt_len - 1) // self.block_size if prompt_len else 0
+        return self.prefix.cached_blocks(prompt_hashes[:usable]) * self.block_size
 
 
 class WorkerRegistry:
@@ -160,13 +178,15 @@ class WorkerRegistry:
     async def _poll_one(self, w: WorkerRecord) -> None:
         seen = set(w.unpolled)  # requests the answer will include
         try:
-            stats = await asyncio.wait_for(w.client.stats(), self.poll_timeout_s)
+            stats = await asyncio.wait_for(w.client.stats(w.prefix.cursor), self.poll_timeout_s)
         except Exception as e:
             w.alive = not isinstance(e, WorkerLost)
             w.error = f"{e.__class__.__name__}: {e}"
             return
         w.alive, w.stats, w.error = True, stats, ""
         w.unpolled -= seen
+        if stats.prefix is not None:
+            w.prefix.apply(stats.prefix)
 
     # ---- router load (the dispatcher) ----------------------------------------------------
     @contextlib.contextmanager
@@ -177,6 +197,11 @@ class WorkerRegistry:
             yield
         finally:
             w.prefilling.pop(request_id, None)
+
+    def prefill_done(self, w: WorkerRecord, request_id: str) -> None:
+        """``request_id``'s prompt has produced its first token on ``w`` (before its
+        ``prefilling`` ends, e.g. on a decode worker that goes on to decode it)."""
+        w.prefilling.pop(request_id, None)
 
     @contextlib.contextmanager
     def decoding(self, w: WorkerRecord, request_id: str, kv_tokens: int) -> Iterator[None]:

@@ -26,6 +26,7 @@ class RequestState:
         self.sent: list[int] = []  # token ids yielded to the client so far
         self.first_token_at: float | None = None
         self.prefill_started: float | None = None
+        self.prefilled_at: float | None = None  # time.monotonic() when a prefill worker's result came
         self.transfer_s = 0.0
         self.cached = 0
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import ray
 
 from splitserve.decode_worker.api import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
+from splitserve.engine.prefix_cache import PrefixCursor
 from splitserve.kv_transfer.contract import Confirmation, Handshake
 from splitserve.prefill_worker.api import PrefillResult, PrefillStats, PrefillTask, PrefillWorkerInfo
 from splitserve.router.errors import WorkerLost, unwrap
@@ -32,7 +33,9 @@ class WorkerClient(Protocol):
 
     async def info(self) -> WorkerInfo: ...
 
-    async def stats(self) -> WorkerStats: ...
+    async def stats(self, prefix_since: PrefixCursor | None = None) -> WorkerStats:
+        """Load figures, with the worker's prefix-cache changes since ``prefix_since``."""
+        ...
 
     async def abort(self, request_id: str) -> bool: ...
 
@@ -65,8 +68,8 @@ class RayWorker:
     async def info(self) -> WorkerInfo:
         return await _call(self.actor.info.remote())
 
-    async def stats(self) -> WorkerStats:
-        return await _call(self.actor.stats.remote())
+    async def stats(self, prefix_since: PrefixCursor | None = None) -> WorkerStats:
+        return await _call(self.actor.stats.remote(prefix_since))
 
     async def abort(self, request_id: str) -> bool:
         return await _call(self.actor.abort.remote(request_id))

@@ -32,8 +32,10 @@ VALIDATOR = RequestValidator(
 COMPAT = CompatInfo("tiny", KVLayout(2, 64, 16, 1, 8, "float32"))
 
 
-def engine_stats(free_blocks: int = 1000, num_blocks: int = 1000, running: int = 0) -> EngineStats:
-    return EngineStats(running, 0, 0, num_blocks, free_blocks)
+def engine_stats(
+    free_blocks: int = 1000, num_blocks: int = 1000, running: int = 0, prefill_rate: float = 0.0
+) -> EngineStats:
+    return EngineStats(running, 0, 0, num_blocks, free_blocks, prefill_tokens_per_s=prefill_rate)
 
 
 def record(
@@ -46,10 +48,11 @@ def record(
     num_blocks: int = 0,
     running: int = 0,
     block_size: int = 16,
+    prefill_rate: float = 0.0,
 ) -> WorkerRecord:
     """An ACTIVE record with this load (as the registry would hold it)."""
     w = WorkerRecord(wid, role, client=None, block_size=block_size, state=Membership.ACTIVE)
-    w.stats = DecodeStats(wid, engine_stats(free_blocks, num_blocks, running), 0, 0, 0)
+    w.stats = DecodeStats(wid, engine_stats(free_blocks, num_blocks, running, prefill_rate), 0, 0, 0)
     if queued:
         w.prefilling["queued"] = queued
     for i in range(active):
@@ -96,7 +99,7 @@ class FakePrefill:
         self.info_calls += 1
         return PrefillWorkerInfo(self.worker_id, VALIDATOR, (self.handshake(),))
 
-    async def stats(self) -> PrefillStats:
+    async def stats(self, prefix_since=None) -> PrefillStats:
         return PrefillStats(self.worker_id, engine_stats(), (), 0, 0, 0)
 
     async def abort(self, request_id: str) -> bool:
@@ -164,7 +167,7 @@ class FakeDecode:
     async def info(self) -> DecodeWorkerInfo:
         return DecodeWorkerInfo(self.worker_id, VALIDATOR, colocated=False)
 
-    async def stats(self) -> DecodeStats:
+    async def stats(self, prefix_since=None) -> DecodeStats:
         return DecodeStats(self.worker_id, engine_stats(), 0, 0, 0)
 
     async def abort(self, request_id: str) -> bool:

@@ -1,0 +1,129 @@
+"""Where a request's prompt is prefilled: on a prefill worker, its KV then handed over
+(REMOTE), or on the decode worker that will decode it (LOCAL). One decision per
+request, made by ``Decider.decide`` from measured figures; each counted.
+
+The cost model, in seconds, for a prompt of ``n`` tokens with decode worker D and
+prefill worker P (the balancer's picks)::
+
+    local   = (D's queued prompt tokens  + n - cached on D) / rate
+    remote  = (P's queued prompt tokens  + n - cached on P) / rate + handover
+    stall   = (n - cached on D) / rate       what a local prefill costs every
+                                             sequence D is decoding (one long step)
+
+``rate`` is the workers' measured prompt throughput (``EngineStats.
+prefill_tokens_per_s``: D's, else P's; they run the same model); ``handover`` is
+the measured time from a prefill result to the decode worker holding the KV (a
+moving average of this router's own requests; 0 until the first one).
+
+Queued prompt tokens are the router's own count of prompts it sent and that
+have not produced their first token yet. LOCAL when the stall is within the
+budget (``local_prefill_max_stall_ms``, which also bounds what sequences that
+arrive at D during the prefill wait) and the request gains at least what it
+costs the others::
+
+    remote - local >= stall
+
+or, when D decodes nothing (nobody stalls now), when ``local <= remote``. With
+an idle prefill pool and nothing cached this is ``n / rate <= handover``: a
+prompt whose prefill takes less than the handover is prefilled in place. A
+queued prefill pool, or a prefix D holds, raise the gain; the cap keeps any
+one local prefill from stretching the decode batch's inter-token latency past
+the budget. Fixed overrides: colocated clusters (no prefill pool) and a missing
+prefill worker are LOCAL; ``local_prefill_below_tokens`` is a floor under
+which a prompt is always LOCAL; with ``conditional_disaggregation`` off, or
+before any rate is measured, only that floor decides.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass
+
+from splitserve.router.balancer import Prompt
+from splitserve.router.policy import PolicySpec
+from splitserve.router.registry import WorkerRecord
+
+
+class Placement(enum.Enum):
+    REMOTE = "remote"  # prefill worker, then a KV handover
+    LOCAL = "local"  # the decode worker prefills it
+
+
+class Reason(enum.Enum):
+    COLOCATED = "colocated"  # every worker does both phases
+    NO_PREFILL_WORKER = "no_prefill_worker"
+    BELOW_THRESHOLD = "below_threshold"  # under local_prefill_below_tokens
+    FIXED_POLICY = "fixed_policy"  # conditional disaggregation off, or no rate measured yet
+    DECODE_IDLE = "decode_idle"  # D decodes nothing: the faster place wins
+    GAIN = "gain"  # remote - local >= stall: LOCAL
+    STALL_CAP = "stall_cap"  # a local prefill would stall D's batch past the budget
+    NO_GAIN = "no_gain"  # remote - local < stall: REMOTE
+
+
+@dataclass(frozen=True)
+class Decision:
+    placement: Placement
+    reason: Reason
+    local_s: float = 0.0  # the estimates it was made on (0.0 where not computed)
+    remote_s: float = 0.0
+    stall_s: float = 0.0
+
+
+class Decider:
+    """Decides placements and keeps the figures they need. Used from the router's loop."""
+
+    def __init__(self, handover_decay: float = 0.8):
+        self.handover_s = 0.0  # moving average of measured handovers
+        self._handover_decay = handover_decay
+        self._handovers = 0
+        self.counts: Counter[tuple[Placement, Reason]] = Counter()
+
+    def observe_handover(self, seconds: float) -> None:
+        """A request's KV reached its decode worker ``seconds`` after its prefill result."""
+        d = self._handover_decay if self._handovers else 0.0
+        self.handover_s = d * self.handover_s + (1 - d) * seconds
+        self._handovers += 1
+
+    def decide(
+        self,
+        policy: PolicySpec,
+        prompt: Prompt,
+        decode: WorkerRecord,
+        prefill: WorkerRecord | None,
+        colocated: bool = False,
+    ) -> Decision:
+        decision = self._decide(policy, prompt, decode, prefill, colocated)
+        self.counts[decision.placement, decision.reason] += 1
+        return decision
+
+    def _decide(
+        self,
+        policy: PolicySpec,
+        prompt: Prompt,
+        decode: WorkerRecord,
+        prefill: WorkerRecord | None,
+        colocated: bool,
+    ) -> Decision:
+        if colocated:
+            return Decision(Placement.LOCAL, Reason.COLOCATED)
+        if prefill is None:
+            return Decision(Placement.LOCAL, Reason.NO_PREFILL_WORKER)
+        uncached_local = prompt.num_tokens - prompt.cached_on(decode)
+        if uncached_local < policy.local_prefill_below_tokens:
+            return Decision(Placement.LOCAL, Reason.BELOW_THRESHOLD)
+        rate = decode.prefill_tokens_per_s or prefill.prefill_tokens_per_s
+        if not policy.conditional_disaggregation or rate <= 0:
+            return Decision(Placement.REMOTE, Reason.FIXED_POLICY)
+        local = (decode.queued_prompt_tokens + uncached_local) / rate
+        remote = (prefill.queued_prompt_tokens + prompt.num_tokens - prompt.cached_on(prefill)) / rate
+        remote += self.handover_s
+        stall = uncached_local / rate
+        if stall * 1000 > policy.local_prefill_max_stall_ms:
+            return Decision(Placement.REMOTE, Reason.STALL_CAP, local, remote, stall)
+        if decode.running == 0:
+            placement = Placement.LOCAL if local <= remote else Placement.REMOTE
+            return Decision(placement, Reason.DECODE_IDLE, local, remote, stall)
+        if remote - local >= stall:
+            return Decision(Placement.LOCAL, Reason.GAIN, local, remote, stall)
+        return Decision(Placement.REMOTE, Reason.NO_GAIN, local, remote, stall)

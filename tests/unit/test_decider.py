@@ -1,0 +1,116 @@
+"""The disaggregation decider on constructed situations: where a prompt is prefilled
+given its length, the queues, the cached prefixes and the measured rates."""
+
+import pytest
+
+from splitserve.engine.prefix_cache import PrefixUpdate, prompt_block_hashes
+from splitserve.router.balancer import Prompt
+from splitserve.router.decider import Decider, Placement, Reason
+from splitserve.router.policy import PolicySpec
+from tests.unit.router_fakes import record
+
+RATE = 1000.0  # prompt tokens per second, as a worker reports it
+POLICY = PolicySpec(local_prefill_max_stall_ms=300)
+
+
+def _decode(running: int = 8, queued: int = 0, rate: float = RATE):
+    return record(
+        "d", "decode", free_blocks=1000, num_blocks=1000, running=running, queued=queued, prefill_rate=rate
+    )
+
+
+def _prefill(queued: int = 0, rate: float = RATE):
+    return record("p", "prefill", queued=queued, prefill_rate=rate)
+
+
+def _decider(handover_s: float = 0.05) -> Decider:
+    decider = Decider()
+    decider.observe_handover(handover_s)
+    return decider
+
+
+def _prompt(n: int) -> Prompt:
+    return Prompt.of(list(range(n)), 16)
+
+
+def test_a_prompt_whose_prefill_costs_less_than_the_handover_is_prefilled_in_place():
+    # 40 tokens take 40 ms here, the handover 50 ms: the request gains 50 ms and costs
+    # the decoding batch 40.
+    d = _decider().decide(POLICY, _prompt(40), _decode(), _prefill())
+    assert (d.placement, d.reason) == (Placement.LOCAL, Reason.GAIN)
+    assert d.stall_s == pytest.approx(0.04)
+    assert d.remote_s - d.local_s == pytest.approx(0.05)
+
+
+def test_a_longer_prompt_goes_to_an_idle_prefill_worker():
+    # 200 tokens: 200 ms of stall for a 50 ms gain.
+    d = _decider().decide(POLICY, _prompt(200), _decode(), _prefill())
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.NO_GAIN)
+
+
+def test_a_queued_prefill_pool_makes_local_prefill_pay():
+    # The prefill worker has 1000 tokens ahead: remote finishes 1.05 s after local.
+    d = _decider().decide(POLICY, _prompt(200), _decode(), _prefill(queued=1000))
+    assert (d.placement, d.reason) == (Placement.LOCAL, Reason.GAIN)
+    # ...unless the decode worker itself has prompts queued as long.
+    d = _decider().decide(POLICY, _prompt(200), _decode(queued=1200), _prefill(queued=1000))
+    assert d.placement == Placement.REMOTE
+
+
+def test_a_prefix_the_decode_worker_holds_is_prefilled_there():
+    tokens = list(range(400))
+    decode = _decode()
+    hashes = prompt_block_hashes(tokens[:384], 16)
+    decode.prefix.apply(PrefixUpdate("e", len(hashes), tuple((h, True) for h in hashes), snapshot=True))
+    d = _decider().decide(POLICY, Prompt.of(tokens, 16), decode, _prefill())
+    # 16 uncached tokens (the last block is always computed) against 400 + handover.
+    assert (d.placement, d.reason) == (Placement.LOCAL, Reason.GAIN)
+    assert d.stall_s == pytest.approx(0.016)
+    # The same prompt without the cache goes out.
+    assert (
+        _decider().decide(POLICY, Prompt.of(tokens, 16), _decode(), _prefill()).placement == Placement.REMOTE
+    )
+
+
+def test_the_stall_budget_caps_local_prefill_however_queued_the_pool():
+    d = _decider().decide(POLICY, _prompt(2048), _decode(), _prefill(queued=100_000))
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.STALL_CAP)
+    d = _decider().decide(
+        PolicySpec(local_prefill_max_stall_ms=5000), _prompt(2048), _decode(), _prefill(queued=100_000)
+    )
+    assert d.placement == Placement.LOCAL
+
+
+def test_an_idle_decode_worker_takes_whatever_it_finishes_sooner_within_the_budget():
+    d = _decider().decide(POLICY, _prompt(250), _decode(running=0), _prefill())
+    assert (d.placement, d.reason) == (Placement.LOCAL, Reason.DECODE_IDLE)
+    d = _decider().decide(POLICY, _prompt(250), _decode(running=0, queued=1000), _prefill())
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.DECODE_IDLE)
+
+
+def test_fixed_rules_before_the_cost_model():
+    decider = _decider()
+    assert decider.decide(POLICY, _prompt(5000), _decode(), None, colocated=True).reason == Reason.COLOCATED
+    assert decider.decide(POLICY, _prompt(5000), _decode(), None).reason == Reason.NO_PREFILL_WORKER
+    floor = PolicySpec(local_prefill_below_tokens=64)
+    d = decider.decide(floor, _prompt(63), _decode(), _prefill())
+    assert (d.placement, d.reason) == (Placement.LOCAL, Reason.BELOW_THRESHOLD)
+    # Nothing measured yet: only the floor decides.
+    d = decider.decide(POLICY, _prompt(40), _decode(rate=0.0), _prefill(rate=0.0))
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.FIXED_POLICY)
+    off = PolicySpec(conditional_disaggregation=False)
+    assert decider.decide(off, _prompt(40), _decode(), _prefill()).reason == Reason.FIXED_POLICY
+    # A rate measured on either side is used for both.
+    d = decider.decide(POLICY, _prompt(40), _decode(rate=0.0), _prefill())
+    assert d.placement == Placement.LOCAL
+    assert decider.counts[Placement.REMOTE, Reason.FIXED_POLICY] == 2
+
+
+def test_the_handover_estimate_follows_measurements():
+    decider = Decider()
+    assert decider.handover_s == 0.0  # unmeasured: remote looks as cheap as it can be
+    decider.observe_handover(0.1)
+    assert decider.handover_s == pytest.approx(0.1)
+    for _ in range(30):
+        decider.observe_handover(0.02)
+    assert decider.handover_s == pytest.approx(0.02, rel=0.05)
