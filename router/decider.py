@@ -28,10 +28,12 @@ an idle prefill pool and nothing cached this is ``n / rate <= handover``: a
 prompt whose prefill takes less than the handover is prefilled in place. A
 queued prefill pool, or a prefix D holds, raise the gain; the cap keeps any
 one local prefill from stretching the decode batch's inter-token latency past
-the budget. Fixed overrides: colocated clusters (no prefill pool) and a missing
-prefill worker are LOCAL; ``local_prefill_below_tokens`` is a floor under
-which a prompt is always LOCAL; with ``conditional_disaggregation`` off, or
-before any rate is measured, only that floor decides.
+the budget. Fixed rules come first: colocated clusters (no prefill pool) are
+LOCAL; ``local_prefill_below_tokens`` is a floor under which a prompt is always
+LOCAL; with ``conditional_disaggregation`` off only that floor decides (and a
+request finds no prefill worker: UNAVAILABLE). With it on, a pool with no
+routable prefill worker (all lost or restarting) means LOCAL, so the cluster
+keeps serving; before any rate is measured, REMOTE.
 """
 
 from __future__ import annotations
@@ -107,13 +109,15 @@ class Decider:
     ) -> Decision:
         if colocated:
             return Decision(Placement.LOCAL, Reason.COLOCATED)
-        if prefill is None:
-            return Decision(Placement.LOCAL, Reason.NO_PREFILL_WORKER)
         uncached_local = prompt.num_tokens - prompt.cached_on(decode)
         if uncached_local < policy.local_prefill_below_tokens:
             return Decision(Placement.LOCAL, Reason.BELOW_THRESHOLD)
+        if not policy.conditional_disaggregation:
+            return Decision(Placement.REMOTE, Reason.FIXED_POLICY)
+        if prefill is None:
+            return Decision(Placement.LOCAL, Reason.NO_PREFILL_WORKER)
         rate = decode.prefill_tokens_per_s or prefill.prefill_tokens_per_s
-        if not policy.conditional_disaggregation or rate <= 0:
+        if rate <= 0:
             return Decision(Placement.REMOTE, Reason.FIXED_POLICY)
         local = (decode.queued_prompt_tokens + uncached_local) / rate
         remote = (prefill.queued_prompt_tokens + prompt.num_tokens - prompt.cached_on(prefill)) / rate

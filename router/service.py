@@ -128,8 +128,17 @@ class SplitserveService(pb_grpc.SplitserveServicer):
                 pools.append(
                     pb.PoolStatus(role=role, replicas=routable, workers=[_worker_status(w) for w in workers])
                 )
+        placements = [
+            pb.PlacementCount(placement=placement.value, reason=reason.value, count=n)
+            for (placement, reason), n in sorted(d.decider.counts.items(), key=lambda kv: -kv[1])
+        ]
         return pb.ClusterStatusResponse(
-            mode=self.mode, model=d.served_model, pools=pools, inflight_requests=len(d.inflight)
+            mode=self.mode,
+            model=d.served_model,
+            pools=pools,
+            inflight_requests=len(d.inflight),
+            placements=placements,
+            handover_ms=d.decider.handover_s * 1000,
         )
 
 
@@ -141,6 +150,8 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
         error=w.error,
         state=w.state.value,
         router_active=w.active,
+        prefill_tokens_per_s=w.prefill_tokens_per_s,
+        prefix_blocks=len(w.prefix.hashes),
     )
     s = w.stats
     if s is not None:

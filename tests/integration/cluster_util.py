@@ -20,8 +20,11 @@ VOCAB = 512
 
 
 def tiny_config(checkpoint: str, mode: str = "disaggregated", **overrides) -> ClusterConfig:
+    """A cluster of the tiny model. Every prompt goes to a prefill worker (the decider
+    is off), so each request exercises the KV handover; tests of the decider turn it on."""
     pool = {"num_cpus": 1, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
     data = {
+        "policy": {"conditional_disaggregation": False},
         "mode": mode,
         "model": {"name": checkpoint, "dtype": "float32"},
         "prefill": pool,

@@ -8,6 +8,7 @@ One Ray instance and one cluster for the whole module."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -16,6 +17,8 @@ from splitserve.client import (
     ResourceExhausted,
 )
 from splitserve.engine import SamplingParams
+from splitserve.router.balancer import Prompt
+from splitserve.router.decider import Placement
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
@@ -125,6 +128,45 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
     assert (a.token_ids, b.token_ids) == (want[0], want[1])
     assert a.final.prefill_worker == "" and a.final.transfer_ms == 0
     assert b.final.prefill_worker == "prefill-0"
+
+
+def test_the_decider_prefills_a_prefix_the_decode_worker_holds_there(cluster, reference, client):
+    """With the decider on, a prompt whose prefix the decode worker already holds (it
+    imported it for an earlier request) is prefilled on the decode worker from its
+    cache; once the prefill worker is queued, prompts are prefilled where they finish
+    sooner. Every output equals the monolithic engine's."""
+    d = cluster.dispatcher
+    original = d.policy
+    policy = original.model_copy(
+        update={"conditional_disaggregation": True, "local_prefill_max_stall_ms": 10_000}
+    )
+    params = SamplingParams(max_tokens=8)
+    (stem,) = random_prompts([160], VOCAB, seed=41)
+    first, second = stem + [7, 8, 9], stem + [10, 11, 12, 13]
+    want = reference_tokens(reference, [first, second], [params, params])
+    a = client.generate(first, max_tokens=8)  # the decider is still off: handed over
+    assert a.final.prefill_worker == "prefill-0"
+    decode = d.registry.get("decode-0")
+    deadline = time.monotonic() + 30
+    # Wait until a poll has brought the decode worker's cache and the measured rates.
+    while decode.cached_tokens(Prompt.of(second, decode.block_size).block_hashes, len(second)) < 160 or not (
+        decode.prefill_tokens_per_s or d.registry.get("prefill-0").prefill_tokens_per_s
+    ):
+        assert time.monotonic() < deadline, "the router never learned the decode worker's cache"
+        time.sleep(0.05)
+    counts = dict(d.decider.counts)
+    cluster.run(_set(d, policy=policy))
+    try:
+        b = client.generate(second, max_tokens=8)
+    finally:
+        cluster.run(_set(d, policy=original))
+    assert (a.token_ids, b.token_ids) == (want[0], want[1])
+    assert b.final.prefill_worker == "" and b.final.transfer_ms == 0
+    assert b.final.cached_prompt_tokens == 160
+    (new_decision,) = [k for k, v in d.decider.counts.items() if v != counts.get(k, 0)]
+    assert new_decision[0] == Placement.LOCAL
+    shown = {(p.placement, p.reason): p.count for p in client.cluster_status().placements}
+    assert shown[new_decision[0].value, new_decision[1].value] == d.decider.counts[new_decision]
 
 
 def test_openai_http_endpoint_with_the_official_client(cluster, client):

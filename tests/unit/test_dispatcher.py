@@ -18,7 +18,7 @@ from splitserve.engine import InvalidRequest, Overloaded, SamplingParams
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import WorkerLost
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
-from splitserve.router.policy import LimitsSpec
+from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import WorkerRegistry
 from tests.unit.router_fakes import VALIDATOR, FakeDecode, FakePrefill, expected_tokens
 
@@ -84,6 +84,15 @@ def test_no_worker_and_lost_twice_fail_clearly():
     d = _cluster([FakePrefill("p0")], [FakeDecode("d0", lose_after=1)])
     with pytest.raises(WorkerLost):  # the only decode worker is lost: nowhere to resume
         asyncio.run(_collect(d, [1, 2]))
+
+
+def test_without_a_prefill_worker_the_decode_worker_prefills_unless_the_decider_is_off():
+    d = _cluster([], [FakeDecode("d0")])
+    tokens, final = asyncio.run(_collect(d, [3, 4, 5]))
+    assert tokens == expected_tokens([3, 4, 5], 8) and final.prefill_worker == ""
+    d.policy = PolicySpec(conditional_disaggregation=False)
+    with pytest.raises(WorkerLost, match="no prefill worker"):
+        asyncio.run(_collect(d, [3, 4, 5]))
 
 
 def test_admission_limits():
