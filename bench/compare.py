@@ -12,7 +12,7 @@ rate, then stopped with SIGINT. The defaults are
 one core, pinned, one torch thread.
 
 Ratios are disaggregated ÷ colocated: below 1 is better for latencies, above
-1 is better for goodput and attainment.
+1 is better for goodput, attainment and throughput.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ RATIO_KEYS = (
     "median_ttft_ms",
     "request_goodput",
     "slo_attainment",
+    "request_throughput",
 )
 
 
@@ -108,7 +109,7 @@ def ratios(disagg: list, coloc: list) -> list[dict]:
 
 def print_ratios(rows: list[dict], disagg: list, coloc: list) -> None:
     print(
-        "\n==== disaggregated ÷ colocated (latencies: < 1 is better; goodput, attainment: > 1 is better) ===="
+        "\n==== disaggregated ÷ colocated (latencies: < 1 is better; goodput, attainment, throughput: > 1 is better) ===="
     )
     keys = [k for k in RATIO_KEYS if k in rows[0]]
     print(f"{'rate':>6} " + " ".join(f"{k:>16}" for k in keys))
