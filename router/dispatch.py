@@ -161,8 +161,9 @@ class Dispatcher:
                 if prefill is not None:  # the resumed task prefills again: free the export now
                     self._in_background(prefill.client.abort(req.request_id))
 
-    async def _prefill(self, req: RequestState, prompt: Prompt, pw: WorkerRecord) -> PrefillResult:
-        """Prefill on ``pw``; a lost worker is replaced by the next pick, once each."""
+    async def _prefill(self, req: RequestState, prompt: Prompt, pw: WorkerRecord | None) -> PrefillResult:
+        """Prefill on ``pw`` (None: the balancer picks); a lost worker is replaced by the next
+        pick, each worker tried once."""
         tried: set[str] = set()
         n = len(req.prompt_ids)
         while True:
