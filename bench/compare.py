@@ -109,7 +109,8 @@ def ratios(disagg: list, coloc: list) -> list[dict]:
 
 def print_ratios(rows: list[dict], disagg: list, coloc: list) -> None:
     print(
-        "\n==== disaggregated ÷ colocated (latencies: < 1 is better; goodput, attainment, throughput: > 1 is better) ===="
+        "\n==== disaggregated ÷ colocated "
+        "(latencies: < 1 is better; goodput, attainment, throughput: > 1 is better) ===="
     )
     keys = [k for k in RATIO_KEYS if k in rows[0]]
     print(f"{'rate':>6} " + " ".join(f"{k:>16}" for k in keys))
