@@ -40,7 +40,7 @@ class PolicySpec(StrictModel):
         "false: every prompt goes to a prefill worker unless under local_prefill_below_tokens",
     )
     local_prefill_max_stall_ms: float = Field(
-        200.0,
+        100.0,
         ge=0,
         description="the longest a prefill on a decode worker may hold up the sequences it is "
         "decoding (estimated from the measured prefill rate); past it the prompt goes to a prefill worker",
