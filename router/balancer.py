@@ -38,6 +38,8 @@ class Prompt:
 
     @staticmethod
     def of(token_ids: list[int], block_size: int) -> Prompt:
+        """``block_size`` is any worker's: every pool shares one (the KV handshake's
+        compatibility check refuses a mismatch)."""
         return Prompt(len(token_ids), tuple(prompt_block_hashes(token_ids, block_size)))
 
     def cached_on(self, w: WorkerRecord) -> int:

@@ -95,6 +95,8 @@ class Decider:
         prefill: WorkerRecord | None,
         colocated: bool = False,
     ) -> Decision:
+        """Where ``prompt`` is prefilled, given the balancer's picks (``prefill`` None: no
+        routable prefill worker). Reads the records only; counts the decision."""
         decision = self._decide(policy, prompt, decode, prefill, colocated)
         self.counts[decision.placement, decision.reason] += 1
         return decision

@@ -9,6 +9,8 @@ decides what it really reuses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from splitserve.engine.prefix_cache import PrefixCursor, PrefixUpdate
 
 
@@ -38,7 +40,7 @@ class PrefixIndex:
                 self.hashes.discard(h)
         self.cursor = update.cursor
 
-    def cached_blocks(self, prompt_hashes: list[int]) -> int:
+    def cached_blocks(self, prompt_hashes: Sequence[int]) -> int:
         """How many leading blocks of a prompt (its hash chain) this worker holds."""
         n = 0
         for h in prompt_hashes:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from splitserve.kv_transfer.contract import Handshake
@@ -118,12 +118,7 @@ class WorkerRecord:
         """Its engine's measured prompt throughput (0.0 until measured)."""
         return self.stats.engine.prefill_tokens_per_s if self.stats else 0.0
 
-    @property
-    def pending_prompt_tokens(self) -> int:
-        """Prompt tokens its engine has still to compute (as last polled)."""
-        return self.stats.engine.num_pending_prompt_tokens if self.stats else 0
-
-    def cached_tokens(self, prompt_hashes: list[int], prompt_len: int) -> int:
+    def cached_tokens(self, prompt_hashes: Sequence[int], prompt_len: int) -> int:
         """Prompt tokens this worker would take from its prefix cache (as last polled);
         the block holding the prompt's last token is always computed."""
         usable = (prompt_len - 1) // self.block_size if prompt_len else 0
