@@ -38,11 +38,19 @@ import torch
 from splitserve.engine.build import build_engine
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.errors import InvalidRequest, Overloaded, UnknownRequest
-from splitserve.engine.outputs import CompletionOutput, EngineStats, PrefilledRequest, RequestOutput
+from splitserve.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    FinishingPrefill,
+    LayerObserver,
+    PrefilledRequest,
+    RequestOutput,
+)
 from splitserve.engine.parallel import TPGroup
 from splitserve.engine.prefix_cache import PrefixCursor, PrefixUpdate
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import ScheduledSeq
 from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from splitserve.engine.tokenizer import Tokenizer
 
@@ -82,6 +90,8 @@ class Engine:
         self.summary = parts.summary  # one line: dtype, threads or device, attention backend, KV blocks
         self.requests: dict[str, RequestState] = {}
         self._prefill_rate = PrefillRate()
+        # told as each layer of a completing prefill-only prompt is written (driver rank only)
+        self.layer_observer: LayerObserver | None = None
 
     # ---- requests ----------------------------------------------------------
     def add_request(
@@ -160,7 +170,7 @@ class Engine:
             if s.seq.num_computed_tokens < s.seq.num_prompt_tokens
         )
         started = time.perf_counter()
-        ordered, result = self.runner.execute(sched.scheduled)
+        ordered, result = self.runner.execute(sched.scheduled, self._layer_hook(sched.scheduled))
         if prompt_tokens:
             self._prefill_rate.add(prompt_tokens, time.perf_counter() - started)
         k = 0
@@ -181,6 +191,22 @@ class Engine:
                 self._park_prefilled(state)
             outputs.append(state.output([token], [] if logprob is None else [logprob]))
         return outputs
+
+    def _layer_hook(self, scheduled: list[ScheduledSeq]) -> Callable[[int], None] | None:
+        """Tell the layer observer which prefill-only prompts complete in this step and
+        return its per-layer callback; None when there is no observer or no such prompt."""
+        observer = self.layer_observer
+        if observer is None:
+            return None
+        finishing = [
+            FinishingPrefill(s.seq.request_id, tuple(s.seq.block_table), s.seq.num_tokens)
+            for s in scheduled
+            if s.seq.prefill_only and s.samples
+        ]
+        if not finishing:
+            return None
+        observer.step_begins(finishing)
+        return observer.layer_done
 
     def generate(
         self,

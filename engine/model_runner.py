@@ -66,9 +66,13 @@ class ModelRunner:
         self.tp = tp or TPGroup.single()
         self.block_size = kv_cache.layout.block_size
 
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], SampleResult | None]:
+    def execute(
+        self, scheduled: list[ScheduledSeq], on_layer: Callable[[int], None] | None = None
+    ) -> tuple[list[ScheduledSeq], SampleResult | None]:
         """Run one step (driver rank). Returns the scheduled entries in packed order and
-        the sampled tokens for those entries whose ``samples`` is true (in the same order)."""
+        the sampled tokens for those entries whose ``samples`` is true (in the same order).
+        ``on_layer(i)`` is called after layer ``i`` wrote its KV (never on a graph replay:
+        those are pure-decode steps)."""
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         bs = self.block_size
         inputs = StepInputs([], [], [], [], sum(1 for s in ordered if s.num_new_tokens == 1), [])
@@ -85,19 +89,25 @@ class ModelRunner:
                 inputs.last_index.append(len(inputs.input_ids) - 1)
                 rows.append(SampleRequest(seq.params, seq.num_output_tokens))
         graphs = self.graphs
-        if graphs is not None and graphs.fits(len(inputs.input_ids), inputs.num_decodes, len(rows)):
+        if (
+            on_layer is None
+            and graphs is not None
+            and graphs.fits(len(inputs.input_ids), inputs.num_decodes, len(rows))
+        ):
             tables = [s.block_table for s in inputs.spans]
             logits = graphs.run(inputs.input_ids, inputs.positions, inputs.slots, tables)
         else:
-            logits = self.run(inputs)
+            logits = self.run(inputs, on_layer)
         return ordered, None if logits is None else self.sampler(logits, rows)
 
-    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+    def run(self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """Driver: send ``inputs`` to the other TP ranks and run the step with them."""
         self.tp.broadcast_object(inputs)
-        return self.forward(inputs)
+        return self.forward(inputs, on_layer)
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+    def forward(
+        self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor | None:
         """The model on one step's inputs: KV written to the cache; the float32 logits
         of ``last_index`` (full vocabulary), or None when nothing samples."""
         dev = self.device
@@ -107,6 +117,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=dev),
             backend=self.backend,
             attn_meta=self.backend.prepare(inputs.spans, inputs.num_decodes, self.block_size, dev),
+            on_layer=on_layer,
         )
         hidden = self.model(ids_t, pos_t, self.kv_cache, ctx)
         if not inputs.last_index:

@@ -69,3 +69,30 @@ class EngineStats:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+
+@dataclass(frozen=True)
+class FinishingPrefill:
+    """A prefill-only request whose prompt completes in the step about to run: after
+    that step's layer ``i`` returns, layer ``i`` of its KV is final in ``block_ids``."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_kv_tokens: int
+
+
+class LayerObserver:
+    """Told, on the driver rank, as a step's forward pass finishes each layer of the
+    prompts that complete in that step (what layer-wise KV export builds on).
+
+    ``step_begins`` is called before the forward pass of a step in which at least
+    one prefill-only prompt completes, with those prompts; ``layer_done(i)`` after
+    layer ``i`` wrote its KV, for ``i = 0 .. num_layers - 1`` in order. Both run on
+    the engine's thread, inside ``Engine.step``: keep them short, never step the
+    engine from them. An exception raised here fails the step."""
+
+    def step_begins(self, finishing: list[FinishingPrefill]) -> None:
+        pass
+
+    def layer_done(self, layer: int) -> None:
+        pass

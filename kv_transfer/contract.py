@@ -50,14 +50,30 @@ Who frees what, when:
   confirms exactly once (``pull`` does); with one reader, confirming again is
   harmless.
 
-Integrity: the source hashes the exported blocks (xxHash3-64 over every
-layer's K and V bytes of those blocks, in order) at export; the sink hashes
-what landed and raises ``IntegrityError`` on a mismatch. Costs one read of the
-bytes on each side (~25-30 GB/s single-threaded here; NIXL moves ~14 GB/s, so
-the two passes together cost about one transfer time; see docs/kv_transfer.md).
-Descriptors also carry the source's incarnation (a fresh id per process), so a
-descriptor from a restarted source fails with ``PeerLost``
+Integrity: one xxHash3-64 per layer over that layer's K then V bytes of the
+exported blocks (``integrity.layer_checksum``). A prefill worker hashes each
+layer as the forward pass writes it (``layerwise.LayerExporter``), so export
+itself hashes nothing; ``export`` hashes only when given no checksums. The sink
+moves the KV in chunks of layers and verifies chunk k on a helper thread while
+chunk k+1 moves (the hash releases the GIL), so only the last chunk's
+verification adds to the handover; a mismatch raises ``IntegrityError`` naming
+the layer. Descriptors also carry the source's incarnation (a fresh id per
+process), so a descriptor from a restarted source fails with ``PeerLost``
 instead of reading the new process's memory.
+
+Layer-wise streaming (backends with ``KVSource.streams``: nixl, local):
+``begin_export`` publishes a descriptor *before* prefill computes the KV, with
+no checksums and a ``StreamSlot``: a row of the source's progress board
+(``progress.ProgressBoard``). As each layer is written the source calls
+``layer_ready`` (checksum first, then the count of ready layers). A sink given
+a streamed descriptor reads the row (in process, or by a one-sided read of the
+registered board), moves the layers that are ready while later ones compute,
+and verifies each with a checksum read after it was shown ready. The lease
+clock of a streamed export starts at ``begin_export``: give it room for the
+prefill. An export that ends before it completes (request cancelled, prefill
+failed, lease expired) changes its row's serial, and the sink fails with
+``LeaseExpired``; a source that dies fails the read (``PeerLost``) or the
+deadline (``TransferTimeout``). Never a hang, never unverified tokens.
 
 Compatibility: ``Handshake`` carries ``PROTOCOL_VERSION`` and a compatibility
 hash over (model, dtype, block size, layers, KV heads, head dim, TP size and
@@ -146,6 +162,28 @@ class Handshake:
 
 
 @dataclass(frozen=True)
+class StreamSlot:
+    """Where a streamed export's progress is published: row ``slot`` of the source's
+    progress board, which belongs to this export while the row's serial is ``serial``."""
+
+    slot: int
+    serial: int
+
+
+@dataclass(frozen=True)
+class LayerProgress:
+    """One read of a streamed export's row: layers ``[0, ready)`` are final at the source.
+
+    ``checksums[i]`` is layer i's checksum as the row held it at this read. A reader
+    may trust it only for layers another, *earlier* completed read already showed
+    ready (the source writes a checksum before the count, but a one-sided read may
+    see the row's words in any order)."""
+
+    ready: int
+    checksums: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class KVDescriptor:
     """One request's exported KV: everything a sink needs to pull and verify it."""
 
@@ -158,9 +196,12 @@ class KVDescriptor:
     block_ids: tuple[int, ...]  # source blocks, in sequence order
     num_tokens: int  # tokens of KV held in those blocks (the last block may be partial)
     num_bytes: int
-    checksum: int  # xxh3-64, see module docstring
+    # xxh3-64 per layer (see module docstring); empty for a streamed export, whose
+    # checksums are published layer by layer on the source's progress board
+    layer_checksums: tuple[int, ...]
     lease_expiry: float  # time.time() after which the source may reuse the blocks
     payload: object = None  # backend-specific (e.g. a Ray ObjectRef)
+    stream: StreamSlot | None = None  # set when the export streams (layers still being computed)
 
     def remaining_lease(self, now: float | None = None) -> float:
         return self.lease_expiry - (time.time() if now is None else now)
@@ -229,6 +270,7 @@ class TransferStats:
     """Timings of one pull (seconds), for benchmarks and logs."""
 
     num_bytes: int = 0
-    transfer_s: float = 0.0  # moving bytes only
-    verify_s: float = 0.0
+    transfer_s: float = 0.0  # moving bytes only (summed over the chunks)
+    verify_s: float = 0.0  # waiting for verification after the last chunk moved (the rest overlaps)
+    wait_s: float = 0.0  # a streamed export: waiting for the source to finish layers
     total_s: float = 0.0

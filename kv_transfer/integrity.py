@@ -3,7 +3,9 @@
 The KV cache tensor is ``[layer, k/v, block, slot, kv_head, head_dim]``
 (``splitserve.engine.kv_cache``), contiguous, so for each (layer, k/v) a run
 of consecutive block ids is one contiguous byte range. A request's blocks are
-hashed and moved as such runs, in the order (layer, k/v, run).
+hashed and moved as such runs, in the order (layer, k/v, run). The checksum
+is one xxh3-64 per layer, so a sink can verify layer by layer while later
+layers are still moving (and a source can hash each layer as prefill writes it).
 """
 
 from __future__ import annotations
@@ -50,18 +52,26 @@ def paired_runs(
     return out
 
 
-def checksum(cache: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> int:
-    """xxh3-64 over the blocks' bytes in (layer, k/v, block) order.
+def layer_checksum(cache: torch.Tensor, layer: int, block_ids: list[int] | tuple[int, ...]) -> int:
+    """xxh3-64 over one layer's bytes of the blocks: K of every block in order, then V.
 
-    A CPU tensor is hashed in place (~30 GB/s on one core here); a GPU cache is
-    copied to host first (a device-side hash is future work)."""
-    if cache.device.type != "cpu":
-        cache = cache.cpu()
-    flat = cache.view(cache.shape[0] * 2, cache.shape[2], -1)
-    raw = flat.view(torch.uint8)  # dtype-agnostic bytes; last dim is contiguous
-    h = xxhash.xxh3_64()
+    A CPU tensor is hashed in place (~25-30 GB/s on one core here; the hash
+    releases the GIL, so another thread can move bytes meanwhile); from a GPU
+    cache only those blocks are copied to the host first (a device-side hash is
+    future work)."""
     block_runs = runs(block_ids)
-    for lk in range(raw.shape[0]):
+    planes = cache[layer]  # [k/v, block, slot, head, dim]
+    if cache.device.type != "cpu":
+        idx = torch.tensor(list(block_ids), device=cache.device)
+        planes, block_runs = planes.index_select(1, idx).cpu(), [(0, len(block_ids))]
+    raw = planes.reshape(2, planes.shape[1], -1).view(torch.uint8)  # last dim contiguous
+    h = xxhash.xxh3_64()
+    for kv in range(2):
         for first, n in block_runs:
-            h.update(raw[lk, first : first + n].numpy())
+            h.update(raw[kv, first : first + n].numpy())
     return h.intdigest()
+
+
+def layer_checksums(cache: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """``layer_checksum`` of every layer, in layer order."""
+    return tuple(layer_checksum(cache, layer, block_ids) for layer in range(cache.shape[0]))

@@ -5,6 +5,7 @@ blocks into the ids it is given, verifies them, confirms (see
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -14,6 +15,7 @@ from splitserve.kv_transfer.contract import (
     Confirmation,
     Handshake,
     KVDescriptor,
+    LayerProgress,
     TransferState,
     TransferStats,
     check_transition,
@@ -24,20 +26,24 @@ from splitserve.kv_transfer.errors import (
     KVTransferError,
     LeaseExpired,
     PeerLost,
+    TransferTimeout,
 )
-from splitserve.kv_transfer.integrity import check_cache, checksum
+from splitserve.kv_transfer.integrity import check_cache, layer_checksum
 
 
 class KVSink:
     """Decode side: checks peers at handshake, pulls blocks into given ids, verifies.
 
     Subclasses implement ``_connect`` (set up a checked peer), ``_transfer``
-    (move the bytes of ``desc`` into ``dst_blocks`` before ``deadline``, a
-    ``time.monotonic()`` value, raising ``KVTransferError`` subclasses) and
-    ``_confirm`` (tell the source through the backend; return False if the
-    backend has no channel for it)."""
+    (move layers ``layers`` of ``desc`` into ``dst_blocks`` before ``deadline``,
+    a ``time.monotonic()`` value, raising ``KVTransferError`` subclasses; only
+    ``range(0, num_layers)`` unless ``chunked``), ``_confirm`` (tell the source
+    through the backend; return False if the backend has no channel for it) and,
+    for a backend that streams, ``_progress`` (read a streamed export's row)."""
 
     backend = ""
+    chunked = False  # whether _transfer can move a range of layers
+    MIN_CHUNK_BYTES = 4 << 20  # layers are grouped into chunks of at least this much
 
     def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo):
         check_cache(cache, compat)
@@ -46,6 +52,7 @@ class KVSink:
         self.compat = compat
         self.peers: dict[str, Handshake] = {}
         self.last_stats = TransferStats()
+        self._pool: ThreadPoolExecutor | None = None  # the verifier's thread, made on first use
 
     def connect(self, hs: Handshake) -> None:
         """Check a source's handshake and set up the link; reconnecting to a restarted
@@ -72,11 +79,13 @@ class KVSink:
         self.peers[hs.worker_id] = hs
 
     def pull(self, desc: KVDescriptor, dst_blocks: list[int], timeout: float = 10.0) -> Confirmation:
-        """Move ``desc``'s KV into ``dst_blocks`` and verify it.
+        """Move ``desc``'s KV into ``dst_blocks`` and verify it, layer by layer.
 
-        ``timeout`` (seconds) bounds the transfer: past it the backend gives up and
-        raises ``TransferTimeout`` (no hang, whatever the source does); the
-        verification after it is one local hash pass over the bytes.
+        Chunks of layers move in order; chunk k is verified on a helper thread while
+        chunk k+1 moves. For a streamed descriptor, a chunk moves once the source
+        shows its layers ready. ``timeout`` (seconds) bounds the whole pull, waiting
+        for a streamed prefill included: past it the backend gives up and raises
+        ``TransferTimeout`` (no hang, whatever the source does).
 
         Returns the confirmation (already delivered to the source when the backend
         can). Raises a ``KVTransferError`` subclass on any failure; then the
@@ -84,30 +93,88 @@ class KVSink:
         t0 = time.monotonic()
         deadline = t0 + timeout
         state = check_transition(None, TransferState.PULLING)
+        stats = TransferStats(desc.num_bytes)
         try:
             self._check_descriptor(desc, dst_blocks)
-            self._transfer(desc, list(dst_blocks), deadline)
-            t1 = time.monotonic()
-            state = check_transition(state, TransferState.VERIFYING)
-            if desc.remaining_lease() <= 0:  # the source may have reused the blocks mid-read
-                raise LeaseExpired(f"the lease on {desc.transfer_id} ran out during the transfer")
-            got = checksum(self.cache, dst_blocks)
-            if got != desc.checksum:
-                raise IntegrityError(
-                    f"KV of request {desc.request_id} arrived corrupted from {desc.source_worker} "
-                    f"(checksum {got:016x}, expected {desc.checksum:016x})"
-                )
-            t2 = time.monotonic()
+            with _Verifier(self, desc, dst_blocks) as verifier:
+                self._move(desc, list(dst_blocks), deadline, verifier, stats)
+                state = check_transition(state, TransferState.VERIFYING)
+                if desc.remaining_lease() <= 0:  # the source may have reused the blocks mid-read
+                    raise LeaseExpired(f"the lease on {desc.transfer_id} ran out during the transfer")
+                t1 = time.monotonic()
+                verifier.finish()
+                stats.verify_s = time.monotonic() - t1
         except KVTransferError:
             check_transition(state, TransferState.FAILED)
             raise
         check_transition(state, TransferState.DONE)
         delivered = self._confirm(desc)
-        self.last_stats = TransferStats(desc.num_bytes, t1 - t0, t2 - t1, time.monotonic() - t0)
+        stats.total_s = time.monotonic() - t0
+        self.last_stats = stats
         return Confirmation(desc.transfer_id, desc.source_worker, delivered)
 
+    def _move(
+        self,
+        desc: KVDescriptor,
+        dst_blocks: list[int],
+        deadline: float,
+        verifier: _Verifier,
+        stats: TransferStats,
+    ) -> None:
+        """Move every layer, a chunk at a time, handing each chunk to ``verifier``
+        once its checksums are known."""
+        num_layers = self.compat.layout.num_layers
+        chunk = self._layers_per_chunk(len(dst_blocks))
+        ready = num_layers
+        if desc.stream is None:
+            verifier.trust(desc.layer_checksums)
+        moved = 0
+        while moved < num_layers:
+            if desc.stream is not None:  # one row read per chunk: also trusts earlier layers' checksums
+                t = time.monotonic()
+                ready = self._await_layers(desc, moved, deadline, verifier)
+                stats.wait_s += time.monotonic() - t
+            stop = min(ready, moved + chunk)
+            t = time.monotonic()
+            self._transfer(desc, dst_blocks, deadline, range(moved, stop))
+            stats.transfer_s += time.monotonic() - t
+            verifier.moved(stop)
+            moved = stop
+        if desc.stream is not None:  # the last layers' checksums: a read after they were shown ready
+            verifier.trust(self._progress(desc, deadline).checksums)
+
+    def _await_layers(self, desc: KVDescriptor, moved: int, deadline: float, verifier: _Verifier) -> int:
+        """Read the streamed export's row until more than ``moved`` layers are ready; the
+        checksums of layers an earlier read showed ready go to ``verifier``."""
+        spins = 0
+        while True:
+            progress = self._progress(desc, deadline)
+            verifier.trust(progress.checksums[: verifier.shown_ready])
+            verifier.shown_ready = progress.ready
+            if progress.ready > moved:
+                return progress.ready
+            if time.monotonic() > deadline:
+                raise TransferTimeout(
+                    f"{desc.source_worker} did not finish layer {moved} of {desc.transfer_id} in time"
+                )
+            spins += 1
+            time.sleep(0 if spins < 50 else 0.0002)
+
+    def _layers_per_chunk(self, num_blocks: int) -> int:
+        if not self.chunked:
+            return self.compat.layout.num_layers
+        layer_bytes = 2 * self.compat.layout.block_bytes * num_blocks
+        return max(1, -(-self.MIN_CHUNK_BYTES // layer_bytes))
+
     def close(self) -> None:
-        pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _verify_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kv-verify-{self.worker_id}")
+        return self._pool
 
     def _check_descriptor(self, desc: KVDescriptor, dst_blocks: list[int]) -> None:
         peer = self.peers.get(desc.source_worker)
@@ -125,8 +192,63 @@ class KVSink:
     def _connect(self, hs: Handshake, replacing: Handshake | None) -> None:
         pass
 
-    def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float) -> None:
+    def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float, layers: range) -> None:
         raise NotImplementedError
+
+    def _progress(self, desc: KVDescriptor, deadline: float) -> LayerProgress:
+        raise IncompatiblePeer(f"backend {self.backend!r} cannot follow a streamed export")
 
     def _confirm(self, desc: KVDescriptor) -> bool:
         return False
+
+
+class _Verifier:
+    """Checks a pull's layers against their checksums on one helper thread, as soon as
+    a layer has both moved and a trusted checksum; ``finish`` waits and raises
+    ``IntegrityError`` for the first bad layer. Used only by the pulling thread."""
+
+    def __init__(self, sink: KVSink, desc: KVDescriptor, dst_blocks: list[int]):
+        self.sink, self.desc, self.dst = sink, desc, list(dst_blocks)
+        self.checksums: list[int] = []  # trusted, layers [0, len)
+        self.num_moved = 0
+        self.shown_ready = 0  # a streamed export: layers an earlier read showed ready
+        self._submitted = 0
+        self._futures: list[tuple[int, Future[int]]] = []
+
+    def __enter__(self) -> _Verifier:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for _, fut in self._futures:  # on an error: let running hashes end before blocks are freed
+            fut.cancel()
+        for _, fut in self._futures:
+            if not fut.cancelled():
+                fut.exception()
+
+    def trust(self, checksums: tuple[int, ...] | list[int]) -> None:
+        if len(checksums) > len(self.checksums):
+            self.checksums = list(checksums)
+            self._submit()
+
+    def moved(self, num_layers: int) -> None:
+        self.num_moved = num_layers
+        self._submit()
+
+    def finish(self) -> None:
+        if self._submitted < self.sink.compat.layout.num_layers:
+            raise RuntimeError(f"verifying {self.desc.transfer_id}: layers moved or checksums missing")
+        for layer, fut in self._futures:
+            got = fut.result()
+            if got != self.checksums[layer]:
+                raise IntegrityError(
+                    f"KV of request {self.desc.request_id} arrived corrupted from "
+                    f"{self.desc.source_worker}: layer {layer} has checksum {got:016x}, "
+                    f"expected {self.checksums[layer]:016x}"
+                )
+
+    def _submit(self) -> None:
+        pool = self.sink._verify_pool()
+        while self._submitted < min(self.num_moved, len(self.checksums)):
+            layer = self._submitted
+            self._futures.append((layer, pool.submit(layer_checksum, self.sink.cache, layer, self.dst)))
+            self._submitted += 1

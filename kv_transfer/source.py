@@ -13,16 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.kv_transfer import integrity
 from splitserve.kv_transfer.contract import (
     PROTOCOL_VERSION,
     CompatInfo,
     Handshake,
     KVDescriptor,
     LeaseEnd,
+    StreamSlot,
     TransferState,
     check_transition,
 )
-from splitserve.kv_transfer.integrity import check_cache, checksum
+from splitserve.kv_transfer.progress import ProgressBoard
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +41,15 @@ class KVSource:
 
     Subclasses implement ``_publish`` (make a transfer readable; may return a
     descriptor payload), ``_unpublish`` and ``_progress`` (drive the backend and
-    return the transfer ids confirmed through its channel)."""
+    return the transfer ids confirmed through its channel). A backend whose
+    sinks can read ``board`` sets ``streams`` (then ``begin_export`` works)."""
 
     backend = ""
+    streams = False  # whether sinks of this backend can follow a streamed export
+    STREAM_SLOTS = 256  # streamed exports open at once; past it, stream nothing new
 
     def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = 30.0):
-        check_cache(cache, compat)
+        integrity.check_cache(cache, compat)
         if lease_s <= 0:
             raise ValueError("lease_s must be positive")
         self.worker_id = worker_id
@@ -54,6 +59,7 @@ class KVSource:
         self.lease_s = lease_s
         self._exports: dict[str, _Export] = {}
         self._ended: list[LeaseEnd] = []
+        self.board = ProgressBoard(compat.layout.num_layers, self.STREAM_SLOTS) if self.streams else None
 
     # ---- control plane ------------------------------------------------------
     def handshake(self) -> Handshake:
@@ -68,11 +74,60 @@ class KVSource:
         num_tokens: int,
         lease_s: float | None = None,
         readers: int = 1,
+        layer_checksums: tuple[int, ...] | None = None,
     ) -> KVDescriptor:
-        """Hash the blocks, start a lease, make them readable. The caller must not
-        write to or free ``block_ids`` until ``poll`` returns this transfer's ``LeaseEnd``.
+        """Start a lease and make the blocks readable. The caller must not write to or
+        free ``block_ids`` until ``poll`` returns this transfer's ``LeaseEnd``.
+        ``layer_checksums`` are the blocks' per-layer checksums if the caller took
+        them while prefill wrote the KV; without them the blocks are hashed here.
         The lease is confirmed once ``readers`` sinks have each confirmed it (more than
         one when decode ranks of a larger TP group each take some of its KV heads)."""
+        if layer_checksums is None:
+            layer_checksums = integrity.layer_checksums(self.cache, block_ids)
+        if len(layer_checksums) != self.compat.layout.num_layers:
+            raise ValueError(
+                f"{len(layer_checksums)} layer checksums for {self.compat.layout.num_layers} layers"
+            )
+        return self._start(request_id, block_ids, num_tokens, lease_s, readers, tuple(layer_checksums), None)
+
+    def can_stream(self) -> bool:
+        """Whether ``begin_export`` can open one more streamed export now."""
+        return self.board is not None and self.board.can_open()
+
+    def begin_export(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        lease_s: float | None = None,
+        readers: int = 1,
+    ) -> KVDescriptor:
+        """Export blocks whose KV is still being computed (layer-wise streaming; check
+        ``can_stream`` first). Sinks may start pulling at once and take each layer as
+        ``layer_ready`` announces it. The caller owes every layer's ``layer_ready``
+        in order, or a ``release``; the lease starts now."""
+        if not self.can_stream():
+            raise ValueError(f"backend {self.backend!r} cannot open a streamed export now")
+        ref = self.board.open()
+        return self._start(request_id, block_ids, num_tokens, lease_s, readers, (), ref)
+
+    def layer_ready(self, transfer_id: str, layer: int, checksum: int) -> None:
+        """Layer ``layer`` of a streamed export is final (call in layer order)."""
+        exp = self._exports.get(transfer_id)
+        if exp is None or exp.descriptor.stream is None:
+            return  # ended meanwhile (released, expired): nobody reads it any more
+        self.board.publish(exp.descriptor.stream, layer, checksum)
+
+    def _start(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        lease_s: float | None,
+        readers: int,
+        layer_checksums: tuple[int, ...],
+        stream: StreamSlot | None,
+    ) -> KVDescriptor:
         if not block_ids:
             raise ValueError("nothing to export: no blocks")
         if readers < 1:
@@ -88,8 +143,9 @@ class KVSource:
             block_ids=tuple(block_ids),
             num_tokens=num_tokens,
             num_bytes=2 * self.compat.layout.num_layers * self.compat.layout.block_bytes * len(block_ids),
-            checksum=checksum(self.cache, block_ids),
+            layer_checksums=layer_checksums,
             lease_expiry=time.time() + (self.lease_s if lease_s is None else lease_s),
+            stream=stream,
         )
         payload = self._publish(desc)
         if payload is not None:
@@ -138,6 +194,8 @@ class KVSource:
         if exp is None:
             return
         exp.state = check_transition(exp.state, state)
+        if exp.descriptor.stream is not None:
+            self.board.close(exp.descriptor.stream)
         self._unpublish(exp.descriptor)
         d = exp.descriptor
         self._ended.append(LeaseEnd(d.transfer_id, d.request_id, d.block_ids, state))

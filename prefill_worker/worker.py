@@ -61,6 +61,7 @@ from splitserve.kv_transfer.contract import (
     LeaseEnd,
     TransferState,
 )
+from splitserve.kv_transfer.layerwise import LayerExporter
 from splitserve.prefill_worker.api import (
     PrefillResult,
     PrefillStats,
@@ -118,6 +119,11 @@ class PrefillWorker:
         self._heartbeat_s = spec.tp.timeout_s / 4 if spec.tp else 0.0
         self._last_heartbeat = time.monotonic()
         self._source_lock = threading.Lock()
+        # hashes each layer as prefill writes it, so exporting hashes nothing (TP=1: the
+        # other ranks of a TP group hash their shards at export)
+        self.exporter = LayerExporter(self.source, lock=self._source_lock)
+        if self.tp.size == 1:
+            self.engine.layer_observer = self.exporter
         self._ended: queue.SimpleQueue[LeaseEnd] = queue.SimpleQueue()  # poller -> engine thread
         self._stopping = threading.Event()
         self.loop = EngineLoop(
@@ -246,6 +252,8 @@ class PrefillWorker:
                 continue
             rid = out.request_id
             waiter = self._waiters.get(rid)
+            if waiter is None or out.finish_reason != FinishReason.PREFILL_DONE:
+                self.exporter.discard(rid)  # nothing will be exported
             if waiter is None:  # its caller is gone: nobody will take the KV
                 if out.finish_reason == FinishReason.PREFILL_DONE:
                     self.engine.release(rid)
@@ -264,8 +272,7 @@ class PrefillWorker:
         finish = None if out.finish_reason == FinishReason.PREFILL_DONE else out.finish_reason
         if finish is None:
             pre = self.engine.prefilled(out.request_id)
-            with self._source_lock:
-                descriptor = self.source.export(out.request_id, pre.block_ids, pre.num_kv_tokens)
+            descriptor = self.exporter.export(out.request_id, pre.block_ids, pre.num_kv_tokens)
             self._exports[out.request_id] = descriptor.transfer_id
             shards: tuple[KVDescriptor, ...] = ()
             if self.tp.size > 1:

@@ -9,6 +9,7 @@ names follow Hugging Face checkpoints so loading is a rename, not a rewrite.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -102,10 +103,17 @@ class DecoderLayer(nn.Module):
 class StepContext:
     """What every layer needs about the current step, built once by the runner."""
 
-    def __init__(self, slot_mapping: torch.Tensor, backend: AttentionBackend, attn_meta: Any):
+    def __init__(
+        self,
+        slot_mapping: torch.Tensor,
+        backend: AttentionBackend,
+        attn_meta: Any,
+        on_layer: Callable[[int], None] | None = None,
+    ):
         self.slot_mapping = slot_mapping
         self.backend = backend
         self.attn_meta = attn_meta
+        self.on_layer = on_layer  # called with i once layer i wrote its KV
 
 
 class LlamaModel(nn.Module):
@@ -129,6 +137,8 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
             delta = layer(x, delta, cos, sin, k_cache, v_cache, ctx)
+            if ctx.on_layer is not None:
+                ctx.on_layer(i)
         return self.norm(x, delta)
 
     def use_kernels(self, kernels: Any) -> None:

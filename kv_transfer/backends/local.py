@@ -1,8 +1,11 @@
 """``local``: same-process hand-over (colocated mode, unit tests).
 
 Sources register in a ``LocalHub`` that both sides are given; a sink copies
-blocks straight out of the source's cache tensor and confirms by calling the
-source. No serialization, no second process.
+blocks straight out of the source's cache tensor (a chunk of layers at a time),
+reads a streamed export's progress straight off the source's board, and
+confirms by calling the source. No serialization, no second process; the sink
+may run on another thread than the source's (e.g. pulling while the source's
+engine computes later layers).
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ import time
 
 import torch
 
-from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
+from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor, LayerProgress
 from splitserve.kv_transfer.errors import LeaseExpired, PeerLost, TransferTimeout
 from splitserve.kv_transfer.integrity import paired_runs
+from splitserve.kv_transfer.progress import parse_row
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
 
@@ -27,6 +31,7 @@ class LocalHub:
 
 class LocalSource(KVSource):
     backend = "local"
+    streams = True
 
     def __init__(
         self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = 30.0, *, hub: LocalHub
@@ -43,6 +48,7 @@ class LocalSource(KVSource):
 
 class LocalSink(KVSink):
     backend = "local"
+    chunked = True
 
     def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, *, hub: LocalHub):
         super().__init__(worker_id, cache, compat)
@@ -58,14 +64,19 @@ class LocalSink(KVSink):
         if hs.worker_id not in self.hub.sources:
             raise PeerLost(f"local worker {hs.worker_id} is not in this process")
 
-    def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float) -> None:
+    def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float, layers: range) -> None:
         src = self._source(desc)
         if not src._is_live(desc.transfer_id):
             raise LeaseExpired(f"transfer {desc.transfer_id} is no longer exported")
+        lo, hi = layers.start, layers.stop
         for s, d, n in paired_runs(desc.block_ids, dst_blocks):
-            self.cache[:, :, d : d + n].copy_(src.cache[:, :, s : s + n], non_blocking=True)
+            self.cache[lo:hi, :, d : d + n].copy_(src.cache[lo:hi, :, s : s + n], non_blocking=True)
         if time.monotonic() > deadline:
             raise TransferTimeout(f"local copy of {desc.transfer_id} overran its deadline")
+
+    def _progress(self, desc: KVDescriptor, deadline: float) -> LayerProgress:
+        row = self._source(desc).board.tensor[desc.stream.slot].tolist()
+        return parse_row(row, desc.stream, desc.transfer_id)
 
     def _confirm(self, desc: KVDescriptor) -> bool:
         self._source(desc).confirm(desc.transfer_id)

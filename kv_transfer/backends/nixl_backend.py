@@ -1,12 +1,14 @@
 """``nixl``: NVIDIA Inference Xfer Library (UCX backend), one-sided READ by the sink.
 
 Each worker registers its whole KV cache tensor once (DRAM on CPU, VRAM on
-GPU). The handshake carries the source's NIXL agent metadata and the cache's
-base address; a sink adds the source as a remote agent, then pulls a request
-with one READ whose descriptors are built by address arithmetic: one
-descriptor per (layer, K/V, run of blocks contiguous on both sides). After
-verifying, the sink confirms with a NIXL notification ``ok:<transfer_id>``,
-which the source picks up in ``poll()``.
+GPU), and a source also its progress board (host memory). The handshake
+carries the source's NIXL agent metadata and both base addresses; a sink adds
+the source as a remote agent, then pulls a request with one READ per chunk of
+layers, whose descriptors are built by address arithmetic: one descriptor per
+(layer, K/V, run of blocks contiguous on both sides). A streamed export's
+progress is one more (small) READ of its board row into a registered buffer
+of the sink's. After verifying, the sink confirms with a NIXL notification
+``ok:<transfer_id>``, which the source picks up in ``poll()``.
 
 Progress: agents run without a progress thread (``enable_prog_thread=False``,
 ~2.7x faster on a 2-core machine), so the source must call ``poll()``
@@ -29,9 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
+from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor, LayerProgress
 from splitserve.kv_transfer.errors import KVTransferError, PeerLost, TransferTimeout
 from splitserve.kv_transfer.integrity import paired_runs
+from splitserve.kv_transfer.progress import parse_row
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
 
@@ -50,15 +53,42 @@ def _nixl_api():
     raise ImportError("the nixl backend needs NIXL: pip install nixl-cu12 (or nixl)")
 
 
-def _make_agent(name: str, cache: torch.Tensor):
+def _make_agent(name: str, cache: torch.Tensor, board: torch.Tensor):
+    """An agent with ``cache`` and ``board`` (a host tensor) registered."""
     api = _nixl_api()
     agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     if "UCX" not in agent.backends:
         raise KVTransferError("NIXL has no UCX backend on this machine")
-    reg = agent.register_memory(cache)
-    if reg is None:
+    regs = [agent.register_memory(cache), agent.register_memory(board)]
+    if any(r is None for r in regs):
         raise KVTransferError("NIXL could not register the KV cache")
-    return agent, reg
+    return agent, regs
+
+
+def _wait(agent, handle, what: str, deadline: float) -> None:
+    """Post a prepared transfer and drive it to DONE (``TransferTimeout`` past ``deadline``,
+    ``PeerLost`` if it fails); always releases the handle."""
+    try:
+        state = agent.transfer(handle)
+        spins = 0
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"{what} timed out")
+            spins += 1
+            if spins > 1000:
+                time.sleep(0.0002)
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise PeerLost(f"{what} failed ({state})")
+    except KVTransferError:
+        raise
+    except Exception as e:
+        raise PeerLost(f"{what} failed: {e}") from e
+    finally:
+        try:
+            agent.release_xfer_handle(handle)
+        except Exception:
+            log.debug("releasing a NIXL transfer handle failed", exc_info=True)
 
 
 def _mem(cache: torch.Tensor) -> tuple[str, int]:
@@ -74,19 +104,26 @@ class NixlPeerInfo:
     num_blocks: int
     mem_type: str
     device_id: int
+    board_addr: int  # the progress board (host memory), rows of ProgressBoard.row_bytes
 
 
 class NixlSource(KVSource):
     backend = "nixl"
+    streams = True
 
     def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = 30.0):
         super().__init__(worker_id, cache, compat, lease_s)
-        self.agent, self._reg = _make_agent(f"{worker_id}/{self.incarnation}", cache)
+        self.agent, self._reg = _make_agent(f"{worker_id}/{self.incarnation}", cache, self.board.tensor)
 
     def _payload(self) -> NixlPeerInfo:
         mem, dev = _mem(self.cache)
         return NixlPeerInfo(
-            self.agent.get_agent_metadata(), self.cache.data_ptr(), self.cache.shape[2], mem, dev
+            self.agent.get_agent_metadata(),
+            self.cache.data_ptr(),
+            self.cache.shape[2],
+            mem,
+            dev,
+            self.board.tensor.data_ptr(),
         )
 
     def _progress(self) -> list[str]:
@@ -99,18 +136,20 @@ class NixlSource(KVSource):
 
     def close(self) -> None:
         super().close()
-        if self._reg is not None:
-            self.agent.deregister_memory(self._reg)
-            self._reg = None
+        for reg in self._reg:
+            self.agent.deregister_memory(reg)
+        self._reg = []
 
 
 class NixlSink(KVSink):
     backend = "nixl"
+    chunked = True
 
     def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo):
         super().__init__(worker_id, cache, compat)
         self.incarnation = f"{time.time_ns():x}"
-        self.agent, self._reg = _make_agent(f"{worker_id}/sink/{self.incarnation}", cache)
+        self._row = torch.zeros(2 + compat.layout.num_layers, dtype=torch.int64)  # board reads land here
+        self.agent, self._reg = _make_agent(f"{worker_id}/sink/{self.incarnation}", cache, self._row)
         self._remote: dict[str, tuple[str, NixlPeerInfo]] = {}  # worker id -> (agent name, info)
 
     def _connect(self, hs: Handshake, replacing: Handshake | None) -> None:
@@ -127,11 +166,11 @@ class NixlSink(KVSink):
         self._remote[hs.worker_id] = (name, info)
 
     def _descs(
-        self, desc: KVDescriptor, dst_blocks: list[int], info: NixlPeerInfo
+        self, desc: KVDescriptor, dst_blocks: list[int], info: NixlPeerInfo, layers: range
     ) -> tuple[np.ndarray, np.ndarray]:
         block_bytes = self.compat.layout.block_bytes
         pairs = np.array(paired_runs(desc.block_ids, dst_blocks), dtype=np.uint64).reshape(-1, 3)
-        planes = np.arange(self.cache.shape[0] * 2, dtype=np.uint64)[:, None]  # (layer, k/v)
+        planes = np.arange(2 * layers.start, 2 * layers.stop, dtype=np.uint64)[:, None]  # (layer, k/v)
         src_off = (planes * np.uint64(info.num_blocks) + pairs[None, :, 0]) * np.uint64(block_bytes)
         dst_off = (planes * np.uint64(self.cache.shape[2]) + pairs[None, :, 1]) * np.uint64(block_bytes)
         lengths = np.broadcast_to(pairs[None, :, 2] * np.uint64(block_bytes), src_off.shape)
@@ -144,42 +183,35 @@ class NixlSink(KVSink):
         ).reshape(-1, 3)
         return local, remote
 
-    def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float) -> None:
-        peer, info = self._remote[desc.source_worker]
-        local, remote = self._descs(desc, dst_blocks, info)
-        mem, _ = _mem(self.cache)
+    def _read(
+        self, desc: KVDescriptor, local, local_mem: str, remote, remote_mem: str, deadline: float, what: str
+    ):
+        peer, _ = self._remote[desc.source_worker]
         try:
             handle = self.agent.initialize_xfer(
                 "READ",
-                self.agent.get_xfer_descs(local, mem),
-                self.agent.get_xfer_descs(remote, info.mem_type),
+                self.agent.get_xfer_descs(local, local_mem),
+                self.agent.get_xfer_descs(remote, remote_mem),
                 peer,
             )
         except Exception as e:
-            raise PeerLost(f"cannot read KV from {desc.source_worker}: {e}") from e
-        try:
-            state = self.agent.transfer(handle)
-            spins = 0
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise TransferTimeout(
-                        f"KV transfer {desc.transfer_id} from {desc.source_worker} timed out"
-                    )
-                spins += 1
-                if spins > 1000:
-                    time.sleep(0.0002)
-                state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise PeerLost(f"KV transfer {desc.transfer_id} from {desc.source_worker} failed ({state})")
-        except KVTransferError:
-            raise
-        except Exception as e:
-            raise PeerLost(f"KV transfer {desc.transfer_id} from {desc.source_worker} failed: {e}") from e
-        finally:
-            try:
-                self.agent.release_xfer_handle(handle)
-            except Exception:
-                log.debug("releasing a NIXL transfer handle failed", exc_info=True)
+            raise PeerLost(f"cannot read {what} from {desc.source_worker}: {e}") from e
+        _wait(self.agent, handle, f"reading {what} from {desc.source_worker}", deadline)
+
+    def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float, layers: range) -> None:
+        _, info = self._remote[desc.source_worker]
+        local, remote = self._descs(desc, dst_blocks, info, layers)
+        mem, _ = _mem(self.cache)
+        what = f"layers {layers.start}-{layers.stop - 1} of KV transfer {desc.transfer_id}"
+        self._read(desc, local, mem, remote, info.mem_type, deadline, what)
+
+    def _progress(self, desc: KVDescriptor, deadline: float) -> LayerProgress:
+        _, info = self._remote[desc.source_worker]
+        nbytes = self._row.numel() * 8
+        local = np.array([[self._row.data_ptr(), nbytes, 0]], dtype=np.uint64)
+        remote = np.array([[info.board_addr + desc.stream.slot * nbytes, nbytes, 0]], dtype=np.uint64)
+        self._read(desc, local, "DRAM", remote, "DRAM", deadline, f"the progress of {desc.transfer_id}")
+        return parse_row(self._row.tolist(), desc.stream, desc.transfer_id)
 
     def _confirm(self, desc: KVDescriptor) -> bool:
         try:
@@ -195,6 +227,7 @@ class NixlSink(KVSink):
             return False
 
     def close(self) -> None:
-        if self._reg is not None:
-            self.agent.deregister_memory(self._reg)
-            self._reg = None
+        super().close()
+        for reg in self._reg:
+            self.agent.deregister_memory(reg)
+        self._reg = []

@@ -46,7 +46,7 @@ class RaySource(KVSource):
 class RaySink(KVSink):
     backend = "ray"
 
-    def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float) -> None:
+    def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float, layers: range) -> None:
         import ray
         from ray.exceptions import GetTimeoutError, RayError
 

@@ -185,7 +185,7 @@ class TorchDistSink(KVSink):
                 ) from e
             raise PeerLost(f"KV transfer {desc.transfer_id} from {desc.source_worker} failed: {e}") from e
 
-    def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float) -> None:
+    def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float, layers: range) -> None:
         pg = self._groups[desc.source_worker]
         self._wait(lambda: pg.send([torch.tensor([PULL, desc.payload.seq])], 0, _REQ_TAG), desc, deadline)
         header = torch.zeros(2, dtype=torch.int64)

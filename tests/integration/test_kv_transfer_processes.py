@@ -39,7 +39,7 @@ from splitserve.kv_transfer import (
     TransferTimeout,
     get_backend,
 )
-from splitserve.kv_transfer.integrity import checksum
+from splitserve.kv_transfer.integrity import layer_checksums
 from tests.conftest import HAS_SMOLLM2
 
 BACKENDS = ["nixl", "torch_dist", "ray"]
@@ -137,15 +137,16 @@ def test_corruption_is_detected_and_yields_no_tokens(prefill_source, decode_engi
     else:
         real_transfer = sink._transfer
 
-        def faulty_wire(desc, dst_blocks, deadline):
-            real_transfer(desc, dst_blocks, deadline)
-            decode_engine.kv_cache.tensor[7, 1, dst_blocks[-1]].view(-1).view(torch.uint8)[100] ^= 0x10
+        def faulty_wire(desc, dst_blocks, deadline, layers):
+            real_transfer(desc, dst_blocks, deadline, layers)
+            if 7 in layers:
+                decode_engine.kv_cache.tensor[7, 1, dst_blocks[-1]].view(-1).view(torch.uint8)[100] ^= 0x10
 
         sink._transfer = faulty_wire
     rid = e.descriptor.request_id
     blocks = decode_engine.import_request(rid, e.prompt_token_ids, e.output_token_ids, PARAMS)
     used = decode_engine.block_manager.num_used_blocks
-    with pytest.raises(IntegrityError):
+    with pytest.raises(IntegrityError, match=f"layer {0 if where == 'source' else 7} "):
         sink.pull(e.descriptor, blocks, timeout=30.0)
     assert decode_engine.abort(rid)
     assert decode_engine.step() == []
@@ -211,7 +212,7 @@ def test_source_killed_after_export_fails_fast_or_delivers_intact(backend):
         assert not isinstance(e, TransferTimeout), "a dead source must fail at once"
     else:
         assert backend == "ray", "only the ray backend can deliver from a dead source"
-        assert checksum(cache, dst) == desc.checksum and bool(cache.view(torch.uint8).any())
+        assert layer_checksums(cache, dst) == desc.layer_checksums and bool(cache.view(torch.uint8).any())
     sink.close()
 
 

@@ -39,7 +39,7 @@ def test_idle_group_survives_its_timeout_and_exports_every_shard(tmp_path):
         assert shard.request_id == "r1" and shard.block_ids == own.block_ids
         assert shard.source_worker == "p/tp1" and shard.source_incarnation != own.source_incarnation
         assert [hs.compat.layout.tp_rank for hs in asyncio.run(worker.info()).handshakes] == [0, 1]
-        assert own.checksum != shard.checksum  # different heads, different bytes
+        assert own.layer_checksums != shard.layer_checksums  # different heads, different bytes
         assert asyncio.run(worker.stats()).exports == ("r1",)
         confirmations = tuple(Confirmation(d.transfer_id, d.source_worker, False) for d in (own, shard))
         asyncio.run(worker.confirm(confirmations))

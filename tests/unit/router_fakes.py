@@ -128,7 +128,7 @@ class FakePrefill:
                 (0,),
                 len(task.prompt_token_ids),
                 0,
-                0,
+                (),
                 lease_expiry=1e12,
             )
             handoff = KVHandoff(self.worker_id, (desc,))

@@ -23,7 +23,7 @@ from splitserve.kv_transfer import (
 )
 from splitserve.kv_transfer.backends.local import LocalHub
 from splitserve.kv_transfer.contract import check_transition
-from splitserve.kv_transfer.integrity import checksum, paired_runs, runs
+from splitserve.kv_transfer.integrity import layer_checksums, paired_runs, runs
 from tests.conftest import make_hf_checkpoint, random_prompts
 
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -36,17 +36,20 @@ def test_runs_coalesce_consecutive_ids():
         paired_runs([1, 2], [1])
 
 
-def test_checksum_sees_flips_swaps_and_other_blocks():
+def test_layer_checksums_see_flips_swaps_and_other_blocks():
     cache = torch.randn(2, 2, 8, 4, 2, 8).to(torch.bfloat16)
-    base = checksum(cache, [1, 2, 5])
-    assert checksum(cache.clone(), [1, 2, 5]) == base
-    assert checksum(cache, [2, 1, 5]) != base  # order matters: a swapped block is an error
-    assert checksum(cache, [1, 2, 6]) != base
+    base = layer_checksums(cache, [1, 2, 5])
+    assert len(base) == 2 and base[0] != base[1]
+    assert layer_checksums(cache.clone(), [1, 2, 5]) == base
+    swapped = layer_checksums(cache, [2, 1, 5])  # order matters: a swapped block is an error
+    assert swapped[0] != base[0] and swapped[1] != base[1]
+    assert layer_checksums(cache, [1, 2, 6]) != base
     cache[1, 1, 5].view(-1).view(torch.uint8)[3] ^= 1  # one bit of the last layer's V
-    assert checksum(cache, [1, 2, 5]) != base
+    flipped = layer_checksums(cache, [1, 2, 5])
+    assert flipped[0] == base[0] and flipped[1] != base[1]  # names the layer
     cache[1, 1, 5].view(-1).view(torch.uint8)[3] ^= 1
     cache[0, 0, 0] = 0  # a block not in the set
-    assert checksum(cache, [1, 2, 5]) == base
+    assert layer_checksums(cache, [1, 2, 5]) == base
 
 
 def test_state_machine_rejects_illegal_steps():

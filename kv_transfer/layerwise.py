@@ -1,0 +1,122 @@
+"""Export KV layer by layer as prefill writes it: the prefill side of layer-wise
+streaming, and of hashing during prefill instead of at export.
+
+``LayerExporter`` is the engine's ``LayerObserver`` for a prefill worker (TP=1;
+a TP group's other ranks export whole). For each prefill-only prompt that
+completes in a step, it hashes each layer's blocks right after the forward
+pass wrote them, so the export after the step hashes nothing. With
+``stream=True`` (a backend whose ``KVSource.streams``), it also opens the
+export before the forward pass (``begin_export``) and announces each layer as
+it is hashed (``layer_ready``), so a sink pulls layer k while layer k+1
+computes::
+
+    step_begins(prompts) --begin_export--> descriptor (streamed) ---> take_descriptor()
+    layer_done(0) --hash, layer_ready(0)--> ... layer_done(L-1)
+    after the step: export(request) -> the streamed descriptor, or a whole export
+                    with the checksums already taken
+    a prompt that will not be exported (finished at its first token, failed):
+                    discard(request) releases its export
+
+Runs on the engine's thread; the caller holds whatever lock guards the source.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from splitserve.engine.outputs import FinishingPrefill, LayerObserver
+from splitserve.kv_transfer.contract import KVDescriptor
+from splitserve.kv_transfer.integrity import layer_checksum
+from splitserve.kv_transfer.source import KVSource
+
+
+@dataclass
+class _Pending:
+    prompt: FinishingPrefill
+    checksums: list[int] = field(default_factory=list)
+    streamed: KVDescriptor | None = None
+
+
+class LayerExporter(LayerObserver):
+    """Hashes (and, streaming, publishes) each layer of the prompts a step completes."""
+
+    def __init__(
+        self,
+        source: KVSource,
+        stream: bool = False,
+        lease_s: float | None = None,
+        lock: threading.Lock | None = None,
+    ):
+        if stream and not source.streams:
+            raise ValueError(f"the {source.backend!r} backend cannot stream KV layer by layer")
+        self.source = source
+        self.stream = stream
+        self.lease_s = lease_s
+        self._lock = lock or threading.Lock()
+        self._step: list[_Pending] = []
+        self._done: dict[str, _Pending] = {}  # hashed (and maybe streamed), not yet exported
+
+    # ---- LayerObserver ------------------------------------------------------
+    def step_begins(self, finishing: list[FinishingPrefill]) -> None:
+        self._step = [_Pending(p) for p in finishing]
+        if not self.stream:
+            return
+        with self._lock:
+            for pending in self._step:
+                if self.source.can_stream():
+                    p = pending.prompt
+                    pending.streamed = self.source.begin_export(
+                        p.request_id, list(p.block_ids), p.num_kv_tokens, self.lease_s
+                    )
+
+    def layer_done(self, layer: int) -> None:
+        cache = self.source.cache
+        for pending in self._step:
+            checksum = layer_checksum(cache, layer, pending.prompt.block_ids)
+            pending.checksums.append(checksum)
+            if pending.streamed is not None:
+                with self._lock:
+                    self.source.layer_ready(pending.streamed.transfer_id, layer, checksum)
+        if layer == self.source.compat.layout.num_layers - 1:
+            self._done.update((p.prompt.request_id, p) for p in self._step)
+            self._step = []
+
+    # ---- after the step -------------------------------------------------------
+    def streamed_descriptor(self, request_id: str) -> KVDescriptor | None:
+        """The streamed descriptor of a prompt in the current or last step, if it streams."""
+        for pending in self._step:
+            if pending.prompt.request_id == request_id:
+                return pending.streamed
+        pending = self._done.get(request_id)
+        return None if pending is None else pending.streamed
+
+    def export(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDescriptor:
+        """The export of a prompt this observer saw completed: its streamed descriptor, or
+        a whole export with the checksums taken during prefill (hashed here otherwise)."""
+        pending = self._done.pop(request_id, None)
+        if pending is not None and (
+            list(pending.prompt.block_ids) != list(block_ids) or pending.prompt.num_kv_tokens != num_tokens
+        ):
+            raise RuntimeError(f"{request_id}: the blocks exported differ from those prefill wrote")
+        if pending is not None and pending.streamed is not None:
+            return pending.streamed
+        checksums = tuple(pending.checksums) if pending is not None else None
+        with self._lock:
+            return self.source.export(
+                request_id, block_ids, num_tokens, self.lease_s, layer_checksums=checksums
+            )
+
+    def discard(self, request_id: str) -> None:
+        """A prompt that will not be exported: release its streamed export, if any."""
+        pending = self._done.pop(request_id, None)
+        if pending is not None and pending.streamed is not None:
+            with self._lock:
+                self.source.release(pending.streamed.transfer_id)
+
+    def discard_step(self) -> None:
+        """The step failed mid-forward: release what it began streaming."""
+        for pending in self._step:
+            self._done[pending.prompt.request_id] = pending
+            self.discard(pending.prompt.request_id)
+        self._step = []
