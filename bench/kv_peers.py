@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -21,7 +23,9 @@ import torch
 
 from splitserve.engine import Engine, EngineConfig, KVLayout, SamplingParams
 from splitserve.engine.kv_cache import allocate_zeros
-from splitserve.kv_transfer import CompatInfo, KVDescriptor, get_backend
+from splitserve.kv_transfer import CompatInfo, KVDescriptor, LeaseEnd, get_backend
+from splitserve.kv_transfer.integrity import layer_checksums
+from splitserve.kv_transfer.layerwise import LayerExporter
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,24 @@ class SourceSpec:
 @dataclass(frozen=True)
 class Prefill:
     """Prefill these prompts in one batch and export each one's KV (the requests'
-    real sampling parameters: one that finishes at its first token is not exported)."""
+    real sampling parameters: one that finishes at its first token is not exported).
+
+    Each layer is hashed as prefill writes it (``LayerExporter``). With ``stream``
+    the exports open before the forward pass and the child first answers
+    ``Streaming`` (then the list of ``Exported``), so the parent can pull while
+    the child computes."""
 
     prompts: list[list[int]]
     params: SamplingParams
     lease_s: float | None = None  # default: the source's
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """The streamed descriptors of a ``Prefill(stream=True)``, sent before its forward pass."""
+
+    descriptors: list[KVDescriptor]
 
 
 @dataclass(frozen=True)
@@ -49,6 +66,8 @@ class Exported:
     descriptor: KVDescriptor
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    prefill_end: float = 0.0  # time.time() when the step that sampled the first token returned
+    export_s: float = 0.0  # export after that step (publishing; hashing only without checksums)
 
 
 @dataclass(frozen=True)
@@ -63,7 +82,8 @@ class ExportRandom:
 @dataclass(frozen=True)
 class ExportedRandom:
     descriptor: KVDescriptor
-    export_s: float  # hashing the blocks + publishing them, measured in the source process
+    export_s: float  # publishing the blocks, measured in the source process
+    hash_s: float  # hashing them layer by layer first, as prefill does while it writes them
 
 
 @dataclass(frozen=True)
@@ -102,7 +122,12 @@ def compat_of(engine: Engine, model: str) -> CompatInfo:
 
 class SourceServer:
     """The source side's state: an engine or a bare pool, a ``KVSource``, and the
-    request ids whose leases ended (their engine blocks already released)."""
+    request ids whose leases ended (their engine blocks already released).
+
+    As in a prefill worker, a poller thread calls ``source.poll()`` every
+    millisecond under ``lock`` (a NIXL source progresses only when polled, also
+    while the engine computes), and lease ends reach the engine on the command
+    thread, in ``poll``."""
 
     def __init__(self, spec: SourceSpec):
         self.engine = None
@@ -116,24 +141,112 @@ class SourceServer:
             cache.view(torch.uint8).random_()  # arbitrary bytes: only moved and hashed
             compat = CompatInfo(model=spec.model, layout=lay)
         self.source = get_backend(spec.backend).source(spec.worker_id, cache, compat, spec.lease_s)
+        self.lock = threading.Lock()
         self.released: list[str] = []
+        self._ended: queue.SimpleQueue[LeaseEnd] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll_loop, name="kv-poll", daemon=True)
+        self._poller.start()
 
     def handshake(self):
         return self.source.handshake()
 
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            with self.lock:
+                ended = self.source.poll()
+            for end in ended:
+                self._ended.put(end)
+            time.sleep(0.001)
+
     def poll(self) -> None:
-        for end in self.source.poll():
+        """Release the engine blocks of every lease that ended (command thread)."""
+        while not self._ended.empty():
+            end = self._ended.get()
             self.released.append(end.request_id)
             if self.engine is not None:
                 self.engine.release(end.request_id)
 
-    def handle(self, cmd):
+    def close(self) -> None:
+        self._stop.set()
+        self._poller.join(5)
+        with self.lock:
+            self.source.close()
+
+    def handle(self, cmd, early=None):
+        """Run ``cmd``; ``early`` (if given) is called with a ``Streaming`` before it ends."""
         self.poll()
-        return _handle(cmd, self.engine, self.source, self.released)
+        if isinstance(cmd, Prefill):
+            return self._prefill(cmd, early)
+        with self.lock:
+            return self._handle(cmd)
+
+    def _handle(self, cmd):
+        source = self.source
+        if isinstance(cmd, ExportRandom):
+            bs = source.compat.layout.block_size
+            n = -(-cmd.num_tokens // bs)
+            blocks = list(range(cmd.first_block, cmd.first_block + n))
+            t0 = time.perf_counter()
+            checksums = layer_checksums(source.cache, blocks)
+            t1 = time.perf_counter()
+            desc = source.export(
+                f"rand-{cmd.first_block}-{n}-{time.time_ns()}",
+                blocks,
+                cmd.num_tokens,
+                cmd.lease_s,
+                layer_checksums=checksums,
+            )
+            return ExportedRandom(desc, time.perf_counter() - t1, t1 - t0)
+        if isinstance(cmd, Corrupt):
+            desc = source._exports[cmd.transfer_id].descriptor
+            source.cache[0, 0, desc.block_ids[-1]].view(-1).view(torch.uint8)[7] ^= 0x40
+            return True
+        if isinstance(cmd, Confirm):
+            source.confirm(cmd.transfer_id)
+            return True
+        if isinstance(cmd, Status):
+            free = self.engine.block_manager.num_free_blocks if self.engine is not None else -1
+            return SourceStatus(os.getpid(), source.num_exported, free, list(self.released))
+        raise ValueError(f"unknown command {cmd!r}")
+
+    def _prefill(self, cmd: Prefill, early) -> list[Exported]:
+        engine = self.engine
+
+        def announce(descriptors: list[KVDescriptor]) -> None:
+            if early is not None:
+                early(Streaming(descriptors))
+
+        exporter = LayerExporter(
+            self.source, stream=cmd.stream, lease_s=cmd.lease_s, lock=self.lock, on_stream=announce
+        )
+        engine.layer_observer = exporter
+        try:
+            ids = [engine.add_request(p, cmd.params, prefill_only=True) for p in cmd.prompts]
+            ends = {}
+            while engine.has_unfinished():
+                self.poll()  # blocks of ended leases back to the engine, as a worker's tick does
+                for out in engine.step():
+                    if out.finished:
+                        ends[out.request_id] = time.time()
+                        if out.request_id not in engine.requests:  # finished at its first token
+                            exporter.discard(out.request_id)
+        finally:
+            engine.layer_observer = None
+        out = []
+        for rid in ids:
+            if rid not in engine.requests:
+                continue
+            pre = engine.prefilled(rid)
+            t0 = time.perf_counter()
+            desc = exporter.export(rid, pre.block_ids, pre.num_kv_tokens)
+            export_s = time.perf_counter() - t0
+            out.append(Exported(desc, pre.prompt_token_ids, pre.output_token_ids, ends[rid], export_s))
+        return out
 
 
 def source_main(spec: SourceSpec, conn) -> None:
-    """Entry point of the source process: serve commands, poll in between."""
+    """Entry point of the source process: serve commands until ``Stop``."""
     server = SourceServer(spec)
     conn.send(server.handshake())
     while True:
@@ -142,48 +255,13 @@ def source_main(spec: SourceSpec, conn) -> None:
             continue
         cmd = conn.recv()
         if isinstance(cmd, Stop):
-            server.source.close()
+            server.close()
             conn.send("stopped")
             return
         try:
-            conn.send(server.handle(cmd))
+            conn.send(server.handle(cmd, conn.send))
         except Exception as e:  # report, keep serving
             conn.send(RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-
-
-def _handle(cmd, engine: Engine | None, source, released: list[str]):
-    if isinstance(cmd, Prefill):
-        ids = [engine.add_request(p, cmd.params, prefill_only=True) for p in cmd.prompts]
-        while engine.has_unfinished():
-            engine.step()
-        out = []
-        for rid in ids:
-            if rid not in engine.requests:  # finished at its first token
-                continue
-            pre = engine.prefilled(rid)
-            desc = source.export(rid, pre.block_ids, pre.num_kv_tokens, cmd.lease_s)
-            out.append(Exported(desc, pre.prompt_token_ids, pre.output_token_ids))
-        return out
-    if isinstance(cmd, ExportRandom):
-        bs = source.compat.layout.block_size
-        n = -(-cmd.num_tokens // bs)
-        blocks = list(range(cmd.first_block, cmd.first_block + n))
-        t0 = time.perf_counter()
-        desc = source.export(
-            f"rand-{cmd.first_block}-{n}-{time.time_ns()}", blocks, cmd.num_tokens, cmd.lease_s
-        )
-        return ExportedRandom(desc, time.perf_counter() - t0)
-    if isinstance(cmd, Corrupt):
-        desc = source._exports[cmd.transfer_id].descriptor
-        source.cache[0, 0, desc.block_ids[-1]].view(-1).view(torch.uint8)[7] ^= 0x40
-        return True
-    if isinstance(cmd, Confirm):
-        source.confirm(cmd.transfer_id)
-        return True
-    if isinstance(cmd, Status):
-        free = engine.block_manager.num_free_blocks if engine is not None else -1
-        return SourceStatus(os.getpid(), source.num_exported, free, list(released))
-    raise ValueError(f"unknown command {cmd!r}")
 
 
 class SourceProcess:
@@ -200,9 +278,16 @@ class SourceProcess:
         self.handshake = self._conn.recv()
 
     def call(self, cmd, timeout: float = 300.0):
+        self.send(cmd)
+        return self.receive(timeout)
+
+    def send(self, cmd) -> None:
+        """Send ``cmd`` without waiting (``receive`` takes its replies, in order)."""
         self._conn.send(cmd)
+
+    def receive(self, timeout: float = 300.0):
         if not self._conn.poll(timeout):
-            raise TimeoutError(f"the source process did not answer {type(cmd).__name__}")
+            raise TimeoutError("the source process did not answer")
         reply = self._conn.recv()
         if isinstance(reply, Exception):
             raise reply

@@ -9,19 +9,33 @@ its own pool. Per backend, the median of ``--repeats`` pulls of:
 
 - transfer: moving the bytes into place (``TransferStats.transfer_s``), as GB/s
   and as a fraction of memcpy of the same bytes measured in the same run;
-- handover: export (hashing + publishing, timed in the source) + pull (transfer
-  + verify): from "prefill done" to "decode may start", and its ratio to the
-  raw transfer.
+- handover: export (publishing, timed in the source) + pull (chunks of layers
+  moved, each verified on a helper thread while the next moves): from "prefill
+  done" to "decode may start", and its ratio to the raw transfer. The source
+  hashes each layer first, as a prefill worker does while the forward pass
+  writes it ("hashed in prefill": work moved out of the handover, reported).
+
+Then layer-wise streaming against whole-cache transfer (``--layerwise``, nixl):
+a real prefill engine (SmolLM2-135M, prefix caching off) in the source process
+prefills one 2k- and one 8k-token prompt (8064: the model's context is 8192),
+and this process pulls its KV either after the prefill (whole cache) or while
+it computes (streamed). Per mode, the median of ``--repeats`` of: prefill time
+(as this process saw it), and prefill end (the source's step returning) to
+decode ready (the pull returned here), which is negative when the last layer's
+KV arrived before the step finished sampling.
 
     python -m splitserve.bench.kv_transfer_bench                  # everything, ~10 min
     python -m splitserve.bench.kv_transfer_bench --quick          # 1k and 8k only
+    python -m splitserve.bench.kv_transfer_bench --layerwise-only # the streaming table only
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
+import random
 import statistics
 import sys
 import time
@@ -29,8 +43,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from splitserve.bench.kv_peers import Confirm, ExportRandom, SourceSpec, start_source
-from splitserve.engine import KVLayout
+from splitserve.bench.kv_peers import Confirm, ExportRandom, Prefill, SourceProcess, SourceSpec, start_source
+from splitserve.engine import EngineConfig, KVLayout, SamplingParams
 from splitserve.engine.kv_cache import allocate_zeros
 from splitserve.kv_transfer import CompatInfo, get_backend
 
@@ -52,9 +66,19 @@ class Row:
     of_memcpy: float
     transfer_ms: float
     export_ms: float
+    hashed_in_prefill_ms: float
     verify_ms: float
     handover_ms: float
     handover_ratio: float
+
+
+@dataclass
+class LayerwiseRow:
+    tokens: int
+    mode: str  # whole | streamed
+    mbytes: float
+    prefill_ms: float
+    end_to_ready_ms: float
 
 
 def memcpy_gbps(nbytes: int, repeats: int) -> float:
@@ -88,11 +112,11 @@ def run_one(backend: str, name: str, tokens: int, repeats: int, ceiling: float) 
             if not conf.delivered:
                 src.call(Confirm(conf.transfer_id))
             st = sink.last_stats
-            samples.append((st.transfer_s, exp.export_s, st.verify_s, exp.export_s + st.total_s))
+            samples.append((st.transfer_s, exp.export_s, exp.hash_s, st.verify_s, exp.export_s + st.total_s))
         sink.close()
     finally:
         src.stop()
-    transfer, export, verify, handover = (statistics.median(x) for x in zip(*samples[1:]))
+    transfer, export, hashed, verify, handover = (statistics.median(x) for x in zip(*samples[1:]))
     nbytes = exp.descriptor.num_bytes
     gbps = nbytes / transfer / 1e9
     return Row(
@@ -105,10 +129,69 @@ def run_one(backend: str, name: str, tokens: int, repeats: int, ceiling: float) 
         gbps / ceiling,
         transfer * 1e3,
         export * 1e3,
+        hashed * 1e3,
         verify * 1e3,
         handover * 1e3,
         handover / transfer,
     )
+
+
+LAYERWISE_TOKENS = (2048, 8064)
+
+
+def run_layerwise(tokens: int, stream: bool, repeats: int) -> LayerwiseRow:
+    """Prefill one ``tokens``-token prompt in a source process and pull its KV, after
+    the prefill or while it runs; medians of ``repeats`` (after one warm-up)."""
+    engine = EngineConfig(model="smollm2", enable_prefix_caching=False, num_kv_blocks=tokens // BLOCK + 8)
+    src = SourceProcess(SourceSpec("nixl", engine=engine, lease_s=600.0))
+    try:
+        compat = src.handshake.compat
+        lay = dataclasses.replace(compat.layout, num_blocks=-(-tokens // BLOCK) + 1)
+        cache = allocate_zeros(
+            (lay.num_layers, 2, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim),
+            getattr(torch, lay.dtype),
+        )
+        sink = get_backend("nixl").sink("bench-decode", cache, dataclasses.replace(compat, layout=lay))
+        sink.connect(src.handshake)
+        rng = random.Random(tokens)
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        samples = []
+        for _ in range(repeats + 1):
+            prompt = [rng.randrange(1000, 30000) for _ in range(tokens)]
+            sent = time.time()
+            src.send(Prefill([prompt], params, stream=stream))
+            if stream:
+                (desc,) = src.receive().descriptors
+                sink.pull(desc, list(range(len(desc.block_ids))), timeout=600.0)
+                ready = time.time()
+                (exp,) = src.receive()
+            else:
+                (exp,) = src.receive()
+                desc = exp.descriptor
+                sink.pull(desc, list(range(len(desc.block_ids))), timeout=600.0)
+                ready = time.time()
+            samples.append((exp.prefill_end - sent, ready - exp.prefill_end))
+        sink.close()
+    finally:
+        src.stop()
+    prefill, to_ready = (statistics.median(x) for x in zip(*samples[1:]))
+    mode = "streamed" if stream else "whole"
+    return LayerwiseRow(tokens, mode, desc.num_bytes / 1e6, prefill * 1e3, to_ready * 1e3)
+
+
+def layerwise_table(repeats: int, as_json: bool) -> None:
+    print()
+    print("| prompt tokens | KV MB | mode | prefill ms | prefill end -> decode ready ms |")
+    print("|---|---|---|---|---|")
+    for tokens in LAYERWISE_TOKENS:
+        for stream in (False, True):
+            r = run_layerwise(tokens, stream, repeats)
+            print(
+                f"| {r.tokens} | {r.mbytes:.0f} | {r.mode} | {r.prefill_ms:.0f} | {r.end_to_ready_ms:.1f} |",
+                flush=True,
+            )
+            if as_json:
+                print(json.dumps(asdict(r)), file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1k and 8k tokens only")
     ap.add_argument("--json", action="store_true", help="print rows as JSON lines too")
+    ap.add_argument("--layerwise", action="store_true", help="also the layer-wise streaming table")
+    ap.add_argument("--layerwise-only", action="store_true", help="only the layer-wise streaming table")
     args = ap.parse_args(argv)
+    if args.layerwise_only:
+        layerwise_table(args.repeats, args.json)
+        return 0
     backends = args.backends.split(",")
     sizes = [1024, 8192] if args.quick else [int(t) for t in args.tokens.split(",")]
     if "ray" in backends:
@@ -128,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(
         "| layout | tokens | MB | backend | GB/s | memcpy GB/s | of memcpy | transfer ms | export ms "
-        "| verify ms | handover ms | handover / transfer |"
+        "| hashed in prefill ms | verify ms | handover ms | handover / transfer |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.layouts.split(","):
         for tokens in sizes:
             nbytes = (
@@ -153,11 +241,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"| {r.layout} | {r.tokens} | {r.mbytes:.0f} | {r.backend} | {r.transfer_gbps:.2f} | "
                     f"{r.memcpy_gbps:.2f} | {r.of_memcpy:.0%} | {r.transfer_ms:.1f} | {r.export_ms:.1f} | "
-                    f"{r.verify_ms:.1f} | {r.handover_ms:.1f} | {r.handover_ratio:.2f}x |",
+                    f"{r.hashed_in_prefill_ms:.1f} | {r.verify_ms:.1f} | {r.handover_ms:.1f} | "
+                    f"{r.handover_ratio:.2f}x |",
                     flush=True,
                 )
                 if args.json:
                     print(json.dumps(asdict(r)), file=sys.stderr, flush=True)
+    if args.layerwise:
+        layerwise_table(args.repeats, args.json)
     return 0
 
 

@@ -261,9 +261,10 @@ class Engine:
 
         Returns the block ids to fill (in order; the last may be partial). Raises
         ``Overloaded`` if the cache has no room now. The request stays IMPORTING
-        until ``activate`` (or ``abort``, which frees the blocks)."""
-        if not output_token_ids:
-            raise InvalidRequest("an imported request needs its first sampled token")
+        until ``activate`` (or ``abort``, which frees the blocks).
+        ``output_token_ids`` is the first token the prefill side sampled; it may be
+        empty when the KV starts moving before prefill ends (layer-wise streaming),
+        and then comes with ``activate``."""
         request_id = self._new_id(request_id)
         prompt_ids = self.validate_request(list(prompt_token_ids), params)
         seq = Sequence(request_id, prompt_ids, params)
@@ -277,9 +278,19 @@ class Engine:
         self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
         return list(seq.block_table)
 
-    def activate(self, request_id: str) -> None:
-        """The KV of an IMPORTING request is in place: start decoding it."""
+    def activate(self, request_id: str, output_token_ids: list[int] | None = None) -> None:
+        """The KV of an IMPORTING request is in place: start decoding it. The first
+        sampled token comes here if ``import_request`` did not have it."""
         state = self._get(request_id, SequenceStatus.IMPORTING)
+        seq = state.seq
+        if output_token_ids:
+            if seq.num_output_tokens:
+                raise InvalidRequest(f"request {request_id} already has its first token")
+            for t in output_token_ids:
+                seq.append_token(t)
+            self.requests[request_id] = state = RequestState(seq, self.tokenizer, seq.num_tokens)
+        if not seq.num_output_tokens:
+            raise InvalidRequest("an imported request needs its first sampled token")
         self.block_manager.commit_computed(state.seq)
         self.scheduler.add_running(state.seq)
 

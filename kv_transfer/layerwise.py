@@ -23,6 +23,7 @@ Runs on the engine's thread; the caller holds whatever lock guards the source.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.engine.outputs import FinishingPrefill, LayerObserver
@@ -47,13 +48,17 @@ class LayerExporter(LayerObserver):
         stream: bool = False,
         lease_s: float | None = None,
         lock: threading.Lock | None = None,
+        on_stream: Callable[[list[KVDescriptor]], None] | None = None,
     ):
+        """``on_stream`` is given the descriptors each step begins streaming, before
+        its forward pass runs: the moment to hand them to the decode side."""
         if stream and not source.streams:
             raise ValueError(f"the {source.backend!r} backend cannot stream KV layer by layer")
         self.source = source
         self.stream = stream
         self.lease_s = lease_s
         self._lock = lock or threading.Lock()
+        self._on_stream = on_stream
         self._step: list[_Pending] = []
         self._done: dict[str, _Pending] = {}  # hashed (and maybe streamed), not yet exported
 
@@ -69,6 +74,9 @@ class LayerExporter(LayerObserver):
                     pending.streamed = self.source.begin_export(
                         p.request_id, list(p.block_ids), p.num_kv_tokens, self.lease_s
                     )
+        streamed = [p.streamed for p in self._step if p.streamed is not None]
+        if streamed and self._on_stream is not None:
+            self._on_stream(streamed)
 
     def layer_done(self, layer: int) -> None:
         cache = self.source.cache
