@@ -43,7 +43,7 @@ class KVSink:
 
     backend = ""
     chunked = False  # whether _transfer can move a range of layers
-    MIN_CHUNK_BYTES = 4 << 20  # layers are grouped into chunks of at least this much
+    MIN_CHUNK_BYTES = 32 << 20  # layers are grouped into chunks of at least this much
 
     def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo):
         check_cache(cache, compat)

@@ -151,6 +151,7 @@ class NixlSink(KVSink):
         self._row = torch.zeros(2 + compat.layout.num_layers, dtype=torch.int64)  # board reads land here
         self.agent, self._reg = _make_agent(f"{worker_id}/sink/{self.incarnation}", cache, self._row)
         self._remote: dict[str, tuple[str, NixlPeerInfo]] = {}  # worker id -> (agent name, info)
+        self._plan: tuple | None = None  # the last pull's (key, local rows, remote rows)
 
     def _connect(self, hs: Handshake, replacing: Handshake | None) -> None:
         info = hs.payload
@@ -168,9 +169,23 @@ class NixlSink(KVSink):
     def _descs(
         self, desc: KVDescriptor, dst_blocks: list[int], info: NixlPeerInfo, layers: range
     ) -> tuple[np.ndarray, np.ndarray]:
+        """(local, remote) descriptor rows of ``layers``: one per (layer, K/V, run of
+        blocks contiguous on both sides). The rows of every layer are built once per
+        pull (the chunks of one pull share them)."""
+        key = (desc.transfer_id, tuple(dst_blocks))
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, *self._all_descs(desc, dst_blocks, info))
+        _, local, remote = self._plan
+        per_layer = len(local) // self.compat.layout.num_layers
+        rows = slice(layers.start * per_layer, layers.stop * per_layer)
+        return local[rows], remote[rows]
+
+    def _all_descs(
+        self, desc: KVDescriptor, dst_blocks: list[int], info: NixlPeerInfo
+    ) -> tuple[np.ndarray, np.ndarray]:
         block_bytes = self.compat.layout.block_bytes
         pairs = np.array(paired_runs(desc.block_ids, dst_blocks), dtype=np.uint64).reshape(-1, 3)
-        planes = np.arange(2 * layers.start, 2 * layers.stop, dtype=np.uint64)[:, None]  # (layer, k/v)
+        planes = np.arange(2 * self.compat.layout.num_layers, dtype=np.uint64)[:, None]  # (layer, k/v)
         src_off = (planes * np.uint64(info.num_blocks) + pairs[None, :, 0]) * np.uint64(block_bytes)
         dst_off = (planes * np.uint64(self.cache.shape[2]) + pairs[None, :, 1]) * np.uint64(block_bytes)
         lengths = np.broadcast_to(pairs[None, :, 2] * np.uint64(block_bytes), src_off.shape)

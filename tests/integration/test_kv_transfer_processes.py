@@ -6,7 +6,9 @@ it into its own engine and decodes. The greedy tokens must equal the
 monolithic engine's, token for token. Failure cases: the source killed after
 export (a typed error within the timeout, no hang), lease expiry (prefill
 blocks freed, late pulls refused), bytes corrupted after the checksum
-(detected, no tokens), an incompatible peer (refused at handshake). Every
+(detected, no tokens), an incompatible peer (refused at handshake). Layer-wise
+streaming over nixl: the decode side pulls while the source still prefills,
+with the same greedy tokens; a layer corrupted in flight fails the pull. Every
 source process must exit 0 (UCX has been seen to segfault at exit).
 """
 
@@ -26,6 +28,7 @@ from splitserve.bench.kv_peers import (
     Prefill,
     SourceSpec,
     Status,
+    Streaming,
     compat_of,
     start_source,
 )
@@ -229,3 +232,74 @@ def test_stalled_source_times_out():
     finally:
         os.kill(src.proc.pid, signal.SIGCONT)
         src.kill()
+
+
+@pytest.fixture(scope="module")
+def streaming_source(decode_engine):
+    src = start_source(SourceSpec("nixl", engine=CFG, worker_id="prefill-stream"))
+    yield src
+    assert src.stop() == 0
+
+
+def pull_streamed(src, sink, engine: Engine, chats, faulty_layer: int | None = None):
+    """Prefill ``chats`` streaming; pull each as soon as its descriptor is published
+    (before the first token exists), then take the first tokens. Returns
+    (exported, errors by request id)."""
+    if faulty_layer is not None:
+        real_transfer = sink._transfer
+
+        def faulty_wire(desc, dst_blocks, deadline, layers):
+            real_transfer(desc, dst_blocks, deadline, layers)
+            if faulty_layer in layers:
+                engine.kv_cache.tensor[faulty_layer, 0, dst_blocks[0]].view(-1).view(torch.uint8)[9] ^= 0x4
+
+        sink._transfer = faulty_wire
+    src.send(Prefill(chats, PARAMS, stream=True))
+    streaming = src.receive()
+    assert isinstance(streaming, Streaming) and len(streaming.descriptors) == len(chats)
+    prompt_of = dict(zip((d.request_id for d in streaming.descriptors), chats))
+    errors = {}
+    for desc in streaming.descriptors:
+        assert desc.stream is not None and desc.layer_checksums == ()
+        blocks = engine.import_request(desc.request_id, prompt_of[desc.request_id], [], PARAMS)
+        try:
+            assert sink.pull(desc, blocks, timeout=60.0).delivered
+        except KVTransferError as e:
+            errors[desc.request_id] = e
+            assert engine.abort(desc.request_id)
+    exported = src.receive()
+    assert [e.descriptor for e in exported] == list(streaming.descriptors)
+    return exported, errors
+
+
+def test_layerwise_streaming_over_nixl_equals_monolithic(streaming_source, decode_engine, chats, reference):
+    sink = sink_for("nixl", decode_engine)
+    sink.connect(streaming_source.handshake)
+    exported, errors = pull_streamed(streaming_source, sink, decode_engine, chats)
+    assert errors == {}
+    for e in exported:
+        decode_engine.activate(e.descriptor.request_id, e.output_token_ids)
+    outs: dict[str, list[int]] = {}
+    while decode_engine.has_unfinished():
+        for o in decode_engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for e, ref in zip(exported, reference):
+        assert e.output_token_ids + outs[e.descriptor.request_id] == ref
+    wait_released(streaming_source, [e.descriptor.request_id for e in exported])
+    sink.close()
+
+
+def test_a_corrupted_layer_of_a_stream_is_detected_and_yields_no_tokens(
+    streaming_source, decode_engine, chats
+):
+    sink = get_backend("nixl").sink(
+        "decode-c", decode_engine.kv_cache.tensor, compat_of(decode_engine, CFG.model)
+    )
+    sink.connect(streaming_source.handshake)
+    used = decode_engine.block_manager.num_used_blocks
+    exported, errors = pull_streamed(streaming_source, sink, decode_engine, chats[:1], faulty_layer=5)
+    (err,) = errors.values()
+    assert isinstance(err, IntegrityError) and "layer 5 " in str(err)
+    assert decode_engine.step() == [] and decode_engine.block_manager.num_used_blocks == used
+    assert streaming_source.call(Status()).num_exported == 1  # unconfirmed: the source keeps its lease
+    sink.close()
