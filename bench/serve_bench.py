@@ -88,7 +88,15 @@ def build_requests(
     elif args.dataset == "sharegpt":
         reqs = workloads.sharegpt_like(n, vocab_size, seed, max_input=max_model_len // 2)
     elif args.dataset == "shared-prefix":
-        reqs = workloads.shared_prefix(n, args.prefix_len, args.input_len, args.output_len, vocab_size, seed)
+        reqs = workloads.shared_prefix(
+            n,
+            args.prefix_len,
+            args.input_len,
+            args.output_len,
+            vocab_size,
+            seed,
+            num_prefixes=args.num_prefixes,
+        )
     elif args.dataset == "mixed":
         reqs = workloads.mixed(
             n, vocab_size, seed, args.long_fraction, args.long_len, args.input_len, args.output_len
@@ -172,6 +180,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0, help="random: widen lengths by this fraction")
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: the common prefix")
+    p.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: how many distinct prefixes")
     p.add_argument("--long-len", type=int, default=2048, help="mixed: length of the long prompts")
     p.add_argument("--long-fraction", type=float, default=0.1, help="mixed: fraction of long prompts")
     p.add_argument("--trace", default=None, help="trace: JSONL of timestamp, input_len, output_len")

@@ -10,7 +10,9 @@ Datasets (all generated from a seed; nothing is downloaded):
   uniformly to ``[len * (1 - r), len * (1 + r)]``, as vLLM's random dataset);
 - ``sharegpt``: lengths from log-normal distributions with roughly ShareGPT's
   shape (input median ~100 tokens with a long tail, output median ~150);
-- ``shared-prefix``: many requests behind one common system prompt;
+- ``shared-prefix``: requests behind ``num_prefixes`` system prompts (one by
+  default), each request behind one drawn at random: what cache-aware routing
+  is for;
 - ``mixed``: short chat requests with a fraction of long prompts among them
   (the workload disaggregation is for);
 - ``trace``: replay a JSONL file of ``{"timestamp", "input_len", "output_len"}``.
@@ -58,10 +60,11 @@ def sharegpt_like(n, vocab_size, seed=0, max_input=1024, max_output=512, low_id=
     return [BenchRequest(_ids(rng, int(i), vocab_size, low_id), int(o)) for i, o in zip(ins, outs)]
 
 
-def shared_prefix(n, prefix_len, suffix_len, output_len, vocab_size, seed=0, low_id=100):
+def shared_prefix(n, prefix_len, suffix_len, output_len, vocab_size, seed=0, low_id=100, num_prefixes=1):
     rng = np.random.default_rng(seed)
-    prefix = _ids(rng, prefix_len, vocab_size, low_id)
-    return [BenchRequest(prefix + _ids(rng, suffix_len, vocab_size, low_id), output_len) for _ in range(n)]
+    prefixes = [_ids(rng, prefix_len, vocab_size, low_id) for _ in range(num_prefixes)]
+    picks = rng.integers(0, num_prefixes, size=n)
+    return [BenchRequest(prefixes[k] + _ids(rng, suffix_len, vocab_size, low_id), output_len) for k in picks]
 
 
 def mixed(n, vocab_size, seed=0, long_fraction=0.1, long_len=2048, short_len=128, output_len=64, low_id=100):

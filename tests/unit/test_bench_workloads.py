@@ -32,6 +32,10 @@ def test_datasets_lengths_and_token_range():
     assert {len(r.prompt_ids) for r in fixed} == {64} and {r.output_len for r in fixed} == {8}
     shared = workloads.shared_prefix(4, 32, 8, 5, vocab_size=1000)
     assert all(r.prompt_ids[:32] == shared[0].prompt_ids[:32] and len(r.prompt_ids) == 40 for r in shared)
+    groups = workloads.shared_prefix(60, 32, 8, 5, vocab_size=1000, num_prefixes=4)
+    heads = {tuple(r.prompt_ids[:32]) for r in groups}
+    assert len(heads) == 4  # four system prompts, each shared by many requests
+    assert len({tuple(r.prompt_ids[32:]) for r in groups}) == 60  # suffixes are the requests' own
     mixed = workloads.mixed(40, vocab_size=1000, long_fraction=0.1, long_len=2048, short_len=128)
     assert sum(len(r.prompt_ids) == 2048 for r in mixed) == 4
     assert all(64 <= len(r.prompt_ids) <= 192 for r in mixed if len(r.prompt_ids) != 2048)
