@@ -13,6 +13,12 @@ torch_dist), or, for a backend without one (ray), through ``confirm``, which
 the router calls with the confirmations the decode worker returned right
 after its pull; either way the blocks are freed at the pull.
 
+Each layer of a prompt is hashed right after the forward pass writes it (the
+engine's ``LayerObserver`` is a ``kv_transfer.layerwise.LayerExporter``), so
+the export after the step only publishes. Exports are whole: layer-wise
+streaming works at the transfer level (``docs/kv_transfer.md``) but the router
+does not yet forward a handoff before the prefill ends.
+
 ``prefill`` returns once the first token is sampled and the KV is exported;
 the blocks stay held until ``KVSource.poll`` reports the lease's end. A
 poller thread calls ``poll`` every millisecond, because a NIXL source only
