@@ -135,7 +135,7 @@ class KVSink:
                 ready = self._await_layers(desc, moved, deadline, verifier)
                 stats.wait_s += time.monotonic() - t
             stop = min(ready, moved + chunk)
-            if stop == num_layers and stop - moved > 1:
+            if self.chunked and stop == num_layers and stop - moved > 1:
                 stop -= 1  # the last layer alone: only its verification follows the last byte
             t = time.monotonic()
             self._transfer(desc, dst_blocks, deadline, range(moved, stop))

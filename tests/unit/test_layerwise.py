@@ -188,3 +188,34 @@ def test_the_exporter_hashes_during_prefill_so_export_hashes_nothing(pair, monke
         monkeypatch.undo()
         assert desc.layer_checksums == integrity.layer_checksums(source.cache, p.block_ids)
         monkeypatch.setattr(integrity, "layer_checksums", no_hashing)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_pull_moves_every_layer_once_in_order(pair, chunked):
+    """Chunked backends move layers in order, the last one alone (so only its
+    verification follows the last byte); the others move everything in one call."""
+    pre, dec, source, sink = pair
+    (prompt,) = random_prompts([30], 512, seed=15)
+    rid = pre.add_request(prompt, PARAMS, prefill_only=True)
+    while pre.has_unfinished():
+        pre.step()
+    p = pre.prefilled(rid)
+    desc = source.export(rid, p.block_ids, p.num_kv_tokens)
+    sink.chunked = chunked
+    ranges: list[range] = []
+    real_transfer = sink._transfer
+
+    def recording(desc, dst, deadline, layers):
+        ranges.append(layers)
+        real_transfer(desc, dst, deadline, layers)
+
+    sink._transfer = recording
+    blocks = dec.import_request(rid, prompt, p.output_token_ids, PARAMS)
+    sink.pull(desc, blocks, timeout=60)
+    num_layers = source.compat.layout.num_layers
+    assert num_layers > 1
+    if chunked:
+        assert [r.start for r in ranges] == [0] + [r.stop for r in ranges[:-1]]  # contiguous, in order
+        assert ranges[-1] == range(num_layers - 1, num_layers)
+    else:
+        assert ranges == [range(num_layers)]
