@@ -10,14 +10,19 @@ export before the forward pass (``begin_export``) and announces each layer as
 it is hashed (``layer_ready``), so a sink pulls layer k while layer k+1
 computes::
 
-    step_begins(prompts) --begin_export--> descriptor (streamed) ---> take_descriptor()
+    step_begins(prompts) --begin_export--> streamed descriptors --> on_stream(...)
     layer_done(0) --hash, layer_ready(0)--> ... layer_done(L-1)
     after the step: export(request) -> the streamed descriptor, or a whole export
                     with the checksums already taken
     a prompt that will not be exported (finished at its first token, failed):
                     discard(request) releases its export
 
-Runs on the engine's thread; the caller holds whatever lock guards the source.
+A cache on a GPU is hashed per layer only when streaming: hashing copies the
+layer's blocks to the host, and doing that inside the forward pass would stall
+the GPU after every layer; without streaming, export hashes after the step.
+
+Runs on the engine's thread; calls into the source hold ``lock`` (the one the
+worker's poller holds while it polls the same source).
 """
 
 from __future__ import annotations
@@ -80,25 +85,18 @@ class LayerExporter(LayerObserver):
 
     def layer_done(self, layer: int) -> None:
         cache = self.source.cache
-        for pending in self._step:
-            checksum = layer_checksum(cache, layer, pending.prompt.block_ids)
-            pending.checksums.append(checksum)
-            if pending.streamed is not None:
-                with self._lock:
-                    self.source.layer_ready(pending.streamed.transfer_id, layer, checksum)
+        if self.stream or cache.device.type == "cpu":
+            for pending in self._step:
+                checksum = layer_checksum(cache, layer, pending.prompt.block_ids)
+                pending.checksums.append(checksum)
+                if pending.streamed is not None:
+                    with self._lock:
+                        self.source.layer_ready(pending.streamed.transfer_id, layer, checksum)
         if layer == self.source.compat.layout.num_layers - 1:
             self._done.update((p.prompt.request_id, p) for p in self._step)
             self._step = []
 
     # ---- after the step -------------------------------------------------------
-    def streamed_descriptor(self, request_id: str) -> KVDescriptor | None:
-        """The streamed descriptor of a prompt in the current or last step, if it streams."""
-        for pending in self._step:
-            if pending.prompt.request_id == request_id:
-                return pending.streamed
-        pending = self._done.get(request_id)
-        return None if pending is None else pending.streamed
-
     def export(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDescriptor:
         """The export of a prompt this observer saw completed: its streamed descriptor, or
         a whole export with the checksums taken during prefill (hashed here otherwise)."""
@@ -109,7 +107,8 @@ class LayerExporter(LayerObserver):
             raise RuntimeError(f"{request_id}: the blocks exported differ from those prefill wrote")
         if pending is not None and pending.streamed is not None:
             return pending.streamed
-        checksums = tuple(pending.checksums) if pending is not None else None
+        complete = pending is not None and len(pending.checksums) == self.source.compat.layout.num_layers
+        checksums = tuple(pending.checksums) if complete else None
         with self._lock:
             return self.source.export(
                 request_id, block_ids, num_tokens, self.lease_s, layer_checksums=checksums
@@ -121,10 +120,3 @@ class LayerExporter(LayerObserver):
         if pending is not None and pending.streamed is not None:
             with self._lock:
                 self.source.release(pending.streamed.transfer_id)
-
-    def discard_step(self) -> None:
-        """The step failed mid-forward: release what it began streaming."""
-        for pending in self._step:
-            self._done[pending.prompt.request_id] = pending
-            self.discard(pending.prompt.request_id)
-        self._step = []
