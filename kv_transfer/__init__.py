@@ -15,6 +15,11 @@ so the records and errors load without torch::
     conf = sink.pull(desc, my_block_ids, timeout=5.0)                      # raises KVTransferError
     ... source.poll() -> [LeaseEnd]: release those blocks in the prefill engine
 
+Layer-wise (``layerwise.LayerExporter`` as the prefill engine's layer observer):
+each layer is hashed as prefill writes it, and with ``stream=True`` the
+descriptor is published before the forward pass (``source.begin_export``), so
+``sink.pull`` moves layers while later ones compute (nixl, local).
+
 | name | moves bytes with | confirms through |
 |---|---|---|
 | ``nixl`` | NIXL/UCX one-sided READ (DRAM or VRAM; RDMA, NVLink, cma on one host) | NIXL notification |
