@@ -12,11 +12,14 @@ The two halves disaggregated serving needs:
 - prefill side: ``add_request(..., prefill_only=True)``; after the step that
   samples its first token the request is PREFILLED and ``prefilled(id)`` tells
   which blocks hold its KV. The engine keeps those blocks until ``release(id)``.
+  A ``layer_observer`` is told, within the step, as each layer of such a
+  prompt's KV is written (hashing and streaming KV layer by layer build on it).
 - decode side: ``import_request(...)`` allocates blocks for incoming KV and
   returns their ids (the request is IMPORTING, not scheduled); the caller fills
   them (``kv_cache.write_blocks`` or a transfer library writing into
   ``kv_cache.tensor``) and calls ``activate(id)`` to start decoding, or
   ``abort(id)`` to give the blocks back. ``add_request_from_kv`` does all three.
+  When the KV moves before prefill ends, the first token comes with ``activate``.
 
 Building the parts (model, KV cache, scheduler, runner) is ``engine.build``;
 this module is the request lifecycle. Every public method validates first
