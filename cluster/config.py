@@ -141,6 +141,17 @@ class PoolSpec(_Strict):
     cpu_ids: list[int] | None = Field(
         None, description="pin worker i of this pool to core cpu_ids[i % len] (Linux; None: no pinning)"
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each worker (each TP rank) reserves, e.g. "
+        "{splitserve_prefill: 1}: its workers land only on nodes that advertise them (phase placement)",
+    )
+    placement_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="how long a new worker may wait for Ray to place it (e.g. for Ray's autoscaler to "
+        "launch a node with its resources); past it the worker is given up with an error",
+    )
     engine: EngineOptions = Field(default_factory=EngineOptions, description="engine options of this pool")
     autoscaling: AutoscalingSpec | None = Field(
         None, description="scale this pool on its phase's load (None: fixed)"
@@ -148,6 +159,13 @@ class PoolSpec(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> PoolSpec:
+        for name, amount in self.resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(
+                    f"resources: reserve {name} with num_cpus / num_gpus, not as a custom resource"
+                )
+            if amount <= 0:
+                raise ValueError(f"resources.{name} must be positive, got {amount}")
         if self.engine.cuda_graphs and self.engine.attention_backend != "triton":
             raise ValueError("engine.cuda_graphs needs engine.attention_backend: triton")
         if self.engine.cuda_graphs and self.tp_size > 1:

@@ -8,6 +8,10 @@ has loaded (the registry takes its info and first stats), and
 ``remove`` drains it (DRAINING: no new requests) and kills it once its
 in-flight ones end (or a timeout passes), so scaling down drops nothing.
 
+Each bundle holds a worker's (or TP rank's) CPUs, GPUs and the pool's custom
+``resources``: a pool that asks for a phase resource (``splitserve_prefill``)
+is placed only on nodes that advertise it.
+
 A restarted worker keeps its actor handle, so its registry record stays
 valid; its KV source comes back with a new incarnation, which the router
 notices in the next handoff and sends to decode workers then
@@ -30,7 +34,12 @@ import time
 from dataclasses import dataclass, field
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from splitserve.cluster.config import ClusterConfig, PoolSpec
@@ -55,6 +64,7 @@ class _Member:
     pg: PlacementGroup
     actor: object = None  # the Ray handle of rank 0 (the worker the router talks to)
     ranks: list = field(default_factory=list)  # actor handles of TP ranks 1.. (prefill TP groups)
+    launched: float = field(default_factory=time.monotonic)  # when its placement group was asked for
 
 
 def _startup_error(e: BaseException) -> str:
@@ -137,7 +147,7 @@ class WorkerPool:
         s = self.spec
         worker_id = f"{self.role}-{self._next_index}"
         self._next_index += 1
-        bundle = {"CPU": s.num_cpus} | ({"GPU": s.num_gpus} if s.num_gpus else {})
+        bundle = {"CPU": s.num_cpus} | ({"GPU": s.num_gpus} if s.num_gpus else {}) | s.resources
         pg = placement_group([bundle] * s.tp_size, strategy="STRICT_PACK", name=f"splitserve-{worker_id}")
         spec = self._worker_spec(worker_id)
         member = self._members[worker_id] = _Member(worker_id, pg)
@@ -153,6 +163,7 @@ class WorkerPool:
             .options(
                 num_cpus=s.num_cpus,
                 num_gpus=s.num_gpus,
+                resources=s.resources,
                 max_restarts=MAX_RESTARTS if s.tp_size == 1 else 0,
                 max_concurrency=4096,
                 scheduling_strategy=self._bundle(pg, 0),
@@ -179,7 +190,10 @@ class WorkerPool:
         ]
         for r in range(1, s.tp_size):
             handle = ray.remote(PrefillRank).options(
-                num_cpus=s.num_cpus, num_gpus=s.num_gpus, scheduling_strategy=self._bundle(m.pg, r)
+                num_cpus=s.num_cpus,
+                num_gpus=s.num_gpus,
+                resources=s.resources,
+                scheduling_strategy=self._bundle(m.pg, r),
             )
             m.ranks.append(handle.remote(ranks[r]))
         return ranks[0]
@@ -197,14 +211,24 @@ class WorkerPool:
         return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
 
     async def _placed(self, m: _Member, deadline: float) -> None:
+        """Until Ray has placed ``m``'s placement group (perhaps after its autoscaler
+        added a node); past ``placement_timeout_s`` the worker is given up."""
         s = self.spec
+        limit = min(deadline, m.launched + s.placement_timeout_s)
         try:
-            await asyncio.wait_for(m.pg.ready(), max(0.1, deadline - time.monotonic()))
+            await asyncio.wait_for(m.pg.ready(), max(0.1, limit - time.monotonic()))
         except TimeoutError:
+            extra = "".join(f", {k}: {v:g}" for k, v in s.resources.items())
+            log.warning("giving up %s: Ray did not place it in time", m.worker_id)
             raise RuntimeError(
                 f"Ray cannot place {m.worker_id}: it needs {s.tp_size} x "
-                f"{{CPU: {s.num_cpus}, GPU: {s.num_gpus}}} on one node"
+                f"{{CPU: {s.num_cpus}, GPU: {s.num_gpus}{extra}}} on one node, and no node "
+                f"offered that within {s.placement_timeout_s:g} s (placement_timeout_s)"
             ) from None
+
+    def node_of(self, worker_id: str) -> str:
+        """The id of the Ray node that ``worker_id`` (its rank 0) was placed on."""
+        return placement_group_table(self._members[worker_id].pg)["bundles_to_node_id"][0]
 
     async def _wait_ready(self, m: _Member, deadline: float) -> None:
         """Until the worker (and every TP rank of it) has loaded its model; the first
