@@ -1,10 +1,17 @@
-"""Phase placement on a real two-node Ray cluster on localhost
-(``ray.cluster_utils.Cluster``): one node advertises ``splitserve_decode``, the
-other ``splitserve_prefill``, and each pool asks for its phase's resource. Each
-worker must land on its phase's node and the cluster must serve the
-monolithic engine's greedy tokens across the two nodes. A pool asking for a
-resource no node offers is given up after its ``placement_timeout_s`` with an
-error naming the resource, not a hang."""
+"""Multi-node serving on a real three-node Ray cluster on localhost
+(``ray.cluster_utils.Cluster``): a head with no phase resource, a node that
+advertises ``splitserve_prefill`` and one that advertises ``splitserve_decode``.
+splitserve attaches to it by address (``ray.address``, what ``splitserve serve
+--address`` sets), each pool asks for its phase's resource, and:
+
+- each worker is placed on its phase's node (Ray's placement-group table,
+  checked against the resources ``ray.nodes()`` reports for that node);
+- 32 concurrent streams, their KV moved over NIXL between the two nodes, equal
+  the monolithic engine's greedy tokens;
+- a pool asking for a resource no node offers is given up after its
+  ``placement_timeout_s`` with an error naming the resource, and leaves
+  nothing behind (not a hang).
+"""
 
 from __future__ import annotations
 
@@ -14,11 +21,15 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from splitserve.client import Client
 from splitserve.cluster.app import BackgroundCluster
-from splitserve.engine import Engine, EngineConfig, SamplingParams
-from tests.conftest import random_prompts
-from tests.integration.cluster_util import VOCAB, tiny_checkpoint, tiny_config
+from splitserve.engine import Engine, EngineConfig
+from tests.integration.cluster_util import (
+    mixed_workload,
+    reference_tokens,
+    stream_all,
+    tiny_checkpoint,
+    tiny_config,
+)
 
 POOL = {"num_cpus": 1, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
 
@@ -29,54 +40,62 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
-    """A head node for decode and a second node for prefill, one CPU each."""
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {"splitserve_decode": 1}},
-    )
-    prefill_node = cluster.add_node(num_cpus=1, resources={"splitserve_prefill": 1})
-    ray.init(address=cluster.address, log_to_driver=False)
+def three_nodes():
+    """(cluster, prefill node, decode node); the head has one CPU and no phase."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    prefill = cluster.add_node(num_cpus=1, resources={"splitserve_prefill": 1})
+    decode = cluster.add_node(num_cpus=1, resources={"splitserve_decode": 1})
+    cluster.wait_for_nodes()
     try:
-        yield cluster, prefill_node
+        yield cluster, prefill, decode
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
-def test_each_pool_lands_on_its_phase_node_and_serves(two_nodes, checkpoint):
-    cluster, prefill_node = two_nodes
-    config = tiny_config(
+def phase_config(checkpoint: str, address: str, **prefill_extra):
+    return tiny_config(
         checkpoint,
-        prefill={**POOL, "resources": {"splitserve_prefill": 1}},
+        ray={"address": address},
+        prefill={**POOL, "resources": {"splitserve_prefill": 1}, **prefill_extra},
         decode={**POOL, "resources": {"splitserve_decode": 1}},
+        transfer={"backend": "nixl"},
     )
-    prompts = random_prompts([12, 40, 70], VOCAB, seed=21)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def test_each_pool_lands_on_its_phase_node_and_serves_32_streams(three_nodes, checkpoint):
+    cluster, prefill_node, decode_node = three_nodes
+    prompts, params = mixed_workload(32, seed=41)
     engine = Engine(EngineConfig(model=checkpoint, dtype="float32", kv_cache_memory_mib=16))
-    reference = [c.token_ids for c in engine.generate(prompts, params)]
-    with BackgroundCluster(config) as c:
+    reference = reference_tokens(engine, prompts, params)
+    with BackgroundCluster(phase_config(checkpoint, cluster.address)) as c:
         pools = c.cluster.pools
-        assert pools["prefill"].node_of("prefill-0") == prefill_node.node_id
-        assert pools["decode"].node_of("decode-0") == cluster.head_node.node_id
-        with Client(c.address, timeout=120) as client:
-            for prompt, ref in zip(prompts, reference):
-                out = client.generate(prompt, max_tokens=12, ignore_eos=True)
-                assert out.token_ids == ref
-                assert (out.final.prefill_worker, out.final.decode_worker) == ("prefill-0", "decode-0")
+        placed = {
+            "prefill-0": pools["prefill"].node_of("prefill-0"),
+            "decode-0": pools["decode"].node_of("decode-0"),
+        }
+        assert placed == {"prefill-0": prefill_node.node_id, "decode-0": decode_node.node_id}
+        resources = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+        assert "splitserve_prefill" in resources[placed["prefill-0"]]
+        assert "splitserve_decode" in resources[placed["decode-0"]]
+        results = stream_all(c.address, prompts, params)
+        for (out, _), ref in zip(results, reference):
+            assert out.token_ids == ref
+            assert out.final.prefill_worker == "prefill-0"
+            # a request that ends at its first token never reaches a decode worker
+            assert out.final.decode_worker == ("" if len(ref) == 1 else "decode-0")
 
 
-def test_a_pool_no_node_can_hold_is_given_up_with_a_clear_error(two_nodes, checkpoint):
-    config = tiny_config(
-        checkpoint,
-        prefill={**POOL, "resources": {"splitserve_prefill_h100": 1}, "placement_timeout_s": 2},
-        decode={**POOL, "resources": {"splitserve_decode": 1}},
+def test_a_pool_no_node_can_hold_is_given_up_with_a_clear_error(three_nodes, checkpoint):
+    cluster, _, _ = three_nodes
+    config = phase_config(
+        checkpoint, cluster.address, resources={"splitserve_prefill_h100": 1}, placement_timeout_s=2
     )
     with pytest.raises(
         RuntimeError, match="cannot place prefill-0.*splitserve_prefill_h100.*placement_timeout_s"
     ):
         BackgroundCluster(config)
-    # nothing is left behind: the placement groups of the given-up start are removed
+    # nothing is left behind: the decode worker started meanwhile is gone with its placement group
     deadline = time.monotonic() + 60
     while ray.available_resources().get("splitserve_decode") != 1:
         assert time.monotonic() < deadline, "the decode worker's placement group was not removed"
