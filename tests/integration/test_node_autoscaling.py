@@ -3,13 +3,15 @@ multi-node provider on localhost: real raylets launched and terminated by the
 real autoscaler). The head has no phase resource; node types advertise
 ``splitserve_prefill`` or ``splitserve_decode`` and start with none running.
 
-- Starting the cluster makes the autoscaler launch one node of each phase (the
-  workers' placement groups wait for them), and requests are served with the
-  monolithic engine's greedy tokens.
-- Growing the prefill pool launches a second prefill node; the new worker
-  lands there and takes requests once loaded.
-- Shrinking it drains the worker, removes its placement group, and the
-  autoscaler terminates the idle node.
+- Starting the cluster makes Ray's autoscaler launch one node of each phase
+  (the workers' placement groups wait for them).
+- A step of load (12 client threads) makes splitserve's prefill policy grow
+  the pool; Ray launches a second prefill node, the new worker is placed on it
+  and takes requests.
+- The load stops; the pool drains and shrinks, and Ray terminates the idle
+  node after its idle timeout.
+- No request fails or is dropped during the whole run, and every output
+  equals the monolithic engine's. The test prints the timeline.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +33,7 @@ from splitserve.engine import Engine, EngineConfig, SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import VOCAB, tiny_checkpoint, tiny_config
 
+MAX_TOKENS = 6
 POOL = {"num_cpus": 1, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
 NODE = {"node_config": {}, "min_workers": 0}
 
@@ -120,41 +124,108 @@ def wait_for(condition, what: str, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
+        time.sleep(0.25)
 
 
-def test_pools_bring_their_nodes_and_give_them_back(autoscaling_ray, checkpoint):
+class Load:
+    """Client threads that send the prompts over and over until stopped, checking
+    every output against its reference; counts per prefill worker and failures."""
+
+    def __init__(self, address: str, prompts, references, concurrency: int):
+        self.address, self.prompts, self.references = address, prompts, references
+        self.stop = threading.Event()
+        self.served: dict[str, int] = {}
+        self.failures: list[str] = []
+        self.sent = 0
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(concurrency)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, offset: int) -> None:
+        i = offset
+        with Client(self.address, timeout=120) as client:
+            while not self.stop.is_set():
+                k = i % len(self.prompts)
+                i += 1
+                try:
+                    out = client.generate(self.prompts[k], max_tokens=MAX_TOKENS, ignore_eos=True)
+                except Exception as e:  # counted, and the test fails on it
+                    with self._lock:
+                        self.failures.append(f"{type(e).__name__}: {e}")
+                    continue
+                with self._lock:
+                    self.sent += 1
+                    if out.token_ids != self.references[k]:
+                        self.failures.append(f"prompt {k}: {out.token_ids} != {self.references[k]}")
+                    worker = out.final.prefill_worker
+                    self.served[worker] = self.served.get(worker, 0) + 1
+
+    def join(self) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(180)
+
+
+def test_a_step_of_load_brings_a_prefill_node_and_its_end_gives_it_back(autoscaling_ray, checkpoint):
     assert phase_nodes("splitserve_prefill") == [] and phase_nodes("splitserve_decode") == []
+    scaling = {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "target": 64,  # prompt tokens in flight per prefill worker
+        "interval_s": 0.25,
+        "upscale_delay_s": 0,
+        "downscale_delay_s": 2,
+        "drain_timeout_s": 60,
+    }
     config = tiny_config(
         checkpoint,
-        prefill={**POOL, "resources": {"splitserve_prefill": 1}, "placement_timeout_s": 300},
+        prefill={
+            **POOL,
+            "resources": {"splitserve_prefill": 1},
+            "placement_timeout_s": 300,
+            "autoscaling": scaling,
+        },
         decode={**POOL, "resources": {"splitserve_decode": 1}, "placement_timeout_s": 300},
     )
-    prompts = random_prompts([10, 33, 57, 80], VOCAB, seed=31)
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompts = random_prompts([180 + 7 * i for i in range(12)], VOCAB, seed=31)
     engine = Engine(EngineConfig(model=checkpoint, dtype="float32", kv_cache_memory_mib=16))
-    reference = [c.token_ids for c in engine.generate(prompts, params)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    references = [c.token_ids for c in engine.generate(prompts, params)]
+    timeline: list[str] = []
+    t0 = time.monotonic()
 
-    def served_by(client, prompt, ref) -> str:
-        out = client.generate(prompt, max_tokens=10, ignore_eos=True)
-        assert out.token_ids == ref
-        return out.final.prefill_worker
+    def mark(what: str, c) -> None:
+        replicas = len(c.registry.routable("prefill"))
+        nodes = len(phase_nodes("splitserve_prefill"))
+        timeline.append(
+            f"{time.monotonic() - t0:6.1f} s  {what:<28} prefill replicas {replicas}, prefill nodes {nodes}"
+        )
 
     with BackgroundCluster(config) as c:
         prefill = c.cluster.pools["prefill"]
+        mark("started", c)
         assert len(phase_nodes("splitserve_prefill")) == 1 and len(phase_nodes("splitserve_decode")) == 1
-        with Client(c.address, timeout=120) as client:
-            assert served_by(client, prompts[0], reference[0]) == "prefill-0"
-
-            c.run(prefill.add(1), 300)  # more than the nodes hold: Ray launches a prefill node
-            nodes = phase_nodes("splitserve_prefill")
-            assert len(nodes) == 2
+        load = Load(c.address, prompts, references, concurrency=12)
+        try:
+            mark("load on", c)
+            wait_for(lambda: len(c.registry.routable("prefill")) == 2, "the prefill pool to grow")
+            mark("pool grew", c)
+            assert len(phase_nodes("splitserve_prefill")) == 2  # Ray launched a node for it
             assert prefill.node_of("prefill-1") != prefill.node_of("prefill-0")
-            assert {"prefill-0", "prefill-1"} <= {w.worker_id for w in c.registry.routable("prefill")}
-            seen = {served_by(client, p, r) for p, r in zip(prompts, reference)}
-            assert seen <= {"prefill-0", "prefill-1"}
-
-            c.run(prefill.remove("prefill-1", drain_timeout_s=60), 120)
-            wait_for(lambda: len(phase_nodes("splitserve_prefill")) == 1, "the idle prefill node to go")
-            assert phase_nodes("splitserve_prefill") == [prefill.node_of("prefill-0")]
-            assert served_by(client, prompts[1], reference[1]) == "prefill-0"
+            wait_for(lambda: load.served.get("prefill-1", 0) >= 3, "the new worker to take requests")
+            mark("new worker serving", c)
+        finally:
+            load.join()
+        mark(f"load off ({load.sent} requests)", c)
+        wait_for(lambda: len(c.registry.routable("prefill")) == 1, "the prefill pool to shrink")
+        mark("pool shrank", c)
+        wait_for(
+            lambda: len(phase_nodes("splitserve_prefill")) == 1, "the idle prefill node to be terminated"
+        )
+        mark("idle node terminated", c)
+        survivor = c.registry.routable("prefill")[0].worker_id
+        assert phase_nodes("splitserve_prefill") == [prefill.node_of(survivor)]
+    print("\n".join(["timeline:", *timeline]))
+    assert load.failures == []
+    assert sum(load.served.values()) == load.sent > 0
