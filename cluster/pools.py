@@ -48,7 +48,7 @@ from splitserve.engine.parallel.tp_init import TPInit
 from splitserve.prefill_worker import PrefillWorker, PrefillWorkerSpec
 from splitserve.prefill_worker.tp import PrefillRank
 from splitserve.router.errors import unwrap
-from splitserve.router.registry import WorkerRecord, WorkerRegistry
+from splitserve.router.registry import NodePlacement, WorkerRecord, WorkerRegistry
 from splitserve.router.workers import RayWorker
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,14 @@ def _startup_error(e: BaseException) -> str:
         if lines:
             return lines[-1]
     return str(unwrap(e))
+
+
+def _node_placement(node_id: str) -> NodePlacement:
+    """The node's group as Ray labels it, or else the splitserve phase resources it offers."""
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), {})
+    group = node.get("Labels", {}).get("ray.io/node-group", "")
+    phases = sorted(r for r in node.get("Resources", {}) if r.startswith("splitserve_"))
+    return NodePlacement(node_id, group or "+".join(phases))
 
 
 def _rendezvous_address() -> str:
@@ -217,6 +225,8 @@ class WorkerPool:
         limit = min(deadline, m.launched + s.placement_timeout_s)
         try:
             await asyncio.wait_for(m.pg.ready(), max(0.1, limit - time.monotonic()))
+            if self.registry.get(m.worker_id).node is None:
+                self.registry.placed(m.worker_id, _node_placement(self.node_of(m.worker_id)))
         except TimeoutError:
             extra = "".join(f", {k}: {v:g}" for k, v in s.resources.items())
             log.warning("giving up %s: Ray did not place it in time", m.worker_id)

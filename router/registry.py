@@ -7,6 +7,7 @@ through a registry method::
     field                               written by (method)
     ---------------------------------   -------------------------------------------
     state (membership)                  the pools: add, activate, drain, remove
+    node (where Ray placed it)          the pools: placed
     alive, stats, error, prefix         poll() (the router's poller, status calls)
     info (validator, handshakes)        activate, handshakes_for (after a restart)
     prefilling / decoding / unpolled    the dispatcher: prefilling(), prefill_done(), decoding()
@@ -50,6 +51,16 @@ class Membership(enum.Enum):
     DRAINING = "draining"  # finishing its requests; takes no new ones
 
 
+@dataclass(frozen=True)
+class NodePlacement:
+    """The Ray node a worker (its rank 0) runs on. ``node_type`` is the node's group
+    as Ray labels it (``ray.io/node-group``, e.g. a KubeRay worker group) or else the
+    splitserve phase resources it advertises (``splitserve_prefill``)."""
+
+    node_id: str
+    node_type: str
+
+
 @dataclass(eq=False)
 class WorkerRecord:
     """One worker. Read by anyone; written only by ``WorkerRegistry`` (see its table)."""
@@ -67,6 +78,11 @@ class WorkerRecord:
     decoding: dict[str, int] = field(default_factory=dict)  # request id -> KV tokens reserved
     unpolled: set[str] = field(default_factory=set)  # decoding ids sent since the last poll began
     prefix: PrefixIndex = field(default_factory=PrefixIndex)  # its prefix cache, as last polled
+    node: NodePlacement | None = None  # None while STARTING: waiting for Ray to place it
+
+    @property
+    def waiting_for_node(self) -> bool:
+        return self.state == Membership.STARTING and self.node is None
 
     @property
     def handshakes(self) -> tuple[Handshake, ...]:
@@ -158,6 +174,10 @@ class WorkerRegistry:
         await self.poll([record])
         record.state = Membership.ACTIVE
         return record
+
+    def placed(self, worker_id: str, node: NodePlacement) -> None:
+        """Ray placed the worker on ``node`` (a worker without one is waiting for a node)."""
+        self._workers[worker_id].node = node
 
     def drain(self, worker_id: str) -> None:
         self._workers[worker_id].state = Membership.DRAINING

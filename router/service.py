@@ -152,7 +152,10 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
         router_active=w.active,
         prefill_tokens_per_s=w.prefill_tokens_per_s,
         prefix_blocks=len(w.prefix.hashes),
+        waiting_for_node=w.waiting_for_node,
     )
+    if w.node is not None:
+        out.node_id, out.node_type = w.node.node_id, w.node.node_type
     s = w.stats
     if s is not None:
         e = s.engine

@@ -8,6 +8,7 @@ real autoscaler). The head has no phase resource; node types advertise
 - A step of load (12 client threads) makes splitserve's prefill policy grow
   the pool; Ray launches a second prefill node, the new worker is placed on it
   and takes requests.
+  Meanwhile the status service shows the new worker waiting for a node.
 - The load stops; the pool drains and shrinks, and Ray terminates the idle
   node after its idle timeout.
 - No request fails or is dropped during the whole run, and every output
@@ -202,9 +203,21 @@ def test_a_step_of_load_brings_a_prefill_node_and_its_end_gives_it_back(autoscal
             f"{time.monotonic() - t0:6.1f} s  {what:<28} prefill replicas {replicas}, prefill nodes {nodes}"
         )
 
+    waiting_seen: list[str] = []  # workers the status service showed waiting for a node
+
+    def watch(address: str, stop: threading.Event) -> None:
+        with Client(address) as client:
+            while not stop.is_set():
+                for pool in client.cluster_status().pools:
+                    waiting_seen.extend(w.worker_id for w in pool.workers if w.waiting_for_node)
+                time.sleep(0.2)
+
     with BackgroundCluster(config) as c:
         prefill = c.cluster.pools["prefill"]
         mark("started", c)
+        watching = threading.Event()
+        watcher = threading.Thread(target=watch, args=(c.address, watching))
+        watcher.start()
         assert len(phase_nodes("splitserve_prefill")) == 1 and len(phase_nodes("splitserve_decode")) == 1
         load = Load(c.address, prompts, references, concurrency=12)
         try:
@@ -217,7 +230,10 @@ def test_a_step_of_load_brings_a_prefill_node_and_its_end_gives_it_back(autoscal
             mark("new worker serving", c)
         finally:
             load.join()
+            watching.set()
+            watcher.join(30)
         mark(f"load off ({load.sent} requests)", c)
+        assert "prefill-1" in waiting_seen  # status showed it waiting while Ray launched its node
         wait_for(lambda: len(c.registry.routable("prefill")) == 1, "the prefill pool to shrink")
         mark("pool shrank", c)
         wait_for(

@@ -5,7 +5,8 @@ splitserve attaches to it by address (``ray.address``, what ``splitserve serve
 --address`` sets), each pool asks for its phase's resource, and:
 
 - each worker is placed on its phase's node (Ray's placement-group table,
-  checked against the resources ``ray.nodes()`` reports for that node);
+  checked against the resources ``ray.nodes()`` reports for that node), and
+  the status service (``splitserve status``) names that node and its type;
 - 32 concurrent streams, their KV moved over NIXL between the two nodes, equal
   the monolithic engine's greedy tokens;
 - a pool asking for a resource no node offers is given up after its
@@ -21,6 +22,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from splitserve.client import Client
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.engine import Engine, EngineConfig
 from tests.integration.cluster_util import (
@@ -78,6 +80,12 @@ def test_each_pool_lands_on_its_phase_node_and_serves_32_streams(three_nodes, ch
         resources = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
         assert "splitserve_prefill" in resources[placed["prefill-0"]]
         assert "splitserve_decode" in resources[placed["decode-0"]]
+        with Client(c.address) as client:  # what `splitserve status` prints
+            shown = {w.worker_id: w for pool in client.cluster_status().pools for w in pool.workers}
+        assert {k: (w.node_id, w.node_type, w.waiting_for_node) for k, w in shown.items()} == {
+            "prefill-0": (prefill_node.node_id, "splitserve_prefill", False),
+            "decode-0": (decode_node.node_id, "splitserve_decode", False),
+        }
         results = stream_all(c.address, prompts, params)
         for (out, _), ref in zip(results, reference):
             assert out.token_ids == ref

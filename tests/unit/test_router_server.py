@@ -151,3 +151,27 @@ def test_openai_http_errors_without_workers():
         loop.run(http.stop())
         loop.run(server.stop(0))
         loop.close()
+
+
+def test_status_names_each_workers_node_or_says_it_waits_for_one():
+    from splitserve.router.registry import NodePlacement
+    from tests.unit.router_fakes import FakeDecode, FakePrefill
+
+    loop, server = _server()
+    registry = server.dispatcher.registry
+    try:
+        registry.add("prefill-0", "prefill", FakePrefill("prefill-0"), 16)
+        registry.add("decode-0", "decode", FakeDecode("decode-0"), 16)
+        registry.placed("decode-0", NodePlacement("n-decode", "splitserve_decode"))
+        with Client(server.address, retries=0, timeout=10) as c:
+            shown = {w.worker_id: w for p in c.cluster_status().pools for w in p.workers}
+        assert (shown["prefill-0"].waiting_for_node, shown["prefill-0"].node_id) == (True, "")
+        decode = shown["decode-0"]
+        assert (decode.waiting_for_node, decode.node_id, decode.node_type) == (
+            False,
+            "n-decode",
+            "splitserve_decode",
+        )
+    finally:
+        loop.run(server.stop(0))
+        loop.close()
