@@ -225,7 +225,8 @@ class WorkerPool:
         limit = min(deadline, m.launched + s.placement_timeout_s)
         try:
             await asyncio.wait_for(m.pg.ready(), max(0.1, limit - time.monotonic()))
-            if self.registry.get(m.worker_id).node is None:
+            record = self.registry.get(m.worker_id)  # None before rank 0 is registered (TP ranks first)
+            if record is not None and record.node is None:
                 self.registry.placed(m.worker_id, _node_placement(self.node_of(m.worker_id)))
         except TimeoutError:
             extra = "".join(f", {k}: {v:g}" for k, v in s.resources.items())
