@@ -1,8 +1,8 @@
 """Multi-node serving on a real three-node Ray cluster on localhost
 (``ray.cluster_utils.Cluster``): a head with no phase resource, a node that
 advertises ``splitserve_prefill`` and one that advertises ``splitserve_decode``.
-splitserve attaches to it by address (``ray.address``, what ``splitserve serve
---address`` sets), each pool asks for its phase's resource, and:
+``splitserve serve --address`` attaches to it, each pool asks for its phase's
+resource, and:
 
 - each worker is placed on its phase's node (Ray's placement-group table,
   checked against the resources ``ray.nodes()`` reports for that node), and
@@ -16,10 +16,15 @@ splitserve attaches to it by address (``ray.address``, what ``splitserve serve
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
 import ray
+import yaml
 from ray.cluster_utils import Cluster
 
 from splitserve.client import Client
@@ -43,16 +48,24 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def three_nodes():
-    """(cluster, prefill node, decode node); the head has one CPU and no phase."""
+    """(cluster, prefill node, decode node); the head has one CPU and no phase. This
+    process joins it too (to read Ray's node table)."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     prefill = cluster.add_node(num_cpus=1, resources={"splitserve_prefill": 1})
     decode = cluster.add_node(num_cpus=1, resources={"splitserve_decode": 1})
     cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
     try:
         yield cluster, prefill, decode
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def phase_config(checkpoint: str, address: str, **prefill_extra):
@@ -65,33 +78,49 @@ def phase_config(checkpoint: str, address: str, **prefill_extra):
     )
 
 
-def test_each_pool_lands_on_its_phase_node_and_serves_32_streams(three_nodes, checkpoint):
+def test_served_with_address_each_pool_lands_on_its_phase_node_and_serves_32_streams(
+    three_nodes, checkpoint, tmp_path
+):
+    """``splitserve serve --address`` (a real CLI process) onto the running cluster."""
     cluster, prefill_node, decode_node = three_nodes
     prompts, params = mixed_workload(32, seed=41)
     engine = Engine(EngineConfig(model=checkpoint, dtype="float32", kv_cache_memory_mib=16))
     reference = reference_tokens(engine, prompts, params)
-    with BackgroundCluster(phase_config(checkpoint, cluster.address)) as c:
-        pools = c.cluster.pools
-        placed = {
-            "prefill-0": pools["prefill"].node_of("prefill-0"),
-            "decode-0": pools["decode"].node_of("decode-0"),
-        }
-        assert placed == {"prefill-0": prefill_node.node_id, "decode-0": decode_node.node_id}
-        resources = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-        assert "splitserve_prefill" in resources[placed["prefill-0"]]
-        assert "splitserve_decode" in resources[placed["decode-0"]]
-        with Client(c.address) as client:  # what `splitserve status` prints
+    config = phase_config(checkpoint, address="").model_dump(mode="json", exclude={"ray"})
+    path = tmp_path / "serving.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    cmd = [sys.executable, "-m", "splitserve.cluster.cli", "serve", "--config", str(path)]
+    server = subprocess.Popen(
+        [*cmd, "--address", cluster.address, "--port", str(port)], stdout=log, stderr=log
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while not Client(address, retries=0).health(timeout=1.0):
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "splitserve serve --address did not come up"
+            time.sleep(0.5)
+        with Client(address) as client:  # what `splitserve status` prints
             shown = {w.worker_id: w for pool in client.cluster_status().pools for w in pool.workers}
         assert {k: (w.node_id, w.node_type, w.waiting_for_node) for k, w in shown.items()} == {
             "prefill-0": (prefill_node.node_id, "splitserve_prefill", False),
             "decode-0": (decode_node.node_id, "splitserve_decode", False),
         }
-        results = stream_all(c.address, prompts, params)
+        resources = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}  # Ray's view
+        assert "splitserve_prefill" in resources[shown["prefill-0"].node_id]
+        assert "splitserve_decode" in resources[shown["decode-0"].node_id]
+        results = stream_all(address, prompts, params)
         for (out, _), ref in zip(results, reference):
             assert out.token_ids == ref
             assert out.final.prefill_worker == "prefill-0"
             # a request that ends at its first token never reaches a decode worker
             assert out.final.decode_worker == ("" if len(ref) == 1 else "decode-0")
+    finally:
+        server.send_signal(signal.SIGINT)
+        assert server.wait(120) == 0
+        log.close()
 
 
 def test_a_pool_no_node_can_hold_is_given_up_with_a_clear_error(three_nodes, checkpoint):
