@@ -177,6 +177,8 @@ def _status(args: argparse.Namespace) -> int:
                 f"{w.waiting:>7} {w.queued_prompt_tokens:>10} {kv:>13} {w.waiting_for_blocks:>9}  {node}"
                 + (f"  {w.error}" if w.error else "")
             )
+    for g in st.given_up:
+        print(f"given up {time.strftime('%H:%M:%S', time.localtime(g.at))}: {g.reason}")
     if st.placements:
         decided = ", ".join(f"{p.placement}/{p.reason} {p.count}" for p in st.placements)
         print(f"prefill placement: {decided}; handover estimate {st.handover_ms:.1f} ms")

@@ -230,12 +230,14 @@ class WorkerPool:
                 self.registry.placed(m.worker_id, _node_placement(self.node_of(m.worker_id)))
         except TimeoutError:
             extra = "".join(f", {k}: {v:g}" for k, v in s.resources.items())
-            log.warning("giving up %s: Ray did not place it in time", m.worker_id)
-            raise RuntimeError(
+            reason = (
                 f"Ray cannot place {m.worker_id}: it needs {s.tp_size} x "
                 f"{{CPU: {s.num_cpus}, GPU: {s.num_gpus}{extra}}} on one node, and no node "
                 f"offered that within {s.placement_timeout_s:g} s (placement_timeout_s)"
-            ) from None
+            )
+            log.warning("giving up: %s", reason)
+            self.registry.give_up(m.worker_id, self.role, reason)
+            raise RuntimeError(reason) from None
 
     def node_of(self, worker_id: str) -> str:
         """The id of the Ray node that ``worker_id`` (its rank 0) was placed on."""

@@ -229,20 +229,34 @@ class PoolStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., replicas: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("mode", "model", "pools", "inflight_requests", "placements", "handover_ms")
+    __slots__ = ("mode", "model", "pools", "inflight_requests", "placements", "handover_ms", "given_up")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_MS_FIELD_NUMBER: _ClassVar[int]
+    GIVEN_UP_FIELD_NUMBER: _ClassVar[int]
     mode: str
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     inflight_requests: int
     placements: _containers.RepeatedCompositeFieldContainer[PlacementCount]
     handover_ms: float
-    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., inflight_requests: _Optional[int] = ..., placements: _Optional[_Iterable[_Union[PlacementCount, _Mapping]]] = ..., handover_ms: _Optional[float] = ...) -> None: ...
+    given_up: _containers.RepeatedCompositeFieldContainer[GivenUpWorker]
+    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., inflight_requests: _Optional[int] = ..., placements: _Optional[_Iterable[_Union[PlacementCount, _Mapping]]] = ..., handover_ms: _Optional[float] = ..., given_up: _Optional[_Iterable[_Union[GivenUpWorker, _Mapping]]] = ...) -> None: ...
+
+class GivenUpWorker(_message.Message):
+    __slots__ = ("worker_id", "role", "reason", "at")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    reason: str
+    at: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., reason: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
 
 class PlacementCount(_message.Message):
     __slots__ = ("placement", "reason", "count")

@@ -8,6 +8,7 @@ through a registry method::
     ---------------------------------   -------------------------------------------
     state (membership)                  the pools: add, activate, drain, remove
     node (where Ray placed it)          the pools: placed
+    given_up (registry, not a record)   the pools: give_up
     alive, stats, error, prefix         poll() (the router's poller, status calls)
     info (validator, handshakes)        activate, handshakes_for (after a restart)
     prefilling / decoding / unpolled    the dispatcher: prefilling(), prefill_done(), decoding()
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -59,6 +61,16 @@ class NodePlacement:
 
     node_id: str
     node_type: str
+
+
+@dataclass(frozen=True)
+class GivenUp:
+    """A worker a pool launched and then gave up (it is no longer registered)."""
+
+    worker_id: str
+    role: str
+    reason: str
+    at: float  # time.time()
 
 
 @dataclass(eq=False)
@@ -142,9 +154,12 @@ class WorkerRecord:
 
 
 class WorkerRegistry:
+    GIVEN_UP_KEPT = 32
+
     def __init__(self, poll_timeout_s: float = 2.0):
         self.poll_timeout_s = poll_timeout_s
         self._workers: dict[str, WorkerRecord] = {}
+        self.given_up: list[GivenUp] = []  # written by give_up only
 
     # ---- reads --------------------------------------------------------------------
     def get(self, worker_id: str) -> WorkerRecord | None:
@@ -178,6 +193,13 @@ class WorkerRegistry:
     def placed(self, worker_id: str, node: NodePlacement) -> None:
         """Ray placed the worker on ``node`` (a worker without one is waiting for a node)."""
         self._workers[worker_id].node = node
+
+    def give_up(self, worker_id: str, role: str, reason: str) -> None:
+        """A starting worker is abandoned (``reason`` says why): it leaves the registry
+        and is remembered in ``given_up`` (the last ``GIVEN_UP_KEPT``) for status."""
+        self._workers.pop(worker_id, None)
+        self.given_up.append(GivenUp(worker_id, role, reason, time.time()))
+        del self.given_up[: -self.GIVEN_UP_KEPT]
 
     def drain(self, worker_id: str) -> None:
         self._workers[worker_id].state = Membership.DRAINING

@@ -139,6 +139,10 @@ class SplitserveService(pb_grpc.SplitserveServicer):
             inflight_requests=len(d.inflight),
             placements=placements,
             handover_ms=d.decider.handover_s * 1000,
+            given_up=[
+                pb.GivenUpWorker(worker_id=g.worker_id, role=g.role, reason=g.reason, at=g.at)
+                for g in registry.given_up
+            ],
         )
 
 

@@ -108,6 +108,15 @@ def test_served_with_address_each_pool_lands_on_its_phase_node_and_serves_32_str
             "prefill-0": (prefill_node.node_id, "splitserve_prefill", False),
             "decode-0": (decode_node.node_id, "splitserve_decode", False),
         }
+        printed = subprocess.run(
+            [sys.executable, "-m", "splitserve.cluster.cli", "status", "--server", address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert printed.returncode == 0, printed.stderr
+        assert f"{prefill_node.node_id[:12]} (splitserve_prefill)" in printed.stdout
+        assert f"{decode_node.node_id[:12]} (splitserve_decode)" in printed.stdout
         resources = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}  # Ray's view
         assert "splitserve_prefill" in resources[shown["prefill-0"].node_id]
         assert "splitserve_decode" in resources[shown["decode-0"].node_id]

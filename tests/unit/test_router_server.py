@@ -153,7 +153,7 @@ def test_openai_http_errors_without_workers():
         loop.close()
 
 
-def test_status_names_each_workers_node_or_says_it_waits_for_one():
+def test_status_names_each_workers_node_or_says_it_waits_for_one_and_lists_given_up_workers():
     from splitserve.router.registry import NodePlacement
     from tests.unit.router_fakes import FakeDecode, FakePrefill
 
@@ -163,8 +163,14 @@ def test_status_names_each_workers_node_or_says_it_waits_for_one():
         registry.add("prefill-0", "prefill", FakePrefill("prefill-0"), 16)
         registry.add("decode-0", "decode", FakeDecode("decode-0"), 16)
         registry.placed("decode-0", NodePlacement("n-decode", "splitserve_decode"))
+        registry.add("prefill-1", "prefill", FakePrefill("prefill-1"), 16)
+        registry.give_up("prefill-1", "prefill", "Ray cannot place prefill-1: it needs splitserve_prefill")
         with Client(server.address, retries=0, timeout=10) as c:
-            shown = {w.worker_id: w for p in c.cluster_status().pools for w in p.workers}
+            status = c.cluster_status()
+        shown = {w.worker_id: w for p in status.pools for w in p.workers}
+        assert set(shown) == {"prefill-0", "decode-0"}  # a given-up worker is no member
+        (gone,) = status.given_up
+        assert (gone.worker_id, gone.role) == ("prefill-1", "prefill") and "splitserve_prefill" in gone.reason
         assert (shown["prefill-0"].waiting_for_node, shown["prefill-0"].node_id) == (True, "")
         decode = shown["decode-0"]
         assert (decode.waiting_for_node, decode.node_id, decode.node_type) == (
