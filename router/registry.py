@@ -209,8 +209,12 @@ class WorkerRegistry:
 
     # ---- polling -----------------------------------------------------------------------
     async def poll(self, records: list[WorkerRecord] | None = None) -> None:
-        """Ask these workers (default: all) for their stats at once."""
-        await asyncio.gather(*(self._poll_one(w) for w in (self.workers() if records is None else records)))
+        """Ask these workers (default: every one past STARTING, since a starting worker
+        is loading its model or waiting for a node and cannot answer) for their stats
+        at once."""
+        if records is None:
+            records = [w for w in self.workers() if w.state != Membership.STARTING]
+        await asyncio.gather(*(self._poll_one(w) for w in records))
 
     async def _poll_one(self, w: WorkerRecord) -> None:
         seen = set(w.unpolled)  # requests the answer will include

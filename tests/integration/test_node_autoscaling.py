@@ -206,11 +206,15 @@ def test_a_step_of_load_brings_a_prefill_node_and_its_end_gives_it_back(autoscal
     waiting_seen: list[str] = []  # workers the status service showed waiting for a node
 
     def watch(address: str, stop: threading.Event) -> None:
-        with Client(address) as client:
+        with Client(address, timeout=30) as client:
             while not stop.is_set():
-                for pool in client.cluster_status().pools:
-                    waiting_seen.extend(w.worker_id for w in pool.workers if w.waiting_for_node)
-                time.sleep(0.2)
+                try:
+                    pools = client.cluster_status().pools
+                except Exception as e:  # shown by the assertion below
+                    waiting_seen.append(f"status failed: {e}")
+                    pools = []
+                waiting_seen.extend(w.worker_id for pool in pools for w in pool.workers if w.waiting_for_node)
+                time.sleep(0.1)
 
     with BackgroundCluster(config) as c:
         prefill = c.cluster.pools["prefill"]
