@@ -16,9 +16,11 @@ through a registry method::
 A worker's lifecycle::
 
     add() --> STARTING --activate()--> ACTIVE --drain()--> DRAINING --remove()--> (gone)
-                 |  (model loading,       (routable         (finishes its
-                 |   not routable)         when alive)       requests, takes no new)
+                 |  (waiting for a node,  (routable         (finishes its
+                 |   then loading; not     when alive)       requests, takes no new)
+                 |   routed to or polled)
                  +--remove()--> (gone: it failed to start)
+                 +--give_up()--> (gone, listed in given_up: Ray never placed it)
 
 Router load is derived, never counted up and down: a worker's queued prompt
 tokens and active requests are sums over the requests the dispatcher holds
