@@ -100,6 +100,29 @@ def wait_released(src, request_ids, timeout=10.0):
     raise AssertionError(f"leases of {request_ids} did not end: {status}")
 
 
+def assert_decodes_like(engine: Engine, exported, reference) -> None:
+    """Decode every activated request; first token + decoded tokens equal the reference."""
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for e, ref in zip(exported, reference):
+        assert e.output_token_ids + outs[e.descriptor.request_id] == ref
+
+
+def corrupt_on_the_wire(sink, cache: torch.Tensor, layer: int, byte: int) -> None:
+    """Make ``sink`` flip one byte of ``layer`` in the first block it fills, after the
+    bytes land and before they are verified."""
+    real_transfer = sink._transfer
+
+    def faulty_wire(desc, dst_blocks, deadline, layers):
+        real_transfer(desc, dst_blocks, deadline, layers)
+        if layer in layers:
+            cache[layer, 1, dst_blocks[0]].view(-1).view(torch.uint8)[byte] ^= 0x10
+
+    sink._transfer = faulty_wire
+
+
 def test_greedy_output_equals_monolithic(prefill_source, decode_engine, chats, reference):
     backend, src = prefill_source
     sink = sink_for(backend, decode_engine)
@@ -113,12 +136,7 @@ def test_greedy_output_equals_monolithic(prefill_source, decode_engine, chats, r
         if not conf.delivered:
             src.call(Confirm(conf.transfer_id))
         decode_engine.activate(rid)
-    outs: dict[str, list[int]] = {}
-    while decode_engine.has_unfinished():
-        for o in decode_engine.step():
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    for e, ref in zip(exported, reference):
-        assert e.output_token_ids + outs[e.descriptor.request_id] == ref
+    assert_decodes_like(decode_engine, exported, reference)
     status = wait_released(src, [e.descriptor.request_id for e in exported])
     assert status.num_exported == 0
     assert decode_engine.tokenizer.decode(reference[0]).startswith("The capital of France is Paris")
@@ -138,14 +156,7 @@ def test_corruption_is_detected_and_yields_no_tokens(prefill_source, decode_engi
     if where == "source":
         src.call(Corrupt(e.descriptor.transfer_id))
     else:
-        real_transfer = sink._transfer
-
-        def faulty_wire(desc, dst_blocks, deadline, layers):
-            real_transfer(desc, dst_blocks, deadline, layers)
-            if 7 in layers:
-                decode_engine.kv_cache.tensor[7, 1, dst_blocks[-1]].view(-1).view(torch.uint8)[100] ^= 0x10
-
-        sink._transfer = faulty_wire
+        corrupt_on_the_wire(sink, decode_engine.kv_cache.tensor, layer=7, byte=100)
     rid = e.descriptor.request_id
     blocks = decode_engine.import_request(rid, e.prompt_token_ids, e.output_token_ids, PARAMS)
     used = decode_engine.block_manager.num_used_blocks
@@ -246,14 +257,7 @@ def pull_streamed(src, sink, engine: Engine, chats, faulty_layer: int | None = N
     (before the first token exists), then take the first tokens. Returns
     (exported, errors by request id)."""
     if faulty_layer is not None:
-        real_transfer = sink._transfer
-
-        def faulty_wire(desc, dst_blocks, deadline, layers):
-            real_transfer(desc, dst_blocks, deadline, layers)
-            if faulty_layer in layers:
-                engine.kv_cache.tensor[faulty_layer, 0, dst_blocks[0]].view(-1).view(torch.uint8)[9] ^= 0x4
-
-        sink._transfer = faulty_wire
+        corrupt_on_the_wire(sink, engine.kv_cache.tensor, layer=faulty_layer, byte=9)
     src.send(Prefill(chats, PARAMS, stream=True))
     streaming = src.receive()
     assert isinstance(streaming, Streaming) and len(streaming.descriptors) == len(chats)
@@ -279,12 +283,7 @@ def test_layerwise_streaming_over_nixl_equals_monolithic(streaming_source, decod
     assert errors == {}
     for e in exported:
         decode_engine.activate(e.descriptor.request_id, e.output_token_ids)
-    outs: dict[str, list[int]] = {}
-    while decode_engine.has_unfinished():
-        for o in decode_engine.step():
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    for e, ref in zip(exported, reference):
-        assert e.output_token_ids + outs[e.descriptor.request_id] == ref
+    assert_decodes_like(decode_engine, exported, reference)
     wait_released(streaming_source, [e.descriptor.request_id for e in exported])
     sink.close()
 

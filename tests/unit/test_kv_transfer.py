@@ -82,6 +82,10 @@ def compat(engine: Engine, model: str = "tiny") -> CompatInfo:
 
 @pytest.fixture()
 def pair(checkpoint):
+    return local_pair(checkpoint)
+
+
+def local_pair(checkpoint):
     """(prefill engine, decode engine, source, sink) joined by the local backend."""
     hub = LocalHub()
     backend = get_backend("local")

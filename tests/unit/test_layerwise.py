@@ -13,11 +13,10 @@ import pytest
 
 from splitserve.engine import Engine, SamplingParams
 from splitserve.engine.outputs import LayerObserver
-from splitserve.kv_transfer import IntegrityError, LeaseExpired, TransferTimeout, get_backend, integrity
-from splitserve.kv_transfer.backends.local import LocalHub
+from splitserve.kv_transfer import IntegrityError, LeaseExpired, TransferTimeout, integrity
 from splitserve.kv_transfer.layerwise import LayerExporter
 from tests.conftest import make_hf_checkpoint, random_prompts
-from tests.unit.test_kv_transfer import compat, decode_all, make_engine
+from tests.unit.test_kv_transfer import decode_all, local_pair, make_engine, prefill
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -31,14 +30,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture()
 def pair(checkpoint):
-    hub = LocalHub()
-    backend = get_backend("local")
-    pre, dec = make_engine(checkpoint), make_engine(checkpoint, num_kv_blocks=48)
-    source = backend.source("prefill-0", pre.kv_cache.tensor, compat(pre), lease_s=60.0, hub=hub)
-    sink = backend.sink("decode-0", dec.kv_cache.tensor, compat(dec), hub=hub)
-    sink.connect(source.handshake())
-    yield pre, dec, source, sink
-    sink.close()
+    return local_pair(checkpoint)
 
 
 class Gate(LayerObserver):
@@ -150,10 +142,8 @@ def test_a_corrupted_layer_fails_a_streamed_pull_and_yields_no_tokens(pair):
 def test_a_stream_that_ends_early_or_stalls_fails_the_pull_instead_of_hanging(pair):
     pre, dec, source, sink = pair
     (prompt,) = random_prompts([20], 512, seed=13)
-    rid = pre.add_request(prompt, PARAMS, prefill_only=True)
-    while pre.has_unfinished():
-        pre.step()
-    p = pre.prefilled(rid)
+    (p,) = prefill(pre, [prompt], PARAMS)
+    rid = p.request_id
     stalled = source.begin_export(rid, p.block_ids, p.num_kv_tokens)
     source.layer_ready(stalled.transfer_id, 0, integrity.layer_checksum(source.cache, 0, p.block_ids))
     blocks = dec.import_request(rid, prompt, [], PARAMS)
@@ -196,10 +186,8 @@ def test_a_pull_moves_every_layer_once_in_order(pair, chunked):
     verification follows the last byte); the others move everything in one call."""
     pre, dec, source, sink = pair
     (prompt,) = random_prompts([30], 512, seed=15)
-    rid = pre.add_request(prompt, PARAMS, prefill_only=True)
-    while pre.has_unfinished():
-        pre.step()
-    p = pre.prefilled(rid)
+    (p,) = prefill(pre, [prompt], PARAMS)
+    rid = p.request_id
     desc = source.export(rid, p.block_ids, p.num_kv_tokens)
     sink.chunked = chunked
     ranges: list[range] = []
