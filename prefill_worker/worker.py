@@ -268,6 +268,7 @@ class PrefillWorker:
                 waiter.resolve(self._result(out))
             except Exception as e:  # export failed: give the blocks back, tell the caller
                 log.exception("exporting the KV of %s failed", rid)
+                self.exporter.discard(rid)  # what it hashed (or began streaming) for it
                 if rid in self.engine.requests:
                     self.engine.release(rid)
                 waiter.resolve(error=e)
