@@ -123,8 +123,9 @@ class Client:
         resp = self._unary(self._stub.ListModels, pb.ListModelsRequest())
         return [ModelInfo(m.id, m.max_model_len, m.vocab_size) for m in resp.models]
 
-    def cluster_status(self) -> pb.ClusterStatusResponse:
-        return self._unary(self._stub.ClusterStatus, pb.ClusterStatusRequest())
+    def cluster_status(self, traces: int = 0) -> pb.ClusterStatusResponse:
+        """Pools, workers and counters; with the latest ``traces`` request traces."""
+        return self._unary(self._stub.ClusterStatus, pb.ClusterStatusRequest(traces=traces))
 
     def health(self, timeout: float = 2.0) -> bool:
         """True when the server answers SERVING."""
@@ -219,8 +220,9 @@ class AsyncClient:
         resp = await self._unary(self._stub.ListModels, pb.ListModelsRequest())
         return [ModelInfo(m.id, m.max_model_len, m.vocab_size) for m in resp.models]
 
-    async def cluster_status(self) -> pb.ClusterStatusResponse:
-        return await self._unary(self._stub.ClusterStatus, pb.ClusterStatusRequest())
+    async def cluster_status(self, traces: int = 0) -> pb.ClusterStatusResponse:
+        """Pools, workers and counters; with the latest ``traces`` request traces."""
+        return await self._unary(self._stub.ClusterStatus, pb.ClusterStatusRequest(traces=traces))
 
     async def _unary(self, method, request):
         for attempt in range(self.retries + 1):

@@ -29,10 +29,15 @@ class Final:
     completion_tokens: int
     cached_prompt_tokens: int
     ttft_ms: float
-    transfer_ms: float
+    transfer_ms: float  # first token -> the decode worker holds the KV (0 when prefilled there)
     e2e_ms: float
     prefill_worker: str
     decode_worker: str
+    # where the time went: queue + prefill + transfer + decode = e2e
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    kv_pull_ms: float = 0.0  # the part of transfer_ms spent moving and verifying the KV
 
 
 @dataclass
@@ -73,6 +78,10 @@ def item_of(resp: pb.GenerateResponse) -> Chunk | Final:
         e2e_ms=f.timing.e2e_ms,
         prefill_worker=f.prefill_worker,
         decode_worker=f.decode_worker,
+        queue_ms=f.timing.queue_ms,
+        prefill_ms=f.timing.prefill_ms,
+        decode_ms=f.timing.decode_ms,
+        kv_pull_ms=f.timing.kv_pull_ms,
     )
 
 

@@ -26,6 +26,8 @@ from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_hf_config, resolve_source
 from splitserve.engine.parallel import check_tp_compatible
 from splitserve.router.dispatch import Dispatcher
+from splitserve.router.metrics import PoolSize, RouterMetrics
+from splitserve.router.metrics_server import MetricsServer
 from splitserve.router.openai_http import OpenAIServer
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
@@ -64,6 +66,8 @@ class ServingCluster:
         self.pools: dict[str, WorkerPool] = {}
         self.server: RouterServer | None = None
         self.http: OpenAIServer | None = None
+        self.metrics: RouterMetrics | None = None
+        self.metrics_server: MetricsServer | None = None
         self.autoscalers: dict[str, Autoscaler] = {}
         self._tasks: list[asyncio.Task] = []
         self._started_ray = False
@@ -103,7 +107,16 @@ class ServingCluster:
                 colocated=cfg.mode == "colocated",
                 limits=cfg.limits,
                 policy=cfg.policy,
+                traces_kept=cfg.router.traces_kept,
             )
+            self.metrics = RouterMetrics(
+                cfg.model.public_name,
+                self.registry,
+                self._pool_sizes,
+                lambda: len(dispatcher.inflight),
+                lambda: {(p.value, r.value): n for (p, r), n in dispatcher.decider.counts.items()},
+            )
+            dispatcher.sinks.append(self.metrics)
             r = cfg.router
             self.server = RouterServer(dispatcher, cfg.mode, r.host, r.port, credentials=_credentials(cfg))
             await self.server.start()
@@ -113,14 +126,28 @@ class ServingCluster:
                     self.autoscalers[role] = scaler
                     self._tasks.append(asyncio.create_task(scaler.run()))
             if r.http_port is not None:
-                self.http = OpenAIServer(dispatcher, r.host, r.http_port)
+                self.http = OpenAIServer(dispatcher, r.host, r.http_port, self.metrics)
                 await self.http.start()
+            if r.metrics_port is not None:
+                self.metrics_server = MetricsServer(self.metrics, r.host, r.metrics_port)
+                await self.metrics_server.start()
         except BaseException:
             await self.stop()
             raise
         http = f", OpenAI-compatible HTTP on http://{self.http_address}/v1" if self.http else ""
+        if self.metrics_server is not None:
+            http += f", metrics on http://{r.host}:{self.metrics_server.port}/metrics"
+        elif self.http is not None:
+            http += " (metrics at /metrics)"
         self.progress(f"serving {cfg.model.public_name} ({cfg.mode}) on {self.address} (gRPC){http}")
         return self.address
+
+    def _pool_sizes(self) -> list[PoolSize]:
+        """Each pool's desired size: its autoscaler's last wish, else its configured size."""
+        return [
+            PoolSize(role, self.autoscalers[role].desired if role in self.autoscalers else pool.spec.replicas)
+            for role, pool in self.pools.items()
+        ]
 
     async def _tick_progress(self, every_s: float = 10.0) -> None:
         start = time.monotonic()
@@ -139,6 +166,8 @@ class ServingCluster:
         self._tasks.clear()
         if self.http is not None:
             await self.http.stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         if self.server is not None:
             await self.server.stop(self.config.router.shutdown_grace_s)
         await asyncio.gather(*(w.client.close() for w in self.registry.workers()), return_exceptions=True)

@@ -81,6 +81,7 @@ class Autoscaler:
         self.spec = spec
         self.decision = ScaleDecision(spec)
         self.events: list[tuple[float, int]] = []  # (time, new size), for status and tests
+        self.desired = pool.spec.replicas  # the policy's last wish (before hysteresis), for metrics
 
     def _routable(self) -> list[WorkerRecord]:
         return self.pool.registry.routable(self.pool.role)
@@ -99,6 +100,7 @@ class Autoscaler:
         routable = self._routable()
         current = len(routable)
         load = pool_load(self.pool.role, routable, self.pool.spec.engine.max_num_seqs)
+        self.desired = desired_replicas(current, load, self.spec)
         new = self.decision.update(current, load)
         if new is None:
             return

@@ -158,7 +158,7 @@ def _status(args: argparse.Namespace) -> int:
 
     try:
         with Client(args.server, retries=0, timeout=5.0) as client:
-            st = client.cluster_status()
+            st = client.cluster_status(traces=args.traces)
     except SplitserveClientError as e:
         _err(f"{args.server}: {e}")
         return 1
@@ -182,7 +182,23 @@ def _status(args: argparse.Namespace) -> int:
     if st.placements:
         decided = ", ".join(f"{p.placement}/{p.reason} {p.count}" for p in st.placements)
         print(f"prefill placement: {decided}; handover estimate {st.handover_ms:.1f} ms")
+    for t in st.traces:
+        _print_trace(t)
     return 0
+
+
+def _print_trace(t) -> None:
+    """One request trace: a header line, then its phases with their workers."""
+    total = sum(s.duration_ms for s in t.spans)
+    cached = f", {t.cached_prompt_tokens} cached" if t.cached_prompt_tokens else ""
+    kv = f", KV {t.kv_bytes / 2**20:.1f} MiB pulled in {t.kv_pull_ms:.1f} ms" if t.kv_bytes else ""
+    print(
+        f"\n{t.request_id}  {t.outcome}  {total:.1f} ms  "
+        f"{t.prompt_tokens} prompt tokens{cached} -> {t.output_tokens} output tokens{kv}"
+    )
+    for s in t.spans:
+        start = time.strftime("%H:%M:%S", time.localtime(s.start)) + f".{int(s.start * 1000) % 1000:03d}"
+        print(f"  {start}  {s.name:<12} {s.duration_ms:>9.1f} ms  {s.worker or 'router'}")
 
 
 # ---- bench -------------------------------------------------------------------------------
@@ -256,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="pools, workers, queues and KV occupancy of a running server")
     st.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
+    st.add_argument("--traces", type=int, default=0, metavar="N", help="also the last N requests' traces")
     st.set_defaults(func=_status)
     return parser
 

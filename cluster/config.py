@@ -185,6 +185,16 @@ class RouterSpec(_Strict):
     http_port: int | None = Field(
         8000, ge=0, le=65535, description="OpenAI-compatible HTTP port on the same host (0: any; null: off)"
     )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="a port serving only Prometheus /metrics (0: any; null: none). The HTTP port serves "
+        "/metrics too; this is for a router without one",
+    )
+    traces_kept: int = Field(
+        100, ge=0, description="finished requests' traces kept for `splitserve status --traces`"
+    )
     tls_cert: str | None = Field(None, description="PEM certificate chain file; enables TLS with tls_key")
     tls_key: str | None = Field(None, description="PEM private key file")
     shutdown_grace_s: float = Field(5.0, ge=0, description="how long running calls may finish on shutdown")

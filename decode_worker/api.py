@@ -75,6 +75,10 @@ class TokenBatch:
     transfer_s: float | None = None  # on the first batch of an imported request: the KV pull
     confirmations: tuple[Confirmation, ...] = ()  # on that batch: to deliver to the prefill worker
     error: SplitserveError | None = None  # the request ended here with this error (tokens before it stand)
+    # time.time() when this worker took the request into its batch: for an imported
+    # request when its KV had landed (on the pull's batch), else when its engine began
+    # the prompt; on every batch from then on
+    started_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -67,4 +67,5 @@ def merge(batches: list[TokenBatch]) -> TokenBatch:
         transfer_s=transfer[0].transfer_s if transfer else None,
         confirmations=tuple(c for b in batches for c in b.confirmations),
         error=last.error,
+        started_at=next((b.started_at for b in batches if b.started_at is not None), None),
     )

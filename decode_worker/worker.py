@@ -290,7 +290,8 @@ class DecodeWorker:
             confirmations = await asyncio.shield(pull)
             undelivered = tuple(c for c in confirmations if not c.delivered)
             # Reported before activation, so that it reaches the consumer before any token.
-            outbox.put(TokenBatch(rid, [], "", [], [], None, 0, time.perf_counter() - t0, undelivered))
+            pulled = time.perf_counter() - t0
+            outbox.put(TokenBatch(rid, [], "", [], [], None, 0, pulled, undelivered, started_at=time.time()))
             if handoff.remaining_lease() <= 0:
                 raise LeaseExpired(f"the KV lease of request {rid} ran out")
             await self._call(lambda e: e.activate(rid))
@@ -358,4 +359,5 @@ def _batch(out: RequestOutput, now: float) -> TokenBatch:
         token_times=[now] * len(out.new_token_ids),
         finish_reason=out.finish_reason if out.finished else None,
         num_cached_tokens=out.num_cached_tokens,
+        started_at=out.scheduled_at,
     )

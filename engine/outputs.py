@@ -21,6 +21,7 @@ class RequestOutput:
     num_output_tokens: int  # total so far
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     new_logprobs: list[float] = field(default_factory=list)
+    scheduled_at: float | None = None  # time.time() when the engine first scheduled (or imported) it
 
 
 @dataclass

@@ -58,6 +58,7 @@ class RequestState:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             new_logprobs=new_logprobs or [],
+            scheduled_at=seq.scheduled_at,
         )
 
     def completion(self) -> CompletionOutput:

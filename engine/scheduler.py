@@ -63,6 +63,7 @@ class Scheduler:
     def add_running(self, seq: Sequence) -> None:
         """Admit a sequence whose blocks are already allocated and filled (KV import)."""
         seq.status = SequenceStatus.RUNNING
+        seq.mark_scheduled()
         self.running.append(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -118,6 +119,7 @@ class Scheduler:
                 bm.take_cached_prefix(seq, cached)
             bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
+            seq.mark_scheduled()
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n

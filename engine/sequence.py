@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass
 
 from splitserve.engine.sampling_params import SamplingParams
@@ -61,6 +62,12 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] = []
         self.num_preemptions = 0
+        self.scheduled_at: float | None = None  # time.time() when first scheduled (or imported)
+
+    def mark_scheduled(self) -> None:
+        """The engine takes this sequence into its running batch (the first time counts)."""
+        if self.scheduled_at is None:
+            self.scheduled_at = time.time()
 
     @property
     def num_prompt_tokens(self) -> int:

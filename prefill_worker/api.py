@@ -61,6 +61,7 @@ class PrefillResult:
     finish_reason: FinishReason | None  # set when the request ended at its first token
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     handoff: KVHandoff | None  # None when finish_reason is set
+    scheduled_at: float | None = None  # time.time() when its engine began the prompt (queue time ends)
 
 
 @dataclass(frozen=True)

@@ -295,6 +295,7 @@ class PrefillWorker:
             finish_reason=finish,
             num_cached_tokens=out.num_cached_tokens,
             handoff=handoff,
+            scheduled_at=out.scheduled_at,
         )
 
     def _export_shards(

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/proto/splitserve.proto\x12\rsplitserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x86\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xf3\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08messages\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\rB\x07\n\x05input\"L\n\x05Token\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x10\n\x08times_ms\x18\x04 \x03(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"P\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x02\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x02\x12\x0e\n\x06\x65\x32\x65_ms\x18\x04 \x01(\x02\"\xb6\x01\n\x05\x46inal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12%\n\x06timing\x18\x03 \x01(\x0b\x32\x15.splitserve.v1.Timing\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\"|\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05token\x18\x02 \x01(\x0b\x32\x14.splitserve.v1.TokenH\x00\x12%\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x14.splitserve.v1.FinalH\x00\x42\x06\n\x04kind\"l\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x08messages\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo\"\x16\n\x14\x43lusterStatusRequest\"\x9d\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\r\x12\x17\n\x0fkv_exports_held\x18\t \x01(\r\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\r\n\x05state\x18\x0b \x01(\t\x12\x1a\n\x12waiting_for_blocks\x18\x0c \x01(\r\x12\x0f\n\x07pulling\x18\r \x01(\r\x12\x15\n\rrouter_active\x18\x0e \x01(\r\x12\x1c\n\x14prefill_tokens_per_s\x18\x0f \x01(\x01\x12\x15\n\rprefix_blocks\x18\x10 \x01(\r\x12\x0f\n\x07node_id\x18\x11 \x01(\t\x12\x11\n\tnode_type\x18\x12 \x01(\t\x12\x18\n\x10waiting_for_node\x18\x13 \x01(\x08\"Z\n\nPoolStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12,\n\x07workers\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus\"\xf1\x01\n\x15\x43lusterStatusResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x05pools\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus\x12\x19\n\x11inflight_requests\x18\x04 \x01(\r\x12\x31\n\nplacements\x18\x05 \x03(\x0b\x32\x1d.splitserve.v1.PlacementCount\x12\x13\n\x0bhandover_ms\x18\x06 \x01(\x01\x12.\n\x08given_up\x18\x07 \x03(\x0b\x32\x1c.splitserve.v1.GivenUpWorker\"L\n\rGivenUpWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\n\n\x02\x61t\x18\x04 \x01(\x01\"B\n\x0ePlacementCount\x12\x11\n\tplacement\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x04*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xd7\x02\n\nSplitserve\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponse\x12Z\n\rClusterStatus\x12#.splitserve.v1.ClusterStatusRequest\x1a$.splitserve.v1.ClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/proto/splitserve.proto\x12\rsplitserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x86\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xf3\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08messages\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\rB\x07\n\x05input\"L\n\x05Token\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x10\n\x08times_ms\x18\x04 \x03(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x8b\x01\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x02\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x02\x12\x0e\n\x06\x65\x32\x65_ms\x18\x04 \x01(\x02\x12\x12\n\nprefill_ms\x18\x05 \x01(\x02\x12\x11\n\tdecode_ms\x18\x06 \x01(\x02\x12\x12\n\nkv_pull_ms\x18\x07 \x01(\x02\"\xb6\x01\n\x05\x46inal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12%\n\x06timing\x18\x03 \x01(\x0b\x32\x15.splitserve.v1.Timing\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\"|\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05token\x18\x02 \x01(\x0b\x32\x14.splitserve.v1.TokenH\x00\x12%\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x14.splitserve.v1.FinalH\x00\x42\x06\n\x04kind\"l\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x08messages\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo\"&\n\x14\x43lusterStatusRequest\x12\x0e\n\x06traces\x18\x01 \x01(\r\"\x9d\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\r\x12\x17\n\x0fkv_exports_held\x18\t \x01(\r\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\r\n\x05state\x18\x0b \x01(\t\x12\x1a\n\x12waiting_for_blocks\x18\x0c \x01(\r\x12\x0f\n\x07pulling\x18\r \x01(\r\x12\x15\n\rrouter_active\x18\x0e \x01(\r\x12\x1c\n\x14prefill_tokens_per_s\x18\x0f \x01(\x01\x12\x15\n\rprefix_blocks\x18\x10 \x01(\r\x12\x0f\n\x07node_id\x18\x11 \x01(\t\x12\x11\n\tnode_type\x18\x12 \x01(\t\x12\x18\n\x10waiting_for_node\x18\x13 \x01(\x08\"Z\n\nPoolStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12,\n\x07workers\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus\"\x9e\x02\n\x15\x43lusterStatusResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x05pools\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus\x12\x19\n\x11inflight_requests\x18\x04 \x01(\r\x12\x31\n\nplacements\x18\x05 \x03(\x0b\x32\x1d.splitserve.v1.PlacementCount\x12\x13\n\x0bhandover_ms\x18\x06 \x01(\x01\x12.\n\x08given_up\x18\x07 \x03(\x0b\x32\x1c.splitserve.v1.GivenUpWorker\x12+\n\x06traces\x18\x08 \x03(\x0b\x32\x1b.splitserve.v1.RequestTrace\"\xa6\x02\n\x0cRequestTrace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07outcome\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x15\n\routput_tokens\x18\x05 \x01(\r\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x10\n\x08kv_bytes\x18\x08 \x01(\x04\x12\x12\n\nkv_pull_ms\x18\t \x01(\x01\x12\'\n\x05spans\x18\n \x03(\x0b\x32\x18.splitserve.v1.TraceSpan\x12\'\n\x05marks\x18\x0b \x03(\x0b\x32\x18.splitserve.v1.TraceMark\"M\n\tTraceSpan\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x13\n\x0b\x64uration_ms\x18\x03 \x01(\x01\x12\x0e\n\x06worker\x18\x04 \x01(\t\"5\n\tTraceMark\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02\x61t\x18\x02 \x01(\x01\x12\x0e\n\x06worker\x18\x03 \x01(\t\"L\n\rGivenUpWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\n\n\x02\x61t\x18\x04 \x01(\x01\"B\n\x0ePlacementCount\x12\x11\n\tplacement\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x04*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xd7\x02\n\nSplitserve\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponse\x12Z\n\rClusterStatus\x12#.splitserve.v1.ClusterStatusRequest\x1a$.splitserve.v1.ClusterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.proto.splitserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2503
-  _globals['_FINISHREASON']._serialized_end=2598
+  _globals['_FINISHREASON']._serialized_start=3055
+  _globals['_FINISHREASON']._serialized_end=3150
   _globals['_CHATMESSAGE']._serialized_start=52
   _globals['_CHATMESSAGE']._serialized_end=96
   _globals['_CHATMESSAGES']._serialized_start=98
@@ -47,34 +47,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKEN']._serialized_end=772
   _globals['_USAGE']._serialized_start=774
   _globals['_USAGE']._serialized_end=861
-  _globals['_TIMING']._serialized_start=863
-  _globals['_TIMING']._serialized_end=943
-  _globals['_FINAL']._serialized_start=946
-  _globals['_FINAL']._serialized_end=1128
-  _globals['_GENERATERESPONSE']._serialized_start=1130
-  _globals['_GENERATERESPONSE']._serialized_end=1254
-  _globals['_TOKENIZEREQUEST']._serialized_start=1256
-  _globals['_TOKENIZEREQUEST']._serialized_end=1364
-  _globals['_TOKENIZERESPONSE']._serialized_start=1366
-  _globals['_TOKENIZERESPONSE']._serialized_end=1426
-  _globals['_LISTMODELSREQUEST']._serialized_start=1428
-  _globals['_LISTMODELSREQUEST']._serialized_end=1447
-  _globals['_MODELINFO']._serialized_start=1449
-  _globals['_MODELINFO']._serialized_end=1515
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1517
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1579
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1581
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1603
-  _globals['_WORKERSTATUS']._serialized_start=1606
-  _globals['_WORKERSTATUS']._serialized_end=2019
-  _globals['_POOLSTATUS']._serialized_start=2021
-  _globals['_POOLSTATUS']._serialized_end=2111
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2114
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2355
-  _globals['_GIVENUPWORKER']._serialized_start=2357
-  _globals['_GIVENUPWORKER']._serialized_end=2433
-  _globals['_PLACEMENTCOUNT']._serialized_start=2435
-  _globals['_PLACEMENTCOUNT']._serialized_end=2501
-  _globals['_SPLITSERVE']._serialized_start=2601
-  _globals['_SPLITSERVE']._serialized_end=2944
+  _globals['_TIMING']._serialized_start=864
+  _globals['_TIMING']._serialized_end=1003
+  _globals['_FINAL']._serialized_start=1006
+  _globals['_FINAL']._serialized_end=1188
+  _globals['_GENERATERESPONSE']._serialized_start=1190
+  _globals['_GENERATERESPONSE']._serialized_end=1314
+  _globals['_TOKENIZEREQUEST']._serialized_start=1316
+  _globals['_TOKENIZEREQUEST']._serialized_end=1424
+  _globals['_TOKENIZERESPONSE']._serialized_start=1426
+  _globals['_TOKENIZERESPONSE']._serialized_end=1486
+  _globals['_LISTMODELSREQUEST']._serialized_start=1488
+  _globals['_LISTMODELSREQUEST']._serialized_end=1507
+  _globals['_MODELINFO']._serialized_start=1509
+  _globals['_MODELINFO']._serialized_end=1575
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1577
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1639
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1641
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1679
+  _globals['_WORKERSTATUS']._serialized_start=1682
+  _globals['_WORKERSTATUS']._serialized_end=2095
+  _globals['_POOLSTATUS']._serialized_start=2097
+  _globals['_POOLSTATUS']._serialized_end=2187
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2190
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2476
+  _globals['_REQUESTTRACE']._serialized_start=2479
+  _globals['_REQUESTTRACE']._serialized_end=2773
+  _globals['_TRACESPAN']._serialized_start=2775
+  _globals['_TRACESPAN']._serialized_end=2852
+  _globals['_TRACEMARK']._serialized_start=2854
+  _globals['_TRACEMARK']._serialized_end=2907
+  _globals['_GIVENUPWORKER']._serialized_start=2909
+  _globals['_GIVENUPWORKER']._serialized_end=2985
+  _globals['_PLACEMENTCOUNT']._serialized_start=2987
+  _globals['_PLACEMENTCOUNT']._serialized_end=3053
+  _globals['_SPLITSERVE']._serialized_start=3153
+  _globals['_SPLITSERVE']._serialized_end=3496
 # @@protoc_insertion_point(module_scope)

@@ -99,16 +99,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ms", "ttft_ms", "transfer_ms", "e2e_ms")
+    __slots__ = ("queue_ms", "ttft_ms", "transfer_ms", "e2e_ms", "prefill_ms", "decode_ms", "kv_pull_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     ttft_ms: float
     transfer_ms: float
     e2e_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ...) -> None: ...
+    prefill_ms: float
+    decode_ms: float
+    kv_pull_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., kv_pull_ms: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "usage", "timing", "prefill_worker", "decode_worker")
@@ -173,8 +179,10 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("traces",)
+    TRACES_FIELD_NUMBER: _ClassVar[int]
+    traces: int
+    def __init__(self, traces: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "role", "alive", "running", "waiting", "queued_prompt_tokens", "kv_blocks_total", "kv_blocks_used", "kv_exports_held", "error", "state", "waiting_for_blocks", "pulling", "router_active", "prefill_tokens_per_s", "prefix_blocks", "node_id", "node_type", "waiting_for_node")
@@ -229,7 +237,7 @@ class PoolStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., replicas: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("mode", "model", "pools", "inflight_requests", "placements", "handover_ms", "given_up")
+    __slots__ = ("mode", "model", "pools", "inflight_requests", "placements", "handover_ms", "given_up", "traces")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +245,7 @@ class ClusterStatusResponse(_message.Message):
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_MS_FIELD_NUMBER: _ClassVar[int]
     GIVEN_UP_FIELD_NUMBER: _ClassVar[int]
+    TRACES_FIELD_NUMBER: _ClassVar[int]
     mode: str
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
@@ -244,7 +253,56 @@ class ClusterStatusResponse(_message.Message):
     placements: _containers.RepeatedCompositeFieldContainer[PlacementCount]
     handover_ms: float
     given_up: _containers.RepeatedCompositeFieldContainer[GivenUpWorker]
-    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., inflight_requests: _Optional[int] = ..., placements: _Optional[_Iterable[_Union[PlacementCount, _Mapping]]] = ..., handover_ms: _Optional[float] = ..., given_up: _Optional[_Iterable[_Union[GivenUpWorker, _Mapping]]] = ...) -> None: ...
+    traces: _containers.RepeatedCompositeFieldContainer[RequestTrace]
+    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., inflight_requests: _Optional[int] = ..., placements: _Optional[_Iterable[_Union[PlacementCount, _Mapping]]] = ..., handover_ms: _Optional[float] = ..., given_up: _Optional[_Iterable[_Union[GivenUpWorker, _Mapping]]] = ..., traces: _Optional[_Iterable[_Union[RequestTrace, _Mapping]]] = ...) -> None: ...
+
+class RequestTrace(_message.Message):
+    __slots__ = ("request_id", "outcome", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "prefill_worker", "decode_worker", "kv_bytes", "kv_pull_ms", "spans", "marks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_MS_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    MARKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    outcome: str
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    output_tokens: int
+    prefill_worker: str
+    decode_worker: str
+    kv_bytes: int
+    kv_pull_ms: float
+    spans: _containers.RepeatedCompositeFieldContainer[TraceSpan]
+    marks: _containers.RepeatedCompositeFieldContainer[TraceMark]
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kv_pull_ms: _Optional[float] = ..., spans: _Optional[_Iterable[_Union[TraceSpan, _Mapping]]] = ..., marks: _Optional[_Iterable[_Union[TraceMark, _Mapping]]] = ...) -> None: ...
+
+class TraceSpan(_message.Message):
+    __slots__ = ("name", "start", "duration_ms", "worker")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    start: float
+    duration_ms: float
+    worker: str
+    def __init__(self, name: _Optional[str] = ..., start: _Optional[float] = ..., duration_ms: _Optional[float] = ..., worker: _Optional[str] = ...) -> None: ...
+
+class TraceMark(_message.Message):
+    __slots__ = ("name", "at", "worker")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    at: float
+    worker: str
+    def __init__(self, name: _Optional[str] = ..., at: _Optional[float] = ..., worker: _Optional[str] = ...) -> None: ...
 
 class GivenUpWorker(_message.Message):
     __slots__ = ("worker_id", "role", "reason", "at")

@@ -45,12 +45,13 @@ from splitserve.kv_transfer.errors import HandshakeRequired, PeerLost
 from splitserve.prefill_worker.api import PrefillResult, PrefillTask
 from splitserve.router.balancer import Prompt, pick_decode, pick_prefill
 from splitserve.router.decider import Decider, Placement
-from splitserve.router.errors import WorkerLost
+from splitserve.router.errors import WorkerLost, code_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.peers import PeerLinks
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import WorkerRecord, WorkerRegistry
 from splitserve.router.request import RequestState
+from splitserve.router.trace import RequestTrace, TraceLog, TraceSink
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class Dispatcher:
         colocated: bool = False,
         limits: LimitsSpec | None = None,
         policy: PolicySpec | None = None,
+        traces_kept: int = 100,
     ):
         self.registry = registry
         self.validator = validator
@@ -81,6 +83,8 @@ class Dispatcher:
         self.links = PeerLinks(registry)
         self.decider = Decider()
         self.inflight: dict[str, float] = {}  # request id -> accepted (time.time())
+        self.traces = TraceLog(traces_kept)
+        self.sinks: list[TraceSink] = [self.traces]  # each request's trace, when it ends
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -97,25 +101,43 @@ class Dispatcher:
     async def generate(self, inp: GenerateInput) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Run one request; yields its tokens, then one ``FinalEvent``. Raises
         ``InvalidRequest``, ``Overloaded``, ``DeadlineExceeded``, ``WorkerLost``,
-        ``KVTransferError``."""
-        prompt_ids = self.validate(inp)
-        rid = inp.request_id or uuid.uuid4().hex
-        if rid in self.inflight:
-            raise InvalidRequest(f"request id {rid!r} is already in use")
-        if len(self.inflight) >= self.limits.max_inflight_requests:
-            raise Overloaded(
-                f"the server is at capacity ({len(self.inflight)} requests in flight); retry later"
-            )
+        ``KVTransferError``. Whatever the outcome, its trace goes to ``sinks``."""
         timeouts = [t for t in (inp.timeout_s, self.limits.max_timeout_s) if t is not None]
-        req = RequestState(rid, prompt_ids, inp.params, min(timeouts) if timeouts else None)
-        self.inflight[rid] = req.accepted
+        rid = inp.request_id or uuid.uuid4().hex
+        req = RequestState(rid, [], inp.params, min(timeouts) if timeouts else None)
+        outcome, ok, admitted = "CANCELLED", False, False
         try:
+            prompt_ids = self.validate(inp)
+            if rid in self.inflight:
+                raise InvalidRequest(f"request id {rid!r} is already in use")
+            if len(self.inflight) >= self.limits.max_inflight_requests:
+                raise Overloaded(
+                    f"the server is at capacity ({len(self.inflight)} requests in flight); retry later"
+                )
+            self.inflight[rid], admitted = req.accepted, True
+            req.prompt_ids = prompt_ids  # a trace with no prompt is a request refused at the door
             async for event in self._run(req):
+                if isinstance(event, FinalEvent):
+                    outcome, ok = event.finish_reason.value, True
                 yield event
+                if isinstance(event, TokenEvent) and req.first_token_at is None:
+                    req.mark("first_token")  # sent: the front end is back for the next event
+        except Exception as e:
+            outcome = code_for(e).name
+            raise
         finally:
-            self.inflight.pop(rid, None)
-            for worker in req.touched:
-                self._in_background(worker.client.abort(rid))
+            if admitted:
+                self.inflight.pop(rid, None)
+                for worker in req.touched:
+                    self._in_background(worker.client.abort(rid))
+            self._record(req.trace(outcome, ok))
+
+    def _record(self, trace: RequestTrace) -> None:
+        for sink in self.sinks:
+            try:
+                sink.record(trace)
+            except Exception:  # a broken metrics or tracing sink must not fail requests
+                log.exception("recording the trace of %s failed", trace.request_id)
 
     # ---- the path ------------------------------------------------------------------
     async def _run(self, req: RequestState) -> AsyncIterator[TokenEvent | FinalEvent]:
@@ -136,6 +158,11 @@ class Dispatcher:
             result = await self._prefill(req, prompt, pw)
             req.prefilled_at = time.monotonic()
             req.cached = result.num_cached_tokens
+            if result.scheduled_at is not None:
+                req.mark("prefill_started", result.scheduled_at, result.worker_id)
+            if result.handoff is not None:
+                req.mark("kv_exported", worker=result.worker_id)
+                req.prefill_worker = result.worker_id
             first = result.output_token_ids
             yield self._tokens(req, first, result.text, result.logprobs, [result.token_time] * len(first))
             if result.finish_reason is not None:
@@ -157,6 +184,7 @@ class Dispatcher:
                 if dw is None:
                     raise
                 log.warning("decode worker lost during %s; continuing on %s", req.request_id, dw.worker_id)
+                req.mark("resumed", worker=dw.worker_id)
                 task = self._resume_task(req)
                 if prefill is not None:  # the resumed task prefills again: free the export now
                     self._in_background(prefill.client.abort(req.request_id))
@@ -178,7 +206,6 @@ class Dispatcher:
             if queued and queued + n > self.limits.max_queued_prompt_tokens:
                 raise Overloaded(f"prefill queues are full ({queued} prompt tokens waiting); retry later")
             req.touched.append(pw)
-            req.prefill_started = time.time()
             try:
                 with self.registry.prefilling(pw, req.request_id, n):
                     task = PrefillTask(req.request_id, req.prompt_ids, req.params, req.remaining())
@@ -194,6 +221,7 @@ class Dispatcher:
         that lost its handshakes (restarted) is linked again once, before any token. If
         the handoff's source is gone before the pull, ``dw`` prefills the request itself."""
         req.touched.append(dw)
+        req.decode_worker = dw.worker_id
         for attempt in range(2):
             if task.handoff is not None:
                 try:
@@ -215,6 +243,7 @@ class Dispatcher:
     ) -> AsyncIterator[TokenEvent | FinalEvent]:
         reserve = len(task.prompt_token_ids) + task.params.max_tokens
         local_prefill = task.handoff is None  # dw prefills the prompt: queued there until its first token
+        started = False  # dw has said when it took the request into its batch
         async with contextlib.AsyncExitStack() as held:
             held.enter_context(self.registry.decoding(dw, req.request_id, reserve))
             if local_prefill:
@@ -229,8 +258,14 @@ class Dispatcher:
                     self._in_background(prefill.client.confirm(batch.confirmations))
                 if batch.transfer_s is not None:
                     req.transfer_s = batch.transfer_s
+                    req.kv_bytes = task.handoff.num_bytes if task.handoff is not None else 0
                     if req.prefilled_at is not None:
                         self.decider.observe_handover(time.monotonic() - req.prefilled_at)
+                if batch.started_at is not None and not started:
+                    started = True
+                    self._mark_started(req, dw, batch.started_at)
+                if batch.token_ids and not req.marked("first_decode_token"):
+                    req.mark("first_decode_token", worker=dw.worker_id)
                 if local_prefill and (batch.token_ids or batch.finish_reason is not None):
                     self.registry.prefill_done(dw, req.request_id)
                     local_prefill = False
@@ -241,6 +276,15 @@ class Dispatcher:
                     prefill_id = prefill.worker_id if prefill else ""
                     yield self._final(req, batch.finish_reason, prefill_id, dw.worker_id)
                     return
+
+    @staticmethod
+    def _mark_started(req: RequestState, dw: WorkerRecord, at: float) -> None:
+        """``dw`` took the request into its batch at ``at``: its prefill began then (a local
+        prefill), or, after a first token from a prefill worker, the decode phase did."""
+        if not req.marked("prefill_started"):
+            req.mark("prefill_started", at, dw.worker_id)
+        elif req.marked("first_token") and not req.marked("decode_admitted"):
+            req.mark("decode_admitted", at, dw.worker_id)
 
     def _resume_task(self, req: RequestState) -> DecodeTask:
         """Continue on another decode worker: prefill prompt + sent tokens there."""
@@ -261,24 +305,26 @@ class Dispatcher:
         task.add_done_callback(self._background.discard)
 
     def _tokens(self, req: RequestState, token_ids, text, logprobs, times) -> TokenEvent:
-        if req.first_token_at is None:
-            req.first_token_at = time.time()
         req.sent.extend(token_ids)
+        req.token_times.extend(times)
         ms = [max(0.0, (t - req.accepted) * 1000) for t in times]
         return TokenEvent(list(token_ids), text, list(logprobs), ms)
 
     def _final(self, req: RequestState, reason: FinishReason, prefill_id: str, decode_id: str) -> FinalEvent:
-        now = time.time()
-        started = req.prefill_started or req.accepted
+        req.mark("finished")
+        trace = req.trace(reason.value, True)
         return FinalEvent(
             finish_reason=reason,
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.sent),
             cached_prompt_tokens=req.cached,
-            queue_ms=(started - req.accepted) * 1000,
-            ttft_ms=((req.first_token_at or now) - req.accepted) * 1000,
-            transfer_ms=req.transfer_s * 1000,
-            e2e_ms=(now - req.accepted) * 1000,
+            queue_ms=trace.phase_s("queue") * 1000,
+            prefill_ms=trace.phase_s("prefill") * 1000,
+            transfer_ms=trace.phase_s("kv_transfer") * 1000,
+            decode_ms=trace.phase_s("decode") * 1000,
+            kv_pull_ms=req.transfer_s * 1000,
+            ttft_ms=(trace.ttft_s or trace.e2e_s) * 1000,
+            e2e_ms=trace.e2e_s * 1000,
             prefill_worker=prefill_id,
             decode_worker=decode_id,
         )

@@ -51,14 +51,19 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
 ]
 
 
+def code_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status code a client gets for ``exc``."""
+    exc = unwrap(exc)
+    return next((code for cls, code in _CODES if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and message a client gets for ``exc``."""
-    exc = unwrap(exc)
-    for cls, code in _CODES:
-        if isinstance(exc, cls):
-            return code, str(exc)
+    code = code_for(exc)
+    if code != grpc.StatusCode.INTERNAL:
+        return code, str(unwrap(exc))
     log.error("internal error", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error ({exc.__class__.__name__}); see the server log"
+    return code, f"internal error ({unwrap(exc).__class__.__name__}); see the server log"
 
 
 _HTTP = {

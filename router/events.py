@@ -31,13 +31,19 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class FinalEvent:
+    """How a request ended. ``queue_ms + prefill_ms + transfer_ms + decode_ms == e2e_ms``:
+    the phases of its trace (``router.trace``)."""
+
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
     queue_ms: float
+    prefill_ms: float
+    transfer_ms: float  # first token -> decode worker holds the KV (0 when prefilled there)
+    decode_ms: float
+    kv_pull_ms: float  # the part of transfer_ms the decode worker spent pulling the bytes
     ttft_ms: float
-    transfer_ms: float
     e2e_ms: float
     prefill_worker: str
     decode_worker: str

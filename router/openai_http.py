@@ -4,6 +4,7 @@
     POST /v1/completions        prompt as text or token ids (stream: SSE chunks)
     GET  /v1/models
     GET  /health
+    GET  /metrics               Prometheus metrics (router.metrics), when given
 
 Requests take the same path as gRPC ``Generate`` (same validation, admission,
 cancellation: a client that disconnects aborts its request on every worker).
@@ -30,6 +31,8 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import http_status_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.metrics_server import add_metrics_route
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +96,9 @@ def _text_of(content: Any) -> str:
 
 
 class OpenAIServer:
-    def __init__(self, dispatcher: Dispatcher, host: str, port: int):
+    def __init__(self, dispatcher: Dispatcher, host: str, port: int, metrics: RouterMetrics | None = None):
         self.dispatcher = dispatcher
+        self.metrics = metrics
         self.host, self.port = host, port
         self._runner: web.AppRunner | None = None
 
@@ -104,6 +108,8 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        if self.metrics is not None:
+            add_metrics_route(app, self.metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)

@@ -1,4 +1,5 @@
-"""The router's state for one request in flight, and its deadline."""
+"""The router's state for one request in flight: its deadline, and the marks its
+trace is made of (``router.trace``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from splitserve.engine.errors import DeadlineExceeded
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.router.registry import WorkerRecord
+from splitserve.router.trace import Mark, RequestTrace
 
 
 class RequestState:
@@ -24,11 +26,42 @@ class RequestState:
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.touched: list[WorkerRecord] = []  # workers to abort on when the request ends
         self.sent: list[int] = []  # token ids yielded to the client so far
-        self.first_token_at: float | None = None
-        self.prefill_started: float | None = None
+        self.token_times: list[float] = []  # when each of them was sampled (worker clocks)
+        self.marks: list[Mark] = [Mark("admitted", self.accepted)]
         self.prefilled_at: float | None = None  # time.monotonic() when a prefill worker's result came
-        self.transfer_s = 0.0
+        self.prefill_worker = ""  # the prefill worker whose KV the decode worker took
+        self.decode_worker = ""
+        self.kv_bytes = 0
+        self.transfer_s = 0.0  # the KV pull, on the decode worker
         self.cached = 0
+
+    def mark(self, name: str, at: float | None = None, worker: str = "") -> None:
+        """Record a moment of the request (names: ``router.trace``); ``at`` defaults to now."""
+        self.marks.append(Mark(name, time.time() if at is None else at, worker))
+
+    def marked(self, name: str) -> float | None:
+        return next((m.at for m in self.marks if m.name == name), None)
+
+    @property
+    def first_token_at(self) -> float | None:
+        return self.marked("first_token")
+
+    def trace(self, outcome: str, ok: bool) -> RequestTrace:
+        """The request's trace, as it ends now with ``outcome``."""
+        return RequestTrace(
+            request_id=self.request_id,
+            outcome=outcome,
+            ok=ok,
+            prompt_tokens=len(self.prompt_ids),
+            cached_prompt_tokens=self.cached,
+            output_tokens=len(self.sent),
+            prefill_worker=self.prefill_worker,
+            decode_worker=self.decode_worker,
+            kv_bytes=self.kv_bytes,
+            kv_pull_s=self.transfer_s,
+            marks=(*self.marks, *(() if self.marked("finished") else (Mark("finished", time.time()),))),
+            token_times=tuple(self.token_times),
+        )
 
     def remaining(self) -> float | None:
         """Seconds left before the deadline (at least 1 ms), or None without one."""

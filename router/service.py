@@ -21,6 +21,7 @@ from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import status_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.registry import WorkerRecord
+from splitserve.router.trace import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,15 @@ def _final_proto(e: FinalEvent) -> pb.Final:
             completion_tokens=e.completion_tokens,
             cached_prompt_tokens=e.cached_prompt_tokens,
         ),
-        timing=pb.Timing(queue_ms=e.queue_ms, ttft_ms=e.ttft_ms, transfer_ms=e.transfer_ms, e2e_ms=e.e2e_ms),
+        timing=pb.Timing(
+            queue_ms=e.queue_ms,
+            prefill_ms=e.prefill_ms,
+            transfer_ms=e.transfer_ms,
+            decode_ms=e.decode_ms,
+            kv_pull_ms=e.kv_pull_ms,
+            ttft_ms=e.ttft_ms,
+            e2e_ms=e.e2e_ms,
+        ),
         prefill_worker=e.prefill_worker,
         decode_worker=e.decode_worker,
     )
@@ -143,7 +152,27 @@ class SplitserveService(pb_grpc.SplitserveServicer):
                 pb.GivenUpWorker(worker_id=g.worker_id, role=g.role, reason=g.reason, at=g.at)
                 for g in registry.given_up
             ],
+            traces=[_trace_proto(t) for t in d.traces.latest(request.traces)],
         )
+
+
+def _trace_proto(t: RequestTrace) -> pb.RequestTrace:
+    return pb.RequestTrace(
+        request_id=t.request_id,
+        outcome=t.outcome,
+        prompt_tokens=t.prompt_tokens,
+        cached_prompt_tokens=t.cached_prompt_tokens,
+        output_tokens=t.output_tokens,
+        prefill_worker=t.prefill_worker,
+        decode_worker=t.decode_worker,
+        kv_bytes=t.kv_bytes,
+        kv_pull_ms=t.kv_pull_s * 1000,
+        spans=[
+            pb.TraceSpan(name=s.name, start=s.start, duration_ms=s.seconds * 1000, worker=s.worker)
+            for s in t.spans
+        ],
+        marks=[pb.TraceMark(name=m.name, at=m.at, worker=m.worker) for m in t.marks],
+    )
 
 
 def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:

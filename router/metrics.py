@@ -1,0 +1,214 @@
+"""The router's Prometheus metrics, in the text format, with vLLM's names under
+``splitserve:`` (so a vLLM dashboard ports over by renaming the prefix).
+
+Two sources, one registry (``prometheus_client``, never hand-written exposition):
+
+- **Per request**, from its trace (``RequestMetrics.record``, a ``TraceSink`` of the
+  dispatcher): the latency histograms, token and KV counters, outcomes. Every
+  request counts once, when it ends.
+- **Per worker and per pool**, read at scrape time from the ``WorkerRegistry``
+  (figures the registry's polling brought in: the workers' figures reach the
+  router by that one channel), the pools' sizes and the decider's counts.
+
+::
+
+    histograms (seconds)                               from the trace
+    splitserve:time_to_first_token_seconds             admitted -> first token
+    splitserve:inter_token_latency_seconds             between consecutive tokens' sample times
+    splitserve:request_time_per_output_token_seconds   (e2e - ttft) / (output tokens - 1)
+    splitserve:e2e_request_latency_seconds             admitted -> finished
+    splitserve:request_queue_time_seconds              the queue phase
+    splitserve:request_prefill_time_seconds            the prefill phase
+    splitserve:request_handover_time_seconds           the kv_transfer phase (first token -> decode holds KV)
+    splitserve:request_decode_time_seconds             the decode phase
+    splitserve:kv_transfer_time_seconds                the decode worker's pull (bytes moving, verified)
+    counters
+    splitserve:prompt_tokens_total, splitserve:generation_tokens_total   (tokens the clients got)
+    splitserve:kv_transfer_bytes_total
+    splitserve:request_success_total{finished_reason}
+    splitserve:request_failure_total{code}              (a gRPC code name; CANCELLED: the client left)
+    splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total   (prompt tokens)
+    splitserve:prefill_placement_total{placement,reason} (the decider's choices)
+    gauges
+    splitserve:num_requests_running{pool,worker}       in its engine's running batch
+    splitserve:num_requests_waiting{pool,worker}       queued in its engine
+    splitserve:kv_cache_usage_perc{pool,worker}        used KV blocks / all (0..1, as vLLM)
+    splitserve:pool_replicas{pool,state}               state: current (routable), warming
+                                                       (starting), draining, desired
+    splitserve:num_requests_inflight                    admitted by the router, unfinished
+
+Request metrics carry ``model_name``, as vLLM's do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from splitserve.router.registry import Membership, WorkerRegistry
+from splitserve.router.trace import RequestTrace
+
+__all__ = ["CONTENT_TYPE_LATEST", "PoolSize", "RequestMetrics", "RouterMetrics"]
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75)
+_LATENCY += (1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_PER_TOKEN = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4)
+_PER_TOKEN += (0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+_TRANSFER = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """A pool's size as its owner (the cluster's pools and autoscalers) sees it."""
+
+    pool: str
+    desired: int  # what the pool is being scaled to (its configured size without autoscaling)
+
+
+class RequestMetrics:
+    """The per-request metrics: a ``TraceSink`` that counts each ended request once."""
+
+    def __init__(self, prom: CollectorRegistry, model_name: str):
+        self.model_name = model_name
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"splitserve:{name}", doc, ["model_name"], registry=prom, buckets=buckets)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"splitserve:{name}", doc, ["model_name", *labels], registry=prom)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", _PER_TOKEN)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds", "A request's mean time per output token.", _PER_TOKEN
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY)
+        self.queue = histogram("request_queue_time_seconds", "Time before the prompt was begun.", _LATENCY)
+        self.prefill = histogram("request_prefill_time_seconds", "Prompt begun to first token.", _LATENCY)
+        self.handover = histogram(
+            "request_handover_time_seconds", "First token to the decode worker holding the KV.", _LATENCY
+        )
+        self.decode = histogram("request_decode_time_seconds", "Decode began to last token.", _LATENCY)
+        self.transfer = histogram("kv_transfer_time_seconds", "A KV pull on a decode worker.", _TRANSFER)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Output tokens sent to clients.")
+        self.kv_bytes = counter("kv_transfer_bytes", "KV bytes pulled by decode workers.")
+        self.success = counter("request_success", "Requests that finished.", "finished_reason")
+        self.failure = counter("request_failure", "Requests that failed, by gRPC code.", "code")
+        self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in a prefix cache.")
+        self.cache_hits = counter("prefix_cache_hits", "Prompt tokens served from a prefix cache.")
+
+    def record(self, trace: RequestTrace) -> None:
+        m = self.model_name
+        if trace.ok:
+            self.success.labels(m, trace.outcome).inc()
+        else:
+            self.failure.labels(m, trace.outcome).inc()
+        if trace.prompt_tokens:  # admitted (a request refused at the door has none)
+            self.prompt_tokens.labels(m).inc(trace.prompt_tokens)
+            self.cache_queries.labels(m).inc(trace.prompt_tokens)
+            self.cache_hits.labels(m).inc(trace.cached_prompt_tokens)
+            self.e2e.labels(m).observe(trace.e2e_s)
+        self.generation_tokens.labels(m).inc(trace.output_tokens)
+        ttft = trace.ttft_s
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+            if trace.ok and trace.output_tokens > 1:
+                self.tpot.labels(m).observe((trace.e2e_s - ttft) / (trace.output_tokens - 1))
+        times = trace.token_times
+        for a, b in zip(times, times[1:]):
+            self.itl.labels(m).observe(max(0.0, b - a))
+        phases = {s.name: s.seconds for s in trace.spans}
+        for name, hist in (
+            ("queue", self.queue),
+            ("prefill", self.prefill),
+            ("kv_transfer", self.handover),
+            ("decode", self.decode),
+        ):
+            if name in phases and trace.prompt_tokens:
+                hist.labels(m).observe(phases[name])
+        if trace.kv_bytes:
+            self.kv_bytes.labels(m).inc(trace.kv_bytes)
+            self.transfer.labels(m).observe(trace.kv_pull_s)
+
+
+class _ClusterCollector(Collector):
+    """Workers' and pools' gauges, read from their owners at each scrape."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        pool_sizes: Callable[[], list[PoolSize]],
+        inflight: Callable[[], int],
+        placements: Callable[[], dict[tuple[str, str], int]],
+    ):
+        self.registry = registry
+        self.pool_sizes = pool_sizes
+        self.inflight = inflight
+        self.placements = placements
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["pool", "worker"]
+        running = GaugeMetricFamily(
+            "splitserve:num_requests_running", "Requests in the running batch.", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            "splitserve:num_requests_waiting", "Requests queued in the engine.", labels=labels
+        )
+        kv = GaugeMetricFamily("splitserve:kv_cache_usage_perc", "KV cache usage (0..1).", labels=labels)
+        for w in self.registry.workers():
+            if w.stats is None or w.state == Membership.STARTING:
+                continue
+            e = w.stats.engine
+            key = [w.role, w.worker_id]
+            running.add_metric(key, e.num_running)
+            waiting.add_metric(key, e.num_waiting)
+            kv.add_metric(key, e.num_used_blocks / e.num_blocks if e.num_blocks else 0.0)
+        replicas = GaugeMetricFamily(
+            "splitserve:pool_replicas", "Workers per pool and state.", labels=["pool", "state"]
+        )
+        for size in self.pool_sizes():
+            workers = self.registry.workers(size.pool)
+            replicas.add_metric([size.pool, "current"], sum(w.routable for w in workers))
+            replicas.add_metric([size.pool, "warming"], sum(w.state == Membership.STARTING for w in workers))
+            replicas.add_metric([size.pool, "draining"], sum(w.state == Membership.DRAINING for w in workers))
+            replicas.add_metric([size.pool, "desired"], size.desired)
+        placement = CounterMetricFamily(
+            "splitserve:prefill_placement",
+            "Where prompts were prefilled, and why.",
+            labels=["placement", "reason"],
+        )
+        for (where, why), n in self.placements().items():
+            placement.add_metric([where, why], n)
+        inflight = GaugeMetricFamily("splitserve:num_requests_inflight", "Requests admitted, not finished.")
+        inflight.add_metric([], self.inflight())
+        yield from (running, waiting, kv, replicas, placement, inflight)
+
+
+class RouterMetrics:
+    """Everything ``/metrics`` shows, in one ``CollectorRegistry`` of its own (never the
+    process-global one, so two routers in one process do not collide). Read on the
+    router's loop: the registry it reads is not thread-safe."""
+
+    def __init__(
+        self,
+        model_name: str,
+        registry: WorkerRegistry,
+        pool_sizes: Callable[[], list[PoolSize]],
+        inflight: Callable[[], int],
+        placements: Callable[[], dict[tuple[str, str], int]],
+    ):
+        self.prom = CollectorRegistry(auto_describe=True)
+        self.requests = RequestMetrics(self.prom, model_name)
+        self.prom.register(_ClusterCollector(registry, pool_sizes, inflight, placements))
+
+    def record(self, trace: RequestTrace) -> None:
+        self.requests.record(trace)
+
+    def render(self) -> bytes:
+        """The exposition, Prometheus' text format (``CONTENT_TYPE_LATEST``)."""
+        return generate_latest(self.prom)

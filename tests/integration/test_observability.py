@@ -1,0 +1,164 @@
+"""What an operator sees: the router's Prometheus ``/metrics`` under real load
+through the SDK (parsed with prometheus_client's parser and checked against
+what the clients received), and each request's trace (its phases and workers,
+in the ``Final`` message and in ``splitserve status --traces``). Real Ray
+actors, the real gRPC router, KV over NIXL, the tiny model."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing
+import time
+import urllib.request
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.client import Client, Completion, InvalidArgument
+from splitserve.cluster.cli import main as cli_main
+from tests.integration.cluster_util import VOCAB, live_cluster, mixed_workload, tiny_config
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint):
+    with live_cluster(tiny_config(checkpoint)) as c:
+        yield c
+
+
+def scrape(cluster) -> dict[tuple[str, frozenset], float]:
+    with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=60) as r:
+        text = r.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def total(values: dict, name: str, **labels) -> float:
+    """The sum of a metric's samples that carry these labels (0 when it has none yet)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in values.items() if n == name and want <= ls)
+
+
+def timed_stream(address: str, prompt: list[int], max_tokens: int, stop) -> tuple[Completion, float, float]:
+    """One streamed request; returns it with the client's own TTFT and end-to-end time
+    (the channel is connected before the clock starts)."""
+    out = Completion()
+    with Client(address, timeout=300) as client:
+        client.list_models()
+        start = time.perf_counter()
+        first = None
+        for item in client.stream(prompt, max_tokens=max_tokens, stop_token_ids=list(stop)):
+            if first is None:
+                first = time.perf_counter() - start
+            out.add(item)
+        return out, first, time.perf_counter() - start
+
+
+def stream_concurrently(address: str, requests) -> list[tuple[Completion, float, float]]:
+    """Every request at once, one thread each (``timed_stream``)."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda r: timed_stream(address, *r), requests))
+
+
+def test_metrics_agree_with_what_the_clients_saw(cluster, client):
+    prompts, params = mixed_workload(24, seed=5)
+    requests = [(p, sp.max_tokens, tuple(sp.stop_token_ids)) for p, sp in zip(prompts, params)]
+    before = scrape(cluster)
+    # The clients run in a process of their own, as they would in use (in this one they
+    # would share the GIL with the router and see latencies the router cannot).
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+        load = clients.submit(stream_concurrently, cluster.address, requests)
+        during = scrape(cluster)
+        results = load.result()
+    after = scrape(cluster)
+
+    def delta(name: str, **labels) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    n = len(results)
+    assert all(c.final is not None for c, _, _ in results)
+    assert delta("splitserve:time_to_first_token_seconds_count") == n
+    assert delta("splitserve:e2e_request_latency_seconds_count") == n
+    assert sum(delta("splitserve:request_success_total", finished_reason=r) for r in ("stop", "length")) == n
+    client_ttft = sum(first for _, first, _ in results)
+    router_ttft = delta("splitserve:time_to_first_token_seconds_sum")
+    print(f"TTFT sum: router {router_ttft:.3f} s, clients {client_ttft:.3f} s")
+    assert delta("splitserve:time_to_first_token_seconds_sum") == pytest.approx(client_ttft, rel=0.10)
+    assert delta("splitserve:generation_tokens_total") == sum(len(c.token_ids) for c, _, _ in results)
+    assert delta("splitserve:prompt_tokens_total") == sum(c.final.prompt_tokens for c, _, _ in results)
+    assert delta("splitserve:prompt_tokens_total") == sum(len(p) for p in prompts)
+    assert delta("splitserve:prefix_cache_hits_total") == sum(
+        c.final.cached_prompt_tokens for c, _, _ in results
+    )
+    assert delta("splitserve:kv_transfer_bytes_total") > 0  # every prompt went to a prefill worker
+    pulls = delta("splitserve:kv_transfer_time_seconds_count")
+    assert pulls == sum(c.final.kv_pull_ms > 0 for c, _, _ in results)
+    # per-token figures: every gap between two tokens of a request, once
+    assert delta("splitserve:inter_token_latency_seconds_count") == sum(
+        len(c.token_ids) - 1 for c, _, _ in results
+    )
+    # gauges: one series per worker, from the registry's polling
+    assert {dict(ls)["worker"] for (n, ls) in during if n == "splitserve:kv_cache_usage_perc"} == {
+        "prefill-0",
+        "decode-0",
+    }
+    assert total(after, "splitserve:pool_replicas", pool="decode", state="current") == 1
+    assert total(after, "splitserve:pool_replicas", pool="prefill", state="desired") == 1
+
+    deadline = time.monotonic() + 120  # the KV gauge returns to zero once the next polls see the load gone
+    while total(scrape(cluster), "splitserve:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert total(scrape(cluster), "splitserve:kv_cache_usage_perc") == 0
+    assert total(scrape(cluster), "splitserve:num_requests_inflight") == 0
+
+
+def test_failures_are_counted_by_code(cluster, client):
+    before = scrape(cluster)
+    with pytest.raises(InvalidArgument):
+        client.generate([1, VOCAB + 5], max_tokens=2)
+    after = scrape(cluster)
+    code = "INVALID_ARGUMENT"
+    assert (
+        total(after, "splitserve:request_failure_total", code=code)
+        - total(before, "splitserve:request_failure_total", code=code)
+        == 1
+    )
+    # refused at the door: no prompt tokens counted, no latency observed
+    assert total(after, "splitserve:prompt_tokens_total") == total(before, "splitserve:prompt_tokens_total")
+
+
+def test_a_trace_names_both_workers_and_its_phases_add_up(cluster, client):
+    prompt = mixed_workload(1, seed=9)[0][0] * 3
+    final, _, client_e2e = timed_stream(cluster.address, prompt, 24, ())
+    f = final.final
+    phases = f.queue_ms + f.prefill_ms + f.transfer_ms + f.decode_ms
+    assert (f.prefill_worker, f.decode_worker) == ("prefill-0", "decode-0")
+    assert phases == pytest.approx(f.e2e_ms, abs=0.01)
+    assert f.e2e_ms <= client_e2e * 1000  # the router's window lies inside the client's
+    assert f.prefill_ms > 0 and f.transfer_ms >= f.kv_pull_ms > 0 and f.decode_ms > 0
+    assert f.ttft_ms == pytest.approx(f.queue_ms + f.prefill_ms, abs=0.01)
+
+    st = client.cluster_status(traces=5)
+    (t,) = [
+        t for t in st.traces if t.output_tokens == len(final.token_ids) and t.prompt_tokens == len(prompt)
+    ]
+    assert t.outcome == f.finish_reason
+    assert [s.name for s in t.spans] == ["queue", "prefill", "kv_transfer", "decode"]
+    assert [s.worker for s in t.spans] == ["", "prefill-0", "decode-0", "decode-0"]
+    assert sum(s.duration_ms for s in t.spans) == pytest.approx(f.e2e_ms, abs=0.01)
+    names = [m.name for m in t.marks]
+    for name in ("admitted", "prefill_started", "kv_exported", "first_token", "decode_admitted", "finished"):
+        assert name in names
+    assert t.spans[2].duration_ms >= t.kv_pull_ms > 0  # the pull lies inside the handover
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["status", "--server", cluster.address, "--traces", "1"]) == 0
+    shown = out.getvalue()
+    assert st.traces[-1].request_id == t.request_id and t.request_id in shown
+    for word in ("kv_transfer", "prefill-0", "decode-0"):
+        assert word in shown
