@@ -6,18 +6,20 @@ actors, the real gRPC router, KV over NIXL, the tiny model."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import multiprocessing
 import time
 import urllib.request
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.client import Client, Completion, InvalidArgument
+from splitserve.client import AsyncClient, Client, Completion, InvalidArgument
 from splitserve.cluster.cli import main as cli_main
+from tests.conftest import random_prompts
 from tests.integration.cluster_util import VOCAB, live_cluster, mixed_workload, tiny_config
 
 
@@ -58,20 +60,41 @@ def timed_stream(address: str, prompt: list[int], max_tokens: int, stop) -> tupl
         return out, first, time.perf_counter() - start
 
 
-def stream_concurrently(address: str, requests) -> list[tuple[Completion, float, float]]:
-    """Every request at once, one thread each (``timed_stream``)."""
-    with ThreadPoolExecutor(len(requests)) as pool:
-        return list(pool.map(lambda r: timed_stream(address, *r), requests))
+def stream_paced(address: str, requests, rate: float) -> list[tuple[Completion, float, float]]:
+    """Open-loop load on one asyncio loop: request i is sent at i / ``rate`` s (arrivals
+    as a load generator makes them; many overlap), each timed from its send to its
+    first and last items."""
+
+    async def one(client: AsyncClient, at: float, prompt, max_tokens, stop):
+        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        out, first = Completion(), None
+        start = time.perf_counter()
+        async for item in client.stream(prompt, max_tokens=max_tokens, stop_token_ids=list(stop)):
+            if first is None:
+                first = time.perf_counter() - start
+            out.add(item)
+        return out, first, time.perf_counter() - start
+
+    async def run():
+        async with AsyncClient(address, timeout=300) as client:
+            await client.list_models()  # connected before any clock starts
+            t0 = time.perf_counter()
+            return await asyncio.gather(*(one(client, t0 + i / rate, *r) for i, r in enumerate(requests)))
+
+    return asyncio.run(run())
 
 
 def test_metrics_agree_with_what_the_clients_saw(cluster, client):
-    prompts, params = mixed_workload(24, seed=5)
+    _, params = mixed_workload(24, seed=5)
+    # long prompts (chunked: several prefill steps each), so that the TTFT the clients
+    # measure is mostly the cluster's, not the network's
+    prompts = random_prompts([400 + (i * 211) % 500 for i in range(len(params))], VOCAB, seed=5)
     requests = [(p, sp.max_tokens, tuple(sp.stop_token_ids)) for p, sp in zip(prompts, params)]
     before = scrape(cluster)
     # The clients run in a process of their own, as they would in use (in this one they
     # would share the GIL with the router and see latencies the router cannot).
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
-        load = clients.submit(stream_concurrently, cluster.address, requests)
+        load = clients.submit(stream_paced, cluster.address, requests, 50.0)
         during = scrape(cluster)
         results = load.result()
     after = scrape(cluster)

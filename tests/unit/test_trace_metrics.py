@@ -4,6 +4,7 @@ Prometheus metrics made from them, parsed back with prometheus_client's own pars
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import urllib.request
 
 import pytest
@@ -126,7 +127,7 @@ def make_metrics(registry: WorkerRegistry | None = None) -> RouterMetrics:
 def test_request_metrics_count_each_trace_once():
     metrics = make_metrics()
     ok = trace(REMOTE, prefill="p0", kv_bytes=4096, kv_pull_s=0.002, output_tokens=5)
-    ok = RequestTrace(**{**ok.__dict__, "token_times": (101.0, 101.6, 101.7, 101.9, 102.9)})
+    ok = dataclasses.replace(ok, token_times=(101.0, 101.6, 101.7, 101.9, 102.9))
     metrics.record(ok)
     metrics.record(
         trace([("admitted", 0), ("finished", 0)], "", "", False, "RESOURCE_EXHAUSTED", prompt_tokens=0)

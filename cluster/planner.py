@@ -1,0 +1,294 @@
+"""The SLO planner (``autoscaling.policy: slo``): how many prefill and how many
+decode workers the next interval needs to meet a TTFT and a TPOT target, decided
+together, from figures measured online. Plain code: no Ray, no asyncio, no
+clock of its own, so the cluster's loop and the simulator run exactly this.
+
+Each interval the caller hands it one ``PlannerInput``: what the last interval
+saw (arrivals, prompt and output lengths, observed TTFT/TPOT) and what the
+workers measured of themselves (prefill tokens/s, decode step time at a batch
+size). The planner then::
+
+    predict   arrival rate, uncached prompt tokens and output tokens per request
+              (an EWMA, but never below the last interval's rate: it follows a
+              step up at once and a step down slowly)
+    capacity  prefill: measured tokens/s per worker, loaded to at most the
+                utilisation at which an M/D/1 queue still meets the TTFT target
+              decode:  the largest batch whose step time, on a line fitted to
+                (batch, step time) points the workers reported, meets the TPOT
+                target; its tokens/s = batch / step time
+    size      prefill = ceil(predicted prompt tokens/s / prefill capacity)
+              decode  = ceil(predicted output tokens/s / decode capacity)
+              each pool grows by one more if its SLO was missed last interval
+              (so it needs no profile: before any measurement it acts on the SLO
+              alone), then both fit [min, max] and a shared budget together
+              (split by need: neither starves the other)
+    damp      counts warming replicas as capacity already coming; moves each
+              pool at most max_step per interval; shrinks only after
+              downscale_delay_s of wanting to; never reverses a pool's
+              direction within min_reversal_s
+
+Scale-down drains (the pool takes the worker out of routing and kills it when
+its requests are done), so no decision here drops a request.
+
+An optional profile (``PlannerProfile``) seeds the capacities before the
+workers have measured anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PlannerSpec(BaseModel):
+    """The SLO planner's targets and damping (``autoscaling`` at the top of the config)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_ms: float = Field(..., gt=0, description="TTFT target (p90 of the requests in an interval)")
+    tpot_ms: float = Field(..., gt=0, description="TPOT target (p90 of the requests in an interval)")
+    interval_s: float = Field(5.0, gt=0, description="how often the planner decides")
+    max_step: int = Field(1, ge=1, description="most workers a pool gains or loses per interval")
+    max_step_fraction: float = Field(
+        0.25, ge=0, description="...or this fraction of the pool, if larger (large pools move faster)"
+    )
+    downscale_delay_s: float = Field(30.0, ge=0, description="how long shrinking must be wanted first")
+    min_reversal_s: float = Field(60.0, ge=0, description="a pool never changes direction sooner than this")
+    max_total_replicas: int | None = Field(
+        None,
+        ge=2,
+        description="prefill + decode workers at most (shared hardware); null: each pool's own max",
+    )
+    smoothing: float = Field(0.3, gt=0, le=1, description="EWMA weight of the latest interval's load")
+    max_prefill_utilisation: float = Field(0.9, gt=0, lt=1, description="never plan a prefill worker busier")
+
+
+@dataclass(frozen=True)
+class PlannerProfile:
+    """Capacities measured offline (``splitserve plan profile``), used until the workers
+    report their own."""
+
+    prefill_tokens_per_s: float
+    decode_step_s: tuple[tuple[float, float], ...]  # (batch size, step seconds) points
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """A pool as the planner needs it."""
+
+    current: int  # routable workers
+    warming: int  # started, not yet routable (counted as capacity on the way)
+    min_replicas: int
+    max_replicas: int
+    max_batch: int  # a decode worker's max_num_seqs (its batch never grows past it)
+
+
+@dataclass(frozen=True)
+class PlannerInput:
+    """One interval, as the router saw it."""
+
+    now: float  # seconds, any monotonic clock
+    interval_s: float
+    arrivals: int  # requests admitted in the interval
+    finished: int  # requests that finished in it; of those:
+    prompt_tokens: int  # uncached prompt tokens prefilled on prefill workers
+    local_prompt_tokens: int  # uncached prompt tokens prefilled on decode workers
+    output_tokens: int  # output tokens
+    ttft_p90_s: float | None  # observed (None: no request finished)
+    tpot_p90_s: float | None
+    prefill_tokens_per_s: float  # mean over the prefill workers that measured one (0: none)
+    decode_points: tuple[tuple[float, float], ...]  # (batch, step s) the decode workers reported
+    prefill: PoolView
+    decode: PoolView
+
+
+@dataclass(frozen=True)
+class PoolDecision:
+    pool: str
+    current: int
+    desired: int  # what the load needs (before damping)
+    target: int  # what to scale to now (after damping): add or drain the difference
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlannerDecision:
+    prefill: PoolDecision
+    decode: PoolDecision
+    arrival_rate: float  # predicted requests/s
+    prompt_tokens: float  # predicted uncached prompt tokens per request (prefill workers)
+    output_tokens: float  # predicted output tokens per request
+    prefill_capacity: float  # tokens/s one prefill worker can take within the TTFT target (0: unknown)
+    decode_capacity: float  # output tokens/s one decode worker can give within the TPOT target (0: unknown)
+
+
+def _ewma(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """``t = a + b * x`` by least squares, with ``a, b >= 0``. One distinct ``x``: the
+    step is taken as 70 % fixed cost and 30 % per sequence (conservative: a larger
+    batch is assumed to cost more)."""
+    xs = [x for x, _ in points]
+    mx = sum(xs) / len(points)
+    my = sum(t for _, t in points) / len(points)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var < 1e-9 or len(set(xs)) < 2:
+        return 0.7 * my, 0.3 * my / max(mx, 1.0)
+    slope = sum((x - mx) * (t - my) for x, t in points) / var
+    slope = max(slope, 0.0)
+    return max(my - slope * mx, 0.0), slope
+
+
+@dataclass
+class _PoolDamper:
+    """One pool's memory: when it last moved, which way, since when it wants to shrink."""
+
+    last_direction: int = 0
+    last_change: float = -math.inf
+    shrink_wanted_since: float | None = None
+
+
+@dataclass
+class Planner:
+    spec: PlannerSpec
+    profile: PlannerProfile | None = None
+    _rate: float | None = None
+    _prompt: float | None = None
+    _output: float | None = None
+    _local: float | None = None
+    _prefill_rate: float | None = None
+    _points: deque = field(default_factory=lambda: deque(maxlen=64))
+    _dampers: dict[str, _PoolDamper] = field(
+        default_factory=lambda: {"prefill": _PoolDamper(), "decode": _PoolDamper()}
+    )
+
+    def __post_init__(self) -> None:
+        if self.profile is not None:
+            self._prefill_rate = self.profile.prefill_tokens_per_s
+            self._points.extend(self.profile.decode_step_s)
+
+    # ---- estimates ------------------------------------------------------------------
+    def _observe(self, inp: PlannerInput) -> None:
+        w = self.spec.smoothing
+        rate = inp.arrivals / inp.interval_s
+        self._rate = max(rate, _ewma(self._rate, rate, w))  # up at once, down slowly
+        if inp.finished:
+            self._prompt = _ewma(self._prompt, inp.prompt_tokens / inp.finished, w)
+            self._local = _ewma(self._local, inp.local_prompt_tokens / inp.finished, w)
+            self._output = _ewma(self._output, inp.output_tokens / inp.finished, w)
+        if inp.prefill_tokens_per_s > 0:
+            self._prefill_rate = _ewma(self._prefill_rate, inp.prefill_tokens_per_s, w)
+        self._points.extend(p for p in inp.decode_points if p[0] > 0 and p[1] > 0)
+
+    def prefill_capacity(self) -> float:
+        """Prompt tokens/s one prefill worker takes while a mean prompt still meets the
+        TTFT target, queueing included (M/D/1: wait = rho * S / (2 (1 - rho))); 0 unknown."""
+        if not self._prefill_rate:
+            return 0.0
+        service = (self._prompt or 0.0) / self._prefill_rate
+        target = self.spec.ttft_ms / 1000
+        if service <= 0:
+            rho = self.spec.max_prefill_utilisation
+        elif service >= target:
+            rho = 0.5  # a lone prompt misses the target already: keep the queue short
+        else:
+            x = (target - service) / service
+            rho = min(self.spec.max_prefill_utilisation, 2 * x / (1 + 2 * x))
+        return self._prefill_rate * rho
+
+    def decode_capacity(self, max_batch: int) -> float:
+        """Output tokens/s one decode worker gives at the largest batch whose step meets
+        the TPOT target (on the fitted step-time line); 0 unknown."""
+        if not self._points:
+            return 0.0
+        a, b = fit_line(list(self._points))
+        target = self.spec.tpot_ms / 1000
+        if a >= target:
+            return 1.0 / max(a + b, 1e-9)  # not even one sequence meets it: one at a time
+        batch = max_batch if b <= 0 else min(max_batch, (target - a) / b)
+        batch = max(batch, 1.0)
+        return batch / (a + b * batch)
+
+    # ---- the decision ---------------------------------------------------------------------
+    def decide(self, inp: PlannerInput) -> PlannerDecision:
+        self._observe(inp)
+        rate, prompt, output = self._rate or 0.0, self._prompt or 0.0, self._output or 0.0
+        p_cap, d_cap = self.prefill_capacity(), self.decode_capacity(inp.decode.max_batch)
+        p_need, p_why = self._need(rate * prompt, p_cap, inp.prefill, inp.ttft_p90_s, self.spec.ttft_ms)
+        local_s = rate * (self._local or 0.0) / (self._prefill_rate or math.inf)  # decode workers' prefill
+        d_need, d_why = self._need(
+            rate * output, d_cap, inp.decode, inp.tpot_p90_s, self.spec.tpot_ms, local_s
+        )
+        p_need, d_need = self._fit_budget(p_need, d_need, inp)
+        return PlannerDecision(
+            self._damp("prefill", inp.prefill, p_need, p_why, inp.now),
+            self._damp("decode", inp.decode, d_need, d_why, inp.now),
+            rate,
+            prompt,
+            output,
+            p_cap,
+            d_cap,
+        )
+
+    @staticmethod
+    def _need(
+        demand: float,
+        capacity: float,
+        view: PoolView,
+        observed_s: float | None,
+        target_ms: float,
+        busy_extra: float = 0.0,
+    ) -> tuple[int, str]:
+        """Workers the demand needs at this capacity, plus ``busy_extra`` workers' worth of
+        other work, plus one when the SLO was missed and the estimate did not ask for more."""
+        have = view.current + view.warming
+        if capacity > 0:
+            need = math.ceil(demand / capacity + busy_extra - 1e-9)
+            why = f"{demand:.0f} tok/s at {capacity:.0f} tok/s per worker"
+        else:
+            need, why = have, "no capacity measured yet"
+        if observed_s is not None and observed_s * 1000 > target_ms and need <= have:
+            need = have + 1
+            why += f"; p90 {observed_s * 1000:.0f} ms > {target_ms:.0f} ms target"
+        return max(need, 0), why
+
+    def _fit_budget(self, p: int, d: int, inp: PlannerInput) -> tuple[int, int]:
+        """Both within [min, max]; with a shared budget, shares proportional to need."""
+        p = min(max(p, inp.prefill.min_replicas), inp.prefill.max_replicas)
+        d = min(max(d, inp.decode.min_replicas), inp.decode.max_replicas)
+        budget = self.spec.max_total_replicas
+        if budget is not None and p + d > budget:
+            share = p / (p + d)
+            p = min(max(round(budget * share), inp.prefill.min_replicas), budget - inp.decode.min_replicas)
+            d = budget - p
+        return p, d
+
+    def _damp(self, pool: str, view: PoolView, need: int, why: str, now: float) -> PoolDecision:
+        s, damper = self.spec, self._dampers[pool]
+        have = view.current + view.warming
+        step = max(s.max_step, math.floor(s.max_step_fraction * max(have, 1)))
+        direction = (need > have) - (need < have)
+        target, reason = have, why
+        if direction < 0:
+            if damper.shrink_wanted_since is None:
+                damper.shrink_wanted_since = now
+            wanted_s = now - damper.shrink_wanted_since
+            if wanted_s < s.downscale_delay_s:
+                reason += f"; shrink wanted for {wanted_s:.0f} s of {s.downscale_delay_s:.0f}"
+                direction = 0
+        else:
+            damper.shrink_wanted_since = None
+        if direction and damper.last_direction == -direction and now - damper.last_change < s.min_reversal_s:
+            reason += f"; held: reversed {now - damper.last_change:.0f} s ago"
+            direction = 0
+        if direction:
+            target = have + direction * min(step, abs(need - have))
+            damper.last_direction, damper.last_change = direction, now
+            if direction < 0:
+                damper.shrink_wanted_since = None
+        return PoolDecision(pool, have, need, target, reason)

@@ -1,0 +1,129 @@
+"""The SLO planner on constructed intervals: it sizes the pool the load needs
+(prefill for a prompt-heavy step, decode for an output-heavy one), acts on a
+missed SLO before it has measured anything, counts warming workers, shrinks
+late and in steps, never reverses a pool quickly, and shares a budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.cluster.planner import Planner, PlannerInput, PlannerProfile, PlannerSpec, PoolView, fit_line
+
+SPEC = PlannerSpec(ttft_ms=500, tpot_ms=50, downscale_delay_s=20, min_reversal_s=60)
+# a prefill worker does 2000 prompt tokens/s; a decode step is 10 ms + 1 ms per sequence
+PROFILE = PlannerProfile(2000.0, ((1, 0.011), (8, 0.018), (32, 0.042)))
+
+
+def pools(p=1, d=1, p_warm=0, d_warm=0, hi=8) -> dict:
+    return dict(
+        prefill=PoolView(p, p_warm, 1, hi, 256),
+        decode=PoolView(d, d_warm, 1, hi, 256),
+    )
+
+
+def interval(now, rate=0.0, prompt=0, output=0, ttft=None, tpot=None, s=5.0, **kw) -> PlannerInput:
+    n = int(rate * s)
+    fields = dict(
+        now=now,
+        interval_s=s,
+        arrivals=n,
+        prompt_tokens=n * prompt,
+        local_prompt_tokens=0,
+        output_tokens=n * output,
+        finished=n,
+        ttft_p90_s=ttft,
+        tpot_p90_s=tpot,
+        prefill_tokens_per_s=0.0,
+        decode_points=(),
+    )
+    fields |= pools()
+    fields |= kw
+    return PlannerInput(**fields)
+
+
+def test_fit_line_recovers_a_step_time_line():
+    a, b = fit_line([(1, 0.011), (8, 0.018), (32, 0.042)])
+    assert (a, b) == (pytest.approx(0.010, abs=1e-6), pytest.approx(0.001, abs=1e-6))
+    a1, b1 = fit_line([(4, 0.02), (4, 0.02)])  # one batch size: a conservative split
+    assert a1 + 4 * b1 == pytest.approx(0.02) and b1 > 0
+
+
+def test_without_measurements_it_holds_and_acts_on_a_missed_slo_alone():
+    planner = Planner(SPEC)
+    d = planner.decide(interval(0, rate=2, prompt=100, output=50))
+    assert (d.prefill.target, d.decode.target) == (1, 1)
+    assert "no capacity measured" in d.prefill.reason
+    d = planner.decide(interval(5, rate=2, prompt=100, output=50, ttft=0.9, tpot=0.02))
+    assert (d.prefill.target, d.decode.target) == (2, 1)
+    assert "900 ms > 500 ms" in d.prefill.reason
+
+
+def test_a_prompt_heavy_step_grows_prefill_not_decode():
+    planner = Planner(SPEC, PROFILE)
+    calm = planner.decide(interval(0, rate=1, prompt=500, output=10))
+    assert (calm.prefill.desired, calm.decode.desired) == (1, 1)
+    step = planner.decide(interval(5, rate=10, prompt=1000, output=10, **pools(1, 1)))
+    assert step.prefill.desired >= 5 and step.prefill.target == 2  # one step at a time
+    assert step.decode.desired == 1 and step.decode.target == 1
+
+
+def test_an_output_heavy_step_grows_decode_not_prefill():
+    planner = Planner(SPEC, PROFILE)
+    planner.decide(interval(0, rate=1, prompt=20, output=100))
+    step = planner.decide(interval(5, rate=40, prompt=20, output=400, **pools(1, 1)))
+    assert step.decode.desired >= 3 and step.decode.target == 2
+    assert step.prefill.desired == 1 and step.prefill.target == 1
+    # the decode capacity is the batch that meets 50 ms: (0.05 - 0.01) / 0.001 = 40 sequences
+    assert step.decode_capacity == pytest.approx(40 / 0.05, rel=0.01)
+
+
+def test_warming_workers_count_as_capacity_on_the_way():
+    planner = Planner(SPEC, PROFILE)
+    first = planner.decide(interval(0, rate=10, prompt=1000, output=10))
+    assert first.prefill.target == 2
+    again = planner.decide(interval(5, rate=10, prompt=1000, output=10, **pools(p=1, p_warm=1)))
+    assert (
+        again.prefill.current == 2 and again.prefill.target == 3
+    )  # not 2 + 1 again on top of the warming one
+
+
+def test_it_shrinks_only_after_the_delay_and_one_step_at_a_time():
+    spec = SPEC.model_copy(update=dict(min_reversal_s=0))
+    planner = Planner(spec, PROFILE)
+    idle = [planner.decide(interval(t, **pools(p=4))) for t in (0, 10, 19)]
+    assert [d.prefill.target for d in idle] == [4, 4, 4]
+    assert "shrink wanted" in idle[-1].prefill.reason
+    assert planner.decide(interval(21, **pools(p=4))).prefill.target == 3
+    # the next shrink waits its own delay
+    assert planner.decide(interval(26, **pools(p=3))).prefill.target == 3
+    assert planner.decide(interval(47, **pools(p=3))).prefill.target == 2
+
+
+def test_a_pool_never_reverses_within_min_reversal():
+    spec = SPEC.model_copy(update=dict(downscale_delay_s=0))
+    planner = Planner(spec, PROFILE)
+    up = planner.decide(interval(0, rate=10, prompt=1000, output=10))
+    assert up.prefill.target == 2
+    planner._rate = None  # the load vanishes at once (no slow decay), to test the hold alone
+    held = planner.decide(interval(30, **pools(p=2)))
+    assert held.prefill.desired == 1 and held.prefill.target == 2 and "reversed" in held.prefill.reason
+    assert planner.decide(interval(61, **pools(p=2))).prefill.target == 1
+
+
+def test_a_shared_budget_is_split_by_need():
+    spec = SPEC.model_copy(update=dict(max_total_replicas=6, max_step=8))
+    planner = Planner(spec, PROFILE)
+    d = planner.decide(interval(0, rate=20, prompt=1000, output=400, **pools(1, 1, hi=16)))
+    assert d.prefill.desired + d.decode.desired == 6
+    assert d.prefill.desired >= 1 and d.decode.desired >= 1
+    unbounded = Planner(spec.model_copy(update=dict(max_total_replicas=None)), PROFILE)
+    free = unbounded.decide(interval(0, rate=20, prompt=1000, output=400, **pools(1, 1, hi=16)))
+    ratio = free.prefill.desired / free.decode.desired
+    assert d.prefill.desired / d.decode.desired == pytest.approx(ratio, rel=0.5)
+
+
+def test_prefill_capacity_is_the_measured_rate_at_the_utilisation_that_meets_ttft():
+    planner = Planner(SPEC)
+    planner.decide(interval(0, rate=1, prompt=100, output=10, prefill_tokens_per_s=500.0))
+    # a 100-token prompt takes 0.2 s of the 0.5 s target; M/D/1 allows rho = 2x/(1+2x), x = 1.5
+    assert planner.prefill_capacity() == pytest.approx(500 * 0.75)
