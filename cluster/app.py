@@ -21,7 +21,9 @@ import ray
 
 from splitserve.cluster.autoscale import Autoscaler
 from splitserve.cluster.config import ClusterConfig
+from splitserve.cluster.planner import Planner
 from splitserve.cluster.pools import WorkerPool
+from splitserve.cluster.slo_autoscale import PlannerLoop
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_hf_config, resolve_source
 from splitserve.engine.parallel import check_tp_compatible
@@ -69,6 +71,7 @@ class ServingCluster:
         self.metrics: RouterMetrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.autoscalers: dict[str, Autoscaler] = {}
+        self.planner: PlannerLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._started_ray = False
 
@@ -121,10 +124,22 @@ class ServingCluster:
             self.server = RouterServer(dispatcher, cfg.mode, r.host, r.port, credentials=_credentials(cfg))
             await self.server.start()
             for role, pool in self.pools.items():
-                if pool.spec.autoscaling is not None:
+                if pool.spec.autoscaling is not None and pool.spec.autoscaling.policy == "proportional":
                     scaler = Autoscaler(pool, pool.spec.autoscaling)
                     self.autoscalers[role] = scaler
                     self._tasks.append(asyncio.create_task(scaler.run()))
+            if any(
+                p.spec.autoscaling is not None and p.spec.autoscaling.policy == "slo"
+                for p in self.pools.values()
+            ):
+                self.planner = PlannerLoop(
+                    Planner(cfg.planner), self.pools, lambda: dispatcher.admitted, self.metrics.prom
+                )
+                dispatcher.sinks.append(self.planner.window)
+                self._tasks.append(asyncio.create_task(self.planner.run()))
+                self.progress(
+                    f"SLO planner on: TTFT {cfg.planner.ttft_ms:g} ms, TPOT {cfg.planner.tpot_ms:g} ms"
+                )
             if r.http_port is not None:
                 self.http = OpenAIServer(dispatcher, r.host, r.http_port, self.metrics)
                 await self.http.start()
@@ -143,11 +158,17 @@ class ServingCluster:
         return self.address
 
     def _pool_sizes(self) -> list[PoolSize]:
-        """Each pool's desired size: its autoscaler's last wish, else its configured size."""
-        return [
-            PoolSize(role, self.autoscalers[role].desired if role in self.autoscalers else pool.spec.replicas)
-            for role, pool in self.pools.items()
-        ]
+        """Each pool's desired size: its autoscaler's or the planner's last wish, else its
+        configured size."""
+        sizes = []
+        for role, pool in self.pools.items():
+            desired = pool.spec.replicas
+            if role in self.autoscalers:
+                desired = self.autoscalers[role].desired
+            elif self.planner is not None and self.planner.desired(role) is not None:
+                desired = self.planner.desired(role)
+            sizes.append(PoolSize(role, desired))
+        return sizes
 
     async def _tick_progress(self, every_s: float = 10.0) -> None:
         start = time.monotonic()

@@ -21,6 +21,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from splitserve.cluster.planner import PlannerSpec
 from splitserve.engine.config import EngineConfig
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.policy import StrictModel as _Strict
@@ -100,12 +101,18 @@ class EngineOptions(_Strict):
 
 
 class AutoscalingSpec(_Strict):
+    policy: Literal["proportional", "slo"] = Field(
+        "proportional",
+        description="proportional: this pool alone, on its load against target (cluster.autoscale); "
+        "slo: the SLO planner sizes the prefill and decode pools together to meet `planner`'s TTFT and "
+        "TPOT targets (cluster.planner); both pools must then use it",
+    )
     min_replicas: int = Field(1, ge=1, description="the pool never shrinks below this")
     max_replicas: int = Field(4, ge=1, description="the pool never grows past this")
-    target: float = Field(
-        ...,
+    target: float | None = Field(
+        None,
         gt=0,
-        description="load per worker to aim for: prefill, queued prompt tokens; "
+        description="proportional only: load per worker to aim for: prefill, queued prompt tokens; "
         "decode/colocated, busy fraction (max of KV occupancy and running/max_num_seqs)",
     )
     interval_s: float = Field(1.0, gt=0, description="how often the policy looks at the load")
@@ -121,6 +128,8 @@ class AutoscalingSpec(_Strict):
     def _check(self) -> AutoscalingSpec:
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
+        if self.policy == "proportional" and self.target is None:
+            raise ValueError("autoscaling with policy proportional needs a target")
         return self
 
 
@@ -229,9 +238,23 @@ class ClusterConfig(_Strict):
     limits: LimitsSpec = Field(default_factory=LimitsSpec, description="admission limits (backpressure)")
     policy: PolicySpec = Field(default_factory=PolicySpec, description="routing policy")
     ray: RaySpec = Field(default_factory=RaySpec, description="where Ray runs")
+    planner: PlannerSpec | None = Field(
+        None, description="the SLO planner's targets and damping (for pools with autoscaling.policy: slo)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
+        slo = [
+            r for r, p in self.pools().items() if p.autoscaling is not None and p.autoscaling.policy == "slo"
+        ]
+        if slo:
+            if self.mode != "disaggregated" or sorted(slo) != ["decode", "prefill"]:
+                raise ValueError(
+                    "autoscaling.policy slo sizes the prefill and decode pools together: "
+                    "set it on both, in disaggregated mode"
+                )
+            if self.planner is None:
+                raise ValueError("autoscaling.policy slo needs a planner section (ttft_ms, tpot_ms)")
         if self.mode == "disaggregated":
             if self.prefill.replicas < 1 or self.decode.replicas < 1:
                 raise ValueError("disaggregated mode needs at least one prefill and one decode worker")

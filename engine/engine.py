@@ -93,6 +93,7 @@ class Engine:
         self.summary = parts.summary  # one line: dtype, threads or device, attention backend, KV blocks
         self.requests: dict[str, RequestState] = {}
         self._prefill_rate = PrefillRate()
+        self._decode_steps = DecodeSteps()
         # told as each layer of a completing prefill-only prompt is written (driver rank only)
         self.layer_observer: LayerObserver | None = None
 
@@ -146,6 +147,8 @@ class Engine:
             num_blocks=self.block_manager.num_blocks,
             num_free_blocks=self.block_manager.num_free_blocks,
             prefill_tokens_per_s=self._prefill_rate.tokens_per_s,
+            decode_batch=self._decode_steps.batch,
+            decode_step_s=self._decode_steps.step_s,
         )
 
     def prefix_update(self, cursor: PrefixCursor | None) -> PrefixUpdate:
@@ -176,6 +179,8 @@ class Engine:
         ordered, result = self.runner.execute(sched.scheduled, self._layer_hook(sched.scheduled))
         if prompt_tokens:
             self._prefill_rate.add(prompt_tokens, time.perf_counter() - started)
+        else:
+            self._decode_steps.add(len(sched.scheduled), time.perf_counter() - started)
         k = 0
         for s in ordered:
             seq = s.seq
@@ -341,6 +346,32 @@ class Engine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.requests.pop(seq.request_id, None)
+
+
+class DecodeSteps:
+    """The mean batch size and duration of recent decode-only steps (totals that decay
+    by ``decay`` per step, as ``PrefillRate``): one point of the worker's step-time line,
+    which the SLO planner fits across polls."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self._steps = self._seqs = self._seconds = 0.0
+
+    def add(self, batch: int, seconds: float) -> None:
+        d = self.decay
+        self._steps, self._seqs, self._seconds = (
+            self._steps * d + 1,
+            self._seqs * d + batch,
+            self._seconds * d + seconds,
+        )
+
+    @property
+    def batch(self) -> float:
+        return self._seqs / self._steps if self._steps else 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self._seconds / self._steps if self._steps else 0.0
 
 
 class PrefillRate:

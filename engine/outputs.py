@@ -66,6 +66,10 @@ class EngineStats:
     # prompt tokens computed per second of the steps that computed any (a moving
     # average, mixed steps included); 0.0 until the first such step
     prefill_tokens_per_s: float = 0.0
+    # decode-only steps, recent ones weighted most: mean sequences per step and seconds
+    # per step (0.0 until the first such step)
+    decode_batch: float = 0.0
+    decode_step_s: float = 0.0
 
     @property
     def num_used_blocks(self) -> int:

@@ -83,6 +83,7 @@ class Dispatcher:
         self.links = PeerLinks(registry)
         self.decider = Decider()
         self.inflight: dict[str, float] = {}  # request id -> accepted (time.time())
+        self.admitted = 0  # requests admitted since start (the planner's arrivals)
         self.traces = TraceLog(traces_kept)
         self.sinks: list[TraceSink] = [self.traces]  # each request's trace, when it ends
         self._background: set[asyncio.Task] = set()
@@ -115,6 +116,7 @@ class Dispatcher:
                     f"the server is at capacity ({len(self.inflight)} requests in flight); retry later"
                 )
             self.inflight[rid], admitted = req.accepted, True
+            self.admitted += 1
             req.prompt_ids = prompt_ids  # a trace with no prompt is a request refused at the door
             async for event in self._run(req):
                 if isinstance(event, FinalEvent):
@@ -158,11 +160,11 @@ class Dispatcher:
             result = await self._prefill(req, prompt, pw)
             req.prefilled_at = time.monotonic()
             req.cached = result.num_cached_tokens
+            req.prefill_worker = result.worker_id
             if result.scheduled_at is not None:
                 req.mark("prefill_started", result.scheduled_at, result.worker_id)
             if result.handoff is not None:
                 req.mark("kv_exported", worker=result.worker_id)
-                req.prefill_worker = result.worker_id
             first = result.output_token_ids
             yield self._tokens(req, first, result.text, result.logprobs, [result.token_time] * len(first))
             if result.finish_reason is not None:

@@ -1,0 +1,209 @@
+"""The SLO planner at work on a live cluster: every ``planner.interval_s`` it
+builds a ``PlannerInput`` from what the router saw (the requests that ended in
+the interval, as traces; admissions) and what the workers last reported (the
+registry's polled stats), asks ``Planner.decide``, logs the decision with its
+reasons, exports it as metrics, and applies it through the pools: adds start in
+the background (the new workers count as warming until they are routable), and
+removals drain (the pool takes the worker out of routing and kills it once its
+requests have finished), so no request is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from splitserve.cluster.planner import Planner, PlannerDecision, PlannerInput, PoolDecision, PoolView
+from splitserve.cluster.pools import WorkerPool
+from splitserve.router.registry import Membership
+from splitserve.router.trace import RequestTrace
+
+log = logging.getLogger(__name__)
+
+
+def p90(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+
+
+class LoadWindow:
+    """A ``TraceSink``: the admitted requests that ended since the last ``take``."""
+
+    def __init__(self) -> None:
+        self._traces: list[RequestTrace] = []
+
+    def record(self, trace: RequestTrace) -> None:
+        if trace.prompt_tokens:  # refused at the door: no load
+            self._traces.append(trace)
+
+    def take(self) -> list[RequestTrace]:
+        traces, self._traces = self._traces, []
+        return traces
+
+
+class _PlannerMetrics:
+    def __init__(self, prom: CollectorRegistry):
+        self.rate = Gauge("splitserve:planner_predicted_arrival_rate", "Predicted requests/s.", registry=prom)
+        self.prompt = Gauge(
+            "splitserve:planner_predicted_prompt_tokens",
+            "Predicted uncached prompt tokens per request.",
+            registry=prom,
+        )
+        self.output = Gauge(
+            "splitserve:planner_predicted_output_tokens",
+            "Predicted output tokens per request.",
+            registry=prom,
+        )
+        self.capacity = Gauge(
+            "splitserve:planner_capacity_tokens_per_s",
+            "Estimated tokens/s per worker within the SLO.",
+            ["pool"],
+            registry=prom,
+        )
+        self.target = Gauge(
+            "splitserve:planner_target_replicas", "Workers the planner scales to.", ["pool"], registry=prom
+        )
+        self.scaled = Counter(
+            "splitserve:planner_scale",
+            "Workers added or drained by the planner.",
+            ["pool", "direction"],
+            registry=prom,
+        )
+
+    def show(self, d: PlannerDecision) -> None:
+        self.rate.set(d.arrival_rate)
+        self.prompt.set(d.prompt_tokens)
+        self.output.set(d.output_tokens)
+        self.capacity.labels("prefill").set(d.prefill_capacity)
+        self.capacity.labels("decode").set(d.decode_capacity)
+        for pd in (d.prefill, d.decode):
+            self.target.labels(pd.pool).set(pd.target)
+            if pd.target != pd.current:
+                self.scaled.labels(pd.pool, "up" if pd.target > pd.current else "down").inc(
+                    abs(pd.target - pd.current)
+                )
+
+
+class PlannerLoop:
+    """Runs the planner over the prefill and decode pools (both with ``policy: slo``)."""
+
+    def __init__(
+        self,
+        planner: Planner,
+        pools: dict[str, WorkerPool],
+        admitted: Callable[[], int],
+        prom: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.planner = planner
+        self.pools = pools
+        self.admitted = admitted  # the router's count of admitted requests, ever
+        self.window = LoadWindow()  # the dispatcher's sinks include it
+        self.clock = clock
+        self.metrics = _PlannerMetrics(prom) if prom is not None else None
+        self.decisions: list[
+            PlannerDecision
+        ] = []  # the latest last (kept: the last 100), for tests and status
+        self._last_admitted = admitted()
+        self._last_at = clock()
+        self._tasks: set[asyncio.Task] = set()
+
+    def desired(self, role: str) -> int | None:
+        """What the last decision wanted for ``role`` (None before the first)."""
+        if not self.decisions:
+            return None
+        return getattr(self.decisions[-1], role).desired
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.planner.spec.interval_s)
+                try:
+                    self.step()
+                except Exception:  # a failed decision must not stop the loop or the router
+                    log.exception("the SLO planner failed to decide")
+        finally:
+            for task in self._tasks:
+                task.cancel()
+
+    def step(self) -> PlannerDecision:
+        decision = self.planner.decide(self._input())
+        self.decisions.append(decision)
+        del self.decisions[:-100]
+        if self.metrics is not None:
+            self.metrics.show(decision)
+        for pd in (decision.prefill, decision.decode):
+            if pd.target != pd.current:
+                log.info("planner: %s %d -> %d (%s)", pd.pool, pd.current, pd.target, pd.reason)
+                self._apply(pd)
+        return decision
+
+    def _input(self) -> PlannerInput:
+        now, admitted = self.clock(), self.admitted()
+        interval, arrivals = max(now - self._last_at, 1e-6), admitted - self._last_admitted
+        self._last_at, self._last_admitted = now, admitted
+        traces = self.window.take()
+        ok = [t for t in traces if t.ok and t.ttft_s is not None]
+        registry = self.pools["prefill"].registry
+        rates = [w.prefill_tokens_per_s for w in registry.routable("prefill") if w.prefill_tokens_per_s > 0]
+        points = tuple(
+            (w.stats.engine.decode_batch, w.stats.engine.decode_step_s)
+            for w in registry.routable("decode")
+            if w.stats is not None and w.stats.engine.decode_step_s > 0
+        )
+        return PlannerInput(
+            now=now,
+            interval_s=interval,
+            arrivals=arrivals,
+            finished=len(traces),
+            prompt_tokens=sum(t.prompt_tokens - t.cached_prompt_tokens for t in traces if t.prefill_worker),
+            local_prompt_tokens=sum(
+                t.prompt_tokens - t.cached_prompt_tokens for t in traces if not t.prefill_worker
+            ),
+            output_tokens=sum(t.output_tokens for t in traces),
+            ttft_p90_s=p90([t.ttft_s for t in ok]),
+            tpot_p90_s=p90([(t.e2e_s - t.ttft_s) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1]),
+            prefill_tokens_per_s=sum(rates) / len(rates) if rates else 0.0,
+            decode_points=points,
+            prefill=self._view("prefill"),
+            decode=self._view("decode"),
+        )
+
+    def _view(self, role: str) -> PoolView:
+        pool = self.pools[role]
+        workers = pool.registry.workers(role)
+        spec = pool.spec.autoscaling
+        return PoolView(
+            current=sum(w.routable for w in workers),
+            warming=sum(w.state == Membership.STARTING for w in workers),
+            min_replicas=spec.min_replicas,
+            max_replicas=spec.max_replicas,
+            max_batch=pool.spec.engine.max_num_seqs,
+        )
+
+    def _apply(self, pd: PoolDecision) -> None:
+        pool = self.pools[pd.pool]
+        if pd.target > pd.current:
+            self._spawn(pool.add(pd.target - pd.current))
+            return
+        routable = pool.registry.routable(pd.pool)
+        for victim in sorted(routable, key=lambda w: (w.active, w.running))[: pd.current - pd.target]:
+            log.info("planner: draining %s", victim.worker_id)
+            self._spawn(pool.remove(victim.worker_id, pool.spec.autoscaling.drain_timeout_s))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the planner's scaling action failed", exc_info=task.exception())
