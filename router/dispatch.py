@@ -22,6 +22,10 @@ Whatever ends the request early (client cancel, deadline, error), the
 everywhere. Deadlines bound every wait here, and are passed to the workers,
 which enforce them too (a router that dies cannot leave work behind).
 
+Each request's moments are marked as they happen, and its trace
+(``router.trace``) goes to every sink in ``sinks`` when it ends, however it ends
+(the trace log behind ``status --traces``, the metrics, the SLO planner).
+
 Workers come from the ``WorkerRegistry``; the load the router puts on each
 (prompt tokens queued, requests active, KV reserved) is recorded there for
 exactly as long as the call that causes it lasts.

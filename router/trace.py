@@ -68,7 +68,7 @@ class RequestTrace:
     prompt_tokens: int
     cached_prompt_tokens: int
     output_tokens: int
-    prefill_worker: str  # "" when prefilled on the decode worker
+    prefill_worker: str  # the prefill worker that made the first token ("" when the decode worker did)
     decode_worker: str  # the last one (a resumed request names the worker that finished it)
     kv_bytes: int  # KV pulled from a prefill worker (0 when prefilled locally)
     kv_pull_s: float  # the pull's duration on the decode worker (bytes moving and verified)
