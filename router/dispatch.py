@@ -319,15 +319,16 @@ class Dispatcher:
     def _final(self, req: RequestState, reason: FinishReason, prefill_id: str, decode_id: str) -> FinalEvent:
         req.mark("finished")
         trace = req.trace(reason.value, True)
+        phases = trace.phases_s()
         return FinalEvent(
             finish_reason=reason,
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.sent),
             cached_prompt_tokens=req.cached,
-            queue_ms=trace.phase_s("queue") * 1000,
-            prefill_ms=trace.phase_s("prefill") * 1000,
-            transfer_ms=trace.phase_s("kv_transfer") * 1000,
-            decode_ms=trace.phase_s("decode") * 1000,
+            queue_ms=phases["queue"] * 1000,
+            prefill_ms=phases["prefill"] * 1000,
+            transfer_ms=phases["kv_transfer"] * 1000,
+            decode_ms=phases["decode"] * 1000,
             kv_pull_ms=req.transfer_s * 1000,
             ttft_ms=(trace.ttft_s or trace.e2e_s) * 1000,
             e2e_ms=trace.e2e_s * 1000,

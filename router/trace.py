@@ -121,9 +121,12 @@ class RequestTrace:
         ends = [p[1] for p in phases[1:]] + [end]
         return tuple(Span(name, s, e, worker) for (name, s, worker), e in zip(phases, ends))
 
-    def phase_s(self, name: str) -> float:
-        """Seconds spent in phase ``name`` (0.0 if it never began)."""
-        return sum(s.seconds for s in self.spans if s.name == name)
+    def phases_s(self) -> dict[str, float]:
+        """Seconds per phase, for every name in ``PHASES`` (0.0 for a phase that never began)."""
+        out = dict.fromkeys(PHASES, 0.0)
+        for span in self.spans:
+            out[span.name] += span.seconds
+        return out
 
 
 class TraceSink(Protocol):
