@@ -207,13 +207,15 @@ def model_config(shape: str) -> ModelConfig:
     return ModelConfig.from_hf(LlamaConfig(**SHAPES[shape], tie_word_embeddings=False))
 
 
-def build(cfg: ModelConfig, quantization: str, device: torch.device) -> LlamaModel:
+def build(cfg: ModelConfig, quantization: str, device: torch.device, kernels: bool = True) -> LlamaModel:
+    """A random-weight model; ``kernels``: the fused Triton norms (else torch's)."""
     return build_model(
         cfg,
         torch.bfloat16,
         device,
         cfg.max_position_embeddings,
         None,
+        native_kernels=kernels,
         quantization=quantization,
         init_on_device=True,
     )
@@ -294,6 +296,36 @@ def decode_row(
     return DecodeRow(quantization, attention, batch, context, eager, graphed, wb, kv, (wb + kv) / bw * 1e3)
 
 
+def decode_profile(
+    model: LlamaModel, cfg: ModelConfig, batch: int, context: int, attention: str, top: int = 12
+) -> str:
+    """The CUDA kernels of one eager decode step (B=``batch``), by GPU time: what a
+    step spends beyond the roofline, and how many launches it takes."""
+    dev = next(model.buffers()).device
+    per_seq = -(-context // BLOCK_SIZE)
+    cache = _kv_cache(cfg, batch * per_seq, dev)
+    spans = [SeqSpan(b, 1, context, list(range(b * per_seq, (b + 1) * per_seq))) for b in range(batch)]
+    slots = [s.block_table[-1] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE for s in spans]
+    run = _step(model, cache, spans, batch, [1] * batch, [context - 1] * batch, slots, attention)
+    cuda_time_ms(run, warmup=3, iters=1)
+    steps = 3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    launches = sum(e.count for e in events) / steps
+    gpu_ms = sum(e.self_device_time_total for e in events) / steps / 1e3
+    lines = [f"profile B={batch} ctx={context} {attention}: {launches:.0f} kernels, {gpu_ms:.2f} ms GPU/step"]
+    for e in events[:top]:
+        lines.append(
+            f"  {e.self_device_time_total / steps / 1e3:7.3f} ms {e.count / steps:6.0f}x  {e.key[:90]}"
+        )
+    del cache
+    return "\n".join(lines)
+
+
 def prefill_row(
     model: LlamaModel, cfg: ModelConfig, quantization: str, tokens: int, peak: float
 ) -> PrefillRow:
@@ -323,6 +355,8 @@ def run(
     quantizations: list[str],
     log: Callable[[str], None] = print,
     attentions: tuple[str, ...] = ("sdpa", "triton"),
+    kernels: bool = True,
+    profile: bool = False,
 ) -> Report:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_bench needs a CUDA device")
@@ -342,7 +376,10 @@ def run(
         if q == "fp8" and not fp8_gemm_supported(dev):
             log("fp8: this GPU has no FP8 tensor cores; skipped")
             continue
-        model = build(cfg, q, dev)
+        model = build(cfg, q, dev, kernels)
+        if profile:
+            for b in sorted({batches[0], batches[-1]}):
+                log(decode_profile(model, cfg, b, context, attentions[-1]))
         for attention in attentions:
             for b in batches:
                 report.decode.append(decode_row(model, cfg, q, b, context, bw, attention))
@@ -384,6 +421,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-tokens", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--quantization", nargs="+", default=["none", "int8", "fp8"])
     ap.add_argument("--attention", nargs="+", default=["sdpa", "triton"], help="decode attention backends")
+    ap.add_argument("--no-kernels", action="store_true", help="torch's norms instead of the Triton ones")
+    ap.add_argument("--profile", action="store_true", help="print the kernels of a decode step")
     ap.add_argument("--result-json")
     args = ap.parse_args(argv)
     report = run(
@@ -393,6 +432,8 @@ def main(argv: list[str] | None = None) -> None:
         args.prefill_tokens,
         args.quantization,
         attentions=args.attention,
+        kernels=not args.no_kernels,
+        profile=args.profile,
     )
     print(
         f"peaks ({report.peak_source}): " + ", ".join(f"{k} {v:.0f}" for k, v in report.peak_tflops.items())

@@ -89,9 +89,10 @@ class EngineOptions(_Strict):
         _engine_default("attention_backend"),
         description="attention implementation (triton: paged-decode kernel for CUDA, by name only)",
     )
-    cuda_graphs: bool = Field(
+    cuda_graphs: bool | None = Field(
         _engine_default("cuda_graphs"),
-        description="replay decode steps from CUDA graphs (needs attention_backend triton)",
+        description="replay decode steps from CUDA graphs; unset: on CUDA with triton attention "
+        "and tp_size 1 (auto picks triton on CUDA); true needs attention_backend triton",
     )
     quantization: Literal["none", "fp8", "int8"] = Field(
         _engine_default("quantization"),

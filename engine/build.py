@@ -95,7 +95,10 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     kv_cache = KVCache(layout, device)
     backend = get_backend(config.attention_backend, device, config.native_kernels)
     graphs = None
-    if config.cuda_graphs:
+    use_graphs = config.cuda_graphs
+    if use_graphs is None:
+        use_graphs = device.type == "cuda" and backend.name == "triton" and tp.size == 1
+    if use_graphs:
         graphs = DecodeGraphs.for_engine(
             model, kv_cache, backend, config.max_num_seqs, max_model_len, tp.size
         )

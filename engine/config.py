@@ -37,11 +37,12 @@ class EngineConfig:
     max_num_seqs: int = 256  # running sequences at most
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | sdpa | cpu | triton | flash_attn
-    native_kernels: bool = True  # CPU: build and use splitserve's C++ kernels (else pure torch)
+    attention_backend: str = "auto"  # auto (CUDA: flash_attn if installed, else triton) | sdpa | cpu | ...
+    native_kernels: bool = True  # splitserve's kernels: C++ on CPU, Triton on CUDA (else pure torch)
     quantization: str = "none"  # none | fp8 (W8A8, prefill) | int8 (weight-only, decode)
     tp_size: int = 1  # tensor-parallel ranks; each rank's process builds an Engine with its TPGroup
-    cuda_graphs: bool = False  # replay decode steps from CUDA graphs (needs attention_backend triton, TP=1)
+    cuda_graphs: bool | None = None  # replay decode steps from CUDA graphs; None: where they can be
+    # captured (CUDA, triton attention, TP=1); True requires that
     seed: int = 0  # random weights and unseeded sampling
 
     def __post_init__(self) -> None:

@@ -1,5 +1,6 @@
-"""Attention backends, chosen by name or automatically: flash-attn on CUDA when it
-imports; on CPU the native paged-decode kernel when it builds; SDPA otherwise.
+"""Attention backends, chosen by name or automatically: on CUDA flash-attn when it
+imports, else the Triton paged-decode kernel; on CPU the native paged-decode kernel
+when it builds; SDPA otherwise.
 Backends load lazily so an absent native package costs nothing."""
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def flash_attn_available(device: torch.device) -> bool:
 
 def get_backend(name: str, device: torch.device, native_kernels: bool = True) -> AttentionBackend:
     """``name`` is "auto", "sdpa", "cpu", "triton" or "flash_attn"; "auto" picks "cpu"
-    on CPU only with ``native_kernels``, and never "triton" (chosen by name)."""
+    on CPU only with ``native_kernels``, and on CUDA "flash_attn" if it imports, else
+    "triton" (whose decode steps CUDA graphs can capture)."""
     if name == "auto":
         if device.type == "cpu" and not native_kernels:
             name = "sdpa"
@@ -39,7 +41,7 @@ def get_backend(name: str, device: torch.device, native_kernels: bool = True) ->
 
             name = "cpu" if kernels.load() is not None else "sdpa"
         else:
-            name = "flash_attn" if flash_attn_available(device) else "sdpa"
+            name = "flash_attn" if flash_attn_available(device) else "triton"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_BACKENDS)}")
     module, cls = _BACKENDS[name]

@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
 
     ``forward(x, delta)`` first adds ``delta`` into ``x`` **in place** (the residual
     stream) and normalises the sum, so each layer reads the stream once. With
-    native ``kernels`` set (CPU) 2-D inputs take the fused kernel."""
+    ``kernels`` set (C++ on CPU, Triton on CUDA) 2-D inputs take the fused kernel."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -142,7 +142,7 @@ class LlamaModel(nn.Module):
         return self.norm(x, delta)
 
     def use_kernels(self, kernels: Any) -> None:
-        """Route the norms through the native fused add+RMSNorm kernel (CPU)."""
+        """Route the norms through a fused add+RMSNorm kernel (``add_rms_norm``)."""
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.kernels = kernels

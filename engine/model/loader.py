@@ -104,6 +104,10 @@ def build_model(
         pack_linears(model)
     if native_kernels and device.type == "cpu" and (native := kernels.load()) is not None:
         model.use_kernels(native)
+    elif native_kernels and device.type == "cuda":
+        from splitserve.engine.kernels import cuda
+
+        model.use_kernels(cuda)
     return model
 
 

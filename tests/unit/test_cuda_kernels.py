@@ -1,0 +1,57 @@
+"""The Triton kernels of ``splitserve.engine.kernels.cuda`` (fused add+RMSNorm,
+weight-only int8 matmul) against torch, run by Triton's CPU interpreter
+(``TRITON_INTERPRET=1``, set by tests/conftest.py on machines without CUDA);
+tests/gpu runs them compiled, inside the engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_matches_the_torch_norm(dtype, with_delta):
+    from splitserve.engine.kernels import cuda
+    from splitserve.engine.model.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    dim = 96  # not a power of two: the kernel masks its padded lanes
+    norm = RMSNorm(dim, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=g))
+    norm = norm.to(dtype)
+    x = torch.randn(5, dim, generator=g).to(dtype)
+    delta = torch.randn(5, dim, generator=g).to(dtype) if with_delta else None
+    x_ref = x.clone()
+    expected = norm(x_ref, None if delta is None else delta.clone())
+    got = cuda.add_rms_norm(x, delta, norm.weight.detach(), 1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(x, x_ref, rtol=0, atol=0)  # the residual stream, updated in place
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    else:  # the interpreter rounds to bf16 by truncation, and 1/sqrt vs rsqrt: one ulp at most
+        torch.testing.assert_close(x, x_ref)
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 20, 40, 130])
+def test_int8_weight_mm_matches_the_dequantized_product(rows):
+    from splitserve.engine.kernels import cuda
+    from splitserve.engine.model.quant import quantize_int8
+
+    g = torch.Generator().manual_seed(rows)
+    n, k = 70, 200  # neither a multiple of its tile
+    w_q, scale = quantize_int8(torch.randn(n, k, generator=g))
+    x = torch.randn(rows, k, generator=g)
+    expected = (x @ w_q.float().t()) * scale
+    got = cuda.int8_weight_mm(x, w_q, scale)
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
