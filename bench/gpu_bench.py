@@ -32,6 +32,7 @@ import json
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -343,6 +344,73 @@ def prefill_row(
     return PrefillRow(quantization, tokens, ms, flop / 1e12, peak)
 
 
+INT8_SWEEP = [(bn, bk, st, 4) for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 4)]
+
+
+def sweep(cfg: ModelConfig, dev: torch.device, log: Callable[[str], None]) -> None:
+    """Time the Triton kernels' tile choices on this GPU (to set their defaults):
+    the int8 matmul on one layer's four linears per rows bucket, against the same
+    layer in bf16 through cuBLAS, and the paged-decode tile width per batch."""
+    from splitserve.engine.attention.triton_decode import TILE_KEYS, choose_splits, paged_decode
+    from splitserve.engine.kernels import cuda
+
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    shapes = [(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * inter, h), (h, inter)]
+    ws = [
+        (torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev), torch.rand(n, device=dev))
+        for n, k in shapes
+    ]
+    ws = [(w, sc.to(torch.bfloat16)) for w, sc in ws]
+    dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for n, k in shapes]
+    nbytes = sum(n * k for n, k in shapes)
+    for m in (1, 32, 64, 128):
+        block_m = next(b for b in sorted(cuda.INT8_TILES) if m <= b)
+        xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _, k in shapes]
+        bf16 = sum(cuda_time_ms(lambda x=x, w=w: x @ w.t(), iters=10) for x, w in zip(xs, dense))
+        results = []
+        for tile in INT8_SWEEP:
+            try:
+                ms = sum(
+                    cuda_time_ms(partial(cuda.int8_weight_mm_tiled, x, w, sc, block_m, *tile), iters=10)
+                    for x, (w, sc) in zip(xs, ws)
+                )
+            except Exception as e:  # a tile this GPU cannot run (shared memory): skip it
+                log(f"int8 tile {tile}: {type(e).__name__}")
+                continue
+            results.append((ms, tile))
+        results.sort()
+        now = dict((t, ms) for ms, t in results).get(cuda.INT8_TILES[block_m], float("nan"))
+        log(
+            f"sweep int8 M={m:<3} (BLOCK_M {block_m}): best {results[0][1]} {results[0][0]:.3f} ms "
+            f"({nbytes / results[0][0] / 1e6:.0f} GB/s); current {cuda.INT8_TILES[block_m]} {now:.3f} ms; "
+            f"bf16 cuBLAS {bf16:.3f} ms; top3 {[(round(ms, 3), t) for ms, t in results[:3]]}"
+        )
+    kvh, dim, ctx = cfg.num_kv_heads, cfg.head_dim, 1024
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for batch in (1, 16, 64):
+        per_seq = ctx // BLOCK_SIZE
+        k = torch.randn(batch * per_seq, BLOCK_SIZE, kvh, dim, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, cfg.num_heads, dim, device=dev, dtype=torch.bfloat16)
+        tables = torch.arange(batch * per_seq, device=dev, dtype=torch.int32).view(batch, per_seq)
+        lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+        base = choose_splits(batch, kvh, per_seq, sms)
+        gb = 2 * k.numel() * k.element_size() / 1e9
+        row = []
+        for splits in sorted({base, min(64, 2 * base), max(1, base // 2)}):
+            for tile in (16, 32, 64, 128):
+                step = partial(paged_decode, q, k, v, tables, lens, dim**-0.5, splits, tile)
+                ms = cuda_time_ms(step, iters=10)
+                row.append((ms, splits, tile))
+        row.sort()
+        now = next(ms for ms, sp, t in row if sp == base and t == TILE_KEYS)
+        log(
+            f"sweep attention B={batch:<3} ctx={ctx}: best splits {row[0][1]} tile {row[0][2]} "
+            f"{row[0][0] * 1e3:.0f} us ({gb / row[0][0] * 1e3:.0f} GB/s); current (splits {base}, tile "
+            f"{TILE_KEYS}) {now * 1e3:.0f} us ({gb / now * 1e3:.0f} GB/s)"
+        )
+
+
 def _is_linear(m: torch.nn.Module) -> bool:
     return isinstance(m, (torch.nn.Linear, Fp8Linear, Int8Linear, PackedLinear))
 
@@ -357,6 +425,7 @@ def run(
     attentions: tuple[str, ...] = ("sdpa", "triton"),
     kernels: bool = True,
     profile: bool = False,
+    tune: bool = False,
 ) -> Report:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_bench needs a CUDA device")
@@ -371,6 +440,8 @@ def run(
         f"{name}: HBM {bw / 1e9:.0f} GB/s; GEMM " + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in gemm.items())
     )
     cfg = model_config(shape)
+    if tune:
+        sweep(cfg, dev, log)
     report = Report(name, shape, bw / 1e9, gemm, peaks, source, [], [])
     for q in quantizations:
         if q == "fp8" and not fp8_gemm_supported(dev):
@@ -423,6 +494,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--attention", nargs="+", default=["sdpa", "triton"], help="decode attention backends")
     ap.add_argument("--no-kernels", action="store_true", help="torch's norms instead of the Triton ones")
     ap.add_argument("--profile", action="store_true", help="print the kernels of a decode step")
+    ap.add_argument("--sweep", action="store_true", help="first time the Triton kernels' tile choices")
     ap.add_argument("--result-json")
     args = ap.parse_args(argv)
     report = run(
@@ -434,6 +506,7 @@ def main(argv: list[str] | None = None) -> None:
         attentions=args.attention,
         kernels=not args.no_kernels,
         profile=args.profile,
+        tune=args.sweep,
     )
     print(
         f"peaks ({report.peak_source}): " + ", ".join(f"{k} {v:.0f}" for k, v in report.peak_tflops.items())

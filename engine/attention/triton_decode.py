@@ -16,6 +16,8 @@ check it against SDPA without a GPU).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -40,18 +42,22 @@ def _paged_decode_partial(
     stride_kh,
     stride_tb,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # >= 16: tl.dot's smallest M
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,  # KV blocks per iteration: TILE_BLOCKS * BLOCK keys at a time
     SPLITS: tl.constexpr,
+    FP32_DOT: tl.constexpr,  # dots in full float32 (float32 caches; the interpreter, whose bf16 dot is wrong)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
-    s = tl.arange(0, BLOCK)
+    t = tl.arange(0, TILE_BLOCKS * BLOCK)  # key slots of one tile
+    t_block = t // BLOCK
+    t_slot = t % BLOCK
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kvh * GROUP + g
@@ -59,33 +65,49 @@ def _paged_decode_partial(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
         mask=g_ok[:, None] & d_ok[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
+    if FP32_DOT:
+        q = q.to(tl.float32)
     ctx = tl.load(lens_ptr + b)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(ctx, BLOCK))
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for i in range(first, last):
-        block = tl.load(tables_ptr + b * stride_tb + i).to(tl.int64)
-        pos = i * BLOCK + s
-        s_ok = pos < ctx
-        offs = block * stride_kb + s[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+    for i in range(first, last, TILE_BLOCKS):
+        idx = i + t_block
+        in_split = idx < last
+        block = tl.load(tables_ptr + b * stride_tb + idx, mask=in_split, other=0).to(tl.int64)
+        s_ok = in_split & (idx * BLOCK + t_slot < ctx)
+        offs = block[:, None] * stride_kb + t_slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]
         kv_mask = s_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK, D]
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK]
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)  # [TILE, D]
+        if FP32_DOT:
+            k = k.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, TILE], float32
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
         scores = tl.where(s_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     row = (b * (GROUP * tl.num_programs(1)) + heads) * SPLITS + split  # index into [B, H, S]
     tl.store(m_ptr + row, m_i, mask=g_ok)
     tl.store(l_ptr + row, l_i, mask=g_ok)
     tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+
+
+# Keys per tile the kernel aims for (a multiple of the block size): wide enough for
+# many loads in flight per program, small enough to stay in registers.
+TILE_KEYS = 64
 
 
 def paged_decode(
@@ -96,6 +118,7 @@ def paged_decode(
     context_lens: torch.Tensor,  # [B] int32, >= 1
     scale: float,
     num_splits: int,
+    tile_keys: int = TILE_KEYS,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V; returns [B, H, D]."""
     batch, heads, dim = q.shape
@@ -124,11 +147,13 @@ def paged_decode(
         k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group,
-        GROUP_PAD=max(triton.next_power_of_2(group), 1),
+        GROUP_PAD=max(triton.next_power_of_2(group), 16),
         HEAD_DIM=dim,
-        D_PAD=triton.next_power_of_2(dim),
+        D_PAD=max(triton.next_power_of_2(dim), 16),
         BLOCK=block,
+        TILE_BLOCKS=max(1, tile_keys // block),
         SPLITS=num_splits,
+        FP32_DOT=k_cache.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
     )
     # Splits past a sequence's end saw no keys: max -inf, weight 0.
     top = m.amax(dim=2, keepdim=True)

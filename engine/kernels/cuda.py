@@ -1,6 +1,7 @@
 """Triton kernels for CUDA: the fused residual-add + RMSNorm (the same contract and
 rounding points as the native CPU kernel, so ``RMSNorm`` uses either through
-``LlamaModel.use_kernels``) and the weight-only int8 matmul of ``Int8Linear``.
+``LlamaModel.use_kernels``), the weight-only int8 matmul of ``Int8Linear`` and
+the per-token FP8 quantization of ``Fp8Linear``'s activations.
 
 Each replaces a chain of small torch kernels whose launches, not their bytes,
 bound a decode step: a norm in torch is eight kernels, this is one. With
@@ -98,18 +99,36 @@ def _int8_weight_mm(
 INT8_KERNEL_MAX_ROWS = 128
 
 
+# Tile (BLOCK_N, BLOCK_K, num_stages, num_warps) by BLOCK_M, the rows bucket.
+INT8_TILES = {16: (32, 128, 3, 4), 32: (64, 128, 3, 4), 64: (64, 128, 3, 4), 128: (64, 128, 3, 4)}
+
+
 def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x @ (weight * scale[:, None]).T`` for x [M, K] (float), weight [N, K] int8
     and scale [N]: the int8 weight is read once and widened in registers (decode's
     few rows), or dequantized for cuBLAS above ``INT8_KERNEL_MAX_ROWS`` rows."""
-    M, K = x.shape
-    N = weight.shape[0]
+    M = x.shape[0]
     if M > INT8_KERNEL_MAX_ROWS:
         return torch.nn.functional.linear(x, weight.to(x.dtype)) * scale
+    block_m = next(b for b in sorted(INT8_TILES) if M <= b)
+    return int8_weight_mm_tiled(x, weight, scale, block_m, *INT8_TILES[block_m])
+
+
+def int8_weight_mm_tiled(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_stages: int,
+    num_warps: int,
+) -> torch.Tensor:
+    """The kernel with an explicit tile (what ``gpu_bench --sweep`` times)."""
     x = x.contiguous()
+    M, K = x.shape
+    N = weight.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
-    block_n = 32 if M <= 16 else 64  # narrow tiles: enough programs to pull HBM at full rate
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
     _int8_weight_mm[grid](
         x,
@@ -124,7 +143,40 @@ def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -
         y.stride(0),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=128,
-        num_warps=4,
+        BLOCK_K=block_k,
+        num_stages=num_stages,
+        num_warps=num_warps,
     )
     return y
+
+
+@triton.jit
+def _quantize_fp8_rows(
+    x_ptr, q_ptr, s_ptr, dim, FP8_MAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for c in range(0, dim, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * dim + cols, mask=cols < dim, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), EPS) / FP8_MAX
+    tl.store(s_ptr + row, scale)
+    for c in range(0, dim, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * dim + cols, mask=cols < dim, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * dim + cols, q.to(q_ptr.dtype.element_ty), mask=cols < dim)
+
+
+def quantize_fp8_rows(x: torch.Tensor, fp8_max: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant.quantize_fp8`` in one kernel (two passes over each row, the second
+    from cache): (float8_e4m3fn [M, K], float32 scale [M, 1]); x is 2-D."""
+    x = x.contiguous()
+    rows, dim = x.shape
+    q = torch.empty(rows, dim, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        block = min(triton.next_power_of_2(dim), 2048)
+        _quantize_fp8_rows[(rows,)](x, q, scale, dim, FP8_MAX=fp8_max, EPS=eps, BLOCK=block)
+    return q, scale

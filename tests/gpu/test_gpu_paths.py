@@ -30,6 +30,20 @@ def test_fp8_linear_on_tensor_cores_matches_the_fallback():
     torch.testing.assert_close(layer(x).float(), layer.dequantized_matmul(x_q, x_scale), rtol=2e-2, atol=2e-2)
 
 
+def test_fp8_row_quantization_kernel_matches_torch():
+    from splitserve.engine.kernels import cuda
+    from splitserve.engine.model.quant import _EPS, FP8_MAX
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 5000, device=CUDA, dtype=torch.bfloat16) * 3  # rows longer than one chunk
+    x[3] = 0  # an all-zero row: the scale's floor, no NaN
+    q, scale = cuda.quantize_fp8_rows(x, FP8_MAX, _EPS)
+    q_ref, scale_ref = quantize_fp8(x)
+    torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=0.07, atol=2e-3)  # one e4m3 step at most
+    assert (q.float() == q_ref.float()).float().mean() > 0.99
+
+
 def test_int8_linear_on_cuda():
     torch.manual_seed(0)
     lin = nn.Linear(512, 256, bias=False, device=CUDA, dtype=torch.bfloat16)
