@@ -155,11 +155,48 @@ def paged_decode(
         SPLITS=num_splits,
         FP32_DOT=k_cache.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
     )
-    # Splits past a sequence's end saw no keys: max -inf, weight 0.
-    top = m.amax(dim=2, keepdim=True)
-    weight = torch.exp(m - top)
-    out = (acc * weight[..., None]).sum(dim=2) / (l_sum * weight).sum(dim=2)[..., None]
-    return out.to(q.dtype)
+    out = torch.empty_like(q)
+    _combine_splits[(batch * heads,)](
+        m,
+        l_sum,
+        acc,
+        out,
+        SPLITS=num_splits,
+        S_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM=dim,
+        D_PAD=triton.next_power_of_2(dim),
+    )
+    return out
+
+
+@triton.jit
+def _combine_splits(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """One (sequence, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m).
+    Splits past a sequence's end saw no keys: m = -inf, so their weight is 0."""
+    row = tl.program_id(0)
+    s = tl.arange(0, S_PAD)
+    s_ok = s < SPLITS
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    m = tl.load(m_ptr + row * SPLITS + s, mask=s_ok, other=float("-inf"))
+    weight = tl.where(s_ok, tl.exp(m - tl.max(m, axis=0)), 0.0)
+    l_sum = tl.sum(tl.load(l_ptr + row * SPLITS + s, mask=s_ok, other=0.0) * weight, axis=0)
+    acc = tl.load(
+        acc_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    out = tl.sum(acc * weight[:, None], axis=0) / l_sum
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def choose_splits(batch: int, kv_heads: int, max_blocks: int, num_sms: int) -> int:

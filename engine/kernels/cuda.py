@@ -99,8 +99,9 @@ def _int8_weight_mm(
 INT8_KERNEL_MAX_ROWS = 128
 
 
-# Tile (BLOCK_N, BLOCK_K, num_stages, num_warps) by BLOCK_M, the rows bucket.
-INT8_TILES = {16: (32, 128, 3, 4), 32: (64, 128, 3, 4), 64: (64, 128, 3, 4), 128: (64, 128, 3, 4)}
+# Tile (BLOCK_N, BLOCK_K, num_stages, num_warps) by BLOCK_M, the rows bucket: the
+# fastest of ``gpu_bench --sweep`` on an H100 (Llama-3-8B's linears, 2026-11-23).
+INT8_TILES = {16: (64, 256, 3, 4), 32: (32, 128, 4, 4), 64: (64, 128, 3, 4), 128: (32, 128, 3, 4)}
 
 
 def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -180,3 +181,116 @@ def quantize_fp8_rows(x: torch.Tensor, fp8_max: float, eps: float) -> tuple[torc
         block = min(triton.next_power_of_2(dim), 2048)
         _quantize_fp8_rows[(rows,)](x, q, scale, dim, FP8_MAX=fp8_max, EPS=eps, BLOCK=block)
     return q, scale
+
+
+@triton.jit
+def _rope_and_cache(
+    qkv_ptr,  # [T, (H + 2 * KVH) * D]: q, k, v of each token
+    cos_ptr,  # [T, D]
+    sin_ptr,
+    slot_ptr,  # [T]: flat cache slot of each token
+    q_ptr,  # [T, H, D] out: rotated q
+    k_ptr,  # [T, KVH, D] out: rotated k
+    k_cache_ptr,  # [slots, KVH, D]
+    v_cache_ptr,
+    stride_qkv,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    H_PAD: tl.constexpr,
+    KVH_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    t = tl.program_id(0)
+    D: tl.constexpr = 2 * HALF
+    i = tl.arange(0, HALF)
+    c1 = tl.load(cos_ptr + t * D + i).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + t * D + HALF + i).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + t * D + i).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + t * D + HALF + i).to(tl.float32)[None, :]
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    row = qkv_ptr + t * stride_qkv
+    # q: rotate every head
+    h = tl.arange(0, H_PAD)[:, None]
+    ok = h < H
+    x1 = tl.load(row + h * D + i[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(row + h * D + HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
+    out = q_ptr + t * H * D + h * D + i[None, :]
+    tl.store(out, (x1 * c1 - x2 * s1).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(out + HALF, (x2 * c2 + x1 * s2).to(q_ptr.dtype.element_ty), mask=ok)
+    # k: rotate, return it and write it to the cache; v: write it to the cache
+    h = tl.arange(0, KVH_PAD)[:, None]
+    ok = h < KVH
+    x1 = tl.load(row + (H + h) * D + i[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(row + (H + h) * D + HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
+    k1 = (x1 * c1 - x2 * s1).to(k_ptr.dtype.element_ty)
+    k2 = (x2 * c2 + x1 * s2).to(k_ptr.dtype.element_ty)
+    tl.store(k_ptr + t * KVH * D + h * D + i[None, :], k1, mask=ok)
+    tl.store(k_ptr + t * KVH * D + h * D + HALF + i[None, :], k2, mask=ok)
+    cache = slot * KVH * D + h * D + i[None, :]
+    tl.store(k_cache_ptr + cache, k1, mask=ok)
+    tl.store(k_cache_ptr + cache + HALF, k2, mask=ok)
+    v1 = tl.load(row + (H + KVH + h) * D + i[None, :], mask=ok, other=0.0)
+    v2 = tl.load(row + (H + KVH + h) * D + HALF + i[None, :], mask=ok, other=0.0)
+    tl.store(v_cache_ptr + cache, v1, mask=ok)
+    tl.store(v_cache_ptr + cache + HALF, v2, mask=ok)
+
+
+def rope_and_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotary (NeoX halves) on q and k of the fused projection ``qkv`` [T, (H + 2 KVH) D],
+    k and v written to the (contiguous) caches at ``slot_mapping``; returns q [T, H, D],
+    k [T, KVH, D] and v (a view of qkv) as ``apply_rotary`` + ``index_copy_`` would, in
+    one kernel with one rounding per value instead of three."""
+    T = qkv.shape[0]
+    D = k_cache.shape[-1]
+    q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(T, num_kv_heads, D, dtype=qkv.dtype, device=qkv.device)
+    if T:
+        _rope_and_cache[(T,)](
+            qkv,
+            cos.reshape(T, D).contiguous(),
+            sin.reshape(T, D).contiguous(),
+            slot_mapping,
+            q,
+            k,
+            k_cache,
+            v_cache,
+            qkv.stride(0),
+            H=num_heads,
+            KVH=num_kv_heads,
+            H_PAD=triton.next_power_of_2(num_heads),
+            KVH_PAD=triton.next_power_of_2(num_kv_heads),
+            HALF=D // 2,
+        )
+    v = qkv[:, (num_heads + num_kv_heads) * D :].view(T, num_kv_heads, D)
+    return q, k, v
+
+
+@triton.jit
+def _silu_mul(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    g = tl.load(gate_up_ptr + row * 2 * inter + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_ptr + row * 2 * inter + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as F.silu's
+    tl.store(out_ptr + row * inter + cols, (act * u).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` of ``gate_up = [gate | up]`` [T, 2I] (contiguous), in one kernel."""
+    T, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if T:
+        block = 1024
+        _silu_mul[(T, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
+    return out

@@ -56,10 +56,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.kernels: Any = None  # with ``rope_and_cache``: rotary + KV write in one kernel
 
     def forward(self, x, cos, sin, k_cache, v_cache, ctx: StepContext) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        fused = getattr(self.kernels, "rope_and_cache", None)
+        if fused is not None and self.q_norm is None and k_cache.is_contiguous():
+            q, k, v = fused(
+                qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, self.num_heads, self.num_kv_heads
+            )
+            o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale)
+            return self.o_proj(o.view(T, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -79,9 +88,14 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.kernels: Any = None  # with ``silu_mul``: the activation in one kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fused = getattr(self.kernels, "silu_mul", None)
+        if fused is not None and gate_up.is_contiguous():
+            return self.down_proj(fused(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -142,9 +156,11 @@ class LlamaModel(nn.Module):
         return self.norm(x, delta)
 
     def use_kernels(self, kernels: Any) -> None:
-        """Route the norms through a fused add+RMSNorm kernel (``add_rms_norm``)."""
+        """Route the norms through a fused add+RMSNorm kernel (``add_rms_norm``), and
+        attention and MLP through ``rope_and_cache`` / ``silu_mul`` where ``kernels``
+        has them (the Triton set on CUDA does; the C++ set on CPU does not)."""
         for m in self.modules():
-            if isinstance(m, RMSNorm):
+            if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.kernels = kernels
 
     @torch.inference_mode()

@@ -55,3 +55,39 @@ def test_int8_weight_mm_matches_the_dequantized_product(rows):
     got = cuda.int8_weight_mm(x, w_q, scale)
     assert got.shape == (rows, n)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 16), (6, 3, 8)])
+def test_rope_and_cache_matches_rotary_and_index_copy(heads, kv_heads, dim):
+    from splitserve.engine.kernels import cuda
+    from splitserve.engine.model.rope import apply_rotary
+
+    g = torch.Generator().manual_seed(heads)
+    T, slots = 5, 40
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * dim, generator=g)
+    angles = torch.rand(T, 1, dim // 2, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [T, 1, D]
+    slot_mapping = torch.randperm(slots, generator=g)[:T]
+    k_cache, v_cache = torch.zeros(2, slots, kv_heads, dim)
+    q, k, v = cuda.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads)
+
+    q_ref, k_ref, v_ref = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q_ref = apply_rotary(q_ref.reshape(T, heads, dim), cos, sin)
+    k_ref = apply_rotary(k_ref.reshape(T, kv_heads, dim), cos, sin)
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(k, k_ref)
+    torch.testing.assert_close(v, v_ref.reshape(T, kv_heads, dim), rtol=0, atol=0)
+    torch.testing.assert_close(k_cache[slot_mapping], k_ref)
+    torch.testing.assert_close(v_cache[slot_mapping], v_ref.reshape(T, kv_heads, dim), rtol=0, atol=0)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[slot_mapping] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+def test_silu_mul_matches_torch():
+    from splitserve.engine.kernels import cuda
+
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(3, 2 * 1500, generator=g) * 4  # more than one column block
+    gate, up = gate_up.split(1500, dim=-1)
+    torch.testing.assert_close(cuda.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
