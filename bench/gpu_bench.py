@@ -297,19 +297,11 @@ def decode_row(
     return DecodeRow(quantization, attention, batch, context, eager, graphed, wb, kv, (wb + kv) / bw * 1e3)
 
 
-def decode_profile(
-    model: LlamaModel, cfg: ModelConfig, batch: int, context: int, attention: str, top: int = 12
-) -> str:
-    """The CUDA kernels of one eager decode step (B=``batch``), by GPU time: what a
-    step spends beyond the roofline, and how many launches it takes."""
-    dev = next(model.buffers()).device
-    per_seq = -(-context // BLOCK_SIZE)
-    cache = _kv_cache(cfg, batch * per_seq, dev)
-    spans = [SeqSpan(b, 1, context, list(range(b * per_seq, (b + 1) * per_seq))) for b in range(batch)]
-    slots = [s.block_table[-1] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE for s in spans]
-    run = _step(model, cache, spans, batch, [1] * batch, [context - 1] * batch, slots, attention)
-    cuda_time_ms(run, warmup=3, iters=1)
-    steps = 3
+def kernel_profile(run: Callable[[], object], label: str, steps: int = 3, top: int = 12) -> str:
+    """The CUDA kernels of ``run`` (after a warm-up call), by GPU time per call: what
+    a step spends beyond its bound, and how many launches it takes."""
+    run()
+    torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             run()
@@ -318,33 +310,43 @@ def decode_profile(
     events.sort(key=lambda e: -e.self_device_time_total)
     launches = sum(e.count for e in events) / steps
     gpu_ms = sum(e.self_device_time_total for e in events) / steps / 1e3
-    lines = [f"profile B={batch} ctx={context} {attention}: {launches:.0f} kernels, {gpu_ms:.2f} ms GPU/step"]
+    lines = [f"profile {label}: {launches:.0f} kernels, {gpu_ms:.2f} ms GPU/step"]
     for e in events[:top]:
         lines.append(
             f"  {e.self_device_time_total / steps / 1e3:7.3f} ms {e.count / steps:6.0f}x  {e.key[:90]}"
         )
-    del cache
     return "\n".join(lines)
 
 
-def prefill_row(
-    model: LlamaModel, cfg: ModelConfig, quantization: str, tokens: int, peak: float
-) -> PrefillRow:
+def decode_profile(model: LlamaModel, cfg: ModelConfig, batch: int, context: int, attention: str) -> str:
+    """``kernel_profile`` of one eager decode step of ``batch`` sequences."""
+    dev = next(model.buffers()).device
+    per_seq = -(-context // BLOCK_SIZE)
+    cache = _kv_cache(cfg, batch * per_seq, dev)
+    spans = [SeqSpan(b, 1, context, list(range(b * per_seq, (b + 1) * per_seq))) for b in range(batch)]
+    slots = [s.block_table[-1] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE for s in spans]
+    run = _step(model, cache, spans, batch, [1] * batch, [context - 1] * batch, slots, attention)
+    return kernel_profile(run, f"decode B={batch} ctx={context} {attention}")
+
+
+def prefill_profile(model: LlamaModel, cfg: ModelConfig, tokens: int) -> str:
+    """``kernel_profile`` of the prefill of one ``tokens``-token prompt."""
     dev = next(model.buffers()).device
     blocks = list(range(-(-tokens // BLOCK_SIZE)))
     cache = _kv_cache(cfg, len(blocks), dev)
     slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(tokens)]
     ids = torch.randint(0, cfg.vocab_size, (tokens,)).tolist()
     run = _step(model, cache, [SeqSpan(0, tokens, tokens, blocks)], 0, ids, list(range(tokens)), slots)
-    ms = cuda_time_ms(run, warmup=2, iters=5)
-    linear = sum(m.in_features * m.out_features for m in model.layers.modules() if _is_linear(m))
-    attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens**2  # causal QK^T and PV
-    flop = 2 * tokens * linear + attention + 2 * cfg.hidden_size * cfg.vocab_size
-    del cache
-    return PrefillRow(quantization, tokens, ms, flop / 1e12, peak)
+    return kernel_profile(run, f"prefill T={tokens}", steps=2)
 
 
-INT8_SWEEP = [(bn, bk, st, 4) for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 4)]
+INT8_SWEEP = [
+    (bn, bk, st, 4, rows)
+    for bn in (32, 64, 128)
+    for bk in (128, 256)
+    for st in (3, 4)
+    for rows in (False, True)
+]
 
 
 def sweep(cfg: ModelConfig, dev: torch.device, log: Callable[[str], None]) -> None:
@@ -379,7 +381,9 @@ def sweep(cfg: ModelConfig, dev: torch.device, log: Callable[[str], None]) -> No
                 continue
             results.append((ms, tile))
         results.sort()
-        now = dict((t, ms) for ms, t in results).get(cuda.INT8_TILES[block_m], float("nan"))
+        now = dict((t[:4], ms) for ms, t in results if not t[4]).get(
+            cuda.INT8_TILES[block_m][:4], float("nan")
+        )
         log(
             f"sweep int8 M={m:<3} (BLOCK_M {block_m}): best {results[0][1]} {results[0][0]:.3f} ms "
             f"({nbytes / results[0][0] / 1e6:.0f} GB/s); current {cuda.INT8_TILES[block_m]} {now:.3f} ms; "
@@ -451,6 +455,7 @@ def run(
         if profile:
             for b in sorted({batches[0], batches[-1]}):
                 log(decode_profile(model, cfg, b, context, attentions[-1]))
+            log(prefill_profile(model, cfg, max(prefill_tokens)))
         for attention in attentions:
             for b in batches:
                 report.decode.append(decode_row(model, cfg, q, b, context, bw, attention))

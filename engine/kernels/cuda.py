@@ -70,6 +70,7 @@ def _int8_weight_mm(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    W_ROWS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -84,12 +85,20 @@ def _int8_weight_mm(
             mask=(rm[:, None] < M) & (kk[None, :] < K),
             other=0.0,
         )
-        w = tl.load(
-            w_ptr + rn[None, :] * stride_wn + kk[:, None],
-            mask=(rn[None, :] < N) & (kk[:, None] < K),
-            other=0,
-        )
-        acc += tl.dot(x, w.to(x.dtype))
+        if W_ROWS:  # load the tile as stored, [BLOCK_N, BLOCK_K], and transpose in registers
+            w = tl.load(
+                w_ptr + rn[:, None] * stride_wn + kk[None, :],
+                mask=(rn[:, None] < N) & (kk[None, :] < K),
+                other=0,
+            )
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        else:
+            w = tl.load(
+                w_ptr + rn[None, :] * stride_wn + kk[:, None],
+                mask=(rn[None, :] < N) & (kk[:, None] < K),
+                other=0,
+            )
+            acc += tl.dot(x, w.to(x.dtype))
     scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     y = (acc * scale[None, :]).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -99,7 +108,7 @@ def _int8_weight_mm(
 INT8_KERNEL_MAX_ROWS = 128
 
 
-# Tile (BLOCK_N, BLOCK_K, num_stages, num_warps) by BLOCK_M, the rows bucket: the
+# Tile (BLOCK_N, BLOCK_K, num_stages, num_warps[, w_rows]) by BLOCK_M, the rows bucket: the
 # fastest of ``gpu_bench --sweep`` on an H100 (Llama-3-8B's linears, 2026-11-23).
 INT8_TILES = {16: (64, 256, 3, 4), 32: (32, 128, 4, 4), 64: (64, 128, 3, 4), 128: (32, 128, 3, 4)}
 
@@ -124,8 +133,10 @@ def int8_weight_mm_tiled(
     block_k: int,
     num_stages: int,
     num_warps: int,
+    w_rows: bool = False,
 ) -> torch.Tensor:
-    """The kernel with an explicit tile (what ``gpu_bench --sweep`` times)."""
+    """The kernel with an explicit tile (what ``gpu_bench --sweep`` times); ``w_rows``
+    loads weight tiles [N, K] as stored (else as [K, N])."""
     x = x.contiguous()
     M, K = x.shape
     N = weight.shape[0]
@@ -145,6 +156,7 @@ def int8_weight_mm_tiled(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        W_ROWS=w_rows,
         num_stages=num_stages,
         num_warps=num_warps,
     )
