@@ -329,15 +329,33 @@ def decode_profile(model: LlamaModel, cfg: ModelConfig, batch: int, context: int
     return kernel_profile(run, f"decode B={batch} ctx={context} {attention}")
 
 
-def prefill_profile(model: LlamaModel, cfg: ModelConfig, tokens: int) -> str:
-    """``kernel_profile`` of the prefill of one ``tokens``-token prompt."""
+def _prefill_step(model: LlamaModel, cfg: ModelConfig, tokens: int):
+    """The prefill of one random ``tokens``-token prompt, as a closure (and its cache)."""
     dev = next(model.buffers()).device
     blocks = list(range(-(-tokens // BLOCK_SIZE)))
     cache = _kv_cache(cfg, len(blocks), dev)
     slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(tokens)]
     ids = torch.randint(0, cfg.vocab_size, (tokens,)).tolist()
     run = _step(model, cache, [SeqSpan(0, tokens, tokens, blocks)], 0, ids, list(range(tokens)), slots)
+    return run, cache
+
+
+def prefill_profile(model: LlamaModel, cfg: ModelConfig, tokens: int) -> str:
+    """``kernel_profile`` of the prefill of one ``tokens``-token prompt."""
+    run, _cache = _prefill_step(model, cfg, tokens)
     return kernel_profile(run, f"prefill T={tokens}", steps=2)
+
+
+def prefill_row(
+    model: LlamaModel, cfg: ModelConfig, quantization: str, tokens: int, peak: float
+) -> PrefillRow:
+    run, cache = _prefill_step(model, cfg, tokens)
+    ms = cuda_time_ms(run, warmup=2, iters=5)
+    linear = sum(m.in_features * m.out_features for m in model.layers.modules() if _is_linear(m))
+    attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens**2  # causal QK^T and PV
+    flop = 2 * tokens * linear + attention + 2 * cfg.hidden_size * cfg.vocab_size
+    del cache
+    return PrefillRow(quantization, tokens, ms, flop / 1e12, peak)
 
 
 INT8_SWEEP = [
