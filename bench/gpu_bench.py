@@ -399,9 +399,7 @@ def sweep(cfg: ModelConfig, dev: torch.device, log: Callable[[str], None]) -> No
                 continue
             results.append((ms, tile))
         results.sort()
-        now = dict((t[:4], ms) for ms, t in results if not t[4]).get(
-            cuda.INT8_TILES[block_m][:4], float("nan")
-        )
+        now = {t: ms for ms, t in results}.get(cuda.INT8_TILES[block_m], float("nan"))
         log(
             f"sweep int8 M={m:<3} (BLOCK_M {block_m}): best {results[0][1]} {results[0][0]:.3f} ms "
             f"({nbytes / results[0][0] / 1e6:.0f} GB/s); current {cuda.INT8_TILES[block_m]} {now:.3f} ms; "

@@ -108,9 +108,35 @@ def _int8_weight_mm(
 INT8_KERNEL_MAX_ROWS = 128
 
 
-# Tile (BLOCK_N, BLOCK_K, num_stages, num_warps[, w_rows]) by BLOCK_M, the rows bucket: the
+@triton.jit
+def _dequantize_int8(w_ptr, s_ptr, out_ptr, K, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < K
+    w = tl.load(w_ptr + row * K + cols, mask=ok, other=0).to(tl.float32)
+    scale = tl.load(s_ptr + row).to(tl.float32)
+    tl.store(out_ptr + row * K + cols, (w * scale).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize_int8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight * scale[:, None]`` in ``dtype`` (weight [N, K] int8, contiguous), in one
+    pass: for the cuBLAS path of long prompts, where scaling the weight once is cheaper
+    than scaling the [M, N] output (M > K there)."""
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    block = 1024
+    _dequantize_int8[(n, triton.cdiv(k, block))](weight, scale, out, k, BLOCK=block)
+    return out
+
+
+# Tile (BLOCK_N, BLOCK_K, num_stages, num_warps, w_rows) by BLOCK_M, the rows bucket: the
 # fastest of ``gpu_bench --sweep`` on an H100 (Llama-3-8B's linears, 2026-11-23).
-INT8_TILES = {16: (64, 256, 3, 4), 32: (32, 128, 4, 4), 64: (64, 128, 3, 4), 128: (32, 128, 3, 4)}
+INT8_TILES = {
+    16: (64, 256, 3, 4, True),
+    32: (32, 256, 3, 4, False),
+    64: (32, 256, 3, 4, False),
+    128: (64, 128, 4, 4, False),
+}
 
 
 def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -119,7 +145,7 @@ def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -
     few rows), or dequantized for cuBLAS above ``INT8_KERNEL_MAX_ROWS`` rows."""
     M = x.shape[0]
     if M > INT8_KERNEL_MAX_ROWS:
-        return torch.nn.functional.linear(x, weight.to(x.dtype)) * scale
+        return torch.nn.functional.linear(x, dequantize_int8(weight, scale, x.dtype))
     block_m = next(b for b in sorted(INT8_TILES) if M <= b)
     return int8_weight_mm_tiled(x, weight, scale, block_m, *INT8_TILES[block_m])
 

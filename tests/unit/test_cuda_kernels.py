@@ -42,7 +42,7 @@ def test_add_rms_norm_matches_the_torch_norm(dtype, with_delta):
         torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 20, 40, 130])
+@pytest.mark.parametrize("rows", [1, 7, 20, 40, 100, 130])
 def test_int8_weight_mm_matches_the_dequantized_product(rows):
     from splitserve.engine.kernels import cuda
     from splitserve.engine.model.quant import quantize_int8
