@@ -1,4 +1,6 @@
-"""Native CPU kernels (paged decode attention, fused residual-add + RMSNorm),
+"""splitserve's kernels. On CUDA: the Triton set in ``cuda.py`` (``load_cuda()``,
+None where triton does not import). On CPU, below: native kernels (paged decode
+attention, fused residual-add + RMSNorm),
 compiled from ``csrc/`` on first use with
 ``torch.utils.cpp_extension`` (gcc; cached in torch's extensions directory, so
 only the first start of a machine pays the ~1 min build; ``-march=native``, so
@@ -52,3 +54,15 @@ def load() -> ModuleType | None:
     except Exception as e:  # a compiler problem of any kind: fall back, say so once
         log.warning("CPU attention kernels unavailable (%s); using the SDPA path", e)
         return None
+
+
+@functools.cache
+def load_cuda() -> ModuleType | None:
+    """The Triton kernels for CUDA (``splitserve.engine.kernels.cuda``), or None, said
+    once, where triton does not import (callers then use torch's ops)."""
+    try:
+        from splitserve.engine.kernels import cuda
+    except ImportError as e:
+        log.warning("Triton kernels unavailable (%s); using torch's ops on CUDA", e)
+        return None
+    return cuda

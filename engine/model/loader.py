@@ -88,7 +88,8 @@ def build_model(
     Then, in this order: keep this rank's shard under tensor parallelism (``tp``),
     quantize the decoder's linears (``quantization``: none, fp8, int8), and on CPU
     pre-pack the remaining float linears for oneDNN; with ``native_kernels`` the
-    norms use the fused add+RMSNorm kernel of ``splitserve.engine.kernels``.
+    model uses ``splitserve.engine.kernels``: the C++ fused norm on CPU, the Triton
+    set (norm, rotary + KV write, SiLU·up) on CUDA.
     ``init_on_device`` builds (and draws random weights) on ``device`` directly, for
     random models too large to draw on the host quickly (GPU benchmarks)."""
     with torch.device(device if init_on_device else "cpu"):
@@ -104,10 +105,8 @@ def build_model(
         pack_linears(model)
     if native_kernels and device.type == "cpu" and (native := kernels.load()) is not None:
         model.use_kernels(native)
-    elif native_kernels and device.type == "cuda":
-        from splitserve.engine.kernels import cuda
-
-        model.use_kernels(cuda)
+    elif native_kernels and device.type == "cuda" and (triton_set := kernels.load_cuda()) is not None:
+        model.use_kernels(triton_set)
     return model
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine import kernels
 from splitserve.engine.config import QUANTIZATIONS
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -77,9 +78,10 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_scaled_mm:
-            from splitserve.engine.kernels import cuda
-
-            x_q, x_scale = cuda.quantize_fp8_rows(x, FP8_MAX, _EPS)  # one kernel, not eight
+            if (triton_set := kernels.load_cuda()) is not None:
+                x_q, x_scale = triton_set.quantize_fp8_rows(x, FP8_MAX, _EPS)  # one kernel, not eight
+            else:
+                x_q, x_scale = quantize_fp8(x)
             y = torch._scaled_mm(
                 x_q,
                 self.weight.t(),
@@ -107,14 +109,12 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", w_q)  # [out, in] int8
         self.register_buffer("scale", scale.to(linear.weight.dtype))  # [out], model dtype
         self.bias = linear.bias
-        self.use_triton = w_q.device.type == "cuda"
+        self.use_triton = w_q.device.type == "cuda" and kernels.load_cuda() is not None
         self.use_packed = not self.use_triton and _int8pack_mm_works(w_q.device.type, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
-            from splitserve.engine.kernels import cuda
-
-            y = cuda.int8_weight_mm(x, self.weight, self.scale)
+            y = kernels.load_cuda().int8_weight_mm(x, self.weight, self.scale)
         elif self.use_packed:
             y = torch._weight_int8pack_mm(x, self.weight, self.scale)
         else:
