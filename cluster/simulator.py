@@ -1,0 +1,395 @@
+"""A discrete-event model of a disaggregated cluster, for sizing and for trying
+autoscaling policies at scales this machine cannot run: requests arrive, queue
+at prefill workers (FIFO, a token budget per step), hand their KV to a decode
+worker (continuous batching, one token per running sequence per step), and
+finish; workers start after a warm-up and leave by draining. The policies are
+the cluster's own code: ``slo`` runs ``Planner.decide`` on the same
+``PlannerInput`` the live ``PlannerLoop`` builds, ``proportional`` runs
+``ScaleDecision`` on the same load figures ``Autoscaler`` reads, ``fixed``
+never moves.
+
+Time is simulated (no sleeping, no threads): a 10-minute trace on 64 workers
+runs in seconds. What it does not model: prefix-cache hits, chunked prompts
+longer than a step's token budget (a prompt is prefilled in one step), KV
+capacity limits other than ``max_batch``, network contention between
+transfers, failures.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitserve.cluster.autoscale import ScaleDecision
+from splitserve.cluster.config import AutoscalingSpec
+from splitserve.cluster.planner import Planner, PlannerInput, PlannerSpec, PoolView
+
+
+@dataclass(frozen=True)
+class SimProfile:
+    """What one worker of each phase costs (``splitserve plan profile`` measures it)."""
+
+    prefill_tokens_per_s: float  # one prefill worker, prompt tokens per second
+    prefill_step_s: float  # fixed cost of a prefill step
+    max_batched_tokens: int  # a prefill step's token budget (a longer prompt takes a step alone)
+    decode_step_s: tuple[float, float]  # (a, b): a decode step of B sequences takes a + b * B
+    max_batch: int  # a decode worker's max_num_seqs
+    transfer_s: float = 0.002  # fixed cost of one KV handover
+    transfer_s_per_token: float = 0.0  # and per prompt token
+    start_s: float = 30.0  # a new worker's start until it is routable
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+def bursty_trace(
+    duration_s: float,
+    base_rate: float,
+    burst_rate: float,
+    period_s: float,
+    burst_s: float,
+    prompt_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+    seed: int = 0,
+) -> list[SimRequest]:
+    """Poisson arrivals at ``burst_rate`` during the first ``burst_s`` of every
+    ``period_s`` and ``base_rate`` otherwise; lengths uniform in the given ranges."""
+    rng = random.Random(seed)
+    peak = max(base_rate, burst_rate)
+    out, t = [], 0.0
+    while peak > 0:
+        t += rng.expovariate(peak)
+        if t >= duration_s:
+            break
+        rate = burst_rate if (t % period_s) < burst_s else base_rate
+        if rng.random() * peak < rate:  # thinning
+            out.append(SimRequest(t, rng.randint(*prompt_tokens), rng.randint(*output_tokens)))
+    return out
+
+
+@dataclass
+class _Req:
+    spec: SimRequest
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    generated: int = 0
+
+
+@dataclass
+class _Worker:
+    pool: str
+    started_s: float
+    ready_s: float
+    draining: bool = False
+    gone_s: float | None = None
+    busy: bool = False
+    queue: deque = field(default_factory=deque)  # prefill: waiting requests
+    running: list = field(default_factory=list)  # decode: the batch
+    pending: list = field(default_factory=list)  # decode: KV landed, joins the next step
+
+    def routable(self, now: float) -> bool:
+        return self.gone_s is None and not self.draining and self.ready_s <= now
+
+    def load(self) -> int:
+        if self.pool == "prefill":
+            return sum(r.spec.prompt_tokens for r in self.queue)
+        return len(self.running) + len(self.pending)
+
+    def idle(self) -> bool:
+        return not self.busy and not self.queue and not self.running and not self.pending
+
+
+@dataclass
+class SimResult:
+    requests: list[_Req]
+    replica_seconds: dict[str, float]
+    moves: dict[str, list[tuple[float, int]]]  # pool -> (time, +1 grow / -1 shrink)
+    timeline: list[tuple[float, int, int]]  # (time, prefill routable, decode routable)
+    end_s: float
+
+    def ttft_s(self) -> list[float]:
+        return [r.first_token_s - r.spec.arrival_s for r in self.requests if r.first_token_s is not None]
+
+    def tpot_s(self) -> list[float]:
+        return [
+            (r.finished_s - r.first_token_s) / (r.spec.output_tokens - 1)
+            for r in self.requests
+            if r.finished_s is not None and r.spec.output_tokens > 1
+        ]
+
+    def attainment(self, ttft_ms: float, tpot_ms: float) -> float:
+        """Fraction of requests that met both targets."""
+        ok = 0
+        for r in self.requests:
+            if r.finished_s is None:
+                continue
+            tpot = (r.finished_s - r.first_token_s) / max(r.spec.output_tokens - 1, 1)
+            ok += (r.first_token_s - r.spec.arrival_s) * 1000 <= ttft_ms and tpot * 1000 <= tpot_ms
+        return ok / max(len(self.requests), 1)
+
+    def reversals_per_minute(self, pool: str) -> int:
+        """The most direction reversals of ``pool`` within any 60 s."""
+        flips = [t for (t, d), (_, prev) in zip(self.moves[pool][1:], self.moves[pool]) if d != prev]
+        return max((sum(1 for u in flips if t <= u < t + 60) for t in flips), default=0)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    start: int
+    min_replicas: int
+    max_replicas: int
+
+
+class Simulation:
+    """One run: ``Simulation(profile, trace, ...).run()``. ``policy`` is ``fixed``,
+    ``proportional`` (with ``proportional`` specs per pool) or ``slo`` (with ``planner``)."""
+
+    def __init__(
+        self,
+        profile: SimProfile,
+        trace: list[SimRequest],
+        prefill: PoolLimits,
+        decode: PoolLimits,
+        policy: str = "fixed",
+        planner: PlannerSpec | None = None,
+        proportional: dict[str, AutoscalingSpec] | None = None,
+    ):
+        if policy not in ("fixed", "proportional", "slo"):
+            raise ValueError(f"policy must be fixed, proportional or slo, got {policy!r}")
+        if policy == "slo" and planner is None:
+            raise ValueError("policy slo needs a planner spec")
+        if policy == "proportional" and not proportional:
+            raise ValueError("policy proportional needs an AutoscalingSpec per pool")
+        self.profile, self.policy = profile, policy
+        self.limits = {"prefill": prefill, "decode": decode}
+        self.reqs = [_Req(r) for r in sorted(trace, key=lambda r: r.arrival_s)]
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self.workers: dict[str, list[_Worker]] = {"prefill": [], "decode": []}
+        self._waiting: deque = deque()  # arrived while no prefill worker was routable
+        self.moves: dict[str, list[tuple[float, int]]] = {"prefill": [], "decode": []}
+        self.timeline: list[tuple[float, int, int]] = []
+        self.planner = Planner(planner) if policy == "slo" else None
+        if planner is not None:
+            self.interval_s = planner.interval_s
+        else:
+            self.interval_s = min((s.interval_s for s in (proportional or {}).values()), default=5.0)
+        self._scalers = (
+            {p: ScaleDecision(s, clock=lambda: self.now) for p, s in proportional.items()}
+            if policy == "proportional"
+            else {}
+        )
+        self._proportional = proportional or {}
+        self._window: list[_Req] = []  # finished in the current interval
+        self._arrivals = 0
+        self._points: list[tuple[float, float]] = []
+        for pool, lim in self.limits.items():
+            for _ in range(lim.start):
+                self.workers[pool].append(_Worker(pool, 0.0, 0.0))
+
+    # ---- the event loop ------------------------------------------------------------
+    def _at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+
+    def run(self) -> SimResult:
+        for r in self.reqs:
+            self._at(r.spec.arrival_s, self._arrive, r)
+        if self.policy != "fixed":
+            self._at(self.interval_s, self._tick)
+        while self._events and not self._all_done():
+            self.now, _, fn, args = heapq.heappop(self._events)
+            fn(*args)
+        end = self.now
+        seconds = {
+            pool: sum((w.gone_s if w.gone_s is not None else end) - w.started_s for w in ws)
+            for pool, ws in self.workers.items()
+        }
+        return SimResult(self.reqs, seconds, self.moves, self.timeline, end)
+
+    def _all_done(self) -> bool:
+        return all(r.finished_s is not None for r in self.reqs)
+
+    # ---- prefill ---------------------------------------------------------------------
+    def _arrive(self, r: _Req) -> None:
+        self._arrivals += 1
+        self._route_prefill(r)
+
+    def _route_prefill(self, r: _Req) -> None:
+        live = [w for w in self.workers["prefill"] if w.routable(self.now)]
+        if not live:
+            self._waiting.append(r)
+            return
+        w = min(live, key=_Worker.load)
+        w.queue.append(r)
+        if not w.busy:
+            self._prefill_step(w)
+
+    def _prefill_step(self, w: _Worker) -> None:
+        batch, tokens = [], 0
+        while w.queue and (
+            not batch or tokens + w.queue[0].spec.prompt_tokens <= self.profile.max_batched_tokens
+        ):
+            r = w.queue.popleft()
+            batch.append(r)
+            tokens += r.spec.prompt_tokens
+        if not batch:
+            w.busy = False
+            self._maybe_gone(w)
+            return
+        w.busy = True
+        p = self.profile
+        self._at(self.now + p.prefill_step_s + tokens / p.prefill_tokens_per_s, self._prefill_done, w, batch)
+
+    def _prefill_done(self, w: _Worker, batch: list[_Req]) -> None:
+        p = self.profile
+        for r in batch:
+            r.first_token_s = self.now
+            r.generated = 1
+            if r.spec.output_tokens <= 1:
+                self._finish(r)
+            else:
+                self._at(
+                    self.now + p.transfer_s + p.transfer_s_per_token * r.spec.prompt_tokens, self._handover, r
+                )
+        self._prefill_step(w)
+
+    # ---- decode ----------------------------------------------------------------------
+    def _handover(self, r: _Req) -> None:
+        live = [w for w in self.workers["decode"] if w.routable(self.now)]
+        if not live:  # none routable (all warming or draining): try again shortly
+            self._at(self.now + 0.05, self._handover, r)
+            return
+        w = min(live, key=_Worker.load)
+        w.pending.append(r)
+        if not w.busy:
+            self._decode_step(w)
+
+    def _decode_step(self, w: _Worker) -> None:
+        room = self.profile.max_batch - len(w.running)
+        w.running.extend(w.pending[:room])
+        del w.pending[:room]
+        if not w.running:
+            w.busy = False
+            self._maybe_gone(w)
+            return
+        w.busy = True
+        a, b = self.profile.decode_step_s
+        step = a + b * len(w.running)
+        self._points.append((len(w.running), step))
+        self._at(self.now + step, self._decode_done, w)
+
+    def _decode_done(self, w: _Worker) -> None:
+        still = []
+        for r in w.running:
+            r.generated += 1
+            if r.generated >= r.spec.output_tokens:
+                self._finish(r)
+            else:
+                still.append(r)
+        w.running = still
+        self._decode_step(w)
+
+    def _finish(self, r: _Req) -> None:
+        r.finished_s = self.now
+        self._window.append(r)
+
+    # ---- scaling ---------------------------------------------------------------------
+    def _maybe_gone(self, w: _Worker) -> None:
+        if w.draining and w.idle() and w.gone_s is None:
+            w.gone_s = self.now
+
+    def _view(self, pool: str) -> PoolView:
+        ws = [w for w in self.workers[pool] if w.gone_s is None and not w.draining]
+        lim = self.limits[pool]
+        current = sum(1 for w in ws if w.ready_s <= self.now)
+        return PoolView(
+            current, len(ws) - current, lim.min_replicas, lim.max_replicas, self.profile.max_batch
+        )
+
+    def _tick(self) -> None:
+        views = {pool: self._view(pool) for pool in self.workers}
+        if self.policy == "slo":
+            targets = self._slo_targets(views)
+        else:
+            targets = self._proportional_targets(views)
+        for pool, target in targets.items():
+            self._scale_to(pool, views[pool], target)
+        self.timeline.append((self.now, self._view("prefill").current, self._view("decode").current))
+        self._window, self._arrivals, self._points = [], 0, []
+        self._at(self.now + self.interval_s, self._tick)
+
+    def _slo_targets(self, views: dict[str, PoolView]) -> dict[str, int]:
+        done = self._window
+        ttft = [r.first_token_s - r.spec.arrival_s for r in done]
+        tpot = [
+            (r.finished_s - r.first_token_s) / (r.spec.output_tokens - 1)
+            for r in done
+            if r.spec.output_tokens > 1
+        ]
+        inp = PlannerInput(
+            now=self.now,
+            interval_s=self.interval_s,
+            arrivals=self._arrivals,
+            finished=len(done),
+            prompt_tokens=sum(r.spec.prompt_tokens for r in done),
+            local_prompt_tokens=0,
+            output_tokens=sum(r.spec.output_tokens for r in done),
+            ttft_p90_s=percentile(ttft, 90) if ttft else None,
+            tpot_p90_s=percentile(tpot, 90) if tpot else None,
+            prefill_tokens_per_s=self.profile.prefill_tokens_per_s,  # what a worker measures of itself
+            decode_points=tuple(self._points[-64:]),
+            prefill=views["prefill"],
+            decode=views["decode"],
+        )
+        decision = self.planner.decide(inp)
+        return {"prefill": decision.prefill.target, "decode": decision.decode.target}
+
+    def _proportional_targets(self, views: dict[str, PoolView]) -> dict[str, int]:
+        targets = {}
+        for pool, view in views.items():
+            live = [w for w in self.workers[pool] if w.routable(self.now)]
+            if pool == "prefill":
+                load = sum(w.load() for w in live) / max(len(live), 1)
+            else:
+                load = sum(w.load() / self.profile.max_batch for w in live) / max(len(live), 1)
+            want = self._scalers[pool].update(view.current + view.warming, load)
+            targets[pool] = view.current + view.warming if want is None else want
+        return targets
+
+    def _scale_to(self, pool: str, view: PoolView, target: int) -> None:
+        have = view.current + view.warming
+        if target == have:
+            return
+        self.moves[pool].append((self.now, 1 if target > have else -1))
+        if target > have:
+            for _ in range(target - have):
+                self.workers[pool].append(_Worker(pool, self.now, self.now + self.profile.start_s))
+                self._at(self.now + self.profile.start_s, self._ready, pool)
+            return
+        # Shrink: warming workers first (nothing to drain), then the least loaded.
+        active = [w for w in self.workers[pool] if w.gone_s is None and not w.draining]
+        active.sort(key=lambda w: (w.ready_s <= self.now, w.load()))
+        for w in active[: have - target]:
+            w.draining = True
+            self._maybe_gone(w)
+
+    def _ready(self, pool: str) -> None:
+        if pool == "prefill":
+            while self._waiting and any(w.routable(self.now) for w in self.workers["prefill"]):
+                self._route_prefill(self._waiting.popleft())
