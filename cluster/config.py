@@ -87,7 +87,8 @@ class EngineOptions(_Strict):
     )
     attention_backend: Literal["auto", "sdpa", "cpu", "triton", "flash_attn"] = Field(
         _engine_default("attention_backend"),
-        description="attention implementation (triton: paged-decode kernel for CUDA, by name only)",
+        description="attention implementation (auto: cpu kernel on CPU; on CUDA flash_attn if installed, "
+        "else triton, the paged-decode kernel whose steps CUDA graphs capture)",
     )
     cuda_graphs: bool | None = Field(
         _engine_default("cuda_graphs"),

@@ -1,8 +1,9 @@
 """GPU attention with a Triton paged-decode kernel (``triton_decode``), which reads
 K/V in place through the block tables instead of gathering them (the SDPA
 backend's decode copies every block of every sequence first); prefill as in the
-SDPA backend. Chosen by name (``attention_backend: triton``): it is tested
-against SDPA under Triton's CPU interpreter, and on CUDA only where a GPU was lent.
+SDPA backend. The CUDA default (``attention_backend: auto``) unless flash-attn
+imports; tested against SDPA under Triton's CPU interpreter in CI, and compiled
+on an H100 (``tests/gpu``).
 """
 
 from __future__ import annotations
