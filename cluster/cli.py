@@ -274,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
     st.add_argument("--traces", type=int, default=0, metavar="N", help="also the last N requests' traces")
     st.set_defaults(func=_status)
+
+    from splitserve.cluster import plan_cli
+
+    plan = sub.add_parser("plan", help="capacity planning offline (the cluster simulator)")
+    plan_sub = plan.add_subparsers(dest="plan_command", required=True)
+    sim = plan_sub.add_parser("simulate", help="a bursty trace under each autoscaling policy, simulated")
+    plan_cli.add_arguments(sim)
+    sim.set_defaults(func=lambda a: _run_bench(plan_cli.main, a))
     return parser
 
 

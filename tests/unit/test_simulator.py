@@ -100,3 +100,18 @@ def test_bad_policy_is_refused():
         Simulation(PROFILE, [], ONE, ONE, "magic")
     with pytest.raises(ValueError, match="planner spec"):
         Simulation(PROFILE, [], ONE, ONE, "slo")
+
+
+def test_plan_simulate_cli_prints_a_row_per_policy(capsys):
+    from splitserve.cluster import cli, plan_cli
+
+    argv = ["plan", "simulate", "--duration", "120", "--policy", "fixed", "slo", "--seed", "5"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in out[2:]}
+    assert set(rows) == {"fixed", "slo"}
+    args = cli.build_parser().parse_args(argv)
+    results = plan_cli.run(args)  # the same trace and seed: the same figures
+    for policy, r in results.items():
+        assert float(rows[policy][3]) == pytest.approx(r.attainment(args.ttft_ms, args.tpot_ms), abs=5e-4)
+    assert out[0].startswith(f"{len(results['fixed'].requests)} requests over 120 s")

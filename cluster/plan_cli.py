@@ -1,0 +1,109 @@
+"""``splitserve plan simulate``: one bursty trace through the cluster simulator under
+each policy asked for, with a row per policy: TTFT and TPOT percentiles, the share
+of requests that met both SLO targets, replica-seconds per pool, and the most
+direction reversals of a pool within a minute."""
+
+from __future__ import annotations
+
+import argparse
+
+from splitserve.cluster.config import AutoscalingSpec
+from splitserve.cluster.planner import PlannerSpec
+from splitserve.cluster.simulator import (
+    PoolLimits,
+    SimProfile,
+    SimResult,
+    Simulation,
+    bursty_trace,
+    percentile,
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--policy",
+        nargs="+",
+        default=["fixed", "proportional", "slo"],
+        choices=["fixed", "proportional", "slo"],
+    )
+    p.add_argument("--ttft-ms", type=float, default=500.0, help="TTFT target (default 500)")
+    p.add_argument("--tpot-ms", type=float, default=50.0, help="TPOT target (default 50)")
+    p.add_argument("--prefill-pool", type=int, nargs=3, default=[1, 1, 8], metavar=("MIN", "START", "MAX"))
+    p.add_argument("--decode-pool", type=int, nargs=3, default=[1, 1, 8], metavar=("MIN", "START", "MAX"))
+    p.add_argument("--max-total", type=int, default=None, help="prefill + decode workers at most (slo)")
+    p.add_argument("--prefill-target", type=float, default=2000, help="proportional: queued prompt tokens")
+    p.add_argument("--decode-target", type=float, default=0.7, help="proportional: busy fraction")
+    g = p.add_argument_group("profile (one worker of each phase)")
+    g.add_argument("--prefill-tokens-per-s", type=float, default=20_000)
+    g.add_argument("--prefill-step-ms", type=float, default=10.0)
+    g.add_argument("--max-batched-tokens", type=int, default=8192)
+    g.add_argument(
+        "--decode-step-ms", type=float, nargs=2, default=[20.0, 0.5], metavar=("A", "B"), help="a + b * batch"
+    )
+    g.add_argument("--max-batch", type=int, default=64)
+    g.add_argument("--transfer-ms", type=float, default=2.0)
+    g.add_argument("--start-s", type=float, default=30.0, help="a new worker's start")
+    t = p.add_argument_group("trace")
+    t.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
+    t.add_argument("--rate", type=float, default=4.0, help="requests/s between bursts")
+    t.add_argument("--burst-rate", type=float, default=16.0, help="requests/s in a burst")
+    t.add_argument("--period", type=float, default=120.0, help="a burst starts every PERIOD s")
+    t.add_argument("--burst", type=float, default=40.0, help="and lasts BURST s")
+    t.add_argument("--prompt", type=int, nargs=2, default=[500, 2000], metavar=("LO", "HI"))
+    t.add_argument("--output", type=int, nargs=2, default=[50, 300], metavar=("LO", "HI"))
+    t.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> dict[str, SimResult]:
+    profile = SimProfile(
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        prefill_step_s=args.prefill_step_ms / 1000,
+        max_batched_tokens=args.max_batched_tokens,
+        decode_step_s=(args.decode_step_ms[0] / 1000, args.decode_step_ms[1] / 1000),
+        max_batch=args.max_batch,
+        transfer_s=args.transfer_ms / 1000,
+        start_s=args.start_s,
+    )
+    trace = bursty_trace(
+        args.duration,
+        args.rate,
+        args.burst_rate,
+        args.period,
+        args.burst,
+        tuple(args.prompt),
+        tuple(args.output),
+        args.seed,
+    )
+    (pmin, pstart, pmax), (dmin, dstart, dmax) = args.prefill_pool, args.decode_pool
+    pools = PoolLimits(pstart, pmin, pmax), PoolLimits(dstart, dmin, dmax)
+    planner = PlannerSpec(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, max_total_replicas=args.max_total)
+    proportional = {
+        "prefill": AutoscalingSpec(min_replicas=pmin, max_replicas=pmax, target=args.prefill_target),
+        "decode": AutoscalingSpec(min_replicas=dmin, max_replicas=dmax, target=args.decode_target),
+    }
+    return {
+        policy: Simulation(profile, trace, *pools, policy, planner=planner, proportional=proportional).run()
+        for policy in args.policy
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    results = run(args)
+    n = len(next(iter(results.values())).requests) if results else 0
+    slo = f"TTFT {args.ttft_ms:.0f} ms, TPOT {args.tpot_ms:.0f} ms"
+    print(f"{n} requests over {args.duration:.0f} s; SLO: {slo}")
+    print(
+        f"{'policy':<13}{'TTFT p50/p90 ms':>18}{'TPOT p50/p90 ms':>18}{'met SLO':>9}"
+        f"{'prefill rs':>12}{'decode rs':>11}{'reversals/min':>15}"
+    )
+    for policy, r in results.items():
+        ttft, tpot = r.ttft_s(), r.tpot_s()
+        print(
+            f"{policy:<13}"
+            f"{percentile(ttft, 50) * 1e3:>9.0f}/{percentile(ttft, 90) * 1e3:<8.0f}"
+            f"{percentile(tpot, 50) * 1e3:>9.1f}/{percentile(tpot, 90) * 1e3:<8.1f}"
+            f"{r.attainment(args.ttft_ms, args.tpot_ms):>9.3f}"
+            f"{r.replica_seconds['prefill']:>12.0f}{r.replica_seconds['decode']:>11.0f}"
+            f"{r.reversals_per_minute('prefill'):>8d} / {r.reversals_per_minute('decode'):<4d}"
+        )
+    return 0
