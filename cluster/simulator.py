@@ -92,6 +92,7 @@ class _Worker:
     gone_s: float | None = None
     busy: bool = False
     queue: deque = field(default_factory=deque)  # prefill: waiting requests
+    queued_tokens: int = 0  # prefill: their prompt tokens
     running: list = field(default_factory=list)  # decode: the batch
     pending: list = field(default_factory=list)  # decode: KV landed, joins the next step
 
@@ -100,7 +101,7 @@ class _Worker:
 
     def load(self) -> int:
         if self.pool == "prefill":
-            return sum(r.spec.prompt_tokens for r in self.queue)
+            return self.queued_tokens
         return len(self.running) + len(self.pending)
 
     def idle(self) -> bool:
@@ -178,6 +179,7 @@ class Simulation:
         self.profile, self.policy = profile, policy
         self.limits = {"prefill": prefill, "decode": decode}
         self.reqs = [_Req(r) for r in sorted(trace, key=lambda r: r.arrival_s)]
+        self._unfinished = len(self.reqs)
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
@@ -212,7 +214,7 @@ class Simulation:
             self._at(r.spec.arrival_s, self._arrive, r)
         if self.policy != "fixed":
             self._at(self.interval_s, self._tick)
-        while self._events and not self._all_done():
+        while self._events and self._unfinished:
             self.now, _, fn, args = heapq.heappop(self._events)
             fn(*args)
         end = self.now
@@ -221,9 +223,6 @@ class Simulation:
             for pool, ws in self.workers.items()
         }
         return SimResult(self.reqs, seconds, self.moves, self.timeline, end)
-
-    def _all_done(self) -> bool:
-        return all(r.finished_s is not None for r in self.reqs)
 
     # ---- prefill ---------------------------------------------------------------------
     def _arrive(self, r: _Req) -> None:
@@ -237,6 +236,7 @@ class Simulation:
             return
         w = min(live, key=_Worker.load)
         w.queue.append(r)
+        w.queued_tokens += r.spec.prompt_tokens
         if not w.busy:
             self._prefill_step(w)
 
@@ -248,6 +248,7 @@ class Simulation:
             r = w.queue.popleft()
             batch.append(r)
             tokens += r.spec.prompt_tokens
+        w.queued_tokens -= tokens
         if not batch:
             w.busy = False
             self._maybe_gone(w)
@@ -307,6 +308,7 @@ class Simulation:
 
     def _finish(self, r: _Req) -> None:
         r.finished_s = self.now
+        self._unfinished -= 1
         self._window.append(r)
 
     # ---- scaling ---------------------------------------------------------------------
