@@ -270,6 +270,19 @@ def _step(
     return run
 
 
+def _decode_step(model: LlamaModel, cfg: ModelConfig, batch: int, context: int, attention: str):
+    """One decode step of ``batch`` sequences of ``context`` tokens, as a closure (and its cache)."""
+    dev = next(model.buffers()).device
+    per_seq = -(-context // BLOCK_SIZE)
+    cache = _kv_cache(cfg, batch * per_seq, dev)
+    spans = [SeqSpan(b, 1, context, list(range(b * per_seq, (b + 1) * per_seq))) for b in range(batch)]
+    slots = [
+        s.block_table[(context - 1) // BLOCK_SIZE] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE for s in spans
+    ]
+    run = _step(model, cache, spans, batch, [1] * batch, [context - 1] * batch, slots, attention)
+    return run, cache
+
+
 def decode_row(
     model: LlamaModel,
     cfg: ModelConfig,
@@ -279,16 +292,7 @@ def decode_row(
     bw: float,
     attention: str = "sdpa",
 ) -> DecodeRow:
-    dev = next(model.buffers()).device
-    per_seq = -(-context // BLOCK_SIZE)
-    cache = _kv_cache(cfg, batch * per_seq, dev)
-    spans, slots = [], []
-    for b in range(batch):
-        table = list(range(b * per_seq, (b + 1) * per_seq))
-        spans.append(SeqSpan(b, 1, context, table))
-        p = context - 1
-        slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
-    run = _step(model, cache, spans, batch, [1] * batch, [context - 1] * batch, slots, attention)
+    run, cache = _decode_step(model, cfg, batch, context, attention)
     eager = cuda_time_ms(run)
     graphed = cuda_time_ms(cuda_graph_recorder(run))
     kv = batch * context * cfg.num_layers * 2 * cfg.kv_size * 2  # bf16 K and V read once
@@ -320,12 +324,7 @@ def kernel_profile(run: Callable[[], object], label: str, steps: int = 3, top: i
 
 def decode_profile(model: LlamaModel, cfg: ModelConfig, batch: int, context: int, attention: str) -> str:
     """``kernel_profile`` of one eager decode step of ``batch`` sequences."""
-    dev = next(model.buffers()).device
-    per_seq = -(-context // BLOCK_SIZE)
-    cache = _kv_cache(cfg, batch * per_seq, dev)
-    spans = [SeqSpan(b, 1, context, list(range(b * per_seq, (b + 1) * per_seq))) for b in range(batch)]
-    slots = [s.block_table[-1] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE for s in spans]
-    run = _step(model, cache, spans, batch, [1] * batch, [context - 1] * batch, slots, attention)
+    run, _cache = _decode_step(model, cfg, batch, context, attention)
     return kernel_profile(run, f"decode B={batch} ctx={context} {attention}")
 
 

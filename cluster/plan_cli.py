@@ -6,17 +6,11 @@ direction reversals of a pool within a minute."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from splitserve.cluster.config import AutoscalingSpec
-from splitserve.cluster.planner import PlannerSpec
-from splitserve.cluster.simulator import (
-    PoolLimits,
-    SimProfile,
-    SimResult,
-    Simulation,
-    bursty_trace,
-    percentile,
-)
+from splitserve.cluster.planner import PlannerSpec, percentile
+from splitserve.cluster.simulator import PoolLimits, SimProfile, SimResult, Simulation, bursty_trace
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,6 +81,11 @@ def run(args: argparse.Namespace) -> dict[str, SimResult]:
     }
 
 
+def _ms(values: list[float], q: float) -> float:
+    p = percentile(values, q)
+    return math.nan if p is None else p * 1e3
+
+
 def main(args: argparse.Namespace) -> int:
     results = run(args)
     n = len(next(iter(results.values())).requests) if results else 0
@@ -100,8 +99,8 @@ def main(args: argparse.Namespace) -> int:
         ttft, tpot = r.ttft_s(), r.tpot_s()
         print(
             f"{policy:<13}"
-            f"{percentile(ttft, 50) * 1e3:>9.0f}/{percentile(ttft, 90) * 1e3:<8.0f}"
-            f"{percentile(tpot, 50) * 1e3:>9.1f}/{percentile(tpot, 90) * 1e3:<8.1f}"
+            f"{_ms(ttft, 50):>9.0f}/{_ms(ttft, 90):<8.0f}"
+            f"{_ms(tpot, 50):>9.1f}/{_ms(tpot, 90):<8.1f}"
             f"{r.attainment(args.ttft_ms, args.tpot_ms):>9.3f}"
             f"{r.replica_seconds['prefill']:>12.0f}{r.replica_seconds['decode']:>11.0f}"
             f"{r.reversals_per_minute('prefill'):>8d} / {r.reversals_per_minute('decode'):<4d}"

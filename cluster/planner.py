@@ -125,6 +125,15 @@ class PlannerDecision:
     decode_capacity: float  # output tokens/s one decode worker can give within the TPOT target (0: unknown)
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank ``q``-th percentile (0 < q <= 100); None for no values. What the
+    planner's inputs are computed with, live (``PlannerLoop``) and simulated."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
 def _ewma(old: float | None, new: float, weight: float) -> float:
     return new if old is None else old + weight * (new - old)
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
 
 from splitserve.cluster.autoscale import ScaleDecision
 from splitserve.cluster.config import AutoscalingSpec
-from splitserve.cluster.planner import Planner, PlannerInput, PlannerSpec, PoolView
+from splitserve.cluster.planner import Planner, PlannerInput, PlannerSpec, PoolView, percentile
 
 
 @dataclass(frozen=True)
@@ -76,11 +75,24 @@ def bursty_trace(
 
 
 @dataclass
-class _Req:
+class SimOutcome:
+    """One request's fate in a simulation (times in simulated seconds)."""
+
     spec: SimRequest
     first_token_s: float | None = None
     finished_s: float | None = None
     generated: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.spec.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first; None until finished or for one token."""
+        if self.finished_s is None or self.spec.output_tokens <= 1:
+            return None
+        return (self.finished_s - self.first_token_s) / (self.spec.output_tokens - 1)
 
 
 @dataclass
@@ -110,43 +122,33 @@ class _Worker:
 
 @dataclass
 class SimResult:
-    requests: list[_Req]
+    requests: list[SimOutcome]
     replica_seconds: dict[str, float]
     moves: dict[str, list[tuple[float, int]]]  # pool -> (time, +1 grow / -1 shrink)
     timeline: list[tuple[float, int, int]]  # (time, prefill routable, decode routable)
     end_s: float
 
     def ttft_s(self) -> list[float]:
-        return [r.first_token_s - r.spec.arrival_s for r in self.requests if r.first_token_s is not None]
+        return [r.ttft_s for r in self.requests if r.ttft_s is not None]
 
     def tpot_s(self) -> list[float]:
-        return [
-            (r.finished_s - r.first_token_s) / (r.spec.output_tokens - 1)
-            for r in self.requests
-            if r.finished_s is not None and r.spec.output_tokens > 1
-        ]
+        return [r.tpot_s for r in self.requests if r.tpot_s is not None]
 
     def attainment(self, ttft_ms: float, tpot_ms: float) -> float:
-        """Fraction of requests that met both targets."""
-        ok = 0
-        for r in self.requests:
-            if r.finished_s is None:
-                continue
-            tpot = (r.finished_s - r.first_token_s) / max(r.spec.output_tokens - 1, 1)
-            ok += (r.first_token_s - r.spec.arrival_s) * 1000 <= ttft_ms and tpot * 1000 <= tpot_ms
+        """Fraction of all requests that finished and met both targets (a one-token
+        request has no TPOT to miss)."""
+        ok = sum(
+            r.finished_s is not None
+            and r.ttft_s * 1000 <= ttft_ms
+            and (r.tpot_s is None or r.tpot_s * 1000 <= tpot_ms)
+            for r in self.requests
+        )
         return ok / max(len(self.requests), 1)
 
     def reversals_per_minute(self, pool: str) -> int:
         """The most direction reversals of ``pool`` within any 60 s."""
         flips = [t for (t, d), (_, prev) in zip(self.moves[pool][1:], self.moves[pool]) if d != prev]
         return max((sum(1 for u in flips if t <= u < t + 60) for t in flips), default=0)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ class Simulation:
             raise ValueError("policy proportional needs an AutoscalingSpec per pool")
         self.profile, self.policy = profile, policy
         self.limits = {"prefill": prefill, "decode": decode}
-        self.reqs = [_Req(r) for r in sorted(trace, key=lambda r: r.arrival_s)]
+        self.reqs = [SimOutcome(r) for r in sorted(trace, key=lambda r: r.arrival_s)]
         self._unfinished = len(self.reqs)
         self.now = 0.0
         self._events: list = []
@@ -198,7 +200,7 @@ class Simulation:
             else {}
         )
         self._proportional = proportional or {}
-        self._window: list[_Req] = []  # finished in the current interval
+        self._window: list[SimOutcome] = []  # finished in the current interval
         self._arrivals = 0
         self._points: list[tuple[float, float]] = []
         for pool, lim in self.limits.items():
@@ -225,11 +227,11 @@ class Simulation:
         return SimResult(self.reqs, seconds, self.moves, self.timeline, end)
 
     # ---- prefill ---------------------------------------------------------------------
-    def _arrive(self, r: _Req) -> None:
+    def _arrive(self, r: SimOutcome) -> None:
         self._arrivals += 1
         self._route_prefill(r)
 
-    def _route_prefill(self, r: _Req) -> None:
+    def _route_prefill(self, r: SimOutcome) -> None:
         live = [w for w in self.workers["prefill"] if w.routable(self.now)]
         if not live:
             self._waiting.append(r)
@@ -257,7 +259,7 @@ class Simulation:
         p = self.profile
         self._at(self.now + p.prefill_step_s + tokens / p.prefill_tokens_per_s, self._prefill_done, w, batch)
 
-    def _prefill_done(self, w: _Worker, batch: list[_Req]) -> None:
+    def _prefill_done(self, w: _Worker, batch: list[SimOutcome]) -> None:
         p = self.profile
         for r in batch:
             r.first_token_s = self.now
@@ -271,7 +273,7 @@ class Simulation:
         self._prefill_step(w)
 
     # ---- decode ----------------------------------------------------------------------
-    def _handover(self, r: _Req) -> None:
+    def _handover(self, r: SimOutcome) -> None:
         live = [w for w in self.workers["decode"] if w.routable(self.now)]
         if not live:  # none routable (all warming or draining): try again shortly
             self._at(self.now + 0.05, self._handover, r)
@@ -306,7 +308,7 @@ class Simulation:
         w.running = still
         self._decode_step(w)
 
-    def _finish(self, r: _Req) -> None:
+    def _finish(self, r: SimOutcome) -> None:
         r.finished_s = self.now
         self._unfinished -= 1
         self._window.append(r)
@@ -338,12 +340,6 @@ class Simulation:
 
     def _slo_targets(self, views: dict[str, PoolView]) -> dict[str, int]:
         done = self._window
-        ttft = [r.first_token_s - r.spec.arrival_s for r in done]
-        tpot = [
-            (r.finished_s - r.first_token_s) / (r.spec.output_tokens - 1)
-            for r in done
-            if r.spec.output_tokens > 1
-        ]
         inp = PlannerInput(
             now=self.now,
             interval_s=self.interval_s,
@@ -352,8 +348,8 @@ class Simulation:
             prompt_tokens=sum(r.spec.prompt_tokens for r in done),
             local_prompt_tokens=0,
             output_tokens=sum(r.spec.output_tokens for r in done),
-            ttft_p90_s=percentile(ttft, 90) if ttft else None,
-            tpot_p90_s=percentile(tpot, 90) if tpot else None,
+            ttft_p90_s=percentile([r.ttft_s for r in done], 90),
+            tpot_p90_s=percentile([r.tpot_s for r in done if r.tpot_s is not None], 90),
             prefill_tokens_per_s=self.profile.prefill_tokens_per_s,  # what a worker measures of itself
             decode_points=tuple(self._points[-64:]),
             prefill=views["prefill"],

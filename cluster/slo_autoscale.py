@@ -12,25 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from splitserve.cluster.planner import Planner, PlannerDecision, PlannerInput, PoolDecision, PoolView
+from splitserve.cluster.planner import (
+    Planner,
+    PlannerDecision,
+    PlannerInput,
+    PoolDecision,
+    PoolView,
+    percentile,
+)
 from splitserve.cluster.pools import WorkerPool
 from splitserve.router.registry import Membership
 from splitserve.router.trace import RequestTrace
 
 log = logging.getLogger(__name__)
-
-
-def p90(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
 
 
 class LoadWindow:
@@ -168,8 +167,10 @@ class PlannerLoop:
                 t.prompt_tokens - t.cached_prompt_tokens for t in traces if not t.prefill_worker
             ),
             output_tokens=sum(t.output_tokens for t in traces),
-            ttft_p90_s=p90([t.ttft_s for t in ok]),
-            tpot_p90_s=p90([(t.e2e_s - t.ttft_s) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1]),
+            ttft_p90_s=percentile([t.ttft_s for t in ok], 90),
+            tpot_p90_s=percentile(
+                [(t.e2e_s - t.ttft_s) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1], 90
+            ),
             prefill_tokens_per_s=sum(rates) / len(rates) if rates else 0.0,
             decode_points=points,
             prefill=self._view("prefill"),

@@ -70,6 +70,19 @@ def make_hf_checkpoint(kind: str, directory, seed: int = 0):
     return model
 
 
+def tiny_checkpoint(tmp_path_factory) -> str:
+    """A fresh directory holding ``make_hf_checkpoint("llama", ...)``; its path."""
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    make_hf_checkpoint("llama", directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """A tiny random-weight Llama checkpoint, one per module."""
+    return tiny_checkpoint(tmp_path_factory)
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
     """Reference: transformers' own generate, one prompt at a time (no padding)."""
     with torch.no_grad():

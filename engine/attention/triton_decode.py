@@ -105,6 +105,9 @@ def _paged_decode_partial(
     tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
 
 
+# Triton reads TRITON_INTERPRET once, at import; so does this module.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 # Keys per tile the kernel aims for (a multiple of the block size): wide enough for
 # many loads in flight per program, small enough to stay in registers.
 TILE_KEYS = 64
@@ -153,7 +156,7 @@ def paged_decode(
         BLOCK=block,
         TILE_BLOCKS=max(1, tile_keys // block),
         SPLITS=num_splits,
-        FP32_DOT=k_cache.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        FP32_DOT=k_cache.dtype == torch.float32 or _INTERPRETED,
     )
     out = torch.empty_like(q)
     _combine_splits[(batch * heads,)](

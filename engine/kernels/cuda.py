@@ -104,10 +104,6 @@ def _int8_weight_mm(
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-# Above this many rows a matmul is compute-bound: dequantize once and use cuBLAS.
-INT8_KERNEL_MAX_ROWS = 128
-
-
 @triton.jit
 def _dequantize_int8(w_ptr, s_ptr, out_ptr, K, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -137,6 +133,8 @@ INT8_TILES = {
     64: (32, 256, 3, 4, False),
     128: (64, 128, 4, 4, False),
 }
+# Above the largest bucket a matmul is compute-bound: dequantize once and use cuBLAS.
+INT8_KERNEL_MAX_ROWS = max(INT8_TILES)
 
 
 def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -63,11 +63,17 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         fused = getattr(self.kernels, "rope_and_cache", None)
         if fused is not None and self.q_norm is None and k_cache.is_contiguous():
-            q, k, v = fused(
-                qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, self.num_heads, self.num_kv_heads
-            )
-            o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale)
-            return self.o_proj(o.view(T, self.q_size))
+            heads = (self.num_heads, self.num_kv_heads)
+            q, k, v = fused(qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, *heads)
+        else:
+            q, k, v = self._rope_and_cache(qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping)
+        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale)
+        return self.o_proj(o.view(T, self.q_size))
+
+    def _rope_and_cache(self, qkv, cos, sin, k_cache, v_cache, slot_mapping):
+        """q, k, v of each token (q/k normed if the model has it, then rotated); k and v
+        written to the caches at ``slot_mapping``. In torch ops; ``kernels`` may fuse it."""
+        T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -76,10 +82,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         flat = (-1, self.num_kv_heads, self.head_dim)
-        k_cache.view(flat).index_copy_(0, ctx.slot_mapping, k)
-        v_cache.view(flat).index_copy_(0, ctx.slot_mapping, v)
-        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale)
-        return self.o_proj(o.view(T, self.q_size))
+        k_cache.view(flat).index_copy_(0, slot_mapping, k)
+        v_cache.view(flat).index_copy_(0, slot_mapping, v)
+        return q, k, v
 
 
 class MLP(nn.Module):

@@ -75,13 +75,17 @@ class Fp8Linear(nn.Module):
         self.use_scaled_mm = (
             fp8_gemm_supported(w_q.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
         )
+        triton_set = kernels.load_cuda() if self.use_scaled_mm else None
+        # the activations' quantizer: one Triton kernel on CUDA, not torch's eight
+        self.quantize_input = (
+            quantize_fp8
+            if triton_set is None
+            else functools.partial(triton_set.quantize_fp8_rows, fp8_max=FP8_MAX, eps=_EPS)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_scaled_mm:
-            if (triton_set := kernels.load_cuda()) is not None:
-                x_q, x_scale = triton_set.quantize_fp8_rows(x, FP8_MAX, _EPS)  # one kernel, not eight
-            else:
-                x_q, x_scale = quantize_fp8(x)
+            x_q, x_scale = self.quantize_input(x)
             y = torch._scaled_mm(
                 x_q,
                 self.weight.t(),
@@ -109,12 +113,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", w_q)  # [out, in] int8
         self.register_buffer("scale", scale.to(linear.weight.dtype))  # [out], model dtype
         self.bias = linear.bias
-        self.use_triton = w_q.device.type == "cuda" and kernels.load_cuda() is not None
-        self.use_packed = not self.use_triton and _int8pack_mm_works(w_q.device.type, linear.weight.dtype)
+        triton_set = kernels.load_cuda() if w_q.device.type == "cuda" else None
+        self.triton_mm = None if triton_set is None else triton_set.int8_weight_mm
+        self.use_packed = self.triton_mm is None and _int8pack_mm_works(w_q.device.type, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton:
-            y = kernels.load_cuda().int8_weight_mm(x, self.weight, self.scale)
+        if self.triton_mm is not None:
+            y = self.triton_mm(x, self.weight, self.scale)
         elif self.use_packed:
             y = torch._weight_int8pack_mm(x, self.weight, self.scale)
         else:

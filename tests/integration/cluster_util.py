@@ -14,7 +14,7 @@ from splitserve.client import Chunk, Client, Completion
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.engine import Engine, SamplingParams
-from tests.conftest import make_hf_checkpoint, random_prompts
+from tests.conftest import random_prompts
 
 VOCAB = 512
 
@@ -35,12 +35,6 @@ def tiny_config(checkpoint: str, mode: str = "disaggregated", **overrides) -> Cl
     }
     data.update(overrides)
     return ClusterConfig.model_validate(data)
-
-
-def tiny_checkpoint(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("tiny-llama")
-    make_hf_checkpoint("llama", d)
-    return str(d)
 
 
 @contextlib.contextmanager

@@ -8,13 +8,6 @@ import pytest
 
 from splitserve.client import Client
 from splitserve.engine import Engine, EngineConfig
-from tests.integration.cluster_util import tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny random-weight Llama checkpoint, one per module."""
-    return tiny_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from splitserve.bench import serving_efficiency
-from tests.integration.cluster_util import tiny_checkpoint
+from tests.conftest import tiny_checkpoint
 
 
 def test_serving_efficiency_runs_both_paths(tmp_path_factory, capsys):

@@ -12,8 +12,8 @@ import ray
 
 from splitserve.client import Client
 from splitserve.cluster.autoscale import ScaleDecision
-from tests.conftest import random_prompts
-from tests.integration.cluster_util import VOCAB, live_cluster, tiny_checkpoint, tiny_config, wait_kv_free
+from tests.conftest import random_prompts, tiny_checkpoint
+from tests.integration.cluster_util import VOCAB, live_cluster, tiny_config, wait_kv_free
 
 LONG = 700  # output tokens of the load requests
 

@@ -32,16 +32,11 @@ from splitserve.client import Client
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.engine import Engine, EngineConfig, SamplingParams
 from tests.conftest import random_prompts
-from tests.integration.cluster_util import VOCAB, tiny_checkpoint, tiny_config
+from tests.integration.cluster_util import VOCAB, tiny_config
 
 MAX_TOKENS = 6
 POOL = {"num_cpus": 1, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
 NODE = {"node_config": {}, "min_workers": 0}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return tiny_checkpoint(tmp_path_factory)
 
 
 def fake_cluster_config() -> dict:

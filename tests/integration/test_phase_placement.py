@@ -34,16 +34,10 @@ from tests.integration.cluster_util import (
     mixed_workload,
     reference_tokens,
     stream_all,
-    tiny_checkpoint,
     tiny_config,
 )
 
 POOL = {"num_cpus": 1, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return tiny_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from splitserve.client import Client
-from tests.conftest import random_prompts
-from tests.integration.cluster_util import VOCAB, live_cluster, tiny_checkpoint, tiny_config
+from tests.conftest import random_prompts, tiny_checkpoint
+from tests.integration.cluster_util import VOCAB, live_cluster, tiny_config
 
 AUTOSCALING = {"policy": "slo", "min_replicas": 1, "max_replicas": 2, "drain_timeout_s": 120}
 PLANNER = {

@@ -16,16 +16,9 @@ from splitserve.engine import (
     SamplingParams,
     UnknownRequest,
 )
-from tests.conftest import make_hf_checkpoint, random_prompts, tiny_hf_config
+from tests.conftest import random_prompts, tiny_hf_config
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny")
-    make_hf_checkpoint("llama", directory)
-    return directory
 
 
 @pytest.fixture()

@@ -24,7 +24,7 @@ from splitserve.kv_transfer import (
 from splitserve.kv_transfer.backends.local import LocalHub
 from splitserve.kv_transfer.contract import check_transition
 from splitserve.kv_transfer.integrity import layer_checksums, paired_runs, runs
-from tests.conftest import make_hf_checkpoint, random_prompts
+from tests.conftest import random_prompts
 
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -60,13 +60,6 @@ def test_state_machine_rejects_illegal_steps():
         check_transition(TransferState.CONFIRMED, TransferState.EXPIRED)
     with pytest.raises(RuntimeError):
         check_transition(TransferState.PULLING, TransferState.DONE)  # never without verifying
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny")
-    make_hf_checkpoint("llama", directory)
-    return directory
 
 
 def make_engine(checkpoint, **kw) -> Engine:

@@ -15,17 +15,10 @@ from splitserve.engine import Engine, SamplingParams
 from splitserve.engine.outputs import LayerObserver
 from splitserve.kv_transfer import IntegrityError, LeaseExpired, TransferTimeout, integrity
 from splitserve.kv_transfer.layerwise import LayerExporter
-from tests.conftest import make_hf_checkpoint, random_prompts
+from tests.conftest import random_prompts
 from tests.unit.test_kv_transfer import decode_all, local_pair, make_engine, prefill
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny")
-    make_hf_checkpoint("llama", directory)
-    return directory
 
 
 @pytest.fixture()

@@ -8,14 +8,13 @@ from __future__ import annotations
 import pytest
 
 from splitserve.cluster.config import AutoscalingSpec
-from splitserve.cluster.planner import PlannerSpec
+from splitserve.cluster.planner import PlannerSpec, percentile
 from splitserve.cluster.simulator import (
     PoolLimits,
     SimProfile,
     SimRequest,
     Simulation,
     bursty_trace,
-    percentile,
 )
 
 PROFILE = SimProfile(
