@@ -282,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim = plan_sub.add_parser("simulate", help="a bursty trace under each autoscaling policy, simulated")
     plan_cli.add_arguments(sim)
     sim.set_defaults(func=lambda a: _run_bench(plan_cli.main, a))
+    prof = plan_sub.add_parser("profile", help="measure a cluster's workers, for the simulator (--profile)")
+    plan_cli.add_profile_arguments(prof)
+    prof.set_defaults(func=lambda a: _run_bench(plan_cli.main_profile, a))
     return parser
 
 

@@ -6,9 +6,12 @@ direction reversals of a pool within a minute."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+from pathlib import Path
 
-from splitserve.cluster.config import AutoscalingSpec
+from splitserve.bench.cluster_profile import ProfilePlan
+from splitserve.cluster.config import CONFIG_DIR, AutoscalingSpec, ClusterConfig
 from splitserve.cluster.planner import PlannerSpec, percentile
 from splitserve.cluster.simulator import PoolLimits, SimProfile, SimResult, Simulation, bursty_trace
 
@@ -27,16 +30,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-total", type=int, default=None, help="prefill + decode workers at most (slo)")
     p.add_argument("--prefill-target", type=float, default=2000, help="proportional: queued prompt tokens")
     p.add_argument("--decode-target", type=float, default=0.7, help="proportional: busy fraction")
-    g = p.add_argument_group("profile (one worker of each phase)")
-    g.add_argument("--prefill-tokens-per-s", type=float, default=20_000)
-    g.add_argument("--prefill-step-ms", type=float, default=10.0)
-    g.add_argument("--max-batched-tokens", type=int, default=8192)
-    g.add_argument(
-        "--decode-step-ms", type=float, nargs=2, default=[20.0, 0.5], metavar=("A", "B"), help="a + b * batch"
+    g = p.add_argument_group(
+        "profile (one worker of each phase; default: --profile FILE, else an illustrative GPU-like one)"
     )
-    g.add_argument("--max-batch", type=int, default=64)
-    g.add_argument("--transfer-ms", type=float, default=2.0)
-    g.add_argument("--start-s", type=float, default=30.0, help="a new worker's start")
+    g.add_argument("--profile", metavar="FILE", help="a profile `splitserve plan profile` wrote")
+    g.add_argument("--prefill-tokens-per-s", type=float)
+    g.add_argument("--prefill-step-ms", type=float)
+    g.add_argument("--max-batched-tokens", type=int)
+    g.add_argument("--decode-step-ms", type=float, nargs=2, metavar=("A", "B"), help="a + b * batch")
+    g.add_argument("--max-batch", type=int)
+    g.add_argument("--transfer-ms", type=float)
+    g.add_argument("--start-s", type=float, help="a new worker's start")
     t = p.add_argument_group("trace")
     t.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
     t.add_argument("--rate", type=float, default=4.0, help="requests/s between bursts")
@@ -48,16 +52,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0)
 
 
+ILLUSTRATIVE_PROFILE = SimProfile(
+    prefill_tokens_per_s=20_000,
+    prefill_step_s=0.010,
+    max_batched_tokens=8192,
+    decode_step_s=(0.020, 0.0005),
+    max_batch=64,
+    transfer_s=0.002,
+    start_s=30.0,
+)
+
+
+def load_profile(args: argparse.Namespace) -> SimProfile:
+    """``--profile FILE`` (or the illustrative one), with any field given on the command line replaced."""
+    base = ILLUSTRATIVE_PROFILE
+    if args.profile:
+        base = SimProfile.from_json(Path(args.profile).read_text())
+    given = {
+        "prefill_tokens_per_s": args.prefill_tokens_per_s,
+        "prefill_step_s": None if args.prefill_step_ms is None else args.prefill_step_ms / 1000,
+        "max_batched_tokens": args.max_batched_tokens,
+        "decode_step_s": None if args.decode_step_ms is None else tuple(x / 1000 for x in args.decode_step_ms),
+        "max_batch": args.max_batch,
+        "transfer_s": None if args.transfer_ms is None else args.transfer_ms / 1000,
+        "start_s": args.start_s,
+    }
+    return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
 def run(args: argparse.Namespace) -> dict[str, SimResult]:
-    profile = SimProfile(
-        prefill_tokens_per_s=args.prefill_tokens_per_s,
-        prefill_step_s=args.prefill_step_ms / 1000,
-        max_batched_tokens=args.max_batched_tokens,
-        decode_step_s=(args.decode_step_ms[0] / 1000, args.decode_step_ms[1] / 1000),
-        max_batch=args.max_batch,
-        transfer_s=args.transfer_ms / 1000,
-        start_s=args.start_s,
-    )
+    profile = load_profile(args)
     trace = bursty_trace(
         args.duration,
         args.rate,
@@ -105,4 +129,54 @@ def main(args: argparse.Namespace) -> int:
             f"{r.replica_seconds['prefill']:>12.0f}{r.replica_seconds['decode']:>11.0f}"
             f"{r.reversals_per_minute('prefill'):>8d} / {r.reversals_per_minute('decode'):<4d}"
         )
+    return 0
+
+
+# ---- splitserve plan profile -------------------------------------------------------------
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--server", help="profile the cluster at HOST:PORT")
+    where.add_argument(
+        "--config",
+        help="start a cluster from this config, profile it, stop it (default: the embedded one)",
+    )
+    p.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=list(ProfilePlan.prompt_lens))
+    p.add_argument("--repeats", type=int, default=ProfilePlan.prefill_repeats, help="requests per prompt length")
+    p.add_argument("--batches", type=int, nargs="+", default=list(ProfilePlan.batches))
+    p.add_argument("--output-len", type=int, default=ProfilePlan.decode_output_len)
+    p.add_argument("--start-s", type=float, default=ProfilePlan.start_s, help="a new worker's start (not measured)")
+
+
+def main_profile(args: argparse.Namespace) -> int:
+    from splitserve.bench import cluster_profile
+    from splitserve.bench.compare import Server
+
+    config = ClusterConfig.load(args.config)
+    plan = ProfilePlan(
+        prompt_lens=tuple(args.prompt_lens),
+        prefill_repeats=args.repeats,
+        batches=tuple(args.batches),
+        decode_output_len=args.output_len,
+        max_batch=config.decode.engine.max_num_seqs,
+        max_batched_tokens=config.prefill.engine.max_num_batched_tokens,
+        start_s=args.start_s,
+    )
+    server = None
+    if args.server is None:
+        print(f"starting a cluster from {args.config or 'the embedded config'} ...")
+        server = Server(args.config or str(CONFIG_DIR / "local.yaml"), Path(args.out).with_suffix(".serve.log"))
+    try:
+        profile, m = cluster_profile.profile(args.server or server.address, plan)
+    finally:
+        if server is not None:
+            server.stop()
+    Path(args.out).write_text(profile.to_json() + "\n")
+    print("prefill  (tokens, TTFT ms): " + ", ".join(f"({n}, {t * 1e3:.1f})" for n, t in m.prefill))
+    print("decode   (batch, step ms):  " + ", ".join(f"({b}, {t * 1e3:.2f})" for b, t in m.decode))
+    print(
+        f"profile: prefill {profile.prefill_tokens_per_s:.0f} tokens/s + {profile.prefill_step_s * 1e3:.1f} ms "
+        f"a step; decode step {profile.decode_step_s[0] * 1e3:.2f} + {profile.decode_step_s[1] * 1e3:.3f} * B ms; "
+        f"handover {profile.transfer_s * 1e3:.1f} ms -> {args.out}"
+    )
     return 0

@@ -14,16 +14,19 @@ size). The planner then::
     capacity  prefill: measured tokens/s per worker, loaded to at most the
                 utilisation at which an M/D/1 queue still meets the TTFT target
               decode:  the largest batch whose step time, on a line fitted to
-                (batch, step time) points the workers reported, meets the TPOT
-                target; its tokens/s = batch / step time
+                (batch, step time) points the workers reported, meets
+                decode_headroom of the TPOT target; its tokens/s = batch / step
     size      prefill = ceil(predicted prompt tokens/s / prefill capacity)
               decode  = ceil(predicted output tokens/s / decode capacity)
-              each pool grows by one more if its SLO was missed last interval
-              (so it needs no profile: before any measurement it acts on the SLO
-              alone), then both fit [min, max] and a shared budget together
-              (split by need: neither starves the other)
+              a pool that missed its SLO last interval with nothing warming
+              grows to at least its routable workers times observed / target
+              (at most 2x, at least +1; so it needs no profile: before any
+              measurement it acts on the SLO alone), then both fit [min, max]
+              and a shared budget together (split by need: neither starves
+              the other)
     damp      counts warming replicas as capacity already coming; moves each
-              pool at most max_step per interval; shrinks only after
+              pool at most max(max_step, max_step_fraction of it) per
+              interval; shrinks only after
               downscale_delay_s of wanting to; never reverses a pool's
               direction within min_reversal_s
 
@@ -53,7 +56,7 @@ class PlannerSpec(BaseModel):
     interval_s: float = Field(5.0, gt=0, description="how often the planner decides")
     max_step: int = Field(1, ge=1, description="most workers a pool gains or loses per interval")
     max_step_fraction: float = Field(
-        0.25, ge=0, description="...or this fraction of the pool, if larger (large pools move faster)"
+        1.0, ge=0, description="...or this fraction of the pool, if larger (a pool may double per interval)"
     )
     downscale_delay_s: float = Field(30.0, ge=0, description="how long shrinking must be wanted first")
     min_reversal_s: float = Field(60.0, ge=0, description="a pool never changes direction sooner than this")
@@ -64,6 +67,13 @@ class PlannerSpec(BaseModel):
     )
     smoothing: float = Field(0.3, gt=0, le=1, description="EWMA weight of the latest interval's load")
     max_prefill_utilisation: float = Field(0.9, gt=0, lt=1, description="never plan a prefill worker busier")
+    decode_headroom: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="plan decode batches whose step takes at most this fraction of the TPOT target "
+        "(a worker's batch varies around its mean; the p90 must still meet the target)",
+    )
 
 
 @dataclass(frozen=True)
@@ -212,11 +222,11 @@ class Planner:
 
     def decode_capacity(self, max_batch: int) -> float:
         """Output tokens/s one decode worker gives at the largest batch whose step meets
-        the TPOT target (on the fitted step-time line); 0 unknown."""
+        ``decode_headroom`` of the TPOT target (on the fitted step-time line); 0 unknown."""
         if not self._points:
             return 0.0
         a, b = fit_line(list(self._points))
-        target = self.spec.tpot_ms / 1000
+        target = self.spec.decode_headroom * self.spec.tpot_ms / 1000
         if a >= target:
             return 1.0 / max(a + b, 1e-9)  # not even one sequence meets it: one at a time
         batch = max_batch if b <= 0 else min(max_batch, (target - a) / b)
@@ -254,16 +264,22 @@ class Planner:
         busy_extra: float = 0.0,
     ) -> tuple[int, str]:
         """Workers the demand needs at this capacity, plus ``busy_extra`` workers' worth of
-        other work, plus one when the SLO was missed and the estimate did not ask for more."""
+        other work. When the SLO was missed with no replica warming (the estimate was too
+        low, not the capacity late), at least the routable workers times observed / target
+        (at most twice them, at least one more)."""
         have = view.current + view.warming
         if capacity > 0:
             need = math.ceil(demand / capacity + busy_extra - 1e-9)
             why = f"{demand:.0f} tok/s at {capacity:.0f} tok/s per worker"
         else:
             need, why = have, "no capacity measured yet"
-        if observed_s is not None and observed_s * 1000 > target_ms and need <= have:
-            need = have + 1
-            why += f"; p90 {observed_s * 1000:.0f} ms > {target_ms:.0f} ms target"
+        missed = observed_s is not None and observed_s * 1000 > target_ms
+        if missed and view.warming == 0:
+            ratio = min(observed_s * 1000 / target_ms, 2.0)
+            floor = max(view.current + 1, math.ceil(view.current * ratio))
+            if need < floor:
+                need = floor
+                why += f"; p90 {observed_s * 1000:.0f} ms > {target_ms:.0f} ms target"
         return max(need, 0), why
 
     def _fit_budget(self, p: int, d: int, inp: PlannerInput) -> tuple[int, int]:

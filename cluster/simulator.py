@@ -17,10 +17,14 @@ transfers, failures.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import heapq
 import itertools
+import json
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.cluster.autoscale import ScaleDecision
@@ -41,12 +45,46 @@ class SimProfile:
     transfer_s_per_token: float = 0.0  # and per prompt token
     start_s: float = 30.0  # a new worker's start until it is routable
 
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> SimProfile:
+        """The inverse of ``to_json``; a missing or unknown field is a ValueError."""
+        fields = json.loads(text)
+        try:
+            fields["decode_step_s"] = tuple(fields["decode_step_s"])
+            return cls(**fields)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a simulator profile: {e}") from None
+
 
 @dataclass(frozen=True)
 class SimRequest:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+
+
+def _poisson_trace(
+    rate_at: Callable[[float], float],
+    peak: float,
+    duration_s: float,
+    prompt_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+    seed: int,
+) -> list[SimRequest]:
+    """Poisson arrivals at ``rate_at(t)`` (never above ``peak``), by thinning; lengths
+    uniform in the given ranges."""
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    while peak > 0:
+        t += rng.expovariate(peak)
+        if t >= duration_s:
+            break
+        if rng.random() * peak < rate_at(t):
+            out.append(SimRequest(t, rng.randint(*prompt_tokens), rng.randint(*output_tokens)))
+    return out
 
 
 def bursty_trace(
@@ -61,17 +99,35 @@ def bursty_trace(
 ) -> list[SimRequest]:
     """Poisson arrivals at ``burst_rate`` during the first ``burst_s`` of every
     ``period_s`` and ``base_rate`` otherwise; lengths uniform in the given ranges."""
-    rng = random.Random(seed)
-    peak = max(base_rate, burst_rate)
-    out, t = [], 0.0
-    while peak > 0:
-        t += rng.expovariate(peak)
-        if t >= duration_s:
-            break
-        rate = burst_rate if (t % period_s) < burst_s else base_rate
-        if rng.random() * peak < rate:  # thinning
-            out.append(SimRequest(t, rng.randint(*prompt_tokens), rng.randint(*output_tokens)))
-    return out
+
+    def rate_at(t: float) -> float:
+        return burst_rate if (t % period_s) < burst_s else base_rate
+
+    return _poisson_trace(
+        rate_at, max(base_rate, burst_rate), duration_s, prompt_tokens, output_tokens, seed
+    )
+
+
+def schedule_trace(
+    schedule: list[tuple[float, float]],
+    duration_s: float,
+    prompt_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+    seed: int = 0,
+) -> list[SimRequest]:
+    """Poisson arrivals at a piecewise-constant rate: ``schedule`` lists ``(from_s,
+    rate)`` in time order (the first from 0), each rate holding until the next;
+    e.g. ``[(0, 20), (120, 100), (300, 20)]`` is a 5x load step from 120 s to 300 s."""
+    if not schedule or schedule[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(schedule, schedule[1:])):
+        raise ValueError("schedule must start at 0 and be in increasing time order")
+    starts = [t for t, _ in schedule]
+
+    def rate_at(t: float) -> float:
+        return schedule[bisect.bisect_right(starts, t) - 1][1]
+
+    return _poisson_trace(
+        rate_at, max(r for _, r in schedule), duration_s, prompt_tokens, output_tokens, seed
+    )
 
 
 @dataclass

@@ -9,7 +9,8 @@ import pytest
 
 from splitserve.cluster.planner import Planner, PlannerInput, PlannerProfile, PlannerSpec, PoolView, fit_line
 
-SPEC = PlannerSpec(ttft_ms=500, tpot_ms=50, downscale_delay_s=20, min_reversal_s=60)
+# max_step_fraction 0: every pool moves by max_step (one worker) per interval
+SPEC = PlannerSpec(ttft_ms=500, tpot_ms=50, downscale_delay_s=20, min_reversal_s=60, max_step_fraction=0)
 # a prefill worker does 2000 prompt tokens/s; a decode step is 10 ms + 1 ms per sequence
 PROFILE = PlannerProfile(2000.0, ((1, 0.011), (8, 0.018), (32, 0.042)))
 
@@ -73,8 +74,9 @@ def test_an_output_heavy_step_grows_decode_not_prefill():
     step = planner.decide(interval(5, rate=40, prompt=20, output=400, **pools(1, 1)))
     assert step.decode.desired >= 3 and step.decode.target == 2
     assert step.prefill.desired == 1 and step.prefill.target == 1
-    # the decode capacity is the batch that meets 50 ms: (0.05 - 0.01) / 0.001 = 40 sequences
-    assert step.decode_capacity == pytest.approx(40 / 0.05, rel=0.01)
+    # the decode capacity is the batch whose step is 80 % (decode_headroom) of 50 ms:
+    # (0.04 - 0.01) / 0.001 = 30 sequences every 40 ms
+    assert step.decode_capacity == pytest.approx(30 / 0.04, rel=0.01)
 
 
 def test_warming_workers_count_as_capacity_on_the_way():
@@ -127,3 +129,15 @@ def test_prefill_capacity_is_the_measured_rate_at_the_utilisation_that_meets_ttf
     planner.decide(interval(0, rate=1, prompt=100, output=10, prefill_tokens_per_s=500.0))
     # a 100-token prompt takes 0.2 s of the 0.5 s target; M/D/1 allows rho = 2x/(1+2x), x = 1.5
     assert planner.prefill_capacity() == pytest.approx(500 * 0.75)
+
+
+def test_a_missed_slo_with_nothing_warming_grows_by_the_miss_ratio():
+    planner = Planner(SPEC, PROFILE)
+    calm = dict(rate=1, prompt=20, output=10)
+    planner.decide(interval(0, **calm, **pools(d=10, hi=32)))
+    # p90 TPOT 75 ms against 50: the 10 routable decode workers were 1.5x short
+    d = planner.decide(interval(5, **calm, tpot=0.075, **pools(d=10, hi=32)))
+    assert d.decode.desired == 15 and "75 ms > 50 ms" in d.decode.reason
+    # the same miss while 5 are warming: the capacity is late, not short; no more on top
+    w = planner.decide(interval(10, **calm, tpot=0.075, **pools(d=10, d_warm=5, hi=32)))
+    assert w.decode.desired < 15
