@@ -10,11 +10,16 @@ stream back) and the cores the workers share with them::
               fitted to (prompt tokens, TTFT) gives the fixed cost of a step
               (its intercept) and the prompt tokens per second (1 / its slope)
     decode    B requests sent together (they are prefilled together and decode
-              as one batch), at several B, each B ``decode_repeats`` times; each request's time per token after
-              its second one is a decode step at batch B; a line fitted to
+              as one batch), at several B, each ``decode_repeats`` times; each
+              request's time per token after its second one is a decode step at
+              batch B; a line fitted to
               (B, step) gives ``a + b * B``
     handover  at B = 1, the gap between the first and the second token less one
               decode step: the KV transfer and the decode worker's admission
+    sharing   with ``interference`` (workers that share a machine's cores): a
+              B = 1 decode step while prompts keep the prefill pool busy, and
+              the longest prompt's TTFT while a batch keeps the decode pool
+              busy, each against its figure alone, give the slowdowns
 
 Prompts are fresh random token ids (no prefix-cache hits) shorter than a step's
 token budget (no chunking), which is the regime the simulator models. For a
@@ -26,6 +31,7 @@ sends every prompt to a prefill worker.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 from dataclasses import dataclass
 
@@ -50,6 +56,7 @@ class ProfilePlan:
     max_batch: int = 256  # the decode workers' max_num_seqs (not measured: configured)
     max_batched_tokens: int = 512  # the prefill workers' token budget per step
     start_s: float = 30.0  # a new worker's start until routable (not measured here)
+    interference: bool = True  # measure the slowdowns of workers sharing cores
     seed: int = 0
 
 
@@ -60,6 +67,8 @@ class ProfileMeasurements:
     prefill: tuple[tuple[int, float], ...]  # (prompt tokens, TTFT)
     decode: tuple[tuple[int, float], ...]  # (batch, step)
     handover: tuple[float, ...]  # per B = 1 request
+    decode_shared: tuple[float, ...] = ()  # B = 1 steps while the prefill pool is busy
+    prefill_shared: tuple[float, ...] = ()  # longest prompt's TTFT while the decode pool is busy
 
 
 def decode_step_s(rec: RequestRecord) -> float | None:
@@ -70,7 +79,9 @@ def decode_step_s(rec: RequestRecord) -> float | None:
     return (rec.chunk_times[-1] - rec.chunk_times[1]) / sum(rec.chunk_tokens[2:])
 
 
-async def _run(address: str, reqs: list[workloads.BenchRequest], concurrency: int | None) -> list[RequestRecord]:
+async def _run(
+    address: str, reqs: list[workloads.BenchRequest], concurrency: int | None
+) -> list[RequestRecord]:
     records, _ = await run_load(address, reqs, [0.0] * len(reqs), concurrency, progress=False)
     failed = [r.error or "no tokens" for r in records if not r.success]
     if failed:
@@ -103,13 +114,75 @@ async def measure(address: str, plan: ProfilePlan) -> ProfileMeasurements:
         decode.append((b, statistics.median(steps)))
         if b == 1:
             handover += [r.itls[0] - decode[-1][1] for r in records]
-    return ProfileMeasurements(tuple(prefill), tuple(decode), tuple(handover))
+    m = ProfileMeasurements(tuple(prefill), tuple(decode), tuple(handover))
+    if plan.interference:
+        m = dataclasses.replace(m, **await _measure_sharing(address, plan, vocab))
+    return m
+
+
+class _Background:
+    """Requests streamed one after another (``loop``) or all at once, until stopped;
+    ``started`` is set when the first token arrives."""
+
+    def __init__(self, address: str, reqs: list[workloads.BenchRequest], loop: bool):
+        self.started, self._stop = asyncio.Event(), False
+        self._task = asyncio.ensure_future(self._run(address, reqs, loop))
+
+    async def _run(self, address: str, reqs: list[workloads.BenchRequest], loop: bool) -> None:
+        async with AsyncClient(address, retries=0, timeout=300) as client:
+
+            async def one(req: workloads.BenchRequest) -> None:
+                async for _ in client.stream(req.prompt_ids, max_tokens=req.output_len, ignore_eos=True):
+                    self.started.set()
+
+            if not loop:
+                await asyncio.gather(*map(one, reqs))
+                return
+            i = 0
+            while not self._stop:
+                await one(reqs[i % len(reqs)])
+                i += 1
+
+    async def stop(self) -> None:
+        self._stop = True
+        await self._task
+
+
+async def _measure_sharing(address: str, plan: ProfilePlan, vocab: int) -> dict:
+    seed, longest = plan.seed + 500, max(plan.prompt_lens)
+    prompts = workloads.random_requests(64, longest, 1, vocab, seed=seed)  # keeps prefill busy
+    busy = _Background(address, prompts, loop=True)
+    await busy.started.wait()
+    reqs = workloads.random_requests(
+        plan.decode_repeats, plan.decode_prompt_len, plan.decode_output_len, vocab, seed=seed + 1
+    )
+    records = await _run(address, reqs, 1)
+    await busy.stop()
+    decode_shared = tuple(s for s in map(decode_step_s, records) if s is not None)
+
+    batch = workloads.random_requests(
+        8, plan.decode_prompt_len, 400, vocab, seed=seed + 2
+    )  # keeps decode busy
+    busy = _Background(address, batch, loop=False)
+    await busy.started.wait()
+    reqs = workloads.random_requests(plan.prefill_repeats, longest, 1, vocab, seed=seed + 3)
+    records = await _run(address, reqs, 1)
+    await busy.stop()
+    return {"decode_shared": decode_shared, "prefill_shared": tuple(r.ttft for r in records)}
 
 
 def fit(m: ProfileMeasurements, plan: ProfilePlan) -> SimProfile:
     """The profile a simulator takes, from the measured points."""
     step_s, per_token_s = fit_line([(float(n), t) for n, t in m.prefill])
     a, b = fit_line([(float(batch), t) for batch, t in m.decode])
+    decode_slowdown = prefill_slowdown = 0.0
+    if m.decode_shared:
+        alone = statistics.median(t for batch, t in m.decode if batch == 1)
+        decode_slowdown = max(statistics.median(m.decode_shared) / alone - 1, 0.0)
+    if m.prefill_shared:
+        longest = max(n for n, _ in m.prefill)
+        alone = statistics.median(t for n, t in m.prefill if n == longest)
+        prefill_slowdown = max(statistics.median(m.prefill_shared) / alone - 1, 0.0)
     return SimProfile(
         prefill_tokens_per_s=1.0 / per_token_s if per_token_s > 0 else float("inf"),
         prefill_step_s=step_s,
@@ -118,6 +191,8 @@ def fit(m: ProfileMeasurements, plan: ProfilePlan) -> SimProfile:
         max_batch=plan.max_batch,
         transfer_s=max(statistics.median(m.handover), 0.0) if m.handover else 0.0,
         start_s=plan.start_s,
+        prefill_slowdown=prefill_slowdown,
+        decode_slowdown=decode_slowdown,
     )
 
 

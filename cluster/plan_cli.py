@@ -72,7 +72,9 @@ def load_profile(args: argparse.Namespace) -> SimProfile:
         "prefill_tokens_per_s": args.prefill_tokens_per_s,
         "prefill_step_s": None if args.prefill_step_ms is None else args.prefill_step_ms / 1000,
         "max_batched_tokens": args.max_batched_tokens,
-        "decode_step_s": None if args.decode_step_ms is None else tuple(x / 1000 for x in args.decode_step_ms),
+        "decode_step_s": None
+        if args.decode_step_ms is None
+        else tuple(x / 1000 for x in args.decode_step_ms),
         "max_batch": args.max_batch,
         "transfer_s": None if args.transfer_ms is None else args.transfer_ms / 1000,
         "start_s": args.start_s,
@@ -142,10 +144,14 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
     p.add_argument("--prompt-lens", type=int, nargs="+", default=list(ProfilePlan.prompt_lens))
-    p.add_argument("--repeats", type=int, default=ProfilePlan.prefill_repeats, help="requests per prompt length")
+    p.add_argument(
+        "--repeats", type=int, default=ProfilePlan.prefill_repeats, help="requests per prompt length"
+    )
     p.add_argument("--batches", type=int, nargs="+", default=list(ProfilePlan.batches))
     p.add_argument("--output-len", type=int, default=ProfilePlan.decode_output_len)
-    p.add_argument("--start-s", type=float, default=ProfilePlan.start_s, help="a new worker's start (not measured)")
+    p.add_argument(
+        "--start-s", type=float, default=ProfilePlan.start_s, help="a new worker's start (not measured)"
+    )
 
 
 def main_profile(args: argparse.Namespace) -> int:
@@ -165,7 +171,9 @@ def main_profile(args: argparse.Namespace) -> int:
     server = None
     if args.server is None:
         print(f"starting a cluster from {args.config or 'the embedded config'} ...")
-        server = Server(args.config or str(CONFIG_DIR / "local.yaml"), Path(args.out).with_suffix(".serve.log"))
+        server = Server(
+            args.config or str(CONFIG_DIR / "local.yaml"), Path(args.out).with_suffix(".serve.log")
+        )
     try:
         profile, m = cluster_profile.profile(args.server or server.address, plan)
     finally:
@@ -174,9 +182,11 @@ def main_profile(args: argparse.Namespace) -> int:
     Path(args.out).write_text(profile.to_json() + "\n")
     print("prefill  (tokens, TTFT ms): " + ", ".join(f"({n}, {t * 1e3:.1f})" for n, t in m.prefill))
     print("decode   (batch, step ms):  " + ", ".join(f"({b}, {t * 1e3:.2f})" for b, t in m.decode))
+    (a, b), pf = profile.decode_step_s, profile
     print(
-        f"profile: prefill {profile.prefill_tokens_per_s:.0f} tokens/s + {profile.prefill_step_s * 1e3:.1f} ms "
-        f"a step; decode step {profile.decode_step_s[0] * 1e3:.2f} + {profile.decode_step_s[1] * 1e3:.3f} * B ms; "
-        f"handover {profile.transfer_s * 1e3:.1f} ms -> {args.out}"
+        f"profile: prefill {pf.prefill_tokens_per_s:.0f} tokens/s + {pf.prefill_step_s * 1e3:.1f} ms a step; "
+        f"decode step {a * 1e3:.2f} + {b * 1e3:.3f} * B ms; handover {pf.transfer_s * 1e3:.1f} ms; "
+        f"slowdown sharing cores: prefill {pf.prefill_slowdown:.2f}, decode {pf.decode_slowdown:.2f} "
+        f"-> {args.out}"
     )
     return 0

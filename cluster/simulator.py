@@ -44,6 +44,10 @@ class SimProfile:
     transfer_s: float = 0.002  # fixed cost of one KV handover
     transfer_s_per_token: float = 0.0  # and per prompt token
     start_s: float = 30.0  # a new worker's start until it is routable
+    # Workers that share cores (one machine): a step's relative slowdown while the
+    # other pool's workers are busy, times the busy share of them; 0 on separate hardware.
+    prefill_slowdown: float = 0.0
+    decode_slowdown: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -103,9 +107,7 @@ def bursty_trace(
     def rate_at(t: float) -> float:
         return burst_rate if (t % period_s) < burst_s else base_rate
 
-    return _poisson_trace(
-        rate_at, max(base_rate, burst_rate), duration_s, prompt_tokens, output_tokens, seed
-    )
+    return _poisson_trace(rate_at, max(base_rate, burst_rate), duration_s, prompt_tokens, output_tokens, seed)
 
 
 def schedule_trace(
@@ -243,6 +245,7 @@ class Simulation:
         self._seq = itertools.count()
         self.workers: dict[str, list[_Worker]] = {"prefill": [], "decode": []}
         self._waiting: deque = deque()  # arrived while no prefill worker was routable
+        self._busy = {"prefill": 0, "decode": 0}  # workers in a step, per pool
         self.moves: dict[str, list[tuple[float, int]]] = {"prefill": [], "decode": []}
         self.timeline: list[tuple[float, int, int]] = []
         self.planner = Planner(planner) if policy == "slo" else None
@@ -307,13 +310,14 @@ class Simulation:
             batch.append(r)
             tokens += r.spec.prompt_tokens
         w.queued_tokens -= tokens
-        if not batch:
-            w.busy = False
+        if not self._set_busy(w, bool(batch)):
             self._maybe_gone(w)
             return
-        w.busy = True
         p = self.profile
-        self._at(self.now + p.prefill_step_s + tokens / p.prefill_tokens_per_s, self._prefill_done, w, batch)
+        step = (p.prefill_step_s + tokens / p.prefill_tokens_per_s) * self._slowdown(
+            "decode", p.prefill_slowdown
+        )
+        self._at(self.now + step, self._prefill_done, w, batch)
 
     def _prefill_done(self, w: _Worker, batch: list[SimOutcome]) -> None:
         p = self.profile
@@ -343,13 +347,11 @@ class Simulation:
         room = self.profile.max_batch - len(w.running)
         w.running.extend(w.pending[:room])
         del w.pending[:room]
-        if not w.running:
-            w.busy = False
+        if not self._set_busy(w, bool(w.running)):
             self._maybe_gone(w)
             return
-        w.busy = True
         a, b = self.profile.decode_step_s
-        step = a + b * len(w.running)
+        step = (a + b * len(w.running)) * self._slowdown("prefill", self.profile.decode_slowdown)
         self._points.append((len(w.running), step))
         self._at(self.now + step, self._decode_done, w)
 
@@ -363,6 +365,18 @@ class Simulation:
                 still.append(r)
         w.running = still
         self._decode_step(w)
+
+    def _set_busy(self, w: _Worker, busy: bool) -> bool:
+        self._busy[w.pool] += busy - w.busy
+        w.busy = busy
+        return busy
+
+    def _slowdown(self, other: str, slowdown: float) -> float:
+        """1 + ``slowdown`` x the busy share of pool ``other`` (workers sharing cores)."""
+        if not slowdown:
+            return 1.0
+        alive = sum(1 for w in self.workers[other] if w.gone_s is None)
+        return 1.0 + slowdown * self._busy[other] / max(alive, 1)
 
     def _finish(self, r: SimOutcome) -> None:
         r.finished_s = self.now
