@@ -50,9 +50,9 @@ class ProfilePlan:
     prompt_lens: tuple[int, ...] = (32, 128, 256, 384, 480)
     prefill_repeats: int = 4
     batches: tuple[int, ...] = (1, 2, 4, 8, 16)
-    decode_repeats: int = 2
+    decode_repeats: int = 3
     decode_prompt_len: int = 32
-    decode_output_len: int = 48
+    decode_output_len: int = 64
     max_batch: int = 256  # the decode workers' max_num_seqs (not measured: configured)
     max_batched_tokens: int = 512  # the prefill workers' token budget per step
     start_s: float = 30.0  # a new worker's start until routable (not measured here)

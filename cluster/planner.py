@@ -19,9 +19,10 @@ size). The planner then::
     size      prefill = ceil(predicted prompt tokens/s / prefill capacity)
               decode  = ceil(predicted output tokens/s / decode capacity)
               a pool that missed its SLO last interval with nothing warming
-              grows to at least its routable workers times observed / target
-              (at most 2x, at least +1; so it needs no profile: before any
-              measurement it acts on the SLO alone), then both fit [min, max]
+              grows by at least one; decode to at least its routable workers
+              times observed TPOT / target (at most 2x; TTFT lags behind a
+              queue, TPOT does not); so it needs no profile: before any
+              measurement it acts on the SLO alone. Then both fit [min, max]
               and a shared budget together (split by need: neither starves
               the other)
     damp      counts warming replicas as capacity already coming; moves each
@@ -238,7 +239,12 @@ class Planner:
         self._observe(inp)
         rate, prompt, output = self._rate or 0.0, self._prompt or 0.0, self._output or 0.0
         p_cap, d_cap = self.prefill_capacity(), self.decode_capacity(inp.decode.max_batch)
-        p_need, p_why = self._need(rate * prompt, p_cap, inp.prefill, inp.ttft_p90_s, self.spec.ttft_ms)
+        # TTFT lags behind a queue (it stays high while a backlog drains, however
+        # many workers there are now): a miss adds one prefill worker. TPOT is the
+        # batch's present step time: a miss scales decode by how far it was missed.
+        p_need, p_why = self._need(
+            rate * prompt, p_cap, inp.prefill, inp.ttft_p90_s, self.spec.ttft_ms, by_ratio=False
+        )
         local_s = rate * (self._local or 0.0) / (self._prefill_rate or math.inf)  # decode workers' prefill
         d_need, d_why = self._need(
             rate * output, d_cap, inp.decode, inp.tpot_p90_s, self.spec.tpot_ms, local_s
@@ -262,11 +268,12 @@ class Planner:
         observed_s: float | None,
         target_ms: float,
         busy_extra: float = 0.0,
+        by_ratio: bool = True,
     ) -> tuple[int, str]:
         """Workers the demand needs at this capacity, plus ``busy_extra`` workers' worth of
         other work. When the SLO was missed with no replica warming (the estimate was too
-        low, not the capacity late), at least the routable workers times observed / target
-        (at most twice them, at least one more)."""
+        low, not the capacity late), at least one more than the routable workers, and
+        ``by_ratio`` at least them times observed / target (at most twice them)."""
         have = view.current + view.warming
         if capacity > 0:
             need = math.ceil(demand / capacity + busy_extra - 1e-9)
@@ -275,8 +282,9 @@ class Planner:
             need, why = have, "no capacity measured yet"
         missed = observed_s is not None and observed_s * 1000 > target_ms
         if missed and view.warming == 0:
-            ratio = min(observed_s * 1000 / target_ms, 2.0)
-            floor = max(view.current + 1, math.ceil(view.current * ratio))
+            floor = view.current + 1
+            if by_ratio:
+                floor = max(floor, math.ceil(view.current * min(observed_s * 1000 / target_ms, 2.0)))
             if need < floor:
                 need = floor
                 why += f"; p90 {observed_s * 1000:.0f} ms > {target_ms:.0f} ms target"
