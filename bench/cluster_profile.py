@@ -143,6 +143,15 @@ class _Background:
                 await one(reqs[i % len(reqs)])
                 i += 1
 
+    async def wait_started(self) -> None:
+        """Until the first token; the background's error if it ends first (never a hang)."""
+        started = asyncio.ensure_future(self.started.wait())
+        await asyncio.wait({self._task, started}, return_when=asyncio.FIRST_COMPLETED)
+        if not self.started.is_set():
+            started.cancel()
+            self._task.result()  # raises what ended it
+            raise RuntimeError("background profiling requests produced no tokens")
+
     async def stop(self) -> None:
         self._stop = True
         await self._task
@@ -152,7 +161,7 @@ async def _measure_sharing(address: str, plan: ProfilePlan, vocab: int) -> dict:
     seed, longest = plan.seed + 500, max(plan.prompt_lens)
     prompts = workloads.random_requests(64, longest, 1, vocab, seed=seed)  # keeps prefill busy
     busy = _Background(address, prompts, loop=True)
-    await busy.started.wait()
+    await busy.wait_started()
     reqs = workloads.random_requests(
         plan.decode_repeats, plan.decode_prompt_len, plan.decode_output_len, vocab, seed=seed + 1
     )
@@ -164,7 +173,7 @@ async def _measure_sharing(address: str, plan: ProfilePlan, vocab: int) -> dict:
         8, plan.decode_prompt_len, 400, vocab, seed=seed + 2
     )  # keeps decode busy
     busy = _Background(address, batch, loop=False)
-    await busy.started.wait()
+    await busy.wait_started()
     reqs = workloads.random_requests(plan.prefill_repeats, longest, 1, vocab, seed=seed + 3)
     records = await _run(address, reqs, 1)
     await busy.stop()
