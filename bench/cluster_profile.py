@@ -39,6 +39,7 @@ from splitserve.bench import workloads
 from splitserve.bench.metrics import RequestRecord
 from splitserve.bench.serve_bench import run_load
 from splitserve.client import AsyncClient
+from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.planner import fit_line
 from splitserve.cluster.simulator import SimProfile
 
@@ -58,6 +59,15 @@ class ProfilePlan:
     start_s: float = 30.0  # a new worker's start until routable (not measured here)
     interference: bool = True  # measure the slowdowns of workers sharing cores
     seed: int = 0
+
+
+def plan_for(config: ClusterConfig, **fields) -> ProfilePlan:
+    """A plan with the batch limits ``config``'s workers run with (not measured)."""
+    return ProfilePlan(
+        max_batch=config.decode.engine.max_num_seqs,
+        max_batched_tokens=config.prefill.engine.max_num_batched_tokens,
+        **fields,
+    )
 
 
 @dataclass(frozen=True)

@@ -35,14 +35,8 @@ from pathlib import Path
 
 from splitserve.cluster.config import AutoscalingSpec
 from splitserve.cluster.planner import PlannerSpec
-from splitserve.cluster.simulator import (
-    PoolLimits,
-    SimProfile,
-    SimRequest,
-    SimResult,
-    Simulation,
-    schedule_trace,
-)
+from splitserve.cluster.sim_trace import SimRequest, schedule_trace
+from splitserve.cluster.simulator import PoolLimits, SimProfile, SimResult, Simulation
 
 SCHEDULE = ((0, 1), (120, 5), (300, 1), (360, 3), (370, 1), (480, 3), (490, 1))
 DURATION_S = 600.0
@@ -168,12 +162,7 @@ def print_table(rows: dict[str, Row | None]) -> None:
 def _windows(row: Row, study: Study, width_s: float) -> tuple[list[float], list[float]]:
     buckets: dict[int, list[bool]] = {}
     for o in row.result.requests:
-        ok = (
-            o.finished_s is not None
-            and o.ttft_s * 1000 <= study.ttft_ms
-            and (o.tpot_s is None or o.tpot_s * 1000 <= study.tpot_ms)
-        )
-        buckets.setdefault(int(o.spec.arrival_s // width_s), []).append(ok)
+        buckets.setdefault(int(o.spec.arrival_s // width_s), []).append(o.met(study.ttft_ms, study.tpot_ms))
     keys = sorted(buckets)
     return [k * width_s for k in keys], [sum(buckets[k]) / len(buckets[k]) for k in keys]
 

@@ -28,7 +28,8 @@ from splitserve.bench.serve_bench import run_load
 from splitserve.client import Client
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.planner import percentile
-from splitserve.cluster.simulator import PoolLimits, SimProfile, SimRequest, Simulation
+from splitserve.cluster.sim_trace import SimRequest
+from splitserve.cluster.simulator import PoolLimits, SimProfile, Simulation
 
 GOAL = 0.25  # the bound on |simulated / measured - 1|
 
@@ -135,11 +136,7 @@ def main(args: argparse.Namespace) -> int:
         if args.profile:
             profile = SimProfile.from_json(Path(args.profile).read_text())
         else:
-            plan = cluster_profile.ProfilePlan(
-                max_batch=config.decode.engine.max_num_seqs,
-                max_batched_tokens=config.prefill.engine.max_num_batched_tokens,
-            )
-            profile, _ = cluster_profile.profile(address, plan)
+            profile, _ = cluster_profile.profile(address, cluster_profile.plan_for(config))
         print(f"profile: {profile}")
         rows = check(
             address,

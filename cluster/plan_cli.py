@@ -10,10 +10,12 @@ import dataclasses
 import math
 from pathlib import Path
 
+from splitserve.bench import cluster_profile
 from splitserve.bench.cluster_profile import ProfilePlan
 from splitserve.cluster.config import CONFIG_DIR, AutoscalingSpec, ClusterConfig
 from splitserve.cluster.planner import PlannerSpec, percentile
-from splitserve.cluster.simulator import PoolLimits, SimProfile, SimResult, Simulation, bursty_trace
+from splitserve.cluster.sim_trace import bursty_trace
+from splitserve.cluster.simulator import PoolLimits, SimProfile, SimResult, Simulation
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,7 +139,10 @@ def main(args: argparse.Namespace) -> int:
 # ---- splitserve plan profile -------------------------------------------------------------
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--server", help="profile the cluster at HOST:PORT")
+    where.add_argument(
+        "--server",
+        help="profile the cluster at HOST:PORT (its batch limits are taken to be the embedded config's)",
+    )
     where.add_argument(
         "--config",
         help="start a cluster from this config, profile it, stop it (default: the embedded one)",
@@ -155,17 +160,15 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main_profile(args: argparse.Namespace) -> int:
-    from splitserve.bench import cluster_profile
     from splitserve.bench.compare import Server
 
     config = ClusterConfig.load(args.config)
-    plan = ProfilePlan(
+    plan = cluster_profile.plan_for(
+        config,
         prompt_lens=tuple(args.prompt_lens),
         prefill_repeats=args.repeats,
         batches=tuple(args.batches),
         decode_output_len=args.output_len,
-        max_batch=config.decode.engine.max_num_seqs,
-        max_batched_tokens=config.prefill.engine.max_num_batched_tokens,
         start_s=args.start_s,
     )
     server = None

@@ -2,9 +2,11 @@
 autoscaling policies at scales this machine cannot run: requests arrive, queue
 at prefill workers (FIFO, a token budget per step), hand their KV to a decode
 worker (continuous batching, one token per running sequence per step), and
-finish; workers start after a warm-up and leave by draining. The policies are
-the cluster's own code: ``slo`` runs ``Planner.decide`` on the same
-``PlannerInput`` the live ``PlannerLoop`` builds, ``proportional`` runs
+finish; workers start after a warm-up and leave by draining; workers that
+share a machine's cores slow each other (``SimProfile``'s slowdowns). Traces
+come from ``cluster.sim_trace``. The policies are the cluster's own code:
+``slo`` runs ``Planner.decide`` on the same ``PlannerInput`` the live
+``PlannerLoop`` builds, ``proportional`` runs
 ``ScaleDecision`` on the same load figures ``Autoscaler`` reads, ``fixed``
 never moves.
 
@@ -17,19 +19,17 @@ transfers, failures.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import heapq
 import itertools
 import json
-import random
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.cluster.autoscale import ScaleDecision
 from splitserve.cluster.config import AutoscalingSpec
 from splitserve.cluster.planner import Planner, PlannerInput, PlannerSpec, PoolView, percentile
+from splitserve.cluster.sim_trace import SimRequest
 
 
 @dataclass(frozen=True)
@@ -63,75 +63,6 @@ class SimProfile:
             raise ValueError(f"not a simulator profile: {e}") from None
 
 
-@dataclass(frozen=True)
-class SimRequest:
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-
-
-def _poisson_trace(
-    rate_at: Callable[[float], float],
-    peak: float,
-    duration_s: float,
-    prompt_tokens: tuple[int, int],
-    output_tokens: tuple[int, int],
-    seed: int,
-) -> list[SimRequest]:
-    """Poisson arrivals at ``rate_at(t)`` (never above ``peak``), by thinning; lengths
-    uniform in the given ranges."""
-    rng = random.Random(seed)
-    out, t = [], 0.0
-    while peak > 0:
-        t += rng.expovariate(peak)
-        if t >= duration_s:
-            break
-        if rng.random() * peak < rate_at(t):
-            out.append(SimRequest(t, rng.randint(*prompt_tokens), rng.randint(*output_tokens)))
-    return out
-
-
-def bursty_trace(
-    duration_s: float,
-    base_rate: float,
-    burst_rate: float,
-    period_s: float,
-    burst_s: float,
-    prompt_tokens: tuple[int, int],
-    output_tokens: tuple[int, int],
-    seed: int = 0,
-) -> list[SimRequest]:
-    """Poisson arrivals at ``burst_rate`` during the first ``burst_s`` of every
-    ``period_s`` and ``base_rate`` otherwise; lengths uniform in the given ranges."""
-
-    def rate_at(t: float) -> float:
-        return burst_rate if (t % period_s) < burst_s else base_rate
-
-    return _poisson_trace(rate_at, max(base_rate, burst_rate), duration_s, prompt_tokens, output_tokens, seed)
-
-
-def schedule_trace(
-    schedule: list[tuple[float, float]],
-    duration_s: float,
-    prompt_tokens: tuple[int, int],
-    output_tokens: tuple[int, int],
-    seed: int = 0,
-) -> list[SimRequest]:
-    """Poisson arrivals at a piecewise-constant rate: ``schedule`` lists ``(from_s,
-    rate)`` in time order (the first from 0), each rate holding until the next;
-    e.g. ``[(0, 20), (120, 100), (300, 20)]`` is a 5x load step from 120 s to 300 s."""
-    if not schedule or schedule[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(schedule, schedule[1:])):
-        raise ValueError("schedule must start at 0 and be in increasing time order")
-    starts = [t for t, _ in schedule]
-
-    def rate_at(t: float) -> float:
-        return schedule[bisect.bisect_right(starts, t) - 1][1]
-
-    return _poisson_trace(
-        rate_at, max(r for _, r in schedule), duration_s, prompt_tokens, output_tokens, seed
-    )
-
-
 @dataclass
 class SimOutcome:
     """One request's fate in a simulation (times in simulated seconds)."""
@@ -151,6 +82,14 @@ class SimOutcome:
         if self.finished_s is None or self.spec.output_tokens <= 1:
             return None
         return (self.finished_s - self.first_token_s) / (self.spec.output_tokens - 1)
+
+    def met(self, ttft_ms: float, tpot_ms: float) -> bool:
+        """Finished and met both targets (a one-token request has no TPOT to miss)."""
+        return (
+            self.finished_s is not None
+            and self.ttft_s * 1000 <= ttft_ms
+            and (self.tpot_s is None or self.tpot_s * 1000 <= tpot_ms)
+        )
 
 
 @dataclass
@@ -193,15 +132,8 @@ class SimResult:
         return [r.tpot_s for r in self.requests if r.tpot_s is not None]
 
     def attainment(self, ttft_ms: float, tpot_ms: float) -> float:
-        """Fraction of all requests that finished and met both targets (a one-token
-        request has no TPOT to miss)."""
-        ok = sum(
-            r.finished_s is not None
-            and r.ttft_s * 1000 <= ttft_ms
-            and (r.tpot_s is None or r.tpot_s * 1000 <= tpot_ms)
-            for r in self.requests
-        )
-        return ok / max(len(self.requests), 1)
+        """Fraction of all requests that finished and met both targets."""
+        return sum(r.met(ttft_ms, tpot_ms) for r in self.requests) / max(len(self.requests), 1)
 
     def reversals_per_minute(self, pool: str) -> int:
         """The most direction reversals of ``pool`` within any 60 s."""

@@ -9,13 +9,8 @@ import pytest
 
 from splitserve.cluster.config import AutoscalingSpec
 from splitserve.cluster.planner import PlannerSpec, percentile
-from splitserve.cluster.simulator import (
-    PoolLimits,
-    SimProfile,
-    SimRequest,
-    Simulation,
-    bursty_trace,
-)
+from splitserve.cluster.sim_trace import SimRequest, bursty_trace
+from splitserve.cluster.simulator import PoolLimits, SimProfile, Simulation
 
 PROFILE = SimProfile(
     prefill_tokens_per_s=10_000,
