@@ -31,6 +31,7 @@ from splitserve.router.dispatch import Dispatcher
 from splitserve.router.metrics import PoolSize, RouterMetrics
 from splitserve.router.metrics_server import MetricsServer
 from splitserve.router.openai_http import OpenAIServer
+from splitserve.router.otel import OtelSink, otlp_exporter
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
 
@@ -70,6 +71,7 @@ class ServingCluster:
         self.http: OpenAIServer | None = None
         self.metrics: RouterMetrics | None = None
         self.metrics_server: MetricsServer | None = None
+        self.otel: OtelSink | None = None
         self.autoscalers: dict[str, Autoscaler] = {}
         self.planner: PlannerLoop | None = None
         self._tasks: list[asyncio.Task] = []
@@ -120,6 +122,13 @@ class ServingCluster:
                 lambda: {(p.value, r.value): n for (p, r), n in dispatcher.decider.counts.items()},
             )
             dispatcher.sinks.append(self.metrics)
+            if cfg.router.otel_endpoint:
+                self.otel = OtelSink(
+                    otlp_exporter(cfg.router.otel_endpoint),
+                    cfg.router.otel_service_name,
+                    transfer_backend=cfg.transfer.backend,
+                )
+                dispatcher.sinks.append(self.otel)
             r = cfg.router
             self.server = RouterServer(dispatcher, cfg.mode, r.host, r.port, credentials=_credentials(cfg))
             await self.server.start()
@@ -191,6 +200,9 @@ class ServingCluster:
             await self.metrics_server.stop()
         if self.server is not None:
             await self.server.stop(self.config.router.shutdown_grace_s)
+        if self.otel is not None:
+            await asyncio.to_thread(self.otel.shutdown)  # flushes what is queued
+            self.otel = None
         await asyncio.gather(*(w.client.close() for w in self.registry.workers()), return_exceptions=True)
         for pool in self.pools.values():
             pool.shutdown()

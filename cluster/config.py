@@ -206,6 +206,12 @@ class RouterSpec(_Strict):
     traces_kept: int = Field(
         100, ge=0, description="finished requests' traces kept for `splitserve status --traces`"
     )
+    otel_endpoint: str | None = Field(
+        None,
+        description="an OpenTelemetry collector (host:port, OTLP over gRPC) that receives one trace per "
+        "request; needs pip install 'splitserve[otel]' (null: no export)",
+    )
+    otel_service_name: str = Field("splitserve", description="the service.name the exported traces carry")
     tls_cert: str | None = Field(None, description="PEM certificate chain file; enables TLS with tls_key")
     tls_key: str | None = Field(None, description="PEM private key file")
     shutdown_grace_s: float = Field(5.0, ge=0, description="how long running calls may finish on shutdown")

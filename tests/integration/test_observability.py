@@ -24,8 +24,23 @@ from tests.integration.cluster_util import VOCAB, live_cluster, mixed_workload, 
 
 
 @pytest.fixture(scope="module")
-def cluster(checkpoint):
-    with live_cluster(tiny_config(checkpoint)) as c:
+def collector():
+    """An OTLP collector the cluster exports its traces to (None without the otel extra)."""
+    try:
+        from tests.otel_collector import Collector
+    except ImportError:
+        yield None
+        return
+    with Collector() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint, collector):
+    router = {"port": 0, "http_port": 0, "shutdown_grace_s": 1}
+    if collector is not None:
+        router["otel_endpoint"] = collector.endpoint
+    with live_cluster(tiny_config(checkpoint, router=router)) as c:
         yield c
 
 
@@ -185,3 +200,21 @@ def test_a_trace_names_both_workers_and_its_phases_add_up(cluster, client):
     assert st.traces[-1].request_id == t.request_id and t.request_id in shown
     for word in ("kv_transfer", "prefill-0", "decode-0"):
         assert word in shown
+
+
+def test_the_trace_reaches_an_opentelemetry_collector(cluster, client, collector):
+    if collector is None:
+        pytest.skip("the otel extra is not installed")
+    final = Completion()
+    for item in client.stream(mixed_workload(1, seed=11)[0][0], max_tokens=12, request_id="otel-1"):
+        final.add(item)
+    root, *phases = collector.trace_of("otel-1")
+    assert root.attributes["splitserve.prefill_worker"] == "prefill-0"
+    assert root.attributes["splitserve.decode_worker"] == "decode-0"
+    assert [p.name for p in phases] == [
+        f"splitserve.{n}" for n in ("queue", "prefill", "kv_transfer", "decode")
+    ]
+    assert root.attributes["splitserve.output_tokens"] == len(final.token_ids)
+    e2e_ms = (root.end_ns - root.start_ns) / 1e6
+    assert sum(p.end_ns - p.start_ns for p in phases) / 1e6 == pytest.approx(e2e_ms, abs=0.01)
+    assert e2e_ms == pytest.approx(final.final.e2e_ms, abs=0.01)
