@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 
 def connect_ray(config: ClusterConfig) -> bool:
     """Attach to Ray (an address in the config, or one this process already
-    joined) or start a local instance. Returns True if this call started it."""
+    joined) or start a local instance, never an existing cluster that was not
+    asked for. Returns True if this call started it; raises ``RuntimeError``
+    with a sentence when a local instance cannot start."""
     if ray.is_initialized():
         return False
     if config.ray.address:
@@ -48,7 +50,16 @@ def connect_ray(config: ClusterConfig) -> bool:
         return False
     needed = sum(p.replicas * p.num_cpus * p.tp_size for p in config.pools().values())
     num_cpus = config.ray.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
-    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    # "local": a new instance of our own, whatever the machine has seen. Without it Ray
+    # joins the cluster named in RAY_ADDRESS or in the session file a `ray start` left
+    # behind (ray_current_cluster), even a dead one, and fails with its own message.
+    try:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    except Exception as e:
+        raise RuntimeError(
+            f"could not start a local Ray instance ({type(e).__name__}: {e}); to use a running "
+            "cluster instead, pass --address auto or its address"
+        ) from e
     return True
 
 

@@ -1,13 +1,18 @@
 """The README's main path with the real model: ``splitserve serve`` (router ->
 prefill actor -> NIXL -> decode actor), then ``splitserve generate --stream``
-and ``splitserve status`` against it, then Ctrl-C shuts it down cleanly."""
+and ``splitserve status`` against it, then Ctrl-C shuts it down cleanly. The
+machine has seen a Ray cluster die without cleaning up: its session file still
+names it, and ``serve`` starts its own Ray regardless."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -52,11 +57,24 @@ def _check_openai_chat(address: str) -> None:
     assert "".join(deltas) == "".join(want)
 
 
+def _stale_ray_dir() -> str:
+    """A Ray temp dir whose ``ray_current_cluster`` (what ``ray start`` writes, and a
+    crash leaves behind) names a cluster that is gone. Short, under /tmp: Ray's unix
+    socket paths inside it must stay under 108 bytes."""
+    root = tempfile.mkdtemp(prefix="rs", dir="/tmp")
+    os.makedirs(os.path.join(root, "ray"))
+    with open(os.path.join(root, "ray", "ray_current_cluster"), "w") as f:
+        f.write(f"127.0.0.1:{_free_port()}")
+    return root
+
+
 def test_serve_generate_status_and_ctrl_c(tmp_path):
     port, http_port = _free_port(), _free_port()
     log = open(tmp_path / "serve.log", "w+")
+    ray_dir = _stale_ray_dir()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_dir}
     server = subprocess.Popen(
-        [*CLI, "serve", "--port", str(port), "--http-port", str(http_port)], stdout=log, stderr=log
+        [*CLI, "serve", "--port", str(port), "--http-port", str(http_port)], stdout=log, stderr=log, env=env
     )
     try:
         deadline = time.monotonic() + 600
@@ -96,6 +114,8 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             raise
+        finally:
+            shutil.rmtree(ray_dir, ignore_errors=True)
     text = (tmp_path / "serve.log").read_text()
     assert code == 0, text[-3000:]
     assert "stopped" in text
