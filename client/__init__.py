@@ -9,6 +9,7 @@ from splitserve.client.errors import (
     ResourceExhausted,
     ServerError,
     SplitserveClientError,
+    Unauthenticated,
     Unavailable,
 )
 from splitserve.client.types import Chunk, Completion, Final
@@ -28,5 +29,6 @@ __all__ = [
     "ResourceExhausted",
     "ServerError",
     "SplitserveClientError",
+    "Unauthenticated",
     "Unavailable",
 ]

@@ -12,12 +12,15 @@ fails with ``UNAVAILABLE`` before the server sent anything is retried with
 exponential backoff (``retries`` times); once tokens have arrived it is not,
 so no token is ever delivered twice. Leaving a ``stream`` early cancels the
 request on the server, which frees its KV everywhere. ``timeout`` (seconds)
-is the call's gRPC deadline.
+is the call's gRPC deadline. ``api_key`` (default: the ``SPLITSERVE_API_KEY``
+environment variable) is sent as ``authorization: Bearer KEY`` on every call;
+a server that wants one and does not get it raises ``Unauthenticated``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+API_KEY_ENV = "SPLITSERVE_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,12 @@ def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCred
     if not tls and root_certificates is None:
         return None
     return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+
+
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata carrying the API key (``api_key``, else ``SPLITSERVE_API_KEY``)."""
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    return (("authorization", f"Bearer {key}"),) if key else None
 
 
 def _tokenize_request(prompt: str | None, messages: list[dict[str, str]] | None, model: str):
@@ -66,11 +76,13 @@ class Client:
         timeout: float | None = None,
         retries: int = 3,
         backoff_s: float = 0.2,
+        api_key: str | None = None,
     ):
         creds = _credentials(tls, root_certificates)
         self._channel = (
             grpc.secure_channel(target, creds) if creds is not None else grpc.insecure_channel(target)
         )
+        self._metadata = _auth_metadata(api_key)
         self._stub = pb_grpc.SplitserveStub(self._channel)
         self.target, self.timeout, self.retries, self.backoff_s = target, timeout, retries, backoff_s
 
@@ -89,7 +101,7 @@ class Client:
         request = build_request(prompt, messages, **options)
         timeout = timeout if timeout is not None else self.timeout
         for attempt in range(self.retries + 1):
-            call = self._stub.Generate(request, timeout=timeout)
+            call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
             received = False
             try:
                 for resp in call:
@@ -139,7 +151,7 @@ class Client:
     def _unary(self, method, request):
         for attempt in range(self.retries + 1):
             try:
-                return method(request, timeout=self.timeout)
+                return method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
                 if isinstance(err, Unavailable) and attempt < self.retries:
@@ -169,11 +181,13 @@ class AsyncClient:
         timeout: float | None = None,
         retries: int = 3,
         backoff_s: float = 0.2,
+        api_key: str | None = None,
     ):
         creds = _credentials(tls, root_certificates)
         self._channel = (
             grpc.aio.secure_channel(target, creds) if creds is not None else grpc.aio.insecure_channel(target)
         )
+        self._metadata = _auth_metadata(api_key)
         self._stub = pb_grpc.SplitserveStub(self._channel)
         self.target, self.timeout, self.retries, self.backoff_s = target, timeout, retries, backoff_s
 
@@ -188,7 +202,7 @@ class AsyncClient:
         request = build_request(prompt, messages, **options)
         timeout = timeout if timeout is not None else self.timeout
         for attempt in range(self.retries + 1):
-            call = self._stub.Generate(request, timeout=timeout)
+            call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
             received = False
             try:
                 async for resp in call:
@@ -227,7 +241,7 @@ class AsyncClient:
     async def _unary(self, method, request):
         for attempt in range(self.retries + 1):
             try:
-                return await method(request, timeout=self.timeout)
+                return await method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
                 if isinstance(err, Unavailable) and attempt < self.retries:

@@ -38,6 +38,10 @@ class NotFound(SplitserveClientError):
     """The request named something the server does not have."""
 
 
+class Unauthenticated(SplitserveClientError):
+    """No API key, or one the server does not accept (``api_key=`` / ``SPLITSERVE_API_KEY``)."""
+
+
 class ServerError(SplitserveClientError):
     """An internal server error or another unexpected status."""
 
@@ -49,6 +53,7 @@ _BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.CANCELLED: Cancelled,
     grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
 
 

@@ -27,10 +27,11 @@ from splitserve.cluster.slo_autoscale import PlannerLoop
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_hf_config, resolve_source
 from splitserve.engine.parallel import check_tp_compatible
+from splitserve.router.auth import ApiKeys
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.metrics import PoolSize, RouterMetrics
 from splitserve.router.metrics_server import MetricsServer
-from splitserve.router.openai_http import OpenAIServer
+from splitserve.router.openai_http import OpenAIServer, server_ssl_context
 from splitserve.router.otel import OtelSink, otlp_exporter
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
@@ -83,6 +84,7 @@ class ServingCluster:
         self.metrics: RouterMetrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.otel: OtelSink | None = None
+        self.api_keys: ApiKeys | None = None
         self.autoscalers: dict[str, Autoscaler] = {}
         self.planner: PlannerLoop | None = None
         self._tasks: list[asyncio.Task] = []
@@ -99,6 +101,8 @@ class ServingCluster:
     async def start(self) -> str:
         """Start everything; returns the router's ``host:port`` once it serves."""
         cfg = self.config
+        if cfg.router.api_keys_file is not None:  # a bad keys file fails the start before Ray
+            self.api_keys = ApiKeys(cfg.router.api_keys_file)
         self._started_ray = connect_ray(cfg)
         try:
             if not cfg.ray.address:  # one machine: convert a GGUF once here, not in every worker
@@ -141,8 +145,12 @@ class ServingCluster:
                 )
                 dispatcher.sinks.append(self.otel)
             r = cfg.router
-            self.server = RouterServer(dispatcher, cfg.mode, r.host, r.port, credentials=_credentials(cfg))
+            self.server = RouterServer(
+                dispatcher, cfg.mode, r.host, r.port, credentials=_credentials(cfg), api_keys=self.api_keys
+            )
             await self.server.start()
+            if self.api_keys is not None:
+                self._tasks.append(asyncio.create_task(self.api_keys.watch()))
             for role, pool in self.pools.items():
                 if pool.spec.autoscaling is not None and pool.spec.autoscaling.policy == "proportional":
                     scaler = Autoscaler(pool, pool.spec.autoscaling)
@@ -161,7 +169,14 @@ class ServingCluster:
                     f"SLO planner on: TTFT {cfg.planner.ttft_ms:g} ms, TPOT {cfg.planner.tpot_ms:g} ms"
                 )
             if r.http_port is not None:
-                self.http = OpenAIServer(dispatcher, r.host, r.http_port, self.metrics)
+                self.http = OpenAIServer(
+                    dispatcher,
+                    r.host,
+                    r.http_port,
+                    self.metrics,
+                    self.api_keys,
+                    server_ssl_context(r.tls_cert, r.tls_key) if r.tls_cert else None,
+                )
                 await self.http.start()
             if r.metrics_port is not None:
                 self.metrics_server = MetricsServer(self.metrics, r.host, r.metrics_port)
@@ -169,13 +184,19 @@ class ServingCluster:
         except BaseException:
             await self.stop()
             raise
-        http = f", OpenAI-compatible HTTP on http://{self.http_address}/v1" if self.http else ""
+        scheme = "https" if r.tls_cert else "http"
+        http = f", OpenAI-compatible HTTP on {scheme}://{self.http_address}/v1" if self.http else ""
         if self.metrics_server is not None:
             http += f", metrics on http://{r.host}:{self.metrics_server.port}/metrics"
         elif self.http is not None:
             http += " (metrics at /metrics)"
         self.progress(f"serving {cfg.model.public_name} ({cfg.mode}) on {self.address} (gRPC){http}")
         return self.address
+
+    def reload_api_keys(self) -> None:
+        """Read ``router.api_keys_file`` again now (SIGHUP), if there is one."""
+        if self.api_keys is not None:
+            self.api_keys.reload()
 
     def _pool_sizes(self) -> list[PoolSize]:
         """Each pool's desired size: its autoscaler's or the planner's last wish, else its

@@ -56,6 +56,7 @@ async def _serve_until_signal(config) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, cluster.reload_api_keys)
     starting = asyncio.create_task(cluster.start())
     await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():
@@ -95,7 +96,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.raw else None
     options = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     try:
-        with Client(server) as client:
+        with Client(server, api_key=args.api_key) as client:
             if args.stream:
                 for item in client.stream(prompt, messages=messages, **options):
                     if isinstance(item, Chunk):
@@ -153,11 +154,19 @@ def _generate_in_process(args: argparse.Namespace) -> int:
 
 
 # ---- status ------------------------------------------------------------------------------
+def _add_api_key_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="the server's API key, if it wants one (default: the SPLITSERVE_API_KEY environment variable)",
+    )
+
+
 def _status(args: argparse.Namespace) -> int:
     from splitserve.client import Client, SplitserveClientError
 
     try:
-        with Client(args.server, retries=0, timeout=5.0) as client:
+        with Client(args.server, retries=0, timeout=5.0, api_key=args.api_key) as client:
             st = client.cluster_status(traces=args.traces)
     except SplitserveClientError as e:
         _err(f"{args.server}: {e}")
@@ -261,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="smollm2", help="in-process only: smollm2, a .gguf file or an HF directory"
     )
     gen.add_argument("--dtype", default="auto", help="in-process only: auto, float32, bfloat16 or float16")
+    _add_api_key_argument(gen)
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="serving benchmarks (the field's metrics)")
@@ -273,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="pools, workers, queues and KV occupancy of a running server")
     st.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
     st.add_argument("--traces", type=int, default=0, metavar="N", help="also the last N requests' traces")
+    _add_api_key_argument(st)
     st.set_defaults(func=_status)
 
     from splitserve.cluster import plan_cli

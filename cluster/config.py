@@ -212,7 +212,15 @@ class RouterSpec(_Strict):
         "request; needs pip install 'splitserve[otel]' (null: no export)",
     )
     otel_service_name: str = Field("splitserve", description="the service.name the exported traces carry")
-    tls_cert: str | None = Field(None, description="PEM certificate chain file; enables TLS with tls_key")
+    api_keys_file: str | None = Field(
+        None,
+        description="a file of API keys, one per line: every gRPC call (but health checks) and every "
+        "HTTP /v1 request must then carry 'authorization: Bearer KEY'; reloaded when the file changes "
+        "or on SIGHUP (null: no authentication)",
+    )
+    tls_cert: str | None = Field(
+        None, description="PEM certificate chain file; enables TLS (gRPC and HTTPS) with tls_key"
+    )
     tls_key: str | None = Field(None, description="PEM private key file")
     shutdown_grace_s: float = Field(5.0, ge=0, description="how long running calls may finish on shutdown")
 

@@ -6,6 +6,9 @@
     GET  /health
     GET  /metrics               Prometheus metrics (router.metrics), when given
 
+With API keys (``router.auth``), ``/v1/...`` answers 401 without a valid
+``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open.
+
 Requests take the same path as gRPC ``Generate`` (same validation, admission,
 cancellation: a client that disconnects aborts its request on every worker).
 Errors use OpenAI's shape, ``{"error": {"message", "type", "code"}}``, with
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import ssl
 import time
 import uuid
 from typing import Any
@@ -28,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from splitserve.engine.errors import InvalidRequest
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.router.auth import ApiKeys, http_auth_middleware
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import http_status_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
@@ -96,14 +101,30 @@ def _text_of(content: Any) -> str:
 
 
 class OpenAIServer:
-    def __init__(self, dispatcher: Dispatcher, host: str, port: int, metrics: RouterMetrics | None = None):
+    """The HTTP front door; with ``api_keys``, ``/v1/...`` needs ``Authorization: Bearer KEY``
+    (``router.auth``); with ``ssl_context``, it speaks HTTPS."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        host: str,
+        port: int,
+        metrics: RouterMetrics | None = None,
+        api_keys: ApiKeys | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ):
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.api_keys = api_keys
+        self.ssl_context = ssl_context
         self.host, self.port = host, port
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> int:
-        app = web.Application()
+        middlewares = []
+        if self.api_keys is not None:
+            middlewares.append(http_auth_middleware(self.api_keys, _auth_error_body))
+        app = web.Application(middlewares=middlewares)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
@@ -112,7 +133,7 @@ class OpenAIServer:
             add_metrics_route(app, self.metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
         await site.start()
         self.port = self._runner.addresses[0][1]  # the bound port, also when 0 was asked for
         return self.port
@@ -255,6 +276,18 @@ def _pydantic_message(e: ValidationError) -> str:
         where = ".".join(str(x) for x in err["loc"]) or "body"
         parts.append(f"{where}: {err['msg']}")
     return "invalid request: " + "; ".join(parts)
+
+
+def server_ssl_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """HTTPS with this PEM certificate chain and key (the files gRPC's TLS uses too)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+def _auth_error_body(message: str) -> dict:
+    """A 401 as OpenAI sends it (its SDK raises ``AuthenticationError``)."""
+    return {"error": {"message": message, "type": "invalid_request_error", "code": "invalid_api_key"}}
 
 
 def _error(exc: BaseException) -> web.Response:

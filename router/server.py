@@ -3,7 +3,8 @@
 
 Health is NOT_SERVING until ``start`` has the workers' first stats, SERVING
 while up, and NOT_SERVING again once ``stop`` begins (load balancers drain
-first). A background task refreshes the registry's worker stats every
+first). With ``api_keys``, every call but health checking needs a key
+(``router.auth``). A background task refreshes the registry's worker stats every
 ``stats_interval_s``.
 """
 
@@ -19,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
+from splitserve.router.auth import ApiKeys, GrpcAuthInterceptor
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.service import SplitserveService
 
@@ -36,12 +38,14 @@ class RouterServer:
         port: int = 50051,
         stats_interval_s: float = 0.5,
         credentials: grpc.ServerCredentials | None = None,
+        api_keys: ApiKeys | None = None,
     ):
         self.dispatcher = dispatcher
         self.mode = mode
         self.host, self.port = host, port
         self.stats_interval_s = stats_interval_s
         self.credentials = credentials
+        self.api_keys = api_keys
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._poller: asyncio.Task | None = None
@@ -52,7 +56,8 @@ class RouterServer:
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port (useful with port 0)."""
-        server = grpc.aio.server()
+        interceptors = [GrpcAuthInterceptor(self.api_keys)] if self.api_keys is not None else []
+        server = grpc.aio.server(interceptors=interceptors)
         pb_grpc.add_SplitserveServicer_to_server(SplitserveService(self.dispatcher, self.mode), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME)

@@ -32,11 +32,13 @@ class _Loop:
         self.thread.join(10)
 
 
-def _server(credentials=None) -> tuple[_Loop, RouterServer]:
+def _server(credentials=None, api_keys=None) -> tuple[_Loop, RouterServer]:
     validator = RequestValidator("tiny", vocab_size=100, max_model_len=64, max_kv_tokens=1024, tokenizer=None)
     dispatcher = Dispatcher(WorkerRegistry(), validator, served_model="tiny")
     loop = _Loop()
-    server = RouterServer(dispatcher, "disaggregated", "127.0.0.1", 0, credentials=credentials)
+    server = RouterServer(
+        dispatcher, "disaggregated", "127.0.0.1", 0, credentials=credentials, api_keys=api_keys
+    )
     loop.run(server.start())
     return loop, server
 
@@ -73,7 +75,8 @@ def test_health_turns_not_serving_on_stop():
     loop.close()
 
 
-def test_tls(tmp_path):
+def self_signed(tmp_path) -> tuple:
+    """A key and certificate for localhost (skips the test without openssl)."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
@@ -99,6 +102,11 @@ def test_tls(tmp_path):
         check=True,
         capture_output=True,
     )
+    return key, cert
+
+
+def test_tls(tmp_path):
+    key, cert = self_signed(tmp_path)
     creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
     loop, server = _server(creds)
     try:
