@@ -45,7 +45,10 @@ class DecodeTask:
     With ``handoff`` set, the prompt's KV and the first ``output_token_ids``
     come from a prefill worker: the decode worker pulls the KV and continues
     from there, never re-emitting those tokens. Without it, the worker prefills
-    ``prompt_token_ids`` itself."""
+    ``prompt_token_ids`` and ``output_token_ids`` (tokens already sent, when a
+    request resumes after a lost worker) itself, and continues after them as
+    the undisturbed run would (the same seeded stream; ``max_tokens`` counts
+    them)."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -162,7 +162,11 @@ class DecodeWorker:
             req.importing = asyncio.ensure_future(self._import(task, deadline, outbox))
             return
         try:
-            await self._call(lambda e: e.add_request(task.prompt_token_ids, task.params, rid))
+            await self._call(
+                lambda e: e.add_request(
+                    task.prompt_token_ids, task.params, rid, output_token_ids=task.output_token_ids
+                )
+            )
         except BaseException:
             self._end(rid)
             raise

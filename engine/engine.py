@@ -105,13 +105,25 @@ class Engine:
         request_id: str | None = None,
         messages: list[dict[str, str]] | None = None,
         prefill_only: bool = False,
+        output_token_ids: list[int] | None = None,
     ) -> str:
-        """Queue a request given as text, token ids, or chat ``messages``; return its id."""
+        """Queue a request given as text, token ids, or chat ``messages``; return its id.
+
+        ``output_token_ids``: tokens this request already generated elsewhere (one
+        resumed after its worker was lost). They are prefilled with the prompt and
+        never emitted again; they count toward ``max_tokens`` and the stop checks,
+        and seeded sampling goes on from the token after them, so the continuation
+        equals the undisturbed run's."""
         params = params or SamplingParams()
         request_id = self._new_id(request_id)
         prompt_ids = self.validate_request(prompt, params, messages)
+        done = list(output_token_ids or ())
+        if len(done) >= params.max_tokens:
+            raise InvalidRequest(f"{len(done)} tokens already generated; max_tokens is {params.max_tokens}")
         seq = Sequence(request_id, prompt_ids, params, prefill_only=prefill_only)
-        self.requests[request_id] = RequestState(seq, self.tokenizer, len(prompt_ids))
+        for t in done:
+            seq.append_token(t)
+        self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
         self.scheduler.add(seq)
         return request_id
 

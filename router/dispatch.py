@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -249,11 +248,12 @@ class Dispatcher:
     ) -> AsyncIterator[TokenEvent | FinalEvent]:
         reserve = len(task.prompt_token_ids) + task.params.max_tokens
         local_prefill = task.handoff is None  # dw prefills the prompt: queued there until its first token
+        to_prefill = len(task.prompt_token_ids) + (len(task.output_token_ids) if local_prefill else 0)
         started = False  # dw has said when it took the request into its batch
         async with contextlib.AsyncExitStack() as held:
             held.enter_context(self.registry.decoding(dw, req.request_id, reserve))
             if local_prefill:
-                held.enter_context(self.registry.prefilling(dw, req.request_id, len(task.prompt_token_ids)))
+                held.enter_context(self.registry.prefilling(dw, req.request_id, to_prefill))
             stream = await held.enter_async_context(contextlib.aclosing(dw.client.generate(task)))
             while True:
                 try:
@@ -293,10 +293,10 @@ class Dispatcher:
             req.mark("decode_admitted", at, dw.worker_id)
 
     def _resume_task(self, req: RequestState) -> DecodeTask:
-        """Continue on another decode worker: prefill prompt + sent tokens there."""
-        left = req.params.max_tokens - len(req.sent)
-        params = dataclasses.replace(req.params, max_tokens=max(1, left))
-        return DecodeTask(req.request_id, req.prompt_ids + req.sent, params, req.remaining())
+        """Continue on another decode worker: it prefills the prompt and the tokens
+        already sent, and goes on after them (seeded sampling included) as if
+        nothing had happened."""
+        return DecodeTask(req.request_id, req.prompt_ids, req.params, req.remaining(), list(req.sent))
 
     def _in_background(self, coro) -> None:
         """Run a worker call without awaiting it (abort, confirm): its errors are of no

@@ -46,6 +46,7 @@ class Load:
 
     def __init__(self, address: str, n: int):
         self.results, self.errors = [], []
+        self.sent: dict[str, tuple[list[int], int]] = {}  # request id -> (prompt, seed)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(address, i)) for i in range(n)]
         for t in self._threads:
@@ -56,12 +57,10 @@ class Load:
             seed = 100 * i
             while not self._stop.is_set():
                 seed += 1
+                prompt, rid = random_prompts([12], VOCAB, seed=seed)[0], f"load-{seed}"
+                self.sent[rid] = (prompt, seed)
                 try:
-                    self.results.append(
-                        c.generate(
-                            random_prompts([12], VOCAB, seed=seed)[0], max_tokens=LONG, ignore_eos=True
-                        )
-                    )
+                    self.results.append(c.generate(prompt, request_id=rid, **sampled(seed)))
                 except Exception as e:  # any failure is a dropped request
                     self.errors.append(e)
 
@@ -69,6 +68,11 @@ class Load:
         self._stop.set()
         for t in self._threads:
             t.join(300)
+
+
+def sampled(seed: int) -> dict:
+    """A long seeded (temperature 1) request's options: reproducible, and not greedy."""
+    return dict(max_tokens=LONG, ignore_eos=True, temperature=1.0, seed=seed)
 
 
 def _wait(cond, what: str, timeout: float = 180) -> None:
@@ -106,7 +110,8 @@ def test_decode_pool_grows_under_load_and_drains_without_dropping(cluster):
 def test_streams_on_a_lost_decode_worker_continue_elsewhere(cluster):
     """A decode worker killed mid-stream: its requests continue on another decode
     worker (which prefills prompt + tokens already sent); clients see complete,
-    unrepeated outputs and no error."""
+    unrepeated outputs and no error, and each resumed (seeded, sampled) request's
+    tokens equal those of the same request run again undisturbed."""
     scaler = cluster.cluster.autoscalers["decode"]
     if len(cluster.registry.routable("decode")) < 2:
         cluster.run(scaler.add(), timeout=180)
@@ -125,4 +130,11 @@ def test_streams_on_a_lost_decode_worker_continue_elsewhere(cluster):
     assert all(r.final.finish_reason == "length" and len(r.token_ids) == LONG for r in load.results)
     with Client(cluster.address) as c:
         used = wait_kv_free(c)
+        traces = c.cluster_status(traces=100).traces
+        resumed = {t.request_id for t in traces if any(m.name == "resumed" for m in t.marks)}
+        assert len(resumed) >= 2
+        for r in load.results:
+            if r.request_id in resumed:
+                prompt, seed = load.sent[r.request_id]
+                assert c.generate(prompt, **sampled(seed)).token_ids == r.token_ids, r.request_id
     assert all(v == 0 for k, v in used.items() if k != victim.worker_id)

@@ -113,6 +113,25 @@ def test_seeded_sampling_reproduces_across_batches(engine):
     assert other_seed[0].token_ids != alone
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_resumed_request_continues_the_undisturbed_run(engine, temperature):
+    """Given the tokens already generated (a request resumed after a lost worker), the
+    engine continues exactly as the undisturbed run did, seeded sampling included,
+    emits only the new tokens, and counts the old ones toward max_tokens."""
+    prompt = random_prompts([20], 512, seed=4)[0]
+    p = SamplingParams(max_tokens=12, temperature=temperature, seed=11, ignore_eos=True)
+    whole = engine.generate([prompt], p)[0].token_ids
+    for k in (1, 5, 11):
+        rid = engine.add_request(prompt, p, output_token_ids=whole[:k])
+        emitted = []
+        while engine.has_unfinished():
+            emitted += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+        assert emitted == whole[k:], k
+    with pytest.raises(InvalidRequest, match="already generated"):
+        engine.add_request(prompt, p, output_token_ids=whole)
+    assert_clean(engine)
+
+
 def test_prefill_half_then_decode_half_equals_monolithic(checkpoint):
     cfg = dict(model=str(checkpoint), dtype="float32", block_size=8, max_num_batched_tokens=32)
     prefill, decode, mono = (Engine(EngineConfig(**cfg)) for _ in range(3))
