@@ -128,6 +128,7 @@ class ServingCluster:
                 limits=cfg.limits,
                 policy=cfg.policy,
                 traces_kept=cfg.router.traces_kept,
+                on_transfer_failure=cfg.transfer.on_failure,
             )
             self.metrics = RouterMetrics(
                 cfg.model.public_name,
@@ -135,6 +136,7 @@ class ServingCluster:
                 self._pool_sizes,
                 lambda: len(dispatcher.inflight),
                 lambda: {(p.value, r.value): n for (p, r), n in dispatcher.decider.counts.items()},
+                lambda: dict(dispatcher.transfer_failures),
             )
             dispatcher.sinks.append(self.metrics)
             if cfg.router.otel_endpoint:

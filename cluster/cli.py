@@ -191,6 +191,9 @@ def _status(args: argparse.Namespace) -> int:
     if st.placements:
         decided = ", ".join(f"{p.placement}/{p.reason} {p.count}" for p in st.placements)
         print(f"prefill placement: {decided}; handover estimate {st.handover_ms:.1f} ms")
+    if st.transfer_failures:
+        failed = ", ".join(f"{f.error} {f.count} ({f.action})" for f in st.transfer_failures)
+        print(f"KV transfers failed: {failed}")
     for t in st.traces:
         _print_trace(t)
     return 0

@@ -188,6 +188,12 @@ class TransferSpec(_Strict):
     backend: Literal["nixl", "torch_dist", "ray"] = Field("nixl", description="KV transfer backend")
     lease_s: float = Field(30.0, gt=0, description="how long exported KV waits for a decode worker")
     timeout_s: float = Field(10.0, gt=0, description="bound on one KV pull")
+    on_failure: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="a KV transfer that fails (refused, corrupt, timed out, lease over, source gone): "
+        "recompute = the decode worker prefills the request itself, within its deadline; fail = the "
+        "request ends with UNAVAILABLE",
+    )
 
 
 class RouterSpec(_Strict):

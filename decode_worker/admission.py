@@ -15,7 +15,9 @@ it, and nothing starves. The head is tried again when the engine frees blocks
 - the queue already holds ``max_waiting`` requests when it arrives: ``Overloaded``;
 - its deadline comes first: ``DeadlineExceeded``;
 - its KV lease would end first (less than ``lease_margin_s`` left, too little
-  to pull): ``Overloaded``, naming the lease.
+  to pull): ``Overloaded``, naming the lease (the worker had no room in time);
+- its lease had (all but) ended when it arrived: ``LeaseExpired``, a transfer
+  failure (the router recomputes, under ``transfer.on_failure: recompute``).
 
 One asyncio loop owns the queue; ``wake_threadsafe`` may be called from any thread.
 """
@@ -31,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from splitserve.engine.errors import DeadlineExceeded, Overloaded
+from splitserve.kv_transfer.errors import LeaseExpired
 
 Allocate = Callable[[], Awaitable[list[int] | None]]  # the blocks, or None while the cache is full
 
@@ -70,10 +73,15 @@ class AdmissionQueue:
         self, request_id: str, allocate: Allocate, deadline: float | None, lease_s: float
     ) -> list[int]:
         """Wait for this request's turn and its blocks; returns the block ids
-        ``allocate`` produced. Raises ``Overloaded`` or ``DeadlineExceeded`` (see the
+        ``allocate`` produced. Raises ``LeaseExpired``, ``Overloaded`` or ``DeadlineExceeded`` (see the
         module docstring), or what ``allocate`` raised. If the caller is cancelled
         the request leaves the queue; blocks allocated meanwhile are the caller's
         to free (by request id)."""
+        if lease_s <= self.lease_margin_s:
+            raise LeaseExpired(
+                f"the KV lease of request {request_id} ended before decode worker {self.worker_id} "
+                f"got it ({lease_s * 1000:.0f} ms left)"
+            )
         if len(self._queue) >= self.max_waiting:
             raise Overloaded(
                 f"decode worker {self.worker_id} has {len(self._queue)} requests waiting for KV blocks; "

@@ -237,7 +237,7 @@ class PoolStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., replicas: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("mode", "model", "pools", "inflight_requests", "placements", "handover_ms", "given_up", "traces")
+    __slots__ = ("mode", "model", "pools", "inflight_requests", "placements", "handover_ms", "given_up", "traces", "transfer_failures")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class ClusterStatusResponse(_message.Message):
     HANDOVER_MS_FIELD_NUMBER: _ClassVar[int]
     GIVEN_UP_FIELD_NUMBER: _ClassVar[int]
     TRACES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     mode: str
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
@@ -254,7 +255,8 @@ class ClusterStatusResponse(_message.Message):
     handover_ms: float
     given_up: _containers.RepeatedCompositeFieldContainer[GivenUpWorker]
     traces: _containers.RepeatedCompositeFieldContainer[RequestTrace]
-    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., inflight_requests: _Optional[int] = ..., placements: _Optional[_Iterable[_Union[PlacementCount, _Mapping]]] = ..., handover_ms: _Optional[float] = ..., given_up: _Optional[_Iterable[_Union[GivenUpWorker, _Mapping]]] = ..., traces: _Optional[_Iterable[_Union[RequestTrace, _Mapping]]] = ...) -> None: ...
+    transfer_failures: _containers.RepeatedCompositeFieldContainer[TransferFailureCount]
+    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., inflight_requests: _Optional[int] = ..., placements: _Optional[_Iterable[_Union[PlacementCount, _Mapping]]] = ..., handover_ms: _Optional[float] = ..., given_up: _Optional[_Iterable[_Union[GivenUpWorker, _Mapping]]] = ..., traces: _Optional[_Iterable[_Union[RequestTrace, _Mapping]]] = ..., transfer_failures: _Optional[_Iterable[_Union[TransferFailureCount, _Mapping]]] = ...) -> None: ...
 
 class RequestTrace(_message.Message):
     __slots__ = ("request_id", "outcome", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "prefill_worker", "decode_worker", "kv_bytes", "kv_pull_ms", "spans", "marks")
@@ -315,6 +317,16 @@ class GivenUpWorker(_message.Message):
     reason: str
     at: float
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., reason: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
+
+class TransferFailureCount(_message.Message):
+    __slots__ = ("error", "action", "count")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    action: str
+    count: int
+    def __init__(self, error: _Optional[str] = ..., action: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PlacementCount(_message.Message):
     __slots__ = ("placement", "reason", "count")

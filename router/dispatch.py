@@ -12,10 +12,16 @@
                                             to the prefill worker (frees its KV)
                                          -> TokenEvents ... FinalEvent
 
+A failed KV transfer (refused, corrupt, timed out, lease over, source gone)
+is recomputed: the decode worker prefills the prompt and the first token
+itself, within the request's deadline (``on_transfer_failure="fail"`` ends
+the request instead); ``transfer_failures`` counts both.
+
 A lost worker is retried once: a lost prefill worker before any token means
 prefilling elsewhere; a lost decode worker means the request continues on
 another decode worker, which prefills the prompt plus the tokens already sent
-and generates the rest (greedy output is unchanged; nothing is sent twice).
+and generates the rest (greedy and seeded output is unchanged; nothing is sent
+twice).
 
 Whatever ends the request early (client cancel, deadline, error), the
 ``finally`` aborts it on every worker that saw it, so blocks are freed
@@ -34,6 +40,7 @@ exactly as long as the call that causes it lasts.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -44,7 +51,7 @@ from splitserve.decode_worker.api import DecodeTask, TokenBatch
 from splitserve.engine.errors import InvalidRequest, Overloaded
 from splitserve.engine.sequence import FinishReason
 from splitserve.engine.validation import RequestValidator
-from splitserve.kv_transfer.errors import HandshakeRequired, PeerLost
+from splitserve.kv_transfer.errors import HandshakeRequired, KVTransferError, PeerLost
 from splitserve.prefill_worker.api import PrefillResult, PrefillTask
 from splitserve.router.balancer import Prompt, pick_decode, pick_prefill
 from splitserve.router.decider import Decider, Placement
@@ -76,6 +83,7 @@ class Dispatcher:
         limits: LimitsSpec | None = None,
         policy: PolicySpec | None = None,
         traces_kept: int = 100,
+        on_transfer_failure: str = "recompute",
     ):
         self.registry = registry
         self.validator = validator
@@ -83,6 +91,13 @@ class Dispatcher:
         self.colocated = colocated  # every worker does both phases; no prefill pool
         self.limits = limits or LimitsSpec()
         self.policy = policy or PolicySpec()
+        if on_transfer_failure not in ("recompute", "fail"):
+            raise ValueError(
+                f"on_transfer_failure must be 'recompute' or 'fail', not {on_transfer_failure!r}"
+            )
+        self.on_transfer_failure = on_transfer_failure
+        # (error class, "recompute" or "fail") -> KV transfers that failed so, since start
+        self.transfer_failures: collections.Counter[tuple[str, str]] = collections.Counter()
         self.links = PeerLinks(registry)
         self.decider = Decider()
         self.inflight: dict[str, float] = {}  # request id -> accepted (time.time())
@@ -227,21 +242,43 @@ class Dispatcher:
         the handoff's source is gone before the pull, ``dw`` prefills the request itself."""
         req.touched.append(dw)
         req.decode_worker = dw.worker_id
-        for attempt in range(2):
+        relinked = False
+        while True:
             if task.handoff is not None:
                 try:
                     await req.within(self.links.ensure(dw, prefill, task.handoff))
-                except PeerLost:  # the KV's source is gone: prefill prompt + first token here
-                    log.warning("the KV of %s is unreachable; prefilling on %s", req.request_id, dw.worker_id)
-                    task = self._resume_task(req)
+                except PeerLost as e:  # the KV's source is gone: prefill prompt + first token here
+                    task = self._recompute(req, dw, prefill, e)
             try:
                 async for event in self._stream(req, dw, task, prefill):
                     yield event
                 return
             except HandshakeRequired:
                 self.links.forget(dw.worker_id)
-                if attempt:
+                if relinked:
                     raise
+                relinked = True
+            except KVTransferError as e:  # the pull failed (nothing was streamed from dw)
+                if task.handoff is None:
+                    raise
+                task = self._recompute(req, dw, prefill, e)
+
+    def _recompute(
+        self, req: RequestState, dw: WorkerRecord, prefill: WorkerRecord | None, error: KVTransferError
+    ) -> DecodeTask:
+        """The KV handover failed: under ``on_transfer_failure == "recompute"``, the task
+        that has ``dw`` prefill the request itself (its deadline still applies), and the
+        export is freed; under ``"fail"``, ``error`` is raised."""
+        action = self.on_transfer_failure
+        self.transfer_failures[(type(error).__name__, action)] += 1
+        req.transfer_error = type(error).__name__
+        if action == "fail":
+            raise error
+        log.warning("KV transfer of %s failed (%s); prefilling on %s", req.request_id, error, dw.worker_id)
+        req.mark("kv_recompute", worker=dw.worker_id)
+        if prefill is not None:
+            self._in_background(prefill.client.abort(req.request_id))
+        return self._resume_task(req)
 
     async def _stream(
         self, req: RequestState, dw: WorkerRecord, task: DecodeTask, prefill: WorkerRecord | None

@@ -29,6 +29,7 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
     splitserve:request_failure_total{code}              (a gRPC code name; CANCELLED: the client left)
     splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total   (prompt tokens)
     splitserve:prefill_placement_total{placement,reason} (the decider's choices)
+    splitserve:kv_transfer_failures_total{error,action} (action: recompute or fail)
     gauges
     splitserve:num_requests_running{pool,worker}       in its engine's running batch
     splitserve:num_requests_waiting{pool,worker}       queued in its engine
@@ -145,11 +146,13 @@ class _ClusterCollector(Collector):
         pool_sizes: Callable[[], list[PoolSize]],
         inflight: Callable[[], int],
         placements: Callable[[], dict[tuple[str, str], int]],
+        transfer_failures: Callable[[], dict[tuple[str, str], int]],
     ):
         self.registry = registry
         self.pool_sizes = pool_sizes
         self.inflight = inflight
         self.placements = placements
+        self.transfer_failures = transfer_failures
 
     def collect(self) -> Iterator[Metric]:
         labels = ["pool", "worker"]
@@ -184,9 +187,16 @@ class _ClusterCollector(Collector):
         )
         for (where, why), n in self.placements().items():
             placement.add_metric([where, why], n)
+        failures = CounterMetricFamily(
+            "splitserve:kv_transfer_failures",
+            "KV transfers that failed, by error and what followed.",
+            labels=["error", "action"],
+        )
+        for (error, action), n in self.transfer_failures().items():
+            failures.add_metric([error, action], n)
         inflight = GaugeMetricFamily("splitserve:num_requests_inflight", "Requests admitted, not finished.")
         inflight.add_metric([], self.inflight())
-        yield from (running, waiting, kv, replicas, placement, inflight)
+        yield from (running, waiting, kv, replicas, placement, failures, inflight)
 
 
 class RouterMetrics:
@@ -201,10 +211,11 @@ class RouterMetrics:
         pool_sizes: Callable[[], list[PoolSize]],
         inflight: Callable[[], int],
         placements: Callable[[], dict[tuple[str, str], int]],
+        transfer_failures: Callable[[], dict[tuple[str, str], int]] = dict,
     ):
         self.prom = CollectorRegistry(auto_describe=True)
         self.requests = RequestMetrics(self.prom, model_name)
-        self.prom.register(_ClusterCollector(registry, pool_sizes, inflight, placements))
+        self.prom.register(_ClusterCollector(registry, pool_sizes, inflight, placements, transfer_failures))
 
     def record(self, trace: RequestTrace) -> None:
         self.requests.record(trace)

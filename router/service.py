@@ -153,6 +153,10 @@ class SplitserveService(pb_grpc.SplitserveServicer):
                 for g in registry.given_up
             ],
             traces=[_trace_proto(t) for t in d.traces.latest(request.traces)],
+            transfer_failures=[
+                pb.TransferFailureCount(error=error, action=action, count=n)
+                for (error, action), n in sorted(d.transfer_failures.items())
+            ],
         )
 
 

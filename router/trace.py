@@ -14,6 +14,7 @@ and, when the request ends however it ends, hands one ``RequestTrace`` to every
     decode_admitted    the decode worker took the request into its batch, KV landed (worker)
     first_decode_token the decode worker's first token reached the router
     resumed            the request continued on another decode worker (a lost one)
+    kv_recompute       the KV transfer failed; the decode worker prefilled the request itself
     finished           the request ended: last token, or the error (router)
 
 Its phases tile ``admitted .. finished`` with no gap and no overlap, so they add
@@ -74,6 +75,7 @@ class RequestTrace:
     kv_pull_s: float  # the pull's duration on the decode worker (bytes moving and verified)
     marks: tuple[Mark, ...]
     token_times: tuple[float, ...]  # when each output token was sampled (worker clocks)
+    transfer_error: str = ""  # the KV transfer error met (class name); "kv_recompute" marks a recompute
 
     def at(self, name: str) -> float | None:
         """The first mark of that name, if there is one."""

@@ -12,6 +12,7 @@ import pytest
 
 from splitserve.decode_worker.admission import AdmissionQueue
 from splitserve.engine import DeadlineExceeded, Engine, EngineConfig, Overloaded, SamplingParams
+from splitserve.kv_transfer.errors import LeaseExpired
 from tests.conftest import make_hf_checkpoint, random_prompts
 
 PARAMS = SamplingParams(max_tokens=4)
@@ -87,5 +88,9 @@ def test_a_full_queue_and_an_expired_wait_are_refused_clearly(engine):
         with pytest.raises(DeadlineExceeded, match="before its deadline"):
             await queue.admit("b", _allocator(engine, "b", b), time.monotonic() + 0.05, 60.0)
         engine.abort("blocker")
+        # A lease all but over on arrival is a failed transfer, whatever room there is.
+        with pytest.raises(LeaseExpired, match="ended before decode worker d0 got it"):
+            await queue.admit("b", _allocator(engine, "b", b), None, 0.5)
+        assert "b" not in engine.requests
 
     asyncio.run(run())

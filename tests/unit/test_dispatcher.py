@@ -72,8 +72,8 @@ def test_lost_decode_worker_mid_stream_resumes_elsewhere_without_repeating():
     assert final.decode_worker == "d1" and final.completion_tokens == 10
     (resumed,) = d1.calls
     sent = expected_tokens(prompt, 5)  # the prefill token and d0's two batches
-    assert resumed.prompt_token_ids == prompt + sent and resumed.handoff is None
-    assert resumed.params.max_tokens == 5
+    assert resumed.prompt_token_ids == prompt and resumed.output_token_ids == sent
+    assert resumed.handoff is None and resumed.params.max_tokens == 10  # the sent tokens count
     assert d0.aborted == [final_id := resumed.request_id] and final_id in d1.aborted
 
 
@@ -214,7 +214,7 @@ def test_a_prefill_worker_that_left_before_the_handover_is_not_relied_on():
     tokens, final = asyncio.run(run())
     assert tokens == expected_tokens(prompt, 6)
     (task,) = d0.calls
-    assert task.handoff is None and task.prompt_token_ids == prompt + tokens[:1]
+    assert task.handoff is None and (task.prompt_token_ids, task.output_token_ids) == (prompt, tokens[:1])
     assert d0.connect_calls == 0
 
 
@@ -237,5 +237,5 @@ def test_a_prefill_worker_lost_between_export_and_pull_is_recomputed_on_the_deco
     tokens, final = asyncio.run(run())
     assert tokens == expected_tokens(prompt, 6)
     (task,) = d0.calls
-    assert task.handoff is None and task.prompt_token_ids == prompt + tokens[:1]
+    assert task.handoff is None and (task.prompt_token_ids, task.output_token_ids) == (prompt, tokens[:1])
     assert final.completion_tokens == 6
