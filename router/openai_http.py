@@ -166,11 +166,11 @@ class OpenAIServer:
     async def _serve(self, request: web.Request, cls: type[_Request], chat: bool) -> web.StreamResponse:
         try:
             try:
-                body = cls.model_validate(await request.json())
-            except json.JSONDecodeError:
-                raise InvalidRequest("the request body is not valid JSON") from None
+                body = cls.model_validate(json.loads(await request.read()))
             except ValidationError as e:
                 raise InvalidRequest(_pydantic_message(e)) from None
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                raise InvalidRequest("the request body is not valid JSON (UTF-8)") from None
             if chat:
                 messages = [
                     {"role": str(m.get("role", "")), "content": _text_of(m.get("content"))}

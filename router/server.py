@@ -29,6 +29,49 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Splitserve"].full_name
 
 
+_MALFORMED = object()  # what a request's bytes decode to when they are not its message
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """A call to the Splitserve service whose bytes are not the method's message (bad
+    wire format, invalid UTF-8 in a string field) ends with ``INVALID_ARGUMENT`` and
+    a sentence, where gRPC alone would answer ``INTERNAL``."""
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/") or handler.request_streaming:
+            return handler
+        decode, message = handler.request_deserializer, details.method.rsplit("/", 1)[-1] + "Request"
+
+        def lenient(data: bytes):
+            try:
+                return decode(data)
+            except Exception:
+                return _MALFORMED
+
+        def refuse_sentence() -> str:
+            return f"the request is not a valid splitserve.v1.{message} message (protobuf wire format)"
+
+        if handler.unary_stream is not None:
+            behaviour = handler.unary_stream
+
+            async def stream(request, context):
+                if request is _MALFORMED:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refuse_sentence())
+                async for item in behaviour(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(stream, lenient, handler.response_serializer)
+        behaviour = handler.unary_unary
+
+        async def unary(request, context):
+            if request is _MALFORMED:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refuse_sentence())
+            return await behaviour(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, lenient, handler.response_serializer)
+
+
 class RouterServer:
     def __init__(
         self,
@@ -56,7 +99,10 @@ class RouterServer:
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port (useful with port 0)."""
-        interceptors = [GrpcAuthInterceptor(self.api_keys)] if self.api_keys is not None else []
+        # The first is outermost: auth wraps the lenient handler the second one makes.
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        if self.api_keys is not None:
+            interceptors.insert(0, GrpcAuthInterceptor(self.api_keys))
         server = grpc.aio.server(interceptors=interceptors)
         pb_grpc.add_SplitserveServicer_to_server(SplitserveService(self.dispatcher, self.mode), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
