@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -84,9 +85,12 @@ class Doors:
                     self.good_failures.append(f"request {i}: {e!r}")
                 self.good_sent += 1
 
-    def close(self) -> None:
+    def stop_good(self) -> None:
         self._stop.set()
         self._good.join(60)
+
+    def close(self) -> None:
+        self.stop_good()
         self.channel.close()
         self.loop.run(self.http.stop())
         self.loop.run(self.grpc.stop(0))
@@ -244,8 +248,12 @@ def test_http_with_random_bodies(doors, path, body):
 
 
 def test_the_doors_still_serve_after_the_fuzzing(doors):
+    doors.stop_good()
     with Client(doors.grpc.address, retries=0, timeout=30) as c:
         assert c.generate([5, 6, 7], max_tokens=4).token_ids == expected_tokens([5, 6, 7], 4)
     status, raw = post(doors, "/v1/completions", json.dumps({"prompt": [5, 6, 7], "max_tokens": 4}).encode())
     assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4
+    deadline = time.monotonic() + 30  # the fuzzed requests' ends are being recorded
+    while doors.dispatcher.inflight and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert doors.dispatcher.inflight == {}
