@@ -39,6 +39,7 @@ FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
     derandomize=True,  # the same examples on every run (CI), however many
+    database=None,  # nothing written into the checkout
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 VOCAB = 1000  # router_fakes' validator
