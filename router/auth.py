@@ -46,17 +46,24 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def read_keys(path: str | Path) -> frozenset[bytes]:
-    """The digests of the keys in ``path``. Raises ``ValueError`` with a sentence when it
-    cannot be read or holds no key."""
+def _digests_in(path: str | Path) -> frozenset[bytes]:
+    """The digests of the keys in ``path`` (maybe none). Raises ``ValueError`` with a
+    sentence when it cannot be read."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read the API keys file {path}: {e.__class__.__name__}") from None
     keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-    if not keys:
-        raise ValueError(f"the API keys file {path} holds no key (one per line)")
     return frozenset(_digest(k) for k in keys)
+
+
+def read_keys(path: str | Path) -> frozenset[bytes]:
+    """The digests of the keys in ``path``. Raises ``ValueError`` with a sentence when it
+    cannot be read or holds no key."""
+    digests = _digests_in(path)
+    if not digests:
+        raise ValueError(f"the API keys file {path} holds no key (one per line)")
+    return digests
 
 
 def bearer_token(header: str | None) -> str | None:
@@ -92,15 +99,14 @@ class ApiKeys:
         """Read the file again; returns whether the keys now in use came from it."""
         self._stamp = self._file_stamp()
         try:
-            self._digests = read_keys(self.path)
+            self._digests = _digests_in(self.path)
         except ValueError as e:
-            if "holds no key" in str(e):
-                self._digests = frozenset()
-                log.warning("API keys: %s; every call is refused until a key is added", e)
-                return True
             log.error("API keys: %s; keeping the %d keys in use", e, len(self._digests))
             return False
-        log.info("API keys: %d loaded from %s", len(self._digests), self.path)
+        if self._digests:
+            log.info("API keys: %d loaded from %s", len(self._digests), self.path)
+        else:
+            log.warning("API keys: %s holds no key; every call is refused until one is added", self.path)
         return True
 
     def reload_if_changed(self) -> None:

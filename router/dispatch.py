@@ -46,6 +46,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from splitserve.decode_worker.api import DecodeTask, TokenBatch
 from splitserve.engine.errors import InvalidRequest, Overloaded
@@ -83,7 +84,7 @@ class Dispatcher:
         limits: LimitsSpec | None = None,
         policy: PolicySpec | None = None,
         traces_kept: int = 100,
-        on_transfer_failure: str = "recompute",
+        on_transfer_failure: Literal["recompute", "fail"] = "recompute",
     ):
         self.registry = registry
         self.validator = validator
@@ -271,7 +272,6 @@ class Dispatcher:
         export is freed; under ``"fail"``, ``error`` is raised."""
         action = self.on_transfer_failure
         self.transfer_failures[(type(error).__name__, action)] += 1
-        req.transfer_error = type(error).__name__
         if action == "fail":
             raise error
         log.warning("KV transfer of %s failed (%s); prefilling on %s", req.request_id, error, dw.worker_id)

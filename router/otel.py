@@ -51,11 +51,14 @@ class OtelSink:
 
     def __init__(self, exporter: SpanExporter, service_name: str = "splitserve", transfer_backend: str = ""):
         try:
+            from opentelemetry import trace as api
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.trace import StatusCode
         except ImportError as e:
             raise ValueError(f"{INSTALL_HINT} ({e})") from e
+        self._api, self._error = api, StatusCode.ERROR
         self.transfer_backend = transfer_backend
         self.provider: TracerProvider = TracerProvider(
             resource=Resource.create({"service.name": service_name})
@@ -64,9 +67,7 @@ class OtelSink:
         self._tracer = self.provider.get_tracer("splitserve.router")
 
     def record(self, trace: RequestTrace) -> None:
-        from opentelemetry import trace as api
-        from opentelemetry.trace import Status, StatusCode
-
+        api = self._api
         root = self._tracer.start_span(
             "splitserve.request",
             context=api.set_span_in_context(api.INVALID_SPAN),  # a new trace, whatever is current
@@ -83,7 +84,7 @@ class OtelSink:
             },
         )
         if not trace.ok:
-            root.set_status(Status(StatusCode.ERROR, trace.outcome))
+            root.set_status(self._error, trace.outcome)
         parent = api.set_span_in_context(root)
         for span in trace.spans:
             attributes: dict[str, str | int | float] = {"splitserve.worker": span.worker}

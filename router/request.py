@@ -34,7 +34,6 @@ class RequestState:
         self.kv_bytes = 0
         self.transfer_s = 0.0  # the KV pull, on the decode worker
         self.cached = 0
-        self.transfer_error = ""  # the KV transfer error this request met (class name), if any
 
     def mark(self, name: str, at: float | None = None, worker: str = "") -> None:
         """Record a moment of the request (names: ``router.trace``); ``at`` defaults to now."""
@@ -62,7 +61,6 @@ class RequestState:
             kv_pull_s=self.transfer_s,
             marks=(*self.marks, *(() if self.marked("finished") else (Mark("finished", time.time()),))),
             token_times=tuple(self.token_times),
-            transfer_error=self.transfer_error,
         )
 
     def remaining(self) -> float | None:

@@ -41,7 +41,8 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/") or handler.request_streaming:
             return handler
-        decode, message = handler.request_deserializer, details.method.rsplit("/", 1)[-1] + "Request"
+        decode, method = handler.request_deserializer, details.method.rsplit("/", 1)[-1]
+        sentence = f"the request is not a valid splitserve.v1.{method}Request message (protobuf wire format)"
 
         def lenient(data: bytes):
             try:
@@ -49,15 +50,12 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             except Exception:
                 return _MALFORMED
 
-        def refuse_sentence() -> str:
-            return f"the request is not a valid splitserve.v1.{message} message (protobuf wire format)"
-
         if handler.unary_stream is not None:
             behaviour = handler.unary_stream
 
             async def stream(request, context):
                 if request is _MALFORMED:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refuse_sentence())
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, sentence)
                 async for item in behaviour(request, context):
                     yield item
 
@@ -66,7 +64,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
         async def unary(request, context):
             if request is _MALFORMED:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refuse_sentence())
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, sentence)
             return await behaviour(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary, lenient, handler.response_serializer)

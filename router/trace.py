@@ -75,7 +75,6 @@ class RequestTrace:
     kv_pull_s: float  # the pull's duration on the decode worker (bytes moving and verified)
     marks: tuple[Mark, ...]
     token_times: tuple[float, ...]  # when each output token was sampled (worker clocks)
-    transfer_error: str = ""  # the KV transfer error met (class name); "kv_recompute" marks a recompute
 
     def at(self, name: str) -> float | None:
         """The first mark of that name, if there is one."""
