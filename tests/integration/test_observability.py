@@ -122,10 +122,14 @@ def test_metrics_agree_with_what_the_clients_saw(cluster, client):
     assert delta("splitserve:time_to_first_token_seconds_count") == n
     assert delta("splitserve:e2e_request_latency_seconds_count") == n
     assert sum(delta("splitserve:request_success_total", finished_reason=r) for r in ("stop", "length")) == n
-    client_ttft = sum(first for _, first, _ in results)
+    # The histogram holds the TTFT each client was told in its Final (float32 there), and
+    # each of those lies inside the window the client itself measured. (How close the two
+    # windows are depends on how busy the machine is, so that is a benchmark's figure.)
     router_ttft = delta("splitserve:time_to_first_token_seconds_sum")
-    print(f"TTFT sum: router {router_ttft:.3f} s, clients {client_ttft:.3f} s")
-    assert delta("splitserve:time_to_first_token_seconds_sum") == pytest.approx(client_ttft, rel=0.10)
+    told = sum(c.final.ttft_ms for c, _, _ in results) / 1000
+    print(f"TTFT sum: router {router_ttft:.3f} s, clients {sum(f for _, f, _ in results):.3f} s")
+    assert router_ttft == pytest.approx(told, rel=1e-5, abs=1e-4)
+    assert all(c.final.ttft_ms <= first * 1000 + 0.01 for c, first, _ in results)
     assert delta("splitserve:generation_tokens_total") == sum(len(c.token_ids) for c, _, _ in results)
     assert delta("splitserve:prompt_tokens_total") == sum(c.final.prompt_tokens for c, _, _ in results)
     assert delta("splitserve:prompt_tokens_total") == sum(len(p) for p in prompts)
