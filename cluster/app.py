@@ -154,6 +154,7 @@ class ServingCluster:
             if self.api_keys is not None:
                 self._tasks.append(asyncio.create_task(self.api_keys.watch()))
             for role, pool in self.pools.items():
+                self._tasks.append(asyncio.create_task(pool.keep()))  # replaces workers Ray gave up
                 if pool.spec.autoscaling is not None and pool.spec.autoscaling.policy == "proportional":
                     scaler = Autoscaler(pool, pool.spec.autoscaling)
                     self.autoscalers[role] = scaler
@@ -201,8 +202,8 @@ class ServingCluster:
             self.api_keys.reload()
 
     def _pool_sizes(self) -> list[PoolSize]:
-        """Each pool's desired size: its autoscaler's or the planner's last wish, else its
-        configured size."""
+        """Each pool's desired size (its autoscaler's or the planner's last wish, else its
+        configured size) and how many of its workers were replaced."""
         sizes = []
         for role, pool in self.pools.items():
             desired = pool.spec.replicas
@@ -210,7 +211,7 @@ class ServingCluster:
                 desired = self.autoscalers[role].desired
             elif self.planner is not None and self.planner.desired(role) is not None:
                 desired = self.planner.desired(role)
-            sizes.append(PoolSize(role, desired))
+            sizes.append(PoolSize(role, desired, pool.replaced))
         return sizes
 
     async def _tick_progress(self, every_s: float = 10.0) -> None:

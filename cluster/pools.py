@@ -17,6 +17,11 @@ valid; its KV source comes back with a new incarnation, which the router
 notices in the next handoff and sends to decode workers then
 (``router.peers``).
 
+A worker Ray will not bring back (out of restarts, or a TP group, which Ray
+never restarts) is **replaced**: ``keep`` (one task per pool, on the router's
+loop) kills what is left of it and starts a new worker, so a pool keeps its
+size through any number of crashes (``replaced`` counts them, for metrics).
+
 A prefill worker with ``tp_size > 1`` is a group of actors in one placement
 group: the ``PrefillWorker`` (rank 0, bundle 0; the router's handle) and a
 ``PrefillRank`` per other rank. They meet at a TCP address picked on bundle
@@ -48,12 +53,14 @@ from splitserve.engine.parallel.tp_init import TPInit
 from splitserve.prefill_worker import PrefillWorker, PrefillWorkerSpec
 from splitserve.prefill_worker.tp import PrefillRank
 from splitserve.router.errors import unwrap
-from splitserve.router.registry import NodePlacement, WorkerRecord, WorkerRegistry
+from splitserve.router.registry import Membership, NodePlacement, WorkerRecord, WorkerRegistry
 from splitserve.router.workers import RayWorker
 
 log = logging.getLogger(__name__)
 
-MAX_RESTARTS = 3  # a worker that keeps dying (e.g. its model cannot load) stops being restarted
+MAX_RESTARTS = 3  # Ray's restarts of one actor; past them the pool replaces the worker (``keep``)
+KEEP_INTERVAL_S = 1.0  # how often ``keep`` looks for lost workers
+KEEP_BACKOFF_MAX_S = 60.0  # the longest wait between failed replacements (doubling from 1 s)
 
 
 @dataclass
@@ -75,6 +82,22 @@ def _startup_error(e: BaseException) -> str:
         if lines:
             return lines[-1]
     return str(unwrap(e))
+
+
+def actor_state(handle) -> tuple[str, int]:
+    """The actor's state in Ray's GCS (ALIVE, RESTARTING, DEAD, ...) and how often Ray
+    restarted it. Read from ``ray._private.state``, since Ray's public state API needs
+    the dashboard, which a single-machine cluster does not run."""
+    from ray._private import state
+
+    info = state.actors(handle._actor_id.hex())
+    return info.get("State", "UNKNOWN"), int(info.get("NumRestarts", 0))
+
+
+def _actor_dead(handle) -> bool:
+    """Whether Ray has given the actor up for good (killed without restart, out of
+    restarts); an actor being restarted is not dead."""
+    return actor_state(handle)[0] == "DEAD"
 
 
 def _node_placement(node_id: str) -> NodePlacement:
@@ -101,6 +124,7 @@ class WorkerPool:
         self.spec: PoolSpec = config.pools()[role]
         self._members: dict[str, _Member] = {}
         self._next_index = 0
+        self.replaced = 0  # workers replaced by ``keep`` after Ray gave them up
 
     @property
     def workers(self) -> list[WorkerRecord]:
@@ -145,6 +169,60 @@ class WorkerPool:
             await asyncio.sleep(0.05)
         await record.client.close()
         self._kill(self._members[worker_id])
+
+    def actors(self, worker_id: str) -> list:
+        """The Ray handles of ``worker_id``: rank 0 (the one the router calls), then its
+        other TP ranks (for fault injection and tests)."""
+        m = self._members[worker_id]
+        return [m.actor, *m.ranks]
+
+    async def lost(self) -> list[str]:
+        """The ACTIVE workers that will not come back by themselves: one of whose actors
+        Ray has given up (a worker out of restarts, any rank of a TP group), or a TP group
+        whose rank 0 answers that its group broke (the registry marks it not alive)."""
+        broken, handles = [], {}
+        for w in self.registry.workers(self.role):
+            m = self._members.get(w.worker_id)
+            if m is None or w.state != Membership.ACTIVE:
+                continue
+            if m.ranks and not w.alive:
+                broken.append(w.worker_id)
+            else:
+                handles[w.worker_id] = [m.actor, *m.ranks]
+
+        def dead() -> list[str]:  # GCS reads, off the router's loop
+            return [wid for wid, hs in handles.items() if any(_actor_dead(h) for h in hs)]
+
+        return broken + await asyncio.to_thread(dead)
+
+    async def replace(self, worker_id: str) -> WorkerRecord:
+        """Kill what is left of ``worker_id`` and start a new worker in its place (a new id;
+        routed to once its model has loaded)."""
+        log.warning("%s is lost for good; starting a worker in its place", worker_id)
+        self._kill(self._members[worker_id])
+        self.replaced += 1
+        (record,) = await self.add(1)
+        return record
+
+    async def keep(self, interval_s: float = KEEP_INTERVAL_S) -> None:
+        """Forever: replace every lost worker (``lost``). A replacement that fails to start
+        is tried again after a wait that doubles up to ``KEEP_BACKOFF_MAX_S``, so a worker
+        that cannot start does not spin."""
+        backoff = interval_s
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                for worker_id in await self.lost():
+                    record = self.registry.get(worker_id)
+                    if record is not None and record.state == Membership.ACTIVE:  # not removed meanwhile
+                        await self.replace(worker_id)
+                backoff = interval_s
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("replacing a lost %s worker failed; next try in %.0f s", self.role, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, KEEP_BACKOFF_MAX_S)
 
     def shutdown(self) -> None:
         for m in list(self._members.values()):

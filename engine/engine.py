@@ -161,6 +161,7 @@ class Engine:
             prefill_tokens_per_s=self._prefill_rate.tokens_per_s,
             decode_batch=self._decode_steps.batch,
             decode_step_s=self._decode_steps.step_s,
+            num_preemptions=sched.num_preemptions,
         )
 
     def prefix_update(self, cursor: PrefixCursor | None) -> PrefixUpdate:

@@ -12,6 +12,7 @@ to gRPC status codes in one place.
 - ``UnknownRequest``: an operation named a request the engine does not hold.
 - ``DeadlineExceeded``: a request ran past its deadline and was aborted.
 - ``EngineStopped``: the engine's loop stopped; its worker serves nothing more.
+  ``GroupBroken``, one of them: a collective of its tensor-parallel group failed.
 """
 
 from __future__ import annotations
@@ -47,3 +48,8 @@ class DeadlineExceeded(SplitserveError):
 class EngineStopped(SplitserveError):
     """The engine's loop has stopped (a failed step, a lost tensor-parallel rank, or a
     shutdown): the worker serves nothing more; callers treat it as a lost worker."""
+
+
+class GroupBroken(EngineStopped):
+    """A collective of the tensor-parallel group failed (a rank is gone): the group can
+    compute nothing more, so its worker stops like any other whose engine stopped."""

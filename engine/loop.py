@@ -43,8 +43,9 @@ class EngineLoop:
         name: str = "engine-loop",
         on_error: Callable[[BaseException], None] | None = None,
     ):
-        """``on_error`` runs on the loop thread if a step or callback raises and the loop
-        stops (after which every ``call`` fails at once)."""
+        """``on_error`` runs on the loop thread if a step or callback raises, or a call
+        raises ``EngineStopped``, and the loop stops (after which every ``call`` fails at
+        once)."""
         self.engine = engine
         self._on_outputs = on_outputs
         self._on_tick = on_tick
@@ -110,6 +111,9 @@ class EngineLoop:
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn(self.engine))
+                except EngineStopped as e:  # e.g. its TP group broke: the caller learns, the loop stops
+                    fut.set_exception(e)
+                    raise
                 except Exception as e:  # delivered to the caller, e.g. InvalidRequest
                     fut.set_exception(e)
             try:

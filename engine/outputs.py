@@ -70,6 +70,7 @@ class EngineStats:
     # per step (0.0 until the first such step)
     decode_batch: float = 0.0
     decode_step_s: float = 0.0
+    num_preemptions: int = 0  # since the engine started (as vLLM's num_preemptions_total)
 
     @property
     def num_used_blocks(self) -> int:

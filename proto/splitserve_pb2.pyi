@@ -185,7 +185,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self, traces: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "alive", "running", "waiting", "queued_prompt_tokens", "kv_blocks_total", "kv_blocks_used", "kv_exports_held", "error", "state", "waiting_for_blocks", "pulling", "router_active", "prefill_tokens_per_s", "prefix_blocks", "node_id", "node_type", "waiting_for_node")
+    __slots__ = ("worker_id", "role", "alive", "running", "waiting", "queued_prompt_tokens", "kv_blocks_total", "kv_blocks_used", "kv_exports_held", "error", "state", "waiting_for_blocks", "pulling", "router_active", "prefill_tokens_per_s", "prefix_blocks", "node_id", "node_type", "waiting_for_node", "preemptions")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class WorkerStatus(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_TYPE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_NODE_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     alive: bool
@@ -224,7 +225,8 @@ class WorkerStatus(_message.Message):
     node_id: str
     node_type: str
     waiting_for_node: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_exports_held: _Optional[int] = ..., error: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for_blocks: _Optional[int] = ..., pulling: _Optional[int] = ..., router_active: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_blocks: _Optional[int] = ..., node_id: _Optional[str] = ..., node_type: _Optional[str] = ..., waiting_for_node: _Optional[bool] = ...) -> None: ...
+    preemptions: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_exports_held: _Optional[int] = ..., error: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for_blocks: _Optional[int] = ..., pulling: _Optional[int] = ..., router_active: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_blocks: _Optional[int] = ..., node_id: _Optional[str] = ..., node_type: _Optional[str] = ..., waiting_for_node: _Optional[bool] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("role", "replicas", "workers")

@@ -30,10 +30,12 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
     splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total   (prompt tokens)
     splitserve:prefill_placement_total{placement,reason} (the decider's choices)
     splitserve:kv_transfer_failures_total{error,action} (action: recompute or fail)
+    splitserve:worker_replacements_total{pool}          (workers Ray gave up, replaced by the pool)
     gauges
     splitserve:num_requests_running{pool,worker}       in its engine's running batch
     splitserve:num_requests_waiting{pool,worker}       queued in its engine
     splitserve:kv_cache_usage_perc{pool,worker}        used KV blocks / all (0..1, as vLLM)
+    splitserve:num_preemptions_total{pool,worker}      a counter, read from the engine (reset when it restarts)
     splitserve:pool_replicas{pool,state}               state: current (routable), warming
                                                        (starting), draining, desired
     splitserve:num_requests_inflight                    admitted by the router, unfinished
@@ -68,6 +70,7 @@ class PoolSize:
 
     pool: str
     desired: int  # what the pool is being scaled to (its configured size without autoscaling)
+    replaced: int = 0  # workers started in place of ones Ray would not bring back
 
 
 class RequestMetrics:
@@ -163,6 +166,9 @@ class _ClusterCollector(Collector):
             "splitserve:num_requests_waiting", "Requests queued in the engine.", labels=labels
         )
         kv = GaugeMetricFamily("splitserve:kv_cache_usage_perc", "KV cache usage (0..1).", labels=labels)
+        preemptions = CounterMetricFamily(
+            "splitserve:num_preemptions", "Sequences preempted for lack of KV blocks.", labels=labels
+        )
         for w in self.registry.workers():
             if w.stats is None or w.state == Membership.STARTING:
                 continue
@@ -171,8 +177,14 @@ class _ClusterCollector(Collector):
             running.add_metric(key, e.num_running)
             waiting.add_metric(key, e.num_waiting)
             kv.add_metric(key, e.num_used_blocks / e.num_blocks if e.num_blocks else 0.0)
+            preemptions.add_metric(key, e.num_preemptions)
         replicas = GaugeMetricFamily(
             "splitserve:pool_replicas", "Workers per pool and state.", labels=["pool", "state"]
+        )
+        replacements = CounterMetricFamily(
+            "splitserve:worker_replacements",
+            "Workers started in place of ones Ray would not bring back.",
+            labels=["pool"],
         )
         for size in self.pool_sizes():
             workers = self.registry.workers(size.pool)
@@ -180,6 +192,7 @@ class _ClusterCollector(Collector):
             replicas.add_metric([size.pool, "warming"], sum(w.state == Membership.STARTING for w in workers))
             replicas.add_metric([size.pool, "draining"], sum(w.state == Membership.DRAINING for w in workers))
             replicas.add_metric([size.pool, "desired"], size.desired)
+            replacements.add_metric([size.pool], size.replaced)
         placement = CounterMetricFamily(
             "splitserve:prefill_placement",
             "Where prompts were prefilled, and why.",
@@ -196,7 +209,7 @@ class _ClusterCollector(Collector):
             failures.add_metric([error, action], n)
         inflight = GaugeMetricFamily("splitserve:num_requests_inflight", "Requests admitted, not finished.")
         inflight.add_metric([], self.inflight())
-        yield from (running, waiting, kv, replicas, placement, failures, inflight)
+        yield from (running, waiting, kv, preemptions, replicas, replacements, placement, failures, inflight)
 
 
 class RouterMetrics:

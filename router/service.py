@@ -199,6 +199,7 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
         out.running, out.waiting = e.num_running, e.num_waiting
         out.queued_prompt_tokens = e.num_pending_prompt_tokens
         out.kv_blocks_total, out.kv_blocks_used = e.num_blocks, e.num_used_blocks
+        out.preemptions = e.num_preemptions
     if isinstance(s, PrefillStats):
         out.kv_exports_held = len(s.exports)
     if isinstance(s, DecodeStats):

@@ -4,6 +4,10 @@ small control messages the driver rank broadcasts each step).
 
 ``TPGroup.single()`` is the group of one: every collective is the identity and
 ``torch.distributed`` is never touched, so TP=1 costs nothing.
+
+A collective that fails (a rank died: its peers see the connection close) raises
+``GroupBroken``, and so does every collective after it, at once: a broken group
+never waits on a rank that is gone.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from splitserve.engine.errors import GroupBroken
 from splitserve.engine.parallel.tp_init import TPInit
 
 
@@ -24,6 +29,7 @@ class TPGroup:
         self.rank, self.size = rank, size
         self._device_group = device_group
         self._cpu_group = cpu_group
+        self.broken: str = ""  # why a collective failed; the group is unusable from then on
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -51,7 +57,7 @@ class TPGroup:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place; returns ``t``."""
         if self.size > 1:
-            dist.all_reduce(t, group=self._device_group)
+            self._collective(dist.all_reduce, t, group=self._device_group)
         return t
 
     def all_gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
@@ -59,7 +65,7 @@ class TPGroup:
         if self.size == 1:
             return t
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous(), group=self._device_group)
+        self._collective(dist.all_gather, parts, t.contiguous(), group=self._device_group)
         return torch.cat(parts, dim=-1)
 
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -67,7 +73,7 @@ class TPGroup:
         if self.size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._cpu_group)
+        self._collective(dist.broadcast_object_list, box, src=0, group=self._cpu_group)
         return box[0]
 
     def gather_object(self, obj: Any = None) -> list[Any] | None:
@@ -75,8 +81,17 @@ class TPGroup:
         if self.size == 1:
             return [obj]
         out: list[Any] | None = [None] * self.size if self.is_driver else None
-        dist.gather_object(obj, out, dst=0, group=self._cpu_group)
+        self._collective(dist.gather_object, obj, out, dst=0, group=self._cpu_group)
         return out
+
+    def _collective(self, fn, *args, **kwargs) -> None:
+        if self.broken:
+            raise GroupBroken(f"tensor-parallel rank {self.rank} has lost its group: {self.broken}")
+        try:
+            fn(*args, **kwargs)
+        except RuntimeError as e:  # gloo/NCCL: a peer closed its connection, or timed out
+            self.broken = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+            raise GroupBroken(f"tensor-parallel rank {self.rank} has lost its group: {self.broken}") from e
 
     def shard_range(self, n: int) -> tuple[int, int]:
         """This rank's [start, stop) of ``n`` items split evenly (``n`` divisible by size)."""

@@ -5,6 +5,7 @@ import threading
 import pytest
 
 from splitserve.engine import Engine, EngineConfig, EngineLoop, EngineStopped, InvalidRequest, SamplingParams
+from splitserve.engine.errors import GroupBroken
 from tests.conftest import make_hf_checkpoint, random_prompts
 
 
@@ -57,3 +58,21 @@ def test_a_failing_callback_stops_the_loop_loudly(engine):
     with pytest.raises(EngineStopped, match="stopped"):
         loop.call(lambda e: None).result(1)
     engine.abort(rid)
+
+
+def test_a_call_that_finds_the_engine_stopped_stops_the_loop(engine):
+    """A call raising ``EngineStopped`` (a broken TP group, seen while adding a request)
+    reaches its caller and stops the loop, so the worker reports itself lost instead
+    of answering stats while it can compute nothing."""
+
+    def broken(e):
+        raise GroupBroken("tensor-parallel rank 0 has lost its group: connection closed")
+
+    errors = []
+    loop = EngineLoop(engine, lambda outs: None, on_error=errors.append).start()
+    with pytest.raises(GroupBroken):
+        loop.call(broken).result(5)
+    loop._thread.join(10)
+    assert isinstance(loop.error, GroupBroken) and errors == [loop.error]
+    with pytest.raises(EngineStopped, match="stopped"):
+        loop.call(lambda e: None).result(1)

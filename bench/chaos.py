@@ -1,0 +1,368 @@
+"""Chaos under load: workers killed at random while clients stream, every answer
+checked against the monolithic engine.
+
+A disaggregated cluster (``--prefill`` workers, each a TP group of ``--tp``
+ranks, and ``--decode`` workers) serves ``--clients`` concurrent clients, each
+sending one greedy request after another (prompts of mixed lengths drawn from a
+fixed set, some ending at a stop token), each with a server-side deadline of
+``--deadline`` s. Meanwhile a killer, at exponentially distributed gaps (mean
+``--gap`` s), kills with ``ray.kill`` a prefill worker, a decode worker or one
+TP rank other than rank 0 (the kinds in turn, the victim at random among the
+routable workers of its pool, never the last one: a pool with no worker left
+cannot serve, whatever the router does). Ray restarts what it restarts; the
+pools replace what it does not (``WorkerPool.keep``).
+
+After ``--kills`` kills the load stops, the pools return to their size and the
+KV of every worker drains. The report then states, against the goals:
+
+- hung requests: calls still open ``--grace`` s past their deadline (goal 0);
+- wrong outputs: completed requests whose tokens differ from the engine's
+  greedy output for that prompt, computed in this process (goal 0);
+- completed / sent (goal at least 99 %), and every failure's code and sentence
+  (goal: only UNAVAILABLE or DEADLINE_EXCEEDED, each with a sentence);
+- KV blocks still held on any worker afterwards (goal 0).
+
+::
+
+    python -m splitserve.bench.chaos --kills 100                  # SmolLM2, 2 x TP2 prefill + 2 decode
+    python -m splitserve.bench.chaos --model DIR --kills 10 --gap 1
+
+``run_chaos`` is the same harness for a test, on a cluster it is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import ray
+
+from splitserve.client import AsyncClient, Client, Completion, SplitserveClientError
+from splitserve.cluster.app import BackgroundCluster
+from splitserve.cluster.config import ClusterConfig
+from splitserve.cluster.pools import actor_state
+from splitserve.engine import Engine, SamplingParams
+
+KINDS = ("prefill", "decode", "tp_rank")
+FAILURES_ALLOWED = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class ChaosSpec:
+    kills: int = 100
+    gap_s: float = 3.0  # mean time between kills (exponential)
+    clients: int = 8  # concurrent clients, each one request after another
+    deadline_s: float = 60.0  # each request's server-side deadline
+    grace_s: float = 10.0  # a call still open this long past its deadline is hung
+    kinds: tuple[str, ...] = KINDS
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request as its client saw it."""
+
+    prompt: int  # index into the prompt set
+    code: str  # "OK", a gRPC code name, or "HUNG"
+    message: str
+    tokens: tuple[int, ...]
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class Kill:
+    at_s: float  # since the load began
+    kind: str
+    worker_id: str
+
+
+@dataclass
+class ChaosReport:
+    outcomes: list[Outcome]
+    kills: list[Kill]
+    wrong: list[Outcome]  # completed, but not the reference's tokens
+    replaced: dict[str, int]  # pool -> workers it replaced
+    kv_held: dict[str, int]  # worker -> KV blocks still held after the drain
+    duration_s: float
+    max_elapsed_s: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.max_elapsed_s = max((o.elapsed_s for o in self.outcomes), default=0.0)
+
+    @property
+    def codes(self) -> Counter:
+        return Counter(o.code for o in self.outcomes)
+
+    @property
+    def completed(self) -> float:
+        return self.codes["OK"] / max(1, len(self.outcomes))
+
+    def problems(self) -> list[str]:
+        """Each goal this run missed, as a sentence (empty: every goal met)."""
+        out = []
+        if self.codes["HUNG"]:
+            out.append(f"{self.codes['HUNG']} request(s) hung past their deadline")
+        if self.wrong:
+            out.append(f"{len(self.wrong)} completed request(s) differ from the reference")
+        if self.completed < 0.99:
+            out.append(f"only {self.completed:.1%} of requests completed (goal 99 %)")
+        bad = [
+            o
+            for o in self.outcomes
+            if o.code not in ("OK", "HUNG") and (o.code not in FAILURES_ALLOWED or not o.message)
+        ]
+        if bad:
+            e = bad[0]
+            out.append(f"{len(bad)} failure(s) of another code or without a sentence, {e.code}: {e.message}")
+        if any(self.kv_held.values()):
+            out.append(f"KV still held afterwards: {self.kv_held}")
+        return out
+
+    def summary(self) -> str:
+        kinds = Counter(k.kind for k in self.kills)
+        failed = Counter((o.code, o.message) for o in self.outcomes if o.code != "OK")
+        by_kind = ", ".join(f"{k} {n}" for k, n in kinds.items())
+        lines = [
+            f"{len(self.kills)} kills in {self.duration_s:.0f} s ({by_kind}); "
+            f"workers replaced by the pools: {self.replaced}",
+            f"{len(self.outcomes)} requests: {self.codes['OK']} completed ({self.completed:.2%}), "
+            f"{len(self.wrong)} wrong, {self.codes['HUNG']} hung; longest call {self.max_elapsed_s:.1f} s",
+            *(f"  {n} x {code}: {message}" for (code, message), n in failed.most_common()),
+            f"KV held afterwards: {sum(self.kv_held.values())} blocks",
+        ]
+        return "\n".join(lines)
+
+
+class _Load:
+    """``clients`` coroutines on a loop of their own (a thread), each sending one request
+    after another until stopped; every call is timed and bounded by its deadline + grace."""
+
+    def __init__(self, address: str, prompts, params, spec: ChaosSpec):
+        self.outcomes: list[Outcome] = []
+        self._args = (address, prompts, params, spec)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="chaos-load")
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise RuntimeError("the load did not stop: a client is stuck")
+
+    async def _run(self) -> None:
+        address, prompts, params, spec = self._args
+        async with AsyncClient(address) as client:
+            await client.list_models()
+            await asyncio.gather(*(self._client(client, i) for i in range(spec.clients)))
+
+    async def _client(self, client: AsyncClient, index: int) -> None:
+        address, prompts, params, spec = self._args
+        rng = random.Random(spec.seed * 1000 + index)
+        while not self._stop.is_set():
+            i = rng.randrange(len(prompts))
+            p: SamplingParams = params[i]
+            start = time.monotonic()
+            out = Completion()
+            try:
+                call = client.generate(
+                    prompts[i],
+                    max_tokens=p.max_tokens,
+                    stop_token_ids=list(p.stop_token_ids),
+                    timeout_ms=int(spec.deadline_s * 1000),
+                )
+                out = await asyncio.wait_for(call, spec.deadline_s + spec.grace_s)
+                code, message = "OK", ""
+            except TimeoutError:
+                code, message = "HUNG", f"no end {spec.grace_s:g} s past the deadline"
+            except SplitserveClientError as e:
+                code, message = e.code.name, e.details
+            self.outcomes.append(Outcome(i, code, message, tuple(out.token_ids), time.monotonic() - start))
+
+
+def _pick(cluster: BackgroundCluster, kind: str, rng: random.Random):
+    """A victim of ``kind`` (worker id and the actor to kill) among the routable workers
+    of its pool, when the pool has another routable worker; else None."""
+
+    async def pick():
+        role = "decode" if kind == "decode" else "prefill"
+        pool = cluster.cluster.pools[role]
+        routable = [w.worker_id for w in cluster.registry.routable(role)]
+        if len(routable) < 2:
+            return None
+        worker_id = rng.choice(routable)
+        actors = pool.actors(worker_id)
+        if kind == "tp_rank":
+            return (worker_id, rng.choice(actors[1:])) if len(actors) > 1 else None
+        return worker_id, actors[0]
+
+    return cluster.run(pick(), timeout=60)
+
+
+def _settled(cluster: BackgroundCluster) -> bool:
+    """Every pool is back to its size with every worker routable and every actor of
+    theirs ALIVE in Ray (none restarting, none dead and not yet replaced)."""
+
+    async def members():
+        pools = cluster.cluster.pools.items()
+        full = all(len(cluster.registry.routable(r)) >= p.spec.replicas for r, p in pools)
+        workers = [w for r, _ in pools for w in cluster.registry.workers(r)]
+        return full and all(w.routable for w in workers), [
+            h for r, p in pools for w in cluster.registry.workers(r) for h in p.actors(w.worker_id)
+        ]
+
+    full, handles = cluster.run(members(), timeout=60)
+    return full and all(actor_state(h)[0] == "ALIVE" for h in handles)
+
+
+def _kill(actor, worker_id: str) -> None:
+    """Kill ``actor`` as a crash would (Ray restarts it if it may), and return once Ray
+    has seen it die (its state or restart count changed)."""
+    before = actor_state(actor)
+    ray.kill(actor, no_restart=False)
+    _wait(lambda: actor_state(actor) != before, f"Ray did not see {worker_id}'s actor die", 60)
+
+
+def _wait(cond, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout:g} s")
+        time.sleep(0.2)
+
+
+def kv_held(address: str) -> dict[str, int]:
+    """KV blocks each worker holds (used blocks + exports awaiting a pull), from the status service."""
+    with Client(address, timeout=60) as c:
+        st = c.cluster_status()
+    return {w.worker_id: w.kv_blocks_used + w.kv_exports_held for p in st.pools for w in p.workers}
+
+
+def run_chaos(
+    cluster: BackgroundCluster,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    reference: list[list[int]],
+    spec: ChaosSpec,
+    recover_timeout_s: float = 600.0,
+) -> ChaosReport:
+    """Load ``cluster`` and kill its workers as ``spec`` says; ``reference[i]`` is the
+    expected greedy output of ``prompts[i]``. Returns when the load has stopped, the
+    pools are back to their size and the KV has drained (or the wait for that timed out:
+    then ``kv_held`` says what stayed)."""
+    rng = random.Random(spec.seed)
+    kinds = [k for k in spec.kinds if k != "tp_rank" or cluster.cluster.config.prefill.tp_size > 1]
+    start = time.monotonic()
+    load = _Load(cluster.address, prompts, params, spec)
+    kills: list[Kill] = []
+    try:
+        for kind in itertools.islice(itertools.cycle(kinds), spec.kills):
+            time.sleep(rng.expovariate(1 / spec.gap_s))
+            victim = None
+            deadline = time.monotonic() + recover_timeout_s
+            while victim is None:  # a pool down to one worker: wait for it to recover
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no {kind} to kill: the pool did not recover")
+                victim = _pick(cluster, kind, rng)
+                if victim is None:
+                    time.sleep(0.2)
+            worker_id, actor = victim
+            _kill(actor, worker_id)
+            kills.append(Kill(time.monotonic() - start, kind, worker_id))
+            log(f"[{kills[-1].at_s:6.1f} s] killed {kind} of {worker_id} ({len(kills)}/{spec.kills})")
+    finally:
+        load.stop(timeout=spec.deadline_s + 2 * spec.grace_s)
+    duration = time.monotonic() - start
+    try:
+        _wait(lambda: _settled(cluster), "the pools did not return to their size", recover_timeout_s)
+        _wait(lambda: not any(kv_held(cluster.address).values()), "the KV did not drain", 120)
+    except TimeoutError as e:
+        log(str(e))
+    outcomes = load.outcomes
+    wrong = [o for o in outcomes if o.code == "OK" and list(o.tokens) != reference[o.prompt]]
+    replaced = {role: pool.replaced for role, pool in cluster.cluster.pools.items()}
+    return ChaosReport(outcomes, kills, wrong, replaced, kv_held(cluster.address), duration)
+
+
+def mixed_prompts(
+    n: int, vocab: int, seed: int, max_len: int
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """``n`` prompts of 3..``max_len`` tokens with 1..48 output tokens; every fourth may end
+    at a stop token. Token ids avoid the lowest 100 (special tokens of real vocabularies)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(3, max_len))] for _ in range(n)]
+    params = []
+    for i in range(n):
+        stop = tuple(rng.sample(range(100, vocab), 2)) if i % 4 == 0 else ()
+        params.append(SamplingParams(max_tokens=rng.randint(1, 48), stop_token_ids=stop))
+    return prompts, params
+
+
+def chaos_config(model: str, prefill: int, decode: int, tp: int, dtype: str = "float32") -> ClusterConfig:
+    """A disaggregated cluster that sends every prompt to a prefill worker (each request
+    crosses the KV handover), with small pools that share the machine's cores."""
+    engine = {"kv_cache_memory_mib": 64, "max_num_batched_tokens": 512}
+    pool = {"num_cpus": 0.25, "torch_threads": 1, "engine": engine}
+    return ClusterConfig.model_validate(
+        {
+            "mode": "disaggregated",
+            "model": {"name": model, "dtype": dtype},
+            "policy": {"conditional_disaggregation": False},
+            "prefill": {"replicas": prefill, "tp_size": tp, **pool},
+            "decode": {"replicas": decode, **pool},
+            "router": {"port": 0, "http_port": None, "shutdown_grace_s": 1},
+            "limits": {"max_inflight_requests": 256},
+        }
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--kills", type=int, default=100)
+    ap.add_argument("--gap", type=float, default=3.0, help="mean seconds between kills")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=48, help="distinct prompts, each with its reference")
+    ap.add_argument("--max-prompt-len", type=int, default=300)
+    ap.add_argument("--deadline", type=float, default=60.0, help="each request's deadline, s")
+    ap.add_argument("--grace", type=float, default=10.0)
+    ap.add_argument("--prefill", type=int, default=2)
+    ap.add_argument("--decode", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=2, help="ranks per prefill worker")
+    ap.add_argument("--dtype", default="float32", help="float32 keeps greedy ties out of the comparison")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    config = chaos_config(args.model, args.prefill, args.decode, args.tp, args.dtype)
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        with BackgroundCluster(config) as cluster:
+            with Client(cluster.address, timeout=60) as c:
+                vocab = c.list_models()[0].vocab_size
+            prompts, params = mixed_prompts(args.prompts, vocab, args.seed, args.max_prompt_len)
+            log(f"reference: {len(prompts)} prompts through the monolithic engine ...")
+            engine = Engine(config.engine_config("decode"))
+            reference = [c.token_ids for c in engine.generate(prompts, params)]
+            del engine
+            spec = ChaosSpec(args.kills, args.gap, args.clients, args.deadline, args.grace, seed=args.seed)
+            report = run_chaos(cluster, prompts, params, reference, spec)
+    finally:
+        ray.shutdown()
+    print(report.summary())
+    problems = report.problems()
+    print("every goal met" if not problems else "NOT MET: " + "; ".join(problems))
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
