@@ -24,7 +24,7 @@ KV of every worker drains. The report then states, against the goals:
 
 ::
 
-    python -m splitserve.bench.chaos --kills 100                  # SmolLM2, 2 x TP2 prefill + 2 decode
+    python -m splitserve.bench.chaos --kills 100                  # SmolLM2, 2 x TP3 prefill + 2 decode
     python -m splitserve.bench.chaos --model DIR --kills 10 --gap 1
 
 ``run_chaos`` is the same harness for a test, on a cluster it is given.
@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import itertools
 import random
+import statistics
 import sys
 import threading
 import time
@@ -95,6 +96,7 @@ class ChaosReport:
     replaced: dict[str, int]  # pool -> workers it replaced
     kv_held: dict[str, int]  # worker -> KV blocks still held after the drain
     duration_s: float
+    recoveries: list[tuple[str, float]] = field(default_factory=list)  # (kind, s until its pool was whole)
     max_elapsed_s: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -140,8 +142,20 @@ class ChaosReport:
             f"{len(self.wrong)} wrong, {self.codes['HUNG']} hung; longest call {self.max_elapsed_s:.1f} s",
             *(f"  {n} x {code}: {message}" for (code, message), n in failed.most_common()),
             f"KV held afterwards: {sum(self.kv_held.values())} blocks",
+            *(
+                f"  a pool whole again after a {kind} kill: median {statistics.median(ts):.1f} s, "
+                f"max {max(ts):.1f} s ({len(ts)} kills)"
+                for kind in KINDS
+                if (ts := [t for k, t in self.recoveries if k == kind])
+            ),
+            "  calls by latency (s): "
+            + ", ".join(f"p{q} {_pct([o.elapsed_s for o in self.outcomes], q):.2f}" for q in (50, 99)),
         ]
         return "\n".join(lines)
+
+
+def _pct(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else float("nan")
 
 
 class _Load:
@@ -210,20 +224,31 @@ def _pick(cluster: BackgroundCluster, kind: str, rng: random.Random):
     return cluster.run(pick(), timeout=60)
 
 
-def _settled(cluster: BackgroundCluster) -> bool:
-    """Every pool is back to its size with every worker routable and every actor of
+def _settled(cluster: BackgroundCluster, roles: tuple[str, ...] = ("prefill", "decode")) -> bool:
+    """These pools are back to their size with every worker routable and every actor of
     theirs ALIVE in Ray (none restarting, none dead and not yet replaced)."""
 
     async def members():
-        pools = cluster.cluster.pools.items()
-        full = all(len(cluster.registry.routable(r)) >= p.spec.replicas for r, p in pools)
+        pools = [(r, cluster.cluster.pools[r]) for r in roles]
         workers = [w for r, _ in pools for w in cluster.registry.workers(r)]
+        full = all(len(cluster.registry.routable(r)) >= p.spec.replicas for r, p in pools)
         return full and all(w.routable for w in workers), [
             h for r, p in pools for w in cluster.registry.workers(r) for h in p.actors(w.worker_id)
         ]
 
     full, handles = cluster.run(members(), timeout=60)
     return full and all(actor_state(h)[0] == "ALIVE" for h in handles)
+
+
+def _time_recovery(cluster: BackgroundCluster, kind: str, since: float, out: list, timeout: float) -> None:
+    """Append (kind, seconds from ``since`` until the victim's pool was whole again)."""
+    role = "decode" if kind == "decode" else "prefill"
+    deadline = since + timeout
+    while time.monotonic() < deadline:
+        if _settled(cluster, (role,)):
+            out.append((kind, time.monotonic() - since))
+            return
+        time.sleep(0.25)
 
 
 def _kill(actor, worker_id: str) -> None:
@@ -266,6 +291,8 @@ def run_chaos(
     start = time.monotonic()
     load = _Load(cluster.address, prompts, params, spec)
     kills: list[Kill] = []
+    recoveries: list[tuple[str, float]] = []  # (kind, s until its pool was whole again)
+    timers: list[threading.Thread] = []
     try:
         for kind in itertools.islice(itertools.cycle(kinds), spec.kills):
             time.sleep(rng.expovariate(1 / spec.gap_s))
@@ -278,7 +305,11 @@ def run_chaos(
                 if victim is None:
                     time.sleep(0.2)
             worker_id, actor = victim
+            killed_at = time.monotonic()
             _kill(actor, worker_id)
+            args = (cluster, kind, killed_at, recoveries, recover_timeout_s)
+            timers.append(threading.Thread(target=_time_recovery, args=args, daemon=True))
+            timers[-1].start()
             kills.append(Kill(time.monotonic() - start, kind, worker_id))
             log(f"[{kills[-1].at_s:6.1f} s] killed {kind} of {worker_id} ({len(kills)}/{spec.kills})")
     finally:
@@ -289,10 +320,12 @@ def run_chaos(
         _wait(lambda: not any(kv_held(cluster.address).values()), "the KV did not drain", 120)
     except TimeoutError as e:
         log(str(e))
+    for t in timers:
+        t.join(recover_timeout_s)
     outcomes = load.outcomes
     wrong = [o for o in outcomes if o.code == "OK" and list(o.tokens) != reference[o.prompt]]
     replaced = {role: pool.replaced for role, pool in cluster.cluster.pools.items()}
-    return ChaosReport(outcomes, kills, wrong, replaced, kv_held(cluster.address), duration)
+    return ChaosReport(outcomes, kills, wrong, replaced, kv_held(cluster.address), duration, recoveries)
 
 
 def mixed_prompts(
@@ -339,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grace", type=float, default=10.0)
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=2)
-    ap.add_argument("--tp", type=int, default=2, help="ranks per prefill worker")
+    ap.add_argument("--tp", type=int, default=3, help="ranks per prefill worker (SmolLM2: 3)")
     ap.add_argument("--dtype", default="float32", help="float32 keeps greedy ties out of the comparison")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

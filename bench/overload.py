@@ -48,6 +48,8 @@ class Sent:
     """One request as its client saw it."""
 
     code: str  # "OK" or a gRPC code name
+    message: str  # the server's sentence, for a failure
+    tokens: int
     elapsed_s: float  # send -> end (for a rejection: how fast it came)
     ttft_s: float | None
     tpot_s: float | None  # (last token - first token) / (tokens - 1)
@@ -85,9 +87,9 @@ async def _one(client: AsyncClient, at: float, prompt: list[int], output_len: in
             if isinstance(item, Chunk):
                 times.extend([time.perf_counter()] * len(item.token_ids))
     except SplitserveClientError as e:
-        return Sent(e.code.name, time.perf_counter() - start, None, None)
+        return Sent(e.code.name, e.details, len(times), time.perf_counter() - start, None, None)
     tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-    return Sent("OK", time.perf_counter() - start, times[0] - start, tpot)
+    return Sent("OK", "", len(times), time.perf_counter() - start, times[0] - start, tpot)
 
 
 async def _phase(

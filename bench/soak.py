@@ -304,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-len", type=int, default=128)
     ap.add_argument("--max-suffix", type=int, default=96)
     ap.add_argument("--max-output", type=int, default=64)
-    ap.add_argument("--kv-mib", type=int, default=24, help="KV cache per worker (small: preemption)")
+    ap.add_argument(
+        "--kv-mib", type=int, default=96, help="KV cache per worker (SmolLM2 fp32: ~2,100 tokens)"
+    )
     ap.add_argument("--cancel", type=float, default=0.1, help="share of requests cancelled mid-stream")
     ap.add_argument("--max-growth", type=float, default=64.0, help="MiB a process may grow after warm-up")
     ap.add_argument("--seed", type=int, default=0)

@@ -195,32 +195,33 @@ class WorkerPool:
 
         return broken + await asyncio.to_thread(dead)
 
-    async def replace(self, worker_id: str) -> WorkerRecord:
-        """Kill what is left of ``worker_id`` and start a new worker in its place (a new id;
-        routed to once its model has loaded)."""
-        log.warning("%s is lost for good; starting a worker in its place", worker_id)
-        self._kill(self._members[worker_id])
-        self.replaced += 1
-        (record,) = await self.add(1)
-        return record
-
     async def keep(self, interval_s: float = KEEP_INTERVAL_S) -> None:
-        """Forever: replace every lost worker (``lost``). A replacement that fails to start
-        is tried again after a wait that doubles up to ``KEEP_BACKOFF_MAX_S``, so a worker
-        that cannot start does not spin."""
-        backoff = interval_s
+        """Forever: retire every lost worker (``lost``) and start one in its place. A start
+        that fails is owed and tried again after a wait that doubles up to
+        ``KEEP_BACKOFF_MAX_S``, so a worker that cannot start does not spin."""
+        owed, backoff = 0, interval_s
         while True:
             await asyncio.sleep(interval_s)
             try:
                 for worker_id in await self.lost():
                     record = self.registry.get(worker_id)
                     if record is not None and record.state == Membership.ACTIVE:  # not removed meanwhile
-                        await self.replace(worker_id)
+                        log.warning("%s is lost for good; starting a worker in its place", worker_id)
+                        self._kill(self._members[worker_id])
+                        self.replaced += 1
+                        owed += 1
+                while owed:
+                    await self.add(1)
+                    owed -= 1
                 backoff = interval_s
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("replacing a lost %s worker failed; next try in %.0f s", self.role, backoff)
+                log.exception(
+                    "starting a %s worker in place of a lost one failed; next try in %.0f s",
+                    self.role,
+                    backoff,
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, KEEP_BACKOFF_MAX_S)
 
