@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     config = chaos_config(args.model, args.prefill, args.decode, args.tp, args.dtype)
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # its own, whatever runs
     try:
         with BackgroundCluster(config) as cluster:
             with Client(cluster.address, timeout=60) as c:

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_inflight is not None:
         limits = config.limits.model_copy(update={"max_inflight_requests": args.max_inflight})
         config = config.model_copy(update={"limits": limits})
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # its own, whatever runs
     try:
         with BackgroundCluster(config) as cluster:
             from splitserve.client import Client

@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     config = soak_config(args.model, args.kv_mib, args.dtype)
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # its own, whatever runs
     try:
         with BackgroundCluster(config) as cluster:
             with Client(cluster.address, timeout=60) as c:

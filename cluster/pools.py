@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import socket
 import time
 from dataclasses import dataclass, field
@@ -108,12 +109,27 @@ def _node_placement(node_id: str) -> NodePlacement:
     return NodePlacement(node_id, group or "+".join(phases))
 
 
+RENDEZVOUS_PORTS = range(20000, 32768)  # above Ray's worker ports, below Linux's ephemeral range
+
+
 def _rendezvous_address() -> str:
-    """A TCP address on this node for a TP group's ranks to meet (run in bundle 0)."""
+    """A TCP address on this node for a TP group's ranks to meet (run in bundle 0).
+
+    The port is free when picked and is bound again only when rank 0 starts, so it is
+    drawn at random outside the kernel's ephemeral range (and Ray's worker ports): a
+    port the kernel hands out to an outgoing connection in between would make rank 0
+    fail with EADDRINUSE (seen in the chaos run, with ports from ``bind(0)``)."""
     ip = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return f"tcp://{ip}:{s.getsockname()[1]}"
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.choice(RENDEZVOUS_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind((ip, port))
+            except OSError:
+                continue
+            return f"tcp://{ip}:{port}"
+    raise RuntimeError(f"no free port for a tensor-parallel group on {ip} in {RENDEZVOUS_PORTS}")
 
 
 class WorkerPool:
