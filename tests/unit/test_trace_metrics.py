@@ -121,6 +121,7 @@ def make_metrics(registry: WorkerRegistry | None = None) -> RouterMetrics:
         lambda: [PoolSize("decode", 2)],
         lambda: 7,
         lambda: {("local", "gain"): 3},
+        lambda: {("checksum", "recompute"): 1},
     )
 
 
@@ -162,11 +163,11 @@ def test_worker_gauges_come_from_the_registrys_last_poll():
     registry = WorkerRegistry()
     w = registry.add("prefill-0", "prefill", _NoClient(), 16)
     registry.add("prefill-1", "prefill", _NoClient(), 16)  # STARTING: no figures, counted as warming
-    w.stats = PrefillStats("prefill-0", EngineStats(3, 2, 100, 40, 30), (), 0, 0, 0)
+    w.stats = PrefillStats("prefill-0", EngineStats(3, 2, 100, 40, 30, num_preemptions=5), (), 0, 0, 0)
     from splitserve.router.registry import Membership
 
     w.state = Membership.ACTIVE
-    metrics = RouterMetrics("m", registry, lambda: [PoolSize("prefill", 2)], lambda: 0, dict)
+    metrics = RouterMetrics("m", registry, lambda: [PoolSize("prefill", 2, replaced=4)], lambda: 0, dict)
     v = samples(metrics.render().decode())
     assert one(v, "splitserve:num_requests_running", worker="prefill-0") == 3
     assert one(v, "splitserve:num_requests_waiting", worker="prefill-0") == 2
@@ -174,6 +175,8 @@ def test_worker_gauges_come_from_the_registrys_last_poll():
     assert not [k for k in v if ("worker", "prefill-1") in k[1]]
     assert one(v, "splitserve:pool_replicas", pool="prefill", state="current") == 1
     assert one(v, "splitserve:pool_replicas", pool="prefill", state="warming") == 1
+    assert one(v, "splitserve:num_preemptions_total", worker="prefill-0") == 5
+    assert one(v, "splitserve:worker_replacements_total", pool="prefill") == 4
 
 
 def test_the_metrics_port_serves_the_text_format():
