@@ -251,12 +251,24 @@ def _time_recovery(cluster: BackgroundCluster, kind: str, since: float, out: lis
         time.sleep(0.25)
 
 
-def _kill(actor, worker_id: str) -> None:
+def _kill(cluster: BackgroundCluster, actor, worker_id: str) -> None:
     """Kill ``actor`` as a crash would (Ray restarts it if it may), and return once Ray
-    has seen it die (its state or restart count changed)."""
+    has seen it die and the router no longer counts ``worker_id`` as routable, or it has
+    come back (restarted): so the next pick, which spares a pool's last routable worker,
+    sees the pool as it is. (The 100-kill run before this wait killed a TP group whose
+    rank had just died, still routable for a moment, and its sibling: both down.)"""
     before = actor_state(actor)
     ray.kill(actor, no_restart=False)
     _wait(lambda: actor_state(actor) != before, f"Ray did not see {worker_id}'s actor die", 60)
+
+    async def routable() -> bool:
+        return any(w.worker_id == worker_id for w in cluster.registry.routable())
+
+    def noticed() -> bool:
+        state, restarts = actor_state(actor)
+        return not cluster.run(routable(), timeout=60) or (state == "ALIVE" and restarts > before[1])
+
+    _wait(noticed, f"the router did not notice {worker_id}'s death", 120)
 
 
 def _wait(cond, what: str, timeout: float) -> None:
@@ -306,7 +318,7 @@ def run_chaos(
                     time.sleep(0.2)
             worker_id, actor = victim
             killed_at = time.monotonic()
-            _kill(actor, worker_id)
+            _kill(cluster, actor, worker_id)
             args = (cluster, kind, killed_at, recoveries, recover_timeout_s)
             timers.append(threading.Thread(target=_time_recovery, args=args, daemon=True))
             timers[-1].start()

@@ -56,7 +56,8 @@ class KVSink:
 
     def connect(self, hs: Handshake) -> None:
         """Check a source's handshake and set up the link; reconnecting to a restarted
-        source (new incarnation) replaces the old link. Raises ``IncompatiblePeer``."""
+        source (new incarnation) replaces the old link. Raises ``IncompatiblePeer``, or
+        ``PeerLost`` when the backend cannot link to it (a source that died meanwhile)."""
         if hs.version != PROTOCOL_VERSION:
             raise IncompatiblePeer(
                 f"worker {hs.worker_id} speaks KV transfer protocol v{hs.version}, "
@@ -75,7 +76,12 @@ class KVSink:
         old = self.peers.get(hs.worker_id)
         if old is not None and old.incarnation == hs.incarnation:
             return
-        self._connect(hs, replacing=old)
+        try:
+            self._connect(hs, replacing=old)
+        except KVTransferError:
+            raise
+        except Exception as e:  # the backend's own error (e.g. NIXL's, for a peer that died meanwhile)
+            raise PeerLost(f"connecting to worker {hs.worker_id} failed: {e.__class__.__name__}: {e}") from e
         self.peers[hs.worker_id] = hs
 
     def pull(self, desc: KVDescriptor, dst_blocks: list[int], timeout: float = 10.0) -> Confirmation:

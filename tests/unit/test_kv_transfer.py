@@ -206,6 +206,23 @@ def test_descriptor_from_a_restarted_source_is_refused(pair, checkpoint):
         sink.pull(desc, blocks)
 
 
+def test_a_backend_failing_to_link_a_peer_is_a_lost_peer(pair, checkpoint, monkeypatch):
+    """A transfer library's own exception while linking (NIXL's, for a source that died
+    between its handshake and the link) is ``PeerLost``, which the router recomputes
+    after, not an unknown error that reaches the client as INTERNAL."""
+    pre, dec, source, sink = pair
+    source.close()
+    restarted = get_backend("local").source("prefill-0", pre.kv_cache.tensor, compat(pre), hub=source.hub)
+
+    def refuse(hs, replacing):
+        raise RuntimeError("remote agent metadata is stale")
+
+    monkeypatch.setattr(sink, "_connect", refuse)
+    with pytest.raises(PeerLost, match="connecting to worker prefill-0 failed: RuntimeError"):
+        sink.connect(restarted.handshake())
+    assert sink.peers["prefill-0"].incarnation != restarted.handshake().incarnation  # the old link stays
+
+
 def test_unknown_backend_and_bad_cache_are_clear_errors(pair):
     pre, *_ = pair
     with pytest.raises(ValueError, match="unknown KV transfer backend 'carrier-pigeon'"):
