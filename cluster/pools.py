@@ -212,34 +212,46 @@ class WorkerPool:
         return broken + await asyncio.to_thread(dead)
 
     async def keep(self, interval_s: float = KEEP_INTERVAL_S) -> None:
-        """Forever: retire every lost worker (``lost``) and start one in its place. A start
-        that fails is owed and tried again after a wait that doubles up to
+        """Forever, every ``interval_s``: retire each lost worker (``lost``: out of routing
+        at once) and start one in its place. Starts run beside the checks, so a worker lost
+        while another loads is retired within a tick, not after that load. A start that
+        fails stays owed and is tried again after a wait that doubles up to
         ``KEEP_BACKOFF_MAX_S``, so a worker that cannot start does not spin."""
-        owed, backoff = 0, interval_s
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                for worker_id in await self.lost():
+        owed, backoff, next_try = 0, interval_s, 0.0
+        starting: set[asyncio.Task] = set()
+        try:
+            while True:
+                await asyncio.sleep(interval_s)
+                for task in [t for t in starting if t.done()]:
+                    starting.discard(task)
+                    if task.exception() is None:
+                        owed, backoff = owed - 1, interval_s
+                    else:
+                        log.error(
+                            "starting a %s worker in place of a lost one failed (%s); next try in %.0f s",
+                            self.role,
+                            task.exception(),
+                            backoff,
+                        )
+                        next_try, backoff = time.monotonic() + backoff, min(2 * backoff, KEEP_BACKOFF_MAX_S)
+                try:
+                    lost = await self.lost()
+                except Exception:  # e.g. the GCS did not answer: try again next tick
+                    log.exception("looking for lost %s workers failed", self.role)
+                    lost = []
+                for worker_id in lost:
                     record = self.registry.get(worker_id)
                     if record is not None and record.state == Membership.ACTIVE:  # not removed meanwhile
                         log.warning("%s is lost for good; starting a worker in its place", worker_id)
                         self._kill(self._members[worker_id])
                         self.replaced += 1
                         owed += 1
-                while owed:
-                    await self.add(1)
-                    owed -= 1
-                backoff = interval_s
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception(
-                    "starting a %s worker in place of a lost one failed; next try in %.0f s",
-                    self.role,
-                    backoff,
-                )
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, KEEP_BACKOFF_MAX_S)
+                if time.monotonic() >= next_try:
+                    for _ in range(owed - len(starting)):
+                        starting.add(asyncio.ensure_future(self.add(1)))
+        finally:
+            for task in starting:
+                task.cancel()
 
     def shutdown(self) -> None:
         for m in list(self._members.values()):

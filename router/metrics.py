@@ -35,7 +35,7 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
     splitserve:num_requests_running{pool,worker}       in its engine's running batch
     splitserve:num_requests_waiting{pool,worker}       queued in its engine
     splitserve:kv_cache_usage_perc{pool,worker}        used KV blocks / all (0..1, as vLLM)
-    splitserve:num_preemptions_total{pool,worker}      a counter, read from the engine (reset when it restarts)
+    splitserve:num_preemptions_total{pool,worker}      from the engine (restarts from 0 with the worker)
     splitserve:pool_replicas{pool,state}               state: current (routable), warming
                                                        (starting), draining, desired
     splitserve:num_requests_inflight                    admitted by the router, unfinished
