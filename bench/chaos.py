@@ -205,14 +205,19 @@ class _Load:
             self.outcomes.append(Outcome(i, code, message, tuple(out.token_ids), time.monotonic() - start))
 
 
-def _pick(cluster: BackgroundCluster, kind: str, rng: random.Random):
+def _role(kind: str) -> str:
+    """The pool a kind of kill hits."""
+    return "decode" if kind == "decode" else "prefill"
+
+
+def _pick(cluster: BackgroundCluster, kind: str, rng: random.Random, timeout: float):
     """A victim of ``kind`` (worker id and the actor to kill) among the routable workers
-    of its pool, when the pool has another routable worker; else None."""
+    of its pool; while the pool has no second routable worker (to serve on), waits for
+    one, up to ``timeout`` s."""
 
     async def pick():
-        role = "decode" if kind == "decode" else "prefill"
-        pool = cluster.cluster.pools[role]
-        routable = [w.worker_id for w in cluster.registry.routable(role)]
+        pool = cluster.cluster.pools[_role(kind)]
+        routable = [w.worker_id for w in cluster.registry.routable(_role(kind))]
         if len(routable) < 2:
             return None
         worker_id = rng.choice(routable)
@@ -221,7 +226,12 @@ def _pick(cluster: BackgroundCluster, kind: str, rng: random.Random):
             return (worker_id, rng.choice(actors[1:])) if len(actors) > 1 else None
         return worker_id, actors[0]
 
-    return cluster.run(pick(), timeout=60)
+    deadline = time.monotonic() + timeout
+    while (victim := cluster.run(pick(), timeout=60)) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {kind} to kill: its pool did not recover within {timeout:g} s")
+        time.sleep(0.2)
+    return victim
 
 
 def _settled(cluster: BackgroundCluster, roles: tuple[str, ...] = ("prefill", "decode")) -> bool:
@@ -241,14 +251,13 @@ def _settled(cluster: BackgroundCluster, roles: tuple[str, ...] = ("prefill", "d
 
 
 def _time_recovery(cluster: BackgroundCluster, kind: str, since: float, out: list, timeout: float) -> None:
-    """Append (kind, seconds from ``since`` until the victim's pool was whole again)."""
-    role = "decode" if kind == "decode" else "prefill"
-    deadline = since + timeout
-    while time.monotonic() < deadline:
-        if _settled(cluster, (role,)):
-            out.append((kind, time.monotonic() - since))
-            return
-        time.sleep(0.25)
+    """Append (kind, seconds from ``since`` until the victim's pool was whole again);
+    nothing if it was not within ``timeout``."""
+    try:
+        _wait(lambda: _settled(cluster, (_role(kind),)), "", timeout)
+    except TimeoutError:
+        return
+    out.append((kind, time.monotonic() - since))
 
 
 def _kill(cluster: BackgroundCluster, actor, worker_id: str) -> None:
@@ -308,15 +317,7 @@ def run_chaos(
     try:
         for kind in itertools.islice(itertools.cycle(kinds), spec.kills):
             time.sleep(rng.expovariate(1 / spec.gap_s))
-            victim = None
-            deadline = time.monotonic() + recover_timeout_s
-            while victim is None:  # a pool down to one worker: wait for it to recover
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no {kind} to kill: the pool did not recover")
-                victim = _pick(cluster, kind, rng)
-                if victim is None:
-                    time.sleep(0.2)
-            worker_id, actor = victim
+            worker_id, actor = _pick(cluster, kind, rng, recover_timeout_s)
             killed_at = time.monotonic()
             _kill(cluster, actor, worker_id)
             args = (cluster, kind, killed_at, recoveries, recover_timeout_s)

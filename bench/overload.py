@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import ray
 
-from splitserve.bench.soak import _rss_mib
+from splitserve.bench.soak import rss_mib
 from splitserve.bench.workloads import arrival_times, random_requests
-from splitserve.client import AsyncClient, Chunk, SplitserveClientError
+from splitserve.client import AsyncClient, Chunk, Client, SplitserveClientError
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 
@@ -60,7 +60,7 @@ class Phase:
     multiple: float
     rate: float
     sent: list[Sent]
-    router_rss_mib: float
+    routerrss_mib: float
 
     def count(self, code: str) -> int:
         return sum(s.code == code for s in self.sent)
@@ -121,7 +121,7 @@ def run_overload(
         log(f"phase {k + 1}: {n} requests at {rate * m:g} req/s ({m:g}x) ...")
         prompts = [r.prompt_ids for r in reqs]
         sent = asyncio.run(_phase(cluster.address, prompts, output_len, rate * m, seed + k))
-        phases.append(Phase(m, rate * m, sent, _rss_mib(os.getpid()) or 0.0))
+        phases.append(Phase(m, rate * m, sent, rss_mib(os.getpid()) or 0.0))
     return phases
 
 
@@ -140,7 +140,7 @@ def table(phases: list[Phase]) -> str:
             f"{p.count('RESOURCE_EXHAUSTED'):>8} {other:>5} "
             f"{p.rejection_ms(50):>8.1f}/{p.rejection_ms(99):<9.1f} "
             f"{p.ttft_ms(50):>7.0f}/{p.ttft_ms(99):<8.0f} {p.tpot_ms(50):>7.1f}/{p.tpot_ms(99):<8.1f} "
-            f"{p.tpot_ms(50) / base.tpot_ms(50):>13.2f} {p.router_rss_mib:>10.1f}"
+            f"{p.tpot_ms(50) / base.tpot_ms(50):>13.2f} {p.routerrss_mib:>10.1f}"
         )
     return "\n".join(lines)
 
@@ -168,8 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address="local", include_dashboard=False, log_to_driver=False)  # its own, whatever runs
     try:
         with BackgroundCluster(config) as cluster:
-            from splitserve.client import Client
-
             with Client(cluster.address, timeout=60) as c:
                 vocab = c.list_models()[0].vocab_size
             phases = run_overload(

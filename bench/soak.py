@@ -129,7 +129,8 @@ class SoakReport:
         return "\n".join(lines)
 
 
-def _rss_mib(pid: int) -> float | None:
+def rss_mib(pid: int) -> float | None:
+    """Resident memory of process ``pid`` in MiB (Linux ``/proc``); None if it is gone."""
     try:
         with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -172,7 +173,7 @@ class _MemorySampler:
     def sample(self) -> dict[str, float]:
         now = {}
         for pid, name in [(os.getpid(), "router+clients"), *_worker_processes().items()]:
-            rss = _rss_mib(pid)
+            rss = rss_mib(pid)
             if rss is not None:
                 now[name] = rss
                 self.samples.setdefault(name, []).append(rss)

@@ -95,12 +95,6 @@ def actor_state(handle) -> tuple[str, int]:
     return info.get("State", "UNKNOWN"), int(info.get("NumRestarts", 0))
 
 
-def _actor_dead(handle) -> bool:
-    """Whether Ray has given the actor up for good (killed without restart, out of
-    restarts); an actor being restarted is not dead."""
-    return actor_state(handle)[0] == "DEAD"
-
-
 def _node_placement(node_id: str) -> NodePlacement:
     """The node's group as Ray labels it, or else the splitserve phase resources it offers."""
     node = next((n for n in ray.nodes() if n["NodeID"] == node_id), {})
@@ -206,8 +200,8 @@ class WorkerPool:
             else:
                 handles[w.worker_id] = [m.actor, *m.ranks]
 
-        def dead() -> list[str]:  # GCS reads, off the router's loop
-            return [wid for wid, hs in handles.items() if any(_actor_dead(h) for h in hs)]
+        def dead() -> list[str]:  # GCS reads, off the router's loop; RESTARTING is not DEAD
+            return [wid for wid, hs in handles.items() if any(actor_state(h)[0] == "DEAD" for h in hs)]
 
         return broken + await asyncio.to_thread(dead)
 
