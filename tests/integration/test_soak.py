@@ -1,11 +1,14 @@
 """The soak harness (``splitserve.bench.soak``) at CI size: concurrent greedy
 requests with shared prefixes, a KV cache small enough that the engines preempt,
 and cancels; every completed output equals the monolithic engine's and every
-cancelled one is a prefix of it; no KV stays held. Run twice on one cluster:
-what a process grows by in the second round must be well under what it grew in
-the first (caches that fill once, e.g. oneDNN's per-shape primitives, level off;
-a leak per request grows the same in both). The large run (5,000+ requests) is
-the same harness by hand: ``python -m splitserve.bench.soak --requests 5000``."""
+cancelled one is a prefix of it; no KV stays held. Run twice on one cluster,
+the second round may add at most 160 MiB to any process: a guard against a gross
+leak (~270 KB per request or more), not a flatness test. At this size the decode
+worker's caches (oneDNN's per-shape primitives among them) are still filling,
++65-86 MiB in the second round, and the prefill worker's growth varies from run
+to run (0-84 MiB in the first round), so a ratio between rounds flaked. Whether
+memory is flat is the large run's figure (``docs/reliability.md``):
+``python -m splitserve.bench.soak --requests 5000``."""
 
 from __future__ import annotations
 
@@ -35,7 +38,6 @@ def test_every_token_of_a_soak_is_right_and_nothing_leaks(checkpoint):
         assert report.codes["CANCELLED"] > 0  # cancels were part of the load
         assert report.problems(max_growth_mib=float("inf")) == []  # no wrong token, no failure, no KV held
     assert rounds[1].preemptions > rounds[0].preemptions > 0  # the engines ran short of blocks
-    first, second = ({m.name: m for m in r.memory} for r in rounds)
-    assert {name.split("[")[0] for name in second} >= {"router+clients", "PrefillWorker", "DecodeWorker"}
-    for name, m in second.items():
-        assert m.growth <= 0.6 * first[name].growth + 16, (name, first[name], m)
+    second = rounds[1].memory
+    assert {m.name.split("[")[0] for m in second} >= {"router+clients", "PrefillWorker", "DecodeWorker"}
+    assert all(m.growth <= 160 for m in second), second
