@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import ray
 
 from splitserve.client import AsyncClient, Client, Completion, SplitserveClientError
-from splitserve.cluster.app import BackgroundCluster
+from splitserve.cluster.app import BackgroundCluster, start_local_ray
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.pools import actor_state
 from splitserve.engine import Engine, SamplingParams
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     config = chaos_config(args.model, args.prefill, args.decode, args.tp, args.dtype)
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # its own, whatever runs
+    start_local_ray(log_to_driver=False)  # its own, whatever runs
     try:
         with BackgroundCluster(config) as cluster:
             with Client(cluster.address, timeout=60) as c:

@@ -35,7 +35,7 @@ import ray
 from splitserve.bench.soak import rss_mib
 from splitserve.bench.workloads import arrival_times, random_requests
 from splitserve.client import AsyncClient, Chunk, Client, SplitserveClientError
-from splitserve.cluster.app import BackgroundCluster
+from splitserve.cluster.app import BackgroundCluster, start_local_ray
 from splitserve.cluster.config import ClusterConfig
 
 
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_inflight is not None:
         limits = config.limits.model_copy(update={"max_inflight_requests": args.max_inflight})
         config = config.model_copy(update={"limits": limits})
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # its own, whatever runs
+    start_local_ray(log_to_driver=False)  # its own, whatever runs
     try:
         with BackgroundCluster(config) as cluster:
             with Client(cluster.address, timeout=60) as c:

@@ -40,7 +40,7 @@ import ray
 
 from splitserve.bench.chaos import kv_held
 from splitserve.client import AsyncClient, Chunk, Client, SplitserveClientError
-from splitserve.cluster.app import BackgroundCluster
+from splitserve.cluster.app import BackgroundCluster, start_local_ray
 from splitserve.cluster.config import ClusterConfig
 from splitserve.engine import Engine, SamplingParams
 
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     config = soak_config(args.model, args.kv_mib, args.dtype)
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # its own, whatever runs
+    start_local_ray(log_to_driver=False)  # its own, whatever runs
     try:
         with BackgroundCluster(config) as cluster:
             with Client(cluster.address, timeout=60) as c:

@@ -188,14 +188,15 @@ class WorkerPool:
 
     async def lost(self) -> list[str]:
         """The ACTIVE workers that will not come back by themselves: one of whose actors
-        Ray has given up (a worker out of restarts, any rank of a TP group), or a TP group
-        whose rank 0 answers that its group broke (the registry marks it not alive)."""
+        Ray has given up (a worker out of restarts, any rank of a TP group), one whose
+        engine has stopped while its process lives on (``stopped``: e.g. a TP group that
+        broke), or a TP group whose rank 0 is not alive (it cannot rejoin its ranks)."""
         broken, handles = [], {}
         for w in self.registry.workers(self.role):
             m = self._members.get(w.worker_id)
             if m is None or w.state != Membership.ACTIVE:
                 continue
-            if m.ranks and not w.alive:
+            if w.stopped or (m.ranks and not w.alive):
                 broken.append(w.worker_id)
             else:
                 handles[w.worker_id] = [m.actor, *m.ranks]

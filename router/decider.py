@@ -30,10 +30,11 @@ queued prefill pool, or a prefix D holds, raise the gain; the cap keeps any
 one local prefill from stretching the decode batch's inter-token latency past
 the budget. Fixed rules come first: colocated clusters (no prefill pool) are
 LOCAL; ``local_prefill_below_tokens`` is a floor under which a prompt is always
-LOCAL; with ``conditional_disaggregation`` off only that floor decides (and a
-request finds no prefill worker: UNAVAILABLE). With it on, a pool with no
-routable prefill worker (all lost or restarting) means LOCAL, so the cluster
-keeps serving; before any rate is measured, REMOTE.
+LOCAL; a pool with no routable prefill worker (all lost or restarting) means
+LOCAL, whatever the policy, so the cluster keeps serving (``fallback``: the same
+when every prefill worker a request tried was lost); with
+``conditional_disaggregation`` off, everything else is REMOTE; before any rate
+is measured, REMOTE.
 """
 
 from __future__ import annotations
@@ -101,6 +102,13 @@ class Decider:
         self.counts[decision.placement, decision.reason] += 1
         return decision
 
+    def fallback(self) -> Decision:
+        """A REMOTE request's prefill workers were lost and none is left: the decode
+        worker prefills it after all (counted)."""
+        decision = Decision(Placement.LOCAL, Reason.NO_PREFILL_WORKER)
+        self.counts[decision.placement, decision.reason] += 1
+        return decision
+
     def _decide(
         self,
         policy: PolicySpec,
@@ -114,10 +122,10 @@ class Decider:
         uncached_local = prompt.num_tokens - prompt.cached_on(decode)
         if uncached_local < policy.local_prefill_below_tokens:
             return Decision(Placement.LOCAL, Reason.BELOW_THRESHOLD)
-        if not policy.conditional_disaggregation:
-            return Decision(Placement.REMOTE, Reason.FIXED_POLICY)
         if prefill is None:
             return Decision(Placement.LOCAL, Reason.NO_PREFILL_WORKER)
+        if not policy.conditional_disaggregation:
+            return Decision(Placement.REMOTE, Reason.FIXED_POLICY)
         rate = decode.prefill_tokens_per_s or prefill.prefill_tokens_per_s
         if rate <= 0:
             return Decision(Placement.REMOTE, Reason.FIXED_POLICY)

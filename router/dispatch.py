@@ -175,8 +175,13 @@ class Dispatcher:
         prefill: WorkerRecord | None = None
         first: list[int] = []
         handoff = None
+        result = None
         if decision.placement == Placement.REMOTE:
             result = await self._prefill(req, prompt, pw)
+            if result is None:  # every prefill worker it tried was lost, and none is left
+                self.decider.fallback()
+                log.warning("no prefill worker is left for %s; %s prefills it", req.request_id, dw.worker_id)
+        if result is not None:
             req.prefilled_at = time.monotonic()
             req.cached = result.num_cached_tokens
             req.prefill_worker = result.worker_id
@@ -210,9 +215,11 @@ class Dispatcher:
                 if prefill is not None:  # the resumed task prefills again: free the export now
                     self._in_background(prefill.client.abort(req.request_id))
 
-    async def _prefill(self, req: RequestState, prompt: Prompt, pw: WorkerRecord | None) -> PrefillResult:
+    async def _prefill(
+        self, req: RequestState, prompt: Prompt, pw: WorkerRecord | None
+    ) -> PrefillResult | None:
         """Prefill on ``pw`` (None: the balancer picks); a lost worker is replaced by the next
-        pick, each worker tried once."""
+        pick, each worker tried once. None: no prefill worker is left to try."""
         tried: set[str] = set()
         n = len(req.prompt_ids)
         while True:
@@ -220,7 +227,7 @@ class Dispatcher:
                 candidates = [w for w in self.registry.routable("prefill") if w.worker_id not in tried]
                 pw = pick_prefill(candidates, prompt, self.policy.prefix_affinity)
             if pw is None:
-                raise WorkerLost("no prefill worker is available")
+                return None
             tried.add(pw.worker_id)
             queued = pw.queued_prompt_tokens
             # An idle worker takes any prompt the validator allowed, however long.

@@ -29,13 +29,19 @@ class WorkerLost(SplitserveError):
     """A worker died or became unreachable while it held a request."""
 
 
+class WorkerStopped(WorkerLost):
+    """A worker's process answers but its engine has stopped (a bug, a broken TP group):
+    it will not serve again, and Ray will not restart a process that is alive. Its pool
+    replaces it."""
+
+
 def unwrap(exc: BaseException) -> BaseException:
-    """The exception a worker raised, from Ray's wrapper; ``WorkerLost`` for a dead actor
-    or one whose engine stopped."""
+    """The exception a worker raised, from Ray's wrapper; ``WorkerLost`` for a dead actor,
+    ``WorkerStopped`` for one whose engine stopped."""
     if isinstance(exc, ray.exceptions.RayTaskError):
         exc = exc.cause if exc.cause is not None else exc
     if isinstance(exc, EngineStopped):
-        return WorkerLost(str(exc))
+        return WorkerStopped(str(exc))
     if isinstance(exc, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError):
         return WorkerLost(f"a worker was lost: {exc.__class__.__name__}")
     return exc

@@ -9,7 +9,7 @@ through a registry method::
     state (membership)                  the pools: add, activate, drain, remove
     node (where Ray placed it)          the pools: placed
     given_up (registry, not a record)   the pools: give_up
-    alive, stats, error, prefix         poll() (the router's poller, status calls)
+    alive, stopped, stats, error, prefix poll() (the router's poller, status calls)
     info (validator, handshakes)        activate, handshakes_for (after a restart)
     prefilling / decoding / unpolled    the dispatcher: prefilling(), prefill_done(), decoding()
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from splitserve.kv_transfer.contract import Handshake
 from splitserve.kv_transfer.errors import PeerLost
 from splitserve.prefill_worker.api import PrefillStats, PrefillWorkerInfo
-from splitserve.router.errors import WorkerLost
+from splitserve.router.errors import WorkerLost, WorkerStopped
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.workers import WorkerClient, WorkerInfo, WorkerStats
 
@@ -85,6 +85,7 @@ class WorkerRecord:
     block_size: int
     state: Membership = Membership.STARTING
     alive: bool = True
+    stopped: bool = False  # its engine stopped for good (it answered so): only a replacement helps
     stats: WorkerStats | None = None  # the last poll's answer
     error: str = ""  # why the last poll got none
     info: WorkerInfo | None = None  # what the worker said of itself when it joined (or restarted)
@@ -224,9 +225,10 @@ class WorkerRegistry:
             stats = await asyncio.wait_for(w.client.stats(w.prefix.cursor), self.poll_timeout_s)
         except Exception as e:
             w.alive = not isinstance(e, WorkerLost)
+            w.stopped = isinstance(e, WorkerStopped)
             w.error = f"{e.__class__.__name__}: {e}"
             return
-        w.alive, w.stats, w.error = True, stats, ""
+        w.alive, w.stopped, w.stats, w.error = True, False, stats, ""
         w.unpolled -= seen
         if stats.prefix is not None:
             w.prefix.apply(stats.prefix)

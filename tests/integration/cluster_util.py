@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from splitserve.client import Chunk, Client, Completion
-from splitserve.cluster.app import BackgroundCluster
+from splitserve.cluster.app import BackgroundCluster, start_local_ray
 from splitserve.cluster.config import ClusterConfig
 from splitserve.engine import Engine, SamplingParams
 from tests.conftest import random_prompts
@@ -40,7 +40,7 @@ def tiny_config(checkpoint: str, mode: str = "disaggregated", **overrides) -> Cl
 @contextlib.contextmanager
 def live_cluster(config: ClusterConfig) -> Iterator[BackgroundCluster]:
     """A Ray instance (2 CPUs, as on CI) and a cluster on it, for one test module."""
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 * 2**20, log_to_driver=False)
+    start_local_ray(2, object_store_memory=300 * 2**20, log_to_driver=False)
     try:
         with BackgroundCluster(config) as c:
             yield c

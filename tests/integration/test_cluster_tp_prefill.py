@@ -4,9 +4,11 @@ of both shards as it pulls them over NIXL. One Ray instance for the module.
 
 - 32 concurrent streams equal the TP=1 monolithic engine's greedy tokens.
 - Every lease ends on both ranks: no KV stays held anywhere afterwards.
-- Killing rank 1 fails the next request with a clear error (UNAVAILABLE, not
-  the deadline), not a hang; the pool replaces the broken group by itself,
-  which restores service.
+- Killing rank 1 does not fail the next request: with no prefill worker left,
+  the decode worker prefills it (same tokens); the pool replaces the broken
+  group by itself.
+- A TP=1 decode worker whose engine stops while its process lives on (Ray sees
+  nothing to restart) is replaced by its pool too.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import pytest
 import ray
 
-from splitserve.client import Unavailable
+from splitserve.engine import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
@@ -60,23 +62,37 @@ def test_cancel_releases_both_ranks(client):
     assert len(client.generate(prompt, max_tokens=5, ignore_eos=True).token_ids) == 5
 
 
-def test_a_lost_rank_fails_requests_fast_and_the_pool_replaces_the_group(cluster, client):
+def test_a_lost_rank_is_served_around_and_the_pool_replaces_the_group(cluster, reference, client):
     pool = cluster.cluster.pools["prefill"]
     (broken,) = pool.workers
     ray.kill(pool._members[broken.worker_id].ranks[0], no_restart=True)
     prompt = random_prompts([50], VOCAB, seed=9)[0]
-    # A deadline far away: UNAVAILABLE (not DEADLINE_EXCEEDED) shows the request failed
-    # when the group broke (or while its replacement loads), instead of waiting.
-    with pytest.raises(Unavailable) as err:
-        client.generate(prompt, max_tokens=5, timeout_ms=600_000)
-    assert "prefill" in str(err.value)
+    # The group is the only prefill worker: while it is broken (or its replacement
+    # loads), the decode worker prefills requests itself, exactly.
+    (expected,) = reference_tokens(reference, [prompt], [SamplingParams(max_tokens=5, ignore_eos=True)])
+    out = client.generate(prompt, max_tokens=5, ignore_eos=True, timeout_ms=600_000)
+    assert out.token_ids == expected and out.final.prefill_worker == ""
     # The pool sees the group is lost for good (Ray never restarts a TP group) and starts
     # a new one in its place: the cluster serves again without anyone stepping in.
     deadline = time.monotonic() + 600
-    while not any(w.routable for w in pool.workers):
+    while not any(w.routable and w.worker_id != broken.worker_id for w in pool.workers):
         assert time.monotonic() < deadline, "the broken group was never replaced"
         time.sleep(0.1)
     (new,) = pool.workers
     assert new.worker_id != broken.worker_id and pool.replaced == 1
+    assert len(client.generate(prompt, max_tokens=5, ignore_eos=True).token_ids) == 5
+    assert idle(wait_kv_free(client))
+
+
+def test_a_worker_whose_engine_stopped_is_replaced(cluster, client):
+    pool = cluster.cluster.pools["decode"]
+    (stopped,) = pool.workers
+    ray.get(pool.actors(stopped.worker_id)[0].shutdown.remote())  # the loop ends; the actor lives
+    deadline = time.monotonic() + 600
+    while not any(w.routable and w.worker_id != stopped.worker_id for w in pool.workers):
+        assert time.monotonic() < deadline, "the stopped worker was never replaced"
+        time.sleep(0.1)
+    assert pool.replaced == 1 and stopped.worker_id not in [w.worker_id for w in pool.workers]
+    prompt = random_prompts([50], VOCAB, seed=10)[0]
     assert len(client.generate(prompt, max_tokens=5, ignore_eos=True).token_ids) == 5
     assert idle(wait_kv_free(client))

@@ -32,6 +32,7 @@ from splitserve.bench.kv_peers import (
     compat_of,
     start_source,
 )
+from splitserve.cluster.app import start_local_ray
 from splitserve.engine import Engine, EngineConfig, KVLayout, SamplingParams
 from splitserve.kv_transfer import (
     CompatInfo,
@@ -56,7 +57,7 @@ SMALL = KVLayout(num_layers=2, num_blocks=32, block_size=16, num_kv_heads=2, hea
 def ray_instance():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 * 2**20, log_to_driver=False)
+    start_local_ray(2, object_store_memory=300 * 2**20, log_to_driver=False)
     yield
     ray.shutdown()
 

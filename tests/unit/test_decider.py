@@ -100,12 +100,12 @@ def test_fixed_rules_before_the_cost_model():
     assert (d.placement, d.reason) == (Placement.REMOTE, Reason.FIXED_POLICY)
     off = PolicySpec(conditional_disaggregation=False)
     assert decider.decide(off, _prompt(40), _decode(), _prefill()).reason == Reason.FIXED_POLICY
-    # Off, a missing prefill pool is not worked around (the request finds no worker).
-    assert decider.decide(off, _prompt(40), _decode(), None).placement == Placement.REMOTE
+    # Off too, a prefill pool with no routable worker is worked around: the cluster serves.
+    assert decider.decide(off, _prompt(40), _decode(), None).reason == Reason.NO_PREFILL_WORKER
     # A rate measured on either side is used for both.
     d = decider.decide(POLICY, _prompt(40), _decode(rate=0.0), _prefill())
     assert d.placement == Placement.LOCAL
-    assert decider.counts[Placement.REMOTE, Reason.FIXED_POLICY] == 3
+    assert decider.counts[Placement.REMOTE, Reason.FIXED_POLICY] == 2
 
 
 def test_the_handover_estimate_follows_measurements():

@@ -15,6 +15,7 @@ import random
 import pytest
 
 from splitserve.engine import InvalidRequest, Overloaded, SamplingParams
+from splitserve.router.decider import Placement, Reason
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import WorkerLost
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
@@ -77,22 +78,33 @@ def test_lost_decode_worker_mid_stream_resumes_elsewhere_without_repeating():
     assert d0.aborted == [final_id := resumed.request_id] and final_id in d1.aborted
 
 
-def test_no_worker_and_lost_twice_fail_clearly():
-    d = _cluster([FakePrefill("p0", fail=_lost)], [FakeDecode("d0")])
-    with pytest.raises(WorkerLost, match="no prefill worker"):
+def test_a_request_whose_prefill_workers_were_all_lost_is_prefilled_by_its_decode_worker():
+    p0 = FakePrefill("p0", fail=_lost)
+    d = _cluster([p0], [d0 := FakeDecode("d0")])
+    d.policy = PolicySpec(conditional_disaggregation=False)  # the fallback is not a policy
+    tokens, final = asyncio.run(_collect(d, [1, 2]))
+    assert len(p0.calls) == 1 and tokens == expected_tokens([1, 2], 8) and final.prefill_worker == ""
+    (task,) = d0.calls
+    assert task.handoff is None and task.output_token_ids == []  # d0 prefilled it
+    assert d.decider.counts[Placement.LOCAL, Reason.NO_PREFILL_WORKER] == 1
+
+
+def test_no_decode_worker_and_lost_twice_fail_clearly():
+    d = _cluster([FakePrefill("p0")], [])
+    with pytest.raises(WorkerLost, match="no decode worker"):
         asyncio.run(_collect(d, [1, 2]))
     d = _cluster([FakePrefill("p0")], [FakeDecode("d0", lose_after=1)])
     with pytest.raises(WorkerLost):  # the only decode worker is lost: nowhere to resume
         asyncio.run(_collect(d, [1, 2]))
 
 
-def test_without_a_prefill_worker_the_decode_worker_prefills_unless_the_decider_is_off():
+def test_without_a_prefill_worker_the_decode_worker_prefills_whatever_the_policy():
     d = _cluster([], [FakeDecode("d0")])
     tokens, final = asyncio.run(_collect(d, [3, 4, 5]))
     assert tokens == expected_tokens([3, 4, 5], 8) and final.prefill_worker == ""
     d.policy = PolicySpec(conditional_disaggregation=False)
-    with pytest.raises(WorkerLost, match="no prefill worker"):
-        asyncio.run(_collect(d, [3, 4, 5]))
+    tokens, final = asyncio.run(_collect(d, [3, 4, 5]))
+    assert tokens == expected_tokens([3, 4, 5], 8) and final.prefill_worker == ""
 
 
 def test_admission_limits():

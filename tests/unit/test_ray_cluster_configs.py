@@ -8,6 +8,7 @@ for, with room for at least one worker of each pool per node."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import yaml
 from ray.autoscaler._private.commands import prepare_config
 from ray.autoscaler._private.util import validate_config
 
+from splitserve.cluster.app import RAY_SYSTEM_CONFIG
 from splitserve.cluster.config import CONFIG_DIR, ClusterConfig
 
 RAY_DIR = CONFIG_DIR / "ray"
@@ -102,3 +104,19 @@ def test_a_broken_cluster_yaml_fails_with_rays_message():
     broken["available_node_types"]["prefill_h100"]["min_workers"] = "two"
     with pytest.raises(Exception, match="'two' is not of type 'integer'"):
         validate_config(prepare_config(broken))
+
+
+def _system_config(command: str) -> dict:
+    flag = next(a for a in shlex.split(command) if a.startswith("--system-config="))
+    return json.loads(flag.removeprefix("--system-config="))
+
+
+@pytest.mark.parametrize("name", ["aws.yaml", "gcp.yaml", "local.yaml"])
+def test_head_nodes_start_ray_with_the_settings_a_local_instance_gets(name):
+    head = load(RAY_DIR / name)["head_start_ray_commands"][-1]
+    assert _system_config(head.split(";")[-1]) == RAY_SYSTEM_CONFIG
+
+
+def test_the_kuberay_head_starts_ray_with_the_settings_a_local_instance_gets():
+    params = load(RAY_DIR / "kuberay.yaml")["spec"]["headGroupSpec"]["rayStartParams"]
+    assert json.loads(params["system-config"]) == RAY_SYSTEM_CONFIG
