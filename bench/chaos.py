@@ -7,10 +7,13 @@ sending one greedy request after another (prompts of mixed lengths drawn from a
 fixed set, some ending at a stop token), each with a server-side deadline of
 ``--deadline`` s. Meanwhile a killer, at exponentially distributed gaps (mean
 ``--gap`` s), kills with ``ray.kill`` a prefill worker, a decode worker or one
-TP rank other than rank 0 (the kinds in turn, the victim at random among the
-routable workers of its pool, never the last one: a pool with no worker left
-cannot serve, whatever the router does). Ray restarts what it restarts; the
-pools replace what it does not (``WorkerPool.keep``).
+TP rank other than rank 0, and with ``--nodes N`` (the cluster then runs on N
+Ray worker nodes on this machine, ``ray.cluster_utils.Cluster``) a whole node:
+its raylet and every process on it, as a machine failure would, after which a
+fresh node joins as Ray's autoscaler would add one. The kinds come in turn, the
+victim at random among those that leave every pool a routable worker (a pool
+with none left cannot serve, whatever the router does). Ray restarts what it
+restarts; the pools replace what it does not (``WorkerPool.keep``).
 
 After ``--kills`` kills the load stops, the pools return to their size and the
 KV of every worker drains. The report then states, against the goals:
@@ -25,6 +28,7 @@ KV of every worker drains. The report then states, against the goals:
 ::
 
     python -m splitserve.bench.chaos --kills 100                  # SmolLM2, 2 x TP3 prefill + 2 decode
+    python -m splitserve.bench.chaos --kills 100 --nodes 3        # the same on 3 nodes; nodes killed too
     python -m splitserve.bench.chaos --model DIR --kills 10 --gap 1
 
 ``run_chaos`` is the same harness for a test, on a cluster it is given.
@@ -46,12 +50,12 @@ from dataclasses import dataclass, field
 import ray
 
 from splitserve.client import AsyncClient, Client, Completion, SplitserveClientError
-from splitserve.cluster.app import BackgroundCluster, start_local_ray
+from splitserve.cluster.app import RAY_SYSTEM_CONFIG, BackgroundCluster, start_local_ray
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.pools import actor_state
 from splitserve.engine import Engine, SamplingParams
 
-KINDS = ("prefill", "decode", "tp_rank")
+KINDS = ("prefill", "decode", "tp_rank", "node")  # "node" only with LocalNodes; "tp_rank" with TP > 1
 FAILURES_ALLOWED = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 
@@ -85,7 +89,8 @@ class Outcome:
 class Kill:
     at_s: float  # since the load began
     kind: str
-    worker_id: str
+    workers: tuple[str, ...]  # the workers it took down
+    node: str = ""  # the node, for a node kill
 
 
 @dataclass
@@ -205,31 +210,101 @@ class _Load:
             self.outcomes.append(Outcome(i, code, message, tuple(out.token_ids), time.monotonic() - start))
 
 
-def _role(kind: str) -> str:
-    """The pool a kind of kill hits."""
-    return "decode" if kind == "decode" else "prefill"
+def _roles(kind: str) -> tuple[str, ...]:
+    """The pools a kind of kill hits."""
+    return {"decode": ("decode",), "node": ("prefill", "decode")}.get(kind, ("prefill",))
 
 
-def _pick(cluster: BackgroundCluster, kind: str, rng: random.Random, timeout: float):
-    """A victim of ``kind`` (worker id and the actor to kill) among the routable workers
-    of its pool; while the pool has no second routable worker (to serve on), waits for
-    one, up to ``timeout`` s."""
+@dataclass(frozen=True)
+class Victim:
+    """What one kill takes down: workers, the actors of theirs it kills (ranks included),
+    and for a node kill, the node."""
 
-    async def pick():
-        pool = cluster.cluster.pools[_role(kind)]
-        routable = [w.worker_id for w in cluster.registry.routable(_role(kind))]
-        if len(routable) < 2:
+    kind: str
+    worker_ids: tuple[str, ...]
+    actors: tuple
+    node_id: str = ""
+
+    @property
+    def name(self) -> str:
+        workers = ", ".join(self.worker_ids)
+        return f"node {self.node_id[:8]} ({workers})" if self.node_id else workers
+
+
+class LocalNodes:
+    """The worker nodes of a Ray cluster on this machine (``ray.cluster_utils.Cluster``),
+    for the "node" kind: ``replace`` ends a node's raylet and every process on it (no
+    graceful exit, as when a machine fails) and adds a fresh node of the same shape, as
+    Ray's autoscaler would."""
+
+    def __init__(self, cluster, count: int, **node_args):
+        self.cluster, self.node_args = cluster, node_args
+        self.nodes = [cluster.add_node(**node_args) for _ in range(count)]
+        cluster.wait_for_nodes()
+
+    def ids(self) -> list[str]:
+        return [n.node_id for n in self.nodes]
+
+    def replace(self, node_id: str) -> None:
+        node = next(n for n in self.nodes if n.node_id == node_id)
+        self.nodes.remove(node)
+        self.cluster.remove_node(node, allow_graceful=False)
+        self.nodes.append(self.cluster.add_node(**self.node_args))
+
+
+def actor_node(handle) -> str:
+    """The id of the node ``handle``'s actor runs on now, from Ray's GCS ('' if none)."""
+    from ray._private import state
+
+    return state.actors(handle._actor_id.hex()).get("Address", {}).get("NodeID", "") or ""
+
+
+def _victim(cluster: BackgroundCluster, kind: str, rng: random.Random, nodes: LocalNodes | None):
+    """A victim of ``kind`` that leaves every pool at least one routable worker; None if
+    there is none now."""
+
+    async def members():  # routable workers of each pool, with their actors
+        return {
+            role: {w.worker_id: pool.actors(w.worker_id) for w in cluster.registry.routable(role)}
+            for role, pool in cluster.cluster.pools.items()
+        }
+
+    routable = cluster.run(members(), timeout=60)
+    if kind == "node":
+        on: dict[str, dict[str, set[str]]] = {}  # node -> role -> its workers there
+        for role, workers in routable.items():
+            for worker_id, actors in workers.items():
+                for node_id in {actor_node(a) for a in actors}:
+                    on.setdefault(node_id, {}).setdefault(role, set()).add(worker_id)
+        candidates = [
+            n
+            for n in nodes.ids()
+            if n in on and all(len(ws) - len(on[n].get(r, ())) >= 1 for r, ws in routable.items())
+        ]
+        if not candidates:
             return None
-        worker_id = rng.choice(routable)
-        actors = pool.actors(worker_id)
-        if kind == "tp_rank":
-            return (worker_id, rng.choice(actors[1:])) if len(actors) > 1 else None
-        return worker_id, actors[0]
+        node_id = rng.choice(candidates)
+        ids = sorted(w for ws in on[node_id].values() for w in ws)
+        actors = tuple(a for ws in routable.values() for w, acts in ws.items() if w in ids for a in acts)
+        return Victim(kind, tuple(ids), actors, node_id)
+    (role,) = _roles(kind)
+    workers = routable[role]
+    if len(workers) < 2:
+        return None
+    worker_id = rng.choice(sorted(workers))
+    actors = workers[worker_id]
+    if kind == "tp_rank":
+        return Victim(kind, (worker_id,), (rng.choice(actors[1:]),)) if len(actors) > 1 else None
+    return Victim(kind, (worker_id,), (actors[0],))
 
+
+def _pick(cluster: BackgroundCluster, kind: str, rng: random.Random, timeout: float, nodes=None) -> Victim:
+    """A victim of ``kind`` (``_victim``); while there is none (a pool has no second
+    routable worker to serve on), waits for one, up to ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    while (victim := cluster.run(pick(), timeout=60)) is None:
+    while (victim := _victim(cluster, kind, rng, nodes)) is None:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no {kind} to kill: its pool did not recover within {timeout:g} s")
+            raise TimeoutError(f"no {kind} to kill: the pools did not recover within {timeout:g} s")
         time.sleep(0.2)
     return victim
 
@@ -254,30 +329,42 @@ def _time_recovery(cluster: BackgroundCluster, kind: str, since: float, out: lis
     """Append (kind, seconds from ``since`` until the victim's pool was whole again);
     nothing if it was not within ``timeout``."""
     try:
-        _wait(lambda: _settled(cluster, (_role(kind),)), "", timeout)
+        _wait(lambda: _settled(cluster, _roles(kind)), "", timeout)
     except TimeoutError:
         return
     out.append((kind, time.monotonic() - since))
 
 
-def _kill(cluster: BackgroundCluster, actor, worker_id: str) -> None:
-    """Kill ``actor`` as a crash would (Ray restarts it if it may), and return once Ray
-    has seen it die and the router no longer counts ``worker_id`` as routable, or it has
-    come back (restarted): so the next pick, which spares a pool's last routable worker,
-    sees the pool as it is. (The 100-kill run before this wait killed a TP group whose
-    rank had just died, still routable for a moment, and its sibling: both down.)"""
-    before = actor_state(actor)
-    ray.kill(actor, no_restart=False)
-    _wait(lambda: actor_state(actor) != before, f"Ray did not see {worker_id}'s actor die", 60)
+def _kill(cluster: BackgroundCluster, victim: Victim, nodes: LocalNodes | None) -> None:
+    """Kill ``victim`` as a crash would (Ray restarts what it may), and return once Ray
+    has seen its actors die and the router no longer counts its workers as routable, or
+    they have come back (restarted): so the next pick, which spares a pool's last
+    routable worker, sees the pools as they are. (The 100-kill run before this wait
+    killed a TP group whose rank had just died, still routable for a moment, and its
+    sibling: both down.)"""
+    before = {a: actor_state(a) for a in victim.actors}
+    if victim.node_id:
+        nodes.replace(victim.node_id)
+    else:
+        ray.kill(victim.actors[0], no_restart=False)
 
-    async def routable() -> bool:
-        return any(w.worker_id == worker_id for w in cluster.registry.routable())
+    def died() -> bool:
+        return all(actor_state(a) != before[a] for a in victim.actors)
+
+    _wait(died, f"Ray did not see {victim.name} die", 60)
+
+    async def routable() -> set[str]:
+        return {w.worker_id for w in cluster.registry.routable()}
+
+    def back(a) -> bool:
+        state, restarts = actor_state(a)
+        return state == "ALIVE" and restarts > before[a][1]
 
     def noticed() -> bool:
-        state, restarts = actor_state(actor)
-        return not cluster.run(routable(), timeout=60) or (state == "ALIVE" and restarts > before[1])
+        gone = not set(victim.worker_ids) & cluster.run(routable(), timeout=60)
+        return gone or all(map(back, victim.actors))
 
-    _wait(noticed, f"the router did not notice {worker_id}'s death", 120)
+    _wait(noticed, f"the router did not notice {victim.name}'s death", 120)
 
 
 def _wait(cond, what: str, timeout: float) -> None:
@@ -302,13 +389,15 @@ def run_chaos(
     reference: list[list[int]],
     spec: ChaosSpec,
     recover_timeout_s: float = 600.0,
+    nodes: LocalNodes | None = None,
 ) -> ChaosReport:
-    """Load ``cluster`` and kill its workers as ``spec`` says; ``reference[i]`` is the
-    expected greedy output of ``prompts[i]``. Returns when the load has stopped, the
-    pools are back to their size and the KV has drained (or the wait for that timed out:
-    then ``kv_held`` says what stayed)."""
+    """Load ``cluster`` and kill its workers (and with ``nodes``, the nodes it runs on) as
+    ``spec`` says; ``reference[i]`` is the expected greedy output of ``prompts[i]``.
+    Returns when the load has stopped, the pools are back to their size and the KV has
+    drained (or the wait for that timed out: then ``kv_held`` says what stayed)."""
     rng = random.Random(spec.seed)
-    kinds = [k for k in spec.kinds if k != "tp_rank" or cluster.cluster.config.prefill.tp_size > 1]
+    tp = cluster.cluster.config.prefill.tp_size
+    kinds = [k for k in spec.kinds if (k != "tp_rank" or tp > 1) and (k != "node" or nodes is not None)]
     start = time.monotonic()
     load = _Load(cluster.address, prompts, params, spec)
     kills: list[Kill] = []
@@ -317,14 +406,14 @@ def run_chaos(
     try:
         for kind in itertools.islice(itertools.cycle(kinds), spec.kills):
             time.sleep(rng.expovariate(1 / spec.gap_s))
-            worker_id, actor = _pick(cluster, kind, rng, recover_timeout_s)
+            victim = _pick(cluster, kind, rng, recover_timeout_s, nodes)
             killed_at = time.monotonic()
-            _kill(cluster, actor, worker_id)
+            _kill(cluster, victim, nodes)
             args = (cluster, kind, killed_at, recoveries, recover_timeout_s)
             timers.append(threading.Thread(target=_time_recovery, args=args, daemon=True))
             timers[-1].start()
-            kills.append(Kill(time.monotonic() - start, kind, worker_id))
-            log(f"[{kills[-1].at_s:6.1f} s] killed {kind} of {worker_id} ({len(kills)}/{spec.kills})")
+            kills.append(Kill(time.monotonic() - start, kind, victim.worker_ids, victim.node_id))
+            log(f"[{kills[-1].at_s:6.1f} s] killed {kind}: {victim.name} ({len(kills)}/{spec.kills})")
     finally:
         load.stop(timeout=spec.deadline_s + 2 * spec.grace_s)
     duration = time.monotonic() - start
@@ -373,6 +462,20 @@ def chaos_config(model: str, prefill: int, decode: int, tp: int, dtype: str = "f
     )
 
 
+def local_nodes(count: int, config: ClusterConfig) -> tuple[LocalNodes, ClusterConfig]:
+    """A Ray cluster on this machine for ``config``, and ``config`` pointed at it: a head
+    that runs no worker (the router's node), and ``count`` worker nodes, each with room
+    for one worker of each pool (so that with one node lost, the others still hold every
+    pool)."""
+    from ray.cluster_utils import Cluster
+
+    head = {"num_cpus": 0, "_system_config": RAY_SYSTEM_CONFIG}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    cpus = sum(p.num_cpus * p.tp_size for p in config.pools().values())
+    ray_spec = config.ray.model_copy(update={"address": cluster.address})
+    return LocalNodes(cluster, count, num_cpus=cpus), config.model_copy(update={"ray": ray_spec})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -387,10 +490,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--tp", type=int, default=3, help="ranks per prefill worker (SmolLM2: 3)")
     ap.add_argument("--dtype", default="float32", help="float32 keeps greedy ties out of the comparison")
+    ap.add_argument("--nodes", type=int, default=0, help="run on this many Ray nodes, and kill nodes too")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     config = chaos_config(args.model, args.prefill, args.decode, args.tp, args.dtype)
-    start_local_ray(log_to_driver=False)  # its own, whatever runs
+    nodes = None
+    if args.nodes:
+        nodes, config = local_nodes(args.nodes, config)
+        ray.init(address=nodes.cluster.address, log_to_driver=False)
+    else:
+        start_local_ray(log_to_driver=False)  # its own, whatever runs
     try:
         with BackgroundCluster(config) as cluster:
             with Client(cluster.address, timeout=60) as c:
@@ -401,9 +510,11 @@ def main(argv: list[str] | None = None) -> int:
             reference = [c.token_ids for c in engine.generate(prompts, params)]
             del engine
             spec = ChaosSpec(args.kills, args.gap, args.clients, args.deadline, args.grace, seed=args.seed)
-            report = run_chaos(cluster, prompts, params, reference, spec)
+            report = run_chaos(cluster, prompts, params, reference, spec, nodes=nodes)
     finally:
         ray.shutdown()
+        if nodes is not None:
+            nodes.cluster.shutdown()
     print(report.summary())
     problems = report.problems()
     print("every goal met" if not problems else "NOT MET: " + "; ".join(problems))

@@ -12,7 +12,8 @@ fails with ``UNAVAILABLE`` before the server sent anything is retried with
 exponential backoff (``retries`` times); once tokens have arrived it is not,
 so no token is ever delivered twice. Leaving a ``stream`` early cancels the
 request on the server, which frees its KV everywhere. ``timeout`` (seconds)
-is the call's gRPC deadline. ``api_key`` (default: the ``SPLITSERVE_API_KEY``
+is the call's deadline, retries included: each attempt gets what is left of it,
+and no retry starts after it. ``api_key`` (default: the ``SPLITSERVE_API_KEY``
 environment variable) is sent as ``authorization: Bearer KEY`` on every call;
 a server that wants one and does not get it raises ``Unauthenticated``.
 """
@@ -43,6 +44,31 @@ class ModelInfo:
     id: str
     max_model_len: int
     vocab_size: int
+
+
+class _Attempts:
+    """The attempts of one call: up to ``retries`` + 1, all within ``timeout`` seconds
+    from the first (None: no deadline)."""
+
+    def __init__(self, retries: int, backoff_s: float, timeout: float | None):
+        self.retries, self.backoff_s = retries, backoff_s
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.made = 0
+
+    def timeout(self) -> float | None:
+        """The next attempt's gRPC timeout: what is left of the call's."""
+        self.made += 1
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def pause(self, err: Exception) -> float | None:
+        """Seconds to wait before retrying after ``err``; None: raise it (not UNAVAILABLE,
+        no retry left, or the deadline would pass first)."""
+        if not isinstance(err, Unavailable) or self.made > self.retries:
+            return None
+        wait = self.backoff_s * 2 ** (self.made - 1)
+        if self.deadline is not None and time.monotonic() + wait >= self.deadline:
+            return None
+        return wait
 
 
 def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
@@ -99,9 +125,9 @@ class Client:
         model, request_id, max_tokens, temperature, top_k, top_p, seed, stop,
         stop_token_ids, ignore_eos, logprobs, timeout_ms."""
         request = build_request(prompt, messages, **options)
-        timeout = timeout if timeout is not None else self.timeout
-        for attempt in range(self.retries + 1):
-            call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        attempts = self._attempts(timeout)
+        while True:
+            call = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata)
             received = False
             try:
                 for resp in call:
@@ -110,8 +136,8 @@ class Client:
                 return
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
-                if isinstance(err, Unavailable) and not received and attempt < self.retries:
-                    time.sleep(self.backoff_s * 2**attempt)
+                if not received and (pause := attempts.pause(err)) is not None:
+                    time.sleep(pause)
                     continue
                 raise err from None
             finally:
@@ -149,15 +175,19 @@ class Client:
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     def _unary(self, method, request):
-        for attempt in range(self.retries + 1):
+        attempts = self._attempts(None)
+        while True:
             try:
-                return method(request, timeout=self.timeout, metadata=self._metadata)
+                return method(request, timeout=attempts.timeout(), metadata=self._metadata)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
-                if isinstance(err, Unavailable) and attempt < self.retries:
-                    time.sleep(self.backoff_s * 2**attempt)
+                if (pause := attempts.pause(err)) is not None:
+                    time.sleep(pause)
                     continue
                 raise err from None
+
+    def _attempts(self, timeout: float | None) -> _Attempts:
+        return _Attempts(self.retries, self.backoff_s, timeout if timeout is not None else self.timeout)
 
     def close(self) -> None:
         self._channel.close()
@@ -200,9 +230,9 @@ class AsyncClient:
         **options: Any,
     ) -> AsyncIterator[Chunk | Final]:
         request = build_request(prompt, messages, **options)
-        timeout = timeout if timeout is not None else self.timeout
-        for attempt in range(self.retries + 1):
-            call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        attempts = self._attempts(timeout)
+        while True:
+            call = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata)
             received = False
             try:
                 async for resp in call:
@@ -211,8 +241,8 @@ class AsyncClient:
                 return
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
-                if isinstance(err, Unavailable) and not received and attempt < self.retries:
-                    await asyncio.sleep(self.backoff_s * 2**attempt)
+                if not received and (pause := attempts.pause(err)) is not None:
+                    await asyncio.sleep(pause)
                     continue
                 raise err from None
             finally:
@@ -239,15 +269,19 @@ class AsyncClient:
         return await self._unary(self._stub.ClusterStatus, pb.ClusterStatusRequest(traces=traces))
 
     async def _unary(self, method, request):
-        for attempt in range(self.retries + 1):
+        attempts = self._attempts(None)
+        while True:
             try:
-                return await method(request, timeout=self.timeout, metadata=self._metadata)
+                return await method(request, timeout=attempts.timeout(), metadata=self._metadata)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
-                if isinstance(err, Unavailable) and attempt < self.retries:
-                    await asyncio.sleep(self.backoff_s * 2**attempt)
+                if (pause := attempts.pause(err)) is not None:
+                    await asyncio.sleep(pause)
                     continue
                 raise err from None
+
+    def _attempts(self, timeout: float | None) -> _Attempts:
+        return _Attempts(self.retries, self.backoff_s, timeout if timeout is not None else self.timeout)
 
     async def close(self) -> None:
         await self._channel.close()
