@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import math
 import random
 import statistics
 import sys
@@ -471,7 +472,7 @@ def local_nodes(count: int, config: ClusterConfig) -> tuple[LocalNodes, ClusterC
 
     head = {"num_cpus": 0, "_system_config": RAY_SYSTEM_CONFIG}
     cluster = Cluster(initialize_head=True, head_node_args=head)
-    cpus = sum(p.num_cpus * p.tp_size for p in config.pools().values())
+    cpus = math.ceil(sum(p.num_cpus * p.tp_size for p in config.pools().values()))  # Ray: whole CPUs
     ray_spec = config.ray.model_copy(update={"address": cluster.address})
     return LocalNodes(cluster, count, num_cpus=cpus), config.model_copy(update={"ray": ray_spec})
 

@@ -75,12 +75,18 @@ class Memory:
 
     name: str
     at_warmup: float
+    at_half: float  # halfway (in requests) from the end of warm-up to the end
     at_end: float
     peak: float
 
     @property
     def growth(self) -> float:
         return self.at_end - self.at_warmup
+
+    @property
+    def late_growth(self) -> float:
+        """Growth over the second half: near 0 when what grew was still warming up."""
+        return self.at_end - self.at_half
 
 
 @dataclass
@@ -120,9 +126,10 @@ class SoakReport:
             f"other: {dict((k, n) for k, n in c.items() if k not in ('OK', 'CANCELLED'))}",
             f"preemptions in the engines: {self.preemptions}; "
             f"KV held afterwards: {sum(self.kv_held.values())} blocks",
-            "resident memory, MiB (end of warm-up -> end, peak):",
+            "resident memory, MiB (end of warm-up -> halfway -> end (growth, in the second half), peak):",
             *(
-                f"  {m.name:<28} {m.at_warmup:8.1f} -> {m.at_end:8.1f} ({m.growth:+6.1f})  peak {m.peak:8.1f}"
+                f"  {m.name:<28} {m.at_warmup:8.1f} -> {m.at_half:8.1f} -> {m.at_end:8.1f} "
+                f"({m.growth:+6.1f}, {m.late_growth:+6.1f})  peak {m.peak:8.1f}"
                 for m in self.memory
             ),
         ]
@@ -160,7 +167,7 @@ class _MemorySampler:
 
     def __init__(self, every_s: float = 1.0):
         self.samples: dict[str, list[float]] = {}
-        self.mark: dict[str, float] = {}
+        self.marks: list[dict[str, float]] = []  # one sample per mark()
         self._every = every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-memory", daemon=True)
@@ -179,30 +186,34 @@ class _MemorySampler:
                 self.samples.setdefault(name, []).append(rss)
         return now
 
-    def warmed_up(self) -> None:
-        self.mark = self.sample()
+    def mark(self) -> None:
+        """Note every process's memory now (the end of warm-up, then halfway)."""
+        self.marks.append(self.sample())
 
     def stop(self) -> list[Memory]:
         self._stop.set()
         self._thread.join(10)
         end = self.sample()
+        warm, half = self.marks[0], self.marks[-1]
         return [
-            Memory(name, self.mark[name], end[name], max(self.samples[name]))
-            for name in sorted(self.mark)
+            Memory(name, warm[name], half.get(name, warm[name]), end[name], max(self.samples[name]))
+            for name in sorted(warm)
             if name in end
         ]
 
 
-async def _load(address, prompts, params, spec: SoakSpec, warmed_up) -> list[Outcome]:
+async def _load(address, prompts, params, spec: SoakSpec, mark) -> list[Outcome]:
+    """Send the requests; ``mark()`` is called at the end of warm-up and halfway from there."""
     outcomes: list[Outcome] = []
     sent = iter(range(spec.requests))
     warmup = int(spec.requests * spec.warmup_fraction)
+    marks = {warmup, (warmup + spec.requests) // 2}
 
     async def client_loop(client: AsyncClient, index: int) -> None:
         rng = random.Random(spec.seed * 1000 + index)
         for n in sent:
-            if n == warmup:
-                warmed_up()
+            if n in marks:
+                mark()
             i = rng.randrange(len(prompts))
             p = params[i]
             cancel_after = rng.randint(1, p.max_tokens) if rng.random() < spec.cancel_fraction else None
@@ -245,7 +256,7 @@ def run_soak(
     (or 120 s passed: then ``kv_held`` says what stayed)."""
     sampler = _MemorySampler()
     start = time.monotonic()
-    outcomes = asyncio.run(_load(cluster.address, prompts, params, spec, sampler.warmed_up))
+    outcomes = asyncio.run(_load(cluster.address, prompts, params, spec, sampler.mark))
     duration = time.monotonic() - start
     deadline = time.monotonic() + 120
     while any(kv_held(cluster.address).values()) and time.monotonic() < deadline:
