@@ -166,8 +166,25 @@ class Dispatcher:
         decoders = self.registry.routable(self.decode_role)
         if not decoders:
             raise WorkerLost("no decode worker is available")
+        cap = self.limits.max_decode_batch
+        if cap is not None:
+            decoders = [w for w in decoders if len(w.assigned) < cap]
+            if not decoders:
+                raise Overloaded(
+                    f"every decode worker has its {cap} requests (limits.max_decode_batch); retry later"
+                )
         prompt = Prompt.of(req.prompt_ids, decoders[0].block_size)
         dw = pick_decode(decoders, prompt, n + 1)
+        with self.registry.assigned(dw, req.request_id):
+            async for event in self._serve(req, prompt, dw):
+                yield event
+
+    async def _serve(
+        self, req: RequestState, prompt: Prompt, dw: WorkerRecord
+    ) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """``req`` from its prefill (here or on a prefill worker) to its last token, on
+        ``dw`` or, if that one is lost, another decode worker."""
+        n = len(req.prompt_ids)
         pw = None
         if not self.colocated:
             pw = pick_prefill(self.registry.routable("prefill"), prompt, self.policy.prefix_affinity)
@@ -200,8 +217,9 @@ class Dispatcher:
             task = self._resume_task(req)
         for attempt in range(2):
             try:
-                async for event in self._decode(req, dw, task, prefill):
-                    yield event
+                with self.registry.assigned(dw, req.request_id):
+                    async for event in self._decode(req, dw, task, prefill):
+                        yield event
                 return
             except WorkerLost:
                 self.links.forget(dw.worker_id)

@@ -26,6 +26,15 @@ class LimitsSpec(StrictModel):
         description="prefilled requests waiting for KV blocks per decode worker (served in arrival order); "
         "past it: RESOURCE_EXHAUSTED",
     )
+    max_decode_batch: int | None = Field(
+        None,
+        ge=1,
+        description="requests each decode worker is given at once at most, from the moment it is picked "
+        "(while the prompt is prefilled elsewhere too) until the request ends; when every decode worker has "
+        "that many, a new request gets RESOURCE_EXHAUSTED at once. Set it to the batch whose step time meets "
+        "your TPOT: admitted requests then keep that TPOT however high the load (null: no cap; KV blocks and "
+        "max_num_seqs queue the rest inside the worker, so TPOT rises with overload)",
+    )
     max_timeout_s: float | None = Field(None, gt=0, description="cap on any request's duration")
 
 

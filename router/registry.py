@@ -12,6 +12,7 @@ through a registry method::
     alive, stopped, stats, error, prefix poll() (the router's poller, status calls)
     info (validator, handshakes)        activate, handshakes_for (after a restart)
     prefilling / decoding / unpolled    the dispatcher: prefilling(), prefill_done(), decoding()
+    assigned                            the dispatcher: assigned()
 
 A worker's lifecycle::
 
@@ -92,6 +93,7 @@ class WorkerRecord:
     prefilling: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens sent
     decoding: dict[str, int] = field(default_factory=dict)  # request id -> KV tokens reserved
     unpolled: set[str] = field(default_factory=set)  # decoding ids sent since the last poll began
+    assigned: set[str] = field(default_factory=set)  # request ids it was picked to decode, until they end
     prefix: PrefixIndex = field(default_factory=PrefixIndex)  # its prefix cache, as last polled
     node: NodePlacement | None = None  # None while STARTING: waiting for Ray to place it
 
@@ -258,6 +260,19 @@ class WorkerRegistry:
         finally:
             w.decoding.pop(request_id, None)
             w.unpolled.discard(request_id)
+
+    @contextlib.contextmanager
+    def assigned(self, w: WorkerRecord, request_id: str) -> Iterator[None]:
+        """``w`` is the decode worker of ``request_id`` for the duration (its prefill
+        elsewhere included). Nested entries for the same request are one."""
+        if request_id in w.assigned:
+            yield
+            return
+        w.assigned.add(request_id)
+        try:
+            yield
+        finally:
+            w.assigned.discard(request_id)
 
     # ---- handshakes --------------------------------------------------------------------
     async def handshakes_for(self, w: WorkerRecord, incarnations: tuple[str, ...]) -> tuple[Handshake, ...]:

@@ -135,6 +135,30 @@ def test_admission_limits():
         asyncio.run(_collect(d, [1], model="gpt-5"))
 
 
+def test_a_request_is_refused_at_once_when_every_decode_worker_has_its_batch():
+    decodes = [FakeDecode("d0", step_s=0.01), FakeDecode("d1", step_s=0.01)]
+    d = _cluster([FakePrefill("p0", delay_s=0.05)], decodes, max_decode_batch=1)
+    workers = d.registry.workers("decode")
+
+    async def picked():  # both requests picked their decode worker
+        while sum(len(w.assigned) for w in workers) < 2:
+            await asyncio.sleep(0.001)
+
+    async def run():
+        busy = [asyncio.ensure_future(_collect(d, [i, 1])) for i in range(2)]
+        await asyncio.wait_for(picked(), 60)
+        assert [len(w.assigned) for w in workers] == [1, 1]  # one each, counted from the pick
+        assert all(w.queued_prompt_tokens == 0 for w in workers)  # still prefilling elsewhere
+        with pytest.raises(Overloaded, match="max_decode_batch"):
+            await _collect(d, [9, 9])
+        await asyncio.gather(*busy)
+        assert not any(w.assigned for w in workers)
+        tokens, _ = await _collect(d, [9, 9])  # room again
+        assert tokens == expected_tokens([9, 9], 8)
+
+    asyncio.run(run())
+
+
 def test_confirmations_reach_the_prefill_worker():
     p0 = FakePrefill("p0")
     d = _cluster([p0], [FakeDecode("d0")])
