@@ -470,7 +470,7 @@ def local_nodes(count: int, config: ClusterConfig) -> tuple[LocalNodes, ClusterC
     pool)."""
     from ray.cluster_utils import Cluster
 
-    head = {"num_cpus": 0, "_system_config": RAY_SYSTEM_CONFIG}
+    head = {"num_cpus": 0, "_system_config": dict(RAY_SYSTEM_CONFIG)}  # a copy: Ray adds to it
     cluster = Cluster(initialize_head=True, head_node_args=head)
     cpus = math.ceil(sum(p.num_cpus * p.tp_size for p in config.pools().values()))  # Ray: whole CPUs
     ray_spec = config.ray.model_copy(update={"address": cluster.address})

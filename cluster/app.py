@@ -51,7 +51,8 @@ def start_local_ray(num_cpus: int | None = None, **kwargs) -> None:
     """Start a new local Ray instance of this process's own (never one the machine
     already runs) with ``RAY_SYSTEM_CONFIG``; ``kwargs`` go to ``ray.init``."""
     kwargs.setdefault("include_dashboard", False)
-    ray.init(address="local", num_cpus=num_cpus, _system_config=RAY_SYSTEM_CONFIG, **kwargs)
+    system_config = dict(RAY_SYSTEM_CONFIG)  # a copy: Ray adds its own keys to the dict it is given
+    ray.init(address="local", num_cpus=num_cpus, _system_config=system_config, **kwargs)
 
 
 def connect_ray(config: ClusterConfig) -> bool:
