@@ -55,8 +55,8 @@ class _Attempts:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.made = 0
 
-    def timeout(self) -> float | None:
-        """The next attempt's gRPC timeout: what is left of the call's."""
+    def begin(self) -> float | None:
+        """Start an attempt; returns its gRPC timeout: what is left of the call's."""
         self.made += 1
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
@@ -127,7 +127,7 @@ class Client:
         request = build_request(prompt, messages, **options)
         attempts = self._attempts(timeout)
         while True:
-            call = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata)
+            call = self._stub.Generate(request, timeout=attempts.begin(), metadata=self._metadata)
             received = False
             try:
                 for resp in call:
@@ -178,7 +178,7 @@ class Client:
         attempts = self._attempts(None)
         while True:
             try:
-                return method(request, timeout=attempts.timeout(), metadata=self._metadata)
+                return method(request, timeout=attempts.begin(), metadata=self._metadata)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
                 if (pause := attempts.pause(err)) is not None:
@@ -232,7 +232,7 @@ class AsyncClient:
         request = build_request(prompt, messages, **options)
         attempts = self._attempts(timeout)
         while True:
-            call = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata)
+            call = self._stub.Generate(request, timeout=attempts.begin(), metadata=self._metadata)
             received = False
             try:
                 async for resp in call:
@@ -272,7 +272,7 @@ class AsyncClient:
         attempts = self._attempts(None)
         while True:
             try:
-                return await method(request, timeout=attempts.timeout(), metadata=self._metadata)
+                return await method(request, timeout=attempts.begin(), metadata=self._metadata)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
                 if (pause := attempts.pause(err)) is not None:

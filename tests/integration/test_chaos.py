@@ -13,7 +13,8 @@ import os
 
 import ray
 
-from splitserve.bench.chaos import ChaosSpec, chaos_config, local_nodes, mixed_prompts, run_chaos
+from splitserve.bench.chaos import ChaosSpec, chaos_config, mixed_prompts, run_chaos
+from splitserve.bench.local_nodes import local_nodes
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.engine import Engine
 from tests.integration.cluster_util import VOCAB, live_cluster
