@@ -295,7 +295,7 @@ def _settled(cluster: BackgroundCluster, roles: tuple[str, ...] = ("prefill", "d
         ]
 
     full, handles = cluster.run(members(), timeout=60)
-    return full and all(actor_state(h)[0] == "ALIVE" for h in handles)
+    return full and all(actor_state(h).state == "ALIVE" for h in handles)
 
 
 def _time_recovery(cluster: BackgroundCluster, kind: str, since: float, out: list, timeout: float) -> None:
@@ -330,8 +330,8 @@ def _kill(cluster: BackgroundCluster, victim: Victim, nodes: LocalNodes | None) 
         return {w.worker_id for w in cluster.registry.routable()}
 
     def back(a) -> bool:
-        state, restarts = actor_state(a)
-        return state == "ALIVE" and restarts > before[a][1]
+        now = actor_state(a)
+        return now.state == "ALIVE" and now.restarts > before[a].restarts
 
     def noticed() -> bool:
         gone = not set(victim.worker_ids) & cluster.run(routable(), timeout=60)

@@ -40,8 +40,8 @@ from splitserve.bench.metrics import RequestRecord
 from splitserve.bench.serve_bench import run_load
 from splitserve.client import AsyncClient
 from splitserve.cluster.config import ClusterConfig
-from splitserve.cluster.planner import fit_line
 from splitserve.cluster.simulator import SimProfile
+from splitserve.router.step_time import fit_line
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ against the first phase, measured in the same run.
     python -m splitserve.bench.overload --rate 2                 # SmolLM2, 1 prefill + 1 decode
     python -m splitserve.bench.overload --rate 2 --max-inflight 24
     python -m splitserve.bench.overload --rate 2 --max-decode-batch 8
+    python -m splitserve.bench.overload --rate 2 --decode-tpot-ms 20   # admission by TPOT
 """
 
 from __future__ import annotations
@@ -156,15 +157,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-inflight", type=int, default=None, help="limits.max_inflight_requests")
     ap.add_argument("--max-decode-batch", type=int, default=None, help="limits.max_decode_batch")
+    ap.add_argument("--decode-tpot-ms", type=float, default=None, help="limits.decode_tpot_ms")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.config:
-        config = ClusterConfig.from_yaml(args.config)
+        config = ClusterConfig.load(args.config)
     else:
         config = ClusterConfig.model_validate(
             {"model": {"name": args.model}, "router": {"port": 0, "http_port": None}}
         )
-    limits = {"max_inflight_requests": args.max_inflight, "max_decode_batch": args.max_decode_batch}
+    limits = {
+        "max_inflight_requests": args.max_inflight,
+        "max_decode_batch": args.max_decode_batch,
+        "decode_tpot_ms": args.decode_tpot_ms,
+    }
     limits = {k: v for k, v in limits.items() if v is not None}
     config = config.model_copy(update={"limits": config.limits.model_copy(update=limits)})
     start_local_ray(log_to_driver=False)  # its own, whatever runs
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {config.model.name}, {config.mode}, {args.input_len}/{args.output_len} tokens, "
         f"max_inflight_requests {config.limits.max_inflight_requests}, "
-        f"max_decode_batch {config.limits.max_decode_batch}"
+        f"max_decode_batch {config.limits.max_decode_batch}, decode_tpot_ms {config.limits.decode_tpot_ms}"
     )
     print(table(phases))
     return 0

@@ -13,8 +13,8 @@ every cancelled one must be a prefix of it. The resident memory of this process
 
 The report states: wrong outputs (goal 0), failures by code, preemptions the
 engines made, KV held once the load is over (goal 0), and each process's
-resident memory at the end of warm-up (the first ``--warmup`` of the requests)
-and at the end (goal: flat).
+resident memory at the end of warm-up (the first fifth of the requests), at
+each further tenth, and at the end (goal: flat).
 
 ::
 
@@ -63,21 +63,42 @@ class SoakSpec:
 
 @dataclass(frozen=True)
 class Outcome:
+    """One request as its client saw it, checked as it ended (so the harness keeps no
+    tokens of right answers and its own memory stays flat)."""
+
     prompt: int
     code: str  # "OK", "CANCELLED" (by its client, on purpose) or a gRPC code name
     message: str
-    tokens: tuple[int, ...]
+    right: bool  # completed: the reference's tokens; cancelled: a prefix of them; else True
+    tokens: tuple[int, ...] = ()  # kept only when not right
+
+
+def _checked(prompt: int, code: str, message: str, tokens: list[int], reference: list[int]) -> Outcome:
+    if code == "OK":
+        right = tokens == reference
+    elif code == "CANCELLED":
+        right = tokens == reference[: len(tokens)]
+    else:
+        right = True  # a failure: counted by its code, not as a wrong answer
+    return Outcome(prompt, code, message, right, () if right else tuple(tokens))
 
 
 @dataclass(frozen=True)
 class Memory:
-    """One process's resident set, MiB."""
+    """One process's resident set, MiB: at the end of warm-up, at each further tenth
+    of the requests, and at the end (``profile``)."""
 
     name: str
-    at_warmup: float
-    at_half: float  # halfway (in requests) from the end of warm-up to the end
-    at_end: float
+    profile: tuple[float, ...]
     peak: float
+
+    @property
+    def at_warmup(self) -> float:
+        return self.profile[0]
+
+    @property
+    def at_end(self) -> float:
+        return self.profile[-1]
 
     @property
     def growth(self) -> float:
@@ -85,8 +106,9 @@ class Memory:
 
     @property
     def late_growth(self) -> float:
-        """Growth over the second half: near 0 when what grew was still warming up."""
-        return self.at_end - self.at_half
+        """Growth over the second half after warm-up: near 0 when what grew was still
+        warming up, about half of ``growth`` when it grows steadily (a leak)."""
+        return self.at_end - self.profile[len(self.profile) // 2]
 
 
 @dataclass
@@ -126,10 +148,12 @@ class SoakReport:
             f"other: {dict((k, n) for k, n in c.items() if k not in ('OK', 'CANCELLED'))}",
             f"preemptions in the engines: {self.preemptions}; "
             f"KV held afterwards: {sum(self.kv_held.values())} blocks",
-            "resident memory, MiB (end of warm-up -> halfway -> end (growth, in the second half), peak):",
+            "resident memory, MiB: end of warm-up -> end (growth, in the second half), peak; "
+            "then at each tenth of the requests after warm-up:",
             *(
-                f"  {m.name:<28} {m.at_warmup:8.1f} -> {m.at_half:8.1f} -> {m.at_end:8.1f} "
-                f"({m.growth:+6.1f}, {m.late_growth:+6.1f})  peak {m.peak:8.1f}"
+                f"  {m.name:<28} {m.at_warmup:8.1f} -> {m.at_end:8.1f} "
+                f"({m.growth:+6.1f}, {m.late_growth:+6.1f})  peak {m.peak:8.1f}\n"
+                f"  {'':<28} " + " ".join(f"{x:.0f}" for x in m.profile)
                 for m in self.memory
             ),
         ]
@@ -187,27 +211,28 @@ class _MemorySampler:
         return now
 
     def mark(self) -> None:
-        """Note every process's memory now (the end of warm-up, then halfway)."""
+        """Note every process's memory now (the end of warm-up, then each tenth)."""
         self.marks.append(self.sample())
 
     def stop(self) -> list[Memory]:
         self._stop.set()
         self._thread.join(10)
-        end = self.sample()
-        warm, half = self.marks[0], self.marks[-1]
+        points = [*self.marks, self.sample()]
+        first, end = points[0], points[-1]
         return [
-            Memory(name, warm[name], half.get(name, warm[name]), end[name], max(self.samples[name]))
-            for name in sorted(warm)
+            Memory(name, tuple(p.get(name, first[name]) for p in points), max(self.samples[name]))
+            for name in sorted(first)
             if name in end
         ]
 
 
-async def _load(address, prompts, params, spec: SoakSpec, mark) -> list[Outcome]:
-    """Send the requests; ``mark()`` is called at the end of warm-up and halfway from there."""
+async def _load(address, prompts, params, reference, spec: SoakSpec, mark) -> list[Outcome]:
+    """Send the requests; ``mark()`` is called at the end of warm-up and at each tenth
+    of the requests from there."""
     outcomes: list[Outcome] = []
     sent = iter(range(spec.requests))
     warmup = int(spec.requests * spec.warmup_fraction)
-    marks = {warmup, (warmup + spec.requests) // 2}
+    marks = {warmup + k * (spec.requests - warmup) // 10 for k in range(10)}
 
     async def client_loop(client: AsyncClient, index: int) -> None:
         rng = random.Random(spec.seed * 1000 + index)
@@ -236,7 +261,7 @@ async def _load(address, prompts, params, spec: SoakSpec, mark) -> list[Outcome]
                 code, message = e.code.name, e.details
             finally:
                 await stream.aclose()  # leaving early cancels the call on the server
-            outcomes.append(Outcome(i, code, message, tuple(tokens)))
+            outcomes.append(_checked(i, code, message, tokens, reference[i]))
 
     async with AsyncClient(address) as client:
         await client.list_models()
@@ -256,18 +281,13 @@ def run_soak(
     (or 120 s passed: then ``kv_held`` says what stayed)."""
     sampler = _MemorySampler()
     start = time.monotonic()
-    outcomes = asyncio.run(_load(cluster.address, prompts, params, spec, sampler.mark))
+    outcomes = asyncio.run(_load(cluster.address, prompts, params, reference, spec, sampler.mark))
     duration = time.monotonic() - start
     deadline = time.monotonic() + 120
     while any(kv_held(cluster.address).values()) and time.monotonic() < deadline:
         time.sleep(0.2)
     memory = sampler.stop()
-    wrong = [
-        o
-        for o in outcomes
-        if (o.code == "OK" and list(o.tokens) != reference[o.prompt])
-        or (o.code == "CANCELLED" and list(o.tokens) != reference[o.prompt][: len(o.tokens)])
-    ]
+    wrong = [o for o in outcomes if not o.right]
     with Client(cluster.address, timeout=60) as c:
         preemptions = sum(w.preemptions for p in c.cluster_status().pools for w in p.workers)
     return SoakReport(outcomes, wrong, preemptions, kv_held(cluster.address), memory, duration)

@@ -153,6 +153,7 @@ class ServingCluster:
                 lambda: len(dispatcher.inflight),
                 lambda: {(p.value, r.value): n for (p, r), n in dispatcher.decider.counts.items()},
                 lambda: dict(dispatcher.transfer_failures),
+                dispatcher.batch_caps,
             )
             dispatcher.sinks.append(self.metrics)
             if cfg.router.otel_endpoint:

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from splitserve.router.step_time import fit_line
+
 
 class PlannerSpec(BaseModel):
     """The SLO planner's targets and damping (``autoscaling`` at the top of the config)."""
@@ -67,6 +69,12 @@ class PlannerSpec(BaseModel):
         description="prefill + decode workers at most (shared hardware); null: each pool's own max",
     )
     smoothing: float = Field(0.3, gt=0, le=1, description="EWMA weight of the latest interval's load")
+    backlog_drain_s: float = Field(
+        30.0,
+        gt=0,
+        description="plan to clear the prompts waiting for prefill within this, on top of the arrivals "
+        "(a backlog left by a load step or a burst otherwise drains only at the spare capacity's pace)",
+    )
     max_prefill_utilisation: float = Field(0.9, gt=0, lt=1, description="never plan a prefill worker busier")
     decode_headroom: float = Field(
         0.8,
@@ -104,7 +112,7 @@ class PlannerInput:
     now: float  # seconds, any monotonic clock
     interval_s: float
     arrivals: int  # requests admitted in the interval
-    finished: int  # requests that finished in it; of those:
+    finished: int  # requests served whole (finished with a finish reason) in it; of those:
     prompt_tokens: int  # uncached prompt tokens prefilled on prefill workers
     local_prompt_tokens: int  # uncached prompt tokens prefilled on decode workers
     output_tokens: int  # output tokens
@@ -114,6 +122,8 @@ class PlannerInput:
     decode_points: tuple[tuple[float, float], ...]  # (batch, step s) the decode workers reported
     prefill: PoolView
     decode: PoolView
+    queued_prompt_tokens: int = 0  # now: uncached prompt tokens waiting for or in prefill
+    queued_requests: int = 0  # now: the requests they belong to
 
 
 @dataclass(frozen=True)
@@ -147,21 +157,6 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def _ewma(old: float | None, new: float, weight: float) -> float:
     return new if old is None else old + weight * (new - old)
-
-
-def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """``t = a + b * x`` by least squares, with ``a, b >= 0``. One distinct ``x``: the
-    step is taken as 70 % fixed cost and 30 % per sequence (conservative: a larger
-    batch is assumed to cost more)."""
-    xs = [x for x, _ in points]
-    mx = sum(xs) / len(points)
-    my = sum(t for _, t in points) / len(points)
-    var = sum((x - mx) ** 2 for x in xs)
-    if var < 1e-9 or len(set(xs)) < 2:
-        return 0.7 * my, 0.3 * my / max(mx, 1.0)
-    slope = sum((x - mx) * (t - my) for x, t in points) / var
-    slope = max(slope, 0.0)
-    return max(my - slope * mx, 0.0), slope
 
 
 @dataclass
@@ -239,15 +234,28 @@ class Planner:
         self._observe(inp)
         rate, prompt, output = self._rate or 0.0, self._prompt or 0.0, self._output or 0.0
         p_cap, d_cap = self.prefill_capacity(), self.decode_capacity(inp.decode.max_batch)
+        # A backlog (prompts waiting now) is demand on top of the arrivals, to be
+        # cleared within backlog_drain_s; it reaches decode as it is prefilled.
+        drain = self.spec.backlog_drain_s
         # TTFT lags behind a queue (it stays high while a backlog drains, however
         # many workers there are now): a miss adds one prefill worker. TPOT is the
         # batch's present step time: a miss scales decode by how far it was missed.
         p_need, p_why = self._need(
-            rate * prompt, p_cap, inp.prefill, inp.ttft_p90_s, self.spec.ttft_ms, by_ratio=False
+            rate * prompt + inp.queued_prompt_tokens / drain,
+            p_cap,
+            inp.prefill,
+            inp.ttft_p90_s,
+            self.spec.ttft_ms,
+            by_ratio=False,
         )
         local_s = rate * (self._local or 0.0) / (self._prefill_rate or math.inf)  # decode workers' prefill
         d_need, d_why = self._need(
-            rate * output, d_cap, inp.decode, inp.tpot_p90_s, self.spec.tpot_ms, local_s
+            (rate + inp.queued_requests / drain) * output,
+            d_cap,
+            inp.decode,
+            inp.tpot_p90_s,
+            self.spec.tpot_ms,
+            local_s,
         )
         p_need, d_need = self._fit_budget(p_need, d_need, inp)
         return PlannerDecision(

@@ -85,14 +85,23 @@ def _startup_error(e: BaseException) -> str:
     return str(unwrap(e))
 
 
-def actor_state(handle) -> tuple[str, int]:
-    """The actor's state in Ray's GCS (ALIVE, RESTARTING, DEAD, ...) and how often Ray
-    restarted it. Read from ``ray._private.state``, since Ray's public state API needs
-    the dashboard, which a single-machine cluster does not run."""
+@dataclass(frozen=True)
+class ActorState:
+    """An actor as Ray's GCS last recorded it."""
+
+    state: str  # ALIVE, RESTARTING, DEAD, ...
+    restarts: int  # how often Ray restarted it
+    node_id: str  # the node it runs on (or last ran on); "" before Ray placed it
+
+
+def actor_state(handle) -> ActorState:
+    """The actor's record in Ray's GCS. Read from ``ray._private.state``, since Ray's
+    public state API needs the dashboard, which a single-machine cluster does not run."""
     from ray._private import state
 
     info = state.actors(handle._actor_id.hex())
-    return info.get("State", "UNKNOWN"), int(info.get("NumRestarts", 0))
+    node_id = (info.get("Address") or {}).get("NodeID", "")
+    return ActorState(info.get("State", "UNKNOWN"), int(info.get("NumRestarts", 0)), node_id)
 
 
 def _node_placement(node_id: str) -> NodePlacement:
@@ -190,7 +199,10 @@ class WorkerPool:
         """The ACTIVE workers that will not come back by themselves: one of whose actors
         Ray has given up (a worker out of restarts, any rank of a TP group), one whose
         engine has stopped while its process lives on (``stopped``: e.g. a TP group that
-        broke), or a TP group whose rank 0 is not alive (it cannot rejoin its ranks)."""
+        broke), or a TP group whose rank 0 is not alive (it cannot rejoin its ranks).
+
+        On the way, a worker that Ray restarted on another node (its node died, and its
+        placement group was rescheduled) is recorded there (``registry.placed``)."""
         broken, handles = [], {}
         for w in self.registry.workers(self.role):
             m = self._members.get(w.worker_id)
@@ -201,10 +213,20 @@ class WorkerPool:
             else:
                 handles[w.worker_id] = [m.actor, *m.ranks]
 
-        def dead() -> list[str]:  # GCS reads, off the router's loop; RESTARTING is not DEAD
-            return [wid for wid, hs in handles.items() if any(actor_state(h)[0] == "DEAD" for h in hs)]
+        def read() -> dict[str, list[ActorState]]:  # GCS reads, off the router's loop
+            return {wid: [actor_state(h) for h in hs] for wid, hs in handles.items()}
 
-        return broken + await asyncio.to_thread(dead)
+        states = await asyncio.to_thread(read)
+        for wid, (first, *_) in states.items():
+            record = self.registry.get(wid)
+            moved = record is not None and record.node is not None and record.node.node_id != first.node_id
+            if first.state == "ALIVE" and first.node_id and moved:
+                log.info("%s was restarted on node %s", wid, first.node_id)
+                node = await asyncio.to_thread(_node_placement, first.node_id)
+                if self.registry.get(wid) is not None:  # not removed meanwhile
+                    self.registry.placed(wid, node)
+        # RESTARTING is not DEAD: Ray is bringing it back
+        return broken + [wid for wid, ss in states.items() if any(s.state == "DEAD" for s in ss)]
 
     async def keep(self, interval_s: float = KEEP_INTERVAL_S) -> None:
         """Forever, every ``interval_s``: retire each lost worker (``lost``: out of routing

@@ -356,6 +356,9 @@ class Simulation:
             decode_points=tuple(self._points[-64:]),
             prefill=views["prefill"],
             decode=views["decode"],
+            queued_prompt_tokens=sum(w.queued_tokens for w in self.workers["prefill"])
+            + sum(r.spec.prompt_tokens for r in self._waiting),
+            queued_requests=sum(len(w.queue) for w in self.workers["prefill"]) + len(self._waiting),
         )
         decision = self.planner.decide(inp)
         return {"prefill": decision.prefill.target, "decode": decision.decode.target}

@@ -149,7 +149,11 @@ class PlannerLoop:
         interval, arrivals = max(now - self._last_at, 1e-6), admitted - self._last_admitted
         self._last_at, self._last_admitted = now, admitted
         traces = self.window.take()
-        ok = [t for t in traces if t.ok and t.ttft_s is not None]
+        # per-request means come from the requests served whole: one refused because every
+        # decode worker had its batch (counted in arrivals) has no output yet, and counting
+        # its zero would hide the demand that was refused
+        served = [t for t in traces if t.ok]
+        ok = [t for t in served if t.ttft_s is not None]
         registry = self.pools["prefill"].registry
         rates = [w.prefill_tokens_per_s for w in registry.routable("prefill") if w.prefill_tokens_per_s > 0]
         points = tuple(
@@ -161,12 +165,12 @@ class PlannerLoop:
             now=now,
             interval_s=interval,
             arrivals=arrivals,
-            finished=len(traces),
-            prompt_tokens=sum(t.prompt_tokens - t.cached_prompt_tokens for t in traces if t.prefill_worker),
+            finished=len(served),
+            prompt_tokens=sum(t.prompt_tokens - t.cached_prompt_tokens for t in served if t.prefill_worker),
             local_prompt_tokens=sum(
-                t.prompt_tokens - t.cached_prompt_tokens for t in traces if not t.prefill_worker
+                t.prompt_tokens - t.cached_prompt_tokens for t in served if not t.prefill_worker
             ),
-            output_tokens=sum(t.output_tokens for t in traces),
+            output_tokens=sum(t.output_tokens for t in served),
             ttft_p90_s=percentile([t.ttft_s for t in ok], 90),
             tpot_p90_s=percentile(
                 [(t.e2e_s - t.ttft_s) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1], 90
@@ -175,6 +179,8 @@ class PlannerLoop:
             decode_points=points,
             prefill=self._view("prefill"),
             decode=self._view("decode"),
+            queued_prompt_tokens=sum(w.queued_prompt_tokens for w in registry.workers("prefill")),
+            queued_requests=sum(len(w.prefilling) for w in registry.workers("prefill")),
         )
 
     def _view(self, role: str) -> PoolView:

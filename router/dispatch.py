@@ -166,18 +166,43 @@ class Dispatcher:
         decoders = self.registry.routable(self.decode_role)
         if not decoders:
             raise WorkerLost("no decode worker is available")
-        cap = self.limits.max_decode_batch
-        if cap is not None:
-            decoders = [w for w in decoders if len(w.assigned) < cap]
-            if not decoders:
-                raise Overloaded(
-                    f"every decode worker has its {cap} requests (limits.max_decode_batch); retry later"
-                )
+        decoders = [w for w in decoders if self._has_room(w)]
+        if not decoders:
+            raise Overloaded(
+                "every decode worker has as many requests as its batch limit allows "
+                f"({self._batch_limits()}); retry later"
+            )
         prompt = Prompt.of(req.prompt_ids, decoders[0].block_size)
         dw = pick_decode(decoders, prompt, n + 1)
         with self.registry.assigned(dw, req.request_id):
             async for event in self._serve(req, prompt, dw):
                 yield event
+
+    def _batch_cap(self, w: WorkerRecord) -> int | None:
+        """The most requests ``w`` may be given at once by the limits (None: no cap)."""
+        caps = [self.limits.max_decode_batch]
+        if self.limits.decode_tpot_ms is not None:
+            caps.append(w.steps.largest_batch(self.limits.decode_tpot_ms / 1000))
+        known = [c for c in caps if c is not None]
+        return min(known) if known else None
+
+    def batch_caps(self) -> dict[str, int]:
+        """Each decode worker's batch cap now, for metrics (workers with none are absent)."""
+        caps = {w.worker_id: self._batch_cap(w) for w in self.registry.workers(self.decode_role)}
+        return {wid: cap for wid, cap in caps.items() if cap is not None}
+
+    def _has_room(self, w: WorkerRecord) -> bool:
+        cap = self._batch_cap(w)
+        return cap is None or len(w.assigned) < cap
+
+    def _batch_limits(self) -> str:
+        """The limits that cap decode batches, as a sentence's clause."""
+        said = []
+        if self.limits.max_decode_batch is not None:
+            said.append(f"limits.max_decode_batch {self.limits.max_decode_batch}")
+        if self.limits.decode_tpot_ms is not None:
+            said.append(f"limits.decode_tpot_ms {self.limits.decode_tpot_ms:g}")
+        return ", ".join(said)
 
     async def _serve(
         self, req: RequestState, prompt: Prompt, dw: WorkerRecord

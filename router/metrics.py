@@ -150,12 +150,14 @@ class _ClusterCollector(Collector):
         inflight: Callable[[], int],
         placements: Callable[[], dict[tuple[str, str], int]],
         transfer_failures: Callable[[], dict[tuple[str, str], int]],
+        batch_caps: Callable[[], dict[str, int]],
     ):
         self.registry = registry
         self.pool_sizes = pool_sizes
         self.inflight = inflight
         self.placements = placements
         self.transfer_failures = transfer_failures
+        self.batch_caps = batch_caps
 
     def collect(self) -> Iterator[Metric]:
         labels = ["pool", "worker"]
@@ -209,7 +211,26 @@ class _ClusterCollector(Collector):
             failures.add_metric([error, action], n)
         inflight = GaugeMetricFamily("splitserve:num_requests_inflight", "Requests admitted, not finished.")
         inflight.add_metric([], self.inflight())
-        yield from (running, waiting, kv, preemptions, replicas, replacements, placement, failures, inflight)
+        caps = GaugeMetricFamily(
+            "splitserve:decode_batch_cap",
+            "Requests a decode worker may be given at once under limits.max_decode_batch and "
+            "limits.decode_tpot_ms (absent: no cap).",
+            labels=["worker"],
+        )
+        for worker_id, cap in sorted(self.batch_caps().items()):
+            caps.add_metric([worker_id], cap)
+        yield from (
+            running,
+            waiting,
+            kv,
+            preemptions,
+            replicas,
+            replacements,
+            placement,
+            failures,
+            inflight,
+            caps,
+        )
 
 
 class RouterMetrics:
@@ -225,10 +246,13 @@ class RouterMetrics:
         inflight: Callable[[], int],
         placements: Callable[[], dict[tuple[str, str], int]],
         transfer_failures: Callable[[], dict[tuple[str, str], int]] = dict,
+        batch_caps: Callable[[], dict[str, int]] = dict,
     ):
         self.prom = CollectorRegistry(auto_describe=True)
         self.requests = RequestMetrics(self.prom, model_name)
-        self.prom.register(_ClusterCollector(registry, pool_sizes, inflight, placements, transfer_failures))
+        self.prom.register(
+            _ClusterCollector(registry, pool_sizes, inflight, placements, transfer_failures, batch_caps)
+        )
 
     def record(self, trace: RequestTrace) -> None:
         self.requests.record(trace)

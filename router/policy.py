@@ -35,6 +35,15 @@ class LimitsSpec(StrictModel):
         "your TPOT: admitted requests then keep that TPOT however high the load (null: no cap; KV blocks and "
         "max_num_seqs queue the rest inside the worker, so TPOT rises with overload)",
     )
+    decode_tpot_ms: float | None = Field(
+        None,
+        gt=0,
+        description="admission by TPOT: each decode worker is given at most the batch whose decode step, on "
+        "the line fitted to the step times it reports, takes this long (at least one request; a worker not "
+        "yet measured is not capped); when every decode worker has its batch, a new request gets "
+        "RESOURCE_EXHAUSTED at once. Admitted requests then keep about this TPOT however high the load "
+        "(null: no such cap). Counted like max_decode_batch, and both apply when both are set",
+    )
     max_timeout_s: float | None = Field(None, gt=0, description="cap on any request's duration")
 
 

@@ -10,6 +10,7 @@ through a registry method::
     node (where Ray placed it)          the pools: placed
     given_up (registry, not a record)   the pools: give_up
     alive, stopped, stats, error, prefix poll() (the router's poller, status calls)
+    steps (a decode worker's step times) poll()
     info (validator, handshakes)        activate, handshakes_for (after a restart)
     prefilling / decoding / unpolled    the dispatcher: prefilling(), prefill_done(), decoding()
     assigned                            the dispatcher: assigned()
@@ -42,11 +43,13 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from splitserve.decode_worker.api import DecodeStats
 from splitserve.kv_transfer.contract import Handshake
 from splitserve.kv_transfer.errors import PeerLost
 from splitserve.prefill_worker.api import PrefillStats, PrefillWorkerInfo
 from splitserve.router.errors import WorkerLost, WorkerStopped
 from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.step_time import StepTimes
 from splitserve.router.workers import WorkerClient, WorkerInfo, WorkerStats
 
 
@@ -95,6 +98,7 @@ class WorkerRecord:
     unpolled: set[str] = field(default_factory=set)  # decoding ids sent since the last poll began
     assigned: set[str] = field(default_factory=set)  # request ids it was picked to decode, until they end
     prefix: PrefixIndex = field(default_factory=PrefixIndex)  # its prefix cache, as last polled
+    steps: StepTimes = field(default_factory=StepTimes)  # its decode step times, as polled
     node: NodePlacement | None = None  # None while STARTING: waiting for Ray to place it
 
     @property
@@ -234,6 +238,8 @@ class WorkerRegistry:
         w.unpolled -= seen
         if stats.prefix is not None:
             w.prefix.apply(stats.prefix)
+        if isinstance(stats, DecodeStats):
+            w.steps.add(stats.engine.decode_batch, stats.engine.decode_step_s)
 
     # ---- router load (the dispatcher) ----------------------------------------------------
     @contextlib.contextmanager

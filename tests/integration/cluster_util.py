@@ -82,6 +82,15 @@ def _options(p: SamplingParams) -> dict:
     return dict(max_tokens=p.max_tokens, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
 
 
+def wait_until(condition, what: str, timeout: float = 120.0) -> None:
+    """Poll ``condition`` until it holds; past ``timeout``, fail saying ``what`` did not happen."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} (within {timeout:g} s)")
+        time.sleep(0.2)
+
+
 def kv_used(client: Client) -> dict[str, int]:
     st = client.cluster_status()
     return {w.worker_id: w.kv_blocks_used + w.kv_exports_held for p in st.pools for w in p.workers}

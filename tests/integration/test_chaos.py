@@ -16,8 +16,10 @@ import ray
 from splitserve.bench.chaos import ChaosSpec, chaos_config, mixed_prompts, run_chaos
 from splitserve.bench.local_nodes import local_nodes
 from splitserve.cluster.app import BackgroundCluster
+from splitserve.cluster.pools import actor_state
 from splitserve.engine import Engine
-from tests.integration.cluster_util import VOCAB, live_cluster
+from splitserve.router.registry import NodePlacement
+from tests.integration.cluster_util import VOCAB, live_cluster, wait_until
 
 KILLS = int(os.environ.get("SPLITSERVE_CHAOS_KILLS", "9"))
 NODE_KILLS = int(os.environ.get("SPLITSERVE_CHAOS_NODE_KILLS", "3"))
@@ -47,6 +49,14 @@ def test_node_kills_under_load_lose_no_request_and_corrupt_no_output(checkpoint)
     try:
         with BackgroundCluster(config) as cluster:
             report = run_chaos(cluster, prompts, params, reference, spec, nodes=nodes)
+            # a decode worker on a killed node was restarted by Ray on another node, and
+            # the registry (status, metrics) says where it is now
+            moved = {w for k in report.kills for w in k.workers if w.startswith("decode")}
+            moved &= set(cluster.run(_registered(cluster), timeout=60))  # not replaced meanwhile
+            wait_until(
+                lambda: _nodes(cluster, moved) == _nodes_in_ray(cluster, moved),
+                "the registry did not follow the decode workers Ray restarted on other nodes",
+            )
     finally:
         ray.shutdown()
         nodes.cluster.shutdown()
@@ -57,3 +67,23 @@ def test_node_kills_under_load_lose_no_request_and_corrupt_no_output(checkpoint)
     # every TP group on a killed node was replaced (Ray restarts no TP group)
     assert report.replaced["prefill"] == sum(w.startswith("prefill") for k in report.kills for w in k.workers)
     assert len(report.outcomes) > 2 * NODE_KILLS
+    assert moved, "no kill took a decode worker down: nothing was restarted elsewhere"
+
+
+async def _registered(cluster: BackgroundCluster) -> list[str]:
+    return [w.worker_id for w in cluster.registry.workers("decode")]
+
+
+def _nodes(cluster: BackgroundCluster, worker_ids: set[str]) -> dict[str, str]:
+    """Where the router's registry says each worker runs."""
+
+    async def read() -> dict[str, str]:
+        return {w: (cluster.registry.get(w).node or NodePlacement("", "")).node_id for w in worker_ids}
+
+    return cluster.run(read(), timeout=60)
+
+
+def _nodes_in_ray(cluster: BackgroundCluster, worker_ids: set[str]) -> dict[str, str]:
+    """Where Ray's GCS says each worker's actor runs."""
+    pool = cluster.cluster.pools["decode"]
+    return {w: actor_state(pool.actors(w)[0]).node_id for w in worker_ids}

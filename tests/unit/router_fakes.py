@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from splitserve.decode_worker.api import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
 from splitserve.engine.kv_layout import KVLayout
@@ -33,9 +33,23 @@ COMPAT = CompatInfo("tiny", KVLayout(2, 64, 16, 1, 8, "float32"))
 
 
 def engine_stats(
-    free_blocks: int = 1000, num_blocks: int = 1000, running: int = 0, prefill_rate: float = 0.0
+    free_blocks: int = 1000,
+    num_blocks: int = 1000,
+    running: int = 0,
+    prefill_rate: float = 0.0,
+    decode_step: tuple[float, float] = (0.0, 0.0),
 ) -> EngineStats:
-    return EngineStats(running, 0, 0, num_blocks, free_blocks, prefill_tokens_per_s=prefill_rate)
+    batch, step_s = decode_step
+    return EngineStats(
+        running,
+        0,
+        0,
+        num_blocks,
+        free_blocks,
+        prefill_tokens_per_s=prefill_rate,
+        decode_batch=batch,
+        decode_step_s=step_s,
+    )
 
 
 def record(
@@ -141,7 +155,8 @@ class FakePrefill:
 class FakeDecode:
     """A decode worker: continues ``expected_tokens`` from where the task starts, in
     batches of ``batch`` tokens. ``lose_after`` tokens into a request it raises
-    ``WorkerLost`` (once per request); ``fail`` may raise at the start."""
+    ``WorkerLost`` (once per request); ``fail`` may raise at the start. Its stats
+    report the ``decode_steps`` (batch, step s) in turn, then the last one again."""
 
     def __init__(
         self,
@@ -150,12 +165,14 @@ class FakeDecode:
         lose_after: int | None = None,
         fail: Callable[[DecodeTask], None] | None = None,
         step_s: float = 0.0,
+        decode_steps: Sequence[tuple[float, float]] = (),
     ):
         self.worker_id = worker_id
         self.batch = batch
         self.lose_after = lose_after
         self.fail = fail
         self.step_s = step_s
+        self.decode_steps = list(decode_steps)
         self.linked: dict[str, tuple[str, ...]] = {}
         self.connect_calls = 0
         self.calls: list[DecodeTask] = []
@@ -168,7 +185,9 @@ class FakeDecode:
         return DecodeWorkerInfo(self.worker_id, VALIDATOR, colocated=False)
 
     async def stats(self, prefix_since=None) -> DecodeStats:
-        return DecodeStats(self.worker_id, engine_stats(), 0, 0, 0)
+        steps = self.decode_steps
+        step = steps.pop(0) if len(steps) > 1 else (steps[0] if steps else (0.0, 0.0))
+        return DecodeStats(self.worker_id, engine_stats(decode_step=step), 0, 0, 0)
 
     async def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)

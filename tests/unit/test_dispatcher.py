@@ -159,6 +159,35 @@ def test_a_request_is_refused_at_once_when_every_decode_worker_has_its_batch():
     asyncio.run(run())
 
 
+def test_admission_by_tpot_caps_each_decode_worker_at_the_batch_its_step_times_allow():
+    # d0 reports steps of 12 ms at 1 sequence and 18 ms at 4: 10 ms + 2 ms per sequence,
+    # so a 14.5 ms TPOT allows it 2 requests; d1 has not reported a decode step yet
+    d0 = FakeDecode("d0", step_s=0.01, decode_steps=[(1, 0.012), (4, 0.018)])
+    d1 = FakeDecode("d1", step_s=0.01)
+    d = _cluster([FakePrefill("p0", delay_s=0.05)], [d0, d1], decode_tpot_ms=14.5)
+    w0, w1 = d.registry.workers("decode")
+
+    async def picked(n):
+        while len(w0.assigned) + len(w1.assigned) < n:
+            await asyncio.sleep(0.001)
+
+    async def run():
+        await d.registry.poll()
+        await d.registry.poll()
+        assert w0.steps.largest_batch(0.0145) == 2 and w1.steps.largest_batch(0.0145) is None
+        assert d.batch_caps() == {"d0": 2}  # what /metrics shows
+        d.registry.drain("d1")  # d0 alone: its cap decides
+        busy = [asyncio.ensure_future(_collect(d, [i, 1])) for i in range(2)]
+        await asyncio.wait_for(picked(2), 60)
+        with pytest.raises(Overloaded, match="decode_tpot_ms 14.5"):
+            await _collect(d, [9, 9])
+        await asyncio.gather(*busy)
+        tokens, _ = await _collect(d, [9, 9])  # room again
+        assert tokens == expected_tokens([9, 9], 8)
+
+    asyncio.run(run())
+
+
 def test_confirmations_reach_the_prefill_worker():
     p0 = FakePrefill("p0")
     d = _cluster([p0], [FakeDecode("d0")])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.cluster.planner import Planner, PlannerInput, PlannerProfile, PlannerSpec, PoolView, fit_line
+from splitserve.cluster.planner import Planner, PlannerInput, PlannerProfile, PlannerSpec, PoolView
 
 # max_step_fraction 0: every pool moves by max_step (one worker) per interval
 SPEC = PlannerSpec(ttft_ms=500, tpot_ms=50, downscale_delay_s=20, min_reversal_s=60, max_step_fraction=0)
@@ -42,13 +42,6 @@ def interval(now, rate=0.0, prompt=0, output=0, ttft=None, tpot=None, s=5.0, **k
     return PlannerInput(**fields)
 
 
-def test_fit_line_recovers_a_step_time_line():
-    a, b = fit_line([(1, 0.011), (8, 0.018), (32, 0.042)])
-    assert (a, b) == (pytest.approx(0.010, abs=1e-6), pytest.approx(0.001, abs=1e-6))
-    a1, b1 = fit_line([(4, 0.02), (4, 0.02)])  # one batch size: a conservative split
-    assert a1 + 4 * b1 == pytest.approx(0.02) and b1 > 0
-
-
 def test_without_measurements_it_holds_and_acts_on_a_missed_slo_alone():
     planner = Planner(SPEC)
     d = planner.decide(interval(0, rate=2, prompt=100, output=50))
@@ -77,6 +70,20 @@ def test_an_output_heavy_step_grows_decode_not_prefill():
     # the decode capacity is the batch whose step is 80 % (decode_headroom) of 50 ms:
     # (0.04 - 0.01) / 0.001 = 30 sequences every 40 ms
     assert step.decode_capacity == pytest.approx(30 / 0.04, rel=0.01)
+
+
+def test_a_backlog_is_planned_for_on_top_of_the_arrivals():
+    # the arrivals need 4 prefill workers (4 req/s x 1000 tokens at 1000 tok/s each)
+    # and 3 decode workers (1,600 tok/s at 750); 60,000 prompt tokens of 60 requests
+    # waiting, to clear within 30 s, add 2,000 prompt tok/s (2 prefill workers) and
+    # 2 req/s (800 output tok/s: decode for 2,400 tok/s)
+    def decide(**backlog):
+        planner = Planner(SPEC, PROFILE)
+        return planner.decide(interval(0, rate=4, prompt=1000, output=400, **backlog, **pools(4, 4)))
+
+    calm, behind = decide(), decide(queued_prompt_tokens=60_000, queued_requests=60)
+    assert (calm.prefill.desired, calm.decode.desired) == (4, 3)
+    assert (behind.prefill.desired, behind.decode.desired) == (6, 4)
 
 
 def test_warming_workers_count_as_capacity_on_the_way():

@@ -122,6 +122,7 @@ def make_metrics(registry: WorkerRegistry | None = None) -> RouterMetrics:
         lambda: 7,
         lambda: {("local", "gain"): 3},
         lambda: {("checksum", "recompute"): 1},
+        lambda: {"d0": 6},
     )
 
 
@@ -145,6 +146,7 @@ def test_request_metrics_count_each_trace_once():
     assert one(v, "splitserve:kv_transfer_time_seconds_sum") == pytest.approx(0.002)
     assert one(v, "splitserve:kv_transfer_bytes_total") == 4096
     assert one(v, "splitserve:prompt_tokens_total") == 10  # the refused request had none
+    assert one(v, "splitserve:decode_batch_cap", worker="d0") == 6
     assert one(v, "splitserve:generation_tokens_total") == 5 + 3
     assert one(v, "splitserve:prefix_cache_hits_total") == 4
     assert one(v, "splitserve:prefix_cache_queries_total") == 10
