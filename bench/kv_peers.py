@@ -14,6 +14,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import stat
+import subprocess
 import threading
 import time
 import traceback
@@ -112,12 +114,30 @@ class SourceStatus:
 
 
 @dataclass(frozen=True)
+class SpawnChild:
+    """Start a child process (``sleep``) that inherits this process's inheritable sockets,
+    as a subprocess started without ``close_fds`` would (only sockets: the process's
+    sentinel pipe must still close when it dies); the reply is its pid. It outlives a
+    killed source and keeps that source's connections open (the caller kills it)."""
+
+    seconds: int = 600
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
 def compat_of(engine: Engine, model: str) -> CompatInfo:
     return CompatInfo(model=model, layout=engine.kv_cache.layout)
+
+
+def _inheritable_socket(fd: int) -> bool:
+    """A socket without close-on-exec (gloo's are; Python's and TCPStore's are not)."""
+    try:
+        return stat.S_ISSOCK(os.fstat(fd).st_mode) and os.get_inheritable(fd)
+    except OSError:
+        return False
 
 
 class SourceServer:
@@ -205,6 +225,9 @@ class SourceServer:
         if isinstance(cmd, Confirm):
             source.confirm(cmd.transfer_id)
             return True
+        if isinstance(cmd, SpawnChild):
+            fds = [fd for fd in map(int, os.listdir("/proc/self/fd")) if _inheritable_socket(fd)]
+            return subprocess.Popen(["sleep", str(cmd.seconds)], pass_fds=fds).pid
         if isinstance(cmd, Status):
             free = self.engine.block_manager.num_free_blocks if self.engine is not None else -1
             return SourceStatus(os.getpid(), source.num_exported, free, list(self.released))

@@ -140,9 +140,10 @@ class Dispatcher:
             async for event in self._run(req):
                 if isinstance(event, FinalEvent):
                     outcome, ok = event.finish_reason.value, True
-                yield event
                 if isinstance(event, TokenEvent) and req.first_token_at is None:
-                    req.mark("first_token")  # sent: the front end is back for the next event
+                    req.mark("first_token")  # passed on now (marked after the yield, it could
+                    # come after the client had the token, as the front end resumes us late)
+                yield event
         except Exception as e:
             outcome = code_for(e).name
             raise

@@ -22,6 +22,7 @@ class RequestState:
         self.prompt_ids = prompt_ids
         self.params = params
         self.accepted = time.time()
+        self._accepted_mono = time.monotonic()
         self.timeout_s = timeout_s
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.touched: list[WorkerRecord] = []  # workers to abort on when the request ends
@@ -35,9 +36,15 @@ class RequestState:
         self.transfer_s = 0.0  # the KV pull, on the decode worker
         self.cached = 0
 
+    def now(self) -> float:
+        """The wall-clock time now, as the monotonic clock counts from ``accepted``: the
+        router's own marks keep their true intervals even when the wall clock is stepped."""
+        return self.accepted + (time.monotonic() - self._accepted_mono)
+
     def mark(self, name: str, at: float | None = None, worker: str = "") -> None:
-        """Record a moment of the request (names: ``router.trace``); ``at`` defaults to now."""
-        self.marks.append(Mark(name, time.time() if at is None else at, worker))
+        """Record a moment of the request (names: ``router.trace``); ``at`` (a worker's
+        clock) defaults to now."""
+        self.marks.append(Mark(name, self.now() if at is None else at, worker))
 
     def marked(self, name: str) -> float | None:
         return next((m.at for m in self.marks if m.name == name), None)
@@ -59,7 +66,7 @@ class RequestState:
             decode_worker=self.decode_worker,
             kv_bytes=self.kv_bytes,
             kv_pull_s=self.transfer_s,
-            marks=(*self.marks, *(() if self.marked("finished") else (Mark("finished", time.time()),))),
+            marks=(*self.marks, *(() if self.marked("finished") else (Mark("finished", self.now()),))),
             token_times=tuple(self.token_times),
         )
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 import datetime
 import logging
 import queue
+import socket
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,7 @@ PULL, CONFIRM = 1, 2
 OK, GONE = 1, 0
 _REQ_TAG, _DATA_TAG = 0, 1
 _IDLE = datetime.timedelta(days=365)
+_PROBE_S = 1.0  # while a send or recv waits, how often the sink checks that the source lives
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ class TorchDistSink(KVSink):
         super().__init__(worker_id, cache, compat)
         self.connect_timeout_s = connect_timeout_s
         self._groups: dict[str, dist.ProcessGroup] = {}
+        self._stores: dict[str, TorchDistPeerInfo] = {}  # where each source's TCPStore listens
 
     def _connect(self, hs: Handshake, replacing: Handshake | None) -> None:
         info = hs.payload
@@ -173,11 +177,49 @@ class TorchDistSink(KVSink):
         except RuntimeError as e:
             raise PeerLost(f"cannot connect to {hs.worker_id} at {info.host}:{info.port}: {e}") from e
         self._groups[hs.worker_id] = pg
+        self._stores[hs.worker_id] = info
+
+    def _listening(self, worker_id: str) -> bool:
+        """False once nothing accepts connections at the source's store address: its
+        process is gone (a fresh connection, so a stale socket cannot hide that)."""
+        info = self._stores[worker_id]
+        try:
+            with socket.create_connection((info.host, info.port), timeout=_PROBE_S):
+                return True
+        except ConnectionRefusedError:
+            return False
+        except OSError:  # slow or unreachable: not proof of death; the deadline still holds
+            return True
 
     def _wait(self, start, desc: KVDescriptor, deadline: float) -> None:
-        """Run ``start()`` (a send or recv) and wait for it until ``deadline``."""
+        """Run ``start()`` (a send or recv) and wait for it until ``deadline``.
+
+        Gloo fails a pending operation when the peer's socket closes, but a dead source's
+        socket stays open while any child process of it holds it (gloo's sockets are
+        inheritable), and then the wait would last until ``deadline``. So the wait runs on
+        a thread of its own while this one checks every ``_PROBE_S`` that the source's
+        store (close-on-exec, so no child keeps it) still listens, and raises ``PeerLost``
+        when it does not. The abandoned wait ends at ``deadline``: gloo cannot abort it
+        (``abort()`` does not wake it), and a timed-out gloo wait closes the pair."""
+        done: Future[None] = Future()
+
+        def wait() -> None:
+            try:
+                start().wait(_secs(deadline - time.monotonic()))
+                done.set_result(None)
+            except BaseException as e:
+                done.set_exception(e)
+
+        threading.Thread(target=wait, name="kv-torch-dist-wait", daemon=True).start()
         try:
-            start().wait(_secs(deadline - time.monotonic()))
+            while True:
+                try:
+                    return done.result(timeout=_PROBE_S)
+                except TimeoutError:  # concurrent.futures raises the builtin one
+                    if not self._listening(desc.source_worker):
+                        raise PeerLost(
+                            f"KV transfer {desc.transfer_id}: {desc.source_worker} is gone"
+                        ) from None
         except RuntimeError as e:
             if time.monotonic() >= deadline or "imeout" in str(e):
                 raise TransferTimeout(

@@ -27,6 +27,7 @@ from splitserve.bench.kv_peers import (
     ExportRandom,
     Prefill,
     SourceSpec,
+    SpawnChild,
     Status,
     Streaming,
     compat_of,
@@ -40,6 +41,7 @@ from splitserve.kv_transfer import (
     IntegrityError,
     KVTransferError,
     LeaseExpired,
+    PeerLost,
     TransferTimeout,
     get_backend,
 )
@@ -229,6 +231,23 @@ def test_source_killed_after_export_fails_fast_or_delivers_intact(backend):
         assert backend == "ray", "only the ray backend can deliver from a dead source"
         assert layer_checksums(cache, dst) == desc.layer_checksums and bool(cache.view(torch.uint8).any())
     sink.close()
+
+
+def test_a_killed_source_whose_child_holds_its_socket_open_fails_fast():
+    """A source killed while a child process of it (a subprocess started without
+    ``close_fds``) still holds its gloo socket: the connection never closes, so gloo
+    alone would wait out the pull's 5 minutes. The sink sees the source's store refuse
+    connections and fails with ``PeerLost`` instead."""
+    src, sink, _ = bare_pair("torch_dist", "decode-o")
+    desc = src.call(ExportRandom(num_tokens=200)).descriptor
+    child = src.call(SpawnChild())
+    src.kill()
+    try:
+        with pytest.raises(PeerLost):
+            sink.pull(desc, list(range(len(desc.block_ids))), timeout=300.0)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        sink.close()
 
 
 def test_stalled_source_times_out():
