@@ -1,6 +1,6 @@
 """splitserve's kernels. On CUDA: the Triton set in ``cuda.py`` (``load_cuda()``,
-None where triton does not import). On CPU, below: native kernels (paged decode
-attention, fused residual-add + RMSNorm),
+None where triton does not import). On CPU, below: native kernels (paged decode and
+prefill attention, fused residual-add + RMSNorm),
 compiled from ``csrc/`` on first use with
 ``torch.utils.cpp_extension`` (gcc; cached in torch's extensions directory, so
 only the first start of a machine pays the ~1 min build; ``-march=native``, so
@@ -20,7 +20,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp")
+    Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp")
 ]
 
 

@@ -51,3 +51,34 @@ def test_paged_decode_matches_sdpa(dtype, head_dim, group):
         v = v_cache[table[s]].reshape(-1, kv_heads, head_dim)[:n].float().repeat_interleave(group, dim=1)
         ref = F.scaled_dot_product_attention(q[s].float()[:, None], k.transpose(0, 1), v.transpose(0, 1))
         torch.testing.assert_close(out[s].float(), ref[:, 0], **TOL[dtype])
+
+
+@pytest.mark.skipif(native is None or not native.has_paged_prefill(), reason="needs AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [3, 4])
+def test_paged_prefill_matches_causal_sdpa(dtype, head_dim, group):
+    """Chunks after a cached prefix and fresh prompts, each against float32 SDPA with
+    the bottom-right causal mask, over randomly placed blocks."""
+    g = torch.Generator().manual_seed(3)
+    kv_heads, blocks, bs = 2, 64, 16
+    heads = kv_heads * group
+    k_cache = torch.randn(blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    # (new tokens, tokens in cache after the step): fresh prompts of 1, 33 and 100
+    # tokens (tiles of 32 plus a rest), a chunk of 50 after 47 cached, one token after 16
+    spans = [(1, 1), (33, 33), (50, 97), (100, 100), (1, 17)]
+    table = torch.randperm(blocks, generator=g)[: len(spans) * 7].view(len(spans), 7)
+    q_lens = torch.tensor([n for n, _ in spans])
+    ctx_lens = torch.tensor([c for _, c in spans])
+    q_starts = torch.cumsum(q_lens, 0) - q_lens
+    q = torch.randn(int(q_lens.sum()), heads, head_dim, generator=g).to(dtype)
+    out = native.paged_prefill(q, k_cache, v_cache, table, q_starts, q_lens, ctx_lens, head_dim**-0.5)
+    for s, (n, ctx) in enumerate(spans):
+        k = k_cache[table[s]].reshape(-1, kv_heads, head_dim)[:ctx].float().repeat_interleave(group, dim=1)
+        v = v_cache[table[s]].reshape(-1, kv_heads, head_dim)[:ctx].float().repeat_interleave(group, dim=1)
+        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+        qs = q[int(q_starts[s]) : int(q_starts[s]) + n].float().transpose(0, 1)
+        ref = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+        got = out[int(q_starts[s]) : int(q_starts[s]) + n].float()
+        torch.testing.assert_close(got, ref.transpose(0, 1), **TOL[dtype])
