@@ -20,7 +20,8 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp")
 ]
 
 
