@@ -233,12 +233,14 @@ def test_source_killed_after_export_fails_fast_or_delivers_intact(backend):
     sink.close()
 
 
-def test_a_killed_source_whose_child_holds_its_socket_open_fails_fast():
+@pytest.mark.parametrize("backend", ["torch_dist", "nixl"])
+def test_a_killed_source_whose_child_holds_its_socket_open_fails_fast(backend):
     """A source killed while a child process of it (a subprocess started without
-    ``close_fds``) still holds its gloo socket: the connection never closes, so gloo
-    alone would wait out the pull's 5 minutes. The sink sees the source's store refuse
-    connections and fails with ``PeerLost`` instead."""
-    src, sink, _ = bare_pair("torch_dist", "decode-o")
+    ``close_fds``) still holds its inheritable sockets. For torch_dist that is gloo's
+    connection, which then never closes, so gloo alone would wait out the pull's 5
+    minutes; the sink sees the source's store refuse connections and fails with
+    ``PeerLost`` instead. NIXL (UCX) reports the remote gone at once either way."""
+    src, sink, _ = bare_pair(backend, "decode-o")
     desc = src.call(ExportRandom(num_tokens=200)).descriptor
     child = src.call(SpawnChild())
     src.kill()
