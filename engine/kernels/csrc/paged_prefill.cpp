@@ -19,6 +19,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "avx512_math.h"
@@ -78,6 +79,50 @@ inline void score_block(const float* qf, int64_t r0, const float* kt, int64_t kt
   }
 }
 
+#if defined(__AVX512BF16__)
+// score_block for bfloat16 inputs with AVX512_BF16: q and the keys stay bf16, in
+// pairs of adjacent dims (one 32-bit word; keys stored kt[pair][t]), and one
+// vdpbf16ps multiplies and adds two dims for 16 keys. Sums are float32; the
+// softmax scale is applied to the scores (q is not rounded after scaling).
+template <int NC>
+inline void score_block_pairs(const uint32_t* qw, int64_t r0, const uint32_t* kt, int64_t ktn, int64_t nk,
+                              float* s, int64_t sn, float scale) {
+  constexpr int P = 8 * NC;  // dim pairs per head row
+  const __m512 sc = _mm512_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 32 <= nk; t += 32) {
+    __m512 a[kRows][2];
+    for (int r = 0; r < kRows; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int j = 0; j < P; ++j) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + j * ktn + t);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + j * ktn + t + 16);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh qj = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[(r0 + r) * P + j]));
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], qj, k0);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], qj, k1);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      _mm512_storeu_ps(s + (r0 + r) * sn + t, _mm512_mul_ps(a[r][0], sc));
+      _mm512_storeu_ps(s + (r0 + r) * sn + t + 16, _mm512_mul_ps(a[r][1], sc));
+    }
+  }
+  for (; t < nk; t += 16) {
+    __m512 a[kRows];
+    for (int r = 0; r < kRows; ++r) a[r] = _mm512_setzero_ps();
+    for (int j = 0; j < P; ++j) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + j * ktn + t);
+      for (int r = 0; r < kRows; ++r)
+        a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[(r0 + r) * P + j])), k0);
+    }
+    for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(s + (r0 + r) * sn + t, _mm512_mul_ps(a[r], sc));
+  }
+}
+constexpr bool kHasPairs = true;
+#else
+constexpr bool kHasPairs = false;
+#endif
+
 // Output rows [r0, r0 + kRows) = P V over keys [0, nk); p is zero past each row's length.
 template <int NC>
 inline void pv_block(const float* p, int64_t sn, int64_t r0, int64_t nk, const float* vf, float* o) {
@@ -104,6 +149,8 @@ template <typename T, int NC>
 void attend_tile(const Args<T>& a, const Item& it, std::vector<float>& kt, std::vector<float>& vf,
                  std::vector<float>& qf, std::vector<float>& s, std::vector<float>& of) {
   constexpr int D = 16 * NC;
+  // bf16 keys and queries stay in dim pairs for vdpbf16ps (in kt's and qf's storage)
+  constexpr bool kPairs = kHasPairs && std::is_same_v<T, c10::BFloat16>;
   const int64_t q_len = a.q_lens[it.seq], ctx = a.ctx_lens[it.seq];
   const int64_t n = std::min(kTile, q_len - it.first);  // query tokens in this tile
   const int64_t pos0 = ctx - q_len + it.first;           // position of the first
@@ -117,12 +164,18 @@ void attend_tile(const Args<T>& a, const Item& it, std::vector<float>& kt, std::
     const int64_t off = table[t / a.block_size] * a.blk_stride + (t % a.block_size) * a.tok_stride + head_off;
     const T* kr = a.k + off;
     const T* vr = a.v + off;
-    for (int c = 0; c < NC; ++c) {
-      float tmp[16];
-      _mm512_storeu_ps(tmp, load16(kr + 16 * c));
-      for (int j = 0; j < 16; ++j) kt[(16 * c + j) * ktn + t] = tmp[j];
-      _mm512_storeu_ps(vf.data() + t * D + 16 * c, load16(vr + 16 * c));
+    if constexpr (kPairs) {
+      const uint32_t* kw = reinterpret_cast<const uint32_t*>(kr);
+      uint32_t* ktw = reinterpret_cast<uint32_t*>(kt.data());
+      for (int j = 0; j < D / 2; ++j) ktw[j * ktn + t] = kw[j];
+    } else {
+      for (int c = 0; c < NC; ++c) {
+        float tmp[16];
+        _mm512_storeu_ps(tmp, load16(kr + 16 * c));
+        for (int j = 0; j < 16; ++j) kt[(16 * c + j) * ktn + t] = tmp[j];
+      }
     }
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(vf.data() + t * D + 16 * c, load16(vr + 16 * c));
   }
   // rows: query token i, head g of the group -> row i * group + g; padded with zero
   // rows to a multiple of kRows (their scores and outputs are computed, never used)
@@ -132,15 +185,30 @@ void attend_tile(const Args<T>& a, const Item& it, std::vector<float>& kt, std::
     for (int64_t g = 0; g < a.group; ++g) {
       const T* qr = a.q + (a.q_starts[it.seq] + it.first + i) * a.q_tok_stride +
                     (it.head * a.group + g) * a.q_head_stride;
-      const __m512 sc = _mm512_set1_ps(a.scale);
-      for (int c = 0; c < NC; ++c)
-        _mm512_storeu_ps(qf.data() + (i * a.group + g) * D + 16 * c, _mm512_mul_ps(load16(qr + 16 * c), sc));
+      if constexpr (kPairs) {
+        const uint32_t* qrw = reinterpret_cast<const uint32_t*>(qr);
+        uint32_t* qw = reinterpret_cast<uint32_t*>(qf.data()) + (i * a.group + g) * (D / 2);
+        for (int j = 0; j < D / 2; ++j) qw[j] = qrw[j];
+      } else {
+        const __m512 sc = _mm512_set1_ps(a.scale);
+        for (int c = 0; c < NC; ++c)
+          _mm512_storeu_ps(qf.data() + (i * a.group + g) * D + 16 * c, _mm512_mul_ps(load16(qr + 16 * c), sc));
+      }
     }
   s.assign(padded * ktn, 0.f);
   // the furthest position rows [r0, r0 + kRows) reach (padding rows count as the last token)
   auto reach = [&](int64_t r0) { return pos0 + std::min(r0 + kRows - 1, rows - 1) / a.group; };
-  for (int64_t r0 = 0; r0 < padded; r0 += kRows)
-    score_block<NC>(qf.data(), r0, kt.data(), ktn, (reach(r0) + 16) / 16 * 16, s.data(), ktn);
+  for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
+    const int64_t nk_block = (reach(r0) + 16) / 16 * 16;
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs) {
+      score_block_pairs<NC>(reinterpret_cast<const uint32_t*>(qf.data()), r0,
+                            reinterpret_cast<const uint32_t*>(kt.data()), ktn, nk_block, s.data(), ktn, a.scale);
+      continue;
+    }
+#endif
+    score_block<NC>(qf.data(), r0, kt.data(), ktn, nk_block, s.data(), ktn);
+  }
   for (int64_t r = 0; r < padded; ++r) {
     const int64_t len = pos0 + std::min(r, rows - 1) / a.group + 1;
     float* sr = s.data() + r * ktn;
