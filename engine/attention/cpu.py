@@ -1,7 +1,7 @@
 """CPU attention through the native paged kernels, which read K/V in place
 through the block tables instead of gathering them: decode
 (``engine/kernels/csrc/paged_decode.cpp``) and, where built with AVX-512 and the
-head size is 64 or 128, causal prefill (``paged_prefill.cpp``, 1.5-1.7x torch's
+head size is 64 or 128, causal prefill (``paged_prefill.cpp``, 2.0-2.5x torch's
 SDPA on 256-512-token prompts); otherwise prefill as in the SDPA backend. Selected
 automatically on CPU when the kernels build."""
 
