@@ -28,11 +28,15 @@ class NativePrefill:
 
 @dataclass
 class CpuMetadata:
-    sdpa: SdpaMetadata  # prefill spans for SDPA (its decode part is left empty)
-    native: NativePrefill | None  # the same spans for the native kernel, when it runs
+    prefills: list[SeqSpan]
+    block_size: int
+    native: NativePrefill | None  # the prefill spans for the native kernel, when it is built
     num_decodes: int
     block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
     context_lens: torch.Tensor | None  # [num_decodes] int64
+    # the prefill spans for SDPA (decode part empty): built by the first layer that
+    # needs them (no native kernel, or a head size it lacks), then shared by the rest
+    sdpa: SdpaMetadata | None = None
 
 
 class CpuBackend(SdpaBackend):
@@ -58,8 +62,7 @@ class CpuBackend(SdpaBackend):
                 torch.tensor([s.q_len for s in prefills], dtype=torch.long),
                 ctx,
             )
-        prefill = super().prepare(prefills, 0, block_size, device)  # q_start stays absolute
-        return CpuMetadata(prefill, native, num_decodes, tables, lens)
+        return CpuMetadata(prefills, block_size, native, num_decodes, tables, lens)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float):
         nd = meta.num_decodes
@@ -71,6 +74,8 @@ class CpuBackend(SdpaBackend):
                 q, k_cache, v_cache, n.block_tables, n.q_starts, n.q_lens, n.ctx_lens, scale
             )
         else:
+            if meta.sdpa is None:  # q_start stays absolute
+                meta.sdpa = super().prepare(meta.prefills, 0, meta.block_size, q.device)
             out = super().forward(q, k, v, k_cache, v_cache, meta.sdpa, scale)
         if nd:
             out[:nd] = self.kernels.paged_decode(

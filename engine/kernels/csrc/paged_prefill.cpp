@@ -7,15 +7,15 @@
 //
 // Work items are (sequence, kv head, tile of kTile query tokens), spread over
 // torch's thread pool. An item:
-//   1. converts the keys its tile needs to float, transposed (kt[d][t]), and the
-//      values to float rows (vf[t][d]): paid once per tile, used by
-//      kTile * group query rows;
-//   2. scores 4 query rows x 32 keys at a time: for each d, one load of kt[d]
-//      (two vectors) and a broadcast of each row's q[d] (no horizontal sums);
+//   1. copies the keys its tile needs transposed (kt[d][t]: as float, or for bf16
+//      with AVX512_BF16 as bf16 pairs of dims, kt[d/2][t]) and the values as float
+//      rows (vf[t][d]): paid once per tile, used by kTile * group query rows;
+//   2. scores 4 query rows x 32 keys at a time: for each d (or pair of dims), one
+//      load of kt (two vectors) and a broadcast of each row's q (no horizontal sums);
 //   3. softmaxes each row over its own causal length (float32 throughout);
 //   4. accumulates P V for 4 rows x the whole head at a time, one value row
 //      loaded per key for the four.
-// Probabilities stay float32 (no rounding to bf16 before P V, unlike a bf16 GEMM).
+// Scores, softmax and probabilities are float32 (no rounding to bf16 before P V).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
