@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine import kernels
 from splitserve.engine.attention import get_backend
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
@@ -105,11 +106,12 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         num_blocks = graphs.scratch_block  # the last block is the padding rows' scratch space
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+    native = kernels.load() if config.native_kernels and device.type == "cpu" else None
     runner = ModelRunner(
         model,
         kv_cache,
         backend,
-        Sampler(config.seed),
+        Sampler(config.seed, argmax=native.argmax_rows if native is not None else None),
         device,
         tp,
         graphs,

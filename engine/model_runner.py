@@ -108,8 +108,8 @@ class ModelRunner:
     def forward(
         self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None
     ) -> torch.Tensor | None:
-        """The model on one step's inputs: KV written to the cache; the float32 logits
-        of ``last_index`` (full vocabulary), or None when nothing samples."""
+        """The model on one step's inputs: KV written to the cache; the logits of
+        ``last_index`` (full vocabulary, the model's dtype), or None when nothing samples."""
         dev = self.device
         ids_t = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(inputs.positions, dtype=torch.long, device=dev)

@@ -11,6 +11,7 @@ distribution (log_softmax of the raw logits).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,24 +32,28 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """``argmax``: each row's first index of its maximum, for logits in the model's
+        dtype (the native CPU kernel; torch's ``argmax`` by default)."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.argmax = argmax or (lambda logits: logits.argmax(dim=-1))
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
-        """``logits``: float32 [len(rows), vocab] on any device."""
-        logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        """``logits``: [len(rows), vocab] in any float dtype, on any device. Greedy rows
+        take the argmax of them as they are (a bf16 value's float32 twin orders the same);
+        rows that sample or want logprobs are upcast to float32 first."""
+        tokens = self.argmax(logits)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             idx = torch.tensor(sampled, device=logits.device)
-            tokens[idx] = self._sample(logits.index_select(0, idx), [rows[i] for i in sampled])
+            tokens[idx] = self._sample(logits.index_select(0, idx).float(), [rows[i] for i in sampled])
         token_list = tokens.tolist()
         logprobs: list[float | None] = [None] * len(rows)
         want = [i for i, r in enumerate(rows) if r.params.logprobs]
         if want:
             idx = torch.tensor(want, device=logits.device)
-            lp = torch.log_softmax(logits.index_select(0, idx), dim=-1)
+            lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
             chosen = lp.gather(1, tokens.index_select(0, idx)[:, None]).squeeze(1).tolist()
             for i, v in zip(want, chosen):
                 logprobs[i] = v

@@ -1,6 +1,7 @@
 """splitserve's kernels. On CUDA: the Triton set in ``cuda.py`` (``load_cuda()``,
 None where triton does not import). On CPU, below: native kernels (paged decode and
-prefill attention, fused residual-add + RMSNorm),
+prefill attention, fused residual-add + RMSNorm, and for bf16 fused rotary + KV
+write and SiLU·up; ``cpu_model_kernels`` picks the model's share for a dtype),
 compiled from ``csrc/`` on first use with
 ``torch.utils.cpp_extension`` (gcc; cached in torch's extensions directory, so
 only the first start of a machine pays the ~1 min build; ``-march=native``, so
@@ -14,8 +15,12 @@ import functools
 import logging
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -67,3 +72,29 @@ def load_cuda() -> ModuleType | None:
         log.warning("Triton kernels unavailable (%s); using torch's ops on CUDA", e)
         return None
     return cuda
+
+
+@dataclass(frozen=True)
+class CpuModelKernels:
+    """The fused kernels a CPU model takes (``LlamaModel.use_kernels``): the norm for
+    every dtype; rotary + KV write and SiLU·up where they apply (bf16, built with
+    AVX-512, a head size that is a multiple of 32 and an intermediate size of 16),
+    else None and the model runs torch's ops for those."""
+
+    add_rms_norm: Callable
+    rope_and_cache: Callable | None
+    silu_mul: Callable | None
+
+
+def cpu_model_kernels(dtype: torch.dtype, head_dim: int, intermediate_size: int) -> CpuModelKernels | None:
+    """The native kernels for a CPU model of this dtype and shape, or None when they
+    did not build."""
+    native = load()
+    if native is None:
+        return None
+    bf16 = dtype == torch.bfloat16 and native.has_fused_bf16()
+    return CpuModelKernels(
+        add_rms_norm=native.add_rms_norm,
+        rope_and_cache=native.rope_and_cache if bf16 and head_dim % 32 == 0 else None,
+        silu_mul=native.silu_mul if bf16 and intermediate_size % 16 == 0 else None,
+    )

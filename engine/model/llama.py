@@ -163,11 +163,12 @@ class LlamaModel(nn.Module):
     def use_kernels(self, kernels: Any) -> None:
         """Route the norms through a fused add+RMSNorm kernel (``add_rms_norm``), and
         attention and MLP through ``rope_and_cache`` / ``silu_mul`` where ``kernels``
-        has them (the Triton set on CUDA does; the C++ set on CPU does not)."""
+        has them (not None: the Triton set on CUDA; the C++ set on CPU for bf16)."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.kernels = kernels
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """[rows, vocab] logits in the model's dtype (the sampler upcasts what needs it)."""
+        return self.lm_head(hidden)

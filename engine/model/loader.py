@@ -88,8 +88,9 @@ def build_model(
     Then, in this order: keep this rank's shard under tensor parallelism (``tp``),
     quantize the decoder's linears (``quantization``: none, fp8, int8), and on CPU
     pre-pack the remaining float linears for oneDNN; with ``native_kernels`` the
-    model uses ``splitserve.engine.kernels``: the C++ fused norm on CPU, the Triton
-    set (norm, rotary + KV write, SiLU·up) on CUDA.
+    model uses ``splitserve.engine.kernels``: the fused norm, rotary + KV write and
+    SiLU·up, in C++ on CPU (the last two for bf16: ``cpu_model_kernels``) and in
+    Triton on CUDA.
     ``init_on_device`` builds (and draws random weights) on ``device`` directly, for
     random models too large to draw on the host quickly (GPU benchmarks)."""
     with torch.device(device if init_on_device else "cpu"):
@@ -103,8 +104,11 @@ def build_model(
     quantize_linears(model, quantization)
     if packing_supported(device, dtype):
         pack_linears(model)
-    if native_kernels and device.type == "cpu" and (native := kernels.load()) is not None:
-        model.use_kernels(native)
+    if native_kernels and device.type == "cpu":
+        shard_inter = model.layers[0].mlp.inter if cfg.num_layers else cfg.intermediate_size
+        native = kernels.cpu_model_kernels(dtype, cfg.head_dim, shard_inter)
+        if native is not None:
+            model.use_kernels(native)
     elif native_kernels and device.type == "cuda" and (triton_set := kernels.load_cuda()) is not None:
         model.use_kernels(triton_set)
     return model

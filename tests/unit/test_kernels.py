@@ -82,3 +82,59 @@ def test_paged_prefill_matches_causal_sdpa(dtype, head_dim, group):
         ref = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
         got = out[int(q_starts[s]) : int(q_starts[s]) + n].float()
         torch.testing.assert_close(got, ref.transpose(0, 1), **TOL[dtype])
+
+
+fused_bf16 = pytest.mark.skipif(native is None or not native.has_fused_bf16(), reason="needs AVX-512")
+
+
+@fused_bf16
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_and_cache_equals_the_torch_ops(head_dim):
+    """Bit for bit what ``Attention._rope_and_cache`` computes in bf16 torch ops: the
+    rotated q and k, and k and v at their cache slots (and nothing else written)."""
+    from splitserve.engine.model.config import ModelConfig
+    from splitserve.engine.model.llama import Attention
+    from splitserve.engine.model.rope import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(4)
+    heads, kv_heads, T, blocks, bs = 6, 2, 37, 8, 16
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=32, hidden_size=heads * head_dim, intermediate_size=64, num_layers=1,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+    )  # fmt: skip
+    attn = Attention(cfg)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g).bfloat16() * 4
+    positions = torch.randint(0, 4096, (T,), generator=g)
+    cos, sin = RotaryEmbedding(head_dim, cfg.rope, 4096).tables(positions, qkv.dtype)
+    slots = torch.randperm(blocks * bs, generator=g)[:T]
+    caches = [torch.zeros(blocks, bs, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(4)]
+    want = attn._rope_and_cache(qkv, cos, sin, caches[0], caches[1], slots)
+    got = native.rope_and_cache(qkv, cos, sin, caches[2], caches[3], slots, heads, kv_heads)
+    for w, x in zip(want, got):
+        assert torch.equal(w, x)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[2].flatten(0, 1).abs().sum(dim=(1, 2)).count_nonzero() == T  # only the T slots written
+
+
+@fused_bf16
+def test_silu_mul_equals_the_torch_ops():
+    g = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(19, 2 * 96, generator=g) * 6).bfloat16()  # large |x|: both sigmoid branches
+    gate, up = gate_up.split(96, dim=-1)
+    want = F.silu(gate) * up
+    got = native.silu_mul(gate_up)
+    # torch's exp and ours may round a value to neighbouring bf16 numbers (one unit in the last place)
+    torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
+    assert (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, 49152, 1000])  # under one vector; many; a tail after the vectors
+def test_argmax_rows_equals_torch_argmax(dtype, vocab):
+    """Including ties (the first index wins, as in torch) and a row of -inf."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randint(-50, 50, (9, vocab), generator=g).to(dtype)  # small integers: many ties
+    logits[3] = float("-inf")
+    logits[4, vocab // 2 :] = 1000.0  # the max repeated over the second half
+    torch.testing.assert_close(native.argmax_rows(logits), logits.argmax(dim=-1), rtol=0, atol=0)
