@@ -140,6 +140,13 @@ void attend_one(const float* qf, int64_t group, const T* kp, const T* vp, const 
 #endif
 
 #if defined(__AVX512BF16__)
+// n contiguous values from p into L2.
+template <typename T>
+inline void prefetch_span(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t l = 0; l < n * static_cast<int64_t>(sizeof(T)); l += 64) _mm_prefetch(c + l, _MM_HINT_T1);
+}
+
 // attend_one for bfloat16 on CPUs with AVX512_BF16 (head_dim = 32 * NC): q and the
 // keys stay bf16 and vdpbf16ps multiplies and adds pairs of dims, 16 keys at a time
 // (a transpose-and-add tree then sums each key's lanes); the scale is applied to the
@@ -161,11 +168,8 @@ void attend_one_bf16(const c10::BFloat16* q, int64_t q_head_stride, int64_t grou
     if (base + block_size < len)
       prefetch_block<T, 2 * NC>(cache + table[b + 1] * blk_stride + head_off,
                                 std::min(block_size, len - base - block_size), tok_stride);
-    if (head_off == 0 && base + 2 * block_size < len) {  // the whole block after, every head, into L2
-      const char* p = reinterpret_cast<const char*>(cache + table[b + 2] * blk_stride);
-      const int64_t bytes = std::min(block_size, len - base - 2 * block_size) * tok_stride * sizeof(T);
-      for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
-    }
+    if (head_off == 0 && base + 2 * block_size < len)  // the whole block after, every head, into L2
+      prefetch_span(cache + table[b + 2] * blk_stride, std::min(block_size, len - base - 2 * block_size) * tok_stride);
     return cache + table[b] * blk_stride + head_off;
   };
   auto load_bh = [](const T* p) { return (__m512bh)_mm512_loadu_si512(p); };
@@ -274,6 +278,11 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
         if (head_dim == 64 || head_dim == 128) {
           scores.resize(group * len);
           probs.resize(group * (len + 1));
+          if (h == 0 && s + 1 < num_seqs)  // the next sequence's first two blocks, every head, into L2
+            for (int64_t b = 0; b < 2 && b * block_size < lens[s + 1]; ++b)
+              for (const T* cache : {kp, vp})
+                prefetch_span(cache + bt[(s + 1) * max_blocks + b] * blk_stride,
+                              std::min(block_size, lens[s + 1] - b * block_size) * tok_stride);
           auto f = head_dim == 64 ? attend_one_bf16<2> : attend_one_bf16<4>;
           f(qp + s * q_seq_stride + h * group * q_head_stride, q_head_stride, group, kp, vp, table, len,
             block_size, blk_stride, tok_stride, h * head_dim, static_cast<float>(scale), scores.data(),
