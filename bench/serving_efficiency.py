@@ -11,9 +11,15 @@ the same run; the serving path is "free" at 1.0.
 Then the latency half: the same cluster takes ``--requests`` fresh prompts as a
 Poisson stream at half the request rate it just sustained. Its TPOT p50
 (client-side: (last token - first token) / (tokens - 1), as vLLM's) is set
-against the engine's own decode step at that load's mean concurrency (Little's
-law: rate x mean end-to-end time), measured offline on the same engine config
-as (time for ``--output-len`` tokens - time for 1) / (``--output-len`` - 1).
+against two references measured in this process on the same engine config:
+
+- the engine's own decode step at that load's mean concurrency (Little's law:
+  rate x mean end-to-end time), as (time for ``--output-len`` tokens - time for
+  1) / (``--output-len`` - 1): what a request's TPOT would be if nothing else ran;
+- the same arrival trace (the same prompts at the same offsets) replayed straight
+  into the engine by a loop in this process, TPOT p50 from the times each step
+  returned its tokens: the same load, prefills of newly arriving prompts included,
+  without the serving path. Served / replayed is what the serving path costs.
 
     python -m splitserve.bench.serving_efficiency                      # SmolLM2, 48 x 256/128
     python -m splitserve.bench.serving_efficiency --requests 16 --output-len 64
@@ -50,6 +56,21 @@ class HalfRate:
     concurrency: float  # mean requests in flight (rate x mean e2e)
 
 
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the first request at which each of ``n`` Poisson arrivals is sent."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def tpot_p50_ms(token_times: list[list[float]]) -> float:
+    """Median over requests of (last token - first token) / (tokens - 1), in ms."""
+    tpots = sorted((ts[-1] - ts[0]) / (len(ts) - 1) for ts in token_times)
+    return tpots[len(tpots) // 2] * 1000
+
+
 def served(
     config: ClusterConfig,
     prompts: list[list[int]],
@@ -80,29 +101,50 @@ async def _poisson(
     address: str, prompts: list[list[int]], output_len: int, rate: float, seed: int
 ) -> HalfRate:
     client = AsyncClient(address, timeout=3600)
-    rng = random.Random(seed)
 
-    async def one(prompt: list[int]) -> tuple[float, float]:
-        """(TPOT in s, e2e in s), from the times this client saw."""
+    async def one(prompt: list[int], offset: float) -> tuple[list[float], float]:
+        """(each token's arrival time, e2e in s), as this client saw them."""
+        await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
         sent, seen = time.perf_counter(), []
         async for item in client.stream(prompt, max_tokens=output_len, ignore_eos=True):
             if isinstance(item, Chunk):
                 seen.extend([time.perf_counter()] * len(item.token_ids))
         if len(seen) != output_len:
             raise RuntimeError(f"expected {output_len} output tokens, got {len(seen)}")
-        return (seen[-1] - seen[0]) / (len(seen) - 1), time.perf_counter() - sent
+        return seen, time.perf_counter() - sent
 
-    tasks = []
+    t0 = time.perf_counter()
+    offsets = arrival_offsets(len(prompts), rate, seed)
     try:
-        for prompt in prompts:
-            tasks.append(asyncio.ensure_future(one(prompt)))
-            await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
+        results = await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets)))
     finally:
         await client.close()
-    tpots = sorted(t for t, _ in results)
     mean_e2e = sum(e for _, e in results) / len(results)
-    return HalfRate(rate, tpots[len(tpots) // 2] * 1000, rate * mean_e2e)
+    return HalfRate(rate, tpot_p50_ms([ts for ts, _ in results]), rate * mean_e2e)
+
+
+def replayed(engine: Engine, prompts: list[list[int]], output_len: int, rate: float, seed: int) -> float:
+    """TPOT p50 (ms) of ``prompts`` added to ``engine`` in this process at the same
+    Poisson offsets as the served stream, stepping it in between (no serving path)."""
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    offsets = arrival_offsets(len(prompts), rate, seed)
+    times: dict[str, list[float]] = {}
+    t0, nxt = time.perf_counter(), 0
+    while nxt < len(prompts) or engine.has_unfinished():
+        now = time.perf_counter()
+        while nxt < len(prompts) and t0 + offsets[nxt] <= now:
+            times[engine.add_request(prompts[nxt], params)] = []
+            nxt += 1
+        if not engine.has_unfinished():
+            time.sleep(t0 + offsets[nxt] - now)
+            continue
+        outputs = engine.step()
+        done = time.perf_counter()
+        for out in outputs:
+            times[out.request_id].extend([done] * len(out.new_token_ids))
+    if any(len(ts) != output_len for ts in times.values()):
+        raise RuntimeError(f"the replay did not generate {output_len} tokens for every request")
+    return tpot_p50_ms(list(times.values()))
 
 
 async def _generate(address: str, prompts: list[list[int]], output_len: int) -> int:
@@ -117,11 +159,11 @@ async def _generate(address: str, prompts: list[list[int]], output_len: int) -> 
 
 
 def offline(
-    config: ClusterConfig, prompts: list[list[int]], step_prompts: list[list[int]], output_len: int
+    engine: Engine, prompts: list[list[int]], step_prompts: list[list[int]], output_len: int
 ) -> tuple[float, float]:
     """Output tokens/s of ``prompts`` in one ``generate``; and the decode step (ms) with
     ``len(step_prompts)`` sequences running."""
-    engine = Engine(config.engine_config("colocated"))
+
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
@@ -173,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     batch = max(1, round(half.concurrency))
     step = random_requests(batch, args.input_len, args.output_len, vocab_size=vocab, seed=args.seed + 2)
     log(f"offline: the same engine config in this process; decode step at batch {batch} ...")
-    offline_tps, step_ms = offline(config, prompts, [r.prompt_ids for r in step], args.output_len)
+    engine = Engine(engine_cfg)
+    offline_tps, step_ms = offline(engine, prompts, [r.prompt_ids for r in step], args.output_len)
+    log(f"replay: the half-rate stream straight into that engine ({half.rate:.2f} req/s) ...")
+    replay_ms = replayed(engine, [r.prompt_ids for r in fresh], args.output_len, half.rate, args.seed)
     print(
         f"model {args.model}, {args.requests} requests x {args.input_len}/{args.output_len} tokens, "
         f"{cpus} CPUs, max_num_seqs {engine_cfg.max_num_seqs}"
@@ -186,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         f"at half that rate ({half.rate:.2f} req/s, Poisson; mean concurrency {half.concurrency:.1f}): "
         f"TPOT p50 {half.tpot_p50_ms:.1f} ms; the engine's decode step at batch {batch}: {step_ms:.1f} ms; "
         f"TPOT / step = {half.tpot_p50_ms / step_ms:.2f}x"
+    )
+    print(
+        f"the same trace replayed into the engine in this process: TPOT p50 {replay_ms:.1f} ms; "
+        f"served / replayed = {half.tpot_p50_ms / replay_ms:.2f}x"
     )
     return 0
 

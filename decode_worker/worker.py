@@ -89,7 +89,9 @@ class DecodeWorker:
             torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.worker_id = spec.worker_id
-        self.engine = Engine(spec.engine)
+        # the engine is built on the loop's thread, the one that steps it (engine/loop.py says why)
+        self.loop = EngineLoop(lambda: Engine(spec.engine), self._on_outputs, name=f"{spec.worker_id}-engine")
+        self.engine = self.loop.build()
         self.sink = None
         # By prefill worker id (TP groups only). Each holds staging caches for one request of
         # max_model_len per source rank, for the life of this worker.
@@ -108,7 +110,6 @@ class DecodeWorker:
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.worker_id}-kv")
         self._outboxes: dict[str, Outbox] = {}  # by outbox id (one per consumer)
         self._requests: dict[str, _Request] = {}  # started and not yet ended
-        self.loop = EngineLoop(self.engine, self._on_outputs, name=f"{spec.worker_id}-engine")
         self.loop.start()
 
     # ---- called by the router (asyncio) ------------------------------------------

@@ -39,6 +39,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -100,7 +101,15 @@ class PrefillRank:
             raise ValueError("a PrefillRank is rank 1 or above of a TP group")
         self.spec = spec
         self.group = join_group(spec)
-        self.engine = Engine(spec.engine, tp=self.group)
+        # the engine is built on the follower thread, the one that runs its steps
+        # (engine/loop.py says why); that thread follows rank 0 once this is set up
+        built: Future[Engine] = Future()
+        self._go = threading.Event()
+        self._follower = threading.Thread(
+            target=self._follow, args=(built,), name=f"{spec.worker_id}/tp{spec.tp.rank}-follow", daemon=True
+        )
+        self._follower.start()
+        self.engine = built.result()
         compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
         name = f"{spec.worker_id}/tp{spec.tp.rank}"
         self.source = get_backend(spec.backend).source(
@@ -114,8 +123,7 @@ class PrefillRank:
         self._stopping = threading.Event()
         self._poller = threading.Thread(target=self._poll, name=f"{name}-kv-poll", daemon=True)
         self._poller.start()
-        self._follower = threading.Thread(target=self._follow, name=f"{name}-follow", daemon=True)
-        self._follower.start()
+        self._go.set()
 
     async def info(self) -> Handshake:
         return self.handshake
@@ -125,7 +133,13 @@ class PrefillRank:
         self._follower.join(timeout)
 
     # ---- threads ----------------------------------------------------------------------
-    def _follow(self) -> None:
+    def _follow(self, built: Future[Engine]) -> None:
+        try:
+            built.set_result(Engine(self.spec.engine, tp=self.group))
+        except BaseException as e:  # the constructor raises it
+            built.set_exception(e)
+            return
+        self._go.wait()
         try:
             self.engine.follow(self._on_message)
         except Exception:

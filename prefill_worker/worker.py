@@ -111,7 +111,15 @@ class PrefillWorker:
         self.spec = spec
         self.worker_id = spec.worker_id
         self.tp = join_group(spec)
-        self.engine = Engine(spec.engine, tp=self.tp)
+        # the engine is built on the loop's thread, the one that steps it (engine/loop.py says why)
+        self.loop = EngineLoop(
+            lambda: Engine(spec.engine, tp=self.tp),
+            self._on_outputs,
+            self._on_tick,
+            name=f"{spec.worker_id}-engine",
+            on_error=self._on_error,
+        )
+        self.engine = self.loop.build()
         compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
         backend = get_backend(spec.backend)
         self.source = backend.source(spec.worker_id, self.engine.kv_cache.tensor, compat, spec.lease_s)
@@ -132,13 +140,6 @@ class PrefillWorker:
             self.engine.layer_observer = self.exporter
         self._ended: queue.SimpleQueue[LeaseEnd] = queue.SimpleQueue()  # poller -> engine thread
         self._stopping = threading.Event()
-        self.loop = EngineLoop(
-            self.engine,
-            self._on_outputs,
-            self._on_tick,
-            name=f"{spec.worker_id}-engine",
-            on_error=self._on_error,
-        )
         self.loop.start()
         self._poller = threading.Thread(
             target=self._poll_source, name=f"{spec.worker_id}-kv-poll", daemon=True

@@ -1,7 +1,8 @@
 """``bench.serving_efficiency`` end to end on the tiny model: it serves every
 request through a real cluster (the bench itself checks every output token
 arrived), runs the same requests offline, and prints the ratio; then a Poisson stream at
-half that rate, whose TPOT it sets against the engine's own decode step."""
+half that rate, whose TPOT it sets against the engine's own decode step and against
+the same trace replayed into the engine in-process."""
 
 from __future__ import annotations
 
@@ -25,3 +26,6 @@ def test_serving_efficiency_runs_both_paths(tmp_path_factory, capsys):
     )
     assert half is not None, out
     assert float(half[1]) > 0 and int(half[2]) >= 1 and float(half[3]) > 0 and float(half[4]) > 0
+    replay = re.search(r"TPOT p50 ([\d.]+) ms; served / replayed = ([\d.]+)x", out)
+    assert replay is not None, out
+    assert float(replay[1]) > 0 and float(replay[2]) > 0
