@@ -76,3 +76,39 @@ def test_a_call_that_finds_the_engine_stopped_stops_the_loop(engine):
     assert isinstance(loop.error, GroupBroken) and errors == [loop.error]
     with pytest.raises(EngineStopped, match="stopped"):
         loop.call(lambda e: None).result(1)
+
+
+def test_a_build_function_runs_on_the_loop_thread_before_any_step(engine):
+    """Workers hand the loop a function that builds their engine: it runs on the thread
+    that will step the engine (engine/loop.py says why), ``build`` returns its engine,
+    and no call runs until ``start``."""
+    built_on, started = [], []
+
+    def build():
+        built_on.append(threading.current_thread())
+        return engine
+
+    loop = EngineLoop(build, lambda outs: None, name="built-here")
+    assert loop.build() is engine
+    assert built_on[0].name == "built-here" and built_on[0] is not threading.current_thread()
+    # queued now; run only after start (it sees whether start was called)
+    pending = loop.call(lambda e: (bool(started), threading.current_thread()))
+    started.append(True)
+    loop.start()
+    try:
+        assert pending.result(10) == (True, built_on[0])
+    finally:
+        loop.stop()
+
+
+def test_a_failing_build_raises_from_build_and_start():
+    def build():
+        raise InvalidRequest("no such model")
+
+    loop = EngineLoop(build, lambda outs: None)
+    with pytest.raises(InvalidRequest, match="no such model"):
+        loop.build()
+    with pytest.raises(InvalidRequest, match="no such model"):
+        loop.start()
+    with pytest.raises(EngineStopped):
+        loop.call(lambda e: None).result(1)
