@@ -3,10 +3,12 @@
 One colocated worker given every core of the machine serves ``--requests``
 requests sent at once through the asyncio gRPC SDK (random prompts of
 ``--input-len`` tokens, ``--output-len`` output tokens each, greedy,
-``ignore_eos``). Then, in this process and with the cluster stopped, the same
-engine config generates the same requests offline in one ``generate`` call.
-Prints both output tokens/s and their ratio (served / offline), measured in
-the same run; the serving path is "free" at 1.0.
+``ignore_eos``). The same engine config, in this process and with no cluster
+running, generates as many requests offline in one ``generate`` call, once
+before the served run and once after it (fresh prompts each time); their mean
+is the baseline, so the machine's drift over the minutes between them cancels
+to first order. Prints the output tokens/s and the ratio (served / offline);
+the serving path is "free" at 1.0.
 
 Then the latency half: the same cluster takes ``--requests`` fresh prompts as a
 Poisson stream at half the request rate it just sustained. Its TPOT p50
@@ -158,18 +160,16 @@ async def _generate(address: str, prompts: list[list[int]], output_len: int) -> 
     return sum(len(o.token_ids) for o in outs)
 
 
-def offline(
-    engine: Engine, prompts: list[list[int]], step_prompts: list[list[int]], output_len: int
-) -> tuple[float, float]:
-    """Output tokens/s of ``prompts`` in one ``generate``; and the decode step (ms) with
-    ``len(step_prompts)`` sequences running."""
-
+def offline(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
+    """Output tokens/s of ``prompts`` in one ``generate`` (fresh prompts: none cached)."""
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    engine.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
     done = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - t0
-    tps = sum(len(c.token_ids) for c in done) / elapsed
+    return sum(len(c.token_ids) for c in done) / (time.perf_counter() - t0)
+
+
+def decode_step_ms(engine: Engine, step_prompts: list[list[int]], output_len: int) -> float:
+    """The decode step (ms) with ``len(step_prompts)`` sequences running."""
 
     def timed(n: int) -> float:
         t = time.perf_counter()
@@ -178,8 +178,7 @@ def offline(
 
     # The first call caches the prompts' blocks, so both timed calls prefill alike (cached).
     timed(1)
-    step_ms = (timed(output_len) - timed(1)) / (output_len - 1) * 1000
-    return tps, step_ms
+    return (timed(output_len) - timed(1)) / (output_len - 1) * 1000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,15 +207,26 @@ def main(argv: list[str] | None = None) -> int:
         args.requests, args.input_len, args.output_len, vocab_size=vocab, seed=args.seed + 1
     )
     prompts = [r.prompt_ids for r in reqs]
+    later = random_requests(
+        args.requests, args.input_len, args.output_len, vocab_size=vocab, seed=args.seed + 3
+    )
+    # Offline runs before and after the served one, on fresh prompts each, and their mean is
+    # the baseline: a shared machine's speed drifts over the minutes between them.
+    log("offline: the same engine config in this process ...")
+    engine = Engine(engine_cfg)
+    engine.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    before = offline(engine, prompts, args.output_len)
     log(f"served: one colocated worker with {cpus} CPUs ...")
     served_tps, half = served(
         config, prompts, [r.prompt_ids for r in fresh], args.output_len, cpus, args.seed
     )
+    log("offline again ...")
+    after = offline(engine, [r.prompt_ids for r in later], args.output_len)
+    offline_tps = (before + after) / 2
     batch = max(1, round(half.concurrency))
     step = random_requests(batch, args.input_len, args.output_len, vocab_size=vocab, seed=args.seed + 2)
-    log(f"offline: the same engine config in this process; decode step at batch {batch} ...")
-    engine = Engine(engine_cfg)
-    offline_tps, step_ms = offline(engine, prompts, [r.prompt_ids for r in step], args.output_len)
+    log(f"decode step at batch {batch} ...")
+    step_ms = decode_step_ms(engine, [r.prompt_ids for r in step], args.output_len)
     log(f"replay: the half-rate stream straight into that engine ({half.rate:.2f} req/s) ...")
     replay_ms = replayed(engine, [r.prompt_ids for r in fresh], args.output_len, half.rate, args.seed)
     print(
@@ -227,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'offline':<8} {offline_tps:>12.1f}")
     print(f"{'served':<8} {served_tps:>12.1f}")
     print(f"served / offline = {served_tps / offline_tps:.3f}x")
+    print(f"(offline: the mean of {before:.1f} before serving and {after:.1f} after)")
     print(
         f"at half that rate ({half.rate:.2f} req/s, Poisson; mean concurrency {half.concurrency:.1f}): "
         f"TPOT p50 {half.tpot_p50_ms:.1f} ms; the engine's decode step at batch {batch}: {step_ms:.1f} ms; "
