@@ -78,7 +78,8 @@ def load_cuda() -> ModuleType | None:
 class CpuModelKernels:
     """The fused kernels a CPU model takes (``LlamaModel.use_kernels``): the norm for
     every dtype; rotary + KV write and SiLU·up where they apply (bf16, built with
-    AVX-512, a head size that is a multiple of 32 and an intermediate size of 16),
+    AVX-512, a head size that is a multiple of 32 and an intermediate size that is a
+    multiple of 16),
     else None and the model runs torch's ops for those."""
 
     add_rms_norm: Callable

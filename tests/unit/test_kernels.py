@@ -129,7 +129,7 @@ def test_silu_mul_equals_the_torch_ops():
     assert (got != want).float().mean() < 0.01
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [7, 49152, 1000])  # under one vector; many; a tail after the vectors
 def test_argmax_rows_equals_torch_argmax(dtype, vocab):
     """Including ties (the first index wins, as in torch) and a row of -inf."""

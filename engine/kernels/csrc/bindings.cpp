@@ -21,7 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill", &paged_prefill, "paged causal prefill attention (CPU, AVX-512)");
   m.def("has_paged_prefill", &has_paged_prefill, "whether paged_prefill was built (AVX-512)");
   m.def("add_rms_norm", &add_rms_norm, "optional residual add, then RMSNorm (CPU)");
-  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU, float32 or bf16)");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU, float32, bf16 or fp16)");
   m.def("has_fused_bf16", &has_fused_bf16, "whether rope_and_cache and silu_mul were built (AVX-512, bf16)");
 #if defined(__AVX512F__)
   m.def("rope_and_cache", &rope_and_cache, "rotary on q, k + K/V cache write (CPU, bf16)");

@@ -238,7 +238,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 }
 #endif
 
-// logits: [rows, vocab] float32 or bf16, contiguous. Returns int64 [rows]: the first
+// logits: [rows, vocab] float32, bf16 or fp16, contiguous. Returns int64 [rows]: the first
 // index of each row's maximum, as torch.argmax (rows holding NaN excepted).
 torch::Tensor argmax_rows(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
@@ -288,8 +288,10 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
     run(float{});
   } else if (logits.scalar_type() == torch::kBFloat16) {
     run(c10::BFloat16{});
+  } else if (logits.scalar_type() == torch::kHalf) {
+    run(c10::Half{});
   } else {
-    TORCH_CHECK(false, "argmax_rows takes float32 or bf16 logits");
+    TORCH_CHECK(false, "argmax_rows takes float32, bf16 or fp16 logits");
   }
   return out;
 }
