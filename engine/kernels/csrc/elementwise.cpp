@@ -53,14 +53,10 @@ void add_rms_norm_kernel(T* x, const T* delta, const T* w, T* out, int64_t rows,
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
+using splitserve_kernels::load16;  // bf16 -> float32, 16 values
 
-// bf16 <-> float32 for 16 values; rounding to nearest even, as c10::BFloat16 does
+// float32 -> bf16 for 16 values; rounding to nearest even, as c10::BFloat16 does
 // for finite values (residual streams hold no NaN).
-inline __m512 bf16_load(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 inline __m512i bf16_round_bits(__m512 f) {  // float32 bits rounded to bf16 precision (low half garbage)
   const __m512i b = _mm512_castps_si512(f);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
@@ -82,9 +78,9 @@ void add_rms_norm_bf16(c10::BFloat16* x, const c10::BFloat16* delta, const c10::
       c10::BFloat16* xr = x + r * dim;
       __m512 ss = _mm512_setzero_ps();
       for (int64_t i = 0; i < dim; i += 16) {
-        __m512 v = bf16_load(xr + i);
+        __m512 v = load16(xr + i);
         if (delta != nullptr) {
-          v = bf16_round(_mm512_add_ps(v, bf16_load(delta + r * dim + i)));
+          v = bf16_round(_mm512_add_ps(v, load16(delta + r * dim + i)));
           bf16_store(xr + i, v);
         }
         ss = _mm512_fmadd_ps(v, v, ss);
@@ -92,8 +88,8 @@ void add_rms_norm_bf16(c10::BFloat16* x, const c10::BFloat16* delta, const c10::
       const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(dim) + eps));
       c10::BFloat16* o = out + r * dim;
       for (int64_t i = 0; i < dim; i += 16) {
-        const __m512 normed = bf16_round(_mm512_mul_ps(bf16_load(xr + i), inv));
-        bf16_store(o + i, _mm512_mul_ps(bf16_load(w + i), normed));
+        const __m512 normed = bf16_round(_mm512_mul_ps(load16(xr + i), inv));
+        bf16_store(o + i, _mm512_mul_ps(load16(w + i), normed));
       }
     }
   });
@@ -104,9 +100,9 @@ void add_rms_norm_bf16(c10::BFloat16* x, const c10::BFloat16* delta, const c10::
 inline void rope_row_bf16(const c10::BFloat16* x, const c10::BFloat16* cos, const c10::BFloat16* sin,
                           int64_t half, c10::BFloat16* out, c10::BFloat16* out2) {
   for (int64_t i = 0; i < half; i += 16) {
-    const __m512 x1 = bf16_load(x + i), x2 = bf16_load(x + half + i);
-    const __m512 c1 = bf16_load(cos + i), c2 = bf16_load(cos + half + i);
-    const __m512 s1 = bf16_load(sin + i), s2 = bf16_load(sin + half + i);
+    const __m512 x1 = load16(x + i), x2 = load16(x + half + i);
+    const __m512 c1 = load16(cos + i), c2 = load16(cos + half + i);
+    const __m512 s1 = load16(sin + i), s2 = load16(sin + half + i);
     const __m512 neg_x2 = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x2), _mm512_set1_epi32(INT32_MIN)));
     const __m512 a = bf16_round(_mm512_add_ps(bf16_round(_mm512_mul_ps(x1, c1)), bf16_round(_mm512_mul_ps(neg_x2, s1))));
     const __m512 b = bf16_round(_mm512_add_ps(bf16_round(_mm512_mul_ps(x2, c2)), bf16_round(_mm512_mul_ps(x1, s2))));
@@ -228,9 +224,9 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     for (int64_t t = begin; t < end; ++t) {
       const B *g = in + t * 2 * I, *u = g + I;
       for (int64_t i = 0; i < I; i += 16) {
-        const __m512 x = bf16_load(g + i);
+        const __m512 x = load16(g + i);
         const __m512 act = bf16_round(_mm512_mul_ps(x, sigmoid512(x)));
-        bf16_store(op + t * I + i, _mm512_mul_ps(act, bf16_load(u + i)));
+        bf16_store(op + t * I + i, _mm512_mul_ps(act, load16(u + i)));
       }
     }
   });
@@ -256,13 +252,13 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
         float best = -INFINITY;
 #if defined(__AVX512F__)
         if (vocab >= 16) {  // per lane: the largest value and where it first occurs
-          __m512 vbest = splitserve_kernels::load16(row);
+          __m512 vbest = load16(row);
           __m512i vidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
           __m512i vcur = vidx;
           const __m512i step = _mm512_set1_epi32(16);
           for (i = 16; i + 16 <= vocab; i += 16) {
             vcur = _mm512_add_epi32(vcur, step);
-            const __m512 v = splitserve_kernels::load16(row + i);
+            const __m512 v = load16(row + i);
             const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);
             vbest = _mm512_mask_mov_ps(vbest, gt, v);
             vidx = _mm512_mask_mov_epi32(vidx, gt, vcur);
