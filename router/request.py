@@ -78,8 +78,11 @@ class RequestState:
         """Await a worker call; past the deadline, ``DeadlineExceeded`` (the call is cancelled)."""
         if self.deadline is None:
             return await awaitable
+        # A timeout scope in this task, not ``wait_for``: in 3.11 that wraps every awaitable
+        # in a task of its own, and this runs once per token batch of every stream.
         try:
-            return await asyncio.wait_for(awaitable, self.deadline - time.monotonic())
+            async with asyncio.timeout(self.deadline - time.monotonic()):
+                return await awaitable
         except TimeoutError:
             raise DeadlineExceeded(
                 f"request {self.request_id} did not finish within {self.timeout_s:.3g} s"
