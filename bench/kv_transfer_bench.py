@@ -206,7 +206,7 @@ def layerwise_table(repeats: int, as_json: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backends", default="nixl,torch_dist,ray")
+    ap.add_argument("--backends", default="nixl,torch_dist,ray,ucx")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--tokens", default="1024,8192,32768")
     ap.add_argument("--repeats", type=int, default=5)

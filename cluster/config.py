@@ -185,7 +185,7 @@ class PoolSpec(_Strict):
 
 
 class TransferSpec(_Strict):
-    backend: Literal["nixl", "torch_dist", "ray"] = Field("nixl", description="KV transfer backend")
+    backend: Literal["nixl", "torch_dist", "ray", "ucx"] = Field("nixl", description="KV transfer backend")
     lease_s: float = Field(30.0, gt=0, description="how long exported KV waits for a decode worker")
     timeout_s: float = Field(10.0, gt=0, description="bound on one KV pull")
     on_failure: Literal["recompute", "fail"] = Field(

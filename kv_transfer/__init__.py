@@ -24,6 +24,7 @@ descriptor is published before the forward pass (``source.begin_export``), so
 |---|---|---|
 | ``nixl`` | NIXL/UCX one-sided READ (DRAM or VRAM; RDMA, NVLink, cma on one host) | NIXL notification |
 | ``torch_dist`` | torch.distributed send/recv (gloo on CPU, NCCL on GPU) | a message on the same group |
+| ``ucx`` | UCX stream send/recv (ucxx), one endpoint per peer pair; host memory | a message on the pair |
 | ``ray`` | the Ray object store (``ray.put`` at export, ``ray.get`` at pull) | the control plane |
 | ``local`` | a tensor copy in the same process | a direct call |
 """
@@ -67,6 +68,7 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "torch_dist": ("splitserve.kv_transfer.backends.torch_dist", "TorchDistSource", "TorchDistSink"),
     "ray": ("splitserve.kv_transfer.backends.ray_store", "RaySource", "RaySink"),
     "local": ("splitserve.kv_transfer.backends.local", "LocalSource", "LocalSink"),
+    "ucx": ("splitserve.kv_transfer.backends.ucx_backend", "UcxSource", "UcxSink"),
 }
 
 

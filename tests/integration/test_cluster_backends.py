@@ -33,7 +33,7 @@ from tests.integration.cluster_util import (
 IDLE = {"prefill-0": 0, "decode-0": 0}
 
 
-@pytest.fixture(scope="module", params=["nixl", "torch_dist", "ray"])
+@pytest.fixture(scope="module", params=["nixl", "torch_dist", "ray", "ucx"])
 def cluster(request, checkpoint):
     # A long lease: a KV export that is freed during the stream was freed by the pull's
     # confirmation, never by the lease running out.

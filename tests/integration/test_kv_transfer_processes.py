@@ -48,7 +48,7 @@ from splitserve.kv_transfer import (
 from splitserve.kv_transfer.integrity import layer_checksums
 from tests.conftest import HAS_SMOLLM2
 
-BACKENDS = ["nixl", "torch_dist", "ray"]
+BACKENDS = ["nixl", "torch_dist", "ray", "ucx"]
 CFG = EngineConfig(model="smollm2", dtype="float32", kv_cache_memory_mib=128)
 PARAMS = SamplingParams(max_tokens=20)
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
@@ -233,13 +233,14 @@ def test_source_killed_after_export_fails_fast_or_delivers_intact(backend):
     sink.close()
 
 
-@pytest.mark.parametrize("backend", ["torch_dist", "nixl"])
+@pytest.mark.parametrize("backend", ["torch_dist", "nixl", "ucx"])
 def test_a_killed_source_whose_child_holds_its_socket_open_fails_fast(backend):
     """A source killed while a child process of it (a subprocess started without
     ``close_fds``) still holds its inheritable sockets. For torch_dist that is gloo's
     connection, which then never closes, so gloo alone would wait out the pull's 5
     minutes; the sink sees the source's store refuse connections and fails with
-    ``PeerLost`` instead. NIXL (UCX) reports the remote gone at once either way."""
+    ``PeerLost`` instead (ucx: its listener). NIXL (UCX) reports the remote gone at
+    once either way."""
     src, sink, _ = bare_pair(backend, "decode-o")
     desc = src.call(ExportRandom(num_tokens=200)).descriptor
     child = src.call(SpawnChild())
@@ -252,9 +253,10 @@ def test_a_killed_source_whose_child_holds_its_socket_open_fails_fast(backend):
         sink.close()
 
 
-def test_stalled_source_times_out():
+@pytest.mark.parametrize("backend", ["torch_dist", "ucx"])
+def test_stalled_source_times_out(backend):
     """A source that stops answering (SIGSTOP) mid-protocol: TransferTimeout, on time."""
-    src, sink, _ = bare_pair("torch_dist", "decode-s")
+    src, sink, _ = bare_pair(backend, "decode-s")
     desc = src.call(ExportRandom(num_tokens=200)).descriptor
     os.kill(src.proc.pid, signal.SIGSTOP)
     try:
@@ -324,3 +326,18 @@ def test_a_corrupted_layer_of_a_stream_is_detected_and_yields_no_tokens(
     assert decode_engine.step() == [] and decode_engine.block_manager.num_used_blocks == used
     assert streaming_source.call(Status()).num_exported == 1  # unconfirmed: the source keeps its lease
     sink.close()
+
+
+def test_ucx_source_gone_before_the_handshake_fails_at_connect():
+    """ucx checks the link at ``connect`` (a ping on the new endpoint): a source that
+    is gone by then is ``PeerLost`` there, not a surprise at the first pull."""
+    src = start_source(SourceSpec("ucx", layout=SMALL))
+    handshake = src.handshake
+    src.kill()
+    cache = torch.zeros(2, 2, SMALL.num_blocks, 16, 2, 64, dtype=torch.bfloat16)
+    sink = get_backend("ucx").sink("decode-g", cache, CompatInfo(model="random", layout=SMALL))
+    try:
+        with pytest.raises(PeerLost):
+            sink.connect(handshake)
+    finally:
+        sink.close()

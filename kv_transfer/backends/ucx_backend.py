@@ -1,0 +1,398 @@
+"""``ucx``: UCX through ``ucxx`` (the successor of ucx-py), two-sided over one
+endpoint per peer pair.
+
+The source listens (a ``UCXListener`` on a UCX worker of its own); the
+handshake carries the listener's address. A sink opens one endpoint per source
+incarnation and the two talk over UCX's stream API, which is ordered and
+scoped to the endpoint (tag matching is worker-wide), so one source serves any
+number of sinks with no tag bookkeeping. Per pull, on the pair's endpoint::
+
+    sink -> source  [PULL, seq, lo, hi]          4 x int64
+    source -> sink  [OK | GONE, nbytes, 0, 0]    4 x int64
+    source -> sink  layers lo..hi of the export's blocks, packed [hi - lo, 2, n, ...]
+                    (only after OK)
+    sink -> source  [CONFIRM, seq, 0, 0]         after the whole pull verified
+
+``connect`` sends ``[PING, 0, 0, 0]`` and waits for ``[OK, 0, 0, 0]``, so an
+unreachable source fails at handshake (``PeerLost``), not at the first pull.
+
+The sink is ``chunked``: one request per chunk of layers, and the base class
+verifies chunk k while chunk k+1 moves. The source packs a chunk into one
+contiguous tensor (``index_select``) and the sink scatters it into its blocks
+(``index_copy_``): one copy each side, as ``torch_dist``. Host memory only; a
+GPU cache is staged through the host.
+
+Progress: no progress thread (as ``nixl``: on 2 cores a thread that wakes per
+message costs more than it saves). The source progresses its worker in
+``poll()``, which the prefill worker calls every millisecond: accepting
+endpoints, completing receives, serving requests. The sink progresses its own
+worker while it waits. Each endpoint of the source keeps one request receive
+posted; a completed one is answered and the next is posted.
+
+Failure: endpoints are created with error handling, so a peer that closes or
+dies fails that endpoint's requests. A sink waits at most until the pull's
+deadline (``TransferTimeout``) and fails with ``PeerLost`` when its endpoint
+fails or the source's probe port stops accepting connections (checked every
+``PROBE_S`` while a wait lasts: a source killed while a child process holds
+the UCX sockets it inherited leaves the endpoint open, but the probe port is a
+Python socket, which children do not inherit). A pair whose exchange failed
+midway is closed (its stream is out of step); the next pull reconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
+from splitserve.kv_transfer.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
+from splitserve.kv_transfer.sink import KVSink
+from splitserve.kv_transfer.source import KVSource
+
+
+def _import_ucxx():
+    """ucxx's core API. Importing ucxx sets ``UCX_*`` variables in ``os.environ``
+    (CUDA-oriented defaults such as ``UCX_RNDV_FRAG_MEM_TYPE=cuda``), which every
+    UCX context made later in the process would read, NIXL's included (with them, a
+    NIXL read from a killed peer was seen to hang). The environment is put back as
+    it was: this backend moves host memory and needs none of them."""
+    before = dict(os.environ)
+    try:
+        import ucxx._lib.libucxx as api
+        from ucxx._lib.arr import Array
+    except ImportError as e:  # depends on the machine
+        raise ImportError("the ucx backend needs ucxx: pip install ucxx-cu12 (or ucxx-cu13)") from e
+    finally:
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+        os.environ.update({k: v for k, v in before.items() if os.environ.get(k) != v})
+    return api, Array
+
+
+ucx_api, Array = _import_ucxx()
+
+log = logging.getLogger(__name__)
+
+PING, PULL, CONFIRM = 1, 2, 3
+OK, GONE = 1, 0
+PROBE_S = 1.0  # while a wait lasts, how often the sink checks that the source still listens
+_SPINS = 200  # progress calls before a wait starts sleeping between them
+
+
+@dataclass(frozen=True)
+class UcxPeerInfo:
+    host: str
+    port: int  # the UCX listener's
+    probe_port: int  # a plain TCP port that accepts connections while the source process lives
+
+
+@dataclass(frozen=True)
+class UcxTicket:
+    seq: int  # the source's number for this transfer, carried in PULL and CONFIRM
+
+
+def _default_host() -> str:
+    """This machine's address on its default route (what a sink on another node can
+    reach), or loopback where there is none. Connecting a UDP socket sends nothing."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.254.254.254", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def _worker() -> ucx_api.UCXWorker:
+    ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.STREAM, ucx_api.Feature.WAKEUP))
+    worker = ucx_api.UCXWorker(ctx)
+    worker.init_blocking_progress_mode()
+    return worker
+
+
+def _message(*values: int) -> np.ndarray:
+    out = np.zeros(4, dtype=np.int64)
+    out[: len(values)] = values
+    return out
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's bytes as a numpy view (numpy has no bfloat16)."""
+    return t.view(-1).view(torch.uint8).numpy()
+
+
+class _Failed(Exception):
+    """A request of a pair failed: the pair is closed."""
+
+
+@dataclass
+class _Pair:
+    """The source's end of one sink's endpoint: the request receive it keeps posted,
+    and the sends of its answers until they complete (their buffers stay alive)."""
+
+    ep: ucx_api.UCXEndpoint
+    inbox: np.ndarray = field(default_factory=lambda: _message())
+    receiving: ucx_api.UCXRequest | None = None
+    sending: list[tuple[ucx_api.UCXRequest, object]] = field(default_factory=list)
+
+    def listen(self) -> None:
+        self.receiving = self.ep.stream_recv(Array(self.inbox))
+
+    def send(self, buf: np.ndarray) -> None:
+        self.sending.append((self.ep.stream_send(Array(buf)), buf))
+
+    def reap(self) -> None:
+        """Drop completed sends; ``_Failed`` if any failed."""
+        pending = []
+        for req, buf in self.sending:
+            if req.completed:
+                _check(req)
+            else:
+                pending.append((req, buf))
+        self.sending = pending
+
+    def take(self) -> tuple[int, int, int, int] | None:
+        """The request received, if one completed (and post the next receive)."""
+        req = self.receiving
+        if req is None or not req.completed:
+            return None
+        _check(req)
+        kind, seq, lo, hi = (int(x) for x in self.inbox)
+        self.listen()
+        return kind, seq, lo, hi
+
+
+def _check(req: ucx_api.UCXRequest) -> None:
+    try:
+        req.check_error()
+    except Exception as e:  # ucxx raises its own UCXError subclasses
+        raise _Failed(f"{e.__class__.__name__}: {e}") from e
+
+
+class UcxSource(KVSource):
+    backend = "ucx"
+
+    def __init__(
+        self,
+        worker_id: str,
+        cache: torch.Tensor,
+        compat: CompatInfo,
+        lease_s: float = 30.0,
+        *,
+        host: str | None = None,
+    ):
+        """``host``: the address sinks connect to (default: this machine's address on
+        its default route; the listener takes connections on every interface)."""
+        super().__init__(worker_id, cache, compat, lease_s)
+        self._worker = _worker()
+        self._accepted: list[ucx_api.UCXEndpoint] = []
+        self._listener = ucx_api.UCXListener.create(worker=self._worker, port=0, cb_func=self._accept)
+        self.host = host or _default_host()
+        # Python's sockets are not inherited by child processes (PEP 446), UCX's are: a
+        # child that outlives this process keeps UCX's sockets open, never this one.
+        self._probe = socket.create_server(("", 0))
+        self._probe.setblocking(False)
+        self._pairs: list[_Pair] = []
+        self._seq = 0
+        self._by_seq: dict[int, str] = {}
+
+    def _accept(self, conn_request) -> None:  # runs inside worker.progress()
+        self._accepted.append(self._listener.create_endpoint_from_conn_request(conn_request, True))
+
+    def _payload(self) -> UcxPeerInfo:
+        return UcxPeerInfo(self.host, self._listener.port, self._probe.getsockname()[1])
+
+    def _publish(self, desc: KVDescriptor) -> UcxTicket:
+        self._seq += 1
+        self._by_seq[self._seq] = desc.transfer_id
+        return UcxTicket(self._seq)
+
+    def _unpublish(self, desc: KVDescriptor) -> None:
+        self._by_seq.pop(desc.payload.seq, None)
+
+    def _progress(self) -> list[str]:
+        while self._worker.progress():
+            pass
+        self._answer_probes()
+        for ep in self._accepted:
+            pair = _Pair(ep)
+            pair.listen()
+            self._pairs.append(pair)
+        self._accepted.clear()
+        confirmed: list[str] = []
+        for pair in list(self._pairs):
+            try:
+                pair.reap()
+                while (msg := pair.take()) is not None:
+                    kind, seq, lo, hi = msg
+                    tid = self._by_seq.get(seq)
+                    if kind == CONFIRM and tid is not None:
+                        confirmed.append(tid)
+                    elif kind == PING:
+                        pair.send(_message(OK))
+                    elif kind == PULL:
+                        self._serve(pair, tid, lo, hi)
+            except _Failed as e:  # the sink closed or died: forget its endpoint
+                log.info("ucx: a sink's endpoint closed (%s)", e)
+                self._pairs.remove(pair)
+        return confirmed
+
+    def _answer_probes(self) -> None:
+        """Accept and close the sinks' liveness probes (so the backlog never fills)."""
+        while True:
+            try:
+                conn, _ = self._probe.accept()
+            except OSError:  # BlockingIOError: none waiting
+                return
+            conn.close()
+
+    def _serve(self, pair: _Pair, transfer_id: str | None, lo: int, hi: int) -> None:
+        layers = self.compat.layout.num_layers
+        if transfer_id is None or not self._is_live(transfer_id) or not 0 <= lo < hi <= layers:
+            pair.send(_message(GONE))
+            return
+        desc = self._exports[transfer_id].descriptor
+        idx = torch.tensor(desc.block_ids, device=self.cache.device)
+        data = self.cache[lo:hi].index_select(2, idx).cpu().contiguous()
+        pair.send(_message(OK, data.numel() * data.element_size()))
+        pair.send(_bytes_of(data))
+
+    def close(self) -> None:
+        super().close()
+        for pair in self._pairs:
+            if pair.ep.alive:
+                pair.ep.close()
+        self._pairs.clear()
+        self._probe.close()
+
+
+class UcxSink(KVSink):
+    backend = "ucx"
+    chunked = True
+
+    def __init__(
+        self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, *, connect_timeout_s: float = 30.0
+    ):
+        super().__init__(worker_id, cache, compat)
+        self.connect_timeout_s = connect_timeout_s
+        self._worker = _worker()
+        self._eps: dict[str, ucx_api.UCXEndpoint] = {}  # by source worker id; absent once closed
+        self._where: dict[str, UcxPeerInfo] = {}
+
+    def _connect(self, hs: Handshake, replacing: Handshake | None) -> None:
+        info = hs.payload
+        if not isinstance(info, UcxPeerInfo):
+            raise PeerLost(f"worker {hs.worker_id} sent no ucx address")
+        self._drop(hs.worker_id)
+        self._where[hs.worker_id] = info
+        self._open(hs.worker_id, f"connecting to {hs.worker_id}", time.monotonic() + self.connect_timeout_s)
+
+    def _open(self, source: str, what: str, deadline: float) -> ucx_api.UCXEndpoint:
+        """The endpoint to ``source``, connected (a PING answered) if it was not."""
+        ep = self._eps.get(source)
+        if ep is not None:
+            return ep
+        info = self._where[source]
+        try:
+            ep = self._worker.create_endpoint_from_hostname(info.host, info.port, True)
+        except Exception as e:
+            raise PeerLost(f"{what}: cannot reach {info.host}:{info.port}: {e}") from e
+        self._eps[source] = ep
+        self._send(source, _message(PING), what, deadline)
+        reply = _message()
+        self._recv(source, reply, what, deadline)
+        if reply[0] != OK:
+            self._drop(source)
+            raise PeerLost(f"{what}: {source} answered {reply.tolist()} to a ping")
+        return ep
+
+    def _drop(self, source: str) -> None:
+        ep = self._eps.pop(source, None)
+        if ep is not None and ep.alive:  # ucxx has closed a failed endpoint itself (closing again crashes)
+            ep.close()
+
+    def _send(self, source: str, buf: np.ndarray, what: str, deadline: float) -> None:
+        self._wait(source, self._eps[source].stream_send(Array(buf)), what, deadline)
+
+    def _recv(self, source: str, buf: np.ndarray, what: str, deadline: float) -> None:
+        self._wait(source, self._eps[source].stream_recv(Array(buf)), what, deadline)
+
+    def _wait(self, source: str, req: ucx_api.UCXRequest, what: str, deadline: float) -> None:
+        """Progress until ``req`` completes. On any failure the pair is closed (its stream
+        is out of step) and ``TransferTimeout`` or ``PeerLost`` raised."""
+        spins, probe_at = 0, time.monotonic() + PROBE_S
+        try:
+            while not req.completed:
+                if self._worker.progress():
+                    continue
+                now = time.monotonic()
+                if now > deadline:
+                    raise TransferTimeout(f"{what} timed out")
+                if now > probe_at:
+                    probe_at = now + PROBE_S
+                    if not self._listening(source):
+                        raise PeerLost(f"{what}: {source} is gone")
+                spins += 1
+                if spins > _SPINS:
+                    time.sleep(0.0002)
+            _check(req)
+        except _Failed as e:
+            self._drop(source)
+            raise PeerLost(f"{what}: the endpoint to {source} failed ({e})") from None
+        except KVTransferError:
+            self._drop(source)
+            raise
+
+    def _listening(self, source: str) -> bool:
+        """False once nothing accepts connections at the source's probe port: its process
+        is gone (a fresh TCP connection to a socket no child process can inherit, so UCX
+        sockets that a child of a dead source keeps open cannot hide that)."""
+        info = self._where[source]
+        try:
+            with socket.create_connection((info.host, info.probe_port), timeout=PROBE_S):
+                return True
+        except ConnectionRefusedError:
+            return False
+        except OSError:  # slow or unreachable: not proof of death; the deadline still holds
+            return True
+
+    def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float, layers: range) -> None:
+        source, what = desc.source_worker, f"KV transfer {desc.transfer_id} from {desc.source_worker}"
+        self._open(source, what, deadline)
+        self._send(source, _message(PULL, desc.payload.seq, layers.start, layers.stop), what, deadline)
+        header = _message()
+        self._recv(source, header, what, deadline)
+        if header[0] != OK:
+            raise LeaseExpired(f"{source} no longer holds {desc.transfer_id}")
+        c = self.cache
+        data = torch.empty((len(layers), 2, len(dst_blocks), *c.shape[3:]), dtype=c.dtype)
+        if data.numel() * data.element_size() != int(header[1]):
+            self._drop(source)  # the bytes it is about to send would put the stream out of step
+            raise KVTransferError(
+                f"{source} announced {int(header[1])} bytes for {desc.transfer_id}, not the layout's"
+            )
+        self._recv(source, _bytes_of(data), what, deadline)
+        c[layers.start : layers.stop].index_copy_(
+            2, torch.tensor(dst_blocks, device=c.device), data.to(c.device)
+        )
+
+    def _confirm(self, desc: KVDescriptor) -> bool:
+        source, what = desc.source_worker, f"confirming {desc.transfer_id}"
+        deadline = time.monotonic() + self.connect_timeout_s
+        try:
+            self._open(source, what, deadline)
+            self._send(source, _message(CONFIRM, desc.payload.seq), what, deadline)
+            return True
+        except KVTransferError:
+            log.warning("could not confirm %s over ucx", desc.transfer_id, exc_info=True)
+            return False
+
+    def close(self) -> None:
+        super().close()
+        for source in list(self._eps):
+            self._drop(source)
