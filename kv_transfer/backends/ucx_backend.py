@@ -3,18 +3,22 @@ endpoint per peer pair.
 
 The source listens (a ``UCXListener`` on a UCX worker of its own); the
 handshake carries the listener's address. A sink opens one endpoint per source
-incarnation and the two talk over UCX's stream API, which is ordered and
-scoped to the endpoint (tag matching is worker-wide), so one source serves any
-number of sinks with no tag bookkeeping. Per pull, on the pair's endpoint::
+incarnation. Requests go over UCX's stream API, which is ordered and scoped to
+the endpoint, so the source knows which sink asks. Answers go back as tagged
+messages, because only the tag API has UCX's rendezvous (zero-copy) protocols;
+the stream API copies every fragment. Tag matching is worker-wide, so the sink
+names the tag of each answer in its request (a random 62-bit base per sink,
+counting up). Per pull, on the pair's endpoint::
 
-    sink -> source  [PULL, seq, lo, hi]          4 x int64
-    source -> sink  [OK | GONE, nbytes, 0, 0]    4 x int64
+    sink -> source  [PULL, seq, lo, hi, tag]     stream, 5 x int64
+    source -> sink  [OK | GONE, nbytes, ...]     tag ``tag``
     source -> sink  layers lo..hi of the export's blocks, packed [hi - lo, 2, n, ...]
-                    (only after OK)
-    sink -> source  [CONFIRM, seq, 0, 0]         after the whole pull verified
+                    tag ``tag + 1``, only after OK (the sink posts its receive then)
+    sink -> source  [CONFIRM, seq, 0, 0, 0]      stream, after the whole pull verified
 
-``connect`` sends ``[PING, 0, 0, 0]`` and waits for ``[OK, 0, 0, 0]``, so an
-unreachable source fails at handshake (``PeerLost``), not at the first pull.
+``connect`` sends ``[PING, 0, 0, 0, tag]`` and waits for ``[OK, ...]`` on
+``tag``, so an unreachable source fails at handshake (``PeerLost``), not at the
+first pull.
 
 The sink is ``chunked``: one request per chunk of layers, and the base class
 verifies chunk k while chunk k+1 moves. The source packs a chunk into one
@@ -36,7 +40,17 @@ fails or the source's probe port stops accepting connections (checked every
 ``PROBE_S`` while a wait lasts: a source killed while a child process holds
 the UCX sockets it inherited leaves the endpoint open, but the probe port is a
 Python socket, which children do not inherit). A pair whose exchange failed
-midway is closed (its stream is out of step); the next pull reconnects.
+midway is closed (its stream is out of step) and the sink's posted receives
+are cancelled; the next pull reconnects.
+
+Transports: UCX chooses them. With peer error handling on, which this backend
+needs (without it UCX treats a peer's failure as fatal to the survivor), the
+UCX that ucxx ships selects tcp even between two processes of one host, since
+its shared-memory and cma transports do not support peer-failure handling:
+0.5-0.9 GB/s on a 2-core VM, about gloo's speed (``docs/kv_transfer.md``). The
+same UCX between endpoints made from worker addresses without error handling
+selects sysv + cma and moved 190 MB at 8.5-11.8 GB/s there; that trade is not
+made here.
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -109,14 +124,13 @@ def _default_host() -> str:
 
 
 def _worker() -> ucx_api.UCXWorker:
-    ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.STREAM, ucx_api.Feature.WAKEUP))
-    worker = ucx_api.UCXWorker(ctx)
-    worker.init_blocking_progress_mode()
-    return worker
+    # Polled (no progress thread, no blocking mode), so no WAKEUP feature either.
+    ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.STREAM, ucx_api.Feature.TAG))
+    return ucx_api.UCXWorker(ctx)
 
 
 def _message(*values: int) -> np.ndarray:
-    out = np.zeros(4, dtype=np.int64)
+    out = np.zeros(5, dtype=np.int64)
     out[: len(values)] = values
     return out
 
@@ -143,8 +157,8 @@ class _Pair:
     def listen(self) -> None:
         self.receiving = self.ep.stream_recv(Array(self.inbox))
 
-    def send(self, buf: np.ndarray) -> None:
-        self.sending.append((self.ep.stream_send(Array(buf)), buf))
+    def send(self, buf: np.ndarray, tag: int) -> None:
+        self.sending.append((self.ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)), buf))
 
     def reap(self) -> None:
         """Drop completed sends; ``_Failed`` if any failed."""
@@ -156,15 +170,16 @@ class _Pair:
                 pending.append((req, buf))
         self.sending = pending
 
-    def take(self) -> tuple[int, int, int, int] | None:
-        """The request received, if one completed (and post the next receive)."""
+    def take(self) -> tuple[int, int, int, int, int] | None:
+        """The request received (kind, seq, lo, hi, tag), if one completed; the next
+        receive is posted."""
         req = self.receiving
         if req is None or not req.completed:
             return None
         _check(req)
-        kind, seq, lo, hi = (int(x) for x in self.inbox)
+        kind, seq, lo, hi, tag = (int(x) for x in self.inbox)
         self.listen()
-        return kind, seq, lo, hi
+        return kind, seq, lo, hi, tag
 
 
 def _check(req: ucx_api.UCXRequest) -> None:
@@ -229,14 +244,14 @@ class UcxSource(KVSource):
             try:
                 pair.reap()
                 while (msg := pair.take()) is not None:
-                    kind, seq, lo, hi = msg
+                    kind, seq, lo, hi, tag = msg
                     tid = self._by_seq.get(seq)
                     if kind == CONFIRM and tid is not None:
                         confirmed.append(tid)
                     elif kind == PING:
-                        pair.send(_message(OK))
+                        pair.send(_message(OK), tag)
                     elif kind == PULL:
-                        self._serve(pair, tid, lo, hi)
+                        self._serve(pair, tid, lo, hi, tag)
             except _Failed as e:  # the sink closed or died: forget its endpoint
                 log.info("ucx: a sink's endpoint closed (%s)", e)
                 self._pairs.remove(pair)
@@ -251,16 +266,16 @@ class UcxSource(KVSource):
                 return
             conn.close()
 
-    def _serve(self, pair: _Pair, transfer_id: str | None, lo: int, hi: int) -> None:
+    def _serve(self, pair: _Pair, transfer_id: str | None, lo: int, hi: int, tag: int) -> None:
         layers = self.compat.layout.num_layers
         if transfer_id is None or not self._is_live(transfer_id) or not 0 <= lo < hi <= layers:
-            pair.send(_message(GONE))
+            pair.send(_message(GONE), tag)
             return
         desc = self._exports[transfer_id].descriptor
         idx = torch.tensor(desc.block_ids, device=self.cache.device)
         data = self.cache[lo:hi].index_select(2, idx).cpu().contiguous()
-        pair.send(_message(OK, data.numel() * data.element_size()))
-        pair.send(_bytes_of(data))
+        pair.send(_message(OK, data.numel() * data.element_size()), tag)
+        pair.send(_bytes_of(data), tag + 1)
 
     def close(self) -> None:
         super().close()
@@ -283,6 +298,7 @@ class UcxSink(KVSink):
         self._worker = _worker()
         self._eps: dict[str, ucx_api.UCXEndpoint] = {}  # by source worker id; absent once closed
         self._where: dict[str, UcxPeerInfo] = {}
+        self._tag = uuid.uuid4().int & ((1 << 62) - 1)  # the next answer's tag (two per exchange)
 
     def _connect(self, hs: Handshake, replacing: Handshake | None) -> None:
         info = hs.payload
@@ -303,9 +319,7 @@ class UcxSink(KVSink):
         except Exception as e:
             raise PeerLost(f"{what}: cannot reach {info.host}:{info.port}: {e}") from e
         self._eps[source] = ep
-        self._send(source, _message(PING), what, deadline)
-        reply = _message()
-        self._recv(source, reply, what, deadline)
+        reply, _ = self._ask(source, (PING, 0, 0, 0), what, deadline)
         if reply[0] != OK:
             self._drop(source)
             raise PeerLost(f"{what}: {source} answered {reply.tolist()} to a ping")
@@ -319,12 +333,23 @@ class UcxSink(KVSink):
     def _send(self, source: str, buf: np.ndarray, what: str, deadline: float) -> None:
         self._wait(source, self._eps[source].stream_send(Array(buf)), what, deadline)
 
-    def _recv(self, source: str, buf: np.ndarray, what: str, deadline: float) -> None:
-        self._wait(source, self._eps[source].stream_recv(Array(buf)), what, deadline)
+    def _ask(
+        self, source: str, request: tuple[int, int, int, int], what: str, deadline: float
+    ) -> tuple[np.ndarray, int]:
+        """Send ``request``; wait for its answer's header. Returns the header and the tag
+        the answer's data (if any) comes with."""
+        tag, self._tag = self._tag, (self._tag + 2) & ((1 << 62) - 1)
+        header = _message()
+        answer = self._eps[source].tag_recv(Array(header), ucx_api.UCXXTag(tag))
+        self._send(source, _message(*request, tag), what, deadline)
+        self._wait(source, answer, what, deadline)
+        return header, tag + 1
 
     def _wait(self, source: str, req: ucx_api.UCXRequest, what: str, deadline: float) -> None:
-        """Progress until ``req`` completes. On any failure the pair is closed (its stream
-        is out of step) and ``TransferTimeout`` or ``PeerLost`` raised."""
+        """Progress until ``req`` completes. On any failure every request of this sink
+        still posted is cancelled (none may later write into a buffer given up), the pair
+        is closed (its request stream may be out of step), and ``TransferTimeout`` or
+        ``PeerLost`` raised."""
         spins, probe_at = 0, time.monotonic() + PROBE_S
         try:
             while not req.completed:
@@ -342,11 +367,15 @@ class UcxSink(KVSink):
                     time.sleep(0.0002)
             _check(req)
         except _Failed as e:
-            self._drop(source)
+            self._give_up(source)
             raise PeerLost(f"{what}: the endpoint to {source} failed ({e})") from None
         except KVTransferError:
-            self._drop(source)
+            self._give_up(source)
             raise
+
+    def _give_up(self, source: str) -> None:
+        self._worker.cancel_inflight_requests()
+        self._drop(source)
 
     def _listening(self, source: str) -> bool:
         """False once nothing accepts connections at the source's probe port: its process
@@ -364,19 +393,18 @@ class UcxSink(KVSink):
     def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float, layers: range) -> None:
         source, what = desc.source_worker, f"KV transfer {desc.transfer_id} from {desc.source_worker}"
         self._open(source, what, deadline)
-        self._send(source, _message(PULL, desc.payload.seq, layers.start, layers.stop), what, deadline)
-        header = _message()
-        self._recv(source, header, what, deadline)
+        request = (PULL, desc.payload.seq, layers.start, layers.stop)
+        header, data_tag = self._ask(source, request, what, deadline)
         if header[0] != OK:
             raise LeaseExpired(f"{source} no longer holds {desc.transfer_id}")
         c = self.cache
         data = torch.empty((len(layers), 2, len(dst_blocks), *c.shape[3:]), dtype=c.dtype)
         if data.numel() * data.element_size() != int(header[1]):
-            self._drop(source)  # the bytes it is about to send would put the stream out of step
             raise KVTransferError(
                 f"{source} announced {int(header[1])} bytes for {desc.transfer_id}, not the layout's"
             )
-        self._recv(source, _bytes_of(data), what, deadline)
+        received = self._eps[source].tag_recv(Array(_bytes_of(data)), ucx_api.UCXXTag(data_tag))
+        self._wait(source, received, what, deadline)
         c[layers.start : layers.stop].index_copy_(
             2, torch.tensor(dst_blocks, device=c.device), data.to(c.device)
         )
