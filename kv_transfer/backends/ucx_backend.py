@@ -96,7 +96,7 @@ log = logging.getLogger(__name__)
 
 PING, PULL, CONFIRM = 1, 2, 3
 OK, GONE = 1, 0
-PROBE_S = 1.0  # while a wait lasts, how often the sink checks that the source still listens
+PROBE_S = 1.0  # while a wait lasts, how often the sink checks the source's probe port
 _SPINS = 200  # progress calls before a wait starts sleeping between them
 
 
