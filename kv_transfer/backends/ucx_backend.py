@@ -43,14 +43,15 @@ Python socket, which children do not inherit). A pair whose exchange failed
 midway is closed (its stream is out of step) and the sink's posted receives
 are cancelled; the next pull reconnects.
 
-Transports: UCX chooses them. With peer error handling on, which this backend
-needs (without it UCX treats a peer's failure as fatal to the survivor), the
-UCX that ucxx ships selects tcp even between two processes of one host, since
-its shared-memory and cma transports do not support peer-failure handling:
-0.5-0.9 GB/s on a 2-core VM, about gloo's speed (``docs/kv_transfer.md``). The
-same UCX between endpoints made from worker addresses without error handling
-selects sysv + cma and moved 190 MB at 8.5-11.8 GB/s there; that trade is not
-made here.
+Transports and speed: UCX chooses the transports. With peer error handling on
+(endpoints fail when their peer does), the UCX that ucxx ships selects tcp even
+between two processes of one host, since its shared-memory and cma transports
+do not support peer-failure handling: 0.6-0.9 GB/s on a 2-core VM, about gloo's
+speed (``docs/kv_transfer.md``). The transport is not what limits it, though: a
+variant on worker-address endpoints without error handling got sysv + cma with
+zero-copy rendezvous reads and moved no faster, because packing a chunk on the
+source and landing it in fresh staging pages on the sink cost more than the
+wire. A fast path sends from and receives into the caches' own block runs.
 """
 
 from __future__ import annotations
