@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import logging
 import queue
-import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from splitserve.kv_transfer.backends.two_sided import TransferNumbers, accepts_connections
 from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
 from splitserve.kv_transfer.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
 from splitserve.kv_transfer.sink import KVSink
@@ -102,19 +102,16 @@ class TorchDistSource(KVSource):
             host, 0, is_master=True, wait_for_workers=False, timeout=_secs(connect_timeout_s)
         )
         self._pairs: list[_Pair] = []
-        self._seq = 0
-        self._by_seq: dict[int, str] = {}
+        self._numbers = TransferNumbers()
 
     def _payload(self) -> TorchDistPeerInfo:
         return TorchDistPeerInfo(self.host, self.store.port)
 
     def _publish(self, desc: KVDescriptor) -> TorchDistTicket:
-        self._seq += 1
-        self._by_seq[self._seq] = desc.transfer_id
-        return TorchDistTicket(self._seq)
+        return TorchDistTicket(self._numbers.add(desc.transfer_id))
 
     def _unpublish(self, desc: KVDescriptor) -> None:
-        self._by_seq.pop(desc.payload.seq, None)
+        self._numbers.remove(desc.payload.seq)
 
     def _progress(self) -> list[str]:
         for k in range(len(self._pairs), self.store.add("sinks", 0)):
@@ -129,7 +126,7 @@ class TorchDistSource(KVSource):
                     pair.alive = False
                     break
                 kind, seq = req
-                tid = self._by_seq.get(seq)
+                tid = self._numbers.get(seq)
                 if kind == CONFIRM and tid is not None:
                     confirmed.append(tid)
                 elif kind == PULL:
@@ -183,13 +180,7 @@ class TorchDistSink(KVSink):
         """False once nothing accepts connections at the source's store address: its
         process is gone (a fresh connection, so a stale socket cannot hide that)."""
         info = self._stores[worker_id]
-        try:
-            with socket.create_connection((info.host, info.port), timeout=_PROBE_S):
-                return True
-        except ConnectionRefusedError:
-            return False
-        except OSError:  # slow or unreachable: not proof of death; the deadline still holds
-            return True
+        return accepts_connections(info.host, info.port, _PROBE_S)
 
     def _wait(self, start, desc: KVDescriptor, deadline: float) -> None:
         """Run ``start()`` (a send or recv) and wait for it until ``deadline``.

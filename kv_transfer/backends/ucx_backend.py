@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from splitserve.kv_transfer.backends.two_sided import TransferNumbers, accepts_connections
 from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
 from splitserve.kv_transfer.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
 from splitserve.kv_transfer.sink import KVSink
@@ -214,8 +215,7 @@ class UcxSource(KVSource):
         self._probe = socket.create_server(("", 0))
         self._probe.setblocking(False)
         self._pairs: list[_Pair] = []
-        self._seq = 0
-        self._by_seq: dict[int, str] = {}
+        self._numbers = TransferNumbers()
 
     def _accept(self, conn_request) -> None:  # runs inside worker.progress()
         self._accepted.append(self._listener.create_endpoint_from_conn_request(conn_request, True))
@@ -224,12 +224,10 @@ class UcxSource(KVSource):
         return UcxPeerInfo(self.host, self._listener.port, self._probe.getsockname()[1])
 
     def _publish(self, desc: KVDescriptor) -> UcxTicket:
-        self._seq += 1
-        self._by_seq[self._seq] = desc.transfer_id
-        return UcxTicket(self._seq)
+        return UcxTicket(self._numbers.add(desc.transfer_id))
 
     def _unpublish(self, desc: KVDescriptor) -> None:
-        self._by_seq.pop(desc.payload.seq, None)
+        self._numbers.remove(desc.payload.seq)
 
     def _progress(self) -> list[str]:
         while self._worker.progress():
@@ -246,7 +244,7 @@ class UcxSource(KVSource):
                 pair.reap()
                 while (msg := pair.take()) is not None:
                     kind, seq, lo, hi, tag = msg
-                    tid = self._by_seq.get(seq)
+                    tid = self._numbers.get(seq)
                     if kind == CONFIRM and tid is not None:
                         confirmed.append(tid)
                     elif kind == PING:
@@ -383,13 +381,7 @@ class UcxSink(KVSink):
         is gone (a fresh TCP connection to a socket no child process can inherit, so UCX
         sockets that a child of a dead source keeps open cannot hide that)."""
         info = self._where[source]
-        try:
-            with socket.create_connection((info.host, info.probe_port), timeout=PROBE_S):
-                return True
-        except ConnectionRefusedError:
-            return False
-        except OSError:  # slow or unreachable: not proof of death; the deadline still holds
-            return True
+        return accepts_connections(info.host, info.probe_port, PROBE_S)
 
     def _transfer(self, desc: KVDescriptor, dst_blocks: list[int], deadline: float, layers: range) -> None:
         source, what = desc.source_worker, f"KV transfer {desc.transfer_id} from {desc.source_worker}"
