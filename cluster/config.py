@@ -188,6 +188,12 @@ class TransferSpec(_Strict):
     backend: Literal["nixl", "torch_dist", "ray", "ucx"] = Field("nixl", description="KV transfer backend")
     lease_s: float = Field(30.0, gt=0, description="how long exported KV waits for a decode worker")
     timeout_s: float = Field(10.0, gt=0, description="bound on one KV pull")
+    stream_layers: bool = Field(
+        True,
+        description="hand each prompt's KV over layer by layer while its last prefill step computes it, so "
+        "the decode worker's pull overlaps prefill (nixl; other backends and TP prefill groups hand over "
+        "whole caches); false: whole caches, once prefill ends",
+    )
     on_failure: Literal["recompute", "fail"] = Field(
         "recompute",
         description="a KV transfer that fails (refused, corrupt, timed out, lease over, source gone): "

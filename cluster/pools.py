@@ -157,7 +157,9 @@ class WorkerPool:
         ids = self.spec.cpu_ids
         cpus = (ids[int(worker_id.rsplit("-", 1)[1]) % len(ids)],) if ids else None
         if self.role == "prefill":
-            return PrefillWorkerSpec(worker_id, eng, t.backend, t.lease_s, threads, cpus)
+            return PrefillWorkerSpec(
+                worker_id, eng, t.backend, t.lease_s, threads, cpus, stream_kv=t.stream_layers
+            )
         backend = t.backend if self.role == "decode" else None
         queue = self.config.limits.max_admission_queue
         return DecodeWorkerSpec(worker_id, eng, backend, t.timeout_s, queue, threads, cpus)

@@ -48,7 +48,11 @@ class DecodeTask:
     ``prompt_token_ids`` and ``output_token_ids`` (tokens already sent, when a
     request resumes after a lost worker) itself, and continues after them as
     the undisturbed run would (the same seeded stream; ``max_tokens`` counts
-    them)."""
+    them).
+
+    A handoff with no ``output_token_ids`` streams (layer-wise): the KV moves
+    while the prefill worker still computes it, and the first token comes later,
+    through ``DecodeWorker.first_token``."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -56,6 +60,10 @@ class DecodeTask:
     timeout_s: float | None = None  # past it the worker aborts the request (DeadlineExceeded)
     output_token_ids: list[int] = field(default_factory=list)
     handoff: KVHandoff | None = None
+
+    @property
+    def first_token_later(self) -> bool:
+        return self.handoff is not None and not self.output_token_ids
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,8 @@ class TokenBatch:
     token_times: list[float]  # time.time() at which each token was sampled
     finish_reason: FinishReason | None
     num_cached_tokens: int
-    transfer_s: float | None = None  # on the first batch of an imported request: the KV pull
+    # on the first batch of an imported request: the KV pull (less, streamed, its waits for layers)
+    transfer_s: float | None = None
     confirmations: tuple[Confirmation, ...] = ()  # on that batch: to deliver to the prefill worker
     error: SplitserveError | None = None  # the request ended here with this error (tokens before it stand)
     # time.time() when this worker took the request into its batch: for an imported

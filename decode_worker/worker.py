@@ -18,6 +18,10 @@ A request's life here (the queues SGLang's decode side names)::
         -> a first TokenBatch at once: transfer_s and the confirmations the backend
            could not deliver (the router forwards them to the prefill worker)
         -> activate --RUNNING in the batch-- tokens --> finished
+    start(outbox, task) with a streamed handoff (task.first_token_later): the same,
+        but the pull follows the prefill worker's layers as they are computed, and
+        the first TokenBatch and activate wait for first_token(request, ids)
+        (prefill_lost(request, reason) instead: the request ends with PeerLost)
     start(outbox, task) without one (colocated, or a short prompt by policy):
         add_request (InvalidRequest raised by start) --WAITING/RUNNING-- tokens --> finished
 
@@ -65,7 +69,7 @@ from splitserve.engine import (
 from splitserve.engine.prefix_cache import PrefixCursor
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVHandoff
-from splitserve.kv_transfer.errors import HandshakeRequired, LeaseExpired
+from splitserve.kv_transfer.errors import HandshakeRequired, LeaseExpired, PeerLost
 from splitserve.kv_transfer.tp_mapping import HeadMappingSink
 
 log = logging.getLogger(__name__)
@@ -79,6 +83,7 @@ class _Request:
     outbox: Outbox
     deadline: asyncio.TimerHandle | None = None  # ends it with DeadlineExceeded
     importing: asyncio.Task | None = None  # admission + pull, for a handoff
+    first_tokens: asyncio.Future | None = None  # a streamed handoff's first token ids (first_token)
 
 
 class DecodeWorker:
@@ -153,6 +158,8 @@ class DecodeWorker:
         self._aloop = loop = asyncio.get_running_loop()
         outbox = self._outbox(outbox_id)
         req = self._requests[rid] = _Request(rid, outbox)
+        if task.first_token_later:
+            req.first_tokens = loop.create_future()
         outbox.requests.add(rid)
         deadline = None
         if task.timeout_s is not None:
@@ -160,7 +167,7 @@ class DecodeWorker:
             error = DeadlineExceeded(f"request {rid} ran past its {task.timeout_s:.3g} s")
             req.deadline = loop.call_at(loop.time() + task.timeout_s, self._fail, rid, error)
         if task.handoff is not None:
-            req.importing = asyncio.ensure_future(self._import(task, deadline, outbox))
+            req.importing = asyncio.ensure_future(self._import(task, deadline, req))
             return
         try:
             await self._call(
@@ -171,6 +178,27 @@ class DecodeWorker:
         except BaseException:
             self._end(rid)
             raise
+
+    async def first_token(self, request_id: str, token_ids: list[int]) -> bool:
+        """The first token of a request started with a streamed handoff: it begins
+        decoding once its KV has landed. False if the request is not here (it ended)."""
+        req = self._requests.get(request_id)
+        if req is None or req.first_tokens is None:
+            return False
+        if req.first_tokens.done():
+            raise InvalidRequest(f"request {request_id} already has its first token")
+        req.first_tokens.set_result(list(token_ids))
+        return True
+
+    async def prefill_lost(self, request_id: str, reason: str) -> bool:
+        """A request started with a streamed handoff will get no first token (its
+        prefill failed): it ends with ``PeerLost``, once its pull is over. False if the
+        request is not here (it ended)."""
+        req = self._requests.get(request_id)
+        if req is None or req.first_tokens is None or req.first_tokens.done():
+            return False
+        req.first_tokens.set_exception(PeerLost(f"the prefill of request {request_id} failed: {reason}"))
+        return True
 
     async def abort(self, request_id: str) -> bool:
         """Stop ``request_id`` and free its blocks (awaited); its batches not taken yet
@@ -263,11 +291,11 @@ class DecodeWorker:
             future.add_done_callback(lambda _: self._admission.wake_threadsafe())
         return future
 
-    async def _import(self, task: DecodeTask, deadline: float | None, outbox: Outbox) -> None:
-        """Wait in the admission queue for blocks, pull and verify the KV, activate (a
-        task of its own). The first batch reports the pull; a failure ends the request
-        with its error. Cancelled (abort, deadline), it frees the blocks once the pull
-        is over."""
+    async def _import(self, task: DecodeTask, deadline: float | None, req: _Request) -> None:
+        """Wait in the admission queue for blocks, pull and verify the KV, (streamed: wait
+        for the first token,) activate (a task of its own). The first batch reports the
+        pull; a failure ends the request with its error. Cancelled (abort, deadline), it
+        frees the blocks once the pull is over."""
         handoff, rid = task.handoff, task.request_id
         if self._admission is None:
             self._admission = AdmissionQueue(self.worker_id, self.spec.max_admission_queue)
@@ -292,14 +320,16 @@ class DecodeWorker:
             pull = asyncio.get_running_loop().run_in_executor(
                 self._transfer, self._pull, handoff, blocks, timeout
             )
-            confirmations = await asyncio.shield(pull)
+            confirmations, waited = await asyncio.shield(pull)
             undelivered = tuple(c for c in confirmations if not c.delivered)
-            # Reported before activation, so that it reaches the consumer before any token.
-            pulled = time.perf_counter() - t0
-            outbox.put(TokenBatch(rid, [], "", [], [], None, 0, pulled, undelivered, started_at=time.time()))
+            pulled = time.perf_counter() - t0 - waited  # not the time the source took to compute layers
             if handoff.remaining_lease() <= 0:
                 raise LeaseExpired(f"the KV lease of request {rid} ran out")
-            await self._call(lambda e: e.activate(rid))
+            first = None if req.first_tokens is None else await req.first_tokens
+            # Reported before activation, so that it reaches the consumer before any token.
+            batch = TokenBatch(rid, [], "", [], [], None, 0, pulled, undelivered, started_at=time.time())
+            req.outbox.put(batch)
+            await self._call(lambda e: e.activate(rid, first))
             self._states[rid] = AdmissionState.RUNNING
         except asyncio.CancelledError:  # ended by abort or deadline
             if pull is not None:
@@ -330,11 +360,13 @@ class DecodeWorker:
 
     def _pull(
         self, handoff: KVHandoff, blocks: list[int], timeout: float
-    ) -> list[Confirmation]:  # transfer thread
+    ) -> tuple[list[Confirmation], float]:  # transfer thread
+        """The confirmations, and the seconds spent waiting for a streamed source's layers."""
         if len(handoff.descriptors) == 1:
-            return [self.sink.pull(handoff.descriptors[0], blocks, timeout)]
+            confirmation = self.sink.pull(handoff.descriptors[0], blocks, timeout)
+            return [confirmation], self.sink.last_stats.wait_s
         sink = self._tp_sinks[handoff.source_worker]
-        return sink.pull(list(handoff.descriptors), blocks, timeout)
+        return sink.pull(list(handoff.descriptors), blocks, timeout), 0.0
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:  # engine thread
         """One hand-over to the actor's loop per step, whatever the batch size."""

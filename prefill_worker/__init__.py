@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from splitserve.engine.lazy import lazy_attributes
 from splitserve.prefill_worker.api import (
+    KVStreaming,
     PrefillResult,
     PrefillStats,
     PrefillTask,
@@ -24,6 +25,7 @@ __getattr__ = lazy_attributes(__name__, {"PrefillWorker": "worker"})
 
 
 __all__ = [
+    "KVStreaming",
     "PrefillResult",
     "PrefillStats",
     "PrefillTask",

@@ -26,6 +26,9 @@ class PrefillWorkerSpec:
     torch_threads: int | None = None  # torch intra-op threads; None: torch's default
     cpu_ids: tuple[int, ...] | None = None  # pin the worker's process to these cores (Linux)
     tp: TPInit | None = None  # this process's rank in the worker's TP group (None: TP=1)
+    # hand a prompt's KV over layer by layer while its last prefill step computes it
+    # (``PrefillWorker.prefill_stream``), where the backend can (KVSource.streams) and TP=1
+    stream_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class PrefillWorkerInfo:
     validator: RequestValidator  # checks requests exactly as this worker's engine does
     handshakes: tuple[Handshake, ...]  # its KV sources', one per TP rank in rank order
     engine: str = ""  # what its engine chose (Engine.summary)
+    streams_kv: bool = False  # prefill_stream hands KV over before prefill ends (layer-wise)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,16 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     handoff: KVHandoff | None  # None when finish_reason is set
     scheduled_at: float | None = None  # time.time() when its engine began the prompt (queue time ends)
+
+
+@dataclass(frozen=True)
+class KVStreaming:
+    """The prompt's KV has begun to stream (its last prefill step is running): a decode
+    worker may pull ``handoff`` now; its layers become ready as the forward pass
+    writes them, and the first token follows in the ``PrefillResult``."""
+
+    request_id: str
+    handoff: KVHandoff
 
 
 @dataclass(frozen=True)

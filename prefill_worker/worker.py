@@ -15,9 +15,15 @@ after its pull; either way the blocks are freed at the pull.
 
 Each layer of a prompt is hashed right after the forward pass writes it (the
 engine's ``LayerObserver`` is a ``kv_transfer.layerwise.LayerExporter``), so
-the export after the step only publishes. Exports are whole: layer-wise
-streaming works at the transfer level (``docs/kv_transfer.md``) but the router
-does not yet forward a handoff before the prefill ends.
+the export after the step only publishes. With ``spec.stream_kv`` (and a
+backend that streams, TP=1), the export opens when the prompt's last prefill
+step begins and each layer is announced as it is written; ``prefill_stream``
+then yields the handoff at once (``KVStreaming``), so the decode worker pulls
+layer k while layer k+1 computes, and the ``PrefillResult`` (the first token)
+follows::
+
+    prefill_stream(task) -> KVStreaming(handoff)   the last step's forward pass begins
+                         -> PrefillResult           first token sampled (same handoff)
 
 ``prefill`` returns once the first token is sampled and the KV is exported;
 the blocks stay held until ``KVSource.poll`` reports the lease's end. A
@@ -41,10 +47,12 @@ asyncio actor), and tests can drive it with plain asyncio.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from splitserve.engine import (
@@ -69,6 +77,7 @@ from splitserve.kv_transfer.contract import (
 )
 from splitserve.kv_transfer.layerwise import LayerExporter
 from splitserve.prefill_worker.api import (
+    KVStreaming,
     PrefillResult,
     PrefillStats,
     PrefillTask,
@@ -89,8 +98,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Waiter:
+    """A ``prefill`` call awaiting its request. Resolved from the engine thread."""
+
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    future: asyncio.Future  # the PrefillResult
+    streamed: asyncio.Future | None = None  # the KVHandoff, once its export streams (prefill_stream)
+    deadline: float | None = None  # loop.time() past which the call gives up
 
     def resolve(self, result: PrefillResult | None = None, error: BaseException | None = None) -> None:
         def _set() -> None:
@@ -100,6 +113,13 @@ class _Waiter:
                 self.future.set_exception(error)
             else:
                 self.future.set_result(result)
+
+        self.loop.call_soon_threadsafe(_set)
+
+    def announce(self, handoff: KVHandoff) -> None:
+        def _set() -> None:
+            if self.streamed is not None and not self.streamed.done():
+                self.streamed.set_result(handoff)
 
         self.loop.call_soon_threadsafe(_set)
 
@@ -135,7 +155,10 @@ class PrefillWorker:
         self._source_lock = threading.Lock()
         # hashes each layer as prefill writes it, so exporting hashes nothing (TP=1: the
         # other ranks of a TP group hash their shards at export)
-        self.exporter = LayerExporter(self.source, lock=self._source_lock)
+        self.streams_kv = spec.stream_kv and self.source.streams and self.tp.size == 1
+        self.exporter = LayerExporter(
+            self.source, stream=self.streams_kv, lock=self._source_lock, on_stream=self._on_stream
+        )
         if self.tp.size == 1:
             self.engine.layer_observer = self.exporter
         self._ended: queue.SimpleQueue[LeaseEnd] = queue.SimpleQueue()  # poller -> engine thread
@@ -148,16 +171,40 @@ class PrefillWorker:
 
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> PrefillWorkerInfo:
-        return PrefillWorkerInfo(self.worker_id, self.engine.validator, self.handshakes, self.engine.summary)
+        return PrefillWorkerInfo(
+            self.worker_id, self.engine.validator, self.handshakes, self.engine.summary, self.streams_kv
+        )
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         """Prefill ``task`` and export its KV. Raises ``InvalidRequest`` for bad
         input, ``DeadlineExceeded`` past ``task.timeout_s``."""
+        async with self._prefilling(task, stream=False) as waiter:
+            return await self._within(task, waiter.future, waiter.deadline)
+
+    async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
+        """As ``prefill``, yielding the ``PrefillResult`` last; before it, where this worker
+        streams KV (``info().streams_kv``), a ``KVStreaming`` as the prompt's last prefill
+        step begins. Its lease runs from then; a caller that leaves before the result
+        releases it (the pull then fails with ``LeaseExpired``)."""
+        async with self._prefilling(task, stream=self.streams_kv) as waiter:
+            if waiter.streamed is not None:
+                either = asyncio.wait([waiter.streamed, waiter.future], return_when=asyncio.FIRST_COMPLETED)
+                await self._within(task, either, waiter.deadline)
+                if waiter.streamed.done() and not waiter.future.done():
+                    yield KVStreaming(task.request_id, waiter.streamed.result())
+            result = await self._within(task, waiter.future, waiter.deadline)
+        yield result  # outside: a caller that leaves now must not release what it was handed
+
+    @contextlib.asynccontextmanager
+    async def _prefilling(self, task: PrefillTask, stream: bool) -> AsyncIterator[_Waiter]:
+        """Add ``task`` to the engine and wait for it inside; leaving early (an error, a
+        cancel, the deadline) aborts it here, with whatever it holds."""
         rid = task.request_id
         if rid in self._waiters:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop, loop.create_future())
+        waiter = _Waiter(loop, loop.create_future(), loop.create_future() if stream else None)
+        waiter.deadline = None if task.timeout_s is None else loop.time() + task.timeout_s
 
         def add(engine: Engine) -> str:  # raises InvalidRequest, e.g. for an id still held here
             return engine.add_request(task.prompt_token_ids, task.params, rid, prefill_only=True)
@@ -166,17 +213,22 @@ class PrefillWorker:
         try:
             await asyncio.wrap_future(self.loop.call(add))
             try:
-                return await asyncio.wait_for(waiter.future, task.timeout_s)
-            except TimeoutError:
-                self._abort_later(rid)
-                raise DeadlineExceeded(
-                    f"request {rid} was not prefilled within {task.timeout_s:.3g} s"
-                ) from None
-            except BaseException:  # cancelled: the caller will not take the KV
+                yield waiter
+            except BaseException:  # deadline, cancel, or the caller left: it will not take the KV
                 self._abort_later(rid)
                 raise
         finally:
             self._waiters.pop(rid, None)
+
+    @staticmethod
+    async def _within(task: PrefillTask, awaitable, deadline: float | None):
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await awaitable
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"request {task.request_id} was not prefilled within {task.timeout_s:.3g} s"
+            ) from None
 
     async def abort(self, request_id: str) -> bool:
         """Stop ``request_id`` wherever it is here: queued, prefilling, or exported
@@ -252,6 +304,16 @@ class PrefillWorker:
                 self.source.release(transfer_id)  # the lease end frees the blocks on a later tick
             return True
         return self.engine.abort(request_id)
+
+    def _on_stream(self, descriptors: list[KVDescriptor]) -> None:
+        """A step begins whose forward pass completes these prompts, and their exports
+        stream (before the pass): abort releases them from now on, and a
+        ``prefill_stream`` caller gets its handoff."""
+        for desc in descriptors:
+            self._exports[desc.request_id] = desc.transfer_id
+            waiter = self._waiters.get(desc.request_id)
+            if waiter is not None:
+                waiter.announce(KVHandoff(self.worker_id, (desc,)))
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

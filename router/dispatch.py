@@ -42,10 +42,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Literal
 
 from splitserve.decode_worker.api import DecodeTask, TokenBatch
@@ -60,6 +61,7 @@ from splitserve.router.errors import WorkerLost, code_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.peers import PeerLinks
 from splitserve.router.policy import LimitsSpec, PolicySpec
+from splitserve.router.prefill_call import PrefillCall
 from splitserve.router.registry import WorkerRecord, WorkerRegistry
 from splitserve.router.request import RequestState
 from splitserve.router.trace import RequestTrace, TraceLog, TraceSink
@@ -215,55 +217,77 @@ class Dispatcher:
         if not self.colocated:
             pw = pick_prefill(self.registry.routable("prefill"), prompt, self.policy.prefix_affinity)
         decision = self.decider.decide(self.policy, prompt, dw, pw, self.colocated)
-        prefill: WorkerRecord | None = None
-        first: list[int] = []
-        handoff = None
-        result = None
+        call: PrefillCall | None = None
         if decision.placement == Placement.REMOTE:
-            result = await self._prefill(req, prompt, pw)
-            if result is None:  # every prefill worker it tried was lost, and none is left
+            call = await self._prefill(req, prompt, pw)
+            if call is None:  # every prefill worker it tried was lost, and none is left
                 self.decider.fallback()
                 log.warning("no prefill worker is left for %s; %s prefills it", req.request_id, dw.worker_id)
-        if result is not None:
-            req.prefilled_at = time.monotonic()
-            req.cached = result.num_cached_tokens
-            req.prefill_worker = result.worker_id
-            if result.scheduled_at is not None:
-                req.mark("prefill_started", result.scheduled_at, result.worker_id)
-            if result.handoff is not None:
-                req.mark("kv_exported", worker=result.worker_id)
-            first = result.output_token_ids
-            yield self._tokens(req, first, result.text, result.logprobs, [result.token_time] * len(first))
-            if result.finish_reason is not None:
-                yield self._final(req, result.finish_reason, result.worker_id, "")
-                return
-            prefill, handoff = self.registry.get(result.worker_id), result.handoff
-        task = DecodeTask(req.request_id, req.prompt_ids, req.params, req.remaining(), first, handoff)
-        if handoff is not None and prefill is None:  # the prefill worker left the cluster meanwhile
-            task = self._resume_task(req)
-        for attempt in range(2):
-            try:
-                with self.registry.assigned(dw, req.request_id):
-                    async for event in self._decode(req, dw, task, prefill):
+        async with contextlib.AsyncExitStack() as held:
+            task = DecodeTask(req.request_id, req.prompt_ids, req.params, req.remaining())
+            prefill: WorkerRecord | None = None
+            if call is not None:
+                held.push_async_callback(call.close)
+                if call.streamed is not None:  # the decode side starts now; the first token comes later
+                    req.mark("kv_exported", worker=call.worker.worker_id)
+                    req.kv_streamed = True
+                    prefill = call.worker
+                    task = dataclasses.replace(task, handoff=call.streamed)
+                else:
+                    result = await call.result(req.within)
+                    for event in self._first_events(req, call, result):
                         yield event
-                return
-            except WorkerLost:
-                self.links.forget(dw.worker_id)
-                candidates = [w for w in self.registry.routable(self.decode_role) if w is not dw]
-                dw = pick_decode(candidates, prompt, n + 1) if attempt == 0 else None
-                if dw is None:
-                    raise
-                log.warning("decode worker lost during %s; continuing on %s", req.request_id, dw.worker_id)
-                req.mark("resumed", worker=dw.worker_id)
-                task = self._resume_task(req)
-                if prefill is not None:  # the resumed task prefills again: free the export now
-                    self._in_background(prefill.client.abort(req.request_id))
+                    if result.finish_reason is not None:
+                        return
+                    prefill = self.registry.get(result.worker_id)
+                    task = dataclasses.replace(task, output_token_ids=result.output_token_ids)
+                    task = dataclasses.replace(task, handoff=result.handoff)
+                if prefill is None:  # the prefill worker left the cluster meanwhile
+                    task = self._resume_task(req)
+            for attempt in range(2):
+                try:
+                    with self.registry.assigned(dw, req.request_id):
+                        async for event in self._decode(req, dw, task, prefill, call):
+                            yield event
+                    return
+                except WorkerLost:
+                    self.links.forget(dw.worker_id)
+                    candidates = [w for w in self.registry.routable(self.decode_role) if w is not dw]
+                    dw = pick_decode(candidates, prompt, n + 1) if attempt == 0 else None
+                    if dw is None:
+                        raise
+                    log.warning(
+                        "decode worker lost during %s; continuing on %s", req.request_id, dw.worker_id
+                    )
+                    req.mark("resumed", worker=dw.worker_id)
+                    task = self._resume_task(req)
+                    if prefill is not None:  # the resumed task prefills again: free the export now
+                        self._in_background(prefill.client.abort(req.request_id))
+
+    def _first_events(
+        self, req: RequestState, call: PrefillCall, result: PrefillResult
+    ) -> Iterator[TokenEvent | FinalEvent]:
+        """The prefill worker's first token, passed on (and the end, if the request ended
+        at it)."""
+        call.delivered = True
+        req.prefilled_at = time.monotonic()
+        req.cached = result.num_cached_tokens
+        req.prefill_worker = result.worker_id
+        if result.scheduled_at is not None:
+            req.mark("prefill_started", result.scheduled_at, result.worker_id)
+        if result.handoff is not None and not req.marked("kv_exported"):
+            req.mark("kv_exported", worker=result.worker_id)
+        first = result.output_token_ids
+        yield self._tokens(req, first, result.text, result.logprobs, [result.token_time] * len(first))
+        if result.finish_reason is not None:
+            yield self._final(req, result.finish_reason, result.worker_id, "")
 
     async def _prefill(
         self, req: RequestState, prompt: Prompt, pw: WorkerRecord | None
-    ) -> PrefillResult | None:
-        """Prefill on ``pw`` (None: the balancer picks); a lost worker is replaced by the next
-        pick, each worker tried once. None: no prefill worker is left to try."""
+    ) -> PrefillCall | None:
+        """Prefill on ``pw`` (None: the balancer picks); a worker lost before its first
+        event is replaced by the next pick, each worker tried once. None: no prefill
+        worker is left to try."""
         tried: set[str] = set()
         n = len(req.prompt_ids)
         while True:
@@ -278,16 +302,20 @@ class Dispatcher:
             if queued and queued + n > self.limits.max_queued_prompt_tokens:
                 raise Overloaded(f"prefill queues are full ({queued} prompt tokens waiting); retry later")
             req.touched.append(pw)
+            task = PrefillTask(req.request_id, req.prompt_ids, req.params, req.remaining())
             try:
-                with self.registry.prefilling(pw, req.request_id, n):
-                    task = PrefillTask(req.request_id, req.prompt_ids, req.params, req.remaining())
-                    return await req.within(pw.client.prefill(task))
+                return await PrefillCall.open(self.registry, pw, task, req.within)
             except WorkerLost:
                 log.warning("prefill worker %s lost request %s; retrying", pw.worker_id, req.request_id)
                 pw = None
 
     async def _decode(
-        self, req: RequestState, dw: WorkerRecord, task: DecodeTask, prefill: WorkerRecord | None
+        self,
+        req: RequestState,
+        dw: WorkerRecord,
+        task: DecodeTask,
+        prefill: WorkerRecord | None,
+        call: PrefillCall | None,
     ) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Stream ``task`` from ``dw``. A handoff's pair is linked first; a decode worker
         that lost its handshakes (restarted) is linked again once, before any token. If
@@ -302,7 +330,7 @@ class Dispatcher:
                 except PeerLost as e:  # the KV's source is gone: prefill prompt + first token here
                     task = self._recompute(req, dw, prefill, e)
             try:
-                async for event in self._stream(req, dw, task, prefill):
+                async for event in self._stream(req, dw, task, prefill, call):
                     yield event
                 return
             except HandshakeRequired:
@@ -332,8 +360,16 @@ class Dispatcher:
         return self._resume_task(req)
 
     async def _stream(
-        self, req: RequestState, dw: WorkerRecord, task: DecodeTask, prefill: WorkerRecord | None
+        self,
+        req: RequestState,
+        dw: WorkerRecord,
+        task: DecodeTask,
+        prefill: WorkerRecord | None,
+        call: PrefillCall | None,
     ) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """``task``'s batches from ``dw``, as events. A streamed handoff's request starts
+        on ``dw`` first (its pull follows the prefill), then ``call``'s first token is
+        passed on and handed to ``dw``."""
         reserve = len(task.prompt_token_ids) + task.params.max_tokens
         local_prefill = task.handoff is None  # dw prefills the prompt: queued there until its first token
         to_prefill = len(task.prompt_token_ids) + (len(task.output_token_ids) if local_prefill else 0)
@@ -343,11 +379,30 @@ class Dispatcher:
             if local_prefill:
                 held.enter_context(self.registry.prefilling(dw, req.request_id, to_prefill))
             stream = await held.enter_async_context(contextlib.aclosing(dw.client.generate(task)))
+            pending = None  # the stream's first batch, read ahead
+            if task.first_token_later and call is not None:
+                pending = asyncio.ensure_future(anext(stream))  # starts the request on dw
+                held.push_async_callback(_cancel, pending)  # before the stream closes
+                try:
+                    result = await call.result(req.within)
+                except (WorkerLost, KVTransferError) as e:  # its KV will not be whole: dw ends the
+                    # request with PeerLost, which the stream brings, and _decode recomputes
+                    log.warning("prefill of %s failed after its KV began to stream: %s", req.request_id, e)
+                    await req.within(dw.client.prefill_lost(req.request_id, str(e)))
+                    result = None
+                if result is not None and not call.delivered:
+                    for event in self._first_events(req, call, result):
+                        yield event
+                if result is not None and result.finish_reason is not None:
+                    return
+                if result is not None:
+                    self._in_background(dw.client.first_token(req.request_id, result.output_token_ids))
             while True:
                 try:
-                    batch: TokenBatch = await req.within(anext(stream))
+                    batch: TokenBatch = await req.within(pending if pending is not None else anext(stream))
                 except StopAsyncIteration:
                     raise WorkerLost(f"decode worker {dw.worker_id} ended the stream early") from None
+                pending = None
                 if batch.confirmations and prefill is not None:
                     self._in_background(prefill.client.confirm(batch.confirmations))
                 if batch.transfer_s is not None:
@@ -367,8 +422,7 @@ class Dispatcher:
                 if batch.token_ids or batch.text:
                     yield self._tokens(req, batch.token_ids, batch.text, batch.logprobs, batch.token_times)
                 if batch.finish_reason is not None:
-                    prefill_id = prefill.worker_id if prefill else ""
-                    yield self._final(req, batch.finish_reason, prefill_id, dw.worker_id)
+                    yield self._final(req, batch.finish_reason, req.prefill_worker, dw.worker_id)
                     return
 
     @staticmethod
@@ -423,3 +477,11 @@ class Dispatcher:
             prefill_worker=prefill_id,
             decode_worker=decode_id,
         )
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    """Cancel ``task`` and let it end (a stream's read-ahead, before the stream closes)."""
+    task.cancel()
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # retrieved: its error (if any) is of no interest now

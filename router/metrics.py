@@ -25,6 +25,8 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
     counters
     splitserve:prompt_tokens_total, splitserve:generation_tokens_total   (tokens the clients got)
     splitserve:kv_transfer_bytes_total
+    splitserve:kv_handoffs_total{mode}                  KV pulls, mode: streamed (layer-wise, during
+                                                       prefill) or whole (after it)
     splitserve:request_success_total{finished_reason}
     splitserve:request_failure_total{code}              (a gRPC code name; CANCELLED: the client left)
     splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total   (prompt tokens)
@@ -101,6 +103,7 @@ class RequestMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Output tokens sent to clients.")
         self.kv_bytes = counter("kv_transfer_bytes", "KV bytes pulled by decode workers.")
+        self.handoffs = counter("kv_handoffs", "KV pulls by decode workers, streamed or whole.", "mode")
         self.success = counter("request_success", "Requests that finished.", "finished_reason")
         self.failure = counter("request_failure", "Requests that failed, by gRPC code.", "code")
         self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in a prefix cache.")
@@ -137,6 +140,7 @@ class RequestMetrics:
                 hist.labels(m).observe(phases[name])
         if trace.kv_bytes:
             self.kv_bytes.labels(m).inc(trace.kv_bytes)
+            self.handoffs.labels(m, "streamed" if trace.kv_streamed else "whole").inc()
             self.transfer.labels(m).observe(trace.kv_pull_s)
 
 

@@ -33,6 +33,7 @@ class RequestState:
         self.prefill_worker = ""  # the prefill worker whose KV the decode worker took
         self.decode_worker = ""
         self.kv_bytes = 0
+        self.kv_streamed = False  # the KV handoff streamed (layer-wise, during prefill)
         self.transfer_s = 0.0  # the KV pull, on the decode worker
         self.cached = 0
 
@@ -68,6 +69,7 @@ class RequestState:
             kv_pull_s=self.transfer_s,
             marks=(*self.marks, *(() if self.marked("finished") else (Mark("finished", self.now()),))),
             token_times=tuple(self.token_times),
+            kv_streamed=self.kv_streamed,
         )
 
     def remaining(self) -> float | None:

@@ -75,6 +75,7 @@ class RequestTrace:
     kv_pull_s: float  # the pull's duration on the decode worker (bytes moving and verified)
     marks: tuple[Mark, ...]
     token_times: tuple[float, ...]  # when each output token was sampled (worker clocks)
+    kv_streamed: bool = False  # its KV was pulled layer by layer while prefill computed it
 
     def at(self, name: str) -> float | None:
         """The first mark of that name, if there is one."""

@@ -2,7 +2,7 @@
 ``RayWorker``, which implements it over a Ray actor handle.
 
 Everything the dispatcher and the registry do to a worker goes through these
-eight calls, and every error comes back as splitserve's own exception
+calls, and every error comes back as splitserve's own exception
 (``router.errors.unwrap``: a dead actor is ``WorkerLost``), so the request
 path never sees Ray, and its tests can drive it with plain fakes.
 """
@@ -20,7 +20,13 @@ import ray
 from splitserve.decode_worker.api import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
 from splitserve.engine.prefix_cache import PrefixCursor
 from splitserve.kv_transfer.contract import Confirmation, Handshake
-from splitserve.prefill_worker.api import PrefillResult, PrefillStats, PrefillTask, PrefillWorkerInfo
+from splitserve.prefill_worker.api import (
+    KVStreaming,
+    PrefillResult,
+    PrefillStats,
+    PrefillTask,
+    PrefillWorkerInfo,
+)
 from splitserve.router.errors import WorkerLost, unwrap
 
 WorkerStats = PrefillStats | DecodeStats
@@ -40,6 +46,23 @@ class WorkerClient(Protocol):
     async def abort(self, request_id: str) -> bool: ...
 
     async def prefill(self, task: PrefillTask) -> PrefillResult: ...
+
+    def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
+        """A prefill worker's ``prefill_stream``: at most one ``KVStreaming``, then the
+        ``PrefillResult``. Leaving early aborts the request on the worker."""
+        ...
+
+    async def first_token(self, request_id: str, token_ids: list[int]) -> bool:
+        """A decode worker's request started with a streamed handoff (its ``generate``
+        running) gets its first token, once the worker took the request. False if it
+        did not, or the request is over there."""
+        ...
+
+    async def prefill_lost(self, request_id: str, reason: str) -> bool:
+        """A decode worker's request started with a streamed handoff will get no first
+        token: it ends there with ``PeerLost`` (its stream says so). False as for
+        ``first_token``."""
+        ...
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None: ...
 
@@ -64,6 +87,9 @@ class RayWorker:
         self.actor = actor
         self._inbox: _Inbox | None = None  # made by the first generate, on the router's loop
         self._aborting: set[asyncio.Task] = set()
+        # request id -> its start call's outcome, while generate runs: Ray does not order
+        # calls to an async actor, so first_token and prefill_lost wait for it
+        self._starts: dict[str, asyncio.Future] = {}
 
     async def info(self) -> WorkerInfo:
         return await _call(self.actor.info.remote())
@@ -76,6 +102,38 @@ class RayWorker:
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         return await _call(self.actor.prefill.remote(task))
+
+    async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
+        stream = self.actor.prefill_stream.remote(task)
+        finished = False
+        try:
+            async for ref in stream:
+                item = await _call(ref)
+                finished = isinstance(item, PrefillResult)
+                yield item
+        except (ray.exceptions.RayError, ray.exceptions.ActorUnavailableError) as e:
+            raise unwrap(e) from None
+        finally:
+            if not finished:
+                ray.cancel(stream)  # the worker's generator ends, aborting the request there
+
+    async def first_token(self, request_id: str, token_ids: list[int]) -> bool:
+        if not await self._started(request_id):
+            return False
+        return await _call(self.actor.first_token.remote(request_id, token_ids))
+
+    async def prefill_lost(self, request_id: str, reason: str) -> bool:
+        if not await self._started(request_id):
+            return False
+        return await _call(self.actor.prefill_lost.remote(request_id, reason))
+
+    async def _started(self, request_id: str) -> bool:
+        """Whether the worker took ``request_id`` (its start call returned), once known."""
+        start = self._starts.get(request_id)
+        if start is None:  # its generate is over, or never began
+            return False
+        await asyncio.wait([start])
+        return not start.cancelled() and start.exception() is None
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
         await _call(self.actor.confirm.remote(confirmations))
@@ -92,8 +150,14 @@ class RayWorker:
         inbox, rid = self._inbox, task.request_id
         queue = inbox.open(rid)
         started = finished = False
+        start = self._starts[rid] = asyncio.get_running_loop().create_future()
         try:
-            await _call(self.actor.start.remote(inbox.inbox_id, task))
+            try:
+                await _call(self.actor.start.remote(inbox.inbox_id, task))
+            except Exception as e:
+                start.set_exception(e)
+                raise
+            start.set_result(None)
             started = True  # a start that raised holds nothing there
             while not finished:
                 item = await queue.get()
@@ -108,6 +172,12 @@ class RayWorker:
                 yield item
         finally:
             inbox.close(rid)
+            if self._starts.get(rid) is start:
+                del self._starts[rid]
+            if not start.done():
+                start.cancel()
+            elif not start.cancelled():
+                start.exception()  # retrieved: the caller of generate has it
             if started and not finished:  # not awaited; its errors are of no interest
                 aborting = asyncio.ensure_future(self.abort(rid))
                 self._aborting.add(aborting)

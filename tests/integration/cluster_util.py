@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import Chunk, Client, Completion
 from splitserve.cluster.app import BackgroundCluster, start_local_ray
@@ -117,3 +119,20 @@ def cancel_mid_stream(client: Client, seed: int = 3) -> dict[str, int]:
         raise AssertionError("the request holds no KV mid-stream: nothing to free")
     stream.close()  # the client cancels the call
     return wait_kv_free(client)
+
+
+def scrape(cluster) -> dict[tuple[str, frozenset], float]:
+    """The router's Prometheus metrics now, by (name, labels)."""
+    with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=60) as r:
+        text = r.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def total(values: dict, name: str, **labels) -> float:
+    """The sum of a metric's samples that carry these labels (0 when it has none yet)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in values.items() if n == name and want <= ls)

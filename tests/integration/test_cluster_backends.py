@@ -25,8 +25,10 @@ from tests.integration.cluster_util import (
     live_cluster,
     mixed_workload,
     reference_tokens,
+    scrape,
     stream_all,
     tiny_config,
+    total,
     wait_kv_free,
 )
 
@@ -58,6 +60,14 @@ def test_32_concurrent_streams_equal_monolithic_greedy(cluster, reference, clien
     # Streaming, not one final blob: long outputs arrive in several chunks.
     assert max(chunks for _, chunks in results) > 3
     assert wait_kv_free(client) == IDLE
+    # nixl streams each handoff layer by layer (transfer.stream_layers); the others pull whole caches
+    metrics = scrape(cluster)
+    streamed = total(metrics, "splitserve:kv_handoffs_total", mode="streamed")
+    whole = total(metrics, "splitserve:kv_handoffs_total", mode="whole")
+    if cluster.cluster.config.transfer.backend == "nixl":
+        assert streamed > 0 and whole == 0
+    else:
+        assert streamed == 0 and whole > 0
 
 
 def test_cancel_mid_stream_frees_every_block(client):

@@ -11,16 +11,14 @@ import contextlib
 import io
 import multiprocessing
 import time
-import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import AsyncClient, Client, Completion, InvalidArgument
 from splitserve.cluster.cli import main as cli_main
 from tests.conftest import random_prompts
-from tests.integration.cluster_util import VOCAB, live_cluster, mixed_workload, tiny_config
+from tests.integration.cluster_util import VOCAB, live_cluster, mixed_workload, scrape, tiny_config, total
 
 
 @pytest.fixture(scope="module")
@@ -42,22 +40,6 @@ def cluster(checkpoint, collector):
         router["otel_endpoint"] = collector.endpoint
     with live_cluster(tiny_config(checkpoint, router=router)) as c:
         yield c
-
-
-def scrape(cluster) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=60) as r:
-        text = r.read().decode()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def total(values: dict, name: str, **labels) -> float:
-    """The sum of a metric's samples that carry these labels (0 when it has none yet)."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in values.items() if n == name and want <= ls)
 
 
 def timed_stream(address: str, prompt: list[int], max_tokens: int, stop) -> tuple[Completion, float, float]:
@@ -139,6 +121,8 @@ def test_metrics_agree_with_what_the_clients_saw(cluster, client):
     assert delta("splitserve:kv_transfer_bytes_total") > 0  # every prompt went to a prefill worker
     pulls = delta("splitserve:kv_transfer_time_seconds_count")
     assert pulls == sum(c.final.kv_pull_ms > 0 for c, _, _ in results)
+    # over nixl, every handoff streamed: the decode worker pulled while prefill computed
+    assert delta("splitserve:kv_handoffs_total", mode="streamed") == pulls > 0
     # per-token figures: every gap between two tokens of a request, once
     assert delta("splitserve:inter_token_latency_seconds_count") == sum(
         len(c.token_ids) - 1 for c, _, _ in results

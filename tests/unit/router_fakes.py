@@ -6,6 +6,7 @@ router's own logic (registry, balancer, dispatcher, autoscaling policy)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -22,7 +23,13 @@ from splitserve.kv_transfer.contract import (
     KVDescriptor,
     KVHandoff,
 )
-from splitserve.prefill_worker.api import PrefillResult, PrefillStats, PrefillTask, PrefillWorkerInfo
+from splitserve.prefill_worker.api import (
+    KVStreaming,
+    PrefillResult,
+    PrefillStats,
+    PrefillTask,
+    PrefillWorkerInfo,
+)
 from splitserve.router.errors import WorkerLost
 from splitserve.router.registry import Membership, WorkerRecord
 
@@ -89,14 +96,21 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
 
 class FakePrefill:
     """A prefill worker: samples the first token of ``expected_tokens`` and exports a
-    handoff; ``fail`` (a callable of the task) may raise instead."""
+    handoff; ``fail`` (a callable of the task) may raise instead. With ``streams``, its
+    ``prefill_stream`` hands the handoff over first, ``delay_s`` before the result (and
+    ``fail`` is called between them: a worker lost while its KV streams)."""
 
     def __init__(
-        self, worker_id: str, fail: Callable[[PrefillTask], None] | None = None, delay_s: float = 0.0
+        self,
+        worker_id: str,
+        fail: Callable[[PrefillTask], None] | None = None,
+        delay_s: float = 0.0,
+        streams: bool = False,
     ):
         self.worker_id = worker_id
         self.fail = fail
         self.delay_s = delay_s
+        self.streams = streams
         self.incarnation = uuid.uuid4().hex
         self.calls: list[PrefillTask] = []
         self.aborted: list[str] = []
@@ -111,7 +125,7 @@ class FakePrefill:
 
     async def info(self) -> PrefillWorkerInfo:
         self.info_calls += 1
-        return PrefillWorkerInfo(self.worker_id, VALIDATOR, (self.handshake(),))
+        return PrefillWorkerInfo(self.worker_id, VALIDATOR, (self.handshake(),), streams_kv=self.streams)
 
     async def stats(self, prefix_since=None) -> PrefillStats:
         return PrefillStats(self.worker_id, engine_stats(), (), 0, 0, 0)
@@ -128,24 +142,40 @@ class FakePrefill:
         await asyncio.sleep(self.delay_s)
         if self.fail is not None:
             self.fail(task)
+        return self._result(task, self._handoff(task))
+
+    async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
+        if not self.streams:
+            yield await self.prefill(task)
+            return
+        self.calls.append(task)
+        handoff = self._handoff(task)
+        yield KVStreaming(task.request_id, handoff)
+        await asyncio.sleep(self.delay_s)
+        if self.fail is not None:
+            self.fail(task)
+        yield self._result(task, handoff)
+
+    def _handoff(self, task: PrefillTask) -> KVHandoff:
+        desc = KVDescriptor(
+            f"{task.request_id}:t",
+            task.request_id,
+            "fake",
+            self.worker_id,
+            self.incarnation,
+            COMPAT.hash,
+            (0,),
+            len(task.prompt_token_ids),
+            0,
+            (),
+            lease_expiry=1e12,
+        )
+        return KVHandoff(self.worker_id, (desc,))
+
+    def _result(self, task: PrefillTask, handoff: KVHandoff) -> PrefillResult:
         first = expected_tokens(task.prompt_token_ids, 1)
         finish = FinishReason.LENGTH if task.params.max_tokens == 1 else None
-        handoff = None
-        if finish is None:
-            desc = KVDescriptor(
-                f"{task.request_id}:t",
-                task.request_id,
-                "fake",
-                self.worker_id,
-                self.incarnation,
-                COMPAT.hash,
-                (0,),
-                len(task.prompt_token_ids),
-                0,
-                (),
-                lease_expiry=1e12,
-            )
-            handoff = KVHandoff(self.worker_id, (desc,))
+        handoff = None if finish is not None else handoff
         return PrefillResult(task.request_id, self.worker_id, first, "", [0.0], 0.0, finish, 0, handoff)
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
@@ -177,6 +207,7 @@ class FakeDecode:
         self.connect_calls = 0
         self.calls: list[DecodeTask] = []
         self.aborted: list[str] = []
+        self.first_tokens: dict[str, asyncio.Future] = {}  # streamed handoffs' first tokens, by request
 
     def restart(self) -> None:
         self.linked.clear()
@@ -196,6 +227,16 @@ class FakeDecode:
     async def close(self) -> None:
         pass
 
+    async def first_token(self, request_id: str, token_ids: list[int]) -> bool:
+        self.first_tokens.setdefault(request_id, asyncio.Future()).set_result(list(token_ids))
+        return True
+
+    async def prefill_lost(self, request_id: str, reason: str) -> bool:
+        from splitserve.kv_transfer.errors import PeerLost
+
+        self.first_tokens.setdefault(request_id, asyncio.Future()).set_exception(PeerLost(reason))
+        return True
+
     async def connect(self, handshakes: tuple[Handshake, ...]) -> None:
         self.connect_calls += 1
         self.linked[handshakes[0].worker_id] = tuple(h.incarnation for h in handshakes)
@@ -210,9 +251,14 @@ class FakeDecode:
             if self.linked.get(task.handoff.source_worker) != task.handoff.incarnations:
                 raise HandshakeRequired(f"{self.worker_id} holds no handshake for this source")
             conf = Confirmation(task.handoff.descriptors[0].transfer_id, task.handoff.source_worker, False)
+            first = list(task.output_token_ids)
+            if task.first_token_later:  # as the real worker: the pull's batch waits for it
+                future = self.first_tokens.setdefault(task.request_id, asyncio.Future())
+                first = await future  # raises prefill_lost's PeerLost
             yield TokenBatch(
                 task.request_id, [], "", [], [], None, 0, transfer_s=0.001, confirmations=(conf,)
             )
+            task = dataclasses.replace(task, output_token_ids=first)
         # Continue the context (a resumed task's prompt already holds the tokens sent).
         context = list(task.prompt_token_ids) + list(task.output_token_ids)
         left = task.params.max_tokens - len(task.output_token_ids)

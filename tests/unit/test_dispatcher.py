@@ -304,3 +304,56 @@ def test_a_prefill_worker_lost_between_export_and_pull_is_recomputed_on_the_deco
     (task,) = d0.calls
     assert task.handoff is None and (task.prompt_token_ids, task.output_token_ids) == (prompt, tokens[:1])
     assert final.completion_tokens == 6
+
+
+def test_a_streamed_handoff_starts_the_decode_side_before_the_first_token():
+    """A prefill worker that streams KV hands its handoff over before its result: the
+    decode worker gets the task (and starts pulling) first, with no first token; the
+    router passes the prefill's first token on and then gives it to the decode worker,
+    which continues after it."""
+    p0, d0 = FakePrefill("p0", delay_s=0.01, streams=True), FakeDecode("d0")
+    d = _cluster([p0], [d0])
+    prompt = [4, 5, 6, 7]
+    seen_before_result: list[int] = []
+
+    async def run():
+        request = asyncio.ensure_future(_collect(d, prompt, max_tokens=6))
+        while not d0.calls:  # the decode side has the task while the prefill still runs
+            await asyncio.sleep(0)
+        seen_before_result.append(len(d0.calls))
+        return await request
+
+    tokens, final = asyncio.run(run())
+    assert tokens == expected_tokens(prompt, 6)
+    assert seen_before_result == [1]
+    (task,) = d0.calls
+    assert task.handoff is not None and task.first_token_later
+    assert d0.first_tokens[task.request_id].result() == tokens[:1]
+    assert [c.transfer_id for c in p0.confirmed] == [task.handoff.descriptors[0].transfer_id]
+    assert (final.prefill_worker, final.decode_worker, final.completion_tokens) == ("p0", "d0", 6)
+
+
+def test_a_prefill_worker_lost_while_its_kv_streams_is_recomputed_on_the_decode_worker():
+    """The prefill worker dies after the decode side began pulling, before the first
+    token: the decode worker is told (its request ends with PeerLost), and prefills
+    the prompt itself; the client sees every token once."""
+    p0, d0 = FakePrefill("p0", fail=_lost, streams=True), FakeDecode("d0")
+    d = _cluster([p0], [d0])
+    prompt = [3, 1, 4, 1, 5]
+    tokens, final = asyncio.run(_collect(d, prompt, max_tokens=7))
+    assert tokens == expected_tokens(prompt, 7)
+    streamed, recomputed = d0.calls
+    assert streamed.first_token_later
+    assert recomputed.handoff is None and recomputed.output_token_ids == []
+    assert d.transfer_failures == {("PeerLost", "recompute"): 1}
+    assert final.completion_tokens == 7 and final.prefill_worker == ""
+
+
+def test_a_streamed_request_that_ends_at_its_first_token_ends_on_the_decode_worker_too():
+    p0, d0 = FakePrefill("p0", streams=True), FakeDecode("d0")
+    d = _cluster([p0], [d0])
+    prompt = [2, 7, 1, 8]
+    tokens, final = asyncio.run(_collect(d, prompt, max_tokens=1))
+    assert tokens == expected_tokens(prompt, 1) and final.completion_tokens == 1
+    assert [t.first_token_later for t in d0.calls] == [True]
+    assert d0.aborted == [d0.calls[0].request_id]

@@ -145,6 +145,7 @@ def test_request_metrics_count_each_trace_once():
     assert one(v, "splitserve:request_handover_time_seconds_sum") == pytest.approx(0.3)
     assert one(v, "splitserve:kv_transfer_time_seconds_sum") == pytest.approx(0.002)
     assert one(v, "splitserve:kv_transfer_bytes_total") == 4096
+    assert one(v, "splitserve:kv_handoffs_total", mode="whole") == 1
     assert one(v, "splitserve:prompt_tokens_total") == 10  # the refused request had none
     assert one(v, "splitserve:decode_batch_cap", worker="d0") == 6
     assert one(v, "splitserve:generation_tokens_total") == 5 + 3
