@@ -12,6 +12,13 @@
                                             to the prefill worker (frees its KV)
                                          -> TokenEvents ... FinalEvent
 
+From a prefill worker that streams KV (``router.prefill_call``) the handoff
+comes first, as its last prefill step begins: the decode side starts on it at
+once (its pull follows the layers as they are computed), then the first token
+is passed on and handed to the decode worker (``first_token``). A prefill that
+fails after that is told to the decode worker (``prefill_lost``), which ends
+the request with ``PeerLost``: a failed transfer, as below.
+
 A failed KV transfer (refused, corrupt, timed out, lease over, source gone)
 is recomputed: the decode worker prefills the prompt and the first token
 itself, within the request's deadline (``on_transfer_failure="fail"`` ends
@@ -46,15 +53,15 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Literal
 
 from splitserve.decode_worker.api import DecodeTask, TokenBatch
 from splitserve.engine.errors import InvalidRequest, Overloaded
-from splitserve.engine.sequence import FinishReason
 from splitserve.engine.validation import RequestValidator
 from splitserve.kv_transfer.errors import HandshakeRequired, KVTransferError, PeerLost
-from splitserve.prefill_worker.api import PrefillResult, PrefillTask
+from splitserve.prefill_worker.api import PrefillTask
+from splitserve.router.background import Background, cancel
 from splitserve.router.balancer import Prompt, pick_decode, pick_prefill
 from splitserve.router.decider import Decider, Placement
 from splitserve.router.errors import WorkerLost, code_for
@@ -107,7 +114,7 @@ class Dispatcher:
         self.admitted = 0  # requests admitted since start (the planner's arrivals)
         self.traces = TraceLog(traces_kept)
         self.sinks: list[TraceSink] = [self.traces]  # each request's trace, when it ends
-        self._background: set[asyncio.Task] = set()
+        self._background = Background()  # worker calls not awaited
 
     @property
     def decode_role(self) -> str:
@@ -153,7 +160,7 @@ class Dispatcher:
             if admitted:
                 self.inflight.pop(rid, None)
                 for worker in req.touched:
-                    self._in_background(worker.client.abort(rid))
+                    self._background.run(worker.client.abort(rid))
             self._record(req.trace(outcome, ok))
 
     def _record(self, trace: RequestTrace) -> None:
@@ -173,7 +180,7 @@ class Dispatcher:
         if not decoders:
             raise Overloaded(
                 "every decode worker has as many requests as its batch limit allows "
-                f"({self._batch_limits()}); retry later"
+                f"({self.limits.batch_limits()}); retry later"
             )
         prompt = Prompt.of(req.prompt_ids, decoders[0].block_size)
         dw = pick_decode(decoders, prompt, n + 1)
@@ -182,12 +189,7 @@ class Dispatcher:
                 yield event
 
     def _batch_cap(self, w: WorkerRecord) -> int | None:
-        """The most requests ``w`` may be given at once by the limits (None: no cap)."""
-        caps = [self.limits.max_decode_batch]
-        if self.limits.decode_tpot_ms is not None:
-            caps.append(w.steps.largest_batch(self.limits.decode_tpot_ms / 1000))
-        known = [c for c in caps if c is not None]
-        return min(known) if known else None
+        return self.limits.batch_cap(w.steps)
 
     def batch_caps(self) -> dict[str, int]:
         """Each decode worker's batch cap now, for metrics (workers with none are absent)."""
@@ -197,15 +199,6 @@ class Dispatcher:
     def _has_room(self, w: WorkerRecord) -> bool:
         cap = self._batch_cap(w)
         return cap is None or len(w.assigned) < cap
-
-    def _batch_limits(self) -> str:
-        """The limits that cap decode batches, as a sentence's clause."""
-        said = []
-        if self.limits.max_decode_batch is not None:
-            said.append(f"limits.max_decode_batch {self.limits.max_decode_batch}")
-        if self.limits.decode_tpot_ms is not None:
-            said.append(f"limits.decode_tpot_ms {self.limits.decode_tpot_ms:g}")
-        return ", ".join(said)
 
     async def _serve(
         self, req: RequestState, prompt: Prompt, dw: WorkerRecord
@@ -235,7 +228,8 @@ class Dispatcher:
                     task = dataclasses.replace(task, handoff=call.streamed)
                 else:
                     result = await call.result(req.within)
-                    for event in self._first_events(req, call, result):
+                    call.delivered = True
+                    for event in req.prefilled(result):
                         yield event
                     if result.finish_reason is not None:
                         return
@@ -262,25 +256,7 @@ class Dispatcher:
                     req.mark("resumed", worker=dw.worker_id)
                     task = self._resume_task(req)
                     if prefill is not None:  # the resumed task prefills again: free the export now
-                        self._in_background(prefill.client.abort(req.request_id))
-
-    def _first_events(
-        self, req: RequestState, call: PrefillCall, result: PrefillResult
-    ) -> Iterator[TokenEvent | FinalEvent]:
-        """The prefill worker's first token, passed on (and the end, if the request ended
-        at it)."""
-        call.delivered = True
-        req.prefilled_at = time.monotonic()
-        req.cached = result.num_cached_tokens
-        req.prefill_worker = result.worker_id
-        if result.scheduled_at is not None:
-            req.mark("prefill_started", result.scheduled_at, result.worker_id)
-        if result.handoff is not None and not req.marked("kv_exported"):
-            req.mark("kv_exported", worker=result.worker_id)
-        first = result.output_token_ids
-        yield self._tokens(req, first, result.text, result.logprobs, [result.token_time] * len(first))
-        if result.finish_reason is not None:
-            yield self._final(req, result.finish_reason, result.worker_id, "")
+                        self._background.run(prefill.client.abort(req.request_id))
 
     async def _prefill(
         self, req: RequestState, prompt: Prompt, pw: WorkerRecord | None
@@ -356,7 +332,7 @@ class Dispatcher:
         log.warning("KV transfer of %s failed (%s); prefilling on %s", req.request_id, error, dw.worker_id)
         req.mark("kv_recompute", worker=dw.worker_id)
         if prefill is not None:
-            self._in_background(prefill.client.abort(req.request_id))
+            self._background.run(prefill.client.abort(req.request_id))
         return self._resume_task(req)
 
     async def _stream(
@@ -382,7 +358,7 @@ class Dispatcher:
             pending = None  # the stream's first batch, read ahead
             if task.first_token_later and call is not None:
                 pending = asyncio.ensure_future(anext(stream))  # starts the request on dw
-                held.push_async_callback(_cancel, pending)  # before the stream closes
+                held.push_async_callback(cancel, pending)  # before the stream closes
                 try:
                     result = await call.result(req.within)
                 except (WorkerLost, KVTransferError) as e:  # its KV will not be whole: dw ends the
@@ -391,12 +367,13 @@ class Dispatcher:
                     await req.within(dw.client.prefill_lost(req.request_id, str(e)))
                     result = None
                 if result is not None and not call.delivered:
-                    for event in self._first_events(req, call, result):
+                    call.delivered = True
+                    for event in req.prefilled(result):
                         yield event
                 if result is not None and result.finish_reason is not None:
                     return
                 if result is not None:
-                    self._in_background(dw.client.first_token(req.request_id, result.output_token_ids))
+                    self._background.run(dw.client.first_token(req.request_id, result.output_token_ids))
             while True:
                 try:
                     batch: TokenBatch = await req.within(pending if pending is not None else anext(stream))
@@ -404,7 +381,7 @@ class Dispatcher:
                     raise WorkerLost(f"decode worker {dw.worker_id} ended the stream early") from None
                 pending = None
                 if batch.confirmations and prefill is not None:
-                    self._in_background(prefill.client.confirm(batch.confirmations))
+                    self._background.run(prefill.client.confirm(batch.confirmations))
                 if batch.transfer_s is not None:
                     req.transfer_s = batch.transfer_s
                     req.kv_bytes = task.handoff.num_bytes if task.handoff is not None else 0
@@ -412,7 +389,7 @@ class Dispatcher:
                         self.decider.observe_handover(time.monotonic() - req.prefilled_at)
                 if batch.started_at is not None and not started:
                     started = True
-                    self._mark_started(req, dw, batch.started_at)
+                    req.mark_started(dw.worker_id, batch.started_at)
                 if batch.token_ids and not req.marked("first_decode_token"):
                     req.mark("first_decode_token", worker=dw.worker_id)
                 if local_prefill and (batch.token_ids or batch.finish_reason is not None):
@@ -420,68 +397,13 @@ class Dispatcher:
                     local_prefill = False
                 req.cached = max(req.cached, batch.num_cached_tokens)
                 if batch.token_ids or batch.text:
-                    yield self._tokens(req, batch.token_ids, batch.text, batch.logprobs, batch.token_times)
+                    yield req.tokens(batch.token_ids, batch.text, batch.logprobs, batch.token_times)
                 if batch.finish_reason is not None:
-                    yield self._final(req, batch.finish_reason, req.prefill_worker, dw.worker_id)
+                    yield req.final(batch.finish_reason, req.prefill_worker, dw.worker_id)
                     return
-
-    @staticmethod
-    def _mark_started(req: RequestState, dw: WorkerRecord, at: float) -> None:
-        """``dw`` took the request into its batch at ``at``: its prefill began then (a local
-        prefill), or, after a first token from a prefill worker, the decode phase did."""
-        if not req.marked("prefill_started"):
-            req.mark("prefill_started", at, dw.worker_id)
-        elif req.marked("first_token") and not req.marked("decode_admitted"):
-            req.mark("decode_admitted", at, dw.worker_id)
 
     def _resume_task(self, req: RequestState) -> DecodeTask:
         """Continue on another decode worker: it prefills the prompt and the tokens
         already sent, and goes on after them (seeded sampling included) as if
         nothing had happened."""
         return DecodeTask(req.request_id, req.prompt_ids, req.params, req.remaining(), list(req.sent))
-
-    def _in_background(self, coro) -> None:
-        """Run a worker call without awaiting it (abort, confirm): its errors are of no
-        interest (a lost worker frees everything anyway; a lease ends by itself)."""
-
-        async def quiet() -> None:
-            with contextlib.suppress(Exception):
-                await coro
-
-        task = asyncio.ensure_future(quiet())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _tokens(self, req: RequestState, token_ids, text, logprobs, times) -> TokenEvent:
-        req.sent.extend(token_ids)
-        req.token_times.extend(times)
-        ms = [max(0.0, (t - req.accepted) * 1000) for t in times]
-        return TokenEvent(list(token_ids), text, list(logprobs), ms)
-
-    def _final(self, req: RequestState, reason: FinishReason, prefill_id: str, decode_id: str) -> FinalEvent:
-        req.mark("finished")
-        trace = req.trace(reason.value, True)
-        phases = trace.phases_s()
-        return FinalEvent(
-            finish_reason=reason,
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.sent),
-            cached_prompt_tokens=req.cached,
-            queue_ms=phases["queue"] * 1000,
-            prefill_ms=phases["prefill"] * 1000,
-            transfer_ms=phases["kv_transfer"] * 1000,
-            decode_ms=phases["decode"] * 1000,
-            kv_pull_ms=req.transfer_s * 1000,
-            ttft_ms=(trace.ttft_s or trace.e2e_s) * 1000,
-            e2e_ms=trace.e2e_s * 1000,
-            prefill_worker=prefill_id,
-            decode_worker=decode_id,
-        )
-
-
-async def _cancel(task: asyncio.Future) -> None:
-    """Cancel ``task`` and let it end (a stream's read-ahead, before the stream closes)."""
-    task.cancel()
-    await asyncio.wait([task])
-    if not task.cancelled():
-        task.exception()  # retrieved: its error (if any) is of no interest now

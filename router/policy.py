@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from splitserve.router.step_time import StepTimes
+
 
 class StrictModel(BaseModel):
     """A config section: unknown fields are errors, values are immutable."""
@@ -45,6 +47,24 @@ class LimitsSpec(StrictModel):
         "(null: no such cap). Counted like max_decode_batch, and both apply when both are set",
     )
     max_timeout_s: float | None = Field(None, gt=0, description="cap on any request's duration")
+
+    def batch_cap(self, steps: StepTimes) -> int | None:
+        """The most requests a decode worker with these step times may be given at once
+        (None: no cap)."""
+        caps = [self.max_decode_batch]
+        if self.decode_tpot_ms is not None:
+            caps.append(steps.largest_batch(self.decode_tpot_ms / 1000))
+        known = [c for c in caps if c is not None]
+        return min(known) if known else None
+
+    def batch_limits(self) -> str:
+        """The limits that cap decode batches, as a sentence's clause."""
+        said = []
+        if self.max_decode_batch is not None:
+            said.append(f"limits.max_decode_batch {self.max_decode_batch}")
+        if self.decode_tpot_ms is not None:
+            said.append(f"limits.decode_tpot_ms {self.decode_tpot_ms:g}")
+        return ", ".join(said)
 
 
 class PolicySpec(StrictModel):

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 from splitserve.engine.errors import DeadlineExceeded
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import FinishReason
+from splitserve.prefill_worker.api import PrefillResult
+from splitserve.router.events import FinalEvent, TokenEvent
 from splitserve.router.registry import WorkerRecord
 from splitserve.router.trace import Mark, RequestTrace
 
@@ -71,6 +75,60 @@ class RequestState:
             token_times=tuple(self.token_times),
             kv_streamed=self.kv_streamed,
         )
+
+    def prefilled(self, result: PrefillResult) -> Iterator[TokenEvent | FinalEvent]:
+        """A prefill worker's result: its first token, passed on (and the end, if the
+        request ended at it)."""
+        self.prefilled_at = time.monotonic()
+        self.cached = result.num_cached_tokens
+        self.prefill_worker = result.worker_id
+        if result.scheduled_at is not None:
+            self.mark("prefill_started", result.scheduled_at, result.worker_id)
+        if result.handoff is not None and not self.marked("kv_exported"):
+            self.mark("kv_exported", worker=result.worker_id)
+        first = result.output_token_ids
+        yield self.tokens(first, result.text, result.logprobs, [result.token_time] * len(first))
+        if result.finish_reason is not None:
+            yield self.final(result.finish_reason, result.worker_id, "")
+
+    def tokens(
+        self, token_ids: list[int], text: str, logprobs: list[float], times: list[float]
+    ) -> TokenEvent:
+        """Tokens passed on to the client now (sampled at ``times``, worker clocks)."""
+        self.sent.extend(token_ids)
+        self.token_times.extend(times)
+        ms = [max(0.0, (t - self.accepted) * 1000) for t in times]
+        return TokenEvent(list(token_ids), text, list(logprobs), ms)
+
+    def final(self, reason: FinishReason, prefill_id: str, decode_id: str) -> FinalEvent:
+        """The request ends now with ``reason``: its last event, with its trace's phases."""
+        self.mark("finished")
+        trace = self.trace(reason.value, True)
+        phases = trace.phases_s()
+        return FinalEvent(
+            finish_reason=reason,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.sent),
+            cached_prompt_tokens=self.cached,
+            queue_ms=phases["queue"] * 1000,
+            prefill_ms=phases["prefill"] * 1000,
+            transfer_ms=phases["kv_transfer"] * 1000,
+            decode_ms=phases["decode"] * 1000,
+            kv_pull_ms=self.transfer_s * 1000,
+            ttft_ms=(trace.ttft_s or trace.e2e_s) * 1000,
+            e2e_ms=trace.e2e_s * 1000,
+            prefill_worker=prefill_id,
+            decode_worker=decode_id,
+        )
+
+    def mark_started(self, worker_id: str, at: float) -> None:
+        """A decode worker took the request into its batch at ``at``: its prefill began
+        then (a local prefill), or, after a first token from a prefill worker, the
+        decode phase did."""
+        if not self.marked("prefill_started"):
+            self.mark("prefill_started", at, worker_id)
+        elif self.marked("first_token") and not self.marked("decode_admitted"):
+            self.mark("decode_admitted", at, worker_id)
 
     def remaining(self) -> float | None:
         """Seconds left before the deadline (at least 1 ms), or None without one."""
