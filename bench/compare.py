@@ -1,8 +1,11 @@
-"""``splitserve bench compare``: the same workload against a disaggregated and
-a colocated cluster on equal resources, one after the other, and the ratios.
+"""``splitserve bench compare``: the same workload against a colocated cluster
+and one or more disaggregated ones on equal resources, one after the other, and
+the ratios.
 
     splitserve bench compare --dataset mixed --num-prompts 120 --request-rate 1 2 3 \\
         --goodput tpot:150 --out-dir bench-results/
+    splitserve bench compare --splits 1:1 2:1 1:2 ...     # pool ratios, same cores
+    splitserve bench compare --disaggregated a.yaml b.yaml ...  # several against colocated
 
 Each setup is a real ``splitserve serve`` process (its own Ray instance,
 router and workers), started from a config, warmed up, measured at every
@@ -11,14 +14,23 @@ rate, then stopped with SIGINT. The defaults are
 ``cluster_configs/bench_colocated.yaml`` (2 colocated workers): each worker
 one core, pinned, one torch thread.
 
-Ratios are disaggregated ÷ colocated: below 1 is better for latencies, above
-1 is better for goodput, attainment and throughput.
+``--splits P:D ...`` replaces the disaggregated setup by one per split: the
+disaggregated config with P prefill and D decode workers, on the cores its
+pools pin to (``--cores`` to choose), shared out in turn (worker k of the
+P + D on core k mod cores) and each reserving cores / (P + D) of Ray's CPUs.
+So on 2 cores, 2:1 runs a prefill worker per core and the decode worker
+time-shares core 0 with prefill-0: the ratio a workload wants, on the
+hardware it has.
+
+Ratios are each disaggregated setup ÷ colocated: below 1 is better for
+latencies, above 1 is better for goodput, attainment and throughput.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 import socket
 import subprocess
@@ -26,11 +38,14 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from splitserve.bench import serve_bench
 from splitserve.client import Client
 from splitserve.cluster.config import CONFIG_DIR
 
 RATIO_KEYS = (
+    "median_handover_ms",
     "p99_itl_ms",
     "p99_tpot_ms",
     "p90_ttft_ms",
@@ -95,6 +110,41 @@ def warm_up(address: str, n: int) -> None:
             c.generate(list(range(100, 164 + 64 * i)), max_tokens=8, ignore_eos=True)
 
 
+def split_config(base: str, prefill: int, decode: int, cores: list[int] | None, out: Path) -> Path:
+    """``base`` (a disaggregated config) with ``prefill`` + ``decode`` workers sharing
+    ``cores`` (default: the cores its pools pin to) in turn; written under ``out``."""
+    data = yaml.safe_load(Path(base).read_text())
+    if data.get("mode", "disaggregated") != "disaggregated":
+        raise ValueError(f"--splits needs a disaggregated config, not {base}")
+    if cores is None:
+        pinned = [c for role in ("prefill", "decode") for c in data.get(role, {}).get("cpu_ids") or []]
+        cores = sorted(set(pinned))
+    if not cores:
+        raise ValueError(f"{base} pins its workers to no cores: give --cores")
+    share = math.floor(1000 * len(cores) / (prefill + decode)) / 1000  # the shares fit in Ray's CPUs
+    for role, count, first in (("prefill", prefill, 0), ("decode", decode, prefill)):
+        pool = data.setdefault(role, {})
+        pool["replicas"] = count
+        pool["num_cpus"] = share
+        pool["torch_threads"] = 1
+        pool["cpu_ids"] = [cores[(first + k) % len(cores)] for k in range(count)]
+        pool.pop("autoscaling", None)  # the split is the point: no pool resizes during the run
+    path = out / f"split_{prefill}p{decode}d.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def parse_split(text: str) -> tuple[int, int]:
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a split is PREFILL:DECODE, e.g. 2:1, not {text!r}") from None
+    if p < 1 or d < 1:
+        raise argparse.ArgumentTypeError(f"a split needs at least one worker of each phase, not {text!r}")
+    return p, d
+
+
 def ratios(disagg: list, coloc: list) -> list[dict]:
     out = []
     for d, c in zip(disagg, coloc):
@@ -107,19 +157,34 @@ def ratios(disagg: list, coloc: list) -> list[dict]:
     return out
 
 
-def print_ratios(rows: list[dict], disagg: list, coloc: list) -> None:
+def print_ratios(label: str, rows: list[dict], disagg: list, coloc: list) -> None:
     print(
-        "\n==== disaggregated ÷ colocated "
+        f"\n==== {label} ÷ colocated "
         "(latencies: < 1 is better; goodput, attainment, throughput: > 1 is better) ===="
     )
     keys = [k for k in RATIO_KEYS if k in rows[0]]
     print(f"{'rate':>6} " + " ".join(f"{k:>16}" for k in keys))
     for row in rows:
         print(f"{row['request_rate']:>6g} " + " ".join(f"{row[k]:>16.3f}" for k in keys))
-    print("\nabsolute values (disaggregated / colocated):")
+    print(f"\nabsolute values ({label} / colocated):")
     for d, c in zip(disagg, coloc):
         cells = [f"{k}={d.metrics[k]:.1f}/{c.metrics[k]:.1f}" for k in keys if k in d.metrics]
         print(f"  rate {d.rate:g}: " + ", ".join(cells))
+
+
+def setups(args: argparse.Namespace, out: Path) -> dict[str, str]:
+    """Label -> config of every setup, the colocated baseline first."""
+    found = {"colocated": args.colocated}
+    configs = args.disaggregated
+    if not args.splits:
+        if len(configs) == 1:
+            return found | {"disaggregated": configs[0]}
+        return found | {Path(c).stem: c for c in configs}
+    if len(configs) > 1:
+        raise ValueError("--splits builds its setups from one --disaggregated config")
+    for p, d in args.splits:
+        found[f"{p}P:{d}D"] = str(split_config(configs[0], p, d, args.cores, out))
+    return found
 
 
 def main(args: argparse.Namespace) -> int:
@@ -127,9 +192,9 @@ def main(args: argparse.Namespace) -> int:
 
     out = Path(args.out_dir)
     runs = {}
-    for label, config in (("disaggregated", args.disaggregated), ("colocated", args.colocated)):
+    for label, config in setups(args, out).items():
         print(f"---- {label}: starting splitserve serve --config {config}", file=sys.stderr)
-        server = Server(config, out / f"{label}.log")
+        server = Server(config, out / f"{label.replace(':', '')}.log")
         try:
             warm_up(server.address, args.warmup)
             runs[label] = asyncio.run(serve_bench.run_rates(args, server.address))
@@ -137,11 +202,15 @@ def main(args: argparse.Namespace) -> int:
             server.stop()
         for r in runs[label]:
             serve_bench.print_summary(label, r.metrics)
-    rows = ratios(runs["disaggregated"], runs["colocated"])
-    print_ratios(rows, runs["disaggregated"], runs["colocated"])
+    coloc = runs["colocated"]
+    table = {}
+    for label, results in runs.items():
+        if label != "colocated":
+            table[label] = ratios(results, coloc)
+            print_ratios(label, table[label], results, coloc)
     serve_bench.write_json(
         str(out / "compare.json"),
-        {"args": {k: v for k, v in vars(args).items() if k != "func"}, "ratios": rows}
+        {"args": {k: v for k, v in vars(args).items() if k != "func"}, "ratios": table}
         | {label: [r.metrics for r in results] for label, results in runs.items()},
     )
     plots.write_all(str(out), runs, serve_bench.parse_goodput(args.goodput))
@@ -151,7 +220,26 @@ def main(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     serve_bench.add_arguments(p)
-    p.add_argument("--disaggregated", default=str(CONFIG_DIR / "bench_disaggregated.yaml"))
+    p.add_argument(
+        "--disaggregated",
+        nargs="+",
+        default=[str(CONFIG_DIR / "bench_disaggregated.yaml")],
+        help="disaggregated config(s), each compared with the colocated one (labelled by file name)",
+    )
     p.add_argument("--colocated", default=str(CONFIG_DIR / "bench_colocated.yaml"))
+    p.add_argument(
+        "--splits",
+        nargs="+",
+        type=parse_split,
+        default=[],
+        metavar="P:D",
+        help="disaggregated setups with P prefill and D decode workers on the same cores (e.g. 1:1 2:1)",
+    )
+    p.add_argument(
+        "--cores",
+        type=lambda t: [int(c) for c in t.split(",")],
+        default=None,
+        help="cores the splits share, e.g. 0,1 (default: those the disaggregated config pins to)",
+    )
     p.add_argument("--warmup", type=int, default=3, help="requests sent to each setup before measuring")
     p.add_argument("--out-dir", default="bench-results", help="JSON, plots and server logs go here")

@@ -12,7 +12,9 @@ Per successful request (times in seconds, from when the client sent it):
   requests (a chunk may carry several tokens, as in vLLM).
 
 Summaries are ``mean/median/std/pNN`` (``numpy.percentile``, linear) in ms,
-under vLLM's keys (``mean_ttft_ms``, ``p99_itl_ms``, ...).
+under vLLM's keys (``mean_ttft_ms``, ``p99_itl_ms``, ...). splitserve adds the
+server's handover (``median_handover_ms``, ...: first token -> the decode
+worker holds the KV, from each request's ``Final``) where requests had one.
 
 - goodput: successful requests meeting every given SLO, per second of the run
   (vLLM's ``request_goodput``);
@@ -40,6 +42,9 @@ class RequestRecord:
     success: bool = False
     rejected: bool = False  # refused by admission control (RESOURCE_EXHAUSTED)
     error: str = ""
+    # the server's handover (first token -> the decode worker holds the KV), for a request
+    # a prefill worker prefilled and a decode worker decoded; None otherwise
+    handover: float | None = None
 
     @property
     def output_len(self) -> int:
@@ -120,6 +125,10 @@ def compute_metrics(
     }
     for name in METRICS:
         result |= _summary(name, samples[name], percentiles)
+    handovers = [r.handover for r in ok if r.handover is not None]
+    if handovers:
+        result["handovers"] = len(handovers)
+        result |= _summary("handover", handovers, percentiles)
     if slos_ms:
         good = sum(meets_slos(r, slos_ms) for r in records)
         result["request_goodput"] = good / duration_s

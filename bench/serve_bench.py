@@ -26,7 +26,7 @@ from pathlib import Path
 
 from splitserve.bench import workloads
 from splitserve.bench.metrics import RequestRecord, compute_metrics
-from splitserve.client import AsyncClient, Chunk, ResourceExhausted, SplitserveClientError
+from splitserve.client import AsyncClient, Chunk, Final, ResourceExhausted, SplitserveClientError
 
 
 @dataclass
@@ -63,6 +63,8 @@ async def run_load(
                         if isinstance(item, Chunk) and item.token_ids:
                             rec.chunk_times.append(time.perf_counter())
                             rec.chunk_tokens.append(len(item.token_ids))
+                        elif isinstance(item, Final) and item.prefill_worker and item.decode_worker:
+                            rec.handover = item.transfer_ms / 1000
                     rec.success = bool(rec.chunk_times)
                 except ResourceExhausted as e:
                     rec.rejected, rec.error = True, e.details
@@ -155,7 +157,9 @@ def print_summary(label: str, m: dict) -> None:
         f"completed {m['completed']}/{m['num_prompts']} (failed {m['failed']}, rejected {m['rejected']}) "
         f"in {m['duration']:.1f} s; {m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} tok/s"
     )
-    for name in ("ttft", "tpot", "itl", "e2el"):
+    for name in ("ttft", "tpot", "itl", "e2el", "handover"):
+        if f"mean_{name}_ms" not in m:
+            continue
         print(
             f"  {name.upper():<5} mean {m[f'mean_{name}_ms']:8.1f}  median {m[f'median_{name}_ms']:8.1f}  "
             f"p90 {m[f'p90_{name}_ms']:8.1f}  p99 {m[f'p99_{name}_ms']:8.1f} ms"

@@ -44,6 +44,7 @@ class KVSink:
     backend = ""
     chunked = False  # whether _transfer can move a range of layers
     MIN_CHUNK_BYTES = 32 << 20  # layers are grouped into chunks of at least this much
+    MAX_POLL_S = 0.001  # the longest a streamed pull sleeps between reads of the source's progress
 
     def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo):
         check_cache(cache, compat)
@@ -165,8 +166,8 @@ class KVSink:
                 raise TransferTimeout(
                     f"{desc.source_worker} did not finish layer {moved} of {desc.transfer_id} in time"
                 )
-            spins += 1
-            time.sleep(0 if spins < 50 else 0.0002)
+            spins += 1  # spin a little, then back off to MAX_POLL_S: the decode steps need the CPU
+            time.sleep(0 if spins < 20 else min(self.MAX_POLL_S, 1e-5 * 2 ** ((spins - 20) // 4)))
 
     def _layers_per_chunk(self, num_blocks: int) -> int:
         if not self.chunked:

@@ -165,7 +165,9 @@ def test_a_trace_names_both_workers_and_its_phases_add_up(cluster, client):
     assert (f.prefill_worker, f.decode_worker) == ("prefill-0", "decode-0")
     assert phases == pytest.approx(f.e2e_ms, abs=0.01)
     assert f.e2e_ms <= client_e2e * 1000  # the router's window lies inside the client's
-    assert f.prefill_ms > 0 and f.transfer_ms >= f.kv_pull_ms > 0 and f.decode_ms > 0
+    # over nixl the handoff streams: the pull overlaps the prefill, so it need not lie
+    # inside the handover (first token -> decode worker holds the KV), as a whole pull does
+    assert f.prefill_ms > 0 and f.transfer_ms > 0 and f.kv_pull_ms > 0 and f.decode_ms > 0
     assert f.ttft_ms == pytest.approx(f.queue_ms + f.prefill_ms, abs=0.01)
 
     st = client.cluster_status(traces=5)
@@ -179,7 +181,7 @@ def test_a_trace_names_both_workers_and_its_phases_add_up(cluster, client):
     names = [m.name for m in t.marks]
     for name in ("admitted", "prefill_started", "kv_exported", "first_token", "decode_admitted", "finished"):
         assert name in names
-    assert t.spans[2].duration_ms >= t.kv_pull_ms > 0  # the pull lies inside the handover
+    assert t.spans[2].duration_ms > 0 and t.kv_pull_ms > 0
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

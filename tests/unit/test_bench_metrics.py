@@ -38,6 +38,16 @@ def test_run_summary_and_vllm_keys():
     assert m["median_itl_ms"] == pytest.approx(100.0)
     assert m["mean_e2el_ms"] == pytest.approx((300 + 500 + 200) / 3)
     assert m["std_e2el_ms"] == pytest.approx(124.7219, rel=1e-4)
+    assert "handovers" not in m and "median_handover_ms" not in m  # none of them had one
+
+
+def test_handover_summarises_only_the_requests_that_had_one():
+    records = [rec([0.1, 0.2]), rec([0.3, 0.5]), rec([0.2, 0.4]), rec([0.4], success=False)]
+    records[0].handover, records[1].handover = 0.002, 0.010
+    records[3].handover = 5.0  # failed: not a sample
+    m = compute_metrics(records, duration_s=1.0, percentiles=(50,))
+    assert m["handovers"] == 2
+    assert m["median_handover_ms"] == pytest.approx(6.0) and m["mean_handover_ms"] == pytest.approx(6.0)
 
 
 def test_goodput_and_attainment_count_failures_and_rejections_as_misses():

@@ -1,0 +1,40 @@
+"""``splitserve bench compare --splits``: the pool splits it builds are valid
+serving configs that share the same cores among P + D workers."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from splitserve.bench.compare import parse_split, split_config
+from splitserve.cluster.config import CONFIG_DIR, ClusterConfig
+
+BASE = str(CONFIG_DIR / "bench_disaggregated.yaml")
+
+
+@pytest.mark.parametrize(
+    ("split", "prefill_cores", "decode_cores", "share"),
+    [((1, 1), [0], [1], 1.0), ((2, 1), [0, 1], [0], 0.666), ((1, 2), [0], [1, 0], 0.666)],
+)
+def test_a_split_shares_the_base_configs_cores_among_its_workers(
+    tmp_path, split, prefill_cores, decode_cores, share
+):
+    p, d = split
+    cfg = ClusterConfig.load(split_config(BASE, p, d, None, tmp_path))
+    base = ClusterConfig.load(BASE)
+    assert (cfg.prefill.replicas, cfg.decode.replicas) == (p, d)
+    assert (cfg.prefill.cpu_ids, cfg.decode.cpu_ids) == (prefill_cores, decode_cores)
+    assert cfg.prefill.num_cpus == cfg.decode.num_cpus == share
+    assert p * share + d * share <= 2  # Ray can place every worker on the 2 cores
+    assert cfg.model == base.model and cfg.transfer == base.transfer  # the rest is the base config
+
+
+def test_splits_are_parsed_and_bad_ones_refused_clearly(tmp_path):
+    assert parse_split("2:1") == (2, 1)
+    for bad in ("2", "0:1", "a:b"):
+        with pytest.raises(argparse.ArgumentTypeError, match="PREFILL:DECODE|at least one"):
+            parse_split(bad)
+    colocated = str(CONFIG_DIR / "bench_colocated.yaml")
+    with pytest.raises(ValueError, match="disaggregated config"):
+        split_config(colocated, 1, 1, None, tmp_path)
