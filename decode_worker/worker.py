@@ -74,6 +74,12 @@ from splitserve.kv_transfer.tp_mapping import HeadMappingSink
 
 log = logging.getLogger(__name__)
 
+# A decode worker that takes KV from elsewhere measures its prompt rate on a prompt of this
+# many tokens before its first request: the router's decider needs it to judge a prefill
+# here, and without it would go by the prefill pool's rate, measured on other prompts (long
+# ones, slower per token), which can keep every prompt away from here for good.
+RATE_PROBE_TOKENS = 128
+
 
 @dataclass(eq=False)
 class _Request:
@@ -116,6 +122,8 @@ class DecodeWorker:
         self._outboxes: dict[str, Outbox] = {}  # by outbox id (one per consumer)
         self._requests: dict[str, _Request] = {}  # started and not yet ended
         self.loop.start()
+        if self.sink is not None:  # before any request (its outputs reach no outbox)
+            self.loop.call(lambda e: e.measure_prefill(RATE_PROBE_TOKENS)).result()
 
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> DecodeWorkerInfo:

@@ -55,6 +55,7 @@ from splitserve.engine.request_state import RequestState
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledSeq
 from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from splitserve.engine.step_rates import DecodeSteps, PrefillRate
 from splitserve.engine.tokenizer import Tokenizer
 
 
@@ -242,6 +243,20 @@ class Engine:
             self.step()
         return [states[i].completion() for i in ids]
 
+    def measure_prefill(self, num_tokens: int, runs: int = 2) -> float:
+        """Prefill ``runs`` prompts of ``num_tokens`` filler tokens (each run to its first
+        token and dropped), and make the last one's speed the prompt rate ``stats``
+        reports until real prompts move it: a worker then has a rate before its first
+        prompt (the first run pays the one-time costs). Returns it, in tokens/s.
+        Call with no request in flight."""
+        if self.has_unfinished():
+            raise RuntimeError("measure_prefill needs an idle engine")
+        num_tokens = max(1, min(num_tokens, self.max_model_len - 1))
+        for run in range(runs):
+            self._prefill_rate = PrefillRate(self._prefill_rate.decay)
+            self.generate([[run + 1] * num_tokens], SamplingParams(max_tokens=1, ignore_eos=True))
+        return self._prefill_rate.tokens_per_s
+
     def follow(self, on_message: Callable[[Any], None] | None = None) -> int:
         """Non-driver TP ranks: run the driver's steps until ``stop_followers``, handing
         any other message the driver broadcasts to ``on_message``; returns the number
@@ -359,48 +374,3 @@ class Engine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.requests.pop(seq.request_id, None)
-
-
-class DecodeSteps:
-    """The mean batch size and duration of recent decode-only steps (totals that decay
-    by ``decay`` per step, as ``PrefillRate``): one point of the worker's step-time line,
-    which the SLO planner fits across polls."""
-
-    def __init__(self, decay: float = 0.9):
-        self.decay = decay
-        self._steps = self._seqs = self._seconds = 0.0
-
-    def add(self, batch: int, seconds: float) -> None:
-        d = self.decay
-        self._steps, self._seqs, self._seconds = (
-            self._steps * d + 1,
-            self._seqs * d + batch,
-            self._seconds * d + seconds,
-        )
-
-    @property
-    def batch(self) -> float:
-        return self._seqs / self._steps if self._steps else 0.0
-
-    @property
-    def step_s(self) -> float:
-        return self._seconds / self._steps if self._steps else 0.0
-
-
-class PrefillRate:
-    """Prompt tokens per second over recent steps that computed prompt tokens: token
-    and time totals that decay by ``decay`` per step (so one odd step moves it little,
-    and it follows a load that changes)."""
-
-    def __init__(self, decay: float = 0.8):
-        self.decay = decay
-        self._tokens = 0.0
-        self._seconds = 0.0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        self._tokens = self._tokens * self.decay + tokens
-        self._seconds = self._seconds * self.decay + seconds
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self._tokens / self._seconds if self._seconds > 0 else 0.0

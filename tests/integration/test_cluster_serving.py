@@ -28,6 +28,7 @@ from tests.integration.cluster_util import (
     stream_all,
     tiny_config,
     wait_kv_free,
+    wait_until,
 )
 
 
@@ -35,6 +36,14 @@ from tests.integration.cluster_util import (
 def cluster(checkpoint):
     with live_cluster(tiny_config(checkpoint)) as c:
         yield c
+
+
+def test_a_decode_worker_has_its_own_prompt_rate_before_its_first_prefill(cluster):
+    """The decode worker measured its prompt rate when it started, so the decider
+    judges a prefill there by the decode worker's own speed, not the prefill pool's.
+    (The module's first test: no prompt has been prefilled on the decode worker yet.)"""
+    decode = cluster.dispatcher.registry.get("decode-0")
+    wait_until(lambda: decode.prefill_tokens_per_s > 0, "the decode worker reported no prompt rate")
 
 
 BAD_INPUTS = [

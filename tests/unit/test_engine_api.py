@@ -203,3 +203,15 @@ def test_unsupported_architecture_is_refused():
 
     with pytest.raises(ModelLoadError, match="not supported"):
         Engine(EngineConfig(), hf_config=GPT2Config())
+
+
+def test_measure_prefill_gives_a_fresh_engine_its_prompt_rate_and_leaves_it_idle(engine):
+    assert engine.stats().prefill_tokens_per_s == 0.0  # nothing prefilled yet
+    rate = engine.measure_prefill(100)
+    assert rate > 0 and engine.stats().prefill_tokens_per_s == rate
+    assert_clean(engine)
+    out = engine.generate(random_prompts([20], 512, seed=3), GREEDY)[0]  # serves as before
+    assert len(out.token_ids) == GREEDY.max_tokens
+    engine.add_request([5, 6, 7], GREEDY)
+    with pytest.raises(RuntimeError, match="idle"):
+        engine.measure_prefill(10)
