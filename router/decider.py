@@ -11,7 +11,8 @@ prefill worker P (the balancer's picks)::
                                              sequence D is decoding (one long step)
 
 ``rate`` is the workers' measured prompt throughput (``EngineStats.
-prefill_tokens_per_s``: D's, else P's; they run the same model); ``handover`` is
+prefill_tokens_per_s``: D's, which a decode worker measures when it starts, else
+P's; they run the same model); ``handover`` is
 the measured time from a prefill result to the decode worker holding the KV (a
 moving average of this router's own requests; 0 until the first one).
 
