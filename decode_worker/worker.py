@@ -262,6 +262,8 @@ class DecodeWorker:
             return False
         req.outbox.requests.discard(rid)
         self._states.pop(rid, None)
+        if req.first_tokens is not None and req.first_tokens.done() and not req.first_tokens.cancelled():
+            req.first_tokens.exception()  # retrieved (prefill_lost's, if the import never took it)
         if req.deadline is not None:
             req.deadline.cancel()
         importing = req.importing
