@@ -21,7 +21,10 @@ A request's life here (the queues SGLang's decode side names)::
     start(outbox, task) with a streamed handoff (task.first_token_later): the same,
         but the pull follows the prefill worker's layers as they are computed, and
         the first TokenBatch and activate wait for first_token(request, ids)
-        (prefill_lost(request, reason) instead: the request ends with PeerLost)
+        (prefill_lost(request, reason) instead: the request ends with PeerLost).
+        The blocks stay held while it waits, bounded only by the request's deadline,
+        an abort, or its stream's consumer going: a router sends one of the two
+        calls for every streamed request it does not abort
     start(outbox, task) without one (colocated, or a short prompt by policy):
         add_request (InvalidRequest raised by start) --WAITING/RUNNING-- tokens --> finished
 

@@ -203,8 +203,8 @@ class PrefillWorker:
         if rid in self._waiters:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop, loop.create_future(), loop.create_future() if stream else None)
-        waiter.deadline = None if task.timeout_s is None else loop.time() + task.timeout_s
+        deadline = None if task.timeout_s is None else loop.time() + task.timeout_s
+        waiter = _Waiter(loop, loop.create_future(), loop.create_future() if stream else None, deadline)
 
         def add(engine: Engine) -> str:  # raises InvalidRequest, e.g. for an id still held here
             return engine.add_request(task.prompt_token_ids, task.params, rid, prefill_only=True)

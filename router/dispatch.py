@@ -234,8 +234,9 @@ class Dispatcher:
                     if result.finish_reason is not None:
                         return
                     prefill = self.registry.get(result.worker_id)
-                    task = dataclasses.replace(task, output_token_ids=result.output_token_ids)
-                    task = dataclasses.replace(task, handoff=result.handoff)
+                    task = dataclasses.replace(
+                        task, output_token_ids=result.output_token_ids, handoff=result.handoff
+                    )
                 if prefill is None:  # the prefill worker left the cluster meanwhile
                     task = self._resume_task(req)
             for attempt in range(2):

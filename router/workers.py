@@ -27,6 +27,7 @@ from splitserve.prefill_worker.api import (
     PrefillTask,
     PrefillWorkerInfo,
 )
+from splitserve.router.background import Background
 from splitserve.router.errors import WorkerLost, unwrap
 
 WorkerStats = PrefillStats | DecodeStats
@@ -86,7 +87,7 @@ class RayWorker:
     def __init__(self, actor: Any):
         self.actor = actor
         self._inbox: _Inbox | None = None  # made by the first generate, on the router's loop
-        self._aborting: set[asyncio.Task] = set()
+        self._aborting = Background()  # aborts of requests the caller left early
         # request id -> its start call's outcome, while generate runs: Ray does not order
         # calls to an async actor, so first_token and prefill_lost wait for it
         self._starts: dict[str, asyncio.Future] = {}
@@ -179,19 +180,12 @@ class RayWorker:
             elif not start.cancelled():
                 start.exception()  # retrieved: the caller of generate has it
             if started and not finished:  # not awaited; its errors are of no interest
-                aborting = asyncio.ensure_future(self.abort(rid))
-                self._aborting.add(aborting)
-                aborting.add_done_callback(self._aborted)
+                self._aborting.run(self.abort(rid))
 
     async def close(self) -> None:
         """Stop reading the worker's tokens (its requests from here are aborted there)."""
         if self._inbox is not None:
             await self._inbox.close_all()
-
-    def _aborted(self, task: asyncio.Task) -> None:
-        self._aborting.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved, so asyncio does not log it
 
 
 class _Inbox:
