@@ -78,9 +78,10 @@ from splitserve.kv_transfer.tp_mapping import HeadMappingSink
 log = logging.getLogger(__name__)
 
 # A decode worker that takes KV from elsewhere measures its prompt rate on a prompt of this
-# many tokens before its first request: the router's decider needs it to judge a prefill
-# here, and without it would go by the prefill pool's rate, measured on other prompts (long
-# ones, slower per token), which can keep every prompt away from here for good.
+# many tokens, and its decode step time, before its first request: the router's decider
+# needs both to judge a prefill here (its cost, and the stall budget in decode steps).
+# Without them it would go by the prefill pool's rate, measured on other prompts (long ones,
+# slower per token), and allow no stall, which can keep every prompt away from here for good.
 RATE_PROBE_TOKENS = 128
 
 
@@ -126,7 +127,7 @@ class DecodeWorker:
         self._requests: dict[str, _Request] = {}  # started and not yet ended
         self.loop.start()
         if self.sink is not None:  # before any request (its outputs reach no outbox)
-            self.loop.call(lambda e: e.measure_prefill(RATE_PROBE_TOKENS)).result()
+            self.loop.call(lambda e: e.measure_rates(RATE_PROBE_TOKENS)).result()
 
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> DecodeWorkerInfo:

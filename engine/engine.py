@@ -243,19 +243,23 @@ class Engine:
             self.step()
         return [states[i].completion() for i in ids]
 
-    def measure_prefill(self, num_tokens: int, runs: int = 2) -> float:
-        """Prefill ``runs`` prompts of ``num_tokens`` filler tokens (each run to its first
-        token and dropped), and make the last one's speed the prompt rate ``stats``
-        reports until real prompts move it: a worker then has a rate before its first
-        prompt (the first run pays the one-time costs). Returns it, in tokens/s.
+    def measure_rates(self, num_tokens: int, runs: int = 2, decode_steps: int = 8) -> tuple[float, float]:
+        """Prefill ``runs`` prompts of ``num_tokens`` filler tokens, the last one then
+        decoding ``decode_steps`` tokens alone, and make the last run's speeds what
+        ``stats`` reports until real requests move them: a worker then has a prompt rate
+        and a decode step time before its first request (the first run pays the one-time
+        costs). Returns them: (prompt tokens/s, seconds per decode step of one sequence).
         Call with no request in flight."""
         if self.has_unfinished():
-            raise RuntimeError("measure_prefill needs an idle engine")
-        num_tokens = max(1, min(num_tokens, self.max_model_len - 1))
+            raise RuntimeError("measure_rates needs an idle engine")
+        num_tokens = max(1, min(num_tokens, self.max_model_len - 1 - decode_steps))
         for run in range(runs):
+            last = run == runs - 1
             self._prefill_rate = PrefillRate(self._prefill_rate.decay)
-            self.generate([[run + 1] * num_tokens], SamplingParams(max_tokens=1, ignore_eos=True))
-        return self._prefill_rate.tokens_per_s
+            self._decode_steps = DecodeSteps(self._decode_steps.decay)
+            sampling = SamplingParams(max_tokens=1 + (decode_steps if last else 0), ignore_eos=True)
+            self.generate([[run + 1] * num_tokens], sampling)
+        return self._prefill_rate.tokens_per_s, self._decode_steps.step_s
 
     def follow(self, on_message: Callable[[Any], None] | None = None) -> int:
         """Non-driver TP ranks: run the driver's steps until ``stop_followers``, handing

@@ -18,18 +18,26 @@ moving average of this router's own requests; 0 until the first one).
 
 Queued prompt tokens are the router's own count of prompts it sent and that
 have not produced their first token yet. LOCAL when the stall is within the
-budget (``local_prefill_max_stall_ms``, which also bounds what sequences that
-arrive at D during the prefill wait) and the request gains at least what it
-costs the others::
+budget and the request gains at least what it costs the others::
 
     remote - local >= stall
 
 or, when D decodes nothing (nobody stalls now), when ``local <= remote``. With
 an idle prefill pool and nothing cached this is ``n / rate <= handover``: a
 prompt whose prefill takes less than the handover is prefilled in place. A
-queued prefill pool, or a prefix D holds, raise the gain; the cap keeps any
-one local prefill from stretching the decode batch's inter-token latency past
-the budget. Fixed rules come first: colocated clusters (no prefill pool) are
+queued prefill pool, or a prefix D holds, raise the gain.
+
+The budget (``PolicySpec.stall_budget_s``) keeps any one local prefill from
+stretching D's inter-token gap past ``local_prefill_max_stall_steps`` of its own
+decode steps (``EngineStats.decode_step_s``, as D last reported it; a decode
+worker measures one when it starts), or past ``local_prefill_max_stall_ms`` when
+that is set. It also bounds what sequences that arrive at D during the prefill
+wait, so it applies when D is idle too, and before the queue comparison: a long
+prompt goes to a queued prefill pool rather than hold up D's batch for seconds.
+Counted in decode steps, the budget follows the machine: where prefill and decode
+are both twice as fast, it admits the same prompts.
+
+Fixed rules come first: colocated clusters (no prefill pool) are
 LOCAL; ``local_prefill_below_tokens`` is a floor under which a prompt is always
 LOCAL; a pool with no routable prefill worker (all lost or restarting) means
 LOCAL, whatever the policy, so the cluster keeps serving (``fallback``: the same
@@ -61,7 +69,7 @@ class Reason(enum.Enum):
     FIXED_POLICY = "fixed_policy"  # conditional disaggregation off, or no rate measured yet
     DECODE_IDLE = "decode_idle"  # D decodes nothing: the faster place wins
     GAIN = "gain"  # remote - local >= stall: LOCAL
-    STALL_CAP = "stall_cap"  # a local prefill would stall D's batch past the budget
+    STALL_CAP = "stall_cap"  # a local prefill would stall D's batch past the budget (or none measured)
     NO_GAIN = "no_gain"  # remote - local < stall: REMOTE
 
 
@@ -72,6 +80,7 @@ class Decision:
     local_s: float = 0.0  # the estimates it was made on (0.0 where not computed)
     remote_s: float = 0.0
     stall_s: float = 0.0
+    budget_s: float = 0.0  # the stall budget at D
 
 
 class Decider:
@@ -134,11 +143,13 @@ class Decider:
         remote = (prefill.queued_prompt_tokens + prompt.num_tokens - prompt.cached_on(prefill)) / rate
         remote += self.handover_s
         stall = uncached_local / rate
-        if stall * 1000 > policy.local_prefill_max_stall_ms:
-            return Decision(Placement.REMOTE, Reason.STALL_CAP, local, remote, stall)
+        budget = policy.stall_budget_s(decode.decode_step_s)
+        figures = (local, remote, stall, budget)
+        if stall > budget:
+            return Decision(Placement.REMOTE, Reason.STALL_CAP, *figures)
         if decode.running == 0:
             placement = Placement.LOCAL if local <= remote else Placement.REMOTE
-            return Decision(placement, Reason.DECODE_IDLE, local, remote, stall)
+            return Decision(placement, Reason.DECODE_IDLE, *figures)
         if remote - local >= stall:
-            return Decision(Placement.LOCAL, Reason.GAIN, local, remote, stall)
-        return Decision(Placement.REMOTE, Reason.NO_GAIN, local, remote, stall)
+            return Decision(Placement.LOCAL, Reason.GAIN, *figures)
+        return Decision(Placement.REMOTE, Reason.NO_GAIN, *figures)

@@ -77,11 +77,21 @@ class PolicySpec(StrictModel):
         "measured prefill rate, handover time, queues and cached prefixes (router.decider); "
         "false: every prompt goes to a prefill worker unless under local_prefill_below_tokens",
     )
-    local_prefill_max_stall_ms: float = Field(
-        100.0,
+    local_prefill_max_stall_steps: float = Field(
+        8.0,
         ge=0,
-        description="the longest a prefill on a decode worker may hold up the sequences it is "
-        "decoding (estimated from the measured prefill rate); past it the prompt goes to a prefill worker",
+        description="the longest a prefill on a decode worker may hold up the sequences it is decoding, "
+        "in that worker's own decode steps (its recent mean step time, as it reports it; the prefill's "
+        "length is estimated from the measured prompt rate): one inter-token gap grows to at most about "
+        "this many plus one. Past it the prompt goes to a prefill worker. In steps, so the budget follows "
+        "the hardware and the model (a faster machine decodes and prefills faster alike); a decode worker "
+        "that has not reported a step time yet prefills nothing past local_prefill_below_tokens",
+    )
+    local_prefill_max_stall_ms: float | None = Field(
+        None,
+        ge=0,
+        description="a fixed budget in milliseconds instead of local_prefill_max_stall_steps "
+        "(null: the budget in steps applies)",
     )
     local_prefill_below_tokens: int = Field(
         0,
@@ -94,3 +104,11 @@ class PolicySpec(StrictModel):
         description="send prompts with the same first block to one prefill worker even before any "
         "worker reports it cached (workers that report a cached prefix are preferred anyway)",
     )
+
+    def stall_budget_s(self, decode_step_s: float) -> float:
+        """The longest, in seconds, a local prefill may hold up a decode worker whose recent
+        decode step took ``decode_step_s`` (0.0: not measured yet, so no budget unless
+        a fixed one is set)."""
+        if self.local_prefill_max_stall_ms is not None:
+            return self.local_prefill_max_stall_ms / 1000
+        return self.local_prefill_max_stall_steps * decode_step_s

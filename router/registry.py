@@ -155,6 +155,11 @@ class WorkerRecord:
         """Its engine's measured prompt throughput (0.0 until measured)."""
         return self.stats.engine.prefill_tokens_per_s if self.stats else 0.0
 
+    @property
+    def decode_step_s(self) -> float:
+        """Its engine's recent mean decode step time (0.0 until measured)."""
+        return self.stats.engine.decode_step_s if self.stats else 0.0
+
     def cached_tokens(self, prompt_hashes: Sequence[int], prompt_len: int) -> int:
         """Prompt tokens this worker would take from its prefix cache (as last polled);
         the block holding the prompt's last token is always computed."""

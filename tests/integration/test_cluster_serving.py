@@ -38,12 +38,17 @@ def cluster(checkpoint):
         yield c
 
 
-def test_a_decode_worker_has_its_own_prompt_rate_before_its_first_prefill(cluster):
-    """The decode worker measured its prompt rate when it started, so the decider
-    judges a prefill there by the decode worker's own speed, not the prefill pool's.
-    (The module's first test: no prompt has been prefilled on the decode worker yet.)"""
+def test_a_decode_worker_has_its_own_rates_before_its_first_request(cluster):
+    """The decode worker measured its prompt rate and decode step time when it started,
+    so the decider judges a prefill there by the decode worker's own speed, not the
+    prefill pool's, and has a stall budget in its decode steps. (The module's first
+    test: the decode worker has served no request yet.)"""
     decode = cluster.dispatcher.registry.get("decode-0")
-    wait_until(lambda: decode.prefill_tokens_per_s > 0, "the decode worker reported no prompt rate")
+    wait_until(
+        lambda: decode.prefill_tokens_per_s > 0 and decode.decode_step_s > 0,
+        "the decode worker reported no prompt rate or decode step time",
+    )
+    assert decode.stats.engine.decode_batch == 1  # the probe's, not a request's
 
 
 BAD_INPUTS = [

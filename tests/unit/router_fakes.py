@@ -70,10 +70,13 @@ def record(
     running: int = 0,
     block_size: int = 16,
     prefill_rate: float = 0.0,
+    decode_step: tuple[float, float] = (0.0, 0.0),
 ) -> WorkerRecord:
-    """An ACTIVE record with this load (as the registry would hold it)."""
+    """An ACTIVE record with this load (as the registry would hold it); ``decode_step``
+    is its reported (mean batch, mean decode step seconds)."""
     w = WorkerRecord(wid, role, client=None, block_size=block_size, state=Membership.ACTIVE)
-    w.stats = DecodeStats(wid, engine_stats(free_blocks, num_blocks, running, prefill_rate), 0, 0, 0)
+    stats = engine_stats(free_blocks, num_blocks, running, prefill_rate, decode_step)
+    w.stats = DecodeStats(wid, stats, 0, 0, 0)
     if queued:
         w.prefilling["queued"] = queued
     for i in range(active):

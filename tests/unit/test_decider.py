@@ -10,12 +10,20 @@ from splitserve.router.policy import PolicySpec
 from tests.unit.router_fakes import record
 
 RATE = 1000.0  # prompt tokens per second, as a worker reports it
-POLICY = PolicySpec(local_prefill_max_stall_ms=300)
+STEP_S = 0.03  # the decode worker's decode step, as it reports it
+POLICY = PolicySpec(local_prefill_max_stall_steps=10)  # 300 ms at STEP_S
 
 
-def _decode(running: int = 8, queued: int = 0, rate: float = RATE):
+def _decode(running: int = 8, queued: int = 0, rate: float = RATE, step_s: float = STEP_S):
     return record(
-        "d", "decode", free_blocks=1000, num_blocks=1000, running=running, queued=queued, prefill_rate=rate
+        "d",
+        "decode",
+        free_blocks=1000,
+        num_blocks=1000,
+        running=running,
+        queued=queued,
+        prefill_rate=rate,
+        decode_step=(running, step_s),
     )
 
 
@@ -70,6 +78,30 @@ def test_a_prefix_the_decode_worker_holds_is_prefilled_there():
     assert (
         _decider().decide(POLICY, Prompt.of(tokens, 16), _decode(), _prefill()).placement == Placement.REMOTE
     )
+
+
+def test_the_stall_budget_is_counted_in_the_decode_workers_own_steps():
+    # 200 tokens stall for 200 ms; a queued pool makes the request gain more than that.
+    queued = _prefill(queued=1000)
+    d = _decider().decide(POLICY, _prompt(200), _decode(step_s=0.03), queued)
+    assert (d.placement, d.reason, d.budget_s) == (Placement.LOCAL, Reason.GAIN, pytest.approx(0.3))
+    # A decode worker whose steps take 15 ms allows 150 ms: too short for this prompt.
+    d = _decider().decide(POLICY, _prompt(200), _decode(step_s=0.015), queued)
+    assert (d.placement, d.reason, d.budget_s) == (Placement.REMOTE, Reason.STALL_CAP, pytest.approx(0.15))
+    # A machine twice as fast at both (2000 tok/s, 15 ms steps) decides as the first one.
+    fast = _decider().decide(POLICY, _prompt(200), _decode(rate=2000, step_s=0.015), _prefill(1000, 2000))
+    assert (fast.placement, fast.reason) == (Placement.LOCAL, Reason.GAIN)
+    assert fast.stall_s == pytest.approx(0.1)
+    # No step measured yet: no budget, even on an idle decode worker (the floor still applies).
+    for running in (0, 8):
+        d = _decider().decide(POLICY, _prompt(20), _decode(running=running, step_s=0.0), queued)
+        assert (d.placement, d.reason) == (Placement.REMOTE, Reason.STALL_CAP)
+    floor = POLICY.model_copy(update={"local_prefill_below_tokens": 32})
+    assert _decider().decide(floor, _prompt(20), _decode(step_s=0.0), queued).placement == Placement.LOCAL
+    # A fixed budget in milliseconds overrides the steps.
+    fixed = PolicySpec(local_prefill_max_stall_ms=250)
+    d = _decider().decide(fixed, _prompt(200), _decode(step_s=0.0), queued)
+    assert (d.placement, d.budget_s) == (Placement.LOCAL, pytest.approx(0.25))
 
 
 def test_the_stall_budget_caps_local_prefill_however_queued_the_pool():

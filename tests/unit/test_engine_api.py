@@ -205,13 +205,16 @@ def test_unsupported_architecture_is_refused():
         Engine(EngineConfig(), hf_config=GPT2Config())
 
 
-def test_measure_prefill_gives_a_fresh_engine_its_prompt_rate_and_leaves_it_idle(engine):
-    assert engine.stats().prefill_tokens_per_s == 0.0  # nothing prefilled yet
-    rate = engine.measure_prefill(100)
-    assert rate > 0 and engine.stats().prefill_tokens_per_s == rate
+def test_measure_rates_gives_a_fresh_engine_its_prompt_rate_and_step_time_and_leaves_it_idle(engine):
+    stats = engine.stats()
+    assert stats.prefill_tokens_per_s == 0.0 and stats.decode_step_s == 0.0  # nothing run yet
+    rate, step_s = engine.measure_rates(100)
+    stats = engine.stats()
+    assert rate > 0 and stats.prefill_tokens_per_s == rate
+    assert step_s > 0 and stats.decode_step_s == step_s and stats.decode_batch == 1
     assert_clean(engine)
     out = engine.generate(random_prompts([20], 512, seed=3), GREEDY)[0]  # serves as before
     assert len(out.token_ids) == GREEDY.max_tokens
     engine.add_request([5, 6, 7], GREEDY)
     with pytest.raises(RuntimeError, match="idle"):
-        engine.measure_prefill(10)
+        engine.measure_rates(10)
