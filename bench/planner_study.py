@@ -64,12 +64,13 @@ class Study:
     ttft_ms: float
     tpot_ms: float
     max_per_pool: int
+    headroom: float = 0.0  # the planner's (PlannerSpec.headroom)
 
     def _row(self, label: str, result: SimResult, split=None) -> Row:
         return Row(label, result, result.attainment(self.ttft_ms, self.tpot_ms), split)
 
     def slo(self) -> Row:
-        spec = PlannerSpec(ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms)
+        spec = PlannerSpec(ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms, headroom=self.headroom)
         pool = PoolLimits(1, 1, self.max_per_pool)
         return self._row("slo", Simulation(self.profile, self.trace, pool, pool, "slo", planner=spec).run())
 
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, nargs=2, default=[64, 448], metavar=("LO", "HI"))
     p.add_argument("--output", type=int, nargs=2, default=[200, 400], metavar=("LO", "HI"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--headroom", type=float, default=0.0, help="the slo planner's headroom (default 0)")
     p.add_argument("--plot", help="write the replicas/attainment plot here (needs matplotlib)")
     args = p.parse_args(argv)
     # At this scale each worker has its own machine: no slowdown from sharing cores.
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         SimProfile.from_json(Path(args.profile).read_text()), prefill_slowdown=0.0, decode_slowdown=0.0
     )
     trace = trace_for(args.base_rate, tuple(args.prompt), tuple(args.output), args.seed)
-    study = Study(profile, trace, args.ttft_ms, args.tpot_ms, args.max_per_pool)
+    study = Study(profile, trace, args.ttft_ms, args.tpot_ms, args.max_per_pool, args.headroom)
     print(f"{len(trace)} requests over {DURATION_S:.0f} s; profile {profile}")
     rows = study.run()
     print_table(rows)

@@ -18,6 +18,7 @@ size). The planner then::
                 decode_headroom of the TPOT target; its tokens/s = batch / step
     size      prefill = ceil(predicted prompt tokens/s / prefill capacity)
               decode  = ceil(predicted output tokens/s / decode capacity)
+              (arrivals scaled by 1 + headroom, a backlog by its drain time)
               a pool that missed its SLO last interval with nothing warming
               grows by at least one; decode to at least its routable workers
               times observed TPOT / target (at most 2x; TTFT lags behind a
@@ -74,6 +75,13 @@ class PlannerSpec(BaseModel):
         gt=0,
         description="plan to clear the prompts waiting for prefill within this, on top of the arrivals "
         "(a backlog left by a load step or a burst otherwise drains only at the spare capacity's pace)",
+    )
+    headroom: float = Field(
+        0.0,
+        ge=0,
+        description="plan for this fraction more arrivals than predicted, in both pools (0.25: capacity for "
+        "a quarter more), so that a burst shorter than a worker's start-up meets running workers; "
+        "paid for in replica-seconds at every load",
     )
     max_prefill_utilisation: float = Field(0.9, gt=0, lt=1, description="never plan a prefill worker busier")
     decode_headroom: float = Field(
@@ -233,6 +241,7 @@ class Planner:
     def decide(self, inp: PlannerInput) -> PlannerDecision:
         self._observe(inp)
         rate, prompt, output = self._rate or 0.0, self._prompt or 0.0, self._output or 0.0
+        planned = rate * (1 + self.spec.headroom)  # arrivals the pools are sized for
         p_cap, d_cap = self.prefill_capacity(), self.decode_capacity(inp.decode.max_batch)
         # A backlog (prompts waiting now) is demand on top of the arrivals, to be
         # cleared within backlog_drain_s; it reaches decode as it is prefilled.
@@ -241,16 +250,16 @@ class Planner:
         # many workers there are now): a miss adds one prefill worker. TPOT is the
         # batch's present step time: a miss scales decode by how far it was missed.
         p_need, p_why = self._need(
-            rate * prompt + inp.queued_prompt_tokens / drain,
+            planned * prompt + inp.queued_prompt_tokens / drain,
             p_cap,
             inp.prefill,
             inp.ttft_p90_s,
             self.spec.ttft_ms,
             by_ratio=False,
         )
-        local_s = rate * (self._local or 0.0) / (self._prefill_rate or math.inf)  # decode workers' prefill
+        local_s = planned * (self._local or 0.0) / (self._prefill_rate or math.inf)  # decode workers' prefill
         d_need, d_why = self._need(
-            (rate + inp.queued_requests / drain) * output,
+            (planned + inp.queued_requests / drain) * output,
             d_cap,
             inp.decode,
             inp.tpot_p90_s,

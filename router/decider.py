@@ -27,15 +27,17 @@ an idle prefill pool and nothing cached this is ``n / rate <= handover``: a
 prompt whose prefill takes less than the handover is prefilled in place. A
 queued prefill pool, or a prefix D holds, raise the gain.
 
-The budget (``PolicySpec.stall_budget_s``) keeps any one local prefill from
-stretching D's inter-token gap past ``local_prefill_max_stall_steps`` of its own
-decode steps (``EngineStats.decode_step_s``, as D last reported it; a decode
-worker measures one when it starts), or past ``local_prefill_max_stall_ms`` when
-that is set. It also bounds what sequences that arrive at D during the prefill
-wait, so it applies when D is idle too, and before the queue comparison: a long
-prompt goes to a queued prefill pool rather than hold up D's batch for seconds.
-Counted in decode steps, the budget follows the machine: where prefill and decode
-are both twice as fast, it admits the same prompts.
+The budget (``PolicySpec.stall_budget_s``) bounds ``local``: the prompt tokens
+waiting at D, this one's included, which D's engine prefills in its next steps
+(together, where they fit its step's token budget), so that D's inter-token gap
+grows past neither ``local_prefill_max_stall_steps`` of its own decode steps
+(``EngineStats.decode_step_s``, as D last reported it; a decode worker measures
+one when it starts) nor, when that is set, ``local_prefill_max_stall_ms``. It
+also bounds what sequences that arrive at D during the prefill wait, so it
+applies when D is idle too, and before the queue comparison: a long prompt goes
+to a queued prefill pool rather than hold up D's batch for seconds. Counted in
+decode steps, the budget follows the machine: where prefill and decode are both
+twice as fast, it admits the same prompts.
 
 Fixed rules come first: colocated clusters (no prefill pool) are
 LOCAL; ``local_prefill_below_tokens`` is a floor under which a prompt is always
@@ -69,7 +71,7 @@ class Reason(enum.Enum):
     FIXED_POLICY = "fixed_policy"  # conditional disaggregation off, or no rate measured yet
     DECODE_IDLE = "decode_idle"  # D decodes nothing: the faster place wins
     GAIN = "gain"  # remote - local >= stall: LOCAL
-    STALL_CAP = "stall_cap"  # a local prefill would stall D's batch past the budget (or none measured)
+    STALL_CAP = "stall_cap"  # D's waiting prompts and this one would stall its batch past the budget
     NO_GAIN = "no_gain"  # remote - local < stall: REMOTE
 
 
@@ -145,7 +147,7 @@ class Decider:
         stall = uncached_local / rate
         budget = policy.stall_budget_s(decode.decode_step_s)
         figures = (local, remote, stall, budget)
-        if stall > budget:
+        if local > budget:
             return Decision(Placement.REMOTE, Reason.STALL_CAP, *figures)
         if decode.running == 0:
             placement = Placement.LOCAL if local <= remote else Placement.REMOTE

@@ -92,6 +92,11 @@ def test_the_stall_budget_is_counted_in_the_decode_workers_own_steps():
     fast = _decider().decide(POLICY, _prompt(200), _decode(rate=2000, step_s=0.015), _prefill(1000, 2000))
     assert (fast.placement, fast.reason) == (Placement.LOCAL, Reason.GAIN)
     assert fast.stall_s == pytest.approx(0.1)
+    # The budget bounds every prompt waiting at the decode worker, this one's included:
+    # 150 tokens queued there already and these 200 hold up its batch for 350 ms.
+    d = _decider().decide(POLICY, _prompt(200), _decode(queued=150), queued)
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.STALL_CAP)
+    assert (d.stall_s, d.local_s) == (pytest.approx(0.2), pytest.approx(0.35))
     # No step measured yet: no budget, even on an idle decode worker (the floor still applies).
     for running in (0, 8):
         d = _decider().decide(POLICY, _prompt(20), _decode(running=running, step_s=0.0), queued)
@@ -116,7 +121,8 @@ def test_the_stall_budget_caps_local_prefill_however_queued_the_pool():
 def test_an_idle_decode_worker_takes_whatever_it_finishes_sooner_within_the_budget():
     d = _decider().decide(POLICY, _prompt(250), _decode(running=0), _prefill())
     assert (d.placement, d.reason) == (Placement.LOCAL, Reason.DECODE_IDLE)
-    d = _decider().decide(POLICY, _prompt(250), _decode(running=0, queued=1000), _prefill())
+    # 150 tokens queued at the decode worker: 250 ms there, 150 on the prefill worker.
+    d = _decider().decide(POLICY, _prompt(100), _decode(running=0, queued=150), _prefill())
     assert (d.placement, d.reason) == (Placement.REMOTE, Reason.DECODE_IDLE)
 
 

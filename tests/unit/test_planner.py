@@ -86,6 +86,19 @@ def test_a_backlog_is_planned_for_on_top_of_the_arrivals():
     assert (behind.prefill.desired, behind.decode.desired) == (6, 4)
 
 
+def test_headroom_sizes_both_pools_for_more_arrivals_than_predicted():
+    # as above, 4 req/s need 4 prefill and 3 decode workers; with 50 % headroom the
+    # pools are sized for 6 req/s: 6 prefill (6,000 tok/s), 4 decode (2,400 at 750)
+    def decide(headroom: float):
+        planner = Planner(SPEC.model_copy(update={"headroom": headroom}), PROFILE)
+        return planner.decide(interval(0, rate=4, prompt=1000, output=400, **pools(4, 4)))
+
+    calm, spare = decide(0.0), decide(0.5)
+    assert (calm.prefill.desired, calm.decode.desired) == (4, 3)
+    assert (spare.prefill.desired, spare.decode.desired) == (6, 4)
+    assert spare.arrival_rate == calm.arrival_rate  # the prediction itself is unchanged
+
+
 def test_warming_workers_count_as_capacity_on_the_way():
     planner = Planner(SPEC, PROFILE)
     first = planner.decide(interval(0, rate=10, prompt=1000, output=10))
