@@ -11,7 +11,8 @@ The trace (rates as multiples of ``--base-rate``, Poisson arrivals)::
 
 What it reports, each policy on the same trace:
 
-- ``slo``: the planner (``cluster.planner``), both pools from 1 worker each;
+- ``slo``: the planner (``cluster.planner``), both pools from 1 worker each
+  (with ``--headroom H1 H2 ...``: compared at H1, a row more for each other H);
 - ``proportional``: each pool alone on its load (``cluster.autoscale``), at
   each of a few targets (queued prompt tokens per prefill worker, busy
   fraction per decode worker): more aggressive targets buy attainment with
@@ -69,10 +70,13 @@ class Study:
     def _row(self, label: str, result: SimResult, split=None) -> Row:
         return Row(label, result, result.attainment(self.ttft_ms, self.tpot_ms), split)
 
-    def slo(self) -> Row:
-        spec = PlannerSpec(ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms, headroom=self.headroom)
+    def slo(self, headroom: float | None = None) -> Row:
+        """The planner's row, with the study's headroom unless another is given."""
+        headroom = self.headroom if headroom is None else headroom
+        spec = PlannerSpec(ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms, headroom=headroom)
         pool = PoolLimits(1, 1, self.max_per_pool)
-        return self._row("slo", Simulation(self.profile, self.trace, pool, pool, "slo", planner=spec).run())
+        sim = Simulation(self.profile, self.trace, pool, pool, "slo", planner=spec)
+        return self._row(f"headroom {headroom:g}", sim.run())
 
     def proportional(self) -> list[Row]:
         rows = []
@@ -206,7 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, nargs=2, default=[64, 448], metavar=("LO", "HI"))
     p.add_argument("--output", type=int, nargs=2, default=[200, 400], metavar=("LO", "HI"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--headroom", type=float, default=0.0, help="the slo planner's headroom (default 0)")
+    p.add_argument(
+        "--headroom",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="the slo planner's headroom (default 0); the first value is the one compared with the other "
+        "policies, further values add a row each",
+    )
     p.add_argument("--plot", help="write the replicas/attainment plot here (needs matplotlib)")
     args = p.parse_args(argv)
     # At this scale each worker has its own machine: no slowdown from sharing cores.
@@ -214,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         SimProfile.from_json(Path(args.profile).read_text()), prefill_slowdown=0.0, decode_slowdown=0.0
     )
     trace = trace_for(args.base_rate, tuple(args.prompt), tuple(args.output), args.seed)
-    study = Study(profile, trace, args.ttft_ms, args.tpot_ms, args.max_per_pool, args.headroom)
+    study = Study(profile, trace, args.ttft_ms, args.tpot_ms, args.max_per_pool, args.headroom[0])
     print(f"{len(trace)} requests over {DURATION_S:.0f} s; profile {profile}")
     rows = study.run()
+    rows |= {f"slo {i + 2}": study.slo(h) for i, h in enumerate(args.headroom[1:])}
     print_table(rows)
     if args.plot:
         plot(rows, study, args.plot)

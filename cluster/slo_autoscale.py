@@ -200,8 +200,13 @@ class PlannerLoop:
         if pd.target > pd.current:
             self._spawn(pool.add(pd.target - pd.current))
             return
+        # pd.current counts warming workers too, which cannot be drained: the routable
+        # workers never drop below the target for them (with one routable and one
+        # warming, shrinking to one must not drain the routable one). The next decision
+        # sees the warming ones routable and shrinks then.
         routable = pool.registry.routable(pd.pool)
-        for victim in sorted(routable, key=lambda w: (w.active, w.running))[: pd.current - pd.target]:
+        excess = max(len(routable) - pd.target, 0)
+        for victim in sorted(routable, key=lambda w: (w.active, w.running))[:excess]:
             log.info("planner: draining %s", victim.worker_id)
             self._spawn(pool.remove(victim.worker_id, pool.spec.autoscaling.drain_timeout_s))
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from splitserve.cluster.config import ClusterConfig
-from splitserve.cluster.planner import Planner
+from splitserve.cluster.planner import Planner, PoolDecision, PoolView
 from splitserve.cluster.pools import WorkerPool
 from splitserve.cluster.slo_autoscale import PlannerLoop
-from splitserve.router.registry import WorkerRegistry
+from splitserve.router.registry import Membership, WorkerRegistry
 from splitserve.router.trace import Mark, RequestTrace
 
 
@@ -48,3 +50,41 @@ def test_requests_refused_for_want_of_a_decode_batch_count_as_demand_not_as_empt
     assert inp.finished == 4 and inp.output_tokens == 4 * 64  # 64 per request, not 25.6
     assert inp.prompt_tokens == 4 * 100
     assert inp.tpot_p90_s is not None and abs(inp.tpot_p90_s - 0.02) < 1e-9
+
+
+def test_shrinking_never_drains_a_routable_worker_for_one_still_warming():
+    """A pool of one routable and one warming worker told to shrink to one keeps the
+    routable one (draining it left the pool with none routable until the other
+    loaded: every request failed meanwhile); once both are routable, one drains."""
+    pool = {"autoscaling": {"policy": "slo", "min_replicas": 1, "max_replicas": 4}}
+    config = ClusterConfig.model_validate(
+        {
+            "model": {"name": "random"},
+            "prefill": pool,
+            "decode": pool,
+            "planner": {"ttft_ms": 500, "tpot_ms": 50},
+        }
+    )
+    registry = WorkerRegistry()
+    pools = {role: WorkerPool(role, config, registry) for role in ("prefill", "decode")}
+    drained: list[str] = []
+
+    async def remove(worker_id: str, drain_timeout_s: float) -> None:
+        drained.append(worker_id)
+
+    pools["decode"].remove = remove
+    loop = PlannerLoop(Planner(config.planner), pools, lambda: 0)
+    spawned = []
+    loop._spawn = spawned.append  # the coroutines it would run
+    busy = registry.add("decode-0", "decode", client=None, block_size=16)
+    busy.state = Membership.ACTIVE
+    warming = registry.add("decode-1", "decode", client=None, block_size=16)
+    assert loop._view("decode") == PoolView(1, 1, 1, 4, config.decode.engine.max_num_seqs)
+    loop._apply(PoolDecision("decode", current=2, desired=1, target=1, reason="test"))
+    assert spawned == []
+    warming.state = Membership.ACTIVE
+    busy.decoding["r"] = 16  # the busier one stays
+    loop._apply(PoolDecision("decode", current=2, desired=1, target=1, reason="test"))
+    for coro in spawned:
+        asyncio.run(coro)
+    assert drained == ["decode-1"]
