@@ -17,8 +17,8 @@ the measured time from a prefill result to the decode worker holding the KV (a
 moving average of this router's own requests; 0 until the first one).
 
 Queued prompt tokens are the router's own count of prompts it sent and that
-have not produced their first token yet. LOCAL when the stall is within the
-budget and the request gains at least what it costs the others::
+have not produced their first token yet. LOCAL when ``local`` is within the
+budget (below) and the request gains at least what it costs the others::
 
     remote - local >= stall
 

@@ -80,9 +80,10 @@ class PolicySpec(StrictModel):
     local_prefill_max_stall_steps: float = Field(
         8.0,
         ge=0,
-        description="the longest a prefill on a decode worker may hold up the sequences it is decoding, "
-        "in that worker's own decode steps (its recent mean step time, as it reports it; the prefill's "
-        "length is estimated from the measured prompt rate): one inter-token gap grows to at most about "
+        description="the longest the prefills waiting on a decode worker (a new one's included) may hold up "
+        "the sequences it is decoding, in that worker's own decode steps (its recent mean step time, as it "
+        "reports it; the prefills' length is estimated from the measured prompt rate): one inter-token gap "
+        "grows to at most about "
         "this many plus one. Past it the prompt goes to a prefill worker. In steps, so the budget follows "
         "the hardware and the model (a faster machine decodes and prefills faster alike); a decode worker "
         "that has not reported a step time yet prefills nothing past local_prefill_below_tokens",
