@@ -15,7 +15,9 @@ size). The planner then::
                 utilisation at which an M/D/1 queue still meets the TTFT target
               decode:  the largest batch whose step time, on a line fitted to
                 (batch, step time) points the workers reported, meets
-                decode_headroom of the TPOT target; its tokens/s = batch / step
+                decode_headroom of the TPOT target, and whose sequences fit a
+                worker's KV cache at the observed context (prompt + half the
+                output); its tokens/s = batch / step
     size      prefill = ceil(predicted prompt tokens/s / prefill capacity)
               decode  = ceil(predicted output tokens/s / decode capacity)
               (arrivals scaled by 1 + headroom, a backlog by its drain time)
@@ -111,6 +113,7 @@ class PoolView:
     min_replicas: int
     max_replicas: int
     max_batch: int  # a decode worker's max_num_seqs (its batch never grows past it)
+    kv_tokens: int = 0  # KV tokens one decode worker holds (0: not known, no bound from it)
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ class PlannerInput:
     decode_points: tuple[tuple[float, float], ...]  # (batch, step s) the decode workers reported
     prefill: PoolView
     decode: PoolView
+    context_tokens: int = 0  # prompt tokens, cached ones included, of the requests served whole
     queued_prompt_tokens: int = 0  # now: uncached prompt tokens waiting for or in prefill
     queued_requests: int = 0  # now: the requests they belong to
 
@@ -183,6 +187,7 @@ class Planner:
     _rate: float | None = None
     _prompt: float | None = None
     _output: float | None = None
+    _context: float | None = None  # mean KV tokens a decoding sequence holds over its life
     _local: float | None = None
     _prefill_rate: float | None = None
     _points: deque = field(default_factory=lambda: deque(maxlen=64))
@@ -204,6 +209,8 @@ class Planner:
             self._prompt = _ewma(self._prompt, inp.prompt_tokens / inp.finished, w)
             self._local = _ewma(self._local, inp.local_prompt_tokens / inp.finished, w)
             self._output = _ewma(self._output, inp.output_tokens / inp.finished, w)
+            held = (inp.context_tokens + inp.output_tokens / 2) / inp.finished  # it grows by the outputs
+            self._context = _ewma(self._context, held, w)
         if inp.prefill_tokens_per_s > 0:
             self._prefill_rate = _ewma(self._prefill_rate, inp.prefill_tokens_per_s, w)
         self._points.extend(p for p in inp.decode_points if p[0] > 0 and p[1] > 0)
@@ -224,11 +231,15 @@ class Planner:
             rho = min(self.spec.max_prefill_utilisation, 2 * x / (1 + 2 * x))
         return self._prefill_rate * rho
 
-    def decode_capacity(self, max_batch: int) -> float:
+    def decode_capacity(self, max_batch: int, kv_tokens: int = 0) -> float:
         """Output tokens/s one decode worker gives at the largest batch whose step meets
-        ``decode_headroom`` of the TPOT target (on the fitted step-time line); 0 unknown."""
+        ``decode_headroom`` of the TPOT target (on the fitted step-time line), and whose
+        sequences fit its ``kv_tokens`` at the mean context a sequence holds (prompt and
+        half its output); 0 unknown."""
         if not self._points:
             return 0.0
+        if kv_tokens and self._context:
+            max_batch = min(max_batch, max(1, math.floor(kv_tokens / self._context)))
         a, b = fit_line(list(self._points))
         target = self.spec.decode_headroom * self.spec.tpot_ms / 1000
         if a >= target:
@@ -242,7 +253,10 @@ class Planner:
         self._observe(inp)
         rate, prompt, output = self._rate or 0.0, self._prompt or 0.0, self._output or 0.0
         planned = rate * (1 + self.spec.headroom)  # arrivals the pools are sized for
-        p_cap, d_cap = self.prefill_capacity(), self.decode_capacity(inp.decode.max_batch)
+        p_cap, d_cap = (
+            self.prefill_capacity(),
+            self.decode_capacity(inp.decode.max_batch, inp.decode.kv_tokens),
+        )
         # A backlog (prompts waiting now) is demand on top of the arrivals, to be
         # cleared within backlog_drain_s; it reaches decode as it is prefilled.
         drain = self.spec.backlog_drain_s

@@ -350,6 +350,7 @@ class Simulation:
             prompt_tokens=sum(r.spec.prompt_tokens for r in done),
             local_prompt_tokens=0,
             output_tokens=sum(r.spec.output_tokens for r in done),
+            context_tokens=sum(r.spec.prompt_tokens for r in done),
             ttft_p90_s=percentile([r.ttft_s for r in done], 90),
             tpot_p90_s=percentile([r.tpot_s for r in done if r.tpot_s is not None], 90),
             prefill_tokens_per_s=self.profile.prefill_tokens_per_s,  # what a worker measures of itself

@@ -171,6 +171,7 @@ class PlannerLoop:
                 t.prompt_tokens - t.cached_prompt_tokens for t in served if not t.prefill_worker
             ),
             output_tokens=sum(t.output_tokens for t in served),
+            context_tokens=sum(t.prompt_tokens for t in served),
             ttft_p90_s=percentile([t.ttft_s for t in ok], 90),
             tpot_p90_s=percentile(
                 [(t.e2e_s - t.ttft_s) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1], 90
@@ -193,6 +194,9 @@ class PlannerLoop:
             min_replicas=spec.min_replicas,
             max_replicas=spec.max_replicas,
             max_batch=pool.spec.engine.max_num_seqs,
+            kv_tokens=min(
+                (w.num_blocks * w.block_size for w in workers if w.routable and w.num_blocks), default=0
+            ),
         )
 
     def _apply(self, pd: PoolDecision) -> None:

@@ -72,6 +72,22 @@ def test_an_output_heavy_step_grows_decode_not_prefill():
     assert step.decode_capacity == pytest.approx(30 / 0.04, rel=0.01)
 
 
+def test_decode_batches_are_bounded_by_the_kv_cache_at_the_observed_context():
+    # 40 req/s of 20-token prompts and 400 outputs: 16,000 output tok/s. Unbounded,
+    # a worker takes 30 sequences (750 tok/s): 22 workers. A sequence holds 20 + 200
+    # tokens on average; with KV for 2,200 tokens a worker fits 10 (10 / 0.02 s =
+    # 500 tok/s): 32 workers.
+    def decide(kv_tokens: int):
+        planner = Planner(SPEC, PROFILE)
+        view = PoolView(1, 0, 1, 64, 256, kv_tokens)
+        step = interval(0, rate=40, prompt=20, output=400, context_tokens=200 * 20, decode=view)
+        return planner.decide(step)
+
+    unbounded, bounded = decide(0), decide(2200)
+    assert unbounded.decode_capacity == pytest.approx(750, rel=0.01) and unbounded.decode.desired == 22
+    assert bounded.decode_capacity == pytest.approx(500, rel=0.01) and bounded.decode.desired == 32
+
+
 def test_a_backlog_is_planned_for_on_top_of_the_arrivals():
     # the arrivals need 4 prefill workers (4 req/s x 1000 tokens at 1000 tok/s each)
     # and 3 decode workers (1,600 tok/s at 750); 60,000 prompt tokens of 60 requests
