@@ -184,8 +184,10 @@ class PrefillWorker:
     async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
         """As ``prefill``, yielding the ``PrefillResult`` last; before it, where this worker
         streams KV (``info().streams_kv``), a ``KVStreaming`` as the prompt's last prefill
-        step begins. Its lease runs from then; a caller that leaves before the result
-        releases it (the pull then fails with ``LeaseExpired``)."""
+        step begins, unless that step has already finished when this coroutine wakes (the
+        result is there: only it is yielded, and the KV goes whole). Its lease runs from
+        then; a caller that leaves before the result releases it (the pull then fails
+        with ``LeaseExpired``)."""
         async with self._prefilling(task, stream=self.streams_kv) as waiter:
             if waiter.streamed is not None:
                 either = asyncio.wait([waiter.streamed, waiter.future], return_when=asyncio.FIRST_COMPLETED)

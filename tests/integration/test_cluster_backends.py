@@ -60,12 +60,15 @@ def test_32_concurrent_streams_equal_monolithic_greedy(cluster, reference, clien
     # Streaming, not one final blob: long outputs arrive in several chunks.
     assert max(chunks for _, chunks in results) > 3
     assert wait_kv_free(client) == IDLE
-    # nixl streams each handoff layer by layer (transfer.stream_layers); the others pull whole caches
+    # nixl streams handoffs layer by layer (transfer.stream_layers); the others pull whole
+    # caches. A prompt whose last step had finished before the prefill worker could
+    # announce it goes whole with nixl too (its result is already there): on a busy
+    # machine some do.
     metrics = scrape(cluster)
     streamed = total(metrics, "splitserve:kv_handoffs_total", mode="streamed")
     whole = total(metrics, "splitserve:kv_handoffs_total", mode="whole")
     if cluster.cluster.config.transfer.backend == "nixl":
-        assert streamed > 0 and whole == 0
+        assert streamed > 0
     else:
         assert streamed == 0 and whole > 0
 
