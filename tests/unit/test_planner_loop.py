@@ -21,7 +21,8 @@ def _trace(rid: str, outcome: str, ok: bool, output: int, t0: float) -> RequestT
     return RequestTrace(rid, outcome, ok, 100, 0, output, "prefill-0", "decode-0", 0, 0.0, tuple(marks), ())
 
 
-def test_requests_refused_for_want_of_a_decode_batch_count_as_demand_not_as_empty_requests():
+def _pools() -> tuple[ClusterConfig, WorkerRegistry, dict[str, WorkerPool]]:
+    """Both pools under the SLO planner (1-4 workers each), with no workers yet."""
     pool = {"autoscaling": {"policy": "slo", "min_replicas": 1, "max_replicas": 4}}
     config = ClusterConfig.model_validate(
         {
@@ -32,7 +33,11 @@ def test_requests_refused_for_want_of_a_decode_batch_count_as_demand_not_as_empt
         }
     )
     registry = WorkerRegistry()
-    pools = {role: WorkerPool(role, config, registry) for role in ("prefill", "decode")}
+    return config, registry, {role: WorkerPool(role, config, registry) for role in ("prefill", "decode")}
+
+
+def test_requests_refused_for_want_of_a_decode_batch_count_as_demand_not_as_empty_requests():
+    config, registry, pools = _pools()
     admitted = [0]
     now = [0.0]
     loop = PlannerLoop(Planner(config.planner), pools, lambda: admitted[0], clock=lambda: now[0])
@@ -56,17 +61,7 @@ def test_shrinking_never_drains_a_routable_worker_for_one_still_warming():
     """A pool of one routable and one warming worker told to shrink to one keeps the
     routable one (draining it left the pool with none routable until the other
     loaded: every request failed meanwhile); once both are routable, one drains."""
-    pool = {"autoscaling": {"policy": "slo", "min_replicas": 1, "max_replicas": 4}}
-    config = ClusterConfig.model_validate(
-        {
-            "model": {"name": "random"},
-            "prefill": pool,
-            "decode": pool,
-            "planner": {"ttft_ms": 500, "tpot_ms": 50},
-        }
-    )
-    registry = WorkerRegistry()
-    pools = {role: WorkerPool(role, config, registry) for role in ("prefill", "decode")}
+    config, registry, pools = _pools()
     drained: list[str] = []
 
     async def remove(worker_id: str, drain_timeout_s: float) -> None:
