@@ -83,10 +83,10 @@ class PolicySpec(StrictModel):
         description="the longest the prefills waiting on a decode worker (a new one's included) may hold up "
         "the sequences it is decoding, in that worker's own decode steps (its recent mean step time, as it "
         "reports it; the prefills' length is estimated from the measured prompt rate): one inter-token gap "
-        "grows to at most about "
-        "this many plus one. Past it the prompt goes to a prefill worker. In steps, so the budget follows "
-        "the hardware and the model (a faster machine decodes and prefills faster alike); a decode worker "
-        "that has not reported a step time yet prefills nothing past local_prefill_below_tokens",
+        "grows to at most about this many plus one. Past it the prompt goes to a prefill worker. In steps, "
+        "so the budget follows the hardware and the model (a faster machine decodes and prefills faster "
+        "alike); a decode worker that has not reported a step time yet prefills nothing past "
+        "local_prefill_below_tokens",
     )
     local_prefill_max_stall_ms: float | None = Field(
         None,
@@ -107,9 +107,9 @@ class PolicySpec(StrictModel):
     )
 
     def stall_budget_s(self, decode_step_s: float) -> float:
-        """The longest, in seconds, a local prefill may hold up a decode worker whose recent
-        decode step took ``decode_step_s`` (0.0: not measured yet, so no budget unless
-        a fixed one is set)."""
+        """The longest, in seconds, the prefills waiting on a decode worker (a new one's
+        included) may hold up its batch, for a worker whose recent decode step took
+        ``decode_step_s`` (0.0: not measured yet, so no budget unless a fixed one is set)."""
         if self.local_prefill_max_stall_ms is not None:
             return self.local_prefill_max_stall_ms / 1000
         return self.local_prefill_max_stall_steps * decode_step_s
