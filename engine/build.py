@@ -19,7 +19,8 @@ from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_layout import KVLayout
 from splitserve.engine.model.config import ModelConfig
-from splitserve.engine.model.loader import build_model, checkpoint_weights, load_hf_config, resolve_source
+from splitserve.engine.model.checkpoint import checkpoint_bytes, safetensors_tensors
+from splitserve.engine.model.loader import build_model, load_hf_config, resolve_source
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.parallel import TPGroup, check_tp_compatible
 from splitserve.engine.sampler import Sampler
@@ -28,6 +29,8 @@ from splitserve.engine.tokenizer import Tokenizer
 from splitserve.engine.validation import RequestValidator
 
 log = logging.getLogger(__name__)
+
+PROGRESS_BAR_BYTES = 2**30  # checkpoints this large show a progress bar per rank while loading
 
 
 @dataclass
@@ -59,7 +62,11 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     mc = ModelConfig.from_hf(hf_config)
     check_tp_compatible(mc, tp.size)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    weights = None if (config.random_weights or source is None) else checkpoint_weights(source)
+    weights, progress = None, 0
+    if not (config.random_weights or source is None):
+        weights = safetensors_tensors(source.directory)
+        size = checkpoint_bytes(source.directory)
+        progress = size if size >= PROGRESS_BAR_BYTES else 0
     model = build_model(
         mc,
         dtype,
@@ -70,6 +77,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         config.native_kernels,
         config.quantization,
         tp,
+        progress_bytes=progress,
     )
     if tokenizer is None and config.tokenizer:
         tokenizer = Tokenizer.from_source(config.tokenizer)

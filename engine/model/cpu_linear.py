@@ -39,8 +39,10 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> None:
     """Replace every ``nn.Linear`` in ``model`` with a ``PackedLinear`` (in place).
-    A tied LM head keeps sharing its weight with the embedding, which still needs it."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
+    A tied LM head keeps sharing its weight with the embedding, which still needs it.
+    Each float weight is freed as soon as its packed copy exists (the walk holds no
+    reference to the linears), so packing costs one layer's weight, not the model's."""
+    parents = [m for m in model.modules() if not isinstance(m, nn.Linear)]
+    for parent in parents:
+        for name in [n for n, c in parent.named_children() if isinstance(c, nn.Linear)]:
+            setattr(parent, name, PackedLinear(getattr(parent, name)))

@@ -1,5 +1,6 @@
 """The Llama-family decoder, written for packed variable-length batches over a
-paged KV cache.
+paged KV cache, each rank of a tensor-parallel group building only its shard
+(``splitserve.engine.parallel.layers``).
 
 Input is one flat batch of ``T`` tokens from many sequences (no padding); the
 attention backend knows where each sequence starts and which cache blocks hold
@@ -20,6 +21,13 @@ from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.rope import RotaryEmbedding, apply_rotary
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.parallel.layers import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    kv_head_range,
+)
 
 
 class RMSNorm(nn.Module):
@@ -47,13 +55,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """This rank's query heads and the KV heads they attend to (``kv_head_range``)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        h0, h1 = tp.shard_range(cfg.num_heads)
+        k0, k1 = kv_head_range(cfg.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = h1 - h0, k1 - k0, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.kernels: Any = None  # with ``rope_and_cache``: rotary + KV write in one kernel
@@ -88,11 +100,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """This rank's slice of the intermediate width (gate and up rows, down columns)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.inter = cfg.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, False, tp)
         self.kernels: Any = None  # with ``silu_mul``: the activation in one kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,12 +119,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, delta, cos, sin, k_cache, v_cache, ctx):
         """``x`` is the residual stream, still missing the previous layer's output
@@ -136,15 +150,22 @@ class StepContext:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int):
+    """The model as rank ``tp.rank`` of ``tp`` holds it (the whole model for TP=1).
+    Parameters are left uninitialised: the loader fills them. Build it on the meta
+    device and let the loader materialise it (``loader.build_model``), so that no
+    memory is touched twice."""
+
+    def __init__(self, cfg: ModelConfig, max_position: int, tp: TPGroup | None = None):
         super().__init__()
+        tp = tp or TPGroup.single()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.max_position = max_position
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = VocabParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.linear.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_position)
 
     @torch.inference_mode()

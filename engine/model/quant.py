@@ -154,9 +154,10 @@ def quantize_linears(model: nn.Module, method: str) -> int:
         return 0
     cls = _LAYERS[method]
     replaced = 0
-    for parent in list(model.get_submodule("layers").modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, cls(child))
-                replaced += 1
+    # parents only: a list holding the linears would keep every float weight alive until the end
+    parents = [m for m in model.get_submodule("layers").modules() if not isinstance(m, nn.Linear)]
+    for parent in parents:
+        for name in [n for n, c in parent.named_children() if isinstance(c, nn.Linear)]:
+            setattr(parent, name, cls(getattr(parent, name)))
+            replaced += 1
     return replaced

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 from splitserve.engine.lazy import lazy_attributes
 
-_EXPORTS = {"TPGroup": "group", "TPInit": "tp_init", "check_tp_compatible": "layers", "shard_model": "layers"}
+_EXPORTS = {"TPGroup": "group", "TPInit": "tp_init", "check_tp_compatible": "layers"}
 
 if TYPE_CHECKING:
     from splitserve.engine.parallel.group import TPGroup
-    from splitserve.engine.parallel.layers import check_tp_compatible, shard_model
+    from splitserve.engine.parallel.layers import check_tp_compatible
     from splitserve.engine.parallel.tp_init import TPInit
 
 
@@ -22,5 +22,4 @@ __all__ = [
     "TPGroup",
     "TPInit",
     "check_tp_compatible",
-    "shard_model",
 ]

@@ -1,5 +1,6 @@
-"""Megatron-style tensor parallelism for ``LlamaModel``, applied by slicing a loaded
-model in place (every rank loads the same weights, then keeps its shard)::
+"""Megatron-style tensor parallelism: the layers a model is built from, each
+holding only this rank's shard from the start (the loader reads each rank's
+slice of every checkpoint tensor into them; no rank ever holds the whole model)::
 
     qkv_proj      column-parallel: this rank's query heads and KV heads (q, k, v rows)
     o_proj        row-parallel:    this rank's query-head columns, then all-reduce
@@ -8,18 +9,23 @@ model in place (every rank loads the same weights, then keeps its shard)::
     embed_tokens  vocab-parallel:  rows [r*V/tp, (r+1)*V/tp); other ids give 0, then all-reduce
     lm_head       vocab-parallel:  the same rows; logits all-gathered along the vocabulary
 
-Norms and rotary tables are replicated. Each rank's KV cache holds only its KV
-heads (``num_kv_heads / tp``), so KV heads must split evenly over the ranks (and
-query heads and the MLP width too); a model that does not is refused.
+Column-parallel layers are plain ``nn.Linear`` of the shard's size. Norms and
+rotary tables are replicated. Query heads and the MLP width must split evenly
+over the ranks. KV heads split evenly too: the layers and the loader can
+replicate them when there are fewer KV heads than ranks (``kv_head_range``: each
+rank keeps the one KV head its query heads attend to, as vLLM does), but the KV
+handoff between TP sizes does not map replicated heads yet, so
+``check_tp_compatible`` still refuses that. Every layer here also runs at TP=1,
+where its collectives are the identity.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.model.config import ModelConfig
-from splitserve.engine.model.llama import MLP, Attention, LlamaModel
 from splitserve.engine.parallel.group import TPGroup
 
 
@@ -38,14 +44,24 @@ def check_tp_compatible(cfg: ModelConfig, tp_size: int) -> None:
             )
 
 
+def kv_head_range(num_kv_heads: int, group: TPGroup) -> tuple[int, int]:
+    """The model's KV heads this rank holds, [start, stop): an even split, or with
+    fewer KV heads than ranks the one head this rank's query heads attend to."""
+    if num_kv_heads >= group.size:
+        return group.shard_range(num_kv_heads)
+    head = group.rank * num_kv_heads // group.size
+    return head, head + 1
+
+
 class RowParallelLinear(nn.Module):
     """A linear over this rank's slice of the input features, summed over ranks.
-    The bias (if any) is added once, after the sum."""
+    ``linear`` holds the shard (quantization and CPU packing replace it); the bias
+    (if any) is added once, after the sum."""
 
-    def __init__(self, linear: nn.Linear, bias: torch.Tensor | None, group: TPGroup):
+    def __init__(self, in_per_rank: int, out_features: int, bias: bool, group: TPGroup):
         super().__init__()
-        self.linear = linear
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.linear = nn.Linear(in_per_rank, out_features, bias=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,17 +69,27 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def vocab_rows(vocab_size: int, group: TPGroup) -> tuple[int, int, int]:
+    """(start, stop, rows): this rank's vocabulary rows [start, stop) and the rows its
+    shard holds (``ceil(V / tp)``; the last rank's extra rows are zeros)."""
+    per = -(-vocab_size // group.size)
+    start = group.rank * per
+    return start, min(start + per, vocab_size), per
+
+
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, weight: torch.Tensor, start: int, group: TPGroup):
+    def __init__(self, vocab_size: int, hidden: int, group: TPGroup):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)  # [V/tp (padded), hidden]
-        self.start, self.rows = start, weight.shape[0]
+        self.start, _, self.rows = vocab_rows(vocab_size, group)
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden), requires_grad=False)
         self.group = group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows)
-        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside[:, None], 0)
         return self.group.all_reduce(out)
 
@@ -71,75 +97,12 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelLMHead(nn.Module):
     """Logits of this rank's vocabulary rows, gathered into the full vocabulary."""
 
-    def __init__(self, linear: nn.Linear, vocab_size: int, group: TPGroup):
+    def __init__(self, vocab_size: int, hidden: int, group: TPGroup):
         super().__init__()
-        self.linear = linear
+        self.linear = nn.Linear(hidden, vocab_rows(vocab_size, group)[2], bias=False)
         self.vocab_size = vocab_size
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather_last_dim(self.linear(x))[..., : self.vocab_size]
-
-
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    lin.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-    if bias is not None:
-        lin.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
-    return lin
-
-
-def _rows(t: torch.Tensor | None, ranges: list[tuple[int, int]]) -> torch.Tensor | None:
-    return None if t is None else torch.cat([t[a:b] for a, b in ranges])
-
-
-@torch.no_grad()
-def shard_model(model: LlamaModel, group: TPGroup) -> None:
-    """Keep this rank's shard of every parallel layer (in place). Call after loading
-    the weights and before quantizing or packing linears. A no-op for TP=1."""
-    if group.size == 1:
-        return
-    cfg = model.config
-    check_tp_compatible(cfg, group.size)
-    d = cfg.head_dim
-    h0, h1 = group.shard_range(cfg.num_heads)
-    k0, k1 = group.shard_range(cfg.num_kv_heads)
-    i0, i1 = group.shard_range(cfg.intermediate_size)
-    q_rows = (h0 * d, h1 * d)
-    k_rows = (cfg.q_size + k0 * d, cfg.q_size + k1 * d)
-    v_rows = (cfg.q_size + cfg.kv_size + k0 * d, cfg.q_size + cfg.kv_size + k1 * d)
-    for layer in model.layers:
-        attn: Attention = layer.self_attn
-        qkv = attn.qkv_proj
-        qkv_ranges = [q_rows, k_rows, v_rows]
-        attn.qkv_proj = _linear(_rows(qkv.weight, qkv_ranges), _rows(qkv.bias, qkv_ranges))
-        o = attn.o_proj
-        attn.o_proj = RowParallelLinear(_linear(o.weight[:, q_rows[0] : q_rows[1]], None), o.bias, group)
-        attn.num_heads, attn.num_kv_heads = h1 - h0, k1 - k0
-        attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
-        mlp: MLP = layer.mlp
-        gu = mlp.gate_up_proj.weight
-        inter = cfg.intermediate_size
-        mlp.gate_up_proj = _linear(_rows(gu, [(i0, i1), (inter + i0, inter + i1)]), None)
-        mlp.down_proj = RowParallelLinear(_linear(mlp.down_proj.weight[:, i0:i1], None), None, group)
-        mlp.inter = i1 - i0
-    _shard_vocab(model, group)
-
-
-def _shard_vocab(model: LlamaModel, group: TPGroup) -> None:
-    cfg = model.config
-    per = -(-cfg.vocab_size // group.size)  # rows per rank; the last rank is zero-padded
-    start = group.rank * per
-
-    def shard(full: torch.Tensor) -> torch.Tensor:
-        part = full[start : min(start + per, cfg.vocab_size)]
-        pad = per - part.shape[0]
-        return torch.cat([part, part.new_zeros(pad, part.shape[1])]) if pad else part.clone()
-
-    embed = shard(model.embed_tokens.weight)
-    head = embed if cfg.tie_word_embeddings else shard(model.lm_head.weight)
-    model.embed_tokens = VocabParallelEmbedding(embed, start, group)
-    lm_head = _linear(head, None)
-    if cfg.tie_word_embeddings:
-        lm_head.weight = model.embed_tokens.weight
-    model.lm_head = VocabParallelLMHead(lm_head, cfg.vocab_size, group)
+        logits = self.group.all_gather_last_dim(self.linear(x))
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
