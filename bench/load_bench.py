@@ -220,7 +220,9 @@ def load_ranks(directory: Path, size: int, threads: int, max_anon: float) -> tup
     they report. Returns their results and why they were stopped ('' if they were not)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(str(directory), r, size, threads, out)) for r in range(size)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(str(directory), r, size, threads, out)) for r in range(size)
+    ]
     for p in procs:
         p.start()
     peaks = [0] * size
@@ -230,7 +232,9 @@ def load_ranks(directory: Path, size: int, threads: int, max_anon: float) -> tup
         for r, p in enumerate(procs):
             peaks[r] = max(peaks[r], rss_anon(p.pid))
         if sum(peaks) > max_anon * GIB:
-            stopped = f"stopped: the ranks' RssAnon passed {max_anon:g} GiB together ({sum(peaks) / GIB:.1f} GiB)"
+            stopped = (
+                f"stopped: the ranks' RssAnon passed {max_anon:g} GiB together ({sum(peaks) / GIB:.1f} GiB)"
+            )
             break
         if any(not p.is_alive() and p.exitcode not in (0, None) for p in procs):
             stopped = f"a rank died: exit codes {[p.exitcode for p in procs]}"
@@ -278,7 +282,9 @@ def main() -> None:
             f"  {ok:>6}  {r.seconds:>6.1f}"
         )
     slowest = max(r.seconds for r in results)
-    print(f"load speed ÷ read speed: {read_s / slowest:.2f} (the slowest rank's load vs one read of the files)")
+    print(
+        f"load speed ÷ read speed: {read_s / slowest:.2f} (the slowest rank's load vs one read of the files)"
+    )
 
 
 if __name__ == "__main__":

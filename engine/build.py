@@ -18,8 +18,8 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_layout import KVLayout
-from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.checkpoint import checkpoint_bytes, safetensors_tensors
+from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import build_model, load_hf_config, resolve_source
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.parallel import TPGroup, check_tp_compatible

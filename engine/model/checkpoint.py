@@ -117,7 +117,9 @@ class _Random:
         elif self.name.endswith(".bias"):
             full = torch.zeros(self.shape, device=self.device)
         else:
-            g = torch.Generator(self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(self.name.encode()))
+            g = torch.Generator(self.device).manual_seed(
+                self.seed * 1_000_003 + zlib.crc32(self.name.encode())
+            )
             full = torch.randn(self.shape, generator=g, device=self.device) * self.std
         return full[_index(len(self.shape), dim, start, stop)]
 

@@ -115,14 +115,7 @@ def build_model(
     Triton on CUDA. ``init_on_device`` draws random weights on ``device`` (for
     random models too large to draw on the host quickly: GPU benchmarks);
     ``progress_bytes`` > 0 shows a progress bar of the checkpoint bytes read, out of that many."""
-    tp = tp or TPGroup.single()
-    with torch.device("meta"):
-        model = LlamaModel(cfg, max_position, tp)
-    _materialize(model, device, dtype)
-    if weights is None:
-        weights = random_tensors(llama_tensor_shapes(cfg), seed, device if init_on_device else "cpu")
-    load_weights(model, weights, tp, progress_bytes)
-    model.eval()
+    model = load_model(cfg, dtype, device, max_position, weights, seed, tp, init_on_device, progress_bytes)
     quantize_linears(model, quantization)
     if packing_supported(device, dtype):
         pack_linears(model)
@@ -136,6 +129,29 @@ def build_model(
     return model
 
 
+def load_model(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    weights: Iterable[tuple[str, TensorSource]] | None,
+    seed: int = 0,
+    tp: TPGroup | None = None,
+    init_on_device: bool = False,
+    progress_bytes: int = 0,
+) -> LlamaModel:
+    """This rank's shard with its weights loaded, every linear a plain ``nn.Linear``
+    (``build_model`` without quantizing, packing or kernels)."""
+    tp = tp or TPGroup.single()
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_position, tp)
+    _materialize(model, device, dtype)
+    if weights is None:
+        weights = random_tensors(llama_tensor_shapes(cfg), seed, device if init_on_device else "cpu")
+    load_weights(model, weights, tp, progress_bytes)
+    return model.eval()
+
+
 def _materialize(model: LlamaModel, device: torch.device, dtype: torch.dtype) -> None:
     """Give every (meta) parameter real, uninitialised storage on ``device`` in ``dtype``,
     tied parameters one storage; rebuild the rotary tables there (computed in
@@ -144,7 +160,9 @@ def _materialize(model: LlamaModel, device: torch.device, dtype: torch.dtype) ->
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if id(p) not in made:
-                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
+                made[id(p)] = nn.Parameter(
+                    torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False
+                )
             module.register_parameter(name, made[id(p)])
     cfg = model.config
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, model.max_position).to(device=device, dtype=dtype)
@@ -259,16 +277,16 @@ def load_weights(
         dst.copy_(piece)
         if place.pad_rows:
             place.param[place.row0 + piece.shape[0] :].zero_()
-        written[id(place.param)] = written.get(id(place.param), 0) + piece.numel() + place.pad_rows * (
-            piece.numel() // max(1, piece.shape[0])
+        written[id(place.param)] = (
+            written.get(id(place.param), 0)
+            + piece.numel()
+            + place.pad_rows * (piece.numel() // max(1, piece.shape[0]))
         )
         if bar is not None:
             bar.update(_numel(source.shape) * source.dtype.itemsize)
     if bar is not None:
         bar.close()
-    missing = [
-        pname for pname, p in model.named_parameters() if written.get(id(p), 0) != p.numel()
-    ]
+    missing = [pname for pname, p in model.named_parameters() if written.get(id(p), 0) != p.numel()]
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
