@@ -56,6 +56,11 @@ class ModelSpec(_Strict):
     seed: int = Field(
         _engine_default("seed"), ge=0, description="seed for random weights and unseeded sampling"
     )
+    generation_config: bool = Field(
+        _engine_default("generation_config"),
+        description="apply the model's generation_config.json (temperature, top_p, top_k, EOS ids) to "
+        "requests that leave those unset; false: the server's own defaults (vLLM's --generation-config vllm)",
+    )
 
     @property
     def public_name(self) -> str:

@@ -16,6 +16,7 @@ from splitserve.engine.attention import get_backend
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
+from splitserve.engine.generation_defaults import GenerationDefaults
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_layout import KVLayout
 from splitserve.engine.model.checkpoint import checkpoint_bytes, safetensors_tensors
@@ -83,7 +84,10 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         tokenizer = Tokenizer.from_source(config.tokenizer)
     elif tokenizer is None and source is not None and source.has_tokenizer:
         tokenizer = Tokenizer.from_source(str(source.directory))
-    eos_token_ids = set(mc.eos_token_ids)
+    defaults = GenerationDefaults()
+    if config.generation_config and source is not None:
+        defaults = GenerationDefaults.read(source.directory)
+    eos_token_ids = set(mc.eos_token_ids) | set(defaults.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos_token_ids.add(tokenizer.eos_token_id)
 
@@ -130,6 +134,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         max_model_len=max_model_len,
         max_kv_tokens=num_blocks * config.block_size,
         tokenizer=tokenizer,
+        defaults=defaults,
     )
     threads = f"{torch.get_num_threads()} torch threads" if device.type == "cpu" else str(device)
     summary = (

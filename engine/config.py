@@ -44,6 +44,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # replay decode steps from CUDA graphs; None: where they can be
     # captured (CUDA, triton attention, TP=1); True requires that
     seed: int = 0  # random weights and unseeded sampling
+    generation_config: bool = True  # the model's generation_config.json sets defaults of unset fields
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

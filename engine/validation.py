@@ -7,9 +7,10 @@ rejects bad input before it costs any worker anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitserve.engine.errors import InvalidRequest
+from splitserve.engine.generation_defaults import GenerationDefaults
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
 
@@ -21,6 +22,8 @@ class RequestValidator:
     max_model_len: int  # prompt + output tokens at most
     max_kv_tokens: int  # tokens the smallest KV cache that must hold the request can hold
     tokenizer: Tokenizer | None
+    # the model's defaults for the sampling fields a request leaves unset
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def validate(
         self,

@@ -133,6 +133,7 @@ class Dispatcher:
         ``KVTransferError``. Whatever the outcome, its trace goes to ``sinks``."""
         timeouts = [t for t in (inp.timeout_s, self.limits.max_timeout_s) if t is not None]
         rid = inp.request_id or uuid.uuid4().hex
+        inp = dataclasses.replace(inp, params=self.validator.defaults.apply(inp.params, inp.unset))
         req = RequestState(rid, [], inp.params, min(timeouts) if timeouts else None)
         outcome, ok, admitted = "CANCELLED", False, False
         try:

@@ -19,6 +19,7 @@ class GenerateInput:
     model: str = ""
     request_id: str = ""
     timeout_s: float | None = None
+    unset: frozenset[str] = frozenset()  # sampling fields the client left unset (the model's defaults apply)
 
 
 @dataclass(frozen=True)

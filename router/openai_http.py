@@ -31,6 +31,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from splitserve.engine.errors import InvalidRequest
+from splitserve.engine.generation_defaults import SAMPLING_FIELDS
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.router.auth import ApiKeys, http_auth_middleware
 from splitserve.router.dispatch import Dispatcher
@@ -81,6 +82,10 @@ class _Request(BaseModel):
             stop=stop,
             ignore_eos=self.ignore_eos,
         )
+
+    def unset(self) -> frozenset[str]:
+        """Sampling fields this request left unset (the model's defaults apply to them)."""
+        return frozenset(f for f in SAMPLING_FIELDS if getattr(self, f) is None)
 
 
 class ChatRequest(_Request):
@@ -176,9 +181,9 @@ class OpenAIServer:
                     {"role": str(m.get("role", "")), "content": _text_of(m.get("content"))}
                     for m in body.messages
                 ]
-                inp = GenerateInput(body.params(), messages=messages, model=body.model)
+                inp = GenerateInput(body.params(), messages=messages, model=body.model, unset=body.unset())
             else:
-                inp = GenerateInput(body.params(), prompt=body.prompt, model=body.model)
+                inp = GenerateInput(body.params(), prompt=body.prompt, model=body.model, unset=body.unset())
             prefix = "chatcmpl" if chat else "cmpl"
             inp = dataclasses.replace(inp, request_id=f"{prefix}-{uuid.uuid4().hex}")
             events = self.dispatcher.generate(inp)

@@ -12,6 +12,7 @@ import uuid
 
 from splitserve.decode_worker.api import DecodeStats
 from splitserve.engine.errors import InvalidRequest
+from splitserve.engine.generation_defaults import SAMPLING_FIELDS
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import FinishReason
 from splitserve.prefill_worker.api import PrefillStats
@@ -60,6 +61,7 @@ def generate_input(request: pb.GenerateRequest, time_remaining: float | None) ->
     timeouts = [t for t in (time_remaining, request.timeout_ms / 1000 if request.timeout_ms else None) if t]
     return GenerateInput(
         params=sampling_from_proto(request.sampling),
+        unset=frozenset(f for f in SAMPLING_FIELDS if not request.sampling.HasField(f)),
         prompt=prompt,
         messages=messages,
         model=request.model,

@@ -1,0 +1,71 @@
+"""The sampling defaults a model ships in ``generation_config.json``.
+
+A request that leaves ``temperature``, ``top_p`` or ``top_k`` unset gets the
+model's value (Llama-3-Instruct ships ``temperature: 0.6, top_p: 0.9``; Qwen3
+also ``top_k: 20``), as vLLM does with ``--generation-config auto``; the file's
+``eos_token_id`` adds to the model's end-of-sequence ids. Turning it off
+(``EngineConfig.generation_config = False``, vLLM's ``--generation-config vllm``)
+leaves the server's own defaults. Plain data: routers unpickle it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.engine.errors import ModelLoadError
+from splitserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+FILE = "generation_config.json"
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def read(cls, directory: Path) -> GenerationDefaults:
+        """The defaults in ``directory/generation_config.json``; none if there is no file.
+        Raises ``ModelLoadError`` for a file that is not JSON or has values out of range."""
+        path = directory / FILE
+        if not path.exists():
+            return cls()
+        try:
+            raw = json.loads(path.read_text())
+        except ValueError as e:
+            raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        out = cls(
+            temperature=raw.get("temperature"),
+            top_p=raw.get("top_p"),
+            top_k=raw.get("top_k"),
+            eos_token_ids=tuple(int(i) for i in eos_ids),
+        )
+        try:
+            out.apply(SamplingParams(), SAMPLING_FIELDS)
+        except ValueError as e:  # InvalidRequest is a ValueError
+            raise ModelLoadError(f"{path} has a sampling default out of range: {e}") from e
+        if out.sampling():
+            log.info("sampling defaults from %s: %s", FILE, out.sampling())
+        return out
+
+    def sampling(self) -> dict[str, float | int]:
+        """The sampling fields this file sets."""
+        return {f: getattr(self, f) for f in SAMPLING_FIELDS if getattr(self, f) is not None}
+
+    def apply(self, params: SamplingParams, unset: Collection[str]) -> SamplingParams:
+        """``params`` with each field in ``unset`` (by name) that this file sets replaced
+        by the file's value; the rest as the client sent them."""
+        changes = {k: v for k, v in self.sampling().items() if k in unset}
+        return dataclasses.replace(params, **changes) if changes else params
