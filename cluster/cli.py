@@ -1,6 +1,6 @@
 """The ``splitserve`` command line.
 
-    splitserve serve [--config PATH] [--address RAY_ADDRESS] [--port N] [--http-port N]
+    splitserve serve [MODEL] [--config PATH] [--tensor-parallel-size N] [...]  (vLLM's flags; see --help)
     splitserve generate PROMPT [--server HOST:PORT] [--stream] [...]
     splitserve status [--server HOST:PORT]
     splitserve bench serve|compare [...]     (see --help)
@@ -33,18 +33,43 @@ def _serve(args: argparse.Namespace) -> int:
         print("\n".join(describe()))
         return 0
     try:
-        config = ClusterConfig.load(args.config)
-        overrides = {}
-        if args.address:
-            overrides["ray"] = config.ray.model_copy(update={"address": args.address})
-        router = {k: v for k, v in (("port", args.port), ("http_port", args.http_port)) if v is not None}
-        if router:
-            overrides["router"] = config.router.model_copy(update=router)
-        config = ClusterConfig.model_validate(config.model_copy(update=overrides).model_dump())
+        config = serve_config(args, ClusterConfig.load(args.config))
     except ValueError as e:
         _err(str(e))
         return 2
     return asyncio.run(_serve_until_signal(config))
+
+
+# tp_size is set on the pools that run tensor-parallel so far (cluster.config refuses TP elsewhere)
+TP_POOLS = ("prefill",)
+
+
+def serve_config(args: argparse.Namespace, config):
+    """``config`` with the ``serve`` command's flags applied: a flag given overrides
+    the config file, a flag left out leaves it. Raises ``ValueError``."""
+    from splitserve.cluster.config import ClusterConfig
+
+    data = config.model_dump()
+    model = {
+        "name": args.model,
+        "served_name": args.served_model_name,
+        "max_model_len": args.max_model_len,
+        "dtype": args.dtype,
+        "generation_config": None if args.generation_config is None else args.generation_config == "auto",
+    }
+    data["model"].update({k: v for k, v in model.items() if v is not None})
+    if args.model is not None and args.served_model_name is None:
+        data["model"]["served_name"] = args.model  # clients name the model as the user did
+    router = {"host": args.host, "port": args.port, "http_port": args.http_port}
+    data["router"].update({k: v for k, v in router.items() if v is not None})
+    if args.address:
+        data["ray"]["address"] = args.address
+    for role in ("prefill", "decode", "colocated"):
+        if args.quantization is not None:
+            data[role]["engine"]["quantization"] = args.quantization
+        if args.tensor_parallel_size is not None and role in TP_POOLS:
+            data[role]["tp_size"] = args.tensor_parallel_size
+    return ClusterConfig.model_validate(data)
 
 
 async def _serve_until_signal(config) -> int:
@@ -238,14 +263,54 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    srv = sub.add_parser("serve", help="start the cluster (Ray, workers, gRPC router) and serve until Ctrl-C")
+    srv = sub.add_parser(
+        "serve",
+        help="start the cluster (Ray, workers, gRPC router) and serve until Ctrl-C",
+        description="Start the cluster and serve until Ctrl-C. The config file describes the pools; "
+        "the flags (vLLM's names) override it.",
+    )
+    srv.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="an HF directory, a .gguf file or smollm2 (default: the config's)",
+    )
     srv.add_argument("--config", default=None, help="a cluster_configs/*.yaml (default: local.yaml)")
     srv.add_argument(
         "--address", default=None, help="attach to this Ray cluster ('auto') instead of starting one"
     )
+    srv.add_argument("--host", default=None, help="address the gRPC and HTTP servers listen on")
     srv.add_argument("--port", type=int, default=None, help="gRPC port (overrides the config)")
     srv.add_argument(
         "--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (overrides the config)"
+    )
+    srv.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help=f"TP ranks per worker of the pools that run tensor-parallel ({', '.join(TP_POOLS)})",
+    )
+    srv.add_argument(
+        "--max-model-len", type=int, default=None, help="context length cap (default: the model's)"
+    )
+    srv.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None)
+    srv.add_argument(
+        "--quantization",
+        "-q",
+        choices=["none", "fp8", "int8"],
+        default=None,
+        help="every pool's linear layers (the config may set each pool's own)",
+    )
+    srv.add_argument(
+        "--served-model-name", default=None, help="the model's name in requests (default: MODEL as given)"
+    )
+    srv.add_argument(
+        "--generation-config",
+        choices=["auto", "vllm"],
+        default=None,
+        help="auto: the model's generation_config.json sets defaults of unset sampling fields; "
+        "vllm: ignore it",
     )
     srv.add_argument("--help-config", action="store_true", help="list every config field and exit")
     srv.set_defaults(func=_serve)

@@ -1,0 +1,66 @@
+"""``splitserve serve MODEL`` with vLLM's flags: each flag given overrides the
+config file, each left out keeps it, and a bad value is refused before Ray starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.cluster.cli import build_parser, serve_config
+from splitserve.cluster.config import ClusterConfig
+
+
+def _config(*argv: str, base: ClusterConfig | None = None) -> ClusterConfig:
+    args = build_parser().parse_args(["serve", *argv])
+    return serve_config(args, base or ClusterConfig.load())
+
+
+def test_no_flags_leave_the_config_as_it_is():
+    assert _config() == ClusterConfig.load()
+
+
+def test_vllm_flags_override_the_config():
+    cfg = _config(
+        "/models/llama",
+        "--tensor-parallel-size", "2",
+        "--max-model-len", "4096",
+        "--dtype", "bfloat16",
+        "--quantization", "fp8",
+        "--host", "0.0.0.0",
+        "--port", "6000",
+        "--generation-config", "vllm",
+    )  # fmt: skip
+    assert cfg.model.name == "/models/llama"
+    assert cfg.model.public_name == "/models/llama"  # the name as the user gave it, as vLLM serves it
+    assert (cfg.model.max_model_len, cfg.model.dtype, cfg.model.generation_config) == (
+        4096,
+        "bfloat16",
+        False,
+    )
+    assert cfg.prefill.tp_size == 2 and cfg.decode.tp_size == 1
+    assert cfg.prefill.engine.quantization == cfg.decode.engine.quantization == "fp8"
+    assert (cfg.router.host, cfg.router.port, cfg.router.http_port) == ("0.0.0.0", 6000, 8000)
+
+
+def test_served_model_name_wins_and_bad_values_are_refused():
+    assert _config("/models/llama", "--served-model-name", "llama").model.public_name == "llama"
+    with pytest.raises(ValueError, match="max_model_len"):
+        _config("--max-model-len", "1")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--dtype", "int4"])
+
+
+def test_help_lists_the_flags(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in (
+        "--tensor-parallel-size",
+        "--max-model-len",
+        "--dtype",
+        "--quantization",
+        "--served-model-name",
+        "--host",
+        "--port",
+        "--generation-config",
+    ):
+        assert flag in out
