@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.engine.errors import ModelLoadError
+from splitserve.engine.model.checkpoint_quant import CheckpointQuant
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -35,6 +36,7 @@ class ModelConfig:
     rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e4})
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    checkpoint_quant: CheckpointQuant | None = None  # the checkpoint's own FP8 weights, if any
 
     @property
     def q_size(self) -> int:
@@ -84,6 +86,7 @@ class ModelConfig:
             rope=_rope_params(hf),
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf, "bos_token_id", None),
+            checkpoint_quant=CheckpointQuant.from_config(getattr(hf, "quantization_config", None)),
         )
 
 

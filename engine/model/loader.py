@@ -38,11 +38,12 @@ from torch import nn
 from splitserve.engine import kernels
 from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.model.checkpoint import TensorSource, random_tensors
+from splitserve.engine.model.checkpoint_quant import CheckpointQuant
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.cpu_linear import pack_linears, packing_supported
 from splitserve.engine.model.gguf_cache import converted_checkpoint
 from splitserve.engine.model.llama import LlamaModel
-from splitserve.engine.model.quant import quantize_linears
+from splitserve.engine.model.quant import FP8_DTYPE, Fp8CheckpointLinear, quantize_linears
 from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.layers import kv_head_range, vocab_rows
@@ -116,6 +117,7 @@ def build_model(
     random models too large to draw on the host quickly: GPU benchmarks);
     ``progress_bytes`` > 0 shows a progress bar of the checkpoint bytes read, out of that many."""
     model = load_model(cfg, dtype, device, max_position, weights, seed, tp, init_on_device, progress_bytes)
+    _prepare_fp8_checkpoint_linears(model, dtype)
     quantize_linears(model, quantization)
     if packing_supported(device, dtype):
         pack_linears(model)
@@ -145,6 +147,8 @@ def load_model(
     tp = tp or TPGroup.single()
     with torch.device("meta"):
         model = LlamaModel(cfg, max_position, tp)
+        if cfg.checkpoint_quant is not None:
+            _fp8_shells(model, cfg.checkpoint_quant)
     _materialize(model, device, dtype)
     if weights is None:
         weights = random_tensors(llama_tensor_shapes(cfg), seed, device if init_on_device else "cpu")
@@ -152,10 +156,42 @@ def load_model(
     return model.eval()
 
 
+def _fp8_shells(model: LlamaModel, quant: CheckpointQuant) -> None:
+    """Replace every linear of the decoder layers by an empty ``Fp8CheckpointLinear``
+    of the same (sharded) shape, for the loader to fill with the checkpoint's FP8
+    weights and scales."""
+    parents = [m for m in model.layers.modules() if not isinstance(m, nn.Linear)]
+    for parent in parents:
+        for name in [n for n, c in parent.named_children() if isinstance(c, nn.Linear)]:
+            lin = getattr(parent, name)
+            blocks = lin.in_features // quant.block if quant.scheme == "block" else 1
+            if quant.scheme == "block" and lin.in_features % quant.block:
+                raise ModelLoadError(
+                    f"a linear of {lin.in_features} input features (per TP rank) does not split into "
+                    f"{quant.block}-column scale blocks; use a tensor-parallel size that keeps them whole"
+                )
+            fp8 = Fp8CheckpointLinear(lin.in_features, lin.out_features, blocks, lin.bias is not None)
+            setattr(parent, name, fp8)
+
+
+def _prepare_fp8_checkpoint_linears(model: LlamaModel, dtype: torch.dtype) -> None:
+    """On CPU, replace each checkpoint FP8 linear by a float linear of its dequantized
+    weight (oneDNN packs it as any other); on GPU keep the FP8 weights and pick the kernel."""
+    parents = [m for m in model.modules() if not isinstance(m, Fp8CheckpointLinear)]
+    for parent in parents:
+        for name in [n for n, c in parent.named_children() if isinstance(c, Fp8CheckpointLinear)]:
+            fp8 = getattr(parent, name)
+            if fp8.weight.device.type == "cpu":
+                setattr(parent, name, fp8.dequantized_linear(dtype))
+            else:
+                fp8.ready()
+
+
 def _materialize(model: LlamaModel, device: torch.device, dtype: torch.dtype) -> None:
     """Give every (meta) parameter real, uninitialised storage on ``device`` in ``dtype``,
-    tied parameters one storage; rebuild the rotary tables there (computed in
-    float32, kept in ``dtype`` as the kernels read them)."""
+    tied parameters one storage, and every buffer storage in its own dtype (FP8
+    weights, float32 scales); rebuild the rotary tables there (computed in float32,
+    kept in ``dtype`` as the kernels read them)."""
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
@@ -164,6 +200,8 @@ def _materialize(model: LlamaModel, device: torch.device, dtype: torch.dtype) ->
                     torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False
                 )
             module.register_parameter(name, made[id(p)])
+        for name, b in list(module.named_buffers(recurse=False)):
+            module.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device=device))
     cfg = model.config
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, model.max_position).to(device=device, dtype=dtype)
 
@@ -251,44 +289,115 @@ def placement(model: LlamaModel, tp: TPGroup, name: str) -> Placement:
     raise ModelLoadError(f"checkpoint tensor {name} has no place in the model")
 
 
+SKIPPED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")  # static activation / KV scales: not used
+
+
 @torch.no_grad()
 def load_weights(
     model: LlamaModel, weights: Iterable[tuple[str, TensorSource]], tp: TPGroup, progress_bytes: int = 0
 ) -> None:
     """Read this rank's slice of every checkpoint tensor into ``model`` (see the
-    module docstring); raise ``ModelLoadError`` for a tensor of the wrong shape or
-    with no place, and if any parameter is left (partly) unset."""
+    module docstring); raise ``ModelLoadError`` for a tensor of the wrong shape,
+    dtype or with no place, and if any parameter is left (partly) unset. FP8
+    checkpoints (``cfg.checkpoint_quant``): each scale follows its weight's rows
+    and columns (``_scale_piece``)."""
     cfg = model.config
+    quant = cfg.checkpoint_quant
     expected = llama_tensor_shapes(cfg)
+    fp8_owner = {id(m.weight): m for m in model.modules() if isinstance(m, Fp8CheckpointLinear)}
     written: dict[int, int] = {}
     bar = _progress_bar(tp, progress_bytes)
     for full_name, source in weights:
         name = full_name.removeprefix("model.")
-        if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-            continue
-        want = expected.get(full_name, expected.get("model." + name))
-        if want is None:
-            raise ModelLoadError(f"checkpoint tensor {full_name} has no place in the model")
-        if tuple(source.shape) != want:
-            raise ModelLoadError(f"tensor {full_name} has shape {tuple(source.shape)}, expected {want}")
-        place = placement(model, tp, name)
-        piece = source.read(place.dim, place.start, place.stop)
-        dst = place.param.narrow(0, place.row0, piece.shape[0]) if place.param.dim() else place.param
-        dst.copy_(piece)
-        if place.pad_rows:
-            place.param[place.row0 + piece.shape[0] :].zero_()
-        written[id(place.param)] = (
-            written.get(id(place.param), 0)
-            + piece.numel()
-            + place.pad_rows * (piece.numel() // max(1, piece.shape[0]))
-        )
         if bar is not None:
             bar.update(_numel(source.shape) * source.dtype.itemsize)
+        if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if quant is not None and name.endswith(SKIPPED_SUFFIXES):
+            continue
+        if quant is not None and name.endswith("." + quant.scale_name):
+            weight_name = name.removesuffix(quant.scale_name) + "weight"
+            place = placement(model, tp, weight_name)
+            owner = fp8_owner.get(id(place.param))
+            if owner is None:
+                raise ModelLoadError(f"checkpoint tensor {full_name} scales a weight that is not FP8")
+            want = expected["model." + weight_name]
+            piece = _scale_piece(source, quant, place, want, full_name)
+            dst, row0 = owner.weight_scale, place.row0
+        else:
+            want = expected.get(full_name, expected.get("model." + name))
+            if want is None:
+                raise ModelLoadError(f"checkpoint tensor {full_name} has no place in the model")
+            if tuple(source.shape) != want:
+                raise ModelLoadError(f"tensor {full_name} has shape {tuple(source.shape)}, expected {want}")
+            place = placement(model, tp, name)
+            if id(place.param) in fp8_owner and source.dtype != FP8_DTYPE:
+                raise ModelLoadError(
+                    f"checkpoint tensor {full_name} is {source.dtype}, but its quantization_config makes "
+                    "every decoder linear float8_e4m3fn"
+                )
+            piece = source.read(place.dim, place.start, place.stop)
+            dst, row0 = place.param, place.row0
+        if dst.dim() and (piece.dim() != dst.dim() or piece.shape[1:] != dst.shape[1:]):
+            raise ModelLoadError(f"tensor {full_name} has shape {tuple(source.shape)}, which does not fit")
+        (dst.narrow(0, row0, piece.shape[0]) if dst.dim() else dst).copy_(piece)
+        padded = 0
+        if place.pad_rows:
+            dst[row0 + piece.shape[0] :].zero_()
+            padded = place.pad_rows * (piece.numel() // max(1, piece.shape[0]))
+        written[id(dst)] = written.get(id(dst), 0) + piece.numel() + padded
     if bar is not None:
         bar.close()
-    missing = [pname for pname, p in model.named_parameters() if written.get(id(p), 0) != p.numel()]
+    missing = [n for n, t in _loaded_tensors(model).items() if written.get(id(t), 0) != t.numel()]
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _loaded_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint fills (parameters, and FP8 weights and scales), once each."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
+def _scale_piece(
+    source: TensorSource, quant: CheckpointQuant, place: Placement, weight_shape: tuple[int, ...], name: str
+) -> torch.Tensor:
+    """This rank's rows of a weight's scale, one row per weight row: [rows, in_blocks]
+    (see ``checkpoint_quant``). ``place`` is the weight's placement."""
+    out_rows, in_cols = weight_shape
+    rows = place.stop - place.start if place.dim == 0 else out_rows
+    if quant.scheme == "tensor":
+        if _numel(source.shape) != 1:
+            raise ModelLoadError(f"{name} has shape {tuple(source.shape)}; a per-tensor scale has one value")
+        return source.read().reshape(1, 1).float().expand(rows, 1)
+    if quant.scheme == "channel":
+        if tuple(source.shape) != (out_rows, 1):
+            raise ModelLoadError(
+                f"{name} has shape {tuple(source.shape)}, expected {(out_rows, 1)} (per channel)"
+            )
+        return (source.read(0, place.start, place.stop) if place.dim == 0 else source.read()).float()
+    b = quant.block
+    want = (-(-out_rows // b), -(-in_cols // b))
+    if tuple(source.shape) != want:
+        raise ModelLoadError(f"{name} has shape {tuple(source.shape)}, expected {want} ({b}x{b} blocks)")
+    if place.dim == 0:
+        b0, b1 = place.start // b, -(-place.stop // b)
+        blocks = source.read(0, b0, b1).float()
+        return blocks.repeat_interleave(b, 0)[place.start - b0 * b : place.stop - b0 * b]
+    if place.dim == 1:
+        if place.start % b or place.stop % b:
+            raise ModelLoadError(
+                f"{name}: this rank's columns [{place.start}, {place.stop}) split a scale block"
+            )
+        blocks = source.read(1, place.start // b, place.stop // b).float()
+    else:
+        blocks = source.read().float()
+    return blocks.repeat_interleave(b, 0)[:out_rows]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -103,6 +103,65 @@ class Fp8Linear(nn.Module):
         return F.linear(x_q.float(), self.weight.float()) * x_scale * self.weight_scale
 
 
+class Fp8CheckpointLinear(nn.Module):
+    """A linear whose FP8 weights come from a pre-quantized checkpoint
+    (``checkpoint_quant``): ``weight`` float8_e4m3fn [out, in] and ``weight_scale``
+    float32 [out, in_blocks], ``W[n, k] = weight[n, k] * weight_scale[n, k // block]``.
+    Built empty (the loader fills both). With one scale per row on a GPU with FP8
+    tensor cores it runs as ``Fp8Linear`` (row-wise ``_scaled_mm``, activations
+    quantized per token); otherwise it dequantizes the weight for each call (the
+    weight stays FP8 in memory). On CPU the loader replaces it by a float linear
+    with the dequantized weight (``dequantized_linear``)."""
+
+    def __init__(self, in_features: int, out_features: int, in_blocks: int, bias: bool):
+        super().__init__()
+        if in_features % in_blocks:
+            raise ValueError(f"{in_features} input features do not split into {in_blocks} scale blocks")
+        self.in_features, self.out_features, self.block = in_features, out_features, in_features // in_blocks
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE))
+        self.register_buffer("weight_scale", torch.empty(out_features, in_blocks, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.use_scaled_mm = False  # set by ready(), once the weights are on their device
+
+    def ready(self) -> None:
+        """Choose the kernel once the weights are in place."""
+        dev = self.weight.device
+        self.use_scaled_mm = (
+            self.weight_scale.shape[1] == 1
+            and fp8_gemm_supported(dev)
+            and self.in_features % 16 == 0
+            and self.out_features % 16 == 0
+        )
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.weight.shape
+        blocks = self.weight_scale.shape[1]
+        w = self.weight.float().view(n, blocks, k // blocks) * self.weight_scale[:, :, None]
+        return w.view(n, k).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_scaled_mm:
+            x_q, x_scale = quantize_fp8(x)
+            y = torch._scaled_mm(
+                x_q,
+                self.weight.t(),
+                scale_a=x_scale,
+                scale_b=self.weight_scale.view(1, -1),
+                out_dtype=x.dtype,
+            )
+        else:
+            y = F.linear(x.float(), self.dequantized_weight()).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized_linear(self, dtype: torch.dtype) -> nn.Linear:
+        """An ``nn.Linear`` in ``dtype`` holding this layer's dequantized weight."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        lin.weight = nn.Parameter(self.dequantized_weight(dtype), requires_grad=False)
+        if self.bias is not None:
+            lin.bias = self.bias
+        return lin
+
+
 class Int8Linear(nn.Module):
     """Weight-only int8 replacement for an ``nn.Linear`` (2-D input, inference only)."""
 
