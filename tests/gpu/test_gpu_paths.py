@@ -131,3 +131,23 @@ def test_benchmark_end_to_end_on_a_tiny_shape(tmp_path):
         ]
     )
     assert (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("fmt", ["block", "channel"])
+def test_an_fp8_checkpoint_stays_fp8_on_the_gpu_and_matches_its_dequantized_model(tmp_path, fmt):
+    from splitserve.bench.fp8_checkpoint import write_fp8_checkpoint
+    from splitserve.bench.quant_accuracy import prompt_logits
+    from splitserve.engine.model.quant import Fp8CheckpointLinear
+
+    make_hf_checkpoint("llama", tmp_path / "float")
+    write_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", fmt, 32, tmp_path / "deq")
+    fp8, deq = (
+        Engine(EngineConfig(model=str(tmp_path / d), device="cuda", dtype="bfloat16", num_kv_blocks=64))
+        for d in ("fp8", "deq")
+    )
+    layers = [m for m in fp8.model.modules() if isinstance(m, Fp8CheckpointLinear)]
+    assert len(layers) == 2 * 4 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
+    assert all(m.use_scaled_mm == (fmt == "channel" and fp8_gemm_supported(CUDA)) for m in layers)
+    p = random_prompts([40], 512, seed=1)[0]
+    got, want = prompt_logits(fp8, p), prompt_logits(deq, p)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).mean() > 0.99
