@@ -57,8 +57,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they attend to (``kv_head_range``)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
+        tp = tp or TPGroup.single()
         h0, h1 = tp.shard_range(cfg.num_heads)
         k0, k1 = kv_head_range(cfg.num_kv_heads, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = h1 - h0, k1 - k0, cfg.head_dim
@@ -102,8 +103,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """This rank's slice of the intermediate width (gate and up rows, down columns)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
+        tp = tp or TPGroup.single()
         self.inter = cfg.intermediate_size // tp.size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, False, tp)
@@ -119,8 +121,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
+        tp = tp or TPGroup.single()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
