@@ -32,55 +32,31 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.bench.gpu_bench import SHAPES as GPU_SHAPES
+
 GIB = 2**30
 
+_LLAMA_3_2 = dict(  # what the Llama-3.2 sizes share
+    vocab_size=128256,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    tie_word_embeddings=True,
+)
 SHAPES = {
-    "llama3-8b": dict(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-    ),
+    "llama3-8b": dict(GPU_SHAPES["llama3-8b"], tie_word_embeddings=False),
     "llama3.2-3b": dict(
-        vocab_size=128256,
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_hidden_layers=28,
-        num_attention_heads=24,
-        num_key_value_heads=8,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        tie_word_embeddings=True,
+        _LLAMA_3_2, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24
     ),
     "llama3.2-1b": dict(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        tie_word_embeddings=True,
+        _LLAMA_3_2, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32
     ),
 }
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from splitserve.engine.model.replace import replace_children
+
 BATCH_HINT = 64  # oneDNN tunes the packed layout for this many rows; any count works
 
 
@@ -40,9 +42,5 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> None:
     """Replace every ``nn.Linear`` in ``model`` with a ``PackedLinear`` (in place).
     A tied LM head keeps sharing its weight with the embedding, which still needs it.
-    Each float weight is freed as soon as its packed copy exists (the walk holds no
-    reference to the linears), so packing costs one layer's weight, not the model's."""
-    parents = [m for m in model.modules() if not isinstance(m, nn.Linear)]
-    for parent in parents:
-        for name in [n for n, c in parent.named_children() if isinstance(c, nn.Linear)]:
-            setattr(parent, name, PackedLinear(getattr(parent, name)))
+    Each float weight is freed as soon as its packed copy exists (``replace_children``)."""
+    replace_children(model, nn.Linear, PackedLinear)

@@ -26,7 +26,6 @@ bf16 one::
 from __future__ import annotations
 
 import importlib.util
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,11 +43,10 @@ from splitserve.engine.model.cpu_linear import pack_linears, packing_supported
 from splitserve.engine.model.gguf_cache import converted_checkpoint
 from splitserve.engine.model.llama import LlamaModel
 from splitserve.engine.model.quant import FP8_DTYPE, Fp8CheckpointLinear, quantize_linears
+from splitserve.engine.model.replace import replace_children
 from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.layers import kv_head_range, vocab_rows
-
-log = logging.getLogger(__name__)
 
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -142,8 +140,9 @@ def load_model(
     init_on_device: bool = False,
     progress_bytes: int = 0,
 ) -> LlamaModel:
-    """This rank's shard with its weights loaded, every linear a plain ``nn.Linear``
-    (``build_model`` without quantizing, packing or kernels)."""
+    """This rank's shard with its weights loaded (``build_model`` without quantizing,
+    packing or kernels): every linear a plain ``nn.Linear``, but the decoder's are
+    ``Fp8CheckpointLinear`` when the checkpoint is FP8 (``cfg.checkpoint_quant``)."""
     tp = tp or TPGroup.single()
     with torch.device("meta"):
         model = LlamaModel(cfg, max_position, tp)
@@ -160,31 +159,30 @@ def _fp8_shells(model: LlamaModel, quant: CheckpointQuant) -> None:
     """Replace every linear of the decoder layers by an empty ``Fp8CheckpointLinear``
     of the same (sharded) shape, for the loader to fill with the checkpoint's FP8
     weights and scales."""
-    parents = [m for m in model.layers.modules() if not isinstance(m, nn.Linear)]
-    for parent in parents:
-        for name in [n for n, c in parent.named_children() if isinstance(c, nn.Linear)]:
-            lin = getattr(parent, name)
-            blocks = lin.in_features // quant.block if quant.scheme == "block" else 1
-            if quant.scheme == "block" and lin.in_features % quant.block:
-                raise ModelLoadError(
-                    f"a linear of {lin.in_features} input features (per TP rank) does not split into "
-                    f"{quant.block}-column scale blocks; use a tensor-parallel size that keeps them whole"
-                )
-            fp8 = Fp8CheckpointLinear(lin.in_features, lin.out_features, blocks, lin.bias is not None)
-            setattr(parent, name, fp8)
+
+    def shell(lin: nn.Linear) -> Fp8CheckpointLinear:
+        if quant.scheme == "block" and lin.in_features % quant.block:
+            raise ModelLoadError(
+                f"a linear of {lin.in_features} input features (per TP rank) does not split into "
+                f"{quant.block}-column scale blocks; use a tensor-parallel size that keeps them whole"
+            )
+        blocks = lin.in_features // quant.block if quant.scheme == "block" else 1
+        return Fp8CheckpointLinear(lin.in_features, lin.out_features, blocks, lin.bias is not None)
+
+    replace_children(model.layers, nn.Linear, shell)
 
 
 def _prepare_fp8_checkpoint_linears(model: LlamaModel, dtype: torch.dtype) -> None:
     """On CPU, replace each checkpoint FP8 linear by a float linear of its dequantized
     weight (oneDNN packs it as any other); on GPU keep the FP8 weights and pick the kernel."""
-    parents = [m for m in model.modules() if not isinstance(m, Fp8CheckpointLinear)]
-    for parent in parents:
-        for name in [n for n, c in parent.named_children() if isinstance(c, Fp8CheckpointLinear)]:
-            fp8 = getattr(parent, name)
-            if fp8.weight.device.type == "cpu":
-                setattr(parent, name, fp8.dequantized_linear(dtype))
-            else:
-                fp8.ready()
+
+    def prepare(fp8: Fp8CheckpointLinear) -> nn.Module:
+        if fp8.weight.device.type == "cpu":
+            return fp8.dequantized_linear(dtype)
+        fp8.ready()
+        return fp8
+
+    replace_children(model, Fp8CheckpointLinear, prepare)
 
 
 def _materialize(model: LlamaModel, device: torch.device, dtype: torch.dtype) -> None:

@@ -33,6 +33,7 @@ from torch import nn
 
 from splitserve.engine import kernels
 from splitserve.engine.config import QUANTIZATIONS
+from splitserve.engine.model.replace import replace_children
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -211,12 +212,4 @@ def quantize_linears(model: nn.Module, method: str) -> int:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     if method == "none":
         return 0
-    cls = _LAYERS[method]
-    replaced = 0
-    # parents only: a list holding the linears would keep every float weight alive until the end
-    parents = [m for m in model.get_submodule("layers").modules() if not isinstance(m, nn.Linear)]
-    for parent in parents:
-        for name in [n for n, c in parent.named_children() if isinstance(c, nn.Linear)]:
-            setattr(parent, name, cls(getattr(parent, name)))
-            replaced += 1
-    return replaced
+    return replace_children(model.get_submodule("layers"), nn.Linear, _LAYERS[method])

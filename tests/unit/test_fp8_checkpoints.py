@@ -7,6 +7,7 @@ and a malformed or unsupported checkpoint gets an error naming the problem."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -95,8 +96,6 @@ def json_config(directory):
 
 
 def cfg_without_quant(cfg: ModelConfig) -> ModelConfig:
-    import dataclasses
-
     return dataclasses.replace(cfg, checkpoint_quant=None)
 
 
