@@ -5,7 +5,9 @@ model's value (Llama-3-Instruct ships ``temperature: 0.6, top_p: 0.9``; Qwen3
 also ``top_k: 20``), as vLLM does with ``--generation-config auto``; the file's
 ``eos_token_id`` adds to the model's end-of-sequence ids. Turning it off
 (``EngineConfig.generation_config = False``, vLLM's ``--generation-config vllm``)
-leaves the server's own defaults. Plain data: routers unpickle it.
+leaves the server's own defaults. The router applies them (it knows which
+fields a client left unset); ``Engine.generate`` takes ``SamplingParams`` as
+given. Plain data: routers unpickle it.
 """
 
 from __future__ import annotations

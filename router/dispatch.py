@@ -130,7 +130,9 @@ class Dispatcher:
     async def generate(self, inp: GenerateInput) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Run one request; yields its tokens, then one ``FinalEvent``. Raises
         ``InvalidRequest``, ``Overloaded``, ``DeadlineExceeded``, ``WorkerLost``,
-        ``KVTransferError``. Whatever the outcome, its trace goes to ``sinks``."""
+        ``KVTransferError``. Whatever the outcome, its trace goes to ``sinks``. The
+        model's ``generation_config.json`` defaults fill the sampling fields in
+        ``inp.unset`` first (here, once, for both front doors)."""
         timeouts = [t for t in (inp.timeout_s, self.limits.max_timeout_s) if t is not None]
         rid = inp.request_id or uuid.uuid4().hex
         inp = dataclasses.replace(inp, params=self.validator.defaults.apply(inp.params, inp.unset))
