@@ -1,6 +1,6 @@
 """What the router adds per token: delivery lag through router + gRPC against
 taking the decode worker's tokens directly over Ray (the router's own
-``RayWorker``, in this process), in the same run.
+``RayDecodeWorker``, in this process), in the same run.
 
     python -m splitserve.bench.router_overhead [--model smollm2] [--requests 20] [--tokens 64]
 
@@ -44,17 +44,17 @@ import ray
 from splitserve.client import Chunk, Client
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
+from splitserve.cluster.worker_client import RayDecodeWorker
 from splitserve.decode_worker import DecodeTask
 from splitserve.engine import SamplingParams
 from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
-from splitserve.router.workers import RayWorker
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
 async def direct(
-    worker: RayWorker, prompt_ids: list[int], params: SamplingParams, rid: str
+    worker: RayDecodeWorker, prompt_ids: list[int], params: SamplingParams, rid: str
 ) -> tuple[list[float], float]:
     lags, start = [], time.time()
     async for batch in worker.generate(DecodeTask(rid, prompt_ids, params)):
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with BackgroundCluster(config) as cluster, Client(cluster.address, timeout=120) as client:
-            worker = RayWorker(cluster.registry.workers("colocated")[0].client.actor)
+            worker = RayDecodeWorker(cluster.registry.workers("colocated")[0].client.actor)
             accepted = record_acceptance(cluster.dispatcher)
             # One loop for every direct request: the worker's inbox lives on it.
             loop = asyncio.new_event_loop()

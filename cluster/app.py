@@ -150,7 +150,7 @@ class ServingCluster:
                 cfg.model.public_name,
                 self.registry,
                 self._pool_sizes,
-                lambda: len(dispatcher.inflight),
+                lambda: dispatcher.num_inflight,
                 lambda: {(p.value, r.value): n for (p, r), n in dispatcher.decider.counts.items()},
                 lambda: dict(dispatcher.transfer_failures),
                 dispatcher.batch_caps,

@@ -13,9 +13,9 @@ Each bundle holds a worker's (or TP rank's) CPUs, GPUs and the pool's custom
 is placed only on nodes that advertise it.
 
 A restarted worker keeps its actor handle, so its registry record stays
-valid; its KV source comes back with a new incarnation, which the router
-notices in the next handoff and sends to decode workers then
-(``router.peers``).
+valid; its KV source comes back with a new incarnation, which a decode worker
+notices in the next handoff from it and links to then (it asks the prefill
+worker for its handshakes itself).
 
 A worker Ray will not bring back (out of restarts, or a TP group, which Ray
 never restarts) is **replaced**: ``keep`` (one task per pool, on the router's
@@ -49,13 +49,12 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from splitserve.cluster.config import ClusterConfig, PoolSpec
+from splitserve.cluster.worker_client import RayDecodeWorker, RayPrefillWorker, unwrap
 from splitserve.decode_worker import DecodeWorker, DecodeWorkerSpec
 from splitserve.engine.parallel.tp_init import TPInit
 from splitserve.prefill_worker import PrefillWorker, PrefillWorkerSpec
 from splitserve.prefill_worker.tp import PrefillRank
-from splitserve.router.errors import unwrap
 from splitserve.router.registry import Membership, NodePlacement, WorkerRecord, WorkerRegistry
-from splitserve.router.workers import RayWorker
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +303,8 @@ class WorkerPool:
             )
             .remote(spec)
         )
-        self.registry.add(worker_id, self.role, RayWorker(member.actor), s.engine.block_size)
+        client = RayPrefillWorker(member.actor) if self.role == "prefill" else RayDecodeWorker(member.actor)
+        self.registry.add(worker_id, self.role, client, s.engine.block_size)
         return member
 
     async def _start_ranks(self, m: _Member, spec: PrefillWorkerSpec, deadline: float) -> PrefillWorkerSpec:

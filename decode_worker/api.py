@@ -12,7 +12,7 @@ from splitserve.engine.prefix_cache import PrefixUpdate
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import FinishReason
 from splitserve.engine.validation import RequestValidator
-from splitserve.kv_transfer.contract import Confirmation, KVHandoff
+from splitserve.prefill_worker.api import PrefillPeer
 
 
 @dataclass(frozen=True)
@@ -42,28 +42,33 @@ class DecodeWorkerInfo:
 class DecodeTask:
     """One request for a decode worker.
 
-    With ``handoff`` set, the prompt's KV and the first ``output_token_ids``
-    come from a prefill worker: the decode worker pulls the KV and continues
-    from there, never re-emitting those tokens. Without it, the worker prefills
-    ``prompt_token_ids`` and ``output_token_ids`` (tokens already sent, when a
-    request resumes after a lost worker) itself, and continues after them as
-    the undisturbed run would (the same seeded stream; ``max_tokens`` counts
-    them).
-
-    A handoff with no ``output_token_ids`` streams (layer-wise): the KV moves
-    while the prefill worker still computes it, and the first token comes later,
-    through ``DecodeWorker.first_token``."""
+    With ``source`` set, that prefill worker prefills it: the decode worker sends
+    it the prompt itself (``PrefillPeer.prefill_stream``), passes the first token
+    on as soon as it comes, links to the source if it has not yet (its
+    handshakes, by ``source.info``), pulls the KV (layer by layer while the
+    source computes it, where it streams), confirms the transfer to the source,
+    and decodes from there. Without it, the worker prefills ``prompt_token_ids``
+    and ``output_token_ids`` (tokens already sent, when a request resumes after a
+    lost worker or a failed transfer) itself, and continues after them as the
+    undisturbed run would (the same seeded stream; ``max_tokens`` counts them)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     timeout_s: float | None = None  # past it the worker aborts the request (DeadlineExceeded)
-    output_token_ids: list[int] = field(default_factory=list)
-    handoff: KVHandoff | None = None
+    output_token_ids: list[int] = field(default_factory=list)  # only without a source
+    source: PrefillPeer | None = None
 
-    @property
-    def first_token_later(self) -> bool:
-        return self.handoff is not None and not self.output_token_ids
+
+@dataclass(frozen=True)
+class Prefilled:
+    """How a prefill worker prefilled a request: on the batch with its first token."""
+
+    worker_id: str
+    scheduled_at: float | None  # time.time() when its engine began the prompt (its clock)
+    exported_at: float | None  # time.time() when its handoff reached the decode worker (None: no KV)
+    streamed: bool  # the KV streamed layer by layer while the prompt's last step ran
+    kv_bytes: int  # the handoff's size (0: the request ended at its first token)
 
 
 @dataclass(frozen=True)
@@ -72,9 +77,9 @@ class TokenBatch:
     consumer is slower than the decode steps). The last batch of a request has
     ``finish_reason`` or ``error``.
 
-    For an imported request the first batch comes right after the pull, with no
-    tokens: ``transfer_s`` and the ``confirmations`` the backend could not
-    deliver itself, which the consumer forwards to the prefill worker."""
+    For a request prefilled on a prefill worker, the batch with the first token
+    carries ``prefilled``, and a batch with no tokens follows the pull with its
+    ``transfer_s`` (both may come merged into one)."""
 
     request_id: str
     token_ids: list[int]
@@ -83,9 +88,9 @@ class TokenBatch:
     token_times: list[float]  # time.time() at which each token was sampled
     finish_reason: FinishReason | None
     num_cached_tokens: int
-    # on the first batch of an imported request: the KV pull (less, streamed, its waits for layers)
+    # after an imported request's pull: its seconds (less, streamed, its waits for layers)
     transfer_s: float | None = None
-    confirmations: tuple[Confirmation, ...] = ()  # on that batch: to deliver to the prefill worker
+    prefilled: Prefilled | None = None  # on the batch with the first token from a prefill worker
     error: SplitserveError | None = None  # the request ended here with this error (tokens before it stand)
     # time.time() when this worker took the request into its batch: for an imported
     # request when its KV had landed (on the pull's batch), else when its engine began
@@ -97,7 +102,8 @@ class TokenBatch:
 class DecodeStats:
     worker_id: str
     engine: EngineStats
-    num_streams: int  # requests this worker is streaming
     num_waiting_for_blocks: int  # imported requests queued for KV blocks (FIFO)
     num_pulling: int  # imported requests whose KV is moving in
     prefix: PrefixUpdate | None = None  # its prefix cache's changes since the caller's cursor
+    # prefill worker id -> the source incarnations whose handshakes it holds (one per TP rank)
+    peers: dict[str, tuple[str, ...]] = field(default_factory=dict)

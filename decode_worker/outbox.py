@@ -65,7 +65,7 @@ def merge(batches: list[TokenBatch]) -> TokenBatch:
         finish_reason=last.finish_reason,
         num_cached_tokens=max(b.num_cached_tokens for b in batches),
         transfer_s=transfer[0].transfer_s if transfer else None,
-        confirmations=tuple(c for b in batches for c in b.confirmations),
+        prefilled=next((b.prefilled for b in batches if b.prefilled is not None), None),
         error=last.error,
         started_at=next((b.started_at for b in batches if b.started_at is not None), None),
     )

@@ -1,5 +1,6 @@
-"""The decode worker: takes prefilled requests (KV pulled from a prefill worker)
-or whole ones, runs them in one continuous batch, and streams their tokens.
+"""The decode worker: takes requests prefilled on a prefill worker (which it calls
+itself, pulling the KV) or whole ones, runs them in one continuous batch, and
+streams their tokens.
 
 A consumer (the router) reads one ``stream(outbox_id)`` per worker and starts
 requests on it with ``start(outbox_id, task)``; every engine step's tokens of
@@ -7,36 +8,37 @@ all its requests come back as one item (``decode_worker.outbox``).
 
 A request's life here (the queues SGLang's decode side names)::
 
-    connect(handshakes)   once per prefill worker incarnation (the router sends it
-                          before the first handoff from that incarnation)
-    start(outbox, task) with a handoff:
-        handshakes held for handoff.incarnations? else HandshakeRequired (nothing held)
+    start(outbox, task) with a source (a prefill worker, task.source):
+        -> PREFILLING: source.prefill_stream(prompt); lost before any KV came:
+           PrefillLost (nothing is held anywhere; the router may try another)
+        -> the handoff (KVStreaming as the prompt's last step begins, where the
+           source streams; else with the result)
+        -> linked: the source's handshakes, fetched once per source incarnation
+           (source.info); a source that restarted since it exported: PeerLost
         -> WAITING_FOR_BLOCKS: the FIFO AdmissionQueue (decode_worker.admission)
         -> PULLING: import_request (blocks allocated) + sink.pull on the transfer
            thread (verified; from a TP prefill group, every rank's shard, heads
-           merged by HeadMappingSink)
-        -> a first TokenBatch at once: transfer_s and the confirmations the backend
-           could not deliver (the router forwards them to the prefill worker)
+           merged by HeadMappingSink), confirmed to the source where the backend
+           cannot confirm by itself (source.confirm)
+        meanwhile the first token (the PrefillResult) goes out at once, as a
+        TokenBatch with ``prefilled``; then a batch with the pull's transfer_s
         -> activate --RUNNING in the batch-- tokens --> finished
-    start(outbox, task) with a streamed handoff (task.first_token_later): the same,
-        but the pull follows the prefill worker's layers as they are computed, and
-        the first TokenBatch and activate wait for first_token(request, ids)
-        (prefill_lost(request, reason) instead: the request ends with PeerLost).
-        The blocks stay held while it waits, bounded only by the request's deadline,
-        an abort, or its stream's consumer going: a router sends one of the two
-        calls for every streamed request it does not abort
-    start(outbox, task) without one (colocated, or a short prompt by policy):
+    start(outbox, task) without one (colocated, a short prompt by policy, a request
+    resumed or recomputed):
         add_request (InvalidRequest raised by start) --WAITING/RUNNING-- tokens --> finished
 
 ``start`` returns once the request is accepted; everything after ends in the
 outbox, as tokens and a last batch with ``finish_reason`` or with ``error``
-(``Overloaded``, ``KVTransferError``, ``DeadlineExceeded`` past
-``task.timeout_s``). ``abort`` ends a request early and frees its blocks; a pull
-in flight is first allowed to end (it is bounded by ``transfer_timeout_s``),
-because its bytes are still landing in those blocks. When a stream's consumer
-goes (closes it, or dies), every request of its outbox is aborted.
+(``PrefillLost``, ``Overloaded``, ``KVTransferError``, ``DeadlineExceeded``
+past ``task.timeout_s``, or what the prefill worker raised). ``abort`` ends a
+request early and frees its blocks; a pull in flight is first allowed to end (it
+is bounded by ``transfer_timeout_s``), because its bytes are still landing in
+those blocks. A request that ends before its transfer was confirmed releases
+the source's export (``source.abort``). When a stream's consumer goes (closes
+it, or dies), every request of its outbox is aborted.
 
-The class imports no Ray: ``cluster`` wraps it with ``ray.remote``.
+The class imports no Ray: ``cluster`` wraps it with ``ray.remote``, and the
+source is whatever client the router put in the task.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from splitserve.decode_worker.api import (
     DecodeTask,
     DecodeWorkerInfo,
     DecodeWorkerSpec,
+    Prefilled,
     TokenBatch,
 )
 from splitserve.decode_worker.outbox import Outbox
@@ -69,11 +72,13 @@ from splitserve.engine import (
     Overloaded,
     RequestOutput,
 )
+from splitserve.engine.errors import PrefillLost, WorkerLost
 from splitserve.engine.prefix_cache import PrefixCursor
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVHandoff
-from splitserve.kv_transfer.errors import HandshakeRequired, LeaseExpired, PeerLost
+from splitserve.kv_transfer.errors import LeaseExpired, PeerLost
 from splitserve.kv_transfer.tp_mapping import HeadMappingSink
+from splitserve.prefill_worker.api import KVStreaming, PrefillPeer, PrefillResult, PrefillTask
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +97,7 @@ class _Request:
     request_id: str
     outbox: Outbox
     deadline: asyncio.TimerHandle | None = None  # ends it with DeadlineExceeded
-    importing: asyncio.Task | None = None  # admission + pull, for a handoff
-    first_tokens: asyncio.Future | None = None  # a streamed handoff's first token ids (first_token)
+    importing: asyncio.Task | None = None  # prefill on the source, admission, pull
 
 
 class DecodeWorker:
@@ -112,8 +116,10 @@ class DecodeWorker:
         # max_model_len per source rank, for the life of this worker.
         self._tp_sinks: dict[str, HeadMappingSink] = {}
         # prefill worker id -> the source incarnations (one per TP rank) whose handshakes the
-        # sink holds. Written on the actor's event loop after connect() finished.
+        # sink holds. Written on the actor's event loop after _connect finished.
         self._peers: dict[str, tuple[str, ...]] = {}
+        self._linking: dict[str, asyncio.Lock] = {}  # by prefill worker id: one link at a time
+        self._background: set[asyncio.Task] = set()  # calls to sources not awaited
         self._states: dict[str, AdmissionState] = {}  # imported requests, until they run
         self._admission: AdmissionQueue | None = None  # made on the actor's loop
         self._aloop: asyncio.AbstractEventLoop | None = None  # the actor's loop, once a request came
@@ -135,14 +141,6 @@ class DecodeWorker:
             self.worker_id, self.engine.validator, colocated=self.sink is None, engine=self.engine.summary
         )
 
-    async def connect(self, handshakes: tuple[Handshake, ...]) -> None:
-        """Take a prefill worker's handshakes (one per TP rank, rank order) and link to
-        it; handoffs from exactly those incarnations are pulled from then on. Raises
-        ``IncompatiblePeer`` (nothing is linked then)."""
-        self._require_sink()
-        await asyncio.get_running_loop().run_in_executor(self._transfer, self._connect, handshakes)
-        self._peers[handshakes[0].worker_id] = tuple(hs.incarnation for hs in handshakes)
-
     async def stream(self, outbox_id: str) -> AsyncIterator[tuple[TokenBatch, ...]]:
         """The batches of the requests started on ``outbox_id``, every step's as one item
         (one ``TokenBatch`` per request that has news). Runs until the consumer closes
@@ -161,25 +159,25 @@ class DecodeWorker:
 
     async def start(self, outbox_id: str, task: DecodeTask) -> None:
         """Accept ``task``; its tokens and its end come through ``outbox_id``'s stream.
-        Raises (holding nothing) ``InvalidRequest`` or ``HandshakeRequired``."""
+        Raises (holding nothing) ``InvalidRequest``."""
         rid = task.request_id
         if rid in self._requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
-        if task.handoff is not None:
-            self._check_linked(task.handoff)
+        if task.source is not None:
+            self._require_sink()
+            if task.output_token_ids:
+                raise InvalidRequest("a task prefilled elsewhere starts with no output tokens")
         self._aloop = loop = asyncio.get_running_loop()
         outbox = self._outbox(outbox_id)
         req = self._requests[rid] = _Request(rid, outbox)
-        if task.first_token_later:
-            req.first_tokens = loop.create_future()
         outbox.requests.add(rid)
         deadline = None
         if task.timeout_s is not None:
             deadline = time.monotonic() + task.timeout_s
             error = DeadlineExceeded(f"request {rid} ran past its {task.timeout_s:.3g} s")
             req.deadline = loop.call_at(loop.time() + task.timeout_s, self._fail, rid, error)
-        if task.handoff is not None:
-            req.importing = asyncio.ensure_future(self._import(task, deadline, req))
+        if task.source is not None:
+            req.importing = asyncio.ensure_future(self._take_over(task, deadline, req))
             return
         try:
             await self._call(
@@ -190,27 +188,6 @@ class DecodeWorker:
         except BaseException:
             self._end(rid)
             raise
-
-    async def first_token(self, request_id: str, token_ids: list[int]) -> bool:
-        """The first token of a request started with a streamed handoff: it begins
-        decoding once its KV has landed. False if the request is not here (it ended)."""
-        req = self._requests.get(request_id)
-        if req is None or req.first_tokens is None:
-            return False
-        if req.first_tokens.done():
-            raise InvalidRequest(f"request {request_id} already has its first token")
-        req.first_tokens.set_result(list(token_ids))
-        return True
-
-    async def prefill_lost(self, request_id: str, reason: str) -> bool:
-        """A request started with a streamed handoff will get no first token (its
-        prefill failed): it ends with ``PeerLost``, once its pull is over. False if the
-        request is not here (it ended)."""
-        req = self._requests.get(request_id)
-        if req is None or req.first_tokens is None or req.first_tokens.done():
-            return False
-        req.first_tokens.set_exception(PeerLost(f"the prefill of request {request_id} failed: {reason}"))
-        return True
 
     async def abort(self, request_id: str) -> bool:
         """Stop ``request_id`` and free its blocks (awaited); its batches not taken yet
@@ -233,10 +210,10 @@ class DecodeWorker:
         return DecodeStats(
             self.worker_id,
             engine,
-            len(self._requests),
             num_waiting_for_blocks=states.count(AdmissionState.WAITING_FOR_BLOCKS),
             num_pulling=states.count(AdmissionState.PULLING),
             prefix=prefix,
+            peers=dict(self._peers),
         )
 
     def shutdown(self) -> None:
@@ -266,8 +243,6 @@ class DecodeWorker:
             return False
         req.outbox.requests.discard(rid)
         self._states.pop(rid, None)
-        if req.first_tokens is not None and req.first_tokens.done() and not req.first_tokens.cancelled():
-            req.first_tokens.exception()  # retrieved (prefill_lost's, if the import never took it)
         if req.deadline is not None:
             req.deadline.cancel()
         importing = req.importing
@@ -288,15 +263,6 @@ class DecodeWorker:
         if self.sink is None:
             raise InvalidRequest(f"worker {self.worker_id} is colocated and takes no KV from elsewhere")
 
-    def _check_linked(self, handoff: KVHandoff) -> None:
-        self._require_sink()
-        held = self._peers.get(handoff.source_worker)
-        if held != handoff.incarnations:
-            raise HandshakeRequired(
-                f"decode worker {self.worker_id} holds no handshake for this incarnation of "
-                f"{handoff.source_worker}"
-            )
-
     def _abort_in_engine(self, request_id: str):
         """Abort on the engine thread; once its blocks are free, the admission queue's
         head is offered them. Returns the engine call's future."""
@@ -305,54 +271,180 @@ class DecodeWorker:
             future.add_done_callback(lambda _: self._admission.wake_threadsafe())
         return future
 
-    async def _import(self, task: DecodeTask, deadline: float | None, req: _Request) -> None:
-        """Wait in the admission queue for blocks, pull and verify the KV, (streamed: wait
-        for the first token,) activate (a task of its own). The first batch reports the
-        pull; a failure ends the request with its error. Cancelled (abort, deadline), it
-        frees the blocks once the pull is over."""
-        handoff, rid = task.handoff, task.request_id
-        if self._admission is None:
-            self._admission = AdmissionQueue(self.worker_id, self.spec.max_admission_queue)
-
-        async def allocate() -> list[int] | None:
-            try:
-                return await self._call(
-                    lambda e: e.import_request(rid, task.prompt_token_ids, task.output_token_ids, task.params)
-                )
-            except Overloaded:
-                return None
-
-        pull = None
+    async def _take_over(self, task: DecodeTask, deadline: float | None, req: _Request) -> None:
+        """Prefill ``task`` on its source, pass the first token on, link, wait in the
+        admission queue for blocks, pull and verify the KV, confirm it, activate (a task
+        of its own). A failure ends the request with its error; cancelled (abort,
+        deadline), it frees the blocks once the pull is over. Either way, an export not
+        yet confirmed is released on the source."""
+        rid, source = task.request_id, task.source
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        prefill = PrefillTask(rid, task.prompt_token_ids, task.params, left)
+        pull = first_token = None
+        exported = confirmed = ended = False
         try:
-            self._states[rid] = AdmissionState.WAITING_FOR_BLOCKS
-            blocks = await self._admission.admit(rid, allocate, deadline, handoff.remaining_lease())
-            self._states[rid] = AdmissionState.PULLING
-            t0 = time.perf_counter()
-            timeout = self.spec.transfer_timeout_s
-            if deadline is not None:
-                timeout = max(0.001, min(timeout, deadline - time.monotonic()))
-            pull = asyncio.get_running_loop().run_in_executor(
-                self._transfer, self._pull, handoff, blocks, timeout
-            )
-            confirmations, waited = await asyncio.shield(pull)
-            undelivered = tuple(c for c in confirmations if not c.delivered)
-            pulled = time.perf_counter() - t0 - waited  # not the time the source took to compute layers
-            if handoff.remaining_lease() <= 0:
-                raise LeaseExpired(f"the KV lease of request {rid} ran out")
-            first = None if req.first_tokens is None else await req.first_tokens
+            async with contextlib.aclosing(source.prefill_stream(prefill)) as events:
+                try:
+                    first = await self._prefill_event(events, rid, kv_began=False)
+                    exported, handoff, exported_at = True, first.handoff, time.time()
+                    if isinstance(first, PrefillResult):
+                        self._pass_on(req, first, exported_at, streamed=False)
+                        first_token = asyncio.get_running_loop().create_future()
+                        first_token.set_result(first)
+                    else:
+                        first_token = asyncio.ensure_future(
+                            self._first_token(events, req, handoff, exported_at)
+                        )
+                    if handoff is None:  # it ended at its first token: nothing to take
+                        confirmed = True
+                        self._end(rid, abort=False)
+                        return
+                    await self._link(source, handoff)
+                    if self._admission is None:
+                        self._admission = AdmissionQueue(self.worker_id, self.spec.max_admission_queue)
+
+                    async def allocate() -> list[int] | None:
+                        try:
+                            return await self._call(
+                                lambda e: e.import_request(rid, task.prompt_token_ids, [], task.params)
+                            )
+                        except Overloaded:
+                            return None
+
+                    self._states[rid] = AdmissionState.WAITING_FOR_BLOCKS
+                    blocks = await self._admission.admit(rid, allocate, deadline, handoff.remaining_lease())
+                    self._states[rid] = AdmissionState.PULLING
+                    t0 = time.perf_counter()
+                    timeout = self.spec.transfer_timeout_s
+                    if deadline is not None:
+                        timeout = max(0.001, min(timeout, deadline - time.monotonic()))
+                    pull = asyncio.get_running_loop().run_in_executor(
+                        self._transfer, self._pull, handoff, blocks, timeout
+                    )
+                    confirmations, waited = await asyncio.shield(pull)
+                    pulled = time.perf_counter() - t0 - waited  # not the time the source took to compute
+                    if handoff.remaining_lease() <= 0:
+                        raise LeaseExpired(f"the KV lease of request {rid} ran out")
+                    undelivered = tuple(c for c in confirmations if not c.delivered)
+                    if undelivered:
+                        self._in_background(source.confirm(undelivered))
+                    confirmed = True
+                    result = await first_token
+                except Exception:
+                    if first_token is not None and not first_token.done():
+                        # the handover failed: the source's first token, when it comes, still
+                        # goes out first (the request is recomputed after it)
+                        await asyncio.wait([first_token])
+                    raise
+                finally:
+                    if first_token is not None and not first_token.done():
+                        first_token.cancel()  # before the stream it reads closes
+                        await asyncio.wait([first_token])
+                    ended = _ended_at_first_token(first_token)
+            if result.finish_reason is not None:  # it ended at its first token, after all
+                self._end(rid)
+                return
             # Reported before activation, so that it reaches the consumer before any token.
-            batch = TokenBatch(rid, [], "", [], [], None, 0, pulled, undelivered, started_at=time.time())
-            req.outbox.put(batch)
-            await self._call(lambda e: e.activate(rid, first))
+            req.outbox.put(TokenBatch(rid, [], "", [], [], None, 0, pulled, started_at=time.time()))
+            await self._call(lambda e: e.activate(rid, result.output_token_ids))
             self._states[rid] = AdmissionState.RUNNING
         except asyncio.CancelledError:  # ended by abort or deadline
             if pull is not None:
                 with contextlib.suppress(BaseException):
                     await pull  # bytes may still be landing in the blocks: free them only after
             self._abort_in_engine(rid)
+            if exported and not confirmed:
+                self._in_background(source.abort(rid))
             raise
         except Exception as e:
-            self._fail(rid, e)
+            if exported and not confirmed:
+                self._in_background(source.abort(rid))
+            if ended:  # the consumer has its end already: this request only frees its blocks
+                self._end(rid)
+            else:
+                self._fail(rid, e)
+
+    @staticmethod
+    async def _prefill_event(events, rid: str, kv_began: bool) -> KVStreaming | PrefillResult:
+        """The source's next event. Lost (or its stream ended early) before any KV came,
+        ``PrefillLost``; after, ``PeerLost`` (the KV will not be whole)."""
+        try:
+            item = await anext(events, None)
+        except WorkerLost as e:
+            item, why = None, str(e)
+        else:
+            why = "it ended its stream without a result"
+        if item is None or (kv_began and not isinstance(item, PrefillResult)):
+            if kv_began:
+                raise PeerLost(f"the prefill worker of request {rid} was lost while its KV streamed: {why}")
+            raise PrefillLost(f"the prefill worker of request {rid} was lost before its KV came: {why}")
+        return item
+
+    async def _first_token(
+        self, events, req: _Request, handoff: KVHandoff, exported_at: float
+    ) -> PrefillResult:
+        """A streaming source's result, after its handoff: its first token goes out now."""
+        result = await self._prefill_event(events, req.request_id, kv_began=True)
+        self._pass_on(req, result, exported_at, streamed=True, handoff=handoff)
+        return result
+
+    def _pass_on(
+        self,
+        req: _Request,
+        result: PrefillResult,
+        exported_at: float,
+        streamed: bool,
+        handoff: KVHandoff | None = None,
+    ) -> None:
+        """The source's first token (and the end, if the request ended at it), to the consumer now."""
+        handoff = handoff or result.handoff
+        kv_bytes = handoff.num_bytes if handoff is not None else 0
+        at = exported_at if handoff is not None else None
+        prefilled = Prefilled(result.worker_id, result.scheduled_at, at, streamed, kv_bytes)
+        n = len(result.output_token_ids)
+        req.outbox.put(
+            TokenBatch(
+                req.request_id,
+                list(result.output_token_ids),
+                result.text,
+                list(result.logprobs),
+                [result.token_time] * n,
+                result.finish_reason,
+                result.num_cached_tokens,
+                prefilled=prefilled,
+            )
+        )
+
+    async def _link(self, source: PrefillPeer, handoff: KVHandoff) -> None:
+        """Hold the handshakes of ``handoff``'s source incarnations, fetching them from the
+        source once per incarnation. ``PeerLost`` if it is gone or restarted since."""
+        key = handoff.source_worker
+        if self._peers.get(key) == handoff.incarnations:
+            return
+        async with self._linking.setdefault(key, asyncio.Lock()):
+            if self._peers.get(key) == handoff.incarnations:
+                return
+            try:
+                info = await source.info()
+            except WorkerLost as e:
+                raise PeerLost(f"prefill worker {key} is gone with this KV: {e}") from None
+            handshakes = info.handshakes
+            if tuple(hs.incarnation for hs in handshakes) != handoff.incarnations:
+                raise PeerLost(f"prefill worker {key} restarted since it exported this KV")
+            await asyncio.get_running_loop().run_in_executor(self._transfer, self._connect, handshakes)
+            self._peers[key] = handoff.incarnations
+
+    def _in_background(self, call) -> None:
+        """Run a call to a source to its end without awaiting it; its errors are dropped
+        (a lost source frees everything anyway; a lease ends by itself)."""
+
+        async def quiet() -> None:
+            with contextlib.suppress(Exception):
+                await call
+
+        task = asyncio.ensure_future(quiet())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _connect(self, handshakes: tuple[Handshake, ...]) -> None:  # transfer thread
         if len(handshakes) == 1:
@@ -399,6 +491,14 @@ class DecodeWorker:
                 self._end(out.request_id, abort=False)
         if finished and self._admission is not None:
             self._admission.wake()  # blocks were freed
+
+
+def _ended_at_first_token(first_token: asyncio.Future | None) -> bool:
+    """Whether the source's result came and ended the request (its exception, if any,
+    is retrieved here)."""
+    if first_token is None or first_token.cancelled() or first_token.exception() is not None:
+        return False
+    return first_token.result().finish_reason is not None
 
 
 def _batch(out: RequestOutput, now: float) -> TokenBatch:

@@ -13,6 +13,10 @@ to gRPC status codes in one place.
 - ``DeadlineExceeded``: a request ran past its deadline and was aborted.
 - ``EngineStopped``: the engine's loop stopped; its worker serves nothing more.
   ``GroupBroken``, one of them: a collective of its tensor-parallel group failed.
+- ``WorkerLost``: a worker died or became unreachable while it held a request
+  (``WorkerStopped``: it answers, but its engine stopped).
+- ``PrefillLost``: the prefill worker a decode worker took a request's prompt to
+  was lost before it handed any KV over (the request may prefill elsewhere).
 """
 
 from __future__ import annotations
@@ -53,3 +57,19 @@ class EngineStopped(SplitserveError):
 class GroupBroken(EngineStopped):
     """A collective of the tensor-parallel group failed (a rank is gone): the group can
     compute nothing more, so its worker stops like any other whose engine stopped."""
+
+
+class WorkerLost(SplitserveError):
+    """A worker died or became unreachable while it held a request."""
+
+
+class WorkerStopped(WorkerLost):
+    """A worker's process answers but its engine has stopped (a bug, a broken TP group):
+    it will not serve again, and Ray will not restart a process that is alive. Its pool
+    replaces it."""
+
+
+class PrefillLost(SplitserveError):
+    """A decode worker's prefill worker was lost (or stopped) before it handed over any of
+    the request's KV: nothing of the request is held anywhere, and it may be prefilled
+    on another prefill worker. Not a ``WorkerLost``: the decode worker is alive."""

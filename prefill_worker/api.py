@@ -3,7 +3,9 @@ Plain data: importing this module loads no torch (a router unpickles these)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.outputs import EngineStats
@@ -12,7 +14,7 @@ from splitserve.engine.prefix_cache import PrefixUpdate
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import FinishReason
 from splitserve.engine.validation import RequestValidator
-from splitserve.kv_transfer.contract import Handshake, KVHandoff
+from splitserve.kv_transfer.contract import Confirmation, Handshake, KVHandoff
 
 
 @dataclass(frozen=True)
@@ -87,3 +89,25 @@ class PrefillStats:
     leases_expired: int  # exports whose lease ran out unconfirmed
     leases_released: int  # exports given up (request cancelled or failed)
     prefix: PrefixUpdate | None = None  # its prefix cache's changes since the caller's cursor
+
+
+class PrefillPeer(Protocol):
+    """A prefill worker as its callers hold it: the router (a registry client), and a
+    decode worker, which gets the same object in ``DecodeTask.source`` and prefills
+    the request through it. Errors come back as splitserve's own (``WorkerLost`` for a
+    lost worker)."""
+
+    async def info(self) -> PrefillWorkerInfo: ...
+
+    def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
+        """At most one ``KVStreaming``, then the ``PrefillResult``. Leaving early aborts
+        the request on the worker (its export too)."""
+        ...
+
+    async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
+        """The decode side holds verified copies of these transfers: their leases end."""
+        ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop the request wherever it is on the worker (its export's lease is released)."""
+        ...

@@ -1,39 +1,39 @@
 """One request's path through the cluster, and the router's admission control.
 
-::
+The router is a proxy: it sends each request to one decode worker and reads one
+stream back. The decode worker does the rest (``decode_worker.worker``)::
 
-    generate(inp)
-      validate (InvalidRequest) -> admit (Overloaded past LimitsSpec)
-      -> pick a decode worker and a prefill worker (router.balancer), and decide
-         where the prompt is prefilled (router.decider): LOCAL skips to generate
-      -> prefill(task)                   -> first token: TokenEvent; a KVHandoff
-      -> link the pair (handshakes, once per decode worker and prefill incarnation)
-      -> generate(task with the handoff) -> first batch: confirmations, forwarded
-                                            to the prefill worker (frees its KV)
-                                         -> TokenEvents ... FinalEvent
+    client --Generate--> router: validate, admit, pick a decode worker (router.balancer),
+                         decide where the prompt is prefilled (router.decider), and
+                         pick a prefill worker for it
+           router --start(task, source=prefill worker)--> decode worker
+                         decode worker --prefill_stream--> prefill worker
+                         (links to it once per incarnation: its handshakes, by info)
+                         the first token: prefill worker -> decode worker -> router
+                         the KV: prefill worker ==transfer backend==> decode worker
+                         (confirmed to the prefill worker by the backend, or by confirm)
+           router <--token batches ... finish-- decode worker
+    client <--tokens ... Final-- router
 
-From a prefill worker that streams KV (``router.prefill_call``) the handoff
-comes first, as its last prefill step begins: the decode side starts on it at
-once (its pull follows the layers as they are computed), then the first token
-is passed on and handed to the decode worker (``first_token``). A prefill that
-fails after that is told to the decode worker (``prefill_lost``), which ends
-the request with ``PeerLost``: a failed transfer, as below.
+Each request is one ``RequestLifecycle`` (``router.lifecycle``), whose named
+transitions are the failure handling here, every one within the request's
+deadline:
 
-A failed KV transfer (refused, corrupt, timed out, lease over, source gone)
-is recomputed: the decode worker prefills the prompt and the first token
-itself, within the request's deadline (``on_transfer_failure="fail"`` ends
-the request instead); ``transfer_failures`` counts both.
+- the prefill worker is lost before it hands any KV over (``PrefillLost`` from
+  the decode worker): ``retry_prefill`` on another prefill worker, each tried
+  once; with none left, the decode worker prefills it;
+- the KV transfer fails (refused, corrupt, timed out, lease over, source gone:
+  ``KVTransferError``): ``recompute``, the decode worker prefills the prompt
+  (and the first token, if it was passed on) itself (``on_transfer_failure=
+  "fail"`` ends the request instead); ``transfer_failures`` counts both;
+- the decode worker is lost (``WorkerLost``): ``resume`` once on another decode
+  worker, which prefills the prompt plus the tokens already sent and generates
+  the rest (greedy and seeded output is unchanged; nothing is sent twice).
 
-A lost worker is retried once: a lost prefill worker before any token means
-prefilling elsewhere; a lost decode worker means the request continues on
-another decode worker, which prefills the prompt plus the tokens already sent
-and generates the rest (greedy and seeded output is unchanged; nothing is sent
-twice).
-
-Whatever ends the request early (client cancel, deadline, error), the
-``finally`` aborts it on every worker that saw it, so blocks are freed
-everywhere. Deadlines bound every wait here, and are passed to the workers,
-which enforce them too (a router that dies cannot leave work behind).
+Nothing is aborted on success. A request that ends early (client cancel,
+deadline, error) leaves its decode worker's stream, which aborts it there; the
+decode worker releases whatever the prefill worker still holds for it. A lost
+decode worker's prefill worker is told to let go of the request's export.
 
 Each request's moments are marked as they happen, and its trace
 (``router.trace``) goes to every sink in ``sinks`` when it ends, however it ends
@@ -41,36 +41,31 @@ Each request's moments are marked as they happen, and its trace
 
 Workers come from the ``WorkerRegistry``; the load the router puts on each
 (prompt tokens queued, requests active, KV reserved) is recorded there for
-exactly as long as the call that causes it lasts.
+exactly as long as the stream that causes it lasts.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from splitserve.decode_worker.api import DecodeTask, TokenBatch
-from splitserve.engine.errors import InvalidRequest, Overloaded
+from splitserve.decode_worker.api import DecodeTask
+from splitserve.engine.errors import InvalidRequest, Overloaded, PrefillLost, WorkerLost
 from splitserve.engine.validation import RequestValidator
-from splitserve.kv_transfer.errors import HandshakeRequired, KVTransferError, PeerLost
-from splitserve.prefill_worker.api import PrefillTask
-from splitserve.router.background import Background, cancel
+from splitserve.kv_transfer.errors import KVTransferError
+from splitserve.router.background import Background
 from splitserve.router.balancer import Prompt, pick_decode, pick_prefill
 from splitserve.router.decider import Decider, Placement
-from splitserve.router.errors import WorkerLost, code_for
+from splitserve.router.errors import code_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
-from splitserve.router.peers import PeerLinks
+from splitserve.router.lifecycle import RequestLifecycle
 from splitserve.router.policy import LimitsSpec, PolicySpec
-from splitserve.router.prefill_call import PrefillCall
 from splitserve.router.registry import WorkerRecord, WorkerRegistry
-from splitserve.router.request import RequestState
 from splitserve.router.trace import RequestTrace, TraceLog, TraceSink
 
 log = logging.getLogger(__name__)
@@ -108,9 +103,8 @@ class Dispatcher:
         self.on_transfer_failure = on_transfer_failure
         # (error class, "recompute" or "fail") -> KV transfers that failed so, since start
         self.transfer_failures: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.links = PeerLinks(registry)
         self.decider = Decider()
-        self.inflight: dict[str, float] = {}  # request id -> accepted (time.time())
+        self._inflight: set[str] = set()  # request ids admitted and not yet ended
         self.admitted = 0  # requests admitted since start (the planner's arrivals)
         self.traces = TraceLog(traces_kept)
         self.sinks: list[TraceSink] = [self.traces]  # each request's trace, when it ends
@@ -119,6 +113,10 @@ class Dispatcher:
     @property
     def decode_role(self) -> str:
         return "colocated" if self.colocated else "decode"
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
 
     def validate(self, inp: GenerateInput) -> list[int]:
         if inp.model and inp.model != self.served_model:
@@ -136,35 +134,32 @@ class Dispatcher:
         timeouts = [t for t in (inp.timeout_s, self.limits.max_timeout_s) if t is not None]
         rid = inp.request_id or uuid.uuid4().hex
         inp = dataclasses.replace(inp, params=self.validator.defaults.apply(inp.params, inp.unset))
-        req = RequestState(rid, [], inp.params, min(timeouts) if timeouts else None)
+        life = RequestLifecycle(rid, [], inp.params, min(timeouts) if timeouts else None)
         outcome, ok, admitted = "CANCELLED", False, False
         try:
             prompt_ids = self.validate(inp)
-            if rid in self.inflight:
+            if rid in self._inflight:
                 raise InvalidRequest(f"request id {rid!r} is already in use")
-            if len(self.inflight) >= self.limits.max_inflight_requests:
+            if len(self._inflight) >= self.limits.max_inflight_requests:
                 raise Overloaded(
-                    f"the server is at capacity ({len(self.inflight)} requests in flight); retry later"
+                    f"the server is at capacity ({len(self._inflight)} requests in flight); retry later"
                 )
-            self.inflight[rid], admitted = req.accepted, True
+            self._inflight.add(rid)
+            admitted = True
             self.admitted += 1
-            req.prompt_ids = prompt_ids  # a trace with no prompt is a request refused at the door
-            async for event in self._run(req):
+            # a trace with no prompt is a request refused at the door
+            life = RequestLifecycle(rid, prompt_ids, inp.params, life.timeout_s)
+            async for event in self._serve(life):
                 if isinstance(event, FinalEvent):
                     outcome, ok = event.finish_reason.value, True
-                if isinstance(event, TokenEvent) and req.first_token_at is None:
-                    req.mark("first_token")  # passed on now (marked after the yield, it could
-                    # come after the client had the token, as the front end resumes us late)
                 yield event
         except Exception as e:
             outcome = code_for(e).name
             raise
         finally:
             if admitted:
-                self.inflight.pop(rid, None)
-                for worker in req.touched:
-                    self._background.run(worker.client.abort(rid))
-            self._record(req.trace(outcome, ok))
+                self._inflight.discard(rid)
+            self._record(life.trace(outcome, ok))
 
     def _record(self, trace: RequestTrace) -> None:
         for sink in self.sinks:
@@ -172,24 +167,6 @@ class Dispatcher:
                 sink.record(trace)
             except Exception:  # a broken metrics or tracing sink must not fail requests
                 log.exception("recording the trace of %s failed", trace.request_id)
-
-    # ---- the path ------------------------------------------------------------------
-    async def _run(self, req: RequestState) -> AsyncIterator[TokenEvent | FinalEvent]:
-        n = len(req.prompt_ids)
-        decoders = self.registry.routable(self.decode_role)
-        if not decoders:
-            raise WorkerLost("no decode worker is available")
-        decoders = [w for w in decoders if self._has_room(w)]
-        if not decoders:
-            raise Overloaded(
-                "every decode worker has as many requests as its batch limit allows "
-                f"({self.limits.batch_limits()}); retry later"
-            )
-        prompt = Prompt.of(req.prompt_ids, decoders[0].block_size)
-        dw = pick_decode(decoders, prompt, n + 1)
-        with self.registry.assigned(dw, req.request_id):
-            async for event in self._serve(req, prompt, dw):
-                yield event
 
     def _batch_cap(self, w: WorkerRecord) -> int | None:
         return self.limits.batch_cap(w.steps)
@@ -201,213 +178,106 @@ class Dispatcher:
 
     def _has_room(self, w: WorkerRecord) -> bool:
         cap = self._batch_cap(w)
-        return cap is None or len(w.assigned) < cap
+        return cap is None or len(w.decoding) < cap
 
-    async def _serve(
-        self, req: RequestState, prompt: Prompt, dw: WorkerRecord
-    ) -> AsyncIterator[TokenEvent | FinalEvent]:
-        """``req`` from its prefill (here or on a prefill worker) to its last token, on
-        ``dw`` or, if that one is lost, another decode worker."""
-        n = len(req.prompt_ids)
+    # ---- the path ------------------------------------------------------------------
+    async def _serve(self, life: RequestLifecycle) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """``life`` from placement to its last event, through its transitions (see the
+        module docstring)."""
+        n = len(life.prompt_ids)
+        decoders = self.registry.routable(self.decode_role)
+        if not decoders:
+            raise WorkerLost("no decode worker is available")
+        decoders = [w for w in decoders if self._has_room(w)]
+        if not decoders:
+            raise Overloaded(
+                "every decode worker has as many requests as its batch limit allows "
+                f"({self.limits.batch_limits()}); retry later"
+            )
+        prompt = Prompt.of(life.prompt_ids, decoders[0].block_size)
+        dw = pick_decode(decoders, prompt, n + 1)
         pw = None
         if not self.colocated:
             pw = pick_prefill(self.registry.routable("prefill"), prompt, self.policy.prefix_affinity)
         decision = self.decider.decide(self.policy, prompt, dw, pw, self.colocated)
-        call: PrefillCall | None = None
-        if decision.placement == Placement.REMOTE:
-            call = await self._prefill(req, prompt, pw)
-            if call is None:  # every prefill worker it tried was lost, and none is left
-                self.decider.fallback()
-                log.warning("no prefill worker is left for %s; %s prefills it", req.request_id, dw.worker_id)
-        async with contextlib.AsyncExitStack() as held:
-            task = DecodeTask(req.request_id, req.prompt_ids, req.params, req.remaining())
-            prefill: WorkerRecord | None = None
-            if call is not None:
-                held.push_async_callback(call.close)
-                if call.streamed is not None:  # the decode side starts now; the first token comes later
-                    req.mark("kv_exported", worker=call.worker.worker_id)
-                    req.kv_streamed = True
-                    prefill = call.worker
-                    task = dataclasses.replace(task, handoff=call.streamed)
-                else:
-                    result = await call.result(req.within)
-                    call.delivered = True
-                    for event in req.prefilled(result):
-                        yield event
-                    if result.finish_reason is not None:
-                        return
-                    prefill = self.registry.get(result.worker_id)
-                    task = dataclasses.replace(
-                        task, output_token_ids=result.output_token_ids, handoff=result.handoff
-                    )
-                if prefill is None:  # the prefill worker left the cluster meanwhile
-                    task = self._resume_task(req)
-            for attempt in range(2):
-                try:
-                    with self.registry.assigned(dw, req.request_id):
-                        async for event in self._decode(req, dw, task, prefill, call):
-                            yield event
-                    return
-                except WorkerLost:
-                    self.links.forget(dw.worker_id)
-                    candidates = [w for w in self.registry.routable(self.decode_role) if w is not dw]
-                    dw = pick_decode(candidates, prompt, n + 1) if attempt == 0 else None
-                    if dw is None:
-                        raise
-                    log.warning(
-                        "decode worker lost during %s; continuing on %s", req.request_id, dw.worker_id
-                    )
-                    req.mark("resumed", worker=dw.worker_id)
-                    task = self._resume_task(req)
-                    if prefill is not None:  # the resumed task prefills again: free the export now
-                        self._background.run(prefill.client.abort(req.request_id))
-
-    async def _prefill(
-        self, req: RequestState, prompt: Prompt, pw: WorkerRecord | None
-    ) -> PrefillCall | None:
-        """Prefill on ``pw`` (None: the balancer picks); a worker lost before its first
-        event is replaced by the next pick, each worker tried once. None: no prefill
-        worker is left to try."""
-        tried: set[str] = set()
-        n = len(req.prompt_ids)
+        source = self._admit_prefill(pw, n) if decision.placement == Placement.REMOTE else None
+        task = life.place(dw, source)
+        tried = {source.worker_id} if source is not None else set()
+        resumed = False
         while True:
-            if pw is None:
-                candidates = [w for w in self.registry.routable("prefill") if w.worker_id not in tried]
-                pw = pick_prefill(candidates, prompt, self.policy.prefix_affinity)
-            if pw is None:
-                return None
-            tried.add(pw.worker_id)
-            queued = pw.queued_prompt_tokens
-            # An idle worker takes any prompt the validator allowed, however long.
-            if queued and queued + n > self.limits.max_queued_prompt_tokens:
-                raise Overloaded(f"prefill queues are full ({queued} prompt tokens waiting); retry later")
-            req.touched.append(pw)
-            task = PrefillTask(req.request_id, req.prompt_ids, req.params, req.remaining())
             try:
-                return await PrefillCall.open(self.registry, pw, task, req.within)
-            except WorkerLost:
-                log.warning("prefill worker %s lost request %s; retrying", pw.worker_id, req.request_id)
-                pw = None
-
-    async def _decode(
-        self,
-        req: RequestState,
-        dw: WorkerRecord,
-        task: DecodeTask,
-        prefill: WorkerRecord | None,
-        call: PrefillCall | None,
-    ) -> AsyncIterator[TokenEvent | FinalEvent]:
-        """Stream ``task`` from ``dw``. A handoff's pair is linked first; a decode worker
-        that lost its handshakes (restarted) is linked again once, before any token. If
-        the handoff's source is gone before the pull, ``dw`` prefills the request itself."""
-        req.touched.append(dw)
-        req.decode_worker = dw.worker_id
-        relinked = False
-        while True:
-            if task.handoff is not None:
-                try:
-                    await req.within(self.links.ensure(dw, prefill, task.handoff))
-                except PeerLost as e:  # the KV's source is gone: prefill prompt + first token here
-                    task = self._recompute(req, dw, prefill, e)
-            try:
-                async for event in self._stream(req, dw, task, prefill, call):
+                async for event in self._stream(life, task):
                     yield event
                 return
-            except HandshakeRequired:
-                self.links.forget(dw.worker_id)
-                if relinked:
+            except PrefillLost as e:  # nothing of it is held: another prefill worker, or dw itself
+                candidates = [w for w in self.registry.routable("prefill") if w.worker_id not in tried]
+                source = pick_prefill(candidates, prompt, self.policy.prefix_affinity)
+                if source is None:
+                    self.decider.fallback()
+                    log.warning(
+                        "%s; no prefill worker is left, %s prefills it", e, life.decode_worker.worker_id
+                    )
+                else:
+                    log.warning("%s; retrying on %s", e, source.worker_id)
+                    self._admit_prefill(source, n)
+                    tried.add(source.worker_id)
+                task = life.retry_prefill(source)
+            except KVTransferError as e:
+                if life.source is None:
                     raise
-                relinked = True
-            except KVTransferError as e:  # the pull failed (nothing was streamed from dw)
-                if task.handoff is None:
+                action = self.on_transfer_failure
+                self.transfer_failures[(type(e).__name__, action)] += 1
+                if action == "fail":
                     raise
-                task = self._recompute(req, dw, prefill, e)
+                log.warning(
+                    "KV transfer of %s failed (%s); prefilling it on %s",
+                    life.request_id,
+                    e,
+                    life.decode_worker.worker_id,
+                )
+                task = life.recompute()
+            except WorkerLost:
+                lost, source = life.decode_worker, life.source
+                candidates = [w for w in self.registry.routable(self.decode_role) if w is not lost]
+                dw = pick_decode(candidates, prompt, n + 1) if not resumed else None
+                if dw is None:
+                    raise
+                resumed = True
+                log.warning("decode worker lost during %s; continuing on %s", life.request_id, dw.worker_id)
+                if source is not None:  # its export, if it still holds one, is of no use now
+                    self._background.run(source.client.abort(life.request_id))
+                task = life.resume(dw)
 
-    def _recompute(
-        self, req: RequestState, dw: WorkerRecord, prefill: WorkerRecord | None, error: KVTransferError
-    ) -> DecodeTask:
-        """The KV handover failed: under ``on_transfer_failure == "recompute"``, the task
-        that has ``dw`` prefill the request itself (its deadline still applies), and the
-        export is freed; under ``"fail"``, ``error`` is raised."""
-        action = self.on_transfer_failure
-        self.transfer_failures[(type(error).__name__, action)] += 1
-        if action == "fail":
-            raise error
-        log.warning("KV transfer of %s failed (%s); prefilling on %s", req.request_id, error, dw.worker_id)
-        req.mark("kv_recompute", worker=dw.worker_id)
-        if prefill is not None:
-            self._background.run(prefill.client.abort(req.request_id))
-        return self._resume_task(req)
+    def _admit_prefill(self, pw: WorkerRecord, prompt_tokens: int) -> WorkerRecord:
+        """``pw`` takes the prompt unless its queue is full (``Overloaded``); an idle worker
+        takes any prompt the validator allowed, however long."""
+        queued = pw.queued_prompt_tokens
+        if queued and queued + prompt_tokens > self.limits.max_queued_prompt_tokens:
+            raise Overloaded(f"prefill queues are full ({queued} prompt tokens waiting); retry later")
+        return pw
 
     async def _stream(
-        self,
-        req: RequestState,
-        dw: WorkerRecord,
-        task: DecodeTask,
-        prefill: WorkerRecord | None,
-        call: PrefillCall | None,
+        self, life: RequestLifecycle, task: DecodeTask
     ) -> AsyncIterator[TokenEvent | FinalEvent]:
-        """``task``'s batches from ``dw``, as events. A streamed handoff's request starts
-        on ``dw`` first (its pull follows the prefill), then ``call``'s first token is
-        passed on and handed to ``dw``."""
+        """``task`` on ``life``'s decode worker, its batches as events. The prompt counts
+        as queued on whoever prefills it until the first token, the KV as reserved on the
+        decode worker until the stream ends."""
+        dw, rid = life.decode_worker, life.request_id
+        prefiller = life.source or dw
+        to_prefill = len(task.prompt_token_ids) + len(task.output_token_ids)
         reserve = len(task.prompt_token_ids) + task.params.max_tokens
-        local_prefill = task.handoff is None  # dw prefills the prompt: queued there until its first token
-        to_prefill = len(task.prompt_token_ids) + (len(task.output_token_ids) if local_prefill else 0)
-        started = False  # dw has said when it took the request into its batch
-        async with contextlib.AsyncExitStack() as held:
-            held.enter_context(self.registry.decoding(dw, req.request_id, reserve))
-            if local_prefill:
-                held.enter_context(self.registry.prefilling(dw, req.request_id, to_prefill))
-            stream = await held.enter_async_context(contextlib.aclosing(dw.client.generate(task)))
-            pending = None  # the stream's first batch, read ahead
-            if task.first_token_later and call is not None:
-                pending = asyncio.ensure_future(anext(stream))  # starts the request on dw
-                held.push_async_callback(cancel, pending)  # before the stream closes
-                try:
-                    result = await call.result(req.within)
-                except (WorkerLost, KVTransferError) as e:  # its KV will not be whole: dw ends the
-                    # request with PeerLost, which the stream brings, and _decode recomputes
-                    log.warning("prefill of %s failed after its KV began to stream: %s", req.request_id, e)
-                    await req.within(dw.client.prefill_lost(req.request_id, str(e)))
-                    result = None
-                if result is not None and not call.delivered:
-                    call.delivered = True
-                    for event in req.prefilled(result):
+        with self.registry.decoding(dw, rid, reserve), self.registry.prefilling(prefiller, rid, to_prefill):
+            async with contextlib.aclosing(dw.client.generate(task)) as stream:
+                while True:
+                    batch = await life.within(anext(stream, None))
+                    if batch is None:
+                        raise WorkerLost(f"decode worker {dw.worker_id} ended the stream early")
+                    handover = life.handover_s(batch)
+                    if handover is not None:
+                        self.decider.observe_handover(handover)
+                    for event in life.on_batch(batch):
+                        if isinstance(event, TokenEvent):
+                            self.registry.prefill_done(prefiller, rid)
                         yield event
-                if result is not None and result.finish_reason is not None:
-                    return
-                if result is not None:
-                    self._background.run(dw.client.first_token(req.request_id, result.output_token_ids))
-            while True:
-                try:
-                    batch: TokenBatch = await req.within(pending if pending is not None else anext(stream))
-                except StopAsyncIteration:
-                    raise WorkerLost(f"decode worker {dw.worker_id} ended the stream early") from None
-                pending = None
-                if batch.confirmations and prefill is not None:
-                    self._background.run(prefill.client.confirm(batch.confirmations))
-                if batch.transfer_s is not None:
-                    req.transfer_s = batch.transfer_s
-                    req.kv_bytes = task.handoff.num_bytes if task.handoff is not None else 0
-                    if req.prefilled_at is not None:
-                        self.decider.observe_handover(time.monotonic() - req.prefilled_at)
-                if batch.started_at is not None and not started:
-                    started = True
-                    req.mark_started(dw.worker_id, batch.started_at)
-                if batch.token_ids and not req.marked("first_decode_token"):
-                    req.mark("first_decode_token", worker=dw.worker_id)
-                if local_prefill and (batch.token_ids or batch.finish_reason is not None):
-                    self.registry.prefill_done(dw, req.request_id)
-                    local_prefill = False
-                req.cached = max(req.cached, batch.num_cached_tokens)
-                if batch.token_ids or batch.text:
-                    yield req.tokens(batch.token_ids, batch.text, batch.logprobs, batch.token_times)
-                if batch.finish_reason is not None:
-                    yield req.final(batch.finish_reason, req.prefill_worker, dw.worker_id)
-                    return
-
-    def _resume_task(self, req: RequestState) -> DecodeTask:
-        """Continue on another decode worker: it prefills the prompt and the tokens
-        already sent, and goes on after them (seeded sampling included) as if
-        nothing had happened."""
-        return DecodeTask(req.request_id, req.prompt_ids, req.params, req.remaining(), list(req.sent))
+                        if isinstance(event, FinalEvent):
+                            return

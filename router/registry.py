@@ -11,9 +11,8 @@ through a registry method::
     given_up (registry, not a record)   the pools: give_up
     alive, stopped, stats, error, prefix poll() (the router's poller, status calls)
     steps (a decode worker's step times) poll()
-    info (validator, handshakes)        activate, handshakes_for (after a restart)
+    info (validator, handshakes)        activate
     prefilling / decoding / unpolled    the dispatcher: prefilling(), prefill_done(), decoding()
-    assigned                            the dispatcher: assigned()
 
 A worker's lifecycle::
 
@@ -44,10 +43,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from splitserve.decode_worker.api import DecodeStats
+from splitserve.engine.errors import WorkerLost, WorkerStopped
 from splitserve.kv_transfer.contract import Handshake
-from splitserve.kv_transfer.errors import PeerLost
 from splitserve.prefill_worker.api import PrefillStats, PrefillWorkerInfo
-from splitserve.router.errors import WorkerLost, WorkerStopped
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.step_time import StepTimes
 from splitserve.router.workers import WorkerClient, WorkerInfo, WorkerStats
@@ -96,7 +94,6 @@ class WorkerRecord:
     prefilling: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens sent
     decoding: dict[str, int] = field(default_factory=dict)  # request id -> KV tokens reserved
     unpolled: set[str] = field(default_factory=set)  # decoding ids sent since the last poll began
-    assigned: set[str] = field(default_factory=set)  # request ids it was picked to decode, until they end
     prefix: PrefixIndex = field(default_factory=PrefixIndex)  # its prefix cache, as last polled
     steps: StepTimes = field(default_factory=StepTimes)  # its decode step times, as polled
     node: NodePlacement | None = None  # None while STARTING: waiting for Ray to place it
@@ -271,27 +268,3 @@ class WorkerRegistry:
         finally:
             w.decoding.pop(request_id, None)
             w.unpolled.discard(request_id)
-
-    @contextlib.contextmanager
-    def assigned(self, w: WorkerRecord, request_id: str) -> Iterator[None]:
-        """``w`` is the decode worker of ``request_id`` for the duration (its prefill
-        elsewhere included). Nested entries for the same request are one."""
-        if request_id in w.assigned:
-            yield
-            return
-        w.assigned.add(request_id)
-        try:
-            yield
-        finally:
-            w.assigned.discard(request_id)
-
-    # ---- handshakes --------------------------------------------------------------------
-    async def handshakes_for(self, w: WorkerRecord, incarnations: tuple[str, ...]) -> tuple[Handshake, ...]:
-        """``w``'s handshakes for exactly these source incarnations. A prefill worker
-        that restarted since the registry last asked is asked again; KV from an
-        incarnation that is no longer running is refused with ``PeerLost``."""
-        if tuple(hs.incarnation for hs in w.handshakes) != incarnations:
-            w.info = await w.client.info()
-            if tuple(hs.incarnation for hs in w.handshakes) != incarnations:
-                raise PeerLost(f"prefill worker {w.worker_id} restarted since it exported this KV")
-        return w.handshakes

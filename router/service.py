@@ -147,7 +147,7 @@ class SplitserveService(pb_grpc.SplitserveServicer):
             mode=self.mode,
             model=d.served_model,
             pools=pools,
-            inflight_requests=len(d.inflight),
+            inflight_requests=d.num_inflight,
             placements=placements,
             handover_ms=d.decider.handover_s * 1000,
             given_up=[

@@ -125,23 +125,63 @@ def test_prefill_kv_is_freed_at_the_pull_not_at_the_end(cluster, client):
     assert wait_kv_free(client) == IDLE
 
 
+def _decode_peers(cluster) -> dict[str, tuple[str, ...]]:
+    """The prefill incarnations the decode worker holds handshakes of, as it reports them."""
+    (dw,) = cluster.registry.workers("decode")
+    return ray.get(dw.client.actor.stats.remote()).peers
+
+
 def test_handshakes_cross_once_per_peer_pair(cluster, client):
-    """Many requests over one (prefill, decode) pair: the decode worker already holds
-    the prefill worker's handshakes, so no request carries them (the router links a
-    pair once per incarnation)."""
-    links = cluster.dispatcher.links
+    """Many requests over one (prefill, decode) pair: the decode worker links to the
+    prefill worker itself, once per incarnation, and holds exactly its handshakes."""
     prompts, params = mixed_workload(8, seed=13)
     stream_all(cluster.address, prompts, params)
     (pw,) = cluster.registry.workers("prefill")
     incarnations = tuple(hs.incarnation for hs in pw.handshakes)
-    assert links._linked == {("decode-0", "prefill-0"): incarnations}
+    assert _decode_peers(cluster) == {"prefill-0": incarnations}
+
+
+def _remote_calls(actor=None, reset: bool = False) -> dict[str, int]:
+    """The Ray calls this process (or ``actor``'s) made through splitserve's worker
+    clients, by method (``cluster.worker_client.REMOTE_CALLS``); ``reset`` zeroes them."""
+
+    def read(_self=None):
+        from splitserve.cluster.worker_client import REMOTE_CALLS
+
+        calls = dict(REMOTE_CALLS)
+        if reset:
+            REMOTE_CALLS.clear()
+        return calls
+
+    return read() if actor is None else ray.get(actor.__ray_call__.remote(read))
+
+
+def test_the_router_sends_one_call_per_request_and_relays_nothing(cluster, client):
+    """One streamed disaggregated request, on a linked pair: the router makes one call
+    (start; the token stream is opened once per decode worker), and aborts nothing on
+    success; the decode worker calls the prefill worker for the prompt (and confirms
+    the transfer, where the backend has no channel of its own for that). Nothing goes
+    from one worker to the other through the router."""
+    (dw,) = cluster.registry.workers("decode")
+    prompt = random_prompts([60], VOCAB, seed=31)[0]
+    list(client.stream(prompt, max_tokens=4))  # linked, streams open
+    _remote_calls(reset=True)
+    _remote_calls(dw.client.actor, reset=True)
+    chunks = list(client.stream(prompt, max_tokens=8, ignore_eos=True))
+    assert chunks[-1].finish_reason == "length"
+    router = {m: n for m, n in _remote_calls().items() if m != "stats"}  # stats: the poller's
+    decode = _remote_calls(dw.client.actor)
+    backend = cluster.cluster.config.transfer.backend
+    print(f"{backend}: router -> worker {router}; decode -> prefill {decode}")
+    assert router == {"start": 1}
+    assert decode.pop("prefill_stream") == 1 and decode.pop("confirm", 1) == 1 and decode == {}
 
 
 def test_a_restarted_prefill_worker_is_used_again(cluster, reference, client):
     """Ray restarts a killed prefill worker; its KV source comes back with a new
-    incarnation, which the router notices in the next handoff and sends to the
-    decode worker. Requests in between get a clear UNAVAILABLE or succeed (the
-    decode worker prefilling them); none hangs. The test ends with the cluster
+    incarnation, which the decode worker notices in the next handoff and links to.
+    Requests in between get a clear UNAVAILABLE or succeed (the decode worker
+    prefilling them); none hangs. The test ends with the cluster
     serving again, so its place in the module does not matter."""
     (pw,) = cluster.registry.workers("prefill")
     old = tuple(hs.incarnation for hs in pw.handshakes)
@@ -160,6 +200,6 @@ def test_a_restarted_prefill_worker_is_used_again(cluster, reference, client):
             pass
         assert time.monotonic() < deadline, "the prefill worker never came back"
         time.sleep(0.5)
-    new = tuple(hs.incarnation for hs in pw.handshakes)
-    assert new != old and cluster.dispatcher.links._linked[("decode-0", "prefill-0")] == new
+    new = tuple(hs.incarnation for hs in ray.get(pw.client.actor.info.remote()).handshakes)
+    assert new != old and _decode_peers(cluster)["prefill-0"] == new
     assert wait_kv_free(client) == IDLE

@@ -34,4 +34,4 @@ def test_ten_times_the_load_is_refused_fast_and_the_rest_served(checkpoint):
 
 
 async def _inflight(cluster) -> int:
-    return len(cluster.dispatcher.inflight)
+    return cluster.dispatcher.num_inflight

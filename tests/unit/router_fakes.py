@@ -6,11 +6,11 @@ router's own logic (registry, balancer, dispatcher, autoscaling policy)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from splitserve.decode_worker.api import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
+from splitserve.decode_worker.api import DecodeStats, DecodeTask, DecodeWorkerInfo, Prefilled, TokenBatch
+from splitserve.engine.errors import PrefillLost, WorkerLost
 from splitserve.engine.kv_layout import KVLayout
 from splitserve.engine.outputs import EngineStats
 from splitserve.engine.sequence import FinishReason
@@ -23,6 +23,7 @@ from splitserve.kv_transfer.contract import (
     KVDescriptor,
     KVHandoff,
 )
+from splitserve.kv_transfer.errors import KVTransferError
 from splitserve.prefill_worker.api import (
     KVStreaming,
     PrefillResult,
@@ -30,7 +31,6 @@ from splitserve.prefill_worker.api import (
     PrefillTask,
     PrefillWorkerInfo,
 )
-from splitserve.router.errors import WorkerLost
 from splitserve.router.registry import Membership, WorkerRecord
 
 VALIDATOR = RequestValidator(
@@ -76,7 +76,7 @@ def record(
     is its reported (mean batch, mean decode step seconds)."""
     w = WorkerRecord(wid, role, client=None, block_size=block_size, state=Membership.ACTIVE)
     stats = engine_stats(free_blocks, num_blocks, running, prefill_rate, decode_step)
-    w.stats = DecodeStats(wid, stats, 0, 0, 0)
+    w.stats = DecodeStats(wid, stats, 0, 0)
     if queued:
         w.prefilling["queued"] = queued
     for i in range(active):
@@ -186,10 +186,15 @@ class FakePrefill:
 
 
 class FakeDecode:
-    """A decode worker: continues ``expected_tokens`` from where the task starts, in
-    batches of ``batch`` tokens. ``lose_after`` tokens into a request it raises
-    ``WorkerLost`` (once per request); ``fail`` may raise at the start. Its stats
-    report the ``decode_steps`` (batch, step s) in turn, then the last one again."""
+    """A decode worker: with a task's ``source``, it prefills there (``PrefillLost`` if
+    the source is lost before any KV came, ``PeerLost`` after), passes the first token on
+    (with ``prefilled``), links to the source once per incarnation (``source.info``),
+    "pulls" (``pull_fails`` may raise a ``KVTransferError`` instead), confirms to the
+    source, and continues ``expected_tokens`` in batches of ``batch`` tokens; an export
+    not confirmed is released on the source. Without a source it prefills itself.
+    ``lose_after`` tokens into a request it raises ``WorkerLost`` (once per request);
+    ``fail`` may raise at the start. Its stats report the ``decode_steps`` (batch,
+    step s) in turn, then the last one again."""
 
     def __init__(
         self,
@@ -199,6 +204,7 @@ class FakeDecode:
         fail: Callable[[DecodeTask], None] | None = None,
         step_s: float = 0.0,
         decode_steps: Sequence[tuple[float, float]] = (),
+        pull_fails: Callable[[KVHandoff], None] | None = None,
     ):
         self.worker_id = worker_id
         self.batch = batch
@@ -206,11 +212,11 @@ class FakeDecode:
         self.fail = fail
         self.step_s = step_s
         self.decode_steps = list(decode_steps)
+        self.pull_fails = pull_fails
         self.linked: dict[str, tuple[str, ...]] = {}
         self.connect_calls = 0
         self.calls: list[DecodeTask] = []
         self.aborted: list[str] = []
-        self.first_tokens: dict[str, asyncio.Future] = {}  # streamed handoffs' first tokens, by request
 
     def restart(self) -> None:
         self.linked.clear()
@@ -221,7 +227,7 @@ class FakeDecode:
     async def stats(self, prefix_since=None) -> DecodeStats:
         steps = self.decode_steps
         step = steps.pop(0) if len(steps) > 1 else (steps[0] if steps else (0.0, 0.0))
-        return DecodeStats(self.worker_id, engine_stats(decode_step=step), 0, 0, 0)
+        return DecodeStats(self.worker_id, engine_stats(decode_step=step), 0, 0)
 
     async def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
@@ -230,51 +236,101 @@ class FakeDecode:
     async def close(self) -> None:
         pass
 
-    async def first_token(self, request_id: str, token_ids: list[int]) -> bool:
-        self.first_tokens.setdefault(request_id, asyncio.Future()).set_result(list(token_ids))
-        return True
-
-    async def prefill_lost(self, request_id: str, reason: str) -> bool:
-        from splitserve.kv_transfer.errors import PeerLost
-
-        self.first_tokens.setdefault(request_id, asyncio.Future()).set_exception(PeerLost(reason))
-        return True
-
-    async def connect(self, handshakes: tuple[Handshake, ...]) -> None:
-        self.connect_calls += 1
-        self.linked[handshakes[0].worker_id] = tuple(h.incarnation for h in handshakes)
-
     async def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
-        from splitserve.kv_transfer.errors import HandshakeRequired
-
         self.calls.append(task)
         if self.fail is not None:
             self.fail(task)
-        if task.handoff is not None:
-            if self.linked.get(task.handoff.source_worker) != task.handoff.incarnations:
-                raise HandshakeRequired(f"{self.worker_id} holds no handshake for this source")
-            conf = Confirmation(task.handoff.descriptors[0].transfer_id, task.handoff.source_worker, False)
-            first = list(task.output_token_ids)
-            if task.first_token_later:  # as the real worker: the pull's batch waits for it
-                future = self.first_tokens.setdefault(task.request_id, asyncio.Future())
-                first = await future  # raises prefill_lost's PeerLost
-            yield TokenBatch(
-                task.request_id, [], "", [], [], None, 0, transfer_s=0.001, confirmations=(conf,)
+        sent = list(task.output_token_ids)
+        finished = False
+        try:
+            if task.source is not None:
+                first = None
+                try:
+                    async for batch in self._take_over(task):
+                        first = first or batch
+                        finished = batch.finish_reason is not None
+                        yield batch
+                except (PrefillLost, KVTransferError):
+                    finished = True  # the worker ended it (an error batch): nothing to abort
+                    raise
+                if first is None or first.finish_reason is not None:
+                    finished = True
+                    return
+                sent = list(first.token_ids)
+            # Continue the context (a resumed task's prompt already holds the tokens sent).
+            context = list(task.prompt_token_ids) + sent
+            left = task.params.max_tokens - len(sent)
+            sent_here = 0
+            while left > 0:
+                await asyncio.sleep(self.step_s)
+                if self.lose_after is not None and sent_here >= self.lose_after:
+                    raise WorkerLost(f"{self.worker_id} died")
+                ids = []
+                for _ in range(min(self.batch, left)):
+                    ids.append(next_token(context))
+                    context.append(ids[-1])
+                left -= len(ids)
+                sent_here += len(ids)
+                finish = FinishReason.LENGTH if left == 0 else None
+                finished = finish is not None
+                yield TokenBatch(task.request_id, ids, "", [0.0] * len(ids), [0.0] * len(ids), finish, 0)
+        finally:
+            if not finished:  # as the real client: leaving early aborts the request here
+                self.aborted.append(task.request_id)
+
+    async def _take_over(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
+        """The first-token batch, then (unless it ended there) the pull's batch."""
+        from splitserve.kv_transfer.errors import PeerLost
+
+        source, rid = task.source, task.request_id
+        confirmed = False
+        events = source.prefill_stream(PrefillTask(rid, task.prompt_token_ids, task.params, task.timeout_s))
+        try:
+            try:
+                first = await anext(events)
+            except WorkerLost as e:
+                raise PrefillLost(str(e)) from None
+            handoff = first.handoff
+            result = first
+            if isinstance(first, KVStreaming):
+                try:
+                    result = await anext(events)
+                except WorkerLost as e:
+                    raise PeerLost(str(e)) from None
+            n = len(result.output_token_ids)
+            prefilled = Prefilled(
+                result.worker_id, 0.0, None if handoff is None else 0.0, isinstance(first, KVStreaming), 64
             )
-            task = dataclasses.replace(task, output_token_ids=first)
-        # Continue the context (a resumed task's prompt already holds the tokens sent).
-        context = list(task.prompt_token_ids) + list(task.output_token_ids)
-        left = task.params.max_tokens - len(task.output_token_ids)
-        sent_here = 0
-        while left > 0:
-            await asyncio.sleep(self.step_s)
-            if self.lose_after is not None and sent_here >= self.lose_after:
-                raise WorkerLost(f"{self.worker_id} died")
-            ids = []
-            for _ in range(min(self.batch, left)):
-                ids.append(next_token(context))
-                context.append(ids[-1])
-            left -= len(ids)
-            sent_here += len(ids)
-            finish = FinishReason.LENGTH if left == 0 else None
-            yield TokenBatch(task.request_id, ids, "", [0.0] * len(ids), [0.0] * len(ids), finish, 0)
+            yield TokenBatch(
+                rid,
+                result.output_token_ids,
+                "",
+                [0.0] * n,
+                [0.0] * n,
+                result.finish_reason,
+                0,
+                prefilled=prefilled,
+            )
+            if result.finish_reason is not None:
+                confirmed = handoff is None
+                return
+            if self.linked.get(handoff.source_worker) != handoff.incarnations:
+                try:
+                    info = await source.info()
+                except WorkerLost as e:
+                    raise PeerLost(str(e)) from None
+                if tuple(h.incarnation for h in info.handshakes) != handoff.incarnations:
+                    raise PeerLost("the source restarted since it exported")
+                self.connect_calls += 1
+                self.linked[handoff.source_worker] = handoff.incarnations
+            if self.pull_fails is not None:
+                self.pull_fails(handoff)
+            await source.confirm(
+                (Confirmation(handoff.descriptors[0].transfer_id, handoff.source_worker, False),)
+            )
+            confirmed = True
+            yield TokenBatch(rid, [], "", [], [], None, 0, transfer_s=0.001, started_at=0.0)
+        finally:
+            await events.aclose()
+            if not confirmed:
+                await source.abort(rid)

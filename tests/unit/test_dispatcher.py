@@ -2,10 +2,13 @@
 (``tests.unit.router_fakes``), whose "model" is a fixed next-token rule, so
 every output has an exact expected value.
 
-Retry of a lost prefill worker, resumption after a lost decode worker (no
-token repeated or skipped), admission limits, confirmations forwarded,
-handshakes once per peer pair, and the registry's load bookkeeping returning
-to zero after 1,000 requests with random cancels and errors."""
+Every failure path of ``docs/reliability.md`` through the request's lifecycle:
+retry of a prefill worker lost before its KV came, recompute after a failed
+handover, resumption after a lost decode worker (no token repeated or
+skipped); admission limits; confirmations and handshakes between the workers,
+not through the router; aborts only where the request is still held; and the
+registry's load bookkeeping returning to zero after 1,000 requests with random
+cancels and errors."""
 
 from __future__ import annotations
 
@@ -15,9 +18,10 @@ import random
 import pytest
 
 from splitserve.engine import InvalidRequest, Overloaded, SamplingParams
+from splitserve.engine.errors import WorkerLost
+from splitserve.kv_transfer.errors import LeaseExpired, PeerLost
 from splitserve.router.decider import Placement, Reason
 from splitserve.router.dispatch import Dispatcher
-from splitserve.router.errors import WorkerLost
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import WorkerRegistry
@@ -53,18 +57,20 @@ def _lost(task):
 
 
 def test_lost_prefill_worker_is_retried_on_another():
-    p0, p1 = FakePrefill("p0", fail=_lost), FakePrefill("p1")
-    d = _cluster([p0, p1], [FakeDecode("d0")])
+    p0, p1, d0 = FakePrefill("p0", fail=_lost), FakePrefill("p1"), FakeDecode("d0")
+    d = _cluster([p0, p1], [d0])
     prompt = [5, 6, 7]
     tokens, final = asyncio.run(_collect(d, prompt))
     assert len(p0.calls) == 1 and len(p1.calls) == 1  # p0 (first of two idle ones) lost it; p1 served it
+    assert [t.source for t in d0.calls] == [p0, p1]  # the decode worker was asked twice, each with its source
     assert tokens == expected_tokens(prompt, 8)
     assert final.prefill_worker == "p1" and final.decode_worker == "d0"
+    assert (p1.aborted, d0.aborted) == ([], [])  # a success aborts nothing
 
 
 def test_lost_decode_worker_mid_stream_resumes_elsewhere_without_repeating():
     d0, d1 = FakeDecode("d0", batch=2, lose_after=4), FakeDecode("d1")
-    d = _cluster([FakePrefill("p0")], [d0, d1])
+    d = _cluster([p0 := FakePrefill("p0")], [d0, d1])
     d.registry.get("d1").decoding["other"] = 10**6  # d0 looks emptier: it is chosen first
     d.registry.get("d1").unpolled.add("other")
     prompt = [1, 2, 3, 4]
@@ -74,8 +80,12 @@ def test_lost_decode_worker_mid_stream_resumes_elsewhere_without_repeating():
     (resumed,) = d1.calls
     sent = expected_tokens(prompt, 5)  # the prefill token and d0's two batches
     assert resumed.prompt_token_ids == prompt and resumed.output_token_ids == sent
-    assert resumed.handoff is None and resumed.params.max_tokens == 10  # the sent tokens count
-    assert d0.aborted == [final_id := resumed.request_id] and final_id in d1.aborted
+    assert resumed.source is None and resumed.params.max_tokens == 10  # the sent tokens count
+    rid = resumed.request_id
+    assert (
+        d0.aborted == [rid] and d1.aborted == []
+    )  # the lost one may hold it; the one that finished does not
+    assert p0.aborted == [rid]  # the source may still hold an export for the lost one
 
 
 def test_a_request_whose_prefill_workers_were_all_lost_is_prefilled_by_its_decode_worker():
@@ -84,8 +94,8 @@ def test_a_request_whose_prefill_workers_were_all_lost_is_prefilled_by_its_decod
     d.policy = PolicySpec(conditional_disaggregation=False)  # the fallback is not a policy
     tokens, final = asyncio.run(_collect(d, [1, 2]))
     assert len(p0.calls) == 1 and tokens == expected_tokens([1, 2], 8) and final.prefill_worker == ""
-    (task,) = d0.calls
-    assert task.handoff is None and task.output_token_ids == []  # d0 prefilled it
+    remote, local = d0.calls
+    assert remote.source is p0 and local.source is None and local.output_token_ids == []  # d0 prefilled it
     assert d.decider.counts[Placement.LOCAL, Reason.NO_PREFILL_WORKER] == 1
 
 
@@ -113,7 +123,7 @@ def test_admission_limits():
     async def run():
         first = [asyncio.ensure_future(_collect(d, [i, 1])) for i in range(2)]
         await asyncio.sleep(0.01)  # both admitted, prefilling
-        assert len(d.inflight) == 2
+        assert d.num_inflight == 2
         with pytest.raises(Overloaded, match="capacity"):
             await _collect(d, [9, 9])
         await asyncio.gather(*first)
@@ -141,18 +151,18 @@ def test_a_request_is_refused_at_once_when_every_decode_worker_has_its_batch():
     workers = d.registry.workers("decode")
 
     async def picked():  # both requests picked their decode worker
-        while sum(len(w.assigned) for w in workers) < 2:
+        while sum(len(w.decoding) for w in workers) < 2:
             await asyncio.sleep(0.001)
 
     async def run():
         busy = [asyncio.ensure_future(_collect(d, [i, 1])) for i in range(2)]
         await asyncio.wait_for(picked(), 60)
-        assert [len(w.assigned) for w in workers] == [1, 1]  # one each, counted from the pick
+        assert [len(w.decoding) for w in workers] == [1, 1]  # one each, counted from the pick
         assert all(w.queued_prompt_tokens == 0 for w in workers)  # still prefilling elsewhere
         with pytest.raises(Overloaded, match="max_decode_batch"):
             await _collect(d, [9, 9])
         await asyncio.gather(*busy)
-        assert not any(w.assigned for w in workers)
+        assert not any(w.decoding for w in workers)
         tokens, _ = await _collect(d, [9, 9])  # room again
         assert tokens == expected_tokens([9, 9], 8)
 
@@ -168,7 +178,7 @@ def test_admission_by_tpot_caps_each_decode_worker_at_the_batch_its_step_times_a
     w0, w1 = d.registry.workers("decode")
 
     async def picked(n):
-        while len(w0.assigned) + len(w1.assigned) < n:
+        while len(w0.decoding) + len(w1.decoding) < n:
             await asyncio.sleep(0.001)
 
     async def run():
@@ -205,13 +215,14 @@ def test_handshakes_once_per_pair_and_again_after_a_restart():
             await _collect(d, [i, 2, 3], max_tokens=3)
 
     asyncio.run(run(10))
-    assert d0.connect_calls == 1 and p0.info_calls == 1  # info: once, when the worker joined
-    p0.restart()  # a new incarnation: the registry asks it again, the decode worker is linked again
+    # info: once when the worker joined (the registry), once by the decode worker to link
+    assert d0.connect_calls == 1 and p0.info_calls == 2
+    p0.restart()  # a new incarnation: the decode worker asks it again and links again
     asyncio.run(run(5))
-    assert d0.connect_calls == 2 and p0.info_calls == 2
-    d0.restart()  # the decode worker lost its handshakes: it says so, the router links again
+    assert d0.connect_calls == 2 and p0.info_calls == 3
+    d0.restart()  # the decode worker lost its handshakes: it links again by itself
     tokens, _ = asyncio.run(_collect(d, [4, 4], max_tokens=5))
-    assert tokens == expected_tokens([4, 4], 5) and d0.connect_calls == 3
+    assert tokens == expected_tokens([4, 4], 5) and d0.connect_calls == 3 and p0.info_calls == 4
 
 
 def test_reservations_return_to_zero_after_1000_requests_with_cancels_and_errors():
@@ -256,31 +267,44 @@ def test_reservations_return_to_zero_after_1000_requests_with_cancels_and_errors
 
     asyncio.run(run())
     assert sum(outcomes.values()) == 1000 and min(outcomes.values()) > 0, outcomes
-    assert d.inflight == {}
+    assert d.num_inflight == 0
     for w in d.registry.workers():
         assert (w.prefilling, w.decoding, w.unpolled) == ({}, {}, set()), w.worker_id
         assert (w.queued_prompt_tokens, w.active, w.reserved_tokens) == (0, 0, 0)
 
 
-def test_a_prefill_worker_that_left_before_the_handover_is_not_relied_on():
-    """Removed from the cluster between its answer and the decode call: its KV may be
-    gone, so the decode worker prefills prompt + first token itself."""
-    p0, d0 = FakePrefill("p0", delay_s=0.01), FakeDecode("d0")
+@pytest.mark.parametrize("error", [PeerLost("the source is gone"), LeaseExpired("the lease ran out")])
+def test_a_failed_pull_is_recomputed_on_the_decode_worker_and_the_export_released(error):
+    """The pull fails after the first token was passed on: the decode worker prefills
+    prompt + first token itself, the client sees every token once, and the source
+    is told to let go of the export (it was never confirmed)."""
+
+    def fail(handoff):
+        raise error
+
+    p0, d0 = FakePrefill("p0"), FakeDecode("d0", pull_fails=fail)
     d = _cluster([p0], [d0])
     prompt = [7, 7, 7]
-
-    async def run():
-        request = asyncio.ensure_future(_collect(d, prompt, max_tokens=6))
-        while not p0.calls:  # the prefill has started
-            await asyncio.sleep(0)
-        d.registry.remove("p0")
-        return await request
-
-    tokens, final = asyncio.run(run())
+    tokens, final = asyncio.run(_collect(d, prompt, max_tokens=6))
     assert tokens == expected_tokens(prompt, 6)
-    (task,) = d0.calls
-    assert task.handoff is None and (task.prompt_token_ids, task.output_token_ids) == (prompt, tokens[:1])
-    assert d0.connect_calls == 0
+    remote, local = d0.calls
+    assert remote.source is p0 and (local.source, local.output_token_ids) == (None, tokens[:1])
+    assert p0.aborted == [remote.request_id] and p0.confirmed == []
+    assert d.transfer_failures == {(type(error).__name__, "recompute"): 1}
+    assert final.prefill_worker == "p0" and final.completion_tokens == 6
+
+
+def test_a_failed_pull_ends_the_request_when_the_policy_says_fail():
+    def fail(handoff):
+        raise PeerLost("the source is gone")
+
+    p0, d0 = FakePrefill("p0"), FakeDecode("d0", pull_fails=fail)
+    d = _cluster([p0], [d0])
+    d.on_transfer_failure = "fail"
+    with pytest.raises(PeerLost):
+        asyncio.run(_collect(d, [1, 2, 3]))
+    assert len(d0.calls) == 1 and d.transfer_failures == {("PeerLost", "fail"): 1}
+    assert p0.aborted == [d0.calls[0].request_id]
 
 
 def test_a_prefill_worker_lost_between_export_and_pull_is_recomputed_on_the_decode_worker():
@@ -301,36 +325,27 @@ def test_a_prefill_worker_lost_between_export_and_pull_is_recomputed_on_the_deco
 
     tokens, final = asyncio.run(run())
     assert tokens == expected_tokens(prompt, 6)
-    (task,) = d0.calls
-    assert task.handoff is None and (task.prompt_token_ids, task.output_token_ids) == (prompt, tokens[:1])
-    assert final.completion_tokens == 6
+    remote, local = d0.calls
+    assert local.source is None and (local.prompt_token_ids, local.output_token_ids) == (prompt, tokens[:1])
+    assert final.completion_tokens == 6 and d.transfer_failures == {("PeerLost", "recompute"): 1}
 
 
-def test_a_streamed_handoff_starts_the_decode_side_before_the_first_token():
+def test_a_streamed_handoff_passes_its_first_token_through_the_decode_worker():
     """A prefill worker that streams KV hands its handoff over before its result: the
-    decode worker gets the task (and starts pulling) first, with no first token; the
-    router passes the prefill's first token on and then gives it to the decode worker,
-    which continues after it."""
+    decode worker takes both, passes the first token on and continues after it; the
+    router sent one task and read one stream."""
     p0, d0 = FakePrefill("p0", delay_s=0.01, streams=True), FakeDecode("d0")
     d = _cluster([p0], [d0])
     prompt = [4, 5, 6, 7]
-    seen_before_result: list[int] = []
-
-    async def run():
-        request = asyncio.ensure_future(_collect(d, prompt, max_tokens=6))
-        while not d0.calls:  # the decode side has the task while the prefill still runs
-            await asyncio.sleep(0)
-        seen_before_result.append(len(d0.calls))
-        return await request
-
-    tokens, final = asyncio.run(run())
+    tokens, final = asyncio.run(_collect(d, prompt, max_tokens=6))
     assert tokens == expected_tokens(prompt, 6)
-    assert seen_before_result == [1]
     (task,) = d0.calls
-    assert task.handoff is not None and task.first_token_later
-    assert d0.first_tokens[task.request_id].result() == tokens[:1]
-    assert [c.transfer_id for c in p0.confirmed] == [task.handoff.descriptors[0].transfer_id]
+    assert task.source is p0 and task.output_token_ids == []
+    assert [c.source_worker for c in p0.confirmed] == ["p0"]
     assert (final.prefill_worker, final.decode_worker, final.completion_tokens) == ("p0", "d0", 6)
+    assert (p0.aborted, d0.aborted) == ([], [])
+    (trace,) = d.traces.latest(1)
+    assert trace.kv_streamed and trace.kv_bytes == 64 and trace.prefill_worker == "p0"
 
 
 def test_a_prefill_worker_lost_while_its_kv_streams_is_recomputed_on_the_decode_worker():
@@ -343,8 +358,8 @@ def test_a_prefill_worker_lost_while_its_kv_streams_is_recomputed_on_the_decode_
     tokens, final = asyncio.run(_collect(d, prompt, max_tokens=7))
     assert tokens == expected_tokens(prompt, 7)
     streamed, recomputed = d0.calls
-    assert streamed.first_token_later
-    assert recomputed.handoff is None and recomputed.output_token_ids == []
+    assert streamed.source is p0
+    assert recomputed.source is None and recomputed.output_token_ids == []
     assert d.transfer_failures == {("PeerLost", "recompute"): 1}
     assert final.completion_tokens == 7 and final.prefill_worker == ""
 
@@ -355,5 +370,5 @@ def test_a_streamed_request_that_ends_at_its_first_token_ends_on_the_decode_work
     prompt = [2, 7, 1, 8]
     tokens, final = asyncio.run(_collect(d, prompt, max_tokens=1))
     assert tokens == expected_tokens(prompt, 1) and final.completion_tokens == 1
-    assert [t.first_token_later for t in d0.calls] == [True]
-    assert d0.aborted == [d0.calls[0].request_id]
+    assert [t.source for t in d0.calls] == [p0] and (final.prefill_worker, final.decode_worker) == ("p0", "")
+    assert d0.aborted == [] and p0.aborted == [d0.calls[0].request_id]  # the streamed export is released

@@ -5,8 +5,9 @@ import pytest
 
 from splitserve.client import errors as client_errors
 from splitserve.engine import DeadlineExceeded, EngineStopped, InvalidRequest, Overloaded, UnknownRequest
+from splitserve.engine.errors import PrefillLost, WorkerLost
 from splitserve.kv_transfer.errors import IntegrityError, PeerLost
-from splitserve.router.errors import WorkerLost, status_for
+from splitserve.router.errors import status_for
 
 
 @pytest.mark.parametrize(
@@ -20,6 +21,7 @@ from splitserve.router.errors import WorkerLost, status_for
         (Overloaded("full"), grpc.StatusCode.RESOURCE_EXHAUSTED, client_errors.ResourceExhausted),
         (DeadlineExceeded("late"), grpc.StatusCode.DEADLINE_EXCEEDED, client_errors.DeadlineExceeded),
         (WorkerLost("gone"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),
+        (PrefillLost("gone first"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),
         (EngineStopped("a TP rank was lost"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),
         (IntegrityError("bad bytes"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),
         (PeerLost("restarted"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),

@@ -1,0 +1,197 @@
+"""The worker calls over Ray: ``RayPrefillWorker`` and ``RayDecodeWorker``, which
+implement the router's ``WorkerClient`` protocol over a Ray actor handle.
+
+Every error comes back as splitserve's own exception (``unwrap``: a dead actor is
+``WorkerLost``), so neither the router nor a decode worker calling a prefill
+worker sees Ray. The two are the only modules' worth of Ray the request path has.
+
+A ``RayPrefillWorker`` holds nothing but the handle: the router puts it into a
+``DecodeTask`` (``source``) and the decode worker, in its own process, calls the
+prefill worker through it directly (prefill, handshakes, confirmations).
+
+``REMOTE_CALLS`` counts the Ray calls each process made through these clients, by
+method name (the tests count the calls one request costs with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+import ray.exceptions
+
+from splitserve.decode_worker.api import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
+from splitserve.engine.errors import EngineStopped, WorkerLost, WorkerStopped
+from splitserve.engine.prefix_cache import PrefixCursor
+from splitserve.kv_transfer.contract import Confirmation
+from splitserve.prefill_worker.api import (
+    KVStreaming,
+    PrefillResult,
+    PrefillStats,
+    PrefillTask,
+    PrefillWorkerInfo,
+)
+from splitserve.router.background import Background
+
+REMOTE_CALLS: collections.Counter[str] = collections.Counter()  # method name -> calls, this process
+
+_RAY_ERRORS = (ray.exceptions.RayError, ray.exceptions.ActorUnavailableError)
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The exception a worker raised, from Ray's wrapper; ``WorkerLost`` for a dead actor,
+    ``WorkerStopped`` for one whose engine stopped."""
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        exc = exc.cause if exc.cause is not None else exc
+    if isinstance(exc, EngineStopped):
+        return WorkerStopped(str(exc))
+    if isinstance(exc, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError):
+        return WorkerLost(f"a worker was lost: {exc.__class__.__name__}")
+    return exc
+
+
+def _remote(actor: Any, method: str, *args: Any):
+    REMOTE_CALLS[method] += 1
+    return getattr(actor, method).remote(*args)
+
+
+async def _call(actor: Any, method: str, *args: Any):
+    try:
+        return await _remote(actor, method, *args)
+    except _RAY_ERRORS as e:
+        raise unwrap(e) from None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RayPrefillWorker:
+    """A prefill worker's actor. Plain (picklable): it travels in ``DecodeTask.source``."""
+
+    actor: Any  # the Ray handle (a restarted actor keeps it)
+
+    async def info(self) -> PrefillWorkerInfo:
+        return await _call(self.actor, "info")
+
+    async def stats(self, prefix_since: PrefixCursor | None = None) -> PrefillStats:
+        return await _call(self.actor, "stats", prefix_since)
+
+    async def abort(self, request_id: str) -> bool:
+        return await _call(self.actor, "abort", request_id)
+
+    async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
+        await _call(self.actor, "confirm", confirmations)
+
+    async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
+        stream = _remote(self.actor, "prefill_stream", task)
+        finished = False
+        try:
+            async for ref in stream:
+                item = await ref
+                finished = isinstance(item, PrefillResult)
+                yield item
+        except _RAY_ERRORS as e:
+            raise unwrap(e) from None
+        finally:
+            if not finished:
+                ray.cancel(stream)  # the worker's generator ends, aborting the request there
+
+    async def close(self) -> None:
+        """Nothing is held open to a prefill worker."""
+
+
+class RayDecodeWorker:
+    """A decode (or colocated) worker's actor. Its requests' batches come over one Ray
+    stream per client (``_Inbox``), opened by the first ``generate``."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor  # the Ray handle (a restarted actor keeps it)
+        self._inbox: _Inbox | None = None  # made by the first generate, on the caller's loop
+        self._aborting = Background()  # aborts of requests the caller left early
+
+    async def info(self) -> DecodeWorkerInfo:
+        return await _call(self.actor, "info")
+
+    async def stats(self, prefix_since: PrefixCursor | None = None) -> DecodeStats:
+        return await _call(self.actor, "stats", prefix_since)
+
+    async def abort(self, request_id: str) -> bool:
+        return await _call(self.actor, "abort", request_id)
+
+    async def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
+        """The request's batches, up to the one with ``finish_reason``; a batch's
+        ``error`` is raised (after its tokens). Leaving early aborts the request on
+        the worker, which lets go of whatever it holds elsewhere for it."""
+        if self._inbox is None or self._inbox.closed:
+            self._inbox = _Inbox(self.actor)
+        inbox, rid = self._inbox, task.request_id
+        queue = inbox.open(rid)
+        started = finished = False
+        try:
+            await _call(self.actor, "start", inbox.inbox_id, task)
+            started = True  # a start that raised holds nothing there
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None:
+                    if item.token_ids or item.prefilled is not None:
+                        yield dataclasses.replace(item, error=None)
+                    finished = True
+                    raise item.error
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            inbox.close(rid)
+            if started and not finished:  # not awaited; its errors are of no interest
+                self._aborting.run(self.abort(rid))
+
+    async def close(self) -> None:
+        """Stop reading the worker's tokens (its requests from here are aborted there)."""
+        if self._inbox is not None:
+            await self._inbox.close_all()
+
+
+class _Inbox:
+    """One Ray stream from a decode worker, read by one task that hands each
+    request's batches to its queue. A failed stream fails every request open on it
+    (``WorkerLost`` for a dead worker); the next request opens a new inbox."""
+
+    def __init__(self, actor: Any):
+        self.inbox_id = uuid.uuid4().hex
+        self.closed = False
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader = asyncio.ensure_future(self._read(_remote(actor, "stream", self.inbox_id)))
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        queue = self._queues[request_id] = asyncio.Queue()
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def close_all(self) -> None:
+        self._reader.cancel()
+        await asyncio.wait([self._reader])
+
+    async def _read(self, stream) -> None:
+        error: BaseException = WorkerLost("a decode worker ended its token stream")
+        try:
+            async for ref in stream:
+                for batch in await ref:
+                    queue = self._queues.get(batch.request_id)
+                    if queue is not None:
+                        queue.put_nowait(batch)
+        except _RAY_ERRORS as e:
+            error = unwrap(e)
+        except asyncio.CancelledError:
+            error = WorkerLost("the router stopped reading a decode worker's tokens")
+            ray.cancel(stream)  # the worker's stream ends, aborting what it still runs for us
+            raise
+        finally:
+            self.closed = True
+            for queue in self._queues.values():
+                queue.put_nowait(error)

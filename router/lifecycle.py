@@ -1,0 +1,263 @@
+"""One request in the router, from admission to its end: ``RequestLifecycle``.
+
+Its phases, and the transitions between them (each a method; nothing else
+writes its state)::
+
+    ADMITTED --place(dw, source)--> PREFILLING     the task is with decode worker dw,
+                                                   prefilled on source (a prefill
+                                                   worker) or on dw itself
+    PREFILLING --batch with the first token--> HANDING_OVER  (prefilled on a source)
+                                           --> DECODING      (prefilled on dw)
+    HANDING_OVER --batch with the pull's figures--> DECODING
+    any of them --batch with a finish reason--> FINISHED
+
+    retry_prefill(source)  PREFILLING -> PREFILLING: the source was lost before it
+                           handed any KV over; another one (or dw) prefills
+    recompute()            -> PREFILLING: the KV handover failed; dw prefills the
+                           prompt and the tokens already sent
+    resume(dw)             -> PREFILLING: the decode worker was lost; another one
+                           prefills the prompt and the tokens already sent and
+                           goes on after them
+
+Each transition returns the ``DecodeTask`` to send next. Its moments are marked
+as they happen (the marks ``router.trace`` names); ``trace`` is the request as
+it ends. Owned by the one ``Dispatcher.generate`` call serving the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+
+from splitserve.decode_worker.api import DecodeTask, TokenBatch
+from splitserve.engine.errors import DeadlineExceeded
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import FinishReason
+from splitserve.router.events import FinalEvent, TokenEvent
+from splitserve.router.registry import WorkerRecord
+from splitserve.router.trace import Mark, RequestTrace
+
+
+class Phase(enum.Enum):
+    ADMITTED = "admitted"  # accepted; nothing sent yet
+    PREFILLING = "prefilling"  # a decode worker has it; its prompt is being prefilled
+    HANDING_OVER = "handing_over"  # first token passed on; its KV moves to the decode worker
+    DECODING = "decoding"
+    FINISHED = "finished"  # its last event was made
+
+
+class RequestLifecycle:
+    def __init__(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None
+    ):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.accepted = time.time()
+        self._accepted_mono = time.monotonic()
+        self.timeout_s = timeout_s
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._phase = Phase.ADMITTED
+        self._decode: WorkerRecord | None = None  # the decode worker the task is with
+        self._source: WorkerRecord | None = None  # the prefill worker it prefills on, if any
+        self._sent: list[int] = []  # token ids passed on so far
+        self._token_times: list[float] = []  # when each was sampled (worker clocks)
+        self._marks: list[Mark] = [Mark("admitted", self.accepted)]
+        self._first_passed_at: float | None = None  # time.monotonic() when the first token went out
+        self._prefill_worker = ""  # the prefill worker that made the first token
+        self._handoff_bytes = 0  # the source's KV, pulled once the pull is reported
+        self._kv_bytes = 0
+        self._kv_streamed = False
+        self._ended_in_prefill = False  # it finished at the first token of its source
+        self._kv_pull_s = 0.0
+        self._cached = 0
+
+    # ---- reads -----------------------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def decode_worker(self) -> WorkerRecord | None:
+        return self._decode
+
+    @property
+    def source(self) -> WorkerRecord | None:
+        """The prefill worker the current task prefills on (None: the decode worker does)."""
+        return self._source
+
+    @property
+    def first_token_passed(self) -> bool:
+        """The one flag for "the first token has been passed on"."""
+        return self._first_passed_at is not None
+
+    @property
+    def num_sent(self) -> int:
+        return len(self._sent)
+
+    def marked(self, name: str) -> float | None:
+        return next((m.at for m in self._marks if m.name == name), None)
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (at least 1 ms), or None without one."""
+        return None if self._deadline is None else max(0.001, self._deadline - time.monotonic())
+
+    async def within(self, awaitable):
+        """Await a worker call; past the deadline, ``DeadlineExceeded`` (the call is cancelled)."""
+        if self._deadline is None:
+            return await awaitable
+        # A timeout scope in this task, not ``wait_for``: in 3.11 that wraps every awaitable
+        # in a task of its own, and this runs once per token batch of every stream.
+        try:
+            async with asyncio.timeout(self._deadline - time.monotonic()):
+                return await awaitable
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"request {self.request_id} did not finish within {self.timeout_s:.3g} s"
+            ) from None
+
+    # ---- transitions -------------------------------------------------------------------------
+    def place(self, decode: WorkerRecord, source: WorkerRecord | None) -> DecodeTask:
+        """ADMITTED -> PREFILLING on ``decode``, prefilled on ``source`` (None: ``decode``)."""
+        self._expect(Phase.ADMITTED)
+        self._decode, self._phase = decode, Phase.PREFILLING
+        return self._prefill_on(source)
+
+    def retry_prefill(self, source: WorkerRecord | None) -> DecodeTask:
+        """The source was lost before it handed any KV over: prefill on ``source`` instead
+        (None: on the decode worker)."""
+        self._expect(Phase.PREFILLING)
+        return self._prefill_on(source)
+
+    def recompute(self) -> DecodeTask:
+        """The KV handover failed: the decode worker prefills the prompt and the tokens
+        already sent itself."""
+        self._expect(Phase.PREFILLING, Phase.HANDING_OVER)
+        self._mark("kv_recompute", worker=self._decode.worker_id)
+        return self._continue_on(self._decode)
+
+    def resume(self, decode: WorkerRecord) -> DecodeTask:
+        """The decode worker was lost: ``decode`` prefills the prompt and the tokens already
+        sent, and goes on after them (seeded sampling included) as if nothing had happened."""
+        self._expect(Phase.PREFILLING, Phase.HANDING_OVER, Phase.DECODING)
+        self._mark("resumed", worker=decode.worker_id)
+        return self._continue_on(decode)
+
+    def on_batch(self, batch: TokenBatch) -> list[TokenEvent | FinalEvent]:
+        """A batch from the decode worker: what to pass on, the phase it moves to."""
+        self._expect(Phase.PREFILLING, Phase.HANDING_OVER, Phase.DECODING)
+        worker = self._decode.worker_id
+        events: list[TokenEvent | FinalEvent] = []
+        p = batch.prefilled
+        if p is not None:
+            self._prefill_worker = p.worker_id
+            self._kv_streamed, self._handoff_bytes = p.streamed, p.kv_bytes
+            if p.scheduled_at is not None:
+                self._mark("prefill_started", p.scheduled_at, p.worker_id)
+            if p.exported_at is not None:
+                self._mark("kv_exported", p.exported_at, worker)
+        self._cached = max(self._cached, batch.num_cached_tokens)
+        if batch.token_ids or batch.text:
+            first = not self.first_token_passed
+            events.append(self._tokens(batch))
+            if first:
+                self._first_passed_at = time.monotonic()
+                self._mark("first_token")
+                self._phase = Phase.HANDING_OVER if self._source is not None else Phase.DECODING
+            elif not self.marked("first_decode_token"):
+                self._mark("first_decode_token", worker=worker)
+        if batch.started_at is not None:
+            if not self.marked("prefill_started"):
+                self._mark("prefill_started", batch.started_at, worker)
+            elif self.first_token_passed and not self.marked("decode_admitted"):
+                self._mark("decode_admitted", batch.started_at, worker)
+        if batch.transfer_s is not None:
+            self._kv_pull_s, self._kv_bytes = batch.transfer_s, self._handoff_bytes
+            self._phase = Phase.DECODING
+        if batch.finish_reason is not None:
+            events.append(self._final(batch.finish_reason))
+        return events
+
+    def handover_s(self, batch: TokenBatch) -> float | None:
+        """Seconds from the first token to ``batch``, if it reports the pull (the decider's
+        handover cost)."""
+        if batch.transfer_s is None or self._first_passed_at is None:
+            return None
+        return time.monotonic() - self._first_passed_at
+
+    def trace(self, outcome: str, ok: bool) -> RequestTrace:
+        """The request's trace, as it ends now with ``outcome``."""
+        finished = () if self.marked("finished") else (Mark("finished", self._now()),)
+        return RequestTrace(
+            request_id=self.request_id,
+            outcome=outcome,
+            ok=ok,
+            prompt_tokens=len(self.prompt_ids),
+            cached_prompt_tokens=self._cached,
+            output_tokens=len(self._sent),
+            prefill_worker=self._prefill_worker,
+            decode_worker=self._decode.worker_id if self._decode and not self._ended_in_prefill else "",
+            kv_bytes=self._kv_bytes,
+            kv_pull_s=self._kv_pull_s,
+            marks=(*self._marks, *finished),
+            token_times=tuple(self._token_times),
+            kv_streamed=self._kv_streamed,
+        )
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _expect(self, *phases: Phase) -> None:
+        if self._phase not in phases:
+            raise RuntimeError(f"request {self.request_id} is {self._phase.value}, not {phases[0].value}")
+
+    def _prefill_on(self, source: WorkerRecord | None) -> DecodeTask:
+        self._source = source
+        return DecodeTask(
+            self.request_id,
+            self.prompt_ids,
+            self.params,
+            self.remaining(),
+            source=source.client if source is not None else None,
+        )
+
+    def _continue_on(self, decode: WorkerRecord) -> DecodeTask:
+        self._decode, self._source, self._phase = decode, None, Phase.PREFILLING
+        if not self._sent:  # nothing passed on yet: a fresh local prefill
+            self._prefill_worker = ""
+        return DecodeTask(self.request_id, self.prompt_ids, self.params, self.remaining(), list(self._sent))
+
+    def _now(self) -> float:
+        """The wall-clock time now, as the monotonic clock counts from ``accepted``: the
+        router's own marks keep their true intervals even when the wall clock is stepped."""
+        return self.accepted + (time.monotonic() - self._accepted_mono)
+
+    def _mark(self, name: str, at: float | None = None, worker: str = "") -> None:
+        self._marks.append(Mark(name, self._now() if at is None else at, worker))
+
+    def _tokens(self, batch: TokenBatch) -> TokenEvent:
+        self._sent.extend(batch.token_ids)
+        self._token_times.extend(batch.token_times)
+        ms = [max(0.0, (t - self.accepted) * 1000) for t in batch.token_times]
+        return TokenEvent(list(batch.token_ids), batch.text, list(batch.logprobs), ms)
+
+    def _final(self, reason: FinishReason) -> FinalEvent:
+        self._ended_in_prefill = self._source is not None and self._phase != Phase.DECODING
+        self._mark("finished")
+        self._phase = Phase.FINISHED
+        trace = self.trace(reason.value, True)
+        phases = trace.phases_s()
+        return FinalEvent(
+            finish_reason=reason,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self._sent),
+            cached_prompt_tokens=self._cached,
+            queue_ms=phases["queue"] * 1000,
+            prefill_ms=phases["prefill"] * 1000,
+            transfer_ms=phases["kv_transfer"] * 1000,
+            decode_ms=phases["decode"] * 1000,
+            kv_pull_ms=self._kv_pull_s * 1000,
+            ttft_ms=(trace.ttft_s or trace.e2e_s) * 1000,
+            e2e_ms=trace.e2e_s * 1000,
+            prefill_worker=self._prefill_worker,
+            decode_worker=trace.decode_worker,
+        )
