@@ -73,7 +73,7 @@ class Server:
         cmd = [
             sys.executable,
             "-m",
-            "splitserve.cluster.cli",
+            "splitserve.cli.main",
             "serve",
             "--config",
             config,

@@ -26,6 +26,7 @@ import torch
 from splitserve.engine import Engine, EngineConfig, KVLayout, SamplingParams
 from splitserve.engine.kv_cache import allocate_zeros
 from splitserve.kv_transfer import CompatInfo, KVDescriptor, LeaseEnd, get_backend
+from splitserve.kv_transfer.contract import DEFAULT_LEASE_S
 from splitserve.kv_transfer.integrity import layer_checksums
 from splitserve.kv_transfer.layerwise import LayerExporter
 
@@ -37,7 +38,7 @@ class SourceSpec:
     engine: EngineConfig | None = None  # a real prefill engine, or
     layout: KVLayout | None = None  # a bare KV pool of this layout (random contents)
     model: str = "random"  # compatibility identity of the bare pool
-    lease_s: float = 30.0
+    lease_s: float = DEFAULT_LEASE_S
 
 
 @dataclass(frozen=True)

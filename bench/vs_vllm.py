@@ -223,7 +223,7 @@ def serve_all(vllm: Vllm, args: argparse.Namespace, out_dir: Path) -> dict[str, 
         config = CONFIG_DIR / f"{name}.yaml"
         log(f"serve: splitserve serve --config {config.name} ...")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "splitserve.cluster.cli", "serve", "--config", str(config),
+            [sys.executable, "-m", "splitserve.cli.main", "serve", "--config", str(config),
              "--http-port", str(args.http_port)]
         )  # fmt: skip
         try:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from splitserve.cluster.planner import PlannerSpec
 from splitserve.engine.config import EngineConfig
+from splitserve.kv_transfer.contract import DEFAULT_LEASE_S
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.policy import StrictModel as _Strict
 
@@ -191,7 +192,9 @@ class PoolSpec(_Strict):
 
 class TransferSpec(_Strict):
     backend: Literal["nixl", "torch_dist", "ray", "ucx"] = Field("nixl", description="KV transfer backend")
-    lease_s: float = Field(30.0, gt=0, description="how long exported KV waits for a decode worker")
+    lease_s: float = Field(
+        DEFAULT_LEASE_S, gt=0, description="how long exported KV waits for a decode worker"
+    )
     timeout_s: float = Field(10.0, gt=0, description="bound on one KV pull")
     stream_layers: bool = Field(
         True,

@@ -18,7 +18,7 @@ The two halves disaggregated serving needs:
   returns their ids (the request is IMPORTING, not scheduled); the caller fills
   them (``kv_cache.write_blocks`` or a transfer library writing into
   ``kv_cache.tensor``) and calls ``activate(id)`` to start decoding, or
-  ``abort(id)`` to give the blocks back. ``add_request_from_kv`` does all three.
+  ``abort(id)`` to give the blocks back.
   When the KV moves before prefill ends, the first token comes with ``activate``.
 
 Building the parts (model, KV cache, scheduler, runner) is ``engine.build``;
@@ -334,25 +334,6 @@ class Engine:
         self.block_manager.commit_computed(state.seq)
         self.scheduler.add_running(state.seq)
 
-    def add_request_from_kv(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        output_token_ids: list[int],
-        params: SamplingParams,
-        kv: torch.Tensor,
-    ) -> str:
-        """``import_request`` + ``kv_cache.write_blocks`` + ``activate`` in one call."""
-        blocks = self.import_request(request_id, prompt_token_ids, output_token_ids, params)
-        try:
-            self.kv_cache.write_blocks(blocks, kv)
-        except ValueError:
-            self.abort(request_id)
-            raise
-        self.activate(request_id)
-        return request_id
-
-    # ---- internals ---------------------------------------------------------
     def _new_id(self, request_id: str | None) -> str:
         if request_id is None:
             return uuid.uuid4().hex

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from splitserve.engine.errors import InvalidRequest
 
+DEFAULT_MAX_TOKENS = 16  # a request that does not say how many tokens gets these
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -19,7 +21,7 @@ class SamplingParams:
     model's unmodified distribution (before temperature, top-k and top-p).
     """
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0

@@ -101,6 +101,7 @@ from dataclasses import dataclass
 from splitserve.engine.kv_layout import KVLayout
 
 PROTOCOL_VERSION = 1
+DEFAULT_LEASE_S = 30.0  # how long exported KV waits for a decode worker, unless configured
 
 
 class TransferState(enum.Enum):

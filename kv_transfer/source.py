@@ -15,6 +15,7 @@ import torch
 
 from splitserve.kv_transfer import integrity
 from splitserve.kv_transfer.contract import (
+    DEFAULT_LEASE_S,
     PROTOCOL_VERSION,
     CompatInfo,
     Handshake,
@@ -48,7 +49,9 @@ class KVSource:
     streams = False  # whether sinks of this backend can follow a streamed export
     STREAM_SLOTS = 256  # streamed exports open at once; past it, stream nothing new
 
-    def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = 30.0):
+    def __init__(
+        self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = DEFAULT_LEASE_S
+    ):
         integrity.check_cache(cache, compat)
         if lease_s <= 0:
             raise ValueError("lease_s must be positive")

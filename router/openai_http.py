@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from splitserve.engine.errors import InvalidRequest
 from splitserve.engine.generation_defaults import SAMPLING_FIELDS
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from splitserve.router.auth import ApiKeys, http_auth_middleware
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import http_status_for
@@ -41,8 +41,6 @@ from splitserve.router.metrics import RouterMetrics
 from splitserve.router.metrics_server import add_metrics_route
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_TOKENS = 16
 
 
 class _Request(BaseModel):

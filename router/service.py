@@ -13,7 +13,7 @@ import uuid
 from splitserve.decode_worker.api import DecodeStats
 from splitserve.engine.errors import InvalidRequest
 from splitserve.engine.generation_defaults import SAMPLING_FIELDS
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from splitserve.engine.sequence import FinishReason
 from splitserve.prefill_worker.api import PrefillStats
 from splitserve.proto import splitserve_pb2 as pb
@@ -26,7 +26,6 @@ from splitserve.router.trace import RequestTrace
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 16
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
 
 

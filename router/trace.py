@@ -1,6 +1,6 @@
 """One trace per request: where its time went, phase by phase, and on which workers.
 
-The dispatcher marks a request's moments as they happen (``RequestState.mark``)
+A request's ``RequestLifecycle`` marks its moments as they happen
 and, when the request ends however it ends, hands one ``RequestTrace`` to every
 ``TraceSink`` it has (the router's ``TraceLog`` for ``splitserve status
 --traces``, the Prometheus metrics, an OpenTelemetry exporter)::
@@ -10,9 +10,9 @@ and, when the request ends however it ends, hands one ``RequestTrace`` to every
     admitted           the router accepted the request (router)
     prefill_started    the prefilling engine scheduled the prompt (prefill or decode worker)
     first_token        the router passed the first token on (router)
-    kv_exported        a prefill worker's result, with its KV handoff, reached the router
+    kv_exported        the prefill worker's KV handoff reached the decode worker (decode worker)
     decode_admitted    the decode worker took the request into its batch, KV landed (worker)
-    first_decode_token the decode worker's first token reached the router
+    first_decode_token the decode worker's first own token reached the router (router)
     resumed            the request continued on another decode worker (a lost one)
     kv_recompute       the KV transfer failed; the decode worker prefilled the request itself
     finished           the request ended: last token, or the error (router)

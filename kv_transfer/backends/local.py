@@ -14,7 +14,13 @@ import time
 
 import torch
 
-from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor, LayerProgress
+from splitserve.kv_transfer.contract import (
+    DEFAULT_LEASE_S,
+    CompatInfo,
+    Handshake,
+    KVDescriptor,
+    LayerProgress,
+)
 from splitserve.kv_transfer.errors import LeaseExpired, PeerLost, TransferTimeout
 from splitserve.kv_transfer.integrity import paired_runs
 from splitserve.kv_transfer.progress import parse_row
@@ -34,7 +40,13 @@ class LocalSource(KVSource):
     streams = True
 
     def __init__(
-        self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = 30.0, *, hub: LocalHub
+        self,
+        worker_id: str,
+        cache: torch.Tensor,
+        compat: CompatInfo,
+        lease_s: float = DEFAULT_LEASE_S,
+        *,
+        hub: LocalHub,
     ):
         super().__init__(worker_id, cache, compat, lease_s)
         self.hub = hub

@@ -31,7 +31,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor, LayerProgress
+from splitserve.kv_transfer.contract import (
+    DEFAULT_LEASE_S,
+    CompatInfo,
+    Handshake,
+    KVDescriptor,
+    LayerProgress,
+)
 from splitserve.kv_transfer.errors import KVTransferError, PeerLost, TransferTimeout
 from splitserve.kv_transfer.integrity import paired_runs
 from splitserve.kv_transfer.progress import parse_row
@@ -111,7 +117,9 @@ class NixlSource(KVSource):
     backend = "nixl"
     streams = True
 
-    def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = 30.0):
+    def __init__(
+        self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = DEFAULT_LEASE_S
+    ):
         super().__init__(worker_id, cache, compat, lease_s)
         self.agent, self._reg = _make_agent(f"{worker_id}/{self.incarnation}", cache, self.board.tensor)
 

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from splitserve.kv_transfer.contract import CompatInfo, KVDescriptor
+from splitserve.kv_transfer.contract import DEFAULT_LEASE_S, CompatInfo, KVDescriptor
 from splitserve.kv_transfer.errors import PeerLost, TransferTimeout
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
@@ -26,7 +26,9 @@ from splitserve.kv_transfer.source import KVSource
 class RaySource(KVSource):
     backend = "ray"
 
-    def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = 30.0):
+    def __init__(
+        self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = DEFAULT_LEASE_S
+    ):
         super().__init__(worker_id, cache, compat, lease_s)
         self._refs: dict[str, object] = {}  # transfer id -> ObjectRef, dropped when the lease ends
 

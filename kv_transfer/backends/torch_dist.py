@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.kv_transfer.backends.two_sided import TransferNumbers, accepts_connections
-from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
+from splitserve.kv_transfer.contract import DEFAULT_LEASE_S, CompatInfo, Handshake, KVDescriptor
 from splitserve.kv_transfer.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
@@ -90,7 +90,7 @@ class TorchDistSource(KVSource):
         worker_id: str,
         cache: torch.Tensor,
         compat: CompatInfo,
-        lease_s: float = 30.0,
+        lease_s: float = DEFAULT_LEASE_S,
         *,
         host: str = "127.0.0.1",
         connect_timeout_s: float = 30.0,

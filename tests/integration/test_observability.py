@@ -15,8 +15,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
+from splitserve.cli.main import main as cli_main
 from splitserve.client import AsyncClient, Client, Completion, InvalidArgument
-from splitserve.cluster.cli import main as cli_main
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import VOCAB, live_cluster, mixed_workload, scrape, tiny_config, total
 

@@ -85,7 +85,7 @@ def test_served_with_address_each_pool_lands_on_its_phase_node_and_serves_32_str
     path.write_text(yaml.safe_dump(config))
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
-    cmd = [sys.executable, "-m", "splitserve.cluster.cli", "serve", "--config", str(path)]
+    cmd = [sys.executable, "-m", "splitserve.cli.main", "serve", "--config", str(path)]
     server = subprocess.Popen(
         [*cmd, "--address", cluster.address, "--port", str(port)], stdout=log, stderr=log
     )
@@ -103,7 +103,7 @@ def test_served_with_address_each_pool_lands_on_its_phase_node_and_serves_32_str
             "decode-0": (decode_node.node_id, "splitserve_decode", False),
         }
         printed = subprocess.run(
-            [sys.executable, "-m", "splitserve.cluster.cli", "status", "--server", address],
+            [sys.executable, "-m", "splitserve.cli.main", "status", "--server", address],
             capture_output=True,
             text=True,
             timeout=60,

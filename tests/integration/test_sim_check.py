@@ -14,7 +14,7 @@ import argparse
 import pytest
 
 from splitserve.bench import cluster_profile, sim_check
-from splitserve.cluster.plan_cli import add_profile_arguments, main_profile
+from splitserve.cli.plan import add_profile_arguments, main_profile
 from splitserve.cluster.simulator import SimProfile
 from tests.integration.cluster_util import live_cluster, tiny_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.cluster.cli import build_parser, serve_config
+from splitserve.cli.main import build_parser, serve_config
 from splitserve.cluster.config import ClusterConfig
 
 

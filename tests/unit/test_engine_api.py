@@ -148,7 +148,9 @@ def test_prefill_half_then_decode_half_equals_monolithic(checkpoint):
         done = prefill.prefilled(rid)
         assert done.output_token_ids == exp[:1] and done.num_kv_tokens == len(p)
         kv = prefill.kv_cache.read_blocks(done.block_ids)
-        decode.add_request_from_kv(rid, done.prompt_token_ids, done.output_token_ids, GREEDY, kv)
+        blocks = decode.import_request(rid, done.prompt_token_ids, done.output_token_ids, GREEDY)
+        decode.kv_cache.write_blocks(blocks, kv)
+        decode.activate(rid)
         prefill.release(rid)
     assert prefill.block_manager.num_used_blocks == 0
     with pytest.raises(UnknownRequest):
@@ -172,8 +174,10 @@ def test_import_two_phase_and_abort_before_activate(engine):
 
 
 def test_import_with_wrong_kv_shape_is_refused_and_freed(engine):
+    blocks = engine.import_request("y", list(range(20)), [5], GREEDY)
     with pytest.raises(ValueError, match="shape"):
-        engine.add_request_from_kv("y", list(range(20)), [5], GREEDY, torch.zeros(1, 2, 3))
+        engine.kv_cache.write_blocks(blocks, torch.zeros(1, 2, 3))
+    engine.abort("y")
     assert_clean(engine)
 
 

@@ -97,7 +97,8 @@ def test_bad_policy_is_refused():
 
 
 def test_plan_simulate_cli_prints_a_row_per_policy(capsys):
-    from splitserve.cluster import cli, plan_cli
+    from splitserve.cli import main as cli
+    from splitserve.cli import plan as plan_cli
 
     argv = ["plan", "simulate", "--duration", "120", "--policy", "fixed", "slo", "--seed", "5"]
     assert cli.main(argv) == 0

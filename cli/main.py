@@ -354,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_api_key_argument(st)
     st.set_defaults(func=_status)
 
-    from splitserve.cluster import plan_cli
+    from splitserve.cli import plan as plan_cli
 
     plan = sub.add_parser("plan", help="capacity planning offline (the cluster simulator)")
     plan_sub = plan.add_subparsers(dest="plan_command", required=True)
