@@ -122,3 +122,30 @@ def test_a_tp_size_the_model_cannot_split_is_refused_before_any_worker_starts():
     check_model_fits_pools(ClusterConfig.model_validate({"prefill": {"tp_size": 2}}), model)
     with pytest.raises(ValueError, match=r"prefill.tp_size does not fit .* KV heads \(2\) to divide by 4"):
         check_model_fits_pools(ClusterConfig.model_validate({"prefill": {"tp_size": 4}}), model)
+
+
+def test_max_tokens_and_lease_defaults_are_written_once():
+    """``DEFAULT_MAX_TOKENS`` (engine/sampling_params.py) and ``DEFAULT_LEASE_S``
+    (kv_transfer/contract.py) are the only literals of those defaults in the code."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    homes = {"engine/sampling_params.py", "kv_transfer/contract.py"}
+    pattern = re.compile(
+        r"(max_tokens\w*\s*(:[^=]*)?=\s*16\b)|(lease\w*\s*(:[^=]*)?=\s*(Field\()?30(\.0)?\b)", re.I
+    )
+    found = []
+    for path in root.glob("*/**/*.py"):
+        rel = str(path.relative_to(root))
+        if rel.startswith(("tests/", ".venv/")) or "/." in rel or rel in homes:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                found.append(f"{rel}:{i}: {line.strip()}")
+    assert found == [], found
+    for home, name in (
+        ("engine/sampling_params.py", "DEFAULT_MAX_TOKENS"),
+        ("kv_transfer/contract.py", "DEFAULT_LEASE_S"),
+    ):
+        assert re.search(rf"^{name} = ", (root / home).read_text(), re.M), home  # the home says it
