@@ -36,8 +36,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from splitserve.engine.build import build_engine
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.errors import InvalidRequest, Overloaded, UnknownRequest
