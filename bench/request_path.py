@@ -26,20 +26,9 @@ import ray
 from splitserve.client import Chunk, Client, Final
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
+from splitserve.cluster.worker_client import remote_calls
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3
-
-
-def _calls(actor=None, reset: bool = False) -> dict[str, int]:
-    def read(_self=None):
-        from splitserve.cluster.worker_client import REMOTE_CALLS
-
-        calls = dict(REMOTE_CALLS)
-        if reset:
-            REMOTE_CALLS.clear()
-        return calls
-
-    return read() if actor is None else ray.get(actor.__ray_call__.remote(read))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
             (dw,) = cluster.registry.workers("decode")
             for _ in range(3):
                 list(client.stream(ids, max_tokens=8, ignore_eos=True))
-            _calls(reset=True)
-            _calls(dw.client.actor, reset=True)
+            remote_calls(reset=True)
+            remote_calls(dw.client.actor, reset=True)
             list(client.stream(ids, max_tokens=8, ignore_eos=True))
-            router = {m: n for m, n in _calls().items() if m != "stats"}
-            decode = _calls(dw.client.actor)
+            router = {m: n for m, n in remote_calls().items() if m != "stats"}
+            decode = remote_calls(dw.client.actor)
             ttfts, router_ttfts = [], []
             for _ in range(args.requests):
                 t0 = time.perf_counter()

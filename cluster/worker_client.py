@@ -10,7 +10,8 @@ A ``RayPrefillWorker`` holds nothing but the handle: the router puts it into a
 prefill worker through it directly (prefill, handshakes, confirmations).
 
 ``REMOTE_CALLS`` counts the Ray calls each process made through these clients, by
-method name (the tests count the calls one request costs with it).
+method name (``remote_calls`` reads it, here or in an actor's process: the tests
+and ``bench/request_path`` count the calls one request costs with it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import ray
 import ray.exceptions
 
 from splitserve.decode_worker.api import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
+from splitserve.engine.background import Background
 from splitserve.engine.errors import EngineStopped, WorkerLost, WorkerStopped
 from splitserve.engine.prefix_cache import PrefixCursor
 from splitserve.kv_transfer.contract import Confirmation
@@ -36,7 +38,6 @@ from splitserve.prefill_worker.api import (
     PrefillTask,
     PrefillWorkerInfo,
 )
-from splitserve.router.background import Background
 
 REMOTE_CALLS: collections.Counter[str] = collections.Counter()  # method name -> calls, this process
 
@@ -67,20 +68,40 @@ async def _call(actor: Any, method: str, *args: Any):
         raise unwrap(e) from None
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class RayPrefillWorker:
-    """A prefill worker's actor. Plain (picklable): it travels in ``DecodeTask.source``."""
+def remote_calls(actor: Any = None, reset: bool = False) -> dict[str, int]:
+    """``REMOTE_CALLS`` of this process, or of ``actor``'s (read there); ``reset`` zeroes them."""
 
-    actor: Any  # the Ray handle (a restarted actor keeps it)
+    def read(_self: Any = None) -> dict[str, int]:
+        from splitserve.cluster.worker_client import REMOTE_CALLS
 
-    async def info(self) -> PrefillWorkerInfo:
+        calls = dict(REMOTE_CALLS)
+        if reset:
+            REMOTE_CALLS.clear()
+        return calls
+
+    return read() if actor is None else ray.get(actor.__ray_call__.remote(read))
+
+
+class _EveryWorker:
+    """The calls every role answers, over ``self.actor``."""
+
+    actor: Any
+
+    async def info(self) -> PrefillWorkerInfo | DecodeWorkerInfo:
         return await _call(self.actor, "info")
 
-    async def stats(self, prefix_since: PrefixCursor | None = None) -> PrefillStats:
+    async def stats(self, prefix_since: PrefixCursor | None = None) -> PrefillStats | DecodeStats:
         return await _call(self.actor, "stats", prefix_since)
 
     async def abort(self, request_id: str) -> bool:
         return await _call(self.actor, "abort", request_id)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RayPrefillWorker(_EveryWorker):
+    """A prefill worker's actor. Plain (picklable): it travels in ``DecodeTask.source``."""
+
+    actor: Any  # the Ray handle (a restarted actor keeps it)
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
         await _call(self.actor, "confirm", confirmations)
@@ -103,7 +124,7 @@ class RayPrefillWorker:
         """Nothing is held open to a prefill worker."""
 
 
-class RayDecodeWorker:
+class RayDecodeWorker(_EveryWorker):
     """A decode (or colocated) worker's actor. Its requests' batches come over one Ray
     stream per client (``_Inbox``), opened by the first ``generate``."""
 
@@ -111,15 +132,6 @@ class RayDecodeWorker:
         self.actor = actor  # the Ray handle (a restarted actor keeps it)
         self._inbox: _Inbox | None = None  # made by the first generate, on the caller's loop
         self._aborting = Background()  # aborts of requests the caller left early
-
-    async def info(self) -> DecodeWorkerInfo:
-        return await _call(self.actor, "info")
-
-    async def stats(self, prefix_since: PrefixCursor | None = None) -> DecodeStats:
-        return await _call(self.actor, "stats", prefix_since)
-
-    async def abort(self, request_id: str) -> bool:
-        return await _call(self.actor, "abort", request_id)
 
     async def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
         """The request's batches, up to the one with ``finish_reason``; a batch's

@@ -72,6 +72,7 @@ from splitserve.engine import (
     Overloaded,
     RequestOutput,
 )
+from splitserve.engine.background import Background
 from splitserve.engine.errors import PrefillLost, WorkerLost
 from splitserve.engine.prefix_cache import PrefixCursor
 from splitserve.kv_transfer import get_backend
@@ -119,7 +120,7 @@ class DecodeWorker:
         # sink holds. Written on the actor's event loop after _connect finished.
         self._peers: dict[str, tuple[str, ...]] = {}
         self._linking: dict[str, asyncio.Lock] = {}  # by prefill worker id: one link at a time
-        self._background: set[asyncio.Task] = set()  # calls to sources not awaited
+        self._background = Background()  # confirmations and releases to sources, not awaited
         self._states: dict[str, AdmissionState] = {}  # imported requests, until they run
         self._admission: AdmissionQueue | None = None  # made on the actor's loop
         self._aloop: asyncio.AbstractEventLoop | None = None  # the actor's loop, once a request came
@@ -327,7 +328,7 @@ class DecodeWorker:
                         raise LeaseExpired(f"the KV lease of request {rid} ran out")
                     undelivered = tuple(c for c in confirmations if not c.delivered)
                     if undelivered:
-                        self._in_background(source.confirm(undelivered))
+                        self._background.run(source.confirm(undelivered))
                     confirmed = True
                     result = await first_token
                 except Exception:
@@ -354,11 +355,11 @@ class DecodeWorker:
                     await pull  # bytes may still be landing in the blocks: free them only after
             self._abort_in_engine(rid)
             if exported and not confirmed:
-                self._in_background(source.abort(rid))
+                self._background.run(source.abort(rid))
             raise
         except Exception as e:
             if exported and not confirmed:
-                self._in_background(source.abort(rid))
+                self._background.run(source.abort(rid))
             if ended:  # the consumer has its end already: this request only frees its blocks
                 self._end(rid)
             else:
@@ -433,18 +434,6 @@ class DecodeWorker:
                 raise PeerLost(f"prefill worker {key} restarted since it exported this KV")
             await asyncio.get_running_loop().run_in_executor(self._transfer, self._connect, handshakes)
             self._peers[key] = handoff.incarnations
-
-    def _in_background(self, call) -> None:
-        """Run a call to a source to its end without awaiting it; its errors are dropped
-        (a lost source frees everything anyway; a lease ends by itself)."""
-
-        async def quiet() -> None:
-            with contextlib.suppress(Exception):
-                await call
-
-        task = asyncio.ensure_future(quiet())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def _connect(self, handshakes: tuple[Handshake, ...]) -> None:  # transfer thread
         if len(handshakes) == 1:

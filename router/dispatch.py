@@ -55,10 +55,10 @@ from collections.abc import AsyncIterator
 from typing import Literal
 
 from splitserve.decode_worker.api import DecodeTask
+from splitserve.engine.background import Background
 from splitserve.engine.errors import InvalidRequest, Overloaded, PrefillLost, WorkerLost
 from splitserve.engine.validation import RequestValidator
 from splitserve.kv_transfer.errors import KVTransferError
-from splitserve.router.background import Background
 from splitserve.router.balancer import Prompt, pick_decode, pick_prefill
 from splitserve.router.decider import Decider, Placement
 from splitserve.router.errors import code_for

@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 
 from splitserve.decode_worker.api import DecodeStats
 from splitserve.engine.errors import WorkerLost, WorkerStopped
-from splitserve.kv_transfer.contract import Handshake
-from splitserve.prefill_worker.api import PrefillStats, PrefillWorkerInfo
+from splitserve.prefill_worker.api import PrefillStats
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.step_time import StepTimes
 from splitserve.router.workers import WorkerClient, WorkerInfo, WorkerStats
@@ -101,11 +100,6 @@ class WorkerRecord:
     @property
     def waiting_for_node(self) -> bool:
         return self.state == Membership.STARTING and self.node is None
-
-    @property
-    def handshakes(self) -> tuple[Handshake, ...]:
-        """A prefill worker's KV sources' handshakes, rank order (none for other roles)."""
-        return self.info.handshakes if isinstance(self.info, PrefillWorkerInfo) else ()
 
     @property
     def routable(self) -> bool:

@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from splitserve.client import Chunk, DeadlineExceeded, Unavailable
+from splitserve.cluster.worker_client import remote_calls
 from splitserve.engine import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
@@ -137,23 +138,8 @@ def test_handshakes_cross_once_per_peer_pair(cluster, client):
     prompts, params = mixed_workload(8, seed=13)
     stream_all(cluster.address, prompts, params)
     (pw,) = cluster.registry.workers("prefill")
-    incarnations = tuple(hs.incarnation for hs in pw.handshakes)
+    incarnations = tuple(hs.incarnation for hs in ray.get(pw.client.actor.info.remote()).handshakes)
     assert _decode_peers(cluster) == {"prefill-0": incarnations}
-
-
-def _remote_calls(actor=None, reset: bool = False) -> dict[str, int]:
-    """The Ray calls this process (or ``actor``'s) made through splitserve's worker
-    clients, by method (``cluster.worker_client.REMOTE_CALLS``); ``reset`` zeroes them."""
-
-    def read(_self=None):
-        from splitserve.cluster.worker_client import REMOTE_CALLS
-
-        calls = dict(REMOTE_CALLS)
-        if reset:
-            REMOTE_CALLS.clear()
-        return calls
-
-    return read() if actor is None else ray.get(actor.__ray_call__.remote(read))
 
 
 def test_the_router_sends_one_call_per_request_and_relays_nothing(cluster, client):
@@ -165,12 +151,12 @@ def test_the_router_sends_one_call_per_request_and_relays_nothing(cluster, clien
     (dw,) = cluster.registry.workers("decode")
     prompt = random_prompts([60], VOCAB, seed=31)[0]
     list(client.stream(prompt, max_tokens=4))  # linked, streams open
-    _remote_calls(reset=True)
-    _remote_calls(dw.client.actor, reset=True)
+    remote_calls(reset=True)
+    remote_calls(dw.client.actor, reset=True)
     chunks = list(client.stream(prompt, max_tokens=8, ignore_eos=True))
     assert chunks[-1].finish_reason == "length"
-    router = {m: n for m, n in _remote_calls().items() if m != "stats"}  # stats: the poller's
-    decode = _remote_calls(dw.client.actor)
+    router = {m: n for m, n in remote_calls().items() if m != "stats"}  # stats: the poller's
+    decode = remote_calls(dw.client.actor)
     backend = cluster.cluster.config.transfer.backend
     print(f"{backend}: router -> worker {router}; decode -> prefill {decode}")
     assert router == {"start": 1}
@@ -184,7 +170,7 @@ def test_a_restarted_prefill_worker_is_used_again(cluster, reference, client):
     prefilling them); none hangs. The test ends with the cluster
     serving again, so its place in the module does not matter."""
     (pw,) = cluster.registry.workers("prefill")
-    old = tuple(hs.incarnation for hs in pw.handshakes)
+    old = tuple(hs.incarnation for hs in ray.get(pw.client.actor.info.remote()).handshakes)
     ray.kill(pw.client.actor, no_restart=False)
     prompt = random_prompts([40], VOCAB, seed=9)[0]
     (want,) = reference_tokens(reference, [prompt], [SamplingParams(max_tokens=6)])

@@ -1,6 +1,7 @@
-"""Worker calls the router does not wait for (abort, confirm, a first token), and
-read-aheads it gives up: their outcome is of no interest to the request that made
-them, but they must run to the end and their errors must not go unretrieved."""
+"""Calls a caller does not wait for (a router's aborts; a decode worker's confirmations
+and releases to a prefill worker): their outcome is of no interest to the request
+that made them, but they must run to the end and their errors must not go
+unretrieved. Plain asyncio (no torch), shared by router and workers."""
 
 from __future__ import annotations
 
@@ -26,11 +27,3 @@ class Background:
         task = asyncio.ensure_future(quiet())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-async def cancel(task: asyncio.Future) -> None:
-    """Cancel ``task`` and let it end; what it raised is dropped."""
-    task.cancel()
-    await asyncio.wait([task])
-    if not task.cancelled():
-        task.exception()  # retrieved
