@@ -26,7 +26,10 @@ up to the end-to-end time exactly::
     decode       decode_admitted (or first_token) -> finished
 
 A mark missing (the request failed early) or out of order (another machine's
-clock) is clamped to the marks around it, so a phase is never negative.
+clock) is clamped to the marks around it, so a phase is never negative. The
+decode worker passes the first token on before its pull ends, so ``kv_transfer``
+is what the client waited beyond the first token; it is 0 when the KV had landed
+before the router passed that token on (``kv_pull_s`` keeps the pull's own time).
 """
 
 from __future__ import annotations

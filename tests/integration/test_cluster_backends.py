@@ -57,7 +57,9 @@ def test_32_concurrent_streams_equal_monolithic_greedy(cluster, reference, clien
         assert f.prefill_worker == "prefill-0"
         assert len(out.times_ms) == len(want) and out.times_ms == sorted(out.times_ms)
         if len(want) > 1:
-            assert f.decode_worker == "decode-0" and f.transfer_ms > 0
+            # the decode worker pulled its KV; the handover the client waited for beyond the
+            # first token may be none (the KV had landed before the router passed that token on)
+            assert f.decode_worker == "decode-0" and f.kv_pull_ms > 0 and f.transfer_ms >= 0
     # Streaming, not one final blob: long outputs arrive in several chunks.
     assert max(chunks for _, chunks in results) > 3
     assert wait_kv_free(client) == IDLE

@@ -51,7 +51,7 @@ def test_tp2_prefill_group_serves_tp1_decode_exactly(cluster, reference, client)
     assert [out.token_ids for out, _ in results] == expected
     finals = [out.final for out, _ in results]
     assert len({f.prefill_worker for f in finals}) == 1  # the one TP group
-    assert any(f.transfer_ms > 0 for f in finals)  # KV pulled from both ranks
+    assert any(f.kv_pull_ms > 0 for f in finals)  # KV pulled from both ranks
     assert idle(wait_kv_free(client))  # every shard's lease ended; blocks released
 
 

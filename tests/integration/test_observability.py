@@ -168,9 +168,11 @@ def test_a_trace_names_both_workers_and_its_phases_add_up(cluster, client):
     assert (f.prefill_worker, f.decode_worker) == ("prefill-0", "decode-0")
     assert phases == pytest.approx(f.e2e_ms, abs=0.01)
     assert f.e2e_ms <= client_e2e * 1000  # the router's window lies inside the client's
-    # over nixl the handoff streams: the pull overlaps the prefill, so it need not lie
-    # inside the handover (first token -> decode worker holds the KV), as a whole pull does
-    assert f.prefill_ms > 0 and f.transfer_ms > 0 and f.kv_pull_ms > 0 and f.decode_ms > 0
+    # The decode worker passes the first token on before it pulls (and over nixl the pull
+    # overlaps the prefill), so the handover the client sees (the router passed the first
+    # token -> the decode worker holds the KV) may be none: the router can pass the first
+    # token after the KV has landed. The pull itself always took time.
+    assert f.prefill_ms > 0 and f.transfer_ms >= 0 and f.kv_pull_ms > 0 and f.decode_ms > 0
     assert f.ttft_ms == pytest.approx(f.queue_ms + f.prefill_ms, abs=0.01)
 
     st = client.cluster_status(traces=5)
