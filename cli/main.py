@@ -67,6 +67,8 @@ def serve_config(args: argparse.Namespace, config):
     for role in ("prefill", "decode", "colocated"):
         if args.quantization is not None:
             data[role]["engine"]["quantization"] = args.quantization
+        if args.kv_cache_memory_fraction is not None:
+            data[role]["engine"]["kv_cache_memory_fraction"] = args.kv_cache_memory_fraction
         if args.tensor_parallel_size is not None and role in TP_POOLS:
             data[role]["tp_size"] = args.tensor_parallel_size
     return ClusterConfig.model_validate(data)
@@ -211,6 +213,7 @@ def _status(args: argparse.Namespace) -> int:
                 f"{w.waiting:>7} {w.queued_prompt_tokens:>10} {kv:>13} {w.waiting_for_blocks:>9}  {node}"
                 + (f"  {w.error}" if w.error else "")
             )
+    _print_capacity(st)
     for g in st.given_up:
         print(f"given up {time.strftime('%H:%M:%S', time.localtime(g.at))}: {g.reason}")
     if st.placements:
@@ -222,6 +225,19 @@ def _status(args: argparse.Namespace) -> int:
     for t in st.traces:
         _print_trace(t)
     return 0
+
+
+def _print_capacity(st) -> None:
+    """Each pool's KV cache, context and concurrency (one line per distinct figure)."""
+    for pool in st.pools:
+        seen = {
+            (w.kv_cache_tokens, w.max_model_len, w.max_concurrency) for w in pool.workers if w.max_model_len
+        }
+        for tokens, length, concurrency in sorted(seen):
+            print(
+                f"{pool.role}: KV cache {tokens:,} tokens per worker; max context {length:,} tokens; "
+                f"{concurrency:.2f}x concurrency at that length"
+            )
 
 
 def _print_trace(t) -> None:
@@ -301,6 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["none", "fp8", "int8"],
         default=None,
         help="every pool's linear layers (the config may set each pool's own)",
+    )
+    srv.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=None,
+        help="on a GPU: the share of the memory free after the weights that the KV cache takes "
+        "(default 0.9; what vLLM's --gpu-memory-utilization sets), in every pool",
     )
     srv.add_argument(
         "--served-model-name", default=None, help="the model's name in requests (default: MODEL as given)"

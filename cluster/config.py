@@ -77,8 +77,18 @@ class EngineOptions(_Strict):
     block_size: int = Field(
         _engine_default("block_size"), ge=1, description="tokens per KV block (must match across pools)"
     )
-    kv_cache_memory_mib: int = Field(
-        _engine_default("kv_cache_memory_mib"), ge=1, description="KV cache size per worker, MiB"
+    kv_cache_memory_mib: int | None = Field(
+        _engine_default("kv_cache_memory_mib"),
+        ge=1,
+        description="KV cache size per worker (per rank), MiB; unset: on a GPU kv_cache_memory_fraction "
+        "of the memory free after the weights, on a CPU 1024",
+    )
+    kv_cache_memory_fraction: float = Field(
+        _engine_default("kv_cache_memory_fraction"),
+        gt=0,
+        le=1,
+        description="on a GPU, without kv_cache_memory_mib: the share of the device memory free after "
+        "the weights that the KV cache takes (the rest: activations, CUDA graphs)",
     )
     max_num_batched_tokens: int = Field(
         _engine_default("max_num_batched_tokens"),

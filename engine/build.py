@@ -19,6 +19,13 @@ from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.generation_defaults import GenerationDefaults
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_layout import KVLayout
+from splitserve.engine.kv_sizing import (
+    KVCapacity,
+    blocks_for,
+    kv_budget_bytes,
+    model_context,
+    size_kv_cache,
+)
 from splitserve.engine.model.checkpoint import checkpoint_bytes, safetensors_tensors
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import build_model, load_hf_config, resolve_source
@@ -40,6 +47,7 @@ class EngineParts:
     dtype: torch.dtype
     model_config: ModelConfig
     max_model_len: int
+    capacity: KVCapacity
     model: torch.nn.Module
     tokenizer: Tokenizer | None
     eos_token_ids: set[int]
@@ -62,7 +70,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         hf_config = load_hf_config(source)
     mc = ModelConfig.from_hf(hf_config)
     check_tp_compatible(mc, tp.size)
-    max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    max_model_len = model_context(config, mc.max_position_embeddings)  # lowered to what the KV holds below
     weights, progress = None, 0
     if not (config.random_weights or source is None):
         weights = safetensors_tensors(source.directory)
@@ -102,21 +110,25 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         tp_size=tp.size,
         tp_rank=tp.rank,
     )
-    per_block = 2 * mc.num_layers * layout.block_bytes
-    num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mib * 2**20 // per_block)
-    layout = dataclasses.replace(layout, num_blocks=num_blocks)
-    kv_cache = KVCache(layout, device)
+    per_token = 2 * mc.num_layers * layout.block_bytes // config.block_size
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    num_blocks = blocks_for(config, kv_budget_bytes(config, device.type, free), per_token)
+    num_blocks = tp.min_int(num_blocks)  # every rank the same block ids
     backend = get_backend(config.attention_backend, device, config.native_kernels)
-    graphs = None
     use_graphs = config.cuda_graphs
     if use_graphs is None:
         use_graphs = device.type == "cuda" and backend.name == "triton" and tp.size == 1
+    # a CUDA graph's padding rows write to the last block: requests get the others
+    usable = num_blocks - 1 if use_graphs else num_blocks
+    capacity = size_kv_cache(config, usable, per_token, mc.max_position_embeddings)
+    max_model_len = capacity.max_model_len
+    kv_cache = KVCache(dataclasses.replace(layout, num_blocks=num_blocks), device)
+    graphs = None
     if use_graphs:
         graphs = DecodeGraphs.for_engine(
             model, kv_cache, backend, config.max_num_seqs, max_model_len, tp.size
         )
-        num_blocks = graphs.scratch_block  # the last block is the padding rows' scratch space
-    block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    block_manager = BlockManager(capacity.num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(block_manager, config.max_num_batched_tokens, config.max_num_seqs)
     native = kernels.load() if config.native_kernels and device.type == "cpu" else None
     runner = ModelRunner(
@@ -132,7 +144,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         model=config.model,
         vocab_size=mc.vocab_size,
         max_model_len=max_model_len,
-        max_kv_tokens=num_blocks * config.block_size,
+        max_kv_tokens=capacity.num_tokens,
         tokenizer=tokenizer,
         defaults=defaults,
     )
@@ -141,7 +153,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         f"{mc.model_type}, {str(dtype).removeprefix('torch.')}"
         f"{'' if config.quantization == 'none' else f' with {config.quantization} linears'} on {threads}"
         f"{f' (TP {tp.size})' if tp.size > 1 else ''}, attention {runner.backend.name}, "
-        f"{num_blocks} KV blocks of {config.block_size} tokens, up to {config.max_num_seqs} sequences"
+        f"up to {config.max_num_seqs} sequences; {capacity.describe()}"
     )
     log.info("engine ready (TP rank %d): %s", tp.rank, summary)
     return EngineParts(
@@ -150,6 +162,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         dtype=dtype,
         model_config=mc,
         max_model_len=max_model_len,
+        capacity=capacity,
         model=model,
         tokenizer=tokenizer,
         eos_token_ids=eos_token_ids,

@@ -31,8 +31,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 where the hardware has it natively, else float32
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
-    num_kv_blocks: int | None = None  # default: as many as kv_cache_memory_mib holds
-    kv_cache_memory_mib: int = 1024
+    num_kv_blocks: int | None = None  # default: as many as the KV budget holds (engine.kv_sizing)
+    kv_cache_memory_mib: int | None = None  # the KV budget; default: CUDA a fraction, CPU 1024 MiB
+    kv_cache_memory_fraction: float = 0.9  # CUDA, no kv_cache_memory_mib: of free memory after weights
     max_num_batched_tokens: int = 512  # token budget per step; longer prompts are chunked
     max_num_seqs: int = 256  # running sequences at most
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -49,9 +50,15 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "kv_cache_memory_mib", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_memory_mib is not None and self.kv_cache_memory_mib < 1:
+            raise ValueError(f"kv_cache_memory_mib must be >= 1, got {self.kv_cache_memory_mib}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"

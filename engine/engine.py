@@ -81,6 +81,7 @@ class Engine:
         self.device, self.dtype = parts.device, parts.dtype
         self.model_config = parts.model_config
         self.max_model_len = parts.max_model_len
+        self.capacity = parts.capacity  # KV tokens, max context and concurrency (engine.kv_sizing)
         self.model = parts.model
         self.tokenizer = parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids

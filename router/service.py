@@ -194,6 +194,10 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
     )
     if w.node is not None:
         out.node_id, out.node_type = w.node.node_id, w.node.node_type
+    if w.info is not None:
+        v = w.info.validator
+        out.kv_cache_tokens, out.max_model_len = v.max_kv_tokens, v.max_model_len
+        out.max_concurrency = v.max_kv_tokens / v.max_model_len
     s = w.stats
     if s is not None:
         e = s.engine

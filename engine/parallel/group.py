@@ -84,6 +84,13 @@ class TPGroup:
         self._collective(dist.gather_object, obj, out, dst=0, group=self._cpu_group)
         return out
 
+    def min_int(self, n: int) -> int:
+        """The smallest of every rank's ``n``, on every rank."""
+        if self.size == 1:
+            return n
+        every = self.gather_object(n)
+        return self.broadcast_object(min(every) if every is not None else None)
+
     def _collective(self, fn, *args, **kwargs) -> None:
         if self.broken:
             raise GroupBroken(f"tensor-parallel rank {self.rank} has lost its group: {self.broken}")

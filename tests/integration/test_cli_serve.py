@@ -107,6 +107,15 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
         assert status.returncode == 0, status.stderr
         assert "smollm2 (disaggregated)" in status.stdout
         assert "prefill-0" in status.stdout and "decode-0" in status.stdout
+        # each pool's KV cache: the CPU default of 1 GiB over SmolLM2's 30 layers x 3 KV
+        # heads x 64 dims of K and V, in 16-token blocks; its 8192-token context fits
+        per_token = 2 * 30 * 3 * 64 * (2 if cpu_has_native_bf16() else 4)
+        tokens = 2**30 // (per_token * 16) * 16
+        for role in ("prefill", "decode"):
+            assert (
+                f"{role}: KV cache {tokens:,} tokens per worker; max context 8,192 tokens; "
+                f"{tokens / 8192:.2f}x concurrency" in status.stdout
+            ), status.stdout
     finally:
         server.send_signal(signal.SIGINT)
         try:

@@ -18,8 +18,15 @@ import torch
 from splitserve.engine import Engine, EngineConfig, SamplingParams
 from splitserve.kv_transfer import CompatInfo, get_backend
 from splitserve.kv_transfer.tp_mapping import HeadMappingSink
-from tests.conftest import make_hf_checkpoint, random_prompts
-from tests.integration.tp_ranks import RankJob, free_port, generate_rank, logits_rank, prefill_export_rank
+from tests.conftest import make_hf_checkpoint, random_prompts, tiny_hf_config
+from tests.integration.tp_ranks import (
+    RankJob,
+    capacity_rank,
+    free_port,
+    generate_rank,
+    logits_rank,
+    prefill_export_rank,
+)
 
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
 CTX = mp.get_context("spawn")
@@ -122,3 +129,35 @@ def test_kv_from_tp2_prefill_decodes_under_tp1(tmp_path):
         assert p.exitcode == 0
     tokens = [driver.output_token_ids[i] + got[d.request_id] for i, d in enumerate(driver.descriptors)]
     assert tokens == expected
+
+
+def test_a_tp_group_takes_the_smallest_kv_cache_any_rank_can_hold(tmp_path):
+    """Ranks with different budgets (as GPUs with different free memory have) agree on
+    one block count, the smallest: the driver's block ids must exist on every rank."""
+    make_hf_checkpoint("llama", tmp_path)
+    port = free_port()
+    budgets = {0: 8, 1: 2}  # MiB
+    jobs = [
+        RankJob(
+            r,
+            2,
+            port,
+            dataclasses.replace(config(tmp_path, 2), num_kv_blocks=None, kv_cache_memory_mib=budgets[r]),
+            [],
+            PARAMS,
+        )
+        for r in range(2)
+    ]
+    out = CTX.Queue()
+    procs = start_ranks(capacity_rank, jobs, out)
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    cfg = tiny_hf_config("llama")
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * (cfg.num_key_value_heads // 2) * head_dim * 4  # float32
+    bs = jobs[0].config.block_size
+    can_hold = {r: budgets[r] * 2**20 // (per_token * bs) * bs for r in budgets}
+    assert got[0].num_tokens == got[1].num_tokens == min(can_hold.values()) < can_hold[0]
+    assert got[0].bytes_per_token == per_token

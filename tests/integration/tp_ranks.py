@@ -67,6 +67,16 @@ def generate_rank(job: RankJob, out) -> None:
     _exit(out)
 
 
+def capacity_rank(job: RankJob, out) -> None:
+    """Each rank puts (its rank, its engine's KV capacity); no step is run."""
+    group, engine = _join(job)
+    try:
+        out.put((job.rank, engine.capacity))
+    finally:
+        group.destroy()
+    _exit(out)
+
+
 def logits_rank(job: RankJob, out) -> None:
     """Rank 0 puts the logits at every position of each prompt (teacher-forced)."""
     from splitserve.bench.quant_accuracy import prompt_logits

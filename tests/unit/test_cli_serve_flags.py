@@ -28,6 +28,7 @@ def test_vllm_flags_override_the_config():
         "--host", "0.0.0.0",
         "--port", "6000",
         "--generation-config", "vllm",
+        "--kv-cache-memory-fraction", "0.7",
     )  # fmt: skip
     assert cfg.model.name == "/models/llama"
     assert cfg.model.public_name == "/models/llama"  # the name as the user gave it, as vLLM serves it
@@ -38,6 +39,8 @@ def test_vllm_flags_override_the_config():
     )
     assert cfg.prefill.tp_size == 2 and cfg.decode.tp_size == 1
     assert cfg.prefill.engine.quantization == cfg.decode.engine.quantization == "fp8"
+    assert cfg.prefill.engine.kv_cache_memory_fraction == cfg.decode.engine.kv_cache_memory_fraction == 0.7
+    assert cfg.engine_config("decode").kv_cache_memory_fraction == 0.7
     assert (cfg.router.host, cfg.router.port, cfg.router.http_port) == ("0.0.0.0", 6000, 8000)
 
 
@@ -45,6 +48,8 @@ def test_served_model_name_wins_and_bad_values_are_refused():
     assert _config("/models/llama", "--served-model-name", "llama").model.public_name == "llama"
     with pytest.raises(ValueError, match="max_model_len"):
         _config("--max-model-len", "1")
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
+        _config("--kv-cache-memory-fraction", "1.5")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--dtype", "int4"])
 

@@ -183,9 +183,9 @@ def test_import_with_wrong_kv_shape_is_refused_and_freed(engine):
 
 def test_import_when_cache_is_full_raises_overloaded(checkpoint):
     small = Engine(EngineConfig(model=str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=4))
-    small.import_request("a", list(range(30)), [1], GREEDY)
+    small.import_request("a", list(range(20)), [1], GREEDY)  # 3 of its 4 blocks
     with pytest.raises(Overloaded):
-        small.import_request("b", list(range(30)), [1], GREEDY)
+        small.import_request("b", list(range(20)), [1], GREEDY)
     small.abort("a")
     assert_clean(small)
 
