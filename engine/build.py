@@ -18,7 +18,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.generation_defaults import GenerationDefaults
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.kv_layout import KVLayout
+from splitserve.engine.kv_layout import KVLayout, kv_head_range
 from splitserve.engine.kv_sizing import (
     KVCapacity,
     blocks_for,
@@ -100,15 +100,17 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         eos_token_ids.add(tokenizer.eos_token_id)
 
     dtype_name = str(dtype).removeprefix("torch.")
+    k0, k1 = kv_head_range(mc.num_kv_heads, tp.size, tp.rank)
     layout = KVLayout(
         mc.num_layers,
         0,
         config.block_size,
-        mc.num_kv_heads // tp.size,
+        k1 - k0,
         mc.head_dim,
         dtype_name,
         tp_size=tp.size,
         tp_rank=tp.rank,
+        model_kv_heads=mc.num_kv_heads,
     )
     per_token = 2 * mc.num_layers * layout.block_bytes // config.block_size
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None

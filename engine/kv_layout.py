@@ -9,6 +9,20 @@ from dataclasses import dataclass
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
 
 
+def kv_head_range(total: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """The model's KV heads rank ``tp_rank`` of ``tp_size`` holds, [start, stop): an even
+    split, or, with fewer KV heads than ranks, the one head that rank's query heads
+    attend to (replicated over ``tp_size / total`` ranks, as vLLM does). ``ValueError``
+    unless one of ``total`` and ``tp_size`` divides the other."""
+    if total % tp_size and tp_size % total:
+        raise ValueError(f"{total} KV heads neither split over nor replicate across {tp_size} ranks")
+    if total >= tp_size:
+        per = total // tp_size
+        return tp_rank * per, (tp_rank + 1) * per
+    head = tp_rank * total // tp_size
+    return head, head + 1
+
+
 @dataclass(frozen=True)
 class KVLayout:
     num_layers: int
@@ -19,16 +33,18 @@ class KVLayout:
     dtype: str  # torch dtype name, e.g. "bfloat16"
     tp_size: int = 1
     tp_rank: int = 0
+    # the model's KV heads; None: num_kv_heads * tp_size (no head is replicated)
+    model_kv_heads: int | None = None
 
     @property
     def total_kv_heads(self) -> int:
-        """The model's KV heads, over all ranks."""
-        return self.num_kv_heads * self.tp_size
+        """The model's KV heads, over all ranks (each counted once, replicated or not)."""
+        return self.num_kv_heads * self.tp_size if self.model_kv_heads is None else self.model_kv_heads
 
     @property
     def kv_head_range(self) -> tuple[int, int]:
         """The model's KV heads this cache holds: [start, stop)."""
-        return self.tp_rank * self.num_kv_heads, (self.tp_rank + 1) * self.num_kv_heads
+        return kv_head_range(self.total_kv_heads, self.tp_size, self.tp_rank)
 
     @property
     def block_bytes(self) -> int:

@@ -97,9 +97,12 @@ class LayerExporter(LayerObserver):
             self._step = []
 
     # ---- after the step -------------------------------------------------------
-    def export(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDescriptor:
-        """The export of a prompt this observer saw completed: its streamed descriptor, or
-        a whole export with the checksums taken during prefill (hashed here otherwise)."""
+    def export(
+        self, request_id: str, block_ids: list[int], num_tokens: int, readers: int = 1
+    ) -> KVDescriptor:
+        """The export of a prompt this observer saw completed: its streamed descriptor (one
+        reader: streams are TP=1 to TP=1), or a whole export for ``readers`` with the
+        checksums taken during prefill (hashed here otherwise)."""
         pending = self._done.pop(request_id, None)
         if pending is not None and (
             list(pending.prompt.block_ids) != list(block_ids) or pending.prompt.num_kv_tokens != num_tokens
@@ -111,7 +114,7 @@ class LayerExporter(LayerObserver):
         checksums = tuple(pending.checksums) if complete else None
         with self._lock:
             return self.source.export(
-                request_id, block_ids, num_tokens, self.lease_s, layer_checksums=checksums
+                request_id, block_ids, num_tokens, self.lease_s, readers, layer_checksums=checksums
             )
 
     def discard(self, request_id: str) -> None:

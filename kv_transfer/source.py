@@ -84,7 +84,9 @@ class KVSource:
         ``layer_checksums`` are the blocks' per-layer checksums if the caller took
         them while prefill wrote the KV; without them the blocks are hashed here.
         The lease is confirmed once ``readers`` sinks have each confirmed it (more than
-        one when decode ranks of a larger TP group each take some of its KV heads)."""
+        one when decode ranks of a larger TP group each take some of its KV heads; none
+        for a replica of KV heads another rank serves: its lease ends, confirmed, at
+        once, and its descriptor, kept for the handoff's rank order, counts no bytes)."""
         if layer_checksums is None:
             layer_checksums = integrity.layer_checksums(self.cache, block_ids)
         if len(layer_checksums) != self.compat.layout.num_layers:
@@ -111,6 +113,8 @@ class KVSource:
         in order, or a ``release``; the lease starts now."""
         if not self.can_stream():
             raise ValueError(f"backend {self.backend!r} cannot open a streamed export now")
+        if readers < 1:
+            raise ValueError("a streamed export needs a reader")
         ref = self.board.open()
         return self._start(request_id, block_ids, num_tokens, lease_s, readers, (), ref)
 
@@ -133,8 +137,8 @@ class KVSource:
     ) -> KVDescriptor:
         if not block_ids:
             raise ValueError("nothing to export: no blocks")
-        if readers < 1:
-            raise ValueError("readers must be >= 1")
+        if readers < 0:
+            raise ValueError("readers must be >= 0")
         transfer_id = f"{request_id}:{uuid.uuid4().hex[:12]}"
         desc = KVDescriptor(
             transfer_id=transfer_id,
@@ -145,11 +149,16 @@ class KVSource:
             compat_hash=self.compat.hash,
             block_ids=tuple(block_ids),
             num_tokens=num_tokens,
-            num_bytes=2 * self.compat.layout.num_layers * self.compat.layout.block_bytes * len(block_ids),
+            num_bytes=2 * self.compat.layout.num_layers * self.compat.layout.block_bytes * len(block_ids)
+            if readers
+            else 0,
             layer_checksums=layer_checksums,
             lease_expiry=time.time() + (self.lease_s if lease_s is None else lease_s),
             stream=stream,
         )
+        if not readers:  # nobody reads it: never published, its lease over at once
+            self._ended.append(LeaseEnd(transfer_id, request_id, desc.block_ids, TransferState.CONFIRMED))
+            return desc
         payload = self._publish(desc)
         if payload is not None:
             desc = dataclasses.replace(desc, payload=payload)

@@ -10,6 +10,15 @@ heads are split on the way) or several (source TP > destination TP: merged)::
     decode  TP=1        [rank 0:   0-7         ]   ← merge: both source ranks
     decode  TP=4        [r0][r1][r2][r3]           ← split: r1 takes heads 2-3 of source rank 0
 
+With fewer KV heads than ranks, each head lives on several ranks (replicated,
+as the model's layers hold them); a destination reads each head from the
+lowest rank holding it, and a replica nobody reads is exported with no readers
+(its lease ends at once, ``readers_of``)::
+
+    model KV heads      0         1
+    prefill TP=4        [r0:0][r1:0][r2:1][r3:1]
+    decode  TP=1        [rank 0: 0-1]              ← from r0 and r2; r1 and r3 unread
+
 ``plan_head_copies`` computes which heads move where (plain data, tested on its
 own). ``HeadMappingSink`` runs a plan over any backend without changing it: for
 each source rank it needs, it keeps a *staging* cache with exactly that rank's
@@ -28,13 +37,15 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.kv_layout import KVLayout
+from splitserve.engine.kv_layout import KVLayout, kv_head_range
 from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVDescriptor
 from splitserve.kv_transfer.errors import IncompatiblePeer, PeerLost
 from splitserve.kv_transfer.sink import KVSink
 
 # Fields that differ between the shards of one model's KV cache under different TP.
-_SHARD_FIELDS = ("num_blocks", "num_kv_heads", "tp_size", "tp_rank")
+# (``model_kv_heads`` is the same in every shard, but may be left unset: the model's
+# KV heads are compared as ``total_kv_heads``.)
+_SHARD_FIELDS = ("num_blocks", "num_kv_heads", "tp_size", "tp_rank", "model_kv_heads")
 
 SinkFactory = Callable[[str, torch.Tensor, CompatInfo], KVSink]
 
@@ -53,38 +64,51 @@ class HeadCopy:
 
 def plan_head_copies(src_tp: int, dst: KVLayout) -> list[HeadCopy]:
     """The copies that fill ``dst``'s KV heads from a source group of ``src_tp`` ranks
-    holding the same model's heads split evenly. Raises ``ValueError`` if the model's
-    heads do not split over ``src_tp``."""
+    holding the same model's heads (split, or replicated when fewer than the ranks:
+    each head is read from the lowest rank holding it). Raises ``ValueError`` if
+    the model's heads neither split over nor replicate across ``src_tp``."""
     total = dst.total_kv_heads
-    if src_tp < 1 or total % src_tp:
-        raise ValueError(f"{total} KV heads do not split over a source TP size of {src_tp}")
-    per_src = total // src_tp
+    if src_tp < 1:
+        raise ValueError(f"a source TP size must be >= 1, got {src_tp}")
     d0, d1 = dst.kv_head_range
-    copies = []
-    for r in range(src_tp):
-        s0, s1 = r * per_src, (r + 1) * per_src
-        lo, hi = max(s0, d0), min(s1, d1)
-        if lo < hi:
-            copies.append(HeadCopy(r, lo - s0, hi - s0, lo - d0, hi - d0))
+    copies: list[HeadCopy] = []
+    ranges = [kv_head_range(total, src_tp, r) for r in range(src_tp)]
+    for head in range(d0, d1):
+        rank = next(r for r, (s0, s1) in enumerate(ranges) if s0 <= head < s1)
+        s0 = ranges[rank][0]
+        last = copies[-1] if copies else None
+        if last is not None and last.src_rank == rank and last.src_stop == head - s0:
+            copies[-1] = dataclasses.replace(last, src_stop=head - s0 + 1, dst_stop=head - d0 + 1)
+        else:
+            copies.append(HeadCopy(rank, head - s0, head - s0 + 1, head - d0, head - d0 + 1))
     return copies
 
 
-def readers_per_export(src_tp: int, dst_tp: int) -> int:
-    """How many decode ranks read each source rank's export (``KVSource.export(readers=...)``):
-    one when merging, ``dst_tp / src_tp`` when splitting."""
-    return max(1, dst_tp // src_tp)
+def readers_of(src_rank: int, src_tp: int, dst_tp: int, total_kv_heads: int) -> int:
+    """How many ranks of a destination group of ``dst_tp`` read source rank ``src_rank``'s
+    export (``KVSource.export(readers=...)``): 0 for a replica no plan reads."""
+    return sum(
+        any(c.src_rank == src_rank for c in plan_head_copies(src_tp, _rank_layout(total_kv_heads, dst_tp, r)))
+        for r in range(dst_tp)
+    )
+
+
+def _rank_layout(total_kv_heads: int, tp_size: int, tp_rank: int) -> KVLayout:
+    k0, k1 = kv_head_range(total_kv_heads, tp_size, tp_rank)
+    return KVLayout(1, 1, 1, k1 - k0, 1, "float32", tp_size, tp_rank, total_kv_heads)
 
 
 def shard_layout(layout: KVLayout, tp_size: int, tp_rank: int, num_blocks: int) -> KVLayout:
     """``layout``'s model sharded for rank ``tp_rank`` of ``tp_size``, with ``num_blocks``."""
-    if layout.total_kv_heads % tp_size:
-        raise ValueError(f"{layout.total_kv_heads} KV heads do not split over TP size {tp_size}")
+    total = layout.total_kv_heads
+    k0, k1 = kv_head_range(total, tp_size, tp_rank)
     return dataclasses.replace(
         layout,
         num_blocks=num_blocks,
-        num_kv_heads=layout.total_kv_heads // tp_size,
+        num_kv_heads=k1 - k0,
         tp_size=tp_size,
         tp_rank=tp_rank,
+        model_kv_heads=total,
     )
 
 

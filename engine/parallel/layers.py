@@ -11,12 +11,11 @@ slice of every checkpoint tensor into them; no rank ever holds the whole model):
 
 Column-parallel layers are plain ``nn.Linear`` of the shard's size. Norms and
 rotary tables are replicated. Query heads and the MLP width must split evenly
-over the ranks. KV heads split evenly too: the layers and the loader can
-replicate them when there are fewer KV heads than ranks (``kv_head_range``: each
-rank keeps the one KV head its query heads attend to, as vLLM does), but the KV
-handoff between TP sizes does not map replicated heads yet, so
-``check_tp_compatible`` still refuses that. Every layer here also runs at TP=1,
-where its collectives are the identity.
+over the ranks. KV heads split evenly too, or, when there are fewer KV heads
+than ranks, are replicated (``kv_head_range``: each rank keeps the one KV head
+its query heads attend to, as vLLM does; the KV handoff reads each head from one
+of its replicas, ``splitserve.kv_transfer.tp_mapping``). Every layer here also
+runs at TP=1, where its collectives are the identity.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine.kv_layout import kv_head_range as layout_head_range
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.parallel.group import TPGroup
 
@@ -35,22 +35,23 @@ def check_tp_compatible(cfg: ModelConfig, tp_size: int) -> None:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     for what, n in (
         ("attention heads", cfg.num_heads),
-        ("KV heads", cfg.num_kv_heads),
         ("MLP intermediate size", cfg.intermediate_size),
     ):
         if n % tp_size:
             raise ValueError(
                 f"tensor parallelism of {tp_size} needs the model's {what} ({n}) to divide by {tp_size}"
             )
+    kv = cfg.num_kv_heads
+    if kv % tp_size and tp_size % kv:
+        raise ValueError(
+            f"tensor parallelism of {tp_size} needs the model's KV heads ({kv}) to divide by {tp_size} "
+            f"(split) or {tp_size} to divide by them (replicated)"
+        )
 
 
 def kv_head_range(num_kv_heads: int, group: TPGroup) -> tuple[int, int]:
-    """The model's KV heads this rank holds, [start, stop): an even split, or with
-    fewer KV heads than ranks the one head this rank's query heads attend to."""
-    if num_kv_heads >= group.size:
-        return group.shard_range(num_kv_heads)
-    head = group.rank * num_kv_heads // group.size
-    return head, head + 1
+    """The model's KV heads this rank holds (``splitserve.engine.kv_layout.kv_head_range``)."""
+    return layout_head_range(num_kv_heads, group.size, group.rank)
 
 
 class RowParallelLinear(nn.Module):

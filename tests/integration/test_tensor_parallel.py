@@ -51,9 +51,12 @@ def jobs_for(directory, prompts, size=2, **engine):
     return [RankJob(r, size, port, cfg, prompts, PARAMS) for r in range(size)]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "llama3"])
-def test_tp2_greedy_equals_tp1(tmp_path, kind):
-    make_hf_checkpoint(kind, tmp_path)
+@pytest.mark.parametrize(
+    "kind, kv_heads", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama3", 2), ("llama", 1)]
+)
+def test_tp2_greedy_equals_tp1(tmp_path, kind, kv_heads):
+    """kv_heads 1: fewer KV heads than ranks, so both ranks hold (replicate) the one head."""
+    make_hf_checkpoint(kind, tmp_path, kv_heads=kv_heads)
     prompts = random_prompts([5, 40, 77, 130], 512)
     expected = [c.token_ids for c in Engine(config(tmp_path, 1)).generate(prompts, PARAMS)]
     out = CTX.Queue()
@@ -90,8 +93,11 @@ def test_quantization_composes_with_tp(tmp_path, method):
         assert cos_tp2 < 1 - 1e-6  # the quantized layers ran
 
 
-def test_kv_from_tp2_prefill_decodes_under_tp1(tmp_path):
-    make_hf_checkpoint("llama", tmp_path)
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_kv_from_tp2_prefill_decodes_under_tp1(tmp_path, kv_heads):
+    """kv_heads 2: the ranks' heads are merged; 1: both ranks hold the one head, which is
+    read from rank 0, and rank 1 exports it to no reader (its lease ends at once)."""
+    make_hf_checkpoint("llama", tmp_path, kv_heads=kv_heads)
     prompts = random_prompts([7, 33, 90, 150], 512, seed=4)
     decoder = Engine(config(tmp_path, 1))
     expected = [c.token_ids for c in decoder.generate(prompts, PARAMS)]
@@ -101,13 +107,14 @@ def test_kv_from_tp2_prefill_decodes_under_tp1(tmp_path):
     procs = start_ranks(prefill_export_rank, jobs_for(tmp_path, prompts), "nixl", out, done)
     try:
         shards = sorted((out.get(timeout=120) for _ in procs), key=lambda s: s.rank)
-        assert [s.handshake.compat.layout.num_kv_heads for s in shards] == [1, 1]  # 2 KV heads split
+        layouts = [s.handshake.compat.layout for s in shards]
+        assert [lay.kv_head_range for lay in layouts] == ([(0, 1), (1, 2)] if kv_heads == 2 else [(0, 1)] * 2)
         compat = CompatInfo(str(tmp_path), decoder.kv_cache.layout)
         sink = HeadMappingSink(
             "decode-tp1", decoder.kv_cache.tensor, compat, get_backend("nixl").sink, max_blocks=16
         )
         sink.connect([s.handshake for s in shards])
-        assert [c.src_rank for c in sink.plan] == [0, 1]
+        assert [c.src_rank for c in sink.plan] == ([0, 1] if kv_heads == 2 else [0])
         driver = shards[0]
         for i in range(len(prompts)):
             rid = driver.descriptors[i].request_id
@@ -115,7 +122,7 @@ def test_kv_from_tp2_prefill_decodes_under_tp1(tmp_path):
                 rid, driver.prompt_token_ids[i], driver.output_token_ids[i], PARAMS
             )
             confirmations = sink.pull([s.descriptors[i] for s in shards], blocks, timeout=30.0)
-            assert len(confirmations) == 2
+            assert len(confirmations) == kv_heads
             decoder.activate(rid)
         got: dict[str, list[int]] = {}
         while decoder.has_unfinished():

@@ -107,6 +107,7 @@ def prefill_export_rank(job: RankJob, backend: str, out, done) -> None:
     """Prefill every prompt under TP, export each rank's KV shard through ``backend``,
     put an ``ExportedShard``, then serve reads until ``done`` is set."""
     from splitserve.kv_transfer import CompatInfo, get_backend
+    from splitserve.kv_transfer.tp_mapping import readers_of
 
     group, engine = _join(job)
     source = get_backend(backend).source(
@@ -126,7 +127,8 @@ def prefill_export_rank(job: RankJob, backend: str, out, done) -> None:
             engine.follow()
             plan = group.broadcast_object()  # the driver's block ids hold this rank's shard too
             firsts, prompts = [], []
-        descs = [source.export(rid, blocks, n) for rid, blocks, n in plan]
+        readers = readers_of(job.rank, job.size, 1, engine.model_config.num_kv_heads)  # for a TP=1 reader
+        descs = [source.export(rid, blocks, n, readers=readers) for rid, blocks, n in plan]
         out.put(ExportedShard(job.rank, source.handshake(), descs, prompts, firsts))
         while not done.wait(0.005):
             source.poll()

@@ -1,5 +1,7 @@
 """The serving config: defaults, the shipped YAMLs, and clear errors."""
 
+import dataclasses
+
 import pytest
 
 from splitserve.cluster.config import CONFIG_DIR, ClusterConfig, describe
@@ -119,8 +121,14 @@ def test_a_tp_size_the_model_cannot_split_is_refused_before_any_worker_starts():
     from tests.conftest import tiny_hf_config
 
     model = ModelConfig.from_hf(tiny_hf_config("llama"))  # 4 heads, 2 KV heads
-    check_model_fits_pools(ClusterConfig.model_validate({"prefill": {"tp_size": 2}}), model)
-    with pytest.raises(ValueError, match=r"prefill.tp_size does not fit .* KV heads \(2\) to divide by 4"):
+    for tp in (2, 4):  # 4: each KV head replicated on two ranks
+        check_model_fits_pools(ClusterConfig.model_validate({"prefill": {"tp_size": tp}}), model)
+    with pytest.raises(
+        ValueError, match=r"prefill.tp_size does not fit .* attention heads \(4\) to divide by 3"
+    ):
+        check_model_fits_pools(ClusterConfig.model_validate({"prefill": {"tp_size": 3}}), model)
+    model = dataclasses.replace(model, num_heads=12, num_kv_heads=3)  # 3 KV heads over 4 ranks
+    with pytest.raises(ValueError, match=r"KV heads \(3\) to divide by 4 \(split\) or 4 to divide by them"):
         check_model_fits_pools(ClusterConfig.model_validate({"prefill": {"tp_size": 4}}), model)
 
 

@@ -16,7 +16,7 @@ from splitserve.kv_transfer.tp_mapping import (
     HeadCopy,
     HeadMappingSink,
     plan_head_copies,
-    readers_per_export,
+    readers_of,
     shard_layout,
 )
 
@@ -31,8 +31,19 @@ def test_plan_merge_split_and_regroup():
         HeadCopy(3, 0, 2, 2, 4),
     ]
     assert plan_head_copies(2, shard_layout(FULL, 2, 1, 12)) == [HeadCopy(1, 0, 4, 0, 4)]
-    with pytest.raises(ValueError, match="do not split"):
+    with pytest.raises(ValueError, match="neither split over nor replicate"):
         plan_head_copies(3, FULL)
+
+
+def test_plan_reads_each_replicated_head_once_from_its_lowest_rank():
+    two = dataclasses.replace(FULL, num_kv_heads=2)  # 2 KV heads; TP 4 holds each on two ranks
+    assert [shard_layout(two, 4, r, 1).kv_head_range for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert plan_head_copies(4, two) == [HeadCopy(0, 0, 1, 0, 1), HeadCopy(2, 0, 1, 1, 2)]
+    assert [readers_of(r, 4, 1, 2) for r in range(4)] == [1, 0, 1, 0]
+    # a replicated destination: decode TP 4 over 2 heads, each of its ranks one head
+    assert plan_head_copies(1, shard_layout(two, 4, 3, 1)) == [HeadCopy(0, 1, 2, 0, 1)]
+    assert [readers_of(r, 2, 4, 2) for r in range(2)] == [2, 2]
+    assert [readers_of(r, 4, 4, 2) for r in range(4)] == [2, 0, 2, 0]
 
 
 def _cache(layout: KVLayout) -> torch.Tensor:
@@ -41,38 +52,52 @@ def _cache(layout: KVLayout) -> torch.Tensor:
     return torch.zeros(shape, dtype=getattr(torch, lay.dtype))
 
 
-@pytest.mark.parametrize("src_tp, dst_tp", [(2, 1), (1, 2), (4, 2), (2, 4), (2, 2)])
-def test_mapping_sink_rebuilds_every_destination_shard(src_tp, dst_tp):
+@pytest.mark.parametrize(
+    "heads, src_tp, dst_tp",
+    [(8, 2, 1), (8, 1, 2), (8, 4, 2), (8, 2, 4), (8, 2, 2), (2, 4, 1), (2, 4, 2), (2, 1, 4), (2, 4, 4)],
+)
+def test_mapping_sink_rebuilds_every_destination_shard(heads, src_tp, dst_tp):
     torch.manual_seed(0)
-    full = torch.randn(_cache(FULL).shape)  # the model's whole KV, as TP=1 would hold it
+    model = dataclasses.replace(FULL, num_kv_heads=heads)
+    full = torch.randn(_cache(model).shape)  # the model's whole KV, as TP=1 would hold it
     src_blocks = [7, 2, 9]
     hub = LocalHub()
-    per = FULL.num_kv_heads // src_tp
-    sources = []
+    sources, descs = [], []
     for r in range(src_tp):
-        lay = shard_layout(FULL, src_tp, r, FULL.num_blocks)
-        cache = full[..., r * per : (r + 1) * per, :].contiguous()
+        lay = shard_layout(model, src_tp, r, model.num_blocks)
+        h0, h1 = lay.kv_head_range
+        cache = full[..., h0:h1, :].contiguous()
         sources.append(LocalSource(f"p{r}", cache, CompatInfo("m", lay), hub=hub))
-    readers = readers_per_export(src_tp, dst_tp)
-    descs = [s.export("req", src_blocks, num_tokens=10, readers=readers) for s in sources]
+        readers = readers_of(r, src_tp, dst_tp, heads)
+        descs.append(sources[r].export("req", src_blocks, num_tokens=10, readers=readers))
+    unread = {r for r in range(src_tp) if readers_of(r, src_tp, dst_tp, heads) == 0}
+    for r in unread:  # a replica nobody reads: its lease is over at once
+        assert [e.state.value for e in sources[r].poll()] == ["confirmed"]
+        assert descs[r].num_bytes == 0
+    ended = set(unread)
     make_sink = functools.partial(LocalSink, hub=hub)
+    left = [readers_of(r, src_tp, dst_tp, heads) for r in range(src_tp)]
     for d in range(dst_tp):
-        lay = shard_layout(FULL, dst_tp, d, 6)
+        lay = shard_layout(model, dst_tp, d, 6)
         dst = _cache(lay)
         sink = HeadMappingSink(f"d{d}", dst, CompatInfo("m", lay), make_sink, max_blocks=4)
         sink.connect([s.handshake() for s in reversed(sources)])  # any order
         confirmations = sink.pull(descs, [5, 0, 3])
-        if d == 0 and readers > 1:  # other decode ranks still have to read: leases stay
-            assert all(s.poll() == [] for s in sources)
+        for c in sink.plan:
+            left[c.src_rank] -= 1
+        # a source's lease ends confirmed with its last reader, not before (and once)
+        for r, s in enumerate(sources):
+            ends = [e.state.value for e in s.poll()]
+            assert ends == ([] if left[r] or r in ended else ["confirmed"])
+            if not left[r]:
+                ended.add(r)
         assert len(confirmations) == len(sink.plan) >= 1
         h0, h1 = lay.kv_head_range
         expected = full[:, :, src_blocks][..., h0:h1, :]
         torch.testing.assert_close(dst[:, :, [5, 0, 3]], expected, rtol=0, atol=0)
         assert dst[:, :, [1, 2, 4]].abs().sum() == 0  # nothing written elsewhere
         sink.close()
-    # Every source lease ends confirmed, and only after its last reader.
-    for s in sources:
-        assert [e.state.value for e in s.poll()] == ["confirmed"]
+    assert left == [0] * src_tp
 
 
 def test_mapping_sink_refuses_another_model_and_incomplete_groups():

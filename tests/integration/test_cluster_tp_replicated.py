@@ -1,0 +1,42 @@
+"""A TP=2 prefill group over a model with one KV head: both ranks hold (replicate)
+that head. The TP=1 decode worker reads it from rank 0 only; rank 1 exports its
+copy to no reader, so its lease ends at once. Streams equal the TP=1 engine's
+greedy tokens, and every block is free afterwards on both ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.client import Client
+from splitserve.engine import Engine, EngineConfig
+from tests.conftest import make_hf_checkpoint
+from tests.integration.cluster_util import (
+    live_cluster,
+    mixed_workload,
+    reference_tokens,
+    stream_all,
+    tiny_config,
+    wait_kv_free,
+)
+
+
+@pytest.fixture(scope="module")
+def one_kv_head(tmp_path_factory) -> str:
+    directory = tmp_path_factory.mktemp("tiny-llama-1kv")
+    make_hf_checkpoint("llama", directory, kv_heads=1)
+    return str(directory)
+
+
+def test_a_tp2_prefill_group_replicating_its_kv_head_serves_tp1_decode_exactly(one_kv_head):
+    engine = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}
+    config = tiny_config(one_kv_head, prefill={"num_cpus": 0.5, "tp_size": 2, "engine": engine})
+    reference = Engine(EngineConfig(model=one_kv_head, dtype="float32", num_kv_blocks=2048))
+    prompts, params = mixed_workload(12, seed=5)
+    expected = reference_tokens(reference, prompts, params)
+    with live_cluster(config) as cluster:
+        results = stream_all(cluster.address, prompts, params)
+        assert [out.token_ids for out, _ in results] == expected
+        assert {out.final.prefill_worker for out, _ in results} == {"prefill-0"}
+        with Client(cluster.address, timeout=60) as client:
+            used = wait_kv_free(client)
+    assert set(used.values()) == {0}, used  # both ranks' leases ended; nothing held
