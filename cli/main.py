@@ -41,7 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 # tp_size is set on the pools that run tensor-parallel so far (cluster.config refuses TP elsewhere)
-TP_POOLS = ("prefill",)
+TP_POOLS = ("prefill",)  # Role.PREFILL (this module imports splitserve lazily)
 
 
 def serve_config(args: argparse.Namespace, config):
@@ -64,7 +64,9 @@ def serve_config(args: argparse.Namespace, config):
     data["router"].update({k: v for k, v in router.items() if v is not None})
     if args.address:
         data["ray"]["address"] = args.address
-    for role in ("prefill", "decode", "colocated"):
+    from splitserve.router.roles import Role
+
+    for role in Role:
         if args.quantization is not None:
             data[role]["engine"]["quantization"] = args.quantization
         if args.kv_cache_memory_fraction is not None:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from splitserve.cluster.config import AutoscalingSpec
 from splitserve.cluster.pools import WorkerPool
 from splitserve.router.registry import WorkerRecord
+from splitserve.router.roles import Role
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def pool_load(role: str, workers: list[WorkerRecord], max_num_seqs: int) -> floa
     live = [w for w in workers if w.routable]
     if not live:
         return 0.0
-    if role == "prefill":
+    if role == Role.PREFILL:
         return sum(w.queued_prompt_tokens for w in live) / len(live)
     busy = [
         max(1 - w.free_blocks / w.num_blocks if w.num_blocks else 0.0, w.active / max_num_seqs) for w in live

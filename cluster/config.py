@@ -26,6 +26,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.kv_transfer.contract import DEFAULT_LEASE_S
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.policy import StrictModel as _Strict
+from splitserve.router.roles import Role
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "cluster_configs"
 DEFAULT_CONFIG = "local.yaml"
@@ -329,8 +330,8 @@ class ClusterConfig(_Strict):
     def pools(self) -> dict[str, PoolSpec]:
         """The pools this mode runs, by role."""
         if self.mode == "colocated":
-            return {"colocated": self.colocated}
-        return {"prefill": self.prefill, "decode": self.decode}
+            return {Role.COLOCATED: self.colocated}
+        return {Role.PREFILL: self.prefill, Role.DECODE: self.decode}
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> ClusterConfig:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from splitserve.router.roles import Role
 from splitserve.router.step_time import fit_line
 
 
@@ -192,7 +193,7 @@ class Planner:
     _prefill_rate: float | None = None
     _points: deque = field(default_factory=lambda: deque(maxlen=64))
     _dampers: dict[str, _PoolDamper] = field(
-        default_factory=lambda: {"prefill": _PoolDamper(), "decode": _PoolDamper()}
+        default_factory=lambda: {Role.PREFILL: _PoolDamper(), Role.DECODE: _PoolDamper()}
     )
 
     def __post_init__(self) -> None:
@@ -282,8 +283,8 @@ class Planner:
         )
         p_need, d_need = self._fit_budget(p_need, d_need, inp)
         return PlannerDecision(
-            self._damp("prefill", inp.prefill, p_need, p_why, inp.now),
-            self._damp("decode", inp.decode, d_need, d_why, inp.now),
+            self._damp(Role.PREFILL, inp.prefill, p_need, p_why, inp.now),
+            self._damp(Role.DECODE, inp.decode, d_need, d_why, inp.now),
             rate,
             prompt,
             output,

@@ -55,6 +55,7 @@ from splitserve.engine.parallel.tp_init import TPInit
 from splitserve.prefill_worker import PrefillWorker, PrefillWorkerSpec
 from splitserve.prefill_worker.tp import PrefillRank
 from splitserve.router.registry import Membership, NodePlacement, WorkerRecord, WorkerRegistry
+from splitserve.router.roles import Role
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +136,8 @@ def _rendezvous_address() -> str:
 
 
 class WorkerPool:
-    def __init__(self, role: str, config: ClusterConfig, registry: WorkerRegistry):
-        self.role = role
+    def __init__(self, role: Role, config: ClusterConfig, registry: WorkerRegistry):
+        self.role = Role(role)
         self.config = config
         self.registry = registry
         self.spec: PoolSpec = config.pools()[role]
@@ -155,11 +156,11 @@ class WorkerPool:
         t = self.config.transfer
         ids = self.spec.cpu_ids
         cpus = (ids[int(worker_id.rsplit("-", 1)[1]) % len(ids)],) if ids else None
-        if self.role == "prefill":
+        if self.role == Role.PREFILL:
             return PrefillWorkerSpec(
                 worker_id, eng, t.backend, t.lease_s, threads, cpus, stream_kv=t.stream_layers
             )
-        backend = t.backend if self.role == "decode" else None
+        backend = t.backend if self.role == Role.DECODE else None
         queue = self.config.limits.max_admission_queue
         return DecodeWorkerSpec(worker_id, eng, backend, t.timeout_s, queue, threads, cpus)
 
@@ -284,7 +285,7 @@ class WorkerPool:
         pg = placement_group([bundle] * s.tp_size, strategy="STRICT_PACK", name=f"splitserve-{worker_id}")
         spec = self._worker_spec(worker_id)
         member = self._members[worker_id] = _Member(worker_id, pg)
-        cls = PrefillWorker if self.role == "prefill" else DecodeWorker
+        cls = PrefillWorker if self.role == Role.PREFILL else DecodeWorker
         if s.tp_size > 1:
             try:
                 spec = await self._start_ranks(member, spec, deadline)
@@ -303,7 +304,8 @@ class WorkerPool:
             )
             .remote(spec)
         )
-        client = RayPrefillWorker(member.actor) if self.role == "prefill" else RayDecodeWorker(member.actor)
+        client_cls = RayPrefillWorker if self.role == Role.PREFILL else RayDecodeWorker
+        client = client_cls(member.actor)
         self.registry.add(worker_id, self.role, client, s.engine.block_size)
         return member
 

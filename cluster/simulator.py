@@ -30,6 +30,7 @@ from splitserve.cluster.autoscale import ScaleDecision
 from splitserve.cluster.config import AutoscalingSpec
 from splitserve.cluster.planner import Planner, PlannerInput, PlannerSpec, PoolView, percentile
 from splitserve.cluster.sim_trace import SimRequest
+from splitserve.router.roles import Role
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class _Worker:
         return self.gone_s is None and not self.draining and self.ready_s <= now
 
     def load(self) -> int:
-        if self.pool == "prefill":
+        if self.pool == Role.PREFILL:
             return self.queued_tokens
         return len(self.running) + len(self.pending)
 
@@ -169,16 +170,16 @@ class Simulation:
         if policy == "proportional" and not proportional:
             raise ValueError("policy proportional needs an AutoscalingSpec per pool")
         self.profile, self.policy = profile, policy
-        self.limits = {"prefill": prefill, "decode": decode}
+        self.limits = {Role.PREFILL: prefill, Role.DECODE: decode}
         self.reqs = [SimOutcome(r) for r in sorted(trace, key=lambda r: r.arrival_s)]
         self._unfinished = len(self.reqs)
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
-        self.workers: dict[str, list[_Worker]] = {"prefill": [], "decode": []}
+        self.workers: dict[str, list[_Worker]] = {Role.PREFILL: [], Role.DECODE: []}
         self._waiting: deque = deque()  # arrived while no prefill worker was routable
-        self._busy = {"prefill": 0, "decode": 0}  # workers in a step, per pool
-        self.moves: dict[str, list[tuple[float, int]]] = {"prefill": [], "decode": []}
+        self._busy = {Role.PREFILL: 0, Role.DECODE: 0}  # workers in a step, per pool
+        self.moves: dict[str, list[tuple[float, int]]] = {Role.PREFILL: [], Role.DECODE: []}
         self.timeline: list[tuple[float, int, int]] = []
         self.planner = Planner(planner) if policy == "slo" else None
         if planner is not None:
@@ -223,7 +224,7 @@ class Simulation:
         self._route_prefill(r)
 
     def _route_prefill(self, r: SimOutcome) -> None:
-        live = [w for w in self.workers["prefill"] if w.routable(self.now)]
+        live = [w for w in self.workers[Role.PREFILL] if w.routable(self.now)]
         if not live:
             self._waiting.append(r)
             return
@@ -247,7 +248,7 @@ class Simulation:
             return
         p = self.profile
         step = (p.prefill_step_s + tokens / p.prefill_tokens_per_s) * self._slowdown(
-            "decode", p.prefill_slowdown
+            Role.DECODE, p.prefill_slowdown
         )
         self._at(self.now + step, self._prefill_done, w, batch)
 
@@ -266,7 +267,7 @@ class Simulation:
 
     # ---- decode ----------------------------------------------------------------------
     def _handover(self, r: SimOutcome) -> None:
-        live = [w for w in self.workers["decode"] if w.routable(self.now)]
+        live = [w for w in self.workers[Role.DECODE] if w.routable(self.now)]
         if not live:  # none routable (all warming or draining): try again shortly
             self._at(self.now + 0.05, self._handover, r)
             return
@@ -283,7 +284,7 @@ class Simulation:
             self._maybe_gone(w)
             return
         a, b = self.profile.decode_step_s
-        step = (a + b * len(w.running)) * self._slowdown("prefill", self.profile.decode_slowdown)
+        step = (a + b * len(w.running)) * self._slowdown(Role.PREFILL, self.profile.decode_slowdown)
         self._points.append((len(w.running), step))
         self._at(self.now + step, self._decode_done, w)
 
@@ -336,7 +337,7 @@ class Simulation:
             targets = self._proportional_targets(views)
         for pool, target in targets.items():
             self._scale_to(pool, views[pool], target)
-        self.timeline.append((self.now, self._view("prefill").current, self._view("decode").current))
+        self.timeline.append((self.now, self._view(Role.PREFILL).current, self._view(Role.DECODE).current))
         self._window, self._arrivals, self._points = [], 0, []
         self._at(self.now + self.interval_s, self._tick)
 
@@ -355,20 +356,20 @@ class Simulation:
             tpot_p90_s=percentile([r.tpot_s for r in done if r.tpot_s is not None], 90),
             prefill_tokens_per_s=self.profile.prefill_tokens_per_s,  # what a worker measures of itself
             decode_points=tuple(self._points[-64:]),
-            prefill=views["prefill"],
-            decode=views["decode"],
-            queued_prompt_tokens=sum(w.queued_tokens for w in self.workers["prefill"])
+            prefill=views[Role.PREFILL],
+            decode=views[Role.DECODE],
+            queued_prompt_tokens=sum(w.queued_tokens for w in self.workers[Role.PREFILL])
             + sum(r.spec.prompt_tokens for r in self._waiting),
-            queued_requests=sum(len(w.queue) for w in self.workers["prefill"]) + len(self._waiting),
+            queued_requests=sum(len(w.queue) for w in self.workers[Role.PREFILL]) + len(self._waiting),
         )
         decision = self.planner.decide(inp)
-        return {"prefill": decision.prefill.target, "decode": decision.decode.target}
+        return {Role.PREFILL: decision.prefill.target, Role.DECODE: decision.decode.target}
 
     def _proportional_targets(self, views: dict[str, PoolView]) -> dict[str, int]:
         targets = {}
         for pool, view in views.items():
             live = [w for w in self.workers[pool] if w.routable(self.now)]
-            if pool == "prefill":
+            if pool == Role.PREFILL:
                 load = sum(w.load() for w in live) / max(len(live), 1)
             else:
                 load = sum(w.load() / self.profile.max_batch for w in live) / max(len(live), 1)
@@ -394,6 +395,6 @@ class Simulation:
             self._maybe_gone(w)
 
     def _ready(self, pool: str) -> None:
-        if pool == "prefill":
-            while self._waiting and any(w.routable(self.now) for w in self.workers["prefill"]):
+        if pool == Role.PREFILL:
+            while self._waiting and any(w.routable(self.now) for w in self.workers[Role.PREFILL]):
                 self._route_prefill(self._waiting.popleft())

@@ -27,6 +27,7 @@ from splitserve.cluster.planner import (
 )
 from splitserve.cluster.pools import WorkerPool
 from splitserve.router.registry import Membership
+from splitserve.router.roles import Role
 from splitserve.router.trace import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,8 @@ class _PlannerMetrics:
         self.rate.set(d.arrival_rate)
         self.prompt.set(d.prompt_tokens)
         self.output.set(d.output_tokens)
-        self.capacity.labels("prefill").set(d.prefill_capacity)
-        self.capacity.labels("decode").set(d.decode_capacity)
+        self.capacity.labels(Role.PREFILL).set(d.prefill_capacity)
+        self.capacity.labels(Role.DECODE).set(d.decode_capacity)
         for pd in (d.prefill, d.decode):
             self.target.labels(pd.pool).set(pd.target)
             if pd.target != pd.current:
@@ -154,11 +155,12 @@ class PlannerLoop:
         # its zero would hide the demand that was refused
         served = [t for t in traces if t.ok]
         ok = [t for t in served if t.ttft_s is not None]
-        registry = self.pools["prefill"].registry
-        rates = [w.prefill_tokens_per_s for w in registry.routable("prefill") if w.prefill_tokens_per_s > 0]
+        registry = self.pools[Role.PREFILL].registry
+        prefill = registry.routable(Role.PREFILL)
+        rates = [w.prefill_tokens_per_s for w in prefill if w.prefill_tokens_per_s > 0]
         points = tuple(
             (w.stats.engine.decode_batch, w.stats.engine.decode_step_s)
-            for w in registry.routable("decode")
+            for w in registry.routable(Role.DECODE)
             if w.stats is not None and w.stats.engine.decode_step_s > 0
         )
         return PlannerInput(
@@ -178,10 +180,10 @@ class PlannerLoop:
             ),
             prefill_tokens_per_s=sum(rates) / len(rates) if rates else 0.0,
             decode_points=points,
-            prefill=self._view("prefill"),
-            decode=self._view("decode"),
-            queued_prompt_tokens=sum(w.queued_prompt_tokens for w in registry.workers("prefill")),
-            queued_requests=sum(len(w.prefilling) for w in registry.workers("prefill")),
+            prefill=self._view(Role.PREFILL),
+            decode=self._view(Role.DECODE),
+            queued_prompt_tokens=sum(w.queued_prompt_tokens for w in registry.workers(Role.PREFILL)),
+            queued_requests=sum(len(w.prefilling) for w in registry.workers(Role.PREFILL)),
         )
 
     def _view(self, role: str) -> PoolView:

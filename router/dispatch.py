@@ -66,6 +66,7 @@ from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.lifecycle import RequestLifecycle
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import WorkerRecord, WorkerRegistry
+from splitserve.router.roles import Role
 from splitserve.router.trace import RequestTrace, TraceLog, TraceSink
 
 log = logging.getLogger(__name__)
@@ -111,8 +112,8 @@ class Dispatcher:
         self._background = Background()  # worker calls not awaited
 
     @property
-    def decode_role(self) -> str:
-        return "colocated" if self.colocated else "decode"
+    def decode_role(self) -> Role:
+        return Role.COLOCATED if self.colocated else Role.DECODE
 
     @property
     def num_inflight(self) -> int:
@@ -198,7 +199,7 @@ class Dispatcher:
         dw = pick_decode(decoders, prompt, n + 1)
         pw = None
         if not self.colocated:
-            pw = pick_prefill(self.registry.routable("prefill"), prompt, self.policy.prefix_affinity)
+            pw = pick_prefill(self.registry.routable(Role.PREFILL), prompt, self.policy.prefix_affinity)
         decision = self.decider.decide(self.policy, prompt, dw, pw, self.colocated)
         source = self._admit_prefill(pw, n) if decision.placement == Placement.REMOTE else None
         task = life.place(dw, source)
@@ -210,7 +211,7 @@ class Dispatcher:
                     yield event
                 return
             except PrefillLost as e:  # nothing of it is held: another prefill worker, or dw itself
-                candidates = [w for w in self.registry.routable("prefill") if w.worker_id not in tried]
+                candidates = [w for w in self.registry.routable(Role.PREFILL) if w.worker_id not in tried]
                 source = pick_prefill(candidates, prompt, self.policy.prefix_affinity)
                 if source is None:
                     self.decider.fallback()

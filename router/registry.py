@@ -46,6 +46,7 @@ from splitserve.decode_worker.api import DecodeStats
 from splitserve.engine.errors import WorkerLost, WorkerStopped
 from splitserve.prefill_worker.api import PrefillStats
 from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.roles import Role
 from splitserve.router.step_time import StepTimes
 from splitserve.router.workers import WorkerClient, WorkerInfo, WorkerStats
 
@@ -71,7 +72,7 @@ class GivenUp:
     """A worker a pool launched and then gave up (it is no longer registered)."""
 
     worker_id: str
-    role: str
+    role: Role
     reason: str
     at: float  # time.time()
 
@@ -81,7 +82,7 @@ class WorkerRecord:
     """One worker. Read by anyone; written only by ``WorkerRegistry`` (see its table)."""
 
     worker_id: str
-    role: str  # "prefill", "decode" or "colocated"
+    role: Role
     client: WorkerClient
     block_size: int
     state: Membership = Membership.STARTING
@@ -170,19 +171,19 @@ class WorkerRegistry:
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._workers.get(worker_id)
 
-    def workers(self, *roles: str) -> list[WorkerRecord]:
+    def workers(self, *roles: Role) -> list[WorkerRecord]:
         """Every member of these roles (all roles if none given), in the order they were added."""
         return [w for w in self._workers.values() if not roles or w.role in roles]
 
-    def routable(self, *roles: str) -> list[WorkerRecord]:
+    def routable(self, *roles: Role) -> list[WorkerRecord]:
         return [w for w in self.workers(*roles) if w.routable]
 
     # ---- membership (the pools) -------------------------------------------------------
-    def add(self, worker_id: str, role: str, client: WorkerClient, block_size: int) -> WorkerRecord:
+    def add(self, worker_id: str, role: Role | str, client: WorkerClient, block_size: int) -> WorkerRecord:
         """A launched worker, STARTING (not routed to until ``activate``)."""
         if worker_id in self._workers:
             raise ValueError(f"worker {worker_id} is already registered")
-        record = WorkerRecord(worker_id, role, client, block_size)
+        record = WorkerRecord(worker_id, Role(role), client, block_size)
         self._workers[worker_id] = record
         return record
 
@@ -199,7 +200,7 @@ class WorkerRegistry:
         """Ray placed the worker on ``node`` (a worker without one is waiting for a node)."""
         self._workers[worker_id].node = node
 
-    def give_up(self, worker_id: str, role: str, reason: str) -> None:
+    def give_up(self, worker_id: str, role: Role, reason: str) -> None:
         """A starting worker is abandoned (``reason`` says why): it leaves the registry
         and is remembered in ``given_up`` (the last ``GIVEN_UP_KEPT``) for status."""
         self._workers.pop(worker_id, None)

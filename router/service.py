@@ -22,6 +22,7 @@ from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import status_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.registry import WorkerRecord
+from splitserve.router.roles import Role
 from splitserve.router.trace import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class SplitserveService(pb_grpc.SplitserveServicer):
         registry = d.registry
         await registry.poll()  # fresh figures for whoever asks
         pools = []
-        for role in ("prefill", "decode", "colocated"):
+        for role in Role:
             workers = registry.workers(role)
             if workers:
                 routable = sum(w.routable for w in workers)
