@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.client import Client, Unauthenticated
 from tests.integration.cluster_util import live_cluster, mixed_workload, tiny_config
-from tests.unit.test_router_server import self_signed
+from tests.unit.router.test_server import self_signed
 
 KEY, ROTATED = "sk-cluster-1b2c", "sk-cluster-rotated-9d"
 

@@ -163,7 +163,7 @@ def test_openai_http_errors_without_workers():
 
 def test_status_names_each_workers_node_or_says_it_waits_for_one_and_lists_given_up_workers():
     from splitserve.router.registry import NodePlacement
-    from tests.unit.router_fakes import FakeDecode, FakePrefill
+    from tests.unit.router.fakes import FakeDecode, FakePrefill
 
     loop, server = _server()
     registry = server.dispatcher.registry

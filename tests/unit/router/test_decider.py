@@ -7,7 +7,7 @@ from splitserve.engine.prefix_cache import PrefixUpdate, prompt_block_hashes
 from splitserve.router.balancer import Prompt
 from splitserve.router.decider import Decider, Placement, Reason
 from splitserve.router.policy import PolicySpec
-from tests.unit.router_fakes import record
+from tests.unit.router.fakes import record
 
 RATE = 1000.0  # prompt tokens per second, as a worker reports it
 STEP_S = 0.03  # the decode worker's decode step, as it reports it

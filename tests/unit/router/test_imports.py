@@ -10,7 +10,7 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 SCRIPT = """
 import importlib, pathlib, pickle, sys

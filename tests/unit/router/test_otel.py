@@ -12,7 +12,7 @@ pytest.importorskip("opentelemetry.sdk")
 
 from splitserve.router.otel import OtelSink, otlp_exporter  # noqa: E402
 from tests.otel_collector import Collector  # noqa: E402
-from tests.unit.test_trace_metrics import REMOTE, trace  # noqa: E402
+from tests.unit.router.test_trace_metrics import REMOTE, trace  # noqa: E402
 
 
 def test_a_trace_becomes_a_root_span_with_one_child_per_phase():

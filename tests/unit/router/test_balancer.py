@@ -4,7 +4,7 @@ the prefixes workers report cached."""
 from splitserve.engine.prefix_cache import PrefixUpdate, prompt_block_hashes
 from splitserve.router.balancer import Prompt, pick_decode, pick_prefill
 from splitserve.router.registry import Membership, WorkerRecord, WorkerRegistry
-from tests.unit.router_fakes import record as _w
+from tests.unit.router.fakes import record as _w
 
 
 def _holds(w: WorkerRecord, token_ids: list[int]) -> WorkerRecord:

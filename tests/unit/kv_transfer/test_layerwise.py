@@ -16,7 +16,7 @@ from splitserve.engine.outputs import LayerObserver
 from splitserve.kv_transfer import IntegrityError, LeaseExpired, TransferTimeout, integrity
 from splitserve.kv_transfer.layerwise import LayerExporter
 from tests.conftest import random_prompts
-from tests.unit.test_kv_transfer import decode_all, local_pair, make_engine, prefill
+from tests.unit.kv_transfer.test_kv_transfer import decode_all, local_pair, make_engine, prefill
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 

@@ -14,7 +14,7 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import FinishReason
 from splitserve.router.events import FinalEvent, TokenEvent
 from splitserve.router.lifecycle import Phase, RequestLifecycle
-from tests.unit.router_fakes import FakePrefill, record
+from tests.unit.router.fakes import FakePrefill, record
 
 
 def _state(timeout_s: float | None) -> RequestLifecycle:

@@ -5,7 +5,7 @@ import pytest
 from splitserve.cluster.autoscale import ScaleDecision, desired_replicas, pool_load
 from splitserve.cluster.config import AutoscalingSpec
 from splitserve.router.registry import Membership
-from tests.unit.router_fakes import record
+from tests.unit.router.fakes import record
 
 
 def spec(**kw):

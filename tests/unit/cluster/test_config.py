@@ -138,7 +138,7 @@ def test_max_tokens_and_lease_defaults_are_written_once():
     import pathlib
     import re
 
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[3]
     homes = {"engine/sampling_params.py", "kv_transfer/contract.py"}
     pattern = re.compile(
         r"(max_tokens\w*\s*(:[^=]*)?=\s*16\b)|(lease\w*\s*(:[^=]*)?=\s*(Field\()?30(\.0)?\b)", re.I

@@ -12,9 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.engine.outputs import EngineStats
 from splitserve.prefill_worker.api import PrefillStats
 from splitserve.router.registry import Membership, WorkerRegistry
-from tests.unit.test_trace_metrics import REMOTE, make_metrics, trace
+from tests.unit.router.test_trace_metrics import REMOTE, make_metrics, trace
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "cluster_configs" / "grafana" / "splitserve.json"
+DASHBOARD = Path(__file__).resolve().parents[3] / "cluster_configs" / "grafana" / "splitserve.json"
 
 
 def exposed_names() -> set[str]:

@@ -1,5 +1,5 @@
 """The dispatcher without Ray: the request path against fake worker clients
-(``tests.unit.router_fakes``), whose "model" is a fixed next-token rule, so
+(``tests.unit.router.fakes``), whose "model" is a fixed next-token rule, so
 every output has an exact expected value.
 
 Every failure path of ``docs/reliability.md`` through the request's lifecycle:
@@ -25,7 +25,7 @@ from splitserve.router.dispatch import Dispatcher
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import WorkerRegistry
-from tests.unit.router_fakes import VALIDATOR, FakeDecode, FakePrefill, expected_tokens
+from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill, expected_tokens
 
 
 def _cluster(prefills, decodes, **limits) -> Dispatcher:

@@ -20,7 +20,7 @@ from splitserve.router.openai_http import ChatRequest
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.service import generate_input
 from tests.conftest import make_hf_checkpoint
-from tests.unit.router_fakes import VALIDATOR, FakeDecode, FakePrefill
+from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill
 
 
 def _write(directory, **values):

@@ -6,7 +6,7 @@ good requests. Every response is a valid result or ``INVALID_ARGUMENT`` / 400
 with a sentence; the good requests all get their exact outputs; the servers
 answer normally afterwards.
 
-The router runs over fake workers (``router_fakes``: the part under test is the
+The router runs over fake workers (``tests.unit.router.fakes``: the part under test is the
 front doors, not the workers). ``SPLITSERVE_FUZZ_EXAMPLES`` sets the number of
 examples per test (CI: 150; the issue's 10,000-request run: 2,500 per test)."""
 
@@ -31,8 +31,8 @@ from splitserve.router.dispatch import Dispatcher
 from splitserve.router.openai_http import OpenAIServer
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
-from tests.unit.router_fakes import VALIDATOR, FakeDecode, FakePrefill, expected_tokens
-from tests.unit.test_router_server import _Loop
+from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill, expected_tokens
+from tests.unit.router.test_server import _Loop
 
 EXAMPLES = int(os.environ.get("SPLITSERVE_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(
@@ -42,7 +42,7 @@ FUZZ = settings(
     database=None,  # nothing written into the checkout
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
-VOCAB = 1000  # router_fakes' validator
+VOCAB = 1000  # the fakes' validator
 
 
 class Doors:

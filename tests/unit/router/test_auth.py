@@ -18,7 +18,7 @@ import pytest
 from splitserve.client import Client, Unauthenticated, Unavailable
 from splitserve.router.auth import ApiKeys, bearer_token, read_keys
 from splitserve.router.openai_http import OpenAIServer, server_ssl_context
-from tests.unit.test_router_server import _server, self_signed
+from tests.unit.router.test_server import _server, self_signed
 
 KEY, OTHER = "sk-test-4f9a1c", "sk-test-other-77"
 
