@@ -70,7 +70,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         hf_config = load_hf_config(source)
     mc = ModelConfig.from_hf(hf_config)
     check_tp_compatible(mc, tp.size)
-    max_model_len = model_context(config, mc.max_position_embeddings)  # lowered to what the KV holds below
+    context = model_context(config, mc.max_position_embeddings)  # lowered to what the KV holds below
     weights, progress = None, 0
     if not (config.random_weights or source is None):
         weights = safetensors_tensors(source.directory)
@@ -80,7 +80,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         mc,
         dtype,
         device,
-        max_model_len,
+        context,
         weights,
         config.seed,
         config.native_kernels,
@@ -122,7 +122,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         use_graphs = device.type == "cuda" and backend.name == "triton" and tp.size == 1
     # a CUDA graph's padding rows write to the last block: requests get the others
     usable = num_blocks - 1 if use_graphs else num_blocks
-    capacity = size_kv_cache(config, usable, per_token, mc.max_position_embeddings)
+    capacity = size_kv_cache(config, usable, per_token, context)
     max_model_len = capacity.max_model_len
     kv_cache = KVCache(dataclasses.replace(layout, num_blocks=num_blocks), device)
     graphs = None

@@ -86,33 +86,29 @@ def model_context(config: EngineConfig, model_max_len: int) -> int:
     return config.max_model_len
 
 
-def size_kv_cache(
-    config: EngineConfig, usable_blocks: int, bytes_per_token: int, model_max_len: int
-) -> KVCapacity:
-    """The capacity of ``usable_blocks`` and the context it allows (see the module
-    docstring). Raises ``ValueError`` when a configured ``max_model_len`` does not fit."""
+def size_kv_cache(config: EngineConfig, usable_blocks: int, bytes_per_token: int, context: int) -> KVCapacity:
+    """The capacity of ``usable_blocks`` and the context it allows, given ``context``
+    (``model_context``'s answer; see the module docstring). Raises ``ValueError`` when a
+    configured ``max_model_len`` does not fit."""
     tokens = usable_blocks * config.block_size
-    model_max_len = model_context(config, model_max_len)
-    if config.max_model_len is not None:
-        if config.max_model_len > tokens:
-            need = config.max_model_len * bytes_per_token / 2**30
+    max_len = context
+    if context > tokens:
+        if config.max_model_len is not None:
+            need = context * bytes_per_token / 2**30
             raise ValueError(
-                f"max_model_len {config.max_model_len} needs {need:.2f} GiB of KV cache for one request, "
+                f"max_model_len {context} needs {need:.2f} GiB of KV cache for one request, "
                 f"but the cache holds {tokens} tokens ({usable_blocks} blocks of {config.block_size}); "
                 f"give the KV cache more memory (kv_cache_memory_mib, or kv_cache_memory_fraction on a GPU) "
                 f"or lower max_model_len to at most {tokens}"
             )
-        max_len = config.max_model_len
-    else:
-        max_len = min(model_max_len, tokens)
-        if max_len < model_max_len:
-            log.warning(
-                "the model's context is %d tokens but the KV cache holds %d: requests are limited "
-                "to %d tokens (set max_model_len, or give the KV cache more memory)",
-                model_max_len,
-                tokens,
-                max_len,
-            )
+        max_len = tokens
+        log.warning(
+            "the model's context is %d tokens but the KV cache holds %d: requests are limited "
+            "to %d tokens (set max_model_len, or give the KV cache more memory)",
+            context,
+            tokens,
+            max_len,
+        )
     if max_len < 2:
         raise ValueError(f"the KV cache holds {tokens} token(s); a request needs at least 2")
     return KVCapacity(usable_blocks, config.block_size, bytes_per_token, max_len)

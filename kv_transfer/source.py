@@ -140,6 +140,8 @@ class KVSource:
         if readers < 0:
             raise ValueError("readers must be >= 0")
         transfer_id = f"{request_id}:{uuid.uuid4().hex[:12]}"
+        layout = self.compat.layout
+        num_bytes = 2 * layout.num_layers * layout.block_bytes * len(block_ids) if readers else 0
         desc = KVDescriptor(
             transfer_id=transfer_id,
             request_id=request_id,
@@ -149,9 +151,7 @@ class KVSource:
             compat_hash=self.compat.hash,
             block_ids=tuple(block_ids),
             num_tokens=num_tokens,
-            num_bytes=2 * self.compat.layout.num_layers * self.compat.layout.block_bytes * len(block_ids)
-            if readers
-            else 0,
+            num_bytes=num_bytes,
             layer_checksums=layer_checksums,
             lease_expiry=time.time() + (self.lease_s if lease_s is None else lease_s),
             stream=stream,

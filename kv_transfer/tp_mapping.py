@@ -67,10 +67,20 @@ def plan_head_copies(src_tp: int, dst: KVLayout) -> list[HeadCopy]:
     holding the same model's heads (split, or replicated when fewer than the ranks:
     each head is read from the lowest rank holding it). Raises ``ValueError`` if
     the model's heads neither split over nor replicate across ``src_tp``."""
-    total = dst.total_kv_heads
+    return _plan(src_tp, dst.total_kv_heads, *dst.kv_head_range)
+
+
+def readers_of(src_rank: int, src_tp: int, dst_tp: int, total_kv_heads: int) -> int:
+    """How many ranks of a destination group of ``dst_tp`` read source rank ``src_rank``'s
+    export (``KVSource.export(readers=...)``): 0 for a replica no plan reads."""
+    plans = (_plan(src_tp, total_kv_heads, *kv_head_range(total_kv_heads, dst_tp, r)) for r in range(dst_tp))
+    return sum(any(c.src_rank == src_rank for c in plan) for plan in plans)
+
+
+def _plan(src_tp: int, total: int, d0: int, d1: int) -> list[HeadCopy]:
+    """``plan_head_copies`` for a destination holding the model's heads [d0, d1)."""
     if src_tp < 1:
         raise ValueError(f"a source TP size must be >= 1, got {src_tp}")
-    d0, d1 = dst.kv_head_range
     copies: list[HeadCopy] = []
     ranges = [kv_head_range(total, src_tp, r) for r in range(src_tp)]
     for head in range(d0, d1):
@@ -82,20 +92,6 @@ def plan_head_copies(src_tp: int, dst: KVLayout) -> list[HeadCopy]:
         else:
             copies.append(HeadCopy(rank, head - s0, head - s0 + 1, head - d0, head - d0 + 1))
     return copies
-
-
-def readers_of(src_rank: int, src_tp: int, dst_tp: int, total_kv_heads: int) -> int:
-    """How many ranks of a destination group of ``dst_tp`` read source rank ``src_rank``'s
-    export (``KVSource.export(readers=...)``): 0 for a replica no plan reads."""
-    return sum(
-        any(c.src_rank == src_rank for c in plan_head_copies(src_tp, _rank_layout(total_kv_heads, dst_tp, r)))
-        for r in range(dst_tp)
-    )
-
-
-def _rank_layout(total_kv_heads: int, tp_size: int, tp_rank: int) -> KVLayout:
-    k0, k1 = kv_head_range(total_kv_heads, tp_size, tp_rank)
-    return KVLayout(1, 1, 1, k1 - k0, 1, "float32", tp_size, tp_rank, total_kv_heads)
 
 
 def shard_layout(layout: KVLayout, tp_size: int, tp_rank: int, num_blocks: int) -> KVLayout:

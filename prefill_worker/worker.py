@@ -145,6 +145,10 @@ class PrefillWorker:
         backend = get_backend(spec.backend)
         self.source = backend.source(spec.worker_id, self.engine.kv_cache.tensor, compat, spec.lease_s)
         self.handshakes = tuple(self.tp.gather_object(self.source.handshake()))  # every rank's
+        # per rank, the decode ranks that read its export; decode workers run TP=1, so each
+        # KV head is read once, from the lowest rank holding it (a replica no one reads: 0)
+        heads = self.engine.model_config.num_kv_heads
+        self._readers = tuple(readers_of(r, self.tp.size, 1, heads) for r in range(self.tp.size))
         self._waiters: dict[str, _Waiter] = {}  # requests whose prefill() is awaiting
         self._exports: dict[str, str] = {}  # request id -> transfer id, lease open (loop thread only)
         self._open_shards: dict[str, set[int]] = {}  # request id -> TP ranks > 0 whose lease is open
@@ -345,9 +349,7 @@ class PrefillWorker:
         finish = None if out.finish_reason == FinishReason.PREFILL_DONE else out.finish_reason
         if finish is None:
             pre = self.engine.prefilled(out.request_id)
-            # decode workers run TP=1: each KV head is read once, from the lowest rank holding it
-            heads = self.engine.model_config.num_kv_heads
-            readers = tuple(readers_of(r, self.tp.size, 1, heads) for r in range(self.tp.size))
+            readers = self._readers
             descriptor = self.exporter.export(out.request_id, pre.block_ids, pre.num_kv_tokens, readers[0])
             self._exports[out.request_id] = descriptor.transfer_id
             shards: tuple[KVDescriptor, ...] = ()
