@@ -40,10 +40,6 @@ def _serve(args: argparse.Namespace) -> int:
     return asyncio.run(_serve_until_signal(config))
 
 
-# tp_size is set on the pools that run tensor-parallel so far (cluster.config refuses TP elsewhere)
-TP_POOLS = ("prefill",)  # Role.PREFILL (this module imports splitserve lazily)
-
-
 def serve_config(args: argparse.Namespace, config):
     """``config`` with the ``serve`` command's flags applied: a flag given overrides
     the config file, a flag left out leaves it. Raises ``ValueError``."""
@@ -71,7 +67,7 @@ def serve_config(args: argparse.Namespace, config):
             data[role]["engine"]["quantization"] = args.quantization
         if args.kv_cache_memory_fraction is not None:
             data[role]["engine"]["kv_cache_memory_fraction"] = args.kv_cache_memory_fraction
-        if args.tensor_parallel_size is not None and role in TP_POOLS:
+        if args.tensor_parallel_size is not None:
             data[role]["tp_size"] = args.tensor_parallel_size
     return ClusterConfig.model_validate(data)
 
@@ -307,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-tp",
         type=int,
         default=None,
-        help=f"TP ranks per worker of the pools that run tensor-parallel ({', '.join(TP_POOLS)})",
+        help="TP ranks per worker, in every pool (the config may set each pool's own tp_size)",
     )
     srv.add_argument(
         "--max-model-len", type=int, default=None, help="context length cap (default: the model's)"

@@ -159,8 +159,8 @@ class PoolSpec(_Strict):
     tp_size: int = Field(
         _engine_default("tp_size"),
         ge=1,
-        description="tensor-parallel ranks per worker, placed on one node (prefill pool only; "
-        "decode workers merge a TP prefill group's KV heads)",
+        description="tensor-parallel ranks per worker, placed on one node (any pool; the KV handoff "
+        "maps KV heads between prefill and decode groups of any sizes)",
     )
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker; default: num_cpus")
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -307,10 +307,6 @@ class ClusterConfig(_Strict):
                 raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
             if self.prefill.engine.block_size != self.decode.engine.block_size:
                 raise ValueError("prefill and decode pools must use the same block_size")
-            if self.decode.tp_size > 1:
-                raise ValueError("decode.tp_size must be 1: only prefill workers run tensor-parallel so far")
-        elif self.colocated.tp_size > 1:
-            raise ValueError("colocated.tp_size must be 1: only prefill workers run tensor-parallel so far")
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ValueError("colocated mode needs at least one worker")
         return self

@@ -22,11 +22,13 @@ never restarts) is **replaced**: ``keep`` (one task per pool, on the router's
 loop) kills what is left of it and starts a new worker, so a pool keeps its
 size through any number of crashes (``replaced`` counts them, for metrics).
 
-A prefill worker with ``tp_size > 1`` is a group of actors in one placement
-group: the ``PrefillWorker`` (rank 0, bundle 0; the router's handle) and a
-``PrefillRank`` per other rank. They meet at a TCP address picked on bundle
-0's node. A group is not restarted (a lost rank breaks its collectives): it
-fails its requests, which the router retries elsewhere.
+A worker with ``tp_size > 1`` is a group of actors in one placement group:
+rank 0 (bundle 0; the router's handle: a ``PrefillWorker`` or ``DecodeWorker``)
+and a ``PrefillRank`` or ``DecodeRank`` per other rank (a decode worker's rank
+0 gets their handles, to have them pull their KV heads). They meet at a TCP
+address picked on bundle 0's node. A group is not restarted (a lost rank
+breaks its collectives): it fails its requests, which the router retries (or
+resumes) elsewhere, and ``keep`` replaces it.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from splitserve.cluster.config import ClusterConfig, PoolSpec
-from splitserve.cluster.worker_client import RayDecodeWorker, RayPrefillWorker, unwrap
+from splitserve.cluster.worker_client import RayDecodeRank, RayDecodeWorker, RayPrefillWorker, unwrap
 from splitserve.decode_worker import DecodeWorker, DecodeWorkerSpec
+from splitserve.decode_worker.tp import DecodeRank
 from splitserve.engine.parallel.tp_init import TPInit
 from splitserve.prefill_worker import PrefillWorker, PrefillWorkerSpec
 from splitserve.prefill_worker.tp import PrefillRank
@@ -71,7 +74,7 @@ class _Member:
     worker_id: str
     pg: PlacementGroup
     actor: object = None  # the Ray handle of rank 0 (the worker the router talks to)
-    ranks: list = field(default_factory=list)  # actor handles of TP ranks 1.. (prefill TP groups)
+    ranks: list = field(default_factory=list)  # actor handles of TP ranks 1..
     launched: float = field(default_factory=time.monotonic)  # when its placement group was asked for
 
 
@@ -286,12 +289,15 @@ class WorkerPool:
         spec = self._worker_spec(worker_id)
         member = self._members[worker_id] = _Member(worker_id, pg)
         cls = PrefillWorker if self.role == Role.PREFILL else DecodeWorker
+        args: tuple = ()
         if s.tp_size > 1:
             try:
                 spec = await self._start_ranks(member, spec, deadline)
             except BaseException:
                 self._kill(member)  # the placement group and any rank already started
                 raise
+            if self.role != Role.PREFILL and spec.backend is not None:
+                args = (tuple(RayDecodeRank(handle) for handle in member.ranks),)
         member.actor = (
             ray.remote(cls)
             .options(
@@ -302,15 +308,17 @@ class WorkerPool:
                 max_concurrency=4096,
                 scheduling_strategy=self._bundle(pg, 0),
             )
-            .remote(spec)
+            .remote(spec, *args)
         )
         client_cls = RayPrefillWorker if self.role == Role.PREFILL else RayDecodeWorker
         client = client_cls(member.actor)
         self.registry.add(worker_id, self.role, client, s.engine.block_size)
         return member
 
-    async def _start_ranks(self, m: _Member, spec: PrefillWorkerSpec, deadline: float) -> PrefillWorkerSpec:
-        """Start TP ranks 1.. of a prefill group; returns rank 0's spec (with its ``TPInit``)."""
+    async def _start_ranks(
+        self, m: _Member, spec: PrefillWorkerSpec | DecodeWorkerSpec, deadline: float
+    ) -> PrefillWorkerSpec | DecodeWorkerSpec:
+        """Start TP ranks 1.. of a group; returns rank 0's spec (with its ``TPInit``)."""
         s = self.spec
         await self._placed(m, deadline)
         address = (
@@ -324,8 +332,9 @@ class WorkerPool:
             )
             for r in range(s.tp_size)
         ]
+        rank_cls = PrefillRank if self.role == Role.PREFILL else DecodeRank
         for r in range(1, s.tp_size):
-            handle = ray.remote(PrefillRank).options(
+            handle = ray.remote(rank_cls).options(
                 num_cpus=s.num_cpus,
                 num_gpus=s.num_gpus,
                 resources=s.resources,

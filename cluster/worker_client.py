@@ -1,5 +1,6 @@
 """The worker calls over Ray: ``RayPrefillWorker`` and ``RayDecodeWorker``, which
-implement the router's ``WorkerClient`` protocol over a Ray actor handle.
+implement the router's ``WorkerClient`` protocol over a Ray actor handle, and
+``RayDecodeRank``, through which rank 0 of a decode TP group calls its other ranks.
 
 Every error comes back as splitserve's own exception (``unwrap``: a dead actor is
 ``WorkerLost``), so neither the router nor a decode worker calling a prefill
@@ -30,7 +31,7 @@ from splitserve.decode_worker.api import DecodeStats, DecodeTask, DecodeWorkerIn
 from splitserve.engine.background import Background
 from splitserve.engine.errors import EngineStopped, WorkerLost, WorkerStopped
 from splitserve.engine.prefix_cache import PrefixCursor
-from splitserve.kv_transfer.contract import Confirmation
+from splitserve.kv_transfer.contract import Confirmation, Handshake, KVDescriptor
 from splitserve.prefill_worker.api import (
     KVStreaming,
     PrefillResult,
@@ -122,6 +123,22 @@ class RayPrefillWorker(_EveryWorker):
 
     async def close(self) -> None:
         """Nothing is held open to a prefill worker."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RayDecodeRank:
+    """Rank r > 0 of a decode worker's TP group (a ``DecodeRankPeer``): rank 0 holds
+    one per other rank and calls it for each source's link and each request's pull."""
+
+    actor: Any  # the Ray handle of the DecodeRank
+
+    async def link(self, handshakes: tuple[Handshake, ...]) -> None:
+        await _call(self.actor, "link", handshakes)
+
+    async def pull(
+        self, descriptors: tuple[KVDescriptor, ...], blocks: list[int], timeout: float
+    ) -> list[Confirmation]:
+        return await _call(self.actor, "pull", descriptors, blocks, timeout)
 
 
 class RayDecodeWorker(_EveryWorker):

@@ -4,14 +4,17 @@ Plain data: importing this module loads no torch (a router unpickles these)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.errors import SplitserveError
 from splitserve.engine.outputs import EngineStats
+from splitserve.engine.parallel.tp_init import TPInit
 from splitserve.engine.prefix_cache import PrefixUpdate
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import FinishReason
 from splitserve.engine.validation import RequestValidator
+from splitserve.kv_transfer.contract import Confirmation, Handshake, KVDescriptor
 from splitserve.prefill_worker.api import PrefillPeer
 
 
@@ -28,6 +31,24 @@ class DecodeWorkerSpec:
     max_admission_queue: int  # imported requests waiting for KV blocks; past it: Overloaded
     torch_threads: int | None = None
     cpu_ids: tuple[int, ...] | None = None  # pin the worker's process to these cores (Linux)
+    tp: TPInit | None = None  # this process's rank in the worker's TP group (None: TP=1)
+
+
+class DecodeRankPeer(Protocol):
+    """Rank r > 0 of a decode worker's TP group as rank 0 holds it (a Ray client in a
+    cluster, the ``DecodeRank`` itself where both share a process's event loop).
+    ``decode_worker.tp`` describes the protocol; errors come back as splitserve's own
+    (``WorkerLost`` for a lost rank)."""
+
+    async def link(self, handshakes: tuple[Handshake, ...]) -> None:
+        """Link the rank to a source group (its handshakes in rank order)."""
+        ...
+
+    async def pull(
+        self, descriptors: tuple[KVDescriptor, ...], blocks: list[int], timeout: float
+    ) -> list[Confirmation]:
+        """Pull the rank's KV heads of one request into ``blocks``; its confirmations."""
+        ...
 
 
 @dataclass(frozen=True)

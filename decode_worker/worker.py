@@ -46,16 +46,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
 from splitserve.decode_worker.admission import AdmissionQueue, AdmissionState
 from splitserve.decode_worker.api import (
+    DecodeRankPeer,
     DecodeStats,
     DecodeTask,
     DecodeWorkerInfo,
@@ -64,6 +62,7 @@ from splitserve.decode_worker.api import (
     TokenBatch,
 )
 from splitserve.decode_worker.outbox import Outbox
+from splitserve.decode_worker.tp import join_decode_group, rank_sink
 from splitserve.engine import (
     DeadlineExceeded,
     Engine,
@@ -74,11 +73,10 @@ from splitserve.engine import (
 )
 from splitserve.engine.background import Background
 from splitserve.engine.errors import PrefillLost, WorkerLost
+from splitserve.engine.parallel.worker_group import Heartbeats
 from splitserve.engine.prefix_cache import PrefixCursor
-from splitserve.kv_transfer import get_backend
-from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVHandoff
+from splitserve.kv_transfer.contract import Confirmation, KVHandoff
 from splitserve.kv_transfer.errors import LeaseExpired, PeerLost
-from splitserve.kv_transfer.tp_mapping import HeadMappingSink
 from splitserve.prefill_worker.api import KVStreaming, PrefillPeer, PrefillResult, PrefillTask
 
 log = logging.getLogger(__name__)
@@ -102,32 +100,39 @@ class _Request:
 
 
 class DecodeWorker:
-    def __init__(self, spec: DecodeWorkerSpec):
-        if spec.cpu_ids:
-            os.sched_setaffinity(0, spec.cpu_ids)
-        if spec.torch_threads:
-            torch.set_num_threads(spec.torch_threads)
+    def __init__(self, spec: DecodeWorkerSpec, ranks: Sequence[DecodeRankPeer] = ()):
+        """``ranks``: with ``spec.tp`` set (this is rank 0 of a TP group) and a backend, the
+        group's other ranks, in rank order, which pull their KV heads of each request."""
+        if spec.tp is not None and spec.tp.rank != 0:
+            raise ValueError("a DecodeWorker is rank 0 of its TP group; the others are DecodeRanks")
+        group_size = spec.tp.size if spec.tp is not None else 1
+        if spec.backend is not None and len(ranks) != group_size - 1:
+            raise ValueError(f"a TP group of {group_size} takes KV through {group_size - 1} other ranks")
         self.spec = spec
         self.worker_id = spec.worker_id
+        self.ranks = tuple(ranks)
+        self.tp = join_decode_group(spec)
+        self._heartbeats = Heartbeats(self.tp, spec.tp)
         # the engine is built on the loop's thread, the one that steps it (engine/loop.py says why)
-        self.loop = EngineLoop(lambda: Engine(spec.engine), self._on_outputs, name=f"{spec.worker_id}-engine")
+        self.loop = EngineLoop(
+            lambda: Engine(spec.engine, tp=self.tp),
+            self._on_outputs,
+            self._heartbeats.tick,  # idle ranks must hear from rank 0 within the group's timeout
+            name=f"{spec.worker_id}-engine",
+            on_error=self._on_error,
+        )
         self.engine = self.loop.build()
-        self.sink = None
-        # By prefill worker id (TP groups only). Each holds staging caches for one request of
-        # max_model_len per source rank, for the life of this worker.
-        self._tp_sinks: dict[str, HeadMappingSink] = {}
-        # prefill worker id -> the source incarnations (one per TP rank) whose handshakes the
-        # sink holds. Written on the actor's event loop after _connect finished.
+        # Pulls this rank's KV heads from any source group (its staging caches for sources of
+        # another TP size hold one request of max_model_len per source rank, for good).
+        self.sink = rank_sink(spec.worker_id, spec, self.engine)
+        # prefill worker id -> the source incarnations (one per TP rank) whose handshakes every
+        # rank's sink holds. Written on the actor's event loop after the link finished.
         self._peers: dict[str, tuple[str, ...]] = {}
         self._linking: dict[str, asyncio.Lock] = {}  # by prefill worker id: one link at a time
         self._background = Background()  # confirmations and releases to sources, not awaited
         self._states: dict[str, AdmissionState] = {}  # imported requests, until they run
         self._admission: AdmissionQueue | None = None  # made on the actor's loop
         self._aloop: asyncio.AbstractEventLoop | None = None  # the actor's loop, once a request came
-        if spec.backend is not None:
-            self._compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
-            self._sink_cls = get_backend(spec.backend).sink
-            self.sink = self._sink_cls(spec.worker_id, self.engine.kv_cache.tensor, self._compat)
         # One thread drives the sink (it is not thread-safe); pulls overlap decode steps.
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.worker_id}-kv")
         self._outboxes: dict[str, Outbox] = {}  # by outbox id (one per consumer)
@@ -219,11 +224,12 @@ class DecodeWorker:
 
     def shutdown(self) -> None:
         self.loop.stop()
+        if self.loop.error is None:
+            self.engine.stop_followers()
         self._transfer.shutdown(wait=True)
         if self.sink is not None:
             self.sink.close()
-        for sink in self._tp_sinks.values():
-            sink.close()
+        self.tp.destroy()
 
     # ---- internals ------------------------------------------------------------
     async def _call(self, fn):
@@ -280,7 +286,7 @@ class DecodeWorker:
         yet confirmed is released on the source."""
         rid, source = task.request_id, task.source
         left = None if deadline is None else max(0.001, deadline - time.monotonic())
-        prefill = PrefillTask(rid, task.prompt_token_ids, task.params, left)
+        prefill = PrefillTask(rid, task.prompt_token_ids, task.params, left, reader_tp=self.tp.size)
         pull = first_token = None
         exported = confirmed = ended = False
         try:
@@ -319,9 +325,7 @@ class DecodeWorker:
                     timeout = self.spec.transfer_timeout_s
                     if deadline is not None:
                         timeout = max(0.001, min(timeout, deadline - time.monotonic()))
-                    pull = asyncio.get_running_loop().run_in_executor(
-                        self._transfer, self._pull, handoff, blocks, timeout
-                    )
+                    pull = asyncio.ensure_future(self._pull(handoff, blocks, timeout))
                     confirmations, waited = await asyncio.shield(pull)
                     pulled = time.perf_counter() - t0 - waited  # not the time the source took to compute
                     if handoff.remaining_lease() <= 0:
@@ -432,36 +436,32 @@ class DecodeWorker:
             handshakes = info.handshakes
             if tuple(hs.incarnation for hs in handshakes) != handoff.incarnations:
                 raise PeerLost(f"prefill worker {key} restarted since it exported this KV")
-            await asyncio.get_running_loop().run_in_executor(self._transfer, self._connect, handshakes)
+            loop = asyncio.get_running_loop()
+            own = loop.run_in_executor(self._transfer, self.sink.connect, list(handshakes))
+            await _all_of(own, *(rank.link(handshakes) for rank in self.ranks))
             self._peers[key] = handoff.incarnations
 
-    def _connect(self, handshakes: tuple[Handshake, ...]) -> None:  # transfer thread
-        if len(handshakes) == 1:
-            self.sink.connect(handshakes[0])
-            return
-        source = handshakes[0].worker_id
-        sink = self._tp_sinks.get(source)
-        if sink is None:
-            bs = self.engine.config.block_size
-            max_blocks = -(-self.engine.max_model_len // bs)
-            sink = self._tp_sinks[source] = HeadMappingSink(
-                f"{self.worker_id}<{source}",
-                self.engine.kv_cache.tensor,
-                self._compat,
-                self._sink_cls,
-                max_blocks,
-            )
-        sink.connect(list(handshakes))
-
-    def _pull(
+    async def _pull(
         self, handoff: KVHandoff, blocks: list[int], timeout: float
-    ) -> tuple[list[Confirmation], float]:  # transfer thread
-        """The confirmations, and the seconds spent waiting for a streamed source's layers."""
-        if len(handoff.descriptors) == 1:
-            confirmation = self.sink.pull(handoff.descriptors[0], blocks, timeout)
-            return [confirmation], self.sink.last_stats.wait_s
-        sink = self._tp_sinks[handoff.source_worker]
-        return sink.pull(list(handoff.descriptors), blocks, timeout), 0.0
+    ) -> tuple[list[Confirmation], float]:
+        """Every rank pulls its KV heads of ``handoff`` into ``blocks`` at once; returns
+        once all have ended (bytes may be landing in the blocks until then): every
+        rank's confirmations, and the seconds this rank waited for a streamed source's
+        layers. The first rank's error, if any, is raised after all have ended."""
+        own = asyncio.get_running_loop().run_in_executor(
+            self._transfer, self.sink.pull, handoff.descriptors, blocks, timeout
+        )
+        pulls = [own, *(rank.pull(handoff.descriptors, blocks, timeout) for rank in self.ranks)]
+        (confirmations, waited), *others = await _all_of(*pulls)
+        return [c for cs in (confirmations, *others) for c in cs], waited
+
+    def _on_error(self, error: BaseException) -> None:  # engine thread
+        """The engine loop died (a bug, or a lost TP rank): every request ends with
+        ``WorkerLost`` (the router resumes it on another decode worker)."""
+        if self._aloop is None:
+            return
+        lost = WorkerLost(f"decode worker {self.worker_id} stopped: {error}")
+        self._aloop.call_soon_threadsafe(lambda: [self._fail(rid, lost) for rid in list(self._requests)])
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:  # engine thread
         """One hand-over to the actor's loop per step, whatever the batch size."""
@@ -480,6 +480,16 @@ class DecodeWorker:
                 self._end(out.request_id, abort=False)
         if finished and self._admission is not None:
             self._admission.wake()  # blocks were freed
+
+
+async def _all_of(*awaitables):
+    """The results of ``awaitables``, once every one has ended (none is left running,
+    even when one fails or the caller is cancelled); then the first error, if any."""
+    results = await asyncio.shield(asyncio.gather(*awaitables, return_exceptions=True))
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is not None:
+        raise error
+    return results
 
 
 def _ended_at_first_token(first_token: asyncio.Future | None) -> bool:

@@ -54,9 +54,12 @@ class LayerExporter(LayerObserver):
         lease_s: float | None = None,
         lock: threading.Lock | None = None,
         on_stream: Callable[[list[KVDescriptor]], None] | None = None,
+        readers: Callable[[str], int] | None = None,
     ):
         """``on_stream`` is given the descriptors each step begins streaming, before
-        its forward pass runs: the moment to hand them to the decode side."""
+        its forward pass runs: the moment to hand them to the decode side. ``readers``
+        says how many sinks will read a request's streamed export (one if not given:
+        more when the ranks of a decode TP group each pull their heads of it)."""
         if stream and not source.streams:
             raise ValueError(f"the {source.backend!r} backend cannot stream KV layer by layer")
         self.source = source
@@ -64,6 +67,7 @@ class LayerExporter(LayerObserver):
         self.lease_s = lease_s
         self._lock = lock or threading.Lock()
         self._on_stream = on_stream
+        self._readers = readers or (lambda request_id: 1)
         self._step: list[_Pending] = []
         self._done: dict[str, _Pending] = {}  # hashed (and maybe streamed), not yet exported
 
@@ -76,8 +80,9 @@ class LayerExporter(LayerObserver):
             for pending in self._step:
                 if self.source.can_stream():
                     p = pending.prompt
+                    readers = self._readers(p.request_id)
                     pending.streamed = self.source.begin_export(
-                        p.request_id, list(p.block_ids), p.num_kv_tokens, self.lease_s
+                        p.request_id, list(p.block_ids), p.num_kv_tokens, self.lease_s, readers
                     )
         streamed = [p.streamed for p in self._step if p.streamed is not None]
         if streamed and self._on_stream is not None:
@@ -100,9 +105,9 @@ class LayerExporter(LayerObserver):
     def export(
         self, request_id: str, block_ids: list[int], num_tokens: int, readers: int = 1
     ) -> KVDescriptor:
-        """The export of a prompt this observer saw completed: its streamed descriptor (one
-        reader: streams are TP=1 to TP=1), or a whole export for ``readers`` with the
-        checksums taken during prefill (hashed here otherwise)."""
+        """The export of a prompt this observer saw completed: its streamed descriptor (opened
+        for the ``readers`` the constructor's function gave), or a whole export for
+        ``readers`` with the checksums taken during prefill (hashed here otherwise)."""
         pending = self._done.pop(request_id, None)
         if pending is not None and (
             list(pending.prompt.block_ids) != list(block_ids) or pending.prompt.num_kv_tokens != num_tokens

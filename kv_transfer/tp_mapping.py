@@ -10,10 +10,11 @@ heads are split on the way) or several (source TP > destination TP: merged)::
     decode  TP=1        [rank 0:   0-7         ]   ← merge: both source ranks
     decode  TP=4        [r0][r1][r2][r3]           ← split: r1 takes heads 2-3 of source rank 0
 
-With fewer KV heads than ranks, each head lives on several ranks (replicated,
-as the model's layers hold them); a destination reads each head from the
-lowest rank holding it, and a replica nobody reads is exported with no readers
-(its lease ends at once, ``readers_of``)::
+Between groups of one size, rank r reads source rank r whole (no mapping). With
+fewer KV heads than ranks, each head lives on several ranks (replicated, as the
+model's layers hold them); a destination of another size reads each head from
+the lowest rank holding it, and a replica nobody reads is exported with no
+readers (its lease ends at once, ``readers_of``)::
 
     model KV heads      0         1
     prefill TP=4        [r0:0][r1:0][r2:1][r3:1]
@@ -27,6 +28,8 @@ checksum and the backend's own failure handling apply unchanged to every
 shard; after a shard is verified, its heads are copied into the caller's
 blocks. The price is one extra local copy of the pulled bytes, and a split
 pulls whole source blocks (all of that rank's heads) to keep some of them.
+``RankSink`` is a decode rank's one entry point: straight into its cache from a
+group of its own size, through a ``HeadMappingSink`` from any other.
 """
 
 from __future__ import annotations
@@ -64,25 +67,30 @@ class HeadCopy:
 
 def plan_head_copies(src_tp: int, dst: KVLayout) -> list[HeadCopy]:
     """The copies that fill ``dst``'s KV heads from a source group of ``src_tp`` ranks
-    holding the same model's heads (split, or replicated when fewer than the ranks:
-    each head is read from the lowest rank holding it). Raises ``ValueError`` if
-    the model's heads neither split over nor replicate across ``src_tp``."""
-    return _plan(src_tp, dst.total_kv_heads, *dst.kv_head_range)
+    holding the same model's heads (split, or replicated when fewer than the ranks).
+    Between groups of one size, rank r reads all of source rank r (they hold the same
+    heads); else each head is read from the lowest rank holding it. Raises
+    ``ValueError`` if the model's heads neither split over nor replicate across
+    ``src_tp``."""
+    return _plan(src_tp, dst.total_kv_heads, dst.tp_size, dst.tp_rank)
 
 
 def readers_of(src_rank: int, src_tp: int, dst_tp: int, total_kv_heads: int) -> int:
     """How many ranks of a destination group of ``dst_tp`` read source rank ``src_rank``'s
     export (``KVSource.export(readers=...)``): 0 for a replica no plan reads."""
-    plans = (_plan(src_tp, total_kv_heads, *kv_head_range(total_kv_heads, dst_tp, r)) for r in range(dst_tp))
+    plans = (_plan(src_tp, total_kv_heads, dst_tp, r) for r in range(dst_tp))
     return sum(any(c.src_rank == src_rank for c in plan) for plan in plans)
 
 
-def _plan(src_tp: int, total: int, d0: int, d1: int) -> list[HeadCopy]:
-    """``plan_head_copies`` for a destination holding the model's heads [d0, d1)."""
+def _plan(src_tp: int, total: int, dst_tp: int, dst_rank: int) -> list[HeadCopy]:
+    """``plan_head_copies`` for rank ``dst_rank`` of a destination group of ``dst_tp``."""
     if src_tp < 1:
         raise ValueError(f"a source TP size must be >= 1, got {src_tp}")
-    copies: list[HeadCopy] = []
+    d0, d1 = kv_head_range(total, dst_tp, dst_rank)
     ranges = [kv_head_range(total, src_tp, r) for r in range(src_tp)]
+    if src_tp == dst_tp:
+        return [HeadCopy(dst_rank, 0, d1 - d0, 0, d1 - d0)]
+    copies: list[HeadCopy] = []
     for head in range(d0, d1):
         rank = next(r for r, (s0, s1) in enumerate(ranges) if s0 <= head < s1)
         s0 = ranges[rank][0]
@@ -146,6 +154,7 @@ class HeadMappingSink:
         self.max_blocks = max_blocks
         self.src_tp: int | None = None
         self.plan: list[HeadCopy] = []
+        self.last_wait_s = 0.0  # the last pull's seconds waiting for a streamed source's layers
         self._sinks: dict[int, KVSink] = {}  # source rank -> sink over that rank's staging cache
 
     def connect(self, handshakes: list[Handshake]) -> None:
@@ -189,9 +198,11 @@ class HeadMappingSink:
         dst = torch.tensor(dst_blocks, dtype=torch.long, device=self.cache.device)
         staged = list(range(n))
         confirmations = []
+        self.last_wait_s = 0.0
         for copy in self.plan:
             sink = self._sinks[copy.src_rank]
             confirmations.append(sink.pull(descs[copy.src_rank], staged, timeout=timeout))
+            self.last_wait_s += sink.last_stats.wait_s
             heads = sink.cache[:, :, :n, :, copy.src_start : copy.src_stop]
             target = self.cache[:, :, :, :, copy.dst_start : copy.dst_stop]
             target.index_copy_(2, dst, heads)
@@ -211,3 +222,73 @@ class HeadMappingSink:
         for sink in self._sinks.values():
             sink.close()
         self._sinks.clear()
+
+
+class RankSink:
+    """The decode side of one TP rank (of a group of any size, 1 included): pulls its KV
+    heads of a request from a source group of any size.
+
+    From a group of this rank's own size it reads source rank r's export straight
+    into its cache with one ``KVSink`` (shared by all such sources: the layouts
+    match); from any other through a ``HeadMappingSink`` per source group, keyed by
+    the source's worker id (its rank 0's). Not thread-safe, like ``KVSink``."""
+
+    def __init__(
+        self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, make_sink: SinkFactory, max_blocks: int
+    ):
+        self.worker_id = worker_id
+        self.cache = cache
+        self.compat = compat
+        self.make_sink = make_sink
+        self.max_blocks = max_blocks  # one request's blocks at most (it sizes staging caches)
+        self.direct = make_sink(worker_id, cache, compat)
+        self._mapped: dict[str, HeadMappingSink] = {}  # source worker -> its head-mapping sink
+
+    def connect(self, handshakes: list[Handshake]) -> None:
+        """Link to a source group: its handshakes, one per rank, any order (a source of
+        TP=1 has one). A restarted source's new handshakes replace the old ones. Raises
+        ``IncompatiblePeer``."""
+        if not handshakes:
+            raise ValueError("no handshakes given")
+        handshakes = sorted(handshakes, key=lambda hs: hs.compat.layout.tp_rank)
+        source = handshakes[0].worker_id  # its rank 0's, as its descriptors name it
+        me = self.compat.layout
+        if len(handshakes) == me.tp_size:
+            self.direct.connect(handshakes[me.tp_rank])
+            mapped = self._mapped.pop(source, None)
+            if mapped is not None:
+                mapped.close()
+            return
+        mapped = self._mapped.get(source)
+        if mapped is None:
+            name = f"{self.worker_id}<{source}"
+            mapped = self._mapped[source] = HeadMappingSink(
+                name, self.cache, self.compat, self.make_sink, self.max_blocks
+            )
+        mapped.connect(list(handshakes))
+
+    def pull(
+        self, descs: tuple[KVDescriptor, ...], dst_blocks: list[int], timeout: float
+    ) -> tuple[list[Confirmation], float]:
+        """Pull this rank's heads of one request (``descs``: the handoff's, one per source
+        rank) into ``dst_blocks``. Returns the confirmations (forward those not
+        ``delivered`` to the source) and the seconds spent waiting for a streamed
+        source's layers. Errors are ``KVSink.pull``'s."""
+        me = self.compat.layout
+        if len(descs) == me.tp_size:
+            confirmation = self.direct.pull(descs[me.tp_rank], dst_blocks, timeout)
+            return [confirmation], self.direct.last_stats.wait_s
+        mapped = self._mapped.get(descs[0].source_worker)
+        if mapped is None:
+            raise PeerLost(f"not linked to source group {descs[0].source_worker}; connect() first")
+        return mapped.pull(list(descs), dst_blocks, timeout), mapped.last_wait_s
+
+    def maps(self, source_worker: str) -> bool:
+        """Whether pulls from that source group go through staging (it has another size)."""
+        return source_worker in self._mapped
+
+    def close(self) -> None:
+        self.direct.close()
+        for mapped in self._mapped.values():
+            mapped.close()
+        self._mapped.clear()

@@ -50,6 +50,9 @@ class PrefillTask:
     prompt_token_ids: list[int]
     params: SamplingParams
     timeout_s: float | None = None  # past it the worker aborts the request (DeadlineExceeded)
+    # the TP size of the decode worker that takes the KV: each of its ranks pulls its heads,
+    # so an export's lease ends once every rank that reads it confirmed
+    reader_tp: int = 1
 
 
 @dataclass(frozen=True)

@@ -36,16 +36,14 @@ piecewise.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import torch
-
 from splitserve.engine import Engine
 from splitserve.engine.parallel import TPGroup
+from splitserve.engine.parallel.worker_group import Heartbeat, join_group
 from splitserve.kv_transfer import KVTransferError, get_backend
 from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
 from splitserve.prefill_worker.api import PrefillWorkerSpec
@@ -76,21 +74,10 @@ class PollShards:
     pass
 
 
-@dataclass(frozen=True)
-class Heartbeat:
-    pass
-
-
-def join_group(spec: PrefillWorkerSpec) -> TPGroup:
+def join_prefill_group(spec: PrefillWorkerSpec) -> TPGroup:
     """Pin and size this process as ``spec`` says, then join its TP group (blocks until
     every rank has joined)."""
-    if spec.cpu_ids:
-        os.sched_setaffinity(0, spec.cpu_ids)
-    if spec.torch_threads:
-        torch.set_num_threads(spec.torch_threads)
-    if spec.tp is None:
-        return TPGroup.single()
-    return TPGroup.join(spec.tp, spec.engine.resolve_device())
+    return join_group(spec.tp, spec.engine.resolve_device(), spec.cpu_ids, spec.torch_threads)
 
 
 class PrefillRank:
@@ -101,7 +88,7 @@ class PrefillRank:
         if spec.tp is None or spec.tp.rank == 0:
             raise ValueError("a PrefillRank is rank 1 or above of a TP group")
         self.spec = spec
-        self.group = join_group(spec)
+        self.group = join_prefill_group(spec)
         # the engine is built on the follower thread, the one that runs its steps
         # (engine/loop.py says why); that thread follows rank 0 once this is set up
         built: Future[Engine] = Future()

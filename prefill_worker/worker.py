@@ -65,6 +65,7 @@ from splitserve.engine import (
     RequestOutput,
     UnknownRequest,
 )
+from splitserve.engine.parallel.worker_group import Heartbeats
 from splitserve.engine.prefix_cache import PrefixCursor
 from splitserve.kv_transfer import KVTransferError, get_backend
 from splitserve.kv_transfer.contract import (
@@ -88,10 +89,9 @@ from splitserve.prefill_worker.api import (
 from splitserve.prefill_worker.tp import (
     ConfirmShard,
     ExportShard,
-    Heartbeat,
     PollShards,
     ReleaseShard,
-    join_group,
+    join_prefill_group,
 )
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class _Waiter:
     future: asyncio.Future  # the PrefillResult
     streamed: asyncio.Future | None = None  # the KVHandoff, once its export streams (prefill_stream)
     deadline: float | None = None  # loop.time() past which the call gives up
+    readers: tuple[int, ...] = (1,)  # per TP rank here: the decode ranks that read its export
 
     def resolve(self, result: PrefillResult | None = None, error: BaseException | None = None) -> None:
         def _set() -> None:
@@ -131,7 +132,7 @@ class PrefillWorker:
             raise ValueError("a PrefillWorker is rank 0 of its TP group; the others are PrefillRanks")
         self.spec = spec
         self.worker_id = spec.worker_id
-        self.tp = join_group(spec)
+        self.tp = join_prefill_group(spec)
         # the engine is built on the loop's thread, the one that steps it (engine/loop.py says why)
         self.loop = EngineLoop(
             lambda: Engine(spec.engine, tp=self.tp),
@@ -145,24 +146,24 @@ class PrefillWorker:
         backend = get_backend(spec.backend)
         self.source = backend.source(spec.worker_id, self.engine.kv_cache.tensor, compat, spec.lease_s)
         self.handshakes = tuple(self.tp.gather_object(self.source.handshake()))  # every rank's
-        # per rank, the decode ranks that read its export; decode workers run TP=1, so each
-        # KV head is read once, from the lowest rank holding it (a replica no one reads: 0)
-        heads = self.engine.model_config.num_kv_heads
-        self._readers = tuple(readers_of(r, self.tp.size, 1, heads) for r in range(self.tp.size))
+        self._readers_by_tp: dict[int, tuple[int, ...]] = {}  # see _readers
         self._waiters: dict[str, _Waiter] = {}  # requests whose prefill() is awaiting
         self._exports: dict[str, str] = {}  # request id -> transfer id, lease open (loop thread only)
         self._open_shards: dict[str, set[int]] = {}  # request id -> TP ranks > 0 whose lease is open
         self._lease_ends = {
             state: 0 for state in (TransferState.CONFIRMED, TransferState.EXPIRED, TransferState.RELEASED)
         }
-        self._heartbeat_s = spec.tp.timeout_s / 4 if spec.tp else 0.0
-        self._last_heartbeat = time.monotonic()
+        self._heartbeats = Heartbeats(self.tp, spec.tp)
         self._source_lock = threading.Lock()
         # hashes each layer as prefill writes it, so exporting hashes nothing (TP=1: the
         # other ranks of a TP group hash their shards at export)
         self.streams_kv = spec.stream_kv and self.source.streams and self.tp.size == 1
         self.exporter = LayerExporter(
-            self.source, stream=self.streams_kv, lock=self._source_lock, on_stream=self._on_stream
+            self.source,
+            stream=self.streams_kv,
+            lock=self._source_lock,
+            on_stream=self._on_stream,
+            readers=self._stream_readers,
         )
         if self.tp.size == 1:
             self.engine.layer_observer = self.exporter
@@ -211,7 +212,9 @@ class PrefillWorker:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         loop = asyncio.get_running_loop()
         deadline = None if task.timeout_s is None else loop.time() + task.timeout_s
-        waiter = _Waiter(loop, loop.create_future(), loop.create_future() if stream else None, deadline)
+        readers = self._readers(task.reader_tp)
+        streamed = loop.create_future() if stream else None
+        waiter = _Waiter(loop, loop.create_future(), streamed, deadline, readers)
 
         def add(engine: Engine) -> str:  # raises InvalidRequest, e.g. for an id still held here
             return engine.add_request(task.prompt_token_ids, task.params, rid, prefill_only=True)
@@ -226,6 +229,25 @@ class PrefillWorker:
                 raise
         finally:
             self._waiters.pop(rid, None)
+
+    def _readers(self, reader_tp: int) -> tuple[int, ...]:
+        """Per rank here, how many ranks of a decode group of ``reader_tp`` read its export:
+        each KV head is read once per decode rank holding it, from the lowest rank here
+        that holds it (a replica no one reads: 0). ``InvalidRequest`` for a size the
+        model's KV heads do not split over or replicate across."""
+        readers = self._readers_by_tp.get(reader_tp)
+        if readers is None:
+            heads = self.engine.model_config.num_kv_heads
+            try:
+                readers = tuple(readers_of(r, self.tp.size, reader_tp, heads) for r in range(self.tp.size))
+            except ValueError as e:
+                raise InvalidRequest(f"no decode group of TP={reader_tp} can take this KV: {e}") from None
+            self._readers_by_tp[reader_tp] = readers
+        return readers
+
+    def _stream_readers(self, request_id: str) -> int:  # engine thread
+        waiter = self._waiters.get(request_id)
+        return waiter.readers[0] if waiter is not None else 1
 
     @staticmethod
     async def _within(task: PrefillTask, awaitable, deadline: float | None):
@@ -335,7 +357,7 @@ class PrefillWorker:
                     self.engine.release(rid)
                 continue
             try:
-                waiter.resolve(self._result(out))
+                waiter.resolve(self._result(out, waiter.readers))
             except Exception as e:  # export failed: give the blocks back, tell the caller
                 log.exception("exporting the KV of %s failed", rid)
                 self.exporter.discard(rid)  # what it hashed (or began streaming) for it
@@ -343,13 +365,12 @@ class PrefillWorker:
                     self.engine.release(rid)
                 waiter.resolve(error=e)
 
-    def _result(self, out: RequestOutput) -> PrefillResult:
+    def _result(self, out: RequestOutput, readers: tuple[int, ...]) -> PrefillResult:
         now = time.time()
         handoff = None
         finish = None if out.finish_reason == FinishReason.PREFILL_DONE else out.finish_reason
         if finish is None:
             pre = self.engine.prefilled(out.request_id)
-            readers = self._readers
             descriptor = self.exporter.export(out.request_id, pre.block_ids, pre.num_kv_tokens, readers[0])
             self._exports[out.request_id] = descriptor.transfer_id
             shards: tuple[KVDescriptor, ...] = ()
@@ -386,9 +407,7 @@ class PrefillWorker:
         return tuple(replies[1:])
 
     def _on_tick(self) -> None:
-        if self.tp.size > 1 and time.monotonic() - self._last_heartbeat > self._heartbeat_s:
-            self.tp.broadcast_object(Heartbeat())  # idle ranks must hear from rank 0 within the timeout
-            self._last_heartbeat = time.monotonic()
+        self._heartbeats.tick()  # idle ranks must hear from rank 0 within the group's timeout
         ends = []
         while not self._ended.empty():
             ends.append(self._ended.get_nowait())

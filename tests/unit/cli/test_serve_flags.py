@@ -37,7 +37,7 @@ def test_vllm_flags_override_the_config():
         "bfloat16",
         False,
     )
-    assert cfg.prefill.tp_size == 2 and cfg.decode.tp_size == 1
+    assert cfg.prefill.tp_size == cfg.decode.tp_size == cfg.colocated.tp_size == 2
     assert cfg.prefill.engine.quantization == cfg.decode.engine.quantization == "fp8"
     assert cfg.prefill.engine.kv_cache_memory_fraction == cfg.decode.engine.kv_cache_memory_fraction == 0.7
     assert cfg.engine_config("decode").kv_cache_memory_fraction == 0.7

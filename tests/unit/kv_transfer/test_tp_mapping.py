@@ -15,6 +15,7 @@ from splitserve.kv_transfer.backends.local import LocalHub, LocalSink, LocalSour
 from splitserve.kv_transfer.tp_mapping import (
     HeadCopy,
     HeadMappingSink,
+    RankSink,
     plan_head_copies,
     readers_of,
     shard_layout,
@@ -35,7 +36,7 @@ def test_plan_merge_split_and_regroup():
         plan_head_copies(3, FULL)
 
 
-def test_plan_reads_each_replicated_head_once_from_its_lowest_rank():
+def test_plan_reads_each_replicated_head_once_from_its_lowest_rank_and_equal_groups_rank_to_rank():
     two = dataclasses.replace(FULL, num_kv_heads=2)  # 2 KV heads; TP 4 holds each on two ranks
     assert [shard_layout(two, 4, r, 1).kv_head_range for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert plan_head_copies(4, two) == [HeadCopy(0, 0, 1, 0, 1), HeadCopy(2, 0, 1, 1, 2)]
@@ -43,7 +44,10 @@ def test_plan_reads_each_replicated_head_once_from_its_lowest_rank():
     # a replicated destination: decode TP 4 over 2 heads, each of its ranks one head
     assert plan_head_copies(1, shard_layout(two, 4, 3, 1)) == [HeadCopy(0, 1, 2, 0, 1)]
     assert [readers_of(r, 2, 4, 2) for r in range(2)] == [2, 2]
-    assert [readers_of(r, 4, 4, 2) for r in range(4)] == [2, 0, 2, 0]
+    # groups of one size: rank r reads all of source rank r, replicas included
+    assert plan_head_copies(4, shard_layout(two, 4, 1, 1)) == [HeadCopy(1, 0, 1, 0, 1)]
+    assert plan_head_copies(2, shard_layout(FULL, 2, 1, 1)) == [HeadCopy(1, 0, 4, 0, 4)]
+    assert [readers_of(r, 4, 4, 2) for r in range(4)] == [1, 1, 1, 1]
 
 
 def _cache(layout: KVLayout) -> torch.Tensor:
@@ -56,7 +60,9 @@ def _cache(layout: KVLayout) -> torch.Tensor:
     "heads, src_tp, dst_tp",
     [(8, 2, 1), (8, 1, 2), (8, 4, 2), (8, 2, 4), (8, 2, 2), (2, 4, 1), (2, 4, 2), (2, 1, 4), (2, 4, 4)],
 )
-def test_mapping_sink_rebuilds_every_destination_shard(heads, src_tp, dst_tp):
+def test_rank_sinks_rebuild_every_destination_shard(heads, src_tp, dst_tp):
+    """Each rank of the destination group pulls with a ``RankSink``: straight from the
+    same rank between groups of one size, through a ``HeadMappingSink`` otherwise."""
     torch.manual_seed(0)
     model = dataclasses.replace(FULL, num_kv_heads=heads)
     full = torch.randn(_cache(model).shape)  # the model's whole KV, as TP=1 would hold it
@@ -80,10 +86,12 @@ def test_mapping_sink_rebuilds_every_destination_shard(heads, src_tp, dst_tp):
     for d in range(dst_tp):
         lay = shard_layout(model, dst_tp, d, 6)
         dst = _cache(lay)
-        sink = HeadMappingSink(f"d{d}", dst, CompatInfo("m", lay), make_sink, max_blocks=4)
+        sink = RankSink(f"d{d}", dst, CompatInfo("m", lay), make_sink, max_blocks=4)
         sink.connect([s.handshake() for s in reversed(sources)])  # any order
-        confirmations = sink.pull(descs, [5, 0, 3])
-        for c in sink.plan:
+        confirmations, _ = sink.pull(tuple(descs), [5, 0, 3], timeout=10.0)
+        plan = plan_head_copies(src_tp, lay)
+        assert sink.maps(descs[0].source_worker) == (src_tp != dst_tp)  # staged only between sizes
+        for c in plan:
             left[c.src_rank] -= 1
         # a source's lease ends confirmed with its last reader, not before (and once)
         for r, s in enumerate(sources):
@@ -91,7 +99,7 @@ def test_mapping_sink_rebuilds_every_destination_shard(heads, src_tp, dst_tp):
             assert ends == ([] if left[r] or r in ended else ["confirmed"])
             if not left[r]:
                 ended.add(r)
-        assert len(confirmations) == len(sink.plan) >= 1
+        assert len(confirmations) == len(plan) >= 1
         h0, h1 = lay.kv_head_range
         expected = full[:, :, src_blocks][..., h0:h1, :]
         torch.testing.assert_close(dst[:, :, [5, 0, 3]], expected, rtol=0, atol=0)

@@ -1,0 +1,133 @@
+"""A decode (or colocated) worker as a tensor-parallel group: rank 0 is the
+``DecodeWorker`` the router talks to; ranks 1.. are ``DecodeRank``s, each a
+process (a Ray actor in the same placement group) with its shard of the model
+and its own KV cache holding its KV heads, in the blocks rank 0 allocates.
+
+Two channels, each doing one thing::
+
+    rank 0 (DecodeWorker)                      rank r (DecodeRank)
+    ---------------------                      -------------------
+    the group's broadcast channel (engine thread; ``Engine.follow``):
+    engine.step()        -- StepInputs ------>  forward (collectives pair up)
+    tick, every timeout/4 -- Heartbeat ------>  (nothing)
+    shutdown             -- None ------------>  leave the loop, close
+
+    direct calls (a Ray call each, from rank 0's event loop):
+    a source seen first  -- link(handshakes) ->  RankSink.connect (transfer thread)
+    a request's KV       -- pull(descs, blocks)  RankSink.pull: rank r's heads into
+                                 <-- confirmations   the same block ids (transfer thread)
+
+The pulls go beside the step channel, not on it: every rank pulls at once,
+while the group keeps decoding the running batch, and rank 0 activates the
+request once every rank's pull ended (it frees the blocks only then, whatever
+happened, since bytes may still be landing in them on some rank).
+
+Failure: a rank that dies breaks the group's collectives; rank 0's engine loop
+then stops and ends every request with ``WorkerLost`` (the router resumes
+them on another decode worker), and the pool replaces the whole group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from splitserve.decode_worker.api import DecodeWorkerSpec
+from splitserve.engine import Engine
+from splitserve.engine.parallel import TPGroup
+from splitserve.engine.parallel.worker_group import Heartbeat, join_group
+from splitserve.kv_transfer import get_backend
+from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVDescriptor
+from splitserve.kv_transfer.tp_mapping import RankSink
+
+log = logging.getLogger(__name__)
+
+
+def join_decode_group(spec: DecodeWorkerSpec) -> TPGroup:
+    """Pin and size this process as ``spec`` says, then join its TP group (blocks until
+    every rank has joined)."""
+    return join_group(spec.tp, spec.engine.resolve_device(), spec.cpu_ids, spec.torch_threads)
+
+
+def rank_sink(worker_id: str, spec: DecodeWorkerSpec, engine: Engine) -> RankSink | None:
+    """The sink a rank of a decode worker pulls its KV heads with (None: colocated)."""
+    if spec.backend is None:
+        return None
+    compat = CompatInfo(model=spec.engine.model, layout=engine.kv_cache.layout)
+    max_blocks = -(-engine.max_model_len // engine.config.block_size)
+    return RankSink(worker_id, engine.kv_cache.tensor, compat, get_backend(spec.backend).sink, max_blocks)
+
+
+class DecodeRank:
+    """Rank r > 0 of a decode worker's TP group. Its constructor returns once the group
+    has formed and the shard is loaded; a thread then follows rank 0's steps."""
+
+    def __init__(self, spec: DecodeWorkerSpec):
+        if spec.tp is None or spec.tp.rank == 0:
+            raise ValueError("a DecodeRank is rank 1 or above of a TP group")
+        self.spec = spec
+        self.name = f"{spec.worker_id}/tp{spec.tp.rank}"
+        self.group = join_decode_group(spec)
+        # the engine is built on the follower thread, the one that runs its steps
+        # (engine/loop.py says why); that thread follows rank 0 once this is set up
+        built: Future[Engine] = Future()
+        self._go = threading.Event()
+        self._follower = threading.Thread(target=self._follow, args=(built,), name=f"{self.name}-follow")
+        self._follower.daemon = True
+        self._follower.start()
+        self.engine = built.result()
+        self.sink = rank_sink(self.name, spec, self.engine)
+        self._transfer = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-kv")  # drives the sink
+        self._go.set()
+
+    async def info(self) -> str:
+        """What its engine chose (``Engine.summary``): answered once the shard is loaded."""
+        return self.engine.summary
+
+    async def link(self, handshakes: tuple[Handshake, ...]) -> None:
+        """Link this rank's sink to a source group (``RankSink.connect``)."""
+        sink = self._sink()
+        await asyncio.get_running_loop().run_in_executor(self._transfer, sink.connect, list(handshakes))
+
+    async def pull(
+        self, descriptors: tuple[KVDescriptor, ...], blocks: list[int], timeout: float
+    ) -> list[Confirmation]:
+        """Pull this rank's KV heads of one request into ``blocks`` (``RankSink.pull``);
+        returns its confirmations. Errors are ``KVSink.pull``'s."""
+        sink = self._sink()
+        confirmations, _ = await asyncio.get_running_loop().run_in_executor(
+            self._transfer, sink.pull, descriptors, blocks, timeout
+        )
+        return confirmations
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until rank 0 stops the group (for a rank hosted outside Ray)."""
+        self._follower.join(timeout)
+
+    def _sink(self) -> RankSink:
+        if self.sink is None:
+            raise RuntimeError(f"{self.name} is colocated and takes no KV from elsewhere")
+        return self.sink
+
+    def _follow(self, built: Future[Engine]) -> None:
+        try:
+            built.set_result(Engine(self.spec.engine, tp=self.group))
+        except BaseException as e:  # the constructor raises it
+            built.set_exception(e)
+            return
+        self._go.wait()
+        try:
+            self.engine.follow(self._on_message)
+        except Exception:
+            log.exception("TP rank %d lost its group", self.group.rank)
+        finally:
+            self._transfer.shutdown(wait=True)
+            if self.sink is not None:
+                self.sink.close()
+            self.group.destroy()
+
+    def _on_message(self, msg: object) -> None:
+        if not isinstance(msg, Heartbeat):
+            raise RuntimeError(f"unknown message {type(msg).__name__} from TP rank 0")
