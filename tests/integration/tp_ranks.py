@@ -144,3 +144,11 @@ def prefill_rank_main(spec) -> None:
 
     PrefillRank(spec).wait()
     _exit()
+
+
+def decode_rank_main(spec) -> None:
+    """Host one ``DecodeRank`` (rank >= 1) in this process until rank 0 stops the group."""
+    from splitserve.decode_worker.tp import DecodeRank
+
+    DecodeRank(spec).wait()
+    _exit()
