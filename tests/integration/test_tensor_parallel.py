@@ -2,9 +2,10 @@
 
 - TP=2 generates the same greedy tokens as TP=1 on the same weights, for every
   model family the engine runs (biases, q/k norms, tied embeddings included).
-- KV built under TP=2 (each rank holding half the KV heads, exported through
-  NIXL from its own process) decodes under TP=1 after ``HeadMappingSink``
-  merges the heads: the tokens equal the TP=1 monolithic engine's.
+- KV built under TP=P (each rank holding its KV heads, exported through NIXL
+  from its own process) decodes under TP=D, each decode rank pulling its heads
+  (merged, split, or rank to rank; replicated heads included): the tokens
+  equal the TP=1 monolithic engine's.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import pytest
 import torch
 
 from splitserve.engine import Engine, EngineConfig, SamplingParams
-from splitserve.kv_transfer import CompatInfo, get_backend
-from splitserve.kv_transfer.tp_mapping import HeadMappingSink
+from splitserve.engine.kv_layout import kv_head_range
 from tests.conftest import make_hf_checkpoint, random_prompts, tiny_hf_config
 from tests.integration.tp_ranks import (
     RankJob,
     capacity_rank,
+    decode_import_rank,
     free_port,
     generate_rank,
     logits_rank,
@@ -52,7 +53,7 @@ def jobs_for(directory, prompts, size=2, **engine):
 
 
 @pytest.mark.parametrize(
-    "kind, kv_heads", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama3", 2), ("llama", 1)]
+    "kind, kv_heads", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama3", 2), ("mistral", 2), ("llama", 1)]
 )
 def test_tp2_greedy_equals_tp1(tmp_path, kind, kv_heads):
     """kv_heads 1: fewer KV heads than ranks, so both ranks hold (replicate) the one head."""
@@ -93,48 +94,41 @@ def test_quantization_composes_with_tp(tmp_path, method):
         assert cos_tp2 < 1 - 1e-6  # the quantized layers ran
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
-def test_kv_from_tp2_prefill_decodes_under_tp1(tmp_path, kv_heads):
-    """kv_heads 2: the ranks' heads are merged; 1: both ranks hold the one head, which is
-    read from rank 0, and rank 1 exports it to no reader (its lease ends at once)."""
-    make_hf_checkpoint("llama", tmp_path, kv_heads=kv_heads)
+@pytest.mark.parametrize(
+    "kind, kv_heads, src_tp, dst_tp",
+    [
+        ("llama", 2, 2, 1),  # heads merged
+        ("llama", 1, 2, 1),  # the one head read from rank 0; rank 1's copy exported to no reader
+        ("llama3", 2, 1, 2),  # heads split: each decode rank reads half of the one export
+        ("mistral", 2, 2, 2),  # rank to rank
+        ("qwen2", 1, 2, 2),  # rank to rank, both groups replicating the head
+        ("qwen3", 1, 1, 2),  # both decode ranks read the same head of the one export
+    ],
+)
+def test_kv_crosses_tp_sizes_and_decodes_exactly(tmp_path, kind, kv_heads, src_tp, dst_tp):
+    """KV prefilled by a group of ``src_tp`` ranks (exported through NIXL from each
+    rank's process) decodes under a group of ``dst_tp`` ranks, each pulling its heads
+    with a ``RankSink``: the tokens equal the TP=1 monolithic engine's."""
+    make_hf_checkpoint(kind, tmp_path, kv_heads=kv_heads)
     prompts = random_prompts([7, 33, 90, 150], 512, seed=4)
-    decoder = Engine(config(tmp_path, 1))
-    expected = [c.token_ids for c in decoder.generate(prompts, PARAMS)]
-    decoder = Engine(config(tmp_path, 1))  # fresh: no prefix cache to lean on
+    expected = [c.token_ids for c in Engine(config(tmp_path, 1)).generate(prompts, PARAMS)]
 
     out, done = CTX.Queue(), CTX.Event()
-    procs = start_ranks(prefill_export_rank, jobs_for(tmp_path, prompts), "nixl", out, done)
+    procs = start_ranks(prefill_export_rank, jobs_for(tmp_path, prompts, src_tp), "nixl", out, done, dst_tp)
     try:
         shards = sorted((out.get(timeout=120) for _ in procs), key=lambda s: s.rank)
-        layouts = [s.handshake.compat.layout for s in shards]
-        assert [lay.kv_head_range for lay in layouts] == ([(0, 1), (1, 2)] if kv_heads == 2 else [(0, 1)] * 2)
-        compat = CompatInfo(str(tmp_path), decoder.kv_cache.layout)
-        sink = HeadMappingSink(
-            "decode-tp1", decoder.kv_cache.tensor, compat, get_backend("nixl").sink, max_blocks=16
-        )
-        sink.connect([s.handshake for s in shards])
-        assert [c.src_rank for c in sink.plan] == ([0, 1] if kv_heads == 2 else [0])
-        driver = shards[0]
-        for i in range(len(prompts)):
-            rid = driver.descriptors[i].request_id
-            blocks = decoder.import_request(
-                rid, driver.prompt_token_ids[i], driver.output_token_ids[i], PARAMS
-            )
-            confirmations = sink.pull([s.descriptors[i] for s in shards], blocks, timeout=30.0)
-            assert len(confirmations) == kv_heads
-            decoder.activate(rid)
-        got: dict[str, list[int]] = {}
-        while decoder.has_unfinished():
-            for o in decoder.step():
-                got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        sink.close()
+        heads = [s.handshake.compat.layout.kv_head_range for s in shards]
+        assert heads == [kv_head_range(kv_heads, src_tp, r) for r in range(src_tp)]
+        decoders = start_ranks(decode_import_rank, jobs_for(tmp_path, [], dst_tp), shards, "nixl", out)
+        tokens = out.get(timeout=120)
+        for p in decoders:
+            p.join(timeout=30)
+            assert p.exitcode == 0
     finally:
         done.set()
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
-    tokens = [driver.output_token_ids[i] + got[d.request_id] for i, d in enumerate(driver.descriptors)]
     assert tokens == expected
 
 

@@ -103,9 +103,10 @@ class ExportedShard:
     output_token_ids: list[list[int]]  # the first sampled token (driver only; else empty)
 
 
-def prefill_export_rank(job: RankJob, backend: str, out, done) -> None:
-    """Prefill every prompt under TP, export each rank's KV shard through ``backend``,
-    put an ``ExportedShard``, then serve reads until ``done`` is set."""
+def prefill_export_rank(job: RankJob, backend: str, out, done, reader_tp: int = 1) -> None:
+    """Prefill every prompt under TP, export each rank's KV shard through ``backend`` for
+    a decode group of ``reader_tp`` ranks, put an ``ExportedShard``, then serve reads
+    until ``done`` is set."""
     from splitserve.kv_transfer import CompatInfo, get_backend
     from splitserve.kv_transfer.tp_mapping import readers_of
 
@@ -127,13 +128,60 @@ def prefill_export_rank(job: RankJob, backend: str, out, done) -> None:
             engine.follow()
             plan = group.broadcast_object()  # the driver's block ids hold this rank's shard too
             firsts, prompts = [], []
-        readers = readers_of(job.rank, job.size, 1, engine.model_config.num_kv_heads)  # for a TP=1 reader
+        readers = readers_of(job.rank, job.size, reader_tp, engine.model_config.num_kv_heads)
         descs = [source.export(rid, blocks, n, readers=readers) for rid, blocks, n in plan]
         out.put(ExportedShard(job.rank, source.handshake(), descs, prompts, firsts))
         while not done.wait(0.005):
             source.poll()
     finally:
         source.close()
+        group.destroy()
+    _exit(out)
+
+
+def decode_import_rank(job: RankJob, shards: list[ExportedShard], backend: str, out) -> None:
+    """Rank ``job.rank`` of a decode group of ``job.size``: pull its KV heads of every
+    prompt the source group exported (``shards``, in rank order) into the blocks rank 0
+    allocated, then decode them under TP; rank 0 puts each prompt's tokens (the first,
+    sampled by the source, included)."""
+    from splitserve.kv_transfer import CompatInfo, get_backend
+    from splitserve.kv_transfer.tp_mapping import RankSink
+
+    group, engine = _join(job)
+    compat = CompatInfo(job.config.model, engine.kv_cache.layout)
+    name = f"decode-tp{job.rank}"
+    sink = RankSink(name, engine.kv_cache.tensor, compat, get_backend(backend).sink, max_blocks=16)
+    driver = shards[0]
+    try:
+        sink.connect([s.handshake for s in shards])
+        if group.is_driver:
+            blocks = [
+                engine.import_request(
+                    d.request_id, driver.prompt_token_ids[i], driver.output_token_ids[i], job.params
+                )
+                for i, d in enumerate(driver.descriptors)
+            ]
+            group.broadcast_object(blocks)
+        else:
+            blocks = group.broadcast_object()
+        for i, own in enumerate(blocks):
+            sink.pull(tuple(s.descriptors[i] for s in shards), own, timeout=30.0)
+        group.gather_object(None)  # every rank's heads are in place
+        if group.is_driver:
+            got: dict[str, list[int]] = {}
+            for d in driver.descriptors:
+                engine.activate(d.request_id)
+            while engine.has_unfinished():
+                for o in engine.step():
+                    got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            engine.stop_followers()
+            out.put(
+                [driver.output_token_ids[i] + got[d.request_id] for i, d in enumerate(driver.descriptors)]
+            )
+        else:
+            engine.follow()
+    finally:
+        sink.close()
         group.destroy()
     _exit(out)
 
