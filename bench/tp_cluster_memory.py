@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", type=Path, required=True, help="where the random checkpoint is (or goes)")
     ap.add_argument("--prefill-tp", type=int, default=2)
     ap.add_argument("--decode-tp", type=int, default=2)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the engines' dtype")
     ap.add_argument("--kv-mib", type=int, default=256, help="KV cache per rank (MiB)")
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     config = ClusterConfig.model_validate(
         {
             "policy": {"conditional_disaggregation": False},
-            "model": {"name": str(args.dir), "dtype": "bfloat16", "max_model_len": 2048},
+            "model": {"name": str(args.dir), "dtype": args.dtype, "max_model_len": 2048},
             "prefill": {"num_cpus": per_rank, "tp_size": args.prefill_tp, "engine": engine},
             "decode": {"num_cpus": per_rank, "tp_size": args.decode_tp, "engine": engine},
             "router": {"port": 0, "http_port": 0},
@@ -87,8 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         procs = worker_processes()
         rows = sorted((title, pid, rss_anon(pid)) for pid, title in procs.items())
     shard_gib = sum(f.stat().st_size for f in args.dir.glob("*.safetensors")) / GIB
-    print(f"\n{args.shape}: checkpoint {shard_gib:.2f} GiB bf16; prefill TP={args.prefill_tp}, "
-          f"decode TP={args.decode_tp}; KV cache {args.kv_mib} MiB per rank")  # fmt: skip
+    print(f"\n{args.shape}: checkpoint {shard_gib:.2f} GiB bf16, run in {args.dtype}; "
+          f"prefill TP={args.prefill_tp}, decode TP={args.decode_tp}; KV cache {args.kv_mib} MiB per rank")  # fmt: skip
     print("process         pid      RssAnon GiB")
     for title, pid, anon in rows:
         print(f"{title:<14} {pid:>7}  {anon / GIB:>10.2f}")
@@ -102,10 +103,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {f.prompt_tokens:>4} prompt tokens: prefill {f.prefill_worker}, decode {f.decode_worker}, "
               f"ttft {f.ttft_ms:.0f} ms, kv pull {f.kv_pull_ms:.0f} ms, tokens {o.token_ids}")  # fmt: skip
     if args.check:
-        ref = Engine(EngineConfig(model=str(args.dir), dtype="bfloat16", kv_cache_memory_mib=args.kv_mib))
+        ref = Engine(
+            EngineConfig(
+                model=str(args.dir), dtype=args.dtype, kv_cache_memory_mib=args.kv_mib, max_model_len=2048
+            )
+        )
         expected = [c.token_ids for c in ref.generate(prompts, params)]
         same = sum(o.token_ids == e for o, e in zip(outs, expected))
         print(f"greedy tokens equal to a TP=1 engine's: {same}/{len(prompts)}")
+        for o, e in zip(outs, expected):
+            agree = next((i for i, (a, b) in enumerate(zip(o.token_ids, e)) if a != b), len(e))
+            print(f"  first {agree} of {len(e)} tokens agree; TP=1 engine: {e}")
 
 
 if __name__ == "__main__":

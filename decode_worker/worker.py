@@ -16,10 +16,10 @@ A request's life here (the queues SGLang's decode side names)::
         -> linked: the source's handshakes, fetched once per source incarnation
            (source.info); a source that restarted since it exported: PeerLost
         -> WAITING_FOR_BLOCKS: the FIFO AdmissionQueue (decode_worker.admission)
-        -> PULLING: import_request (blocks allocated) + sink.pull on the transfer
-           thread (verified; from a TP prefill group, every rank's shard, heads
-           merged by HeadMappingSink), confirmed to the source where the backend
-           cannot confirm by itself (source.confirm)
+        -> PULLING: import_request (blocks allocated) + a RankSink pull on the
+           transfer thread of every TP rank here (verified; from a source group of
+           another TP size, heads mapped by HeadMappingSink), confirmed to the
+           source where the backend cannot confirm by itself (source.confirm)
         meanwhile the first token (the PrefillResult) goes out at once, as a
         TokenBatch with ``prefilled``; then a batch with the pull's transfer_s
         -> activate --RUNNING in the batch-- tokens --> finished
@@ -37,8 +37,15 @@ those blocks. A request that ends before its transfer was confirmed releases
 the source's export (``source.abort``). When a stream's consumer goes (closes
 it, or dies), every request of its outbox is aborted.
 
-The class imports no Ray: ``cluster`` wraps it with ``ray.remote``, and the
-source is whatever client the router put in the task.
+With ``spec.tp`` set the worker is rank 0 of a tensor-parallel group whose other
+ranks are ``DecodeRank``s (``splitserve.decode_worker.tp`` describes the
+protocol): its steps drive theirs, each pull runs on every rank at once (each
+pulling its own KV heads into the same blocks), and if the group breaks every
+request ends with ``WorkerLost``.
+
+The class imports no Ray: ``cluster`` wraps it with ``ray.remote``, the source is
+whatever client the router put in the task, and the other ranks whatever
+clients the pool gave the constructor.
 """
 
 from __future__ import annotations

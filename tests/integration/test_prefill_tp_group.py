@@ -11,7 +11,9 @@ import dataclasses
 import multiprocessing as mp
 import time
 
-from splitserve.engine import EngineConfig, SamplingParams
+import pytest
+
+from splitserve.engine import EngineConfig, InvalidRequest, SamplingParams
 from splitserve.engine.parallel import TPInit
 from splitserve.kv_transfer import Confirmation
 from splitserve.prefill_worker import PrefillTask, PrefillWorker, PrefillWorkerSpec
@@ -49,6 +51,11 @@ def test_idle_group_survives_its_timeout_and_exports_every_shard(tmp_path):
             time.sleep(0.01)
         assert (stats.leases_confirmed, stats.leases_expired, stats.leases_released) == (1, 0, 0)
         assert stats.engine.num_free_blocks == stats.engine.num_blocks
+        # a decode group whose size the model's 2 KV heads do not split over is refused
+        # before anything is held
+        with pytest.raises(InvalidRequest, match="no decode group of TP=3"):
+            asyncio.run(worker.prefill(PrefillTask("r2", prompt, SamplingParams(max_tokens=4), reader_tp=3)))
+        assert asyncio.run(worker.stats()).engine.num_free_blocks == stats.engine.num_blocks
     finally:
         worker.shutdown()
         rank1.join(30)
