@@ -88,8 +88,9 @@ def main(argv: list[str] | None = None) -> None:
         procs = worker_processes()
         rows = sorted((title, pid, rss_anon(pid)) for pid, title in procs.items())
     shard_gib = sum(f.stat().st_size for f in args.dir.glob("*.safetensors")) / GIB
-    print(f"\n{args.shape}: checkpoint {shard_gib:.2f} GiB bf16, run in {args.dtype}; "
-          f"prefill TP={args.prefill_tp}, decode TP={args.decode_tp}; KV cache {args.kv_mib} MiB per rank")  # fmt: skip
+    tp = f"prefill TP={args.prefill_tp}, decode TP={args.decode_tp}"
+    print(f"\n{args.shape}: checkpoint {shard_gib:.2f} GiB bf16, run in {args.dtype}; {tp}; "
+          f"KV cache {args.kv_mib} MiB per rank")  # fmt: skip
     print("process         pid      RssAnon GiB")
     for title, pid, anon in rows:
         print(f"{title:<14} {pid:>7}  {anon / GIB:>10.2f}")
