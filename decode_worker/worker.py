@@ -465,10 +465,13 @@ class DecodeWorker:
     def _on_error(self, error: BaseException) -> None:  # engine thread
         """The engine loop died (a bug, or a lost TP rank): every request ends with
         ``WorkerLost`` (the router resumes it on another decode worker)."""
-        if self._aloop is None:
-            return
-        lost = WorkerLost(f"decode worker {self.worker_id} stopped: {error}")
-        self._aloop.call_soon_threadsafe(lambda: [self._fail(rid, lost) for rid in list(self._requests)])
+        if self._aloop is not None:
+            lost = WorkerLost(f"decode worker {self.worker_id} stopped: {error}")
+            self._aloop.call_soon_threadsafe(self._fail_all, lost)
+
+    def _fail_all(self, error: Exception) -> None:  # the actor's loop
+        for rid in list(self._requests):
+            self._fail(rid, error)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:  # engine thread
         """One hand-over to the actor's loop per step, whatever the batch size."""
@@ -490,8 +493,9 @@ class DecodeWorker:
 
 
 async def _all_of(*awaitables):
-    """The results of ``awaitables``, once every one has ended (none is left running,
-    even when one fails or the caller is cancelled); then the first error, if any."""
+    """The results of ``awaitables`` once every one has ended, or else the first error
+    among them once every one has ended: a failure does not leave the others running
+    unwatched. Cancelling the caller cancels none of them (they run to their end)."""
     results = await asyncio.shield(asyncio.gather(*awaitables, return_exceptions=True))
     error = next((r for r in results if isinstance(r, BaseException)), None)
     if error is not None:

@@ -237,6 +237,8 @@ class PrefillWorker:
         model's KV heads do not split over or replicate across."""
         readers = self._readers_by_tp.get(reader_tp)
         if readers is None:
+            if reader_tp < 1:
+                raise InvalidRequest(f"reader_tp must be >= 1, got {reader_tp}")
             heads = self.engine.model_config.num_kv_heads
             try:
                 readers = tuple(readers_of(r, self.tp.size, reader_tp, heads) for r in range(self.tp.size))
@@ -246,6 +248,7 @@ class PrefillWorker:
         return readers
 
     def _stream_readers(self, request_id: str) -> int:  # engine thread
+        """The readers of a streamed export (TP=1 here: rank 0's count)."""
         waiter = self._waiters.get(request_id)
         return waiter.readers[0] if waiter is not None else 1
 
