@@ -130,7 +130,7 @@ class Stop:
 
 
 def compat_of(engine: Engine, model: str) -> CompatInfo:
-    return CompatInfo(model=model, layout=engine.kv_cache.layout)
+    return CompatInfo(model, engine.kv_cache.layout, engine.kv_cache.scale_values())
 
 
 def _inheritable_socket(fd: int) -> bool:

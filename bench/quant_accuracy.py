@@ -50,15 +50,22 @@ class Closeness:
     top1: float  # teacher-forced top-1 agreement
 
 
-def prompt_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """float32 logits at every position of ``ids``: one prefill into blocks 0.. of an
-    engine with no requests (it overwrites those blocks; use a dedicated engine).
-    Under tensor parallelism, call it on the driver while the other ranks follow."""
-    bs, n = engine.config.block_size, len(ids)
+def prompt_logits(engine: Engine, ids: list[int], cached_prefix: int = 0) -> torch.Tensor:
+    """float32 logits at every position of ``ids`` from ``cached_prefix`` on: one prefill
+    into blocks 0.. of an engine with no requests (it overwrites those blocks; use a
+    dedicated engine). With ``cached_prefix``, the first that many tokens are prefilled
+    first, and the rest attend over them from the cache (as a chunked prompt, or a
+    decode, reads them: an FP8 cache then shows its rounding). Under tensor
+    parallelism, call it on the driver while the other ranks follow."""
+    bs, n, c = engine.config.block_size, len(ids), cached_prefix
     blocks = list(range(-(-n // bs)))
     slots = [blocks[p // bs] * bs + p % bs for p in range(n)]
-    inputs = StepInputs(ids, list(range(n)), slots, [SeqSpan(0, n, n, blocks)], 0, list(range(n)))
-    return engine.runner.run(inputs)
+    if c:
+        engine.runner.run(StepInputs(ids[:c], list(range(c)), slots[:c], [SeqSpan(0, c, c, blocks)], 0, []))
+    rest = StepInputs(
+        ids[c:], list(range(c, n)), slots[c:], [SeqSpan(0, n - c, n, blocks)], 0, list(range(n - c))
+    )
+    return engine.runner.run(rest)
 
 
 def closeness(engine: Engine, reference: Engine, prompts: list[list[int]]) -> Closeness:

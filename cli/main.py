@@ -67,6 +67,8 @@ def serve_config(args: argparse.Namespace, config):
             data[role]["engine"]["quantization"] = args.quantization
         if args.kv_cache_memory_fraction is not None:
             data[role]["engine"]["kv_cache_memory_fraction"] = args.kv_cache_memory_fraction
+        if args.kv_cache_dtype is not None:
+            data[role]["engine"]["kv_cache_dtype"] = args.kv_cache_dtype
         if args.tensor_parallel_size is not None:
             data[role]["tp_size"] = args.tensor_parallel_size
     return ClusterConfig.model_validate(data)
@@ -322,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="on a GPU: the share of the memory free after the weights that the KV cache takes "
         "(default 0.9; what vLLM's --gpu-memory-utilization sets), in every pool",
+    )
+    srv.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default=None,
+        help="the KV cache's dtype in every pool: auto (the model's) or fp8 (e4m3 with scales; "
+        "half the bytes of bf16)",
     )
     srv.add_argument(
         "--served-model-name", default=None, help="the model's name in requests (default: MODEL as given)"

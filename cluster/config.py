@@ -91,6 +91,12 @@ class EngineOptions(_Strict):
         description="on a GPU, without kv_cache_memory_mib: the share of the device memory free after "
         "the weights that the KV cache takes (the rest: activations, CUDA graphs)",
     )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        _engine_default("kv_cache_dtype"),
+        description="auto: the model's dtype; fp8: e4m3 with a scale per layer and KV head (the "
+        "checkpoint's, else calibrated at start): twice the tokens per byte, half the bytes per KV "
+        "handoff; runs on the sdpa attention backend. Prefill and decode pools must agree",
+    )
     max_num_batched_tokens: int = Field(
         _engine_default("max_num_batched_tokens"),
         ge=1,
@@ -307,6 +313,12 @@ class ClusterConfig(_Strict):
                 raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
             if self.prefill.engine.block_size != self.decode.engine.block_size:
                 raise ValueError("prefill and decode pools must use the same block_size")
+            kv_dtypes = (self.prefill.engine.kv_cache_dtype, self.decode.engine.kv_cache_dtype)
+            if kv_dtypes[0] != kv_dtypes[1]:
+                raise ValueError(
+                    f"prefill and decode pools must use the same kv_cache_dtype (prefill {kv_dtypes[0]}, "
+                    f"decode {kv_dtypes[1]}): the KV is handed over as it is stored"
+                )
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ValueError("colocated mode needs at least one worker")
         return self

@@ -55,7 +55,7 @@ def rank_sink(worker_id: str, spec: DecodeWorkerSpec, engine: Engine) -> RankSin
     """The sink a rank of a decode worker pulls its KV heads with (None: colocated)."""
     if spec.backend is None:
         return None
-    compat = CompatInfo(model=spec.engine.model, layout=engine.kv_cache.layout)
+    compat = CompatInfo(spec.engine.model, engine.kv_cache.layout, engine.kv_cache.scale_values())
     max_blocks = -(-engine.max_model_len // engine.config.block_size)
     return RankSink(worker_id, engine.kv_cache.tensor, compat, get_backend(spec.backend).sink, max_blocks)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine import kernels
+from splitserve.engine import kernels, kv_quant
 from splitserve.engine.attention import get_backend
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
@@ -99,7 +99,8 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos_token_ids.add(tokenizer.eos_token_id)
 
-    dtype_name = str(dtype).removeprefix("torch.")
+    fp8_kv = config.kv_cache_dtype == "fp8"
+    kv_dtype = kv_quant.FP8 if fp8_kv else dtype
     k0, k1 = kv_head_range(mc.num_kv_heads, tp.size, tp.rank)
     layout = KVLayout(
         mc.num_layers,
@@ -107,19 +108,27 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         config.block_size,
         k1 - k0,
         mc.head_dim,
-        dtype_name,
+        str(kv_dtype).removeprefix("torch."),
         tp_size=tp.size,
         tp_rank=tp.rank,
         model_kv_heads=mc.num_kv_heads,
+        kv_scales=kv_quant.SCHEME if fp8_kv else "none",
     )
     per_token = 2 * mc.num_layers * layout.block_bytes // config.block_size
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     num_blocks = blocks_for(config, kv_budget_bytes(config, device.type, free), per_token)
     num_blocks = tp.min_int(num_blocks)  # every rank the same block ids
-    backend = get_backend(config.attention_backend, device, config.native_kernels)
+    attention = "sdpa" if fp8_kv and config.attention_backend == "auto" else config.attention_backend
+    backend = get_backend(attention, device, config.native_kernels)
+    if fp8_kv and not backend.reads_fp8_kv:
+        raise ValueError(
+            f"kv_cache_dtype fp8 runs on the sdpa attention backend; {backend.name} cannot read it"
+        )
+    if fp8_kv and config.cuda_graphs:
+        raise ValueError("kv_cache_dtype fp8 does not run with cuda_graphs")
     use_graphs = config.cuda_graphs
     if use_graphs is None:
-        use_graphs = device.type == "cuda" and backend.name == "triton" and tp.size == 1
+        use_graphs = device.type == "cuda" and backend.name == "triton" and tp.size == 1 and not fp8_kv
     # a CUDA graph's padding rows write to the last block: requests get the others
     usable = num_blocks - 1 if use_graphs else num_blocks
     capacity = size_kv_cache(config, usable, per_token, context)
@@ -142,6 +151,8 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         tp,
         graphs,
     )
+    if kv_cache.scales is not None:
+        set_kv_scales(runner, mc, source, config.seed)
     validator = RequestValidator(
         model=config.model,
         vocab_size=mc.vocab_size,
@@ -153,6 +164,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     threads = f"{torch.get_num_threads()} torch threads" if device.type == "cpu" else str(device)
     summary = (
         f"{mc.model_type}, {str(dtype).removeprefix('torch.')}"
+        f"{', fp8 KV cache' if fp8_kv else ''}"
         f"{'' if config.quantization == 'none' else f' with {config.quantization} linears'} on {threads}"
         f"{f' (TP {tp.size})' if tp.size > 1 else ''}, attention {runner.backend.name}, "
         f"up to {config.max_num_seqs} sequences; {capacity.describe()}"
@@ -174,3 +186,38 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         runner=runner,
         validator=validator,
     )
+
+
+CALIBRATION_TOKENS = 256  # the prompt an FP8 KV cache's scales are calibrated on, at most
+
+
+def set_kv_scales(runner: ModelRunner, mc: ModelConfig, source, seed: int) -> None:
+    """An FP8 cache's scales: the checkpoint's ``k_scale`` / ``v_scale`` where it ships
+    them, else calibrated on a prompt of pseudo-random tokens (the same on every rank
+    and every worker of a model; ``engine.kv_quant`` says how)."""
+    scales = runner.kv_cache.scales
+    shipped = checkpoint_kv_scales(source.directory, mc.num_layers) if source is not None else None
+    if shipped is not None:
+        scales.copy_(shipped[:, :, None].expand_as(scales))
+        return
+    cache_tokens = runner.kv_cache.layout.num_blocks * runner.kv_cache.layout.block_size
+    n = max(1, min(CALIBRATION_TOKENS, cache_tokens, runner.model.max_position))
+    rng = torch.Generator().manual_seed(seed)
+    runner.calibrate_kv(torch.randint(0, mc.vocab_size, (n,), generator=rng).tolist())
+
+
+def checkpoint_kv_scales(directory, num_layers: int) -> torch.Tensor | None:
+    """[num_layers, 2]: the checkpoint's per-layer K and V scales (FP8 checkpoints with a
+    KV cache scheme ship ``model.layers.N.self_attn.k_scale`` / ``v_scale``), or None
+    unless every layer has both."""
+    found: dict[str, float] = {}
+    for name, tensor in safetensors_tensors(directory):
+        if name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):
+            found[name] = float(tensor.read().float().max())
+    rows = []
+    for i in range(num_layers):
+        k, v = (found.get(f"model.layers.{i}.self_attn.{x}_scale") for x in "kv")
+        if k is None or v is None:
+            return None
+        rows.append((k, v))
+    return torch.tensor(rows, dtype=torch.float32)

@@ -34,6 +34,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # default: as many as the KV budget holds (engine.kv_sizing)
     kv_cache_memory_mib: int | None = None  # the KV budget; default: CUDA a fraction, CPU 1024 MiB
     kv_cache_memory_fraction: float = 0.9  # CUDA, no kv_cache_memory_mib: of free memory after weights
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype | fp8: e4m3 with scales (engine.kv_quant)
     max_num_batched_tokens: int = 512  # token budget per step; longer prompts are chunked
     max_num_seqs: int = 256  # running sequences at most
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -63,6 +64,8 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

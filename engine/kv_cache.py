@@ -43,10 +43,24 @@ class KVCache:
             layout.head_dim,
         )
         self.tensor = allocate_zeros(shape, getattr(torch, layout.dtype), device)
+        # An FP8 cache's scales, [num_layers, 2 (K, V), kv_heads] (engine.kv_quant), set
+        # by the engine at start; None otherwise.
+        self.scales: torch.Tensor | None = None
+        if layout.kv_scales != "none":
+            self.scales = torch.ones(layout.num_layers, 2, layout.num_kv_heads, device=device)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of layer ``i``, each [num_blocks, block_size, kv_heads, head_dim]."""
         return self.tensor[i, 0], self.tensor[i, 1]
+
+    def scale_values(self) -> tuple[float, ...]:
+        """An FP8 cache's scales, flattened [num_layers, 2, kv_heads] (what a handshake
+        carries: ``CompatInfo.kv_scales``); () for any other cache."""
+        return () if self.scales is None else tuple(self.scales.flatten().tolist())
+
+    def layer_scales(self, i: int) -> torch.Tensor | None:
+        """[2, kv_heads]: the K and V scales of layer ``i`` (None: not an FP8 cache)."""
+        return None if self.scales is None else self.scales[i]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copy of the given blocks: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""

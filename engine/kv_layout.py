@@ -35,6 +35,8 @@ class KVLayout:
     tp_rank: int = 0
     # the model's KV heads; None: num_kv_heads * tp_size (no head is replicated)
     model_kv_heads: int | None = None
+    # how values are scaled: "none", or an FP8 cache's scheme (engine.kv_quant.SCHEME)
+    kv_scales: str = "none"
 
     @property
     def total_kv_heads(self) -> int:

@@ -100,13 +100,23 @@ class ModelRunner:
             logits = self.run(inputs, on_layer)
         return ordered, None if logits is None else self.sampler(logits, rows)
 
+    def calibrate_kv(self, token_ids: list[int]) -> None:
+        """Every rank, in the same order (the model's collectives run): prefill
+        ``token_ids`` into the cache's first blocks, setting an FP8 cache's scales from
+        their K and V (``engine.kv_quant``). What it writes is garbage to everyone else:
+        call before any request."""
+        bs, n = self.block_size, len(token_ids)
+        inputs = StepInputs(list(token_ids), list(range(n)), list(range(n)), [], 0, [])
+        inputs.spans.append(SeqSpan(0, n, n, list(range(-(-n // bs)))))
+        self.forward(inputs, calibrate_kv=True)
+
     def run(self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """Driver: send ``inputs`` to the other TP ranks and run the step with them."""
         self.tp.broadcast_object(inputs)
         return self.forward(inputs, on_layer)
 
     def forward(
-        self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None
+        self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None, calibrate_kv: bool = False
     ) -> torch.Tensor | None:
         """The model on one step's inputs: KV written to the cache; the logits of
         ``last_index`` (full vocabulary, the model's dtype), or None when nothing samples."""
@@ -118,6 +128,7 @@ class ModelRunner:
             backend=self.backend,
             attn_meta=self.backend.prepare(inputs.spans, inputs.num_decodes, self.block_size, dev),
             on_layer=on_layer,
+            calibrate_kv=calibrate_kv,
         )
         hidden = self.model(ids_t, pos_t, self.kv_cache, ctx)
         if not inputs.last_index:

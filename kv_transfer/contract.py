@@ -138,6 +138,10 @@ class CompatInfo:
 
     model: str  # model identity, e.g. a checkpoint path/name plus revision
     layout: KVLayout  # num_blocks is excluded from the hash: pools may differ in size
+    # An FP8 cache's scales (layout.kv_scales names the scheme), flattened
+    # [num_layers, 2 (K, V), num_kv_heads]: not part of the hash (each worker calibrates its
+    # own); a sink rescales what it pulls from the source's into its own
+    kv_scales: tuple[float, ...] = ()
 
     def fields(self) -> dict[str, object]:
         layout = dataclasses.asdict(self.layout)

@@ -28,7 +28,7 @@ from splitserve.kv_transfer.errors import (
     PeerLost,
     TransferTimeout,
 )
-from splitserve.kv_transfer.integrity import check_cache, layer_checksum
+from splitserve.kv_transfer.integrity import byte_view, check_cache, layer_checksum
 
 
 class KVSink:
@@ -49,7 +49,7 @@ class KVSink:
     def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo):
         check_cache(cache, compat)
         self.worker_id = worker_id
-        self.cache = cache
+        self.cache = byte_view(cache)
         self.compat = compat
         self.peers: dict[str, Handshake] = {}
         self.last_stats = TransferStats()

@@ -57,7 +57,7 @@ class KVSource:
             raise ValueError("lease_s must be positive")
         self.worker_id = worker_id
         self.incarnation = uuid.uuid4().hex
-        self.cache = cache
+        self.cache = integrity.byte_view(cache)
         self.compat = compat
         self.lease_s = lease_s
         self._exports: dict[str, _Export] = {}

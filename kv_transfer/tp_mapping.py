@@ -41,8 +41,10 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.kv_layout import KVLayout, kv_head_range
+from splitserve.engine.kv_quant import requantize
 from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVDescriptor
 from splitserve.kv_transfer.errors import IncompatiblePeer, PeerLost
+from splitserve.kv_transfer.integrity import byte_view
 from splitserve.kv_transfer.sink import KVSink
 
 # Fields that differ between the shards of one model's KV cache under different TP.
@@ -116,6 +118,15 @@ def shard_layout(layout: KVLayout, tp_size: int, tp_rank: int, num_blocks: int) 
     )
 
 
+def kv_scales(compat: CompatInfo, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """An FP8 cache's scales as ``[num_layers, 2, num_kv_heads]`` (None for any other)."""
+    if not compat.kv_scales:
+        return None
+    lay = compat.layout
+    flat = torch.tensor(compat.kv_scales, dtype=torch.float32, device=device)
+    return flat.view(lay.num_layers, 2, lay.num_kv_heads)
+
+
 def check_same_model(mine: CompatInfo, theirs: CompatInfo, worker: str) -> None:
     """Raise ``IncompatiblePeer`` unless the two caches are shards of the same model's KV."""
     a, b = mine.fields(), theirs.fields()
@@ -148,10 +159,13 @@ class HeadMappingSink:
         if max_blocks < 1:
             raise ValueError("max_blocks must be >= 1")
         self.worker_id = worker_id
-        self.cache = cache
+        self.cache = byte_view(cache)
         self.compat = compat
         self.make_sink = make_sink
         self.max_blocks = max_blocks
+        # an FP8 cache's own scales, which what it pulls is rescaled into
+        self.scales = kv_scales(compat, cache.device)
+        self._src_scales: dict[int, torch.Tensor | None] = {}  # source rank -> its scales
         self.src_tp: int | None = None
         self.plan: list[HeadCopy] = []
         self.last_wait_s = 0.0  # the last pull's seconds waiting for a streamed source's layers
@@ -181,6 +195,7 @@ class HeadMappingSink:
             if sink is None:
                 sink = self._sinks[copy.src_rank] = self._staging_sink(hs.compat)
             sink.connect(hs)
+            self._src_scales[copy.src_rank] = kv_scales(hs.compat, self.cache.device)
         self.src_tp, self.plan = src_tp, plan
 
     def pull(
@@ -203,9 +218,13 @@ class HeadMappingSink:
             sink = self._sinks[copy.src_rank]
             confirmations.append(sink.pull(descs[copy.src_rank], staged, timeout=timeout))
             self.last_wait_s += sink.last_stats.wait_s
-            heads = sink.cache[:, :, :n, :, copy.src_start : copy.src_stop]
-            target = self.cache[:, :, :, :, copy.dst_start : copy.dst_stop]
-            target.index_copy_(2, dst, heads)
+            src_heads, dst_heads = slice(copy.src_start, copy.src_stop), slice(copy.dst_start, copy.dst_stop)
+            self.cache[:, :, :, :, dst_heads].index_copy_(2, dst, sink.cache[:, :, :n, :, src_heads])
+            src_scales = self._src_scales[copy.src_rank]
+            if self.scales is not None and src_scales is not None:
+                requantize(
+                    self.cache, dst, dst_heads, src_scales[:, :, src_heads], self.scales[:, :, dst_heads]
+                )
         return confirmations
 
     def close(self) -> None:
@@ -242,6 +261,9 @@ class RankSink:
         self.make_sink = make_sink
         self.max_blocks = max_blocks  # one request's blocks at most (it sizes staging caches)
         self.direct = make_sink(worker_id, cache, compat)
+        # an FP8 cache's own scales, which what it pulls is rescaled into
+        self.scales = kv_scales(compat, cache.device)
+        self._direct_scales: dict[str, torch.Tensor | None] = {}  # source rank's worker id -> its scales
         self._mapped: dict[str, HeadMappingSink] = {}  # source worker -> its head-mapping sink
 
     def connect(self, handshakes: list[Handshake]) -> None:
@@ -254,7 +276,9 @@ class RankSink:
         source = handshakes[0].worker_id  # its rank 0's, as its descriptors name it
         me = self.compat.layout
         if len(handshakes) == me.tp_size:
-            self.direct.connect(handshakes[me.tp_rank])
+            peer = handshakes[me.tp_rank]
+            self.direct.connect(peer)
+            self._direct_scales[peer.worker_id] = kv_scales(peer.compat, self.cache.device)
             mapped = self._mapped.pop(source, None)
             if mapped is not None:
                 mapped.close()
@@ -276,7 +300,12 @@ class RankSink:
         source's layers. Errors are ``KVSink.pull``'s."""
         me = self.compat.layout
         if len(descs) == me.tp_size:
-            confirmation = self.direct.pull(descs[me.tp_rank], dst_blocks, timeout)
+            desc = descs[me.tp_rank]
+            confirmation = self.direct.pull(desc, dst_blocks, timeout)
+            src_scales = self._direct_scales.get(desc.source_worker)
+            if self.scales is not None and src_scales is not None:
+                blocks = torch.tensor(dst_blocks, dtype=torch.long, device=self.cache.device)
+                requantize(self.direct.cache, blocks, slice(None), src_scales, self.scales)
             return [confirmation], self.direct.last_stats.wait_s
         mapped = self._mapped.get(descs[0].source_worker)
         if mapped is None:

@@ -98,7 +98,8 @@ class PrefillRank:
         )
         self._follower.start()
         self.engine = built.result()
-        compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
+        kv = self.engine.kv_cache
+        compat = CompatInfo(spec.engine.model, kv.layout, kv.scale_values())
         name = f"{spec.worker_id}/tp{spec.tp.rank}"
         self.source = get_backend(spec.backend).source(
             name, self.engine.kv_cache.tensor, compat, spec.lease_s

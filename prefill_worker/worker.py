@@ -142,7 +142,8 @@ class PrefillWorker:
             on_error=self._on_error,
         )
         self.engine = self.loop.build()
-        compat = CompatInfo(model=spec.engine.model, layout=self.engine.kv_cache.layout)
+        kv = self.engine.kv_cache
+        compat = CompatInfo(spec.engine.model, kv.layout, kv.scale_values())
         backend = get_backend(spec.backend)
         self.source = backend.source(spec.worker_id, self.engine.kv_cache.tensor, compat, spec.lease_s)
         self.handshakes = tuple(self.tp.gather_object(self.source.handshake()))  # every rank's

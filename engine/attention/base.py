@@ -43,6 +43,7 @@ def decode_tables(
 
 class AttentionBackend(ABC):
     name: str
+    reads_fp8_kv: bool = False  # takes an FP8 cache with its scales
 
     @abstractmethod
     def prepare(self, spans: list[SeqSpan], num_decodes: int, block_size: int, device: torch.device) -> Any:
@@ -58,5 +59,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: Any,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal attention of every query over its sequence's keys; returns [T, H, D]."""
+        """Causal attention of every query over its sequence's keys; returns [T, H, D].
+        ``kv_scales`` ([2, kv_heads]) comes with an FP8 cache (``engine.kv_quant``), which
+        only backends that set ``reads_fp8_kv`` take."""

@@ -41,6 +41,7 @@ class CpuMetadata:
 
 class CpuBackend(SdpaBackend):
     name = "cpu"
+    reads_fp8_kv = False  # the native kernels read the model's dtype
 
     def __init__(self) -> None:
         self.kernels = kernels.load()

@@ -10,6 +10,9 @@ fresh K/V with ``is_causal``; a chunk after a prefix gathers the prefix from the
 cache and uses an explicit bottom-right-aligned causal mask. KV heads are
 repeated for the query heads and inputs are 4-D (otherwise CPU SDPA drops to
 its slow math path).
+
+An FP8 cache's blocks are dequantized as they are gathered (``kv_scales``); a
+prompt with no cached prefix attends over its fresh, unquantized K/V.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.attention.base import AttentionBackend, SeqSpan
+from splitserve.engine.kv_quant import dequantize
 
 
 @dataclass
@@ -41,6 +45,7 @@ class SdpaMetadata:
 
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
+    reads_fp8_kv = True  # the blocks it gathers are dequantized (engine.kv_quant)
 
     def prepare(self, spans: list[SeqSpan], num_decodes: int, block_size: int, device: torch.device):
         decode_blocks = decode_mask = None
@@ -69,16 +74,23 @@ class SdpaBackend(AttentionBackend):
             prefills.append(_Prefill(s.q_start, s.q_len, s.ctx_len, blocks, mask))
         return SdpaMetadata(num_decodes, decode_blocks, decode_mask, prefills)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: SdpaMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: SdpaMetadata, scale: float, kv_scales=None):
         num_heads, head_dim = q.shape[1], q.shape[2]
+
+        def gather(cache: torch.Tensor, blocks: torch.Tensor, kv: int) -> torch.Tensor:
+            if kv_scales is None:
+                return cache.index_select(0, blocks)
+            got = cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype)  # no float8 index_select
+            return dequantize(got, kv_scales[kv], q.dtype)
+
         kv_heads = k.shape[1]
         group = num_heads // kv_heads
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             qd = q[:nd].view(nd, kv_heads, group, head_dim)
-            kd = k_cache.index_select(0, meta.decode_blocks).view(nd, -1, kv_heads, head_dim)
-            vd = v_cache.index_select(0, meta.decode_blocks).view(nd, -1, kv_heads, head_dim)
+            kd = gather(k_cache, meta.decode_blocks, 0).view(nd, -1, kv_heads, head_dim)
+            vd = gather(v_cache, meta.decode_blocks, 1).view(nd, -1, kv_heads, head_dim)
             od = F.scaled_dot_product_attention(
                 qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask, scale=scale
             )
@@ -89,8 +101,8 @@ class SdpaBackend(AttentionBackend):
                 ks = k[p.q_start : p.q_start + p.q_len]
                 vs = v[p.q_start : p.q_start + p.q_len]
             else:
-                ks = k_cache.index_select(0, p.blocks).view(-1, kv_heads, head_dim)[: p.ctx_len]
-                vs = v_cache.index_select(0, p.blocks).view(-1, kv_heads, head_dim)[: p.ctx_len]
+                ks = gather(k_cache, p.blocks, 0).view(-1, kv_heads, head_dim)[: p.ctx_len]
+                vs = gather(v_cache, p.blocks, 1).view(-1, kv_heads, head_dim)[: p.ctx_len]
             # 4-D inputs with KV heads repeated: 3-D inputs or enable_gqa drop CPU SDPA
             # to its slow math path.
             ks = ks.transpose(0, 1).repeat_interleave(group, dim=0)[None]

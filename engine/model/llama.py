@@ -19,6 +19,7 @@ from torch import nn
 
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_quant import calibrated_scales, quantize
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.rope import RotaryEmbedding, apply_rotary
 from splitserve.engine.parallel.group import TPGroup
@@ -71,21 +72,28 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.kernels: Any = None  # with ``rope_and_cache``: rotary + KV write in one kernel
 
-    def forward(self, x, cos, sin, k_cache, v_cache, ctx: StepContext) -> torch.Tensor:
+    def forward(self, x, cos, sin, k_cache, v_cache, ctx: StepContext, kv_scales=None) -> torch.Tensor:
+        """``kv_scales``: an FP8 cache's [2, kv_heads] K and V scales of this layer
+        (``engine.kv_quant``), which ``ctx.calibrate_kv`` sets from this step's K and V."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         fused = getattr(self.kernels, "rope_and_cache", None)
-        if fused is not None and self.q_norm is None and k_cache.is_contiguous():
+        if fused is not None and self.q_norm is None and k_cache.is_contiguous() and kv_scales is None:
             heads = (self.num_heads, self.num_kv_heads)
             q, k, v = fused(qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, *heads)
         else:
-            q, k, v = self._rope_and_cache(qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping)
-        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale)
+            q, k, v = self._rope_and_cache(qkv, cos, sin, k_cache, v_cache, ctx, kv_scales)
+        if kv_scales is None:
+            o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale)
+        else:
+            o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale, kv_scales)
         return self.o_proj(o.view(T, self.q_size))
 
-    def _rope_and_cache(self, qkv, cos, sin, k_cache, v_cache, slot_mapping):
+    def _rope_and_cache(self, qkv, cos, sin, k_cache, v_cache, ctx: StepContext, kv_scales=None):
         """q, k, v of each token (q/k normed if the model has it, then rotated); k and v
-        written to the caches at ``slot_mapping``. In torch ops; ``kernels`` may fuse it."""
+        written to the caches at ``ctx.slot_mapping`` (quantized with ``kv_scales`` for an
+        FP8 cache). In torch ops; ``kernels`` may fuse it."""
+        slot_mapping = ctx.slot_mapping
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -95,8 +103,19 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         flat = (-1, self.num_kv_heads, self.head_dim)
-        k_cache.view(flat).index_copy_(0, slot_mapping, k)
-        v_cache.view(flat).index_copy_(0, slot_mapping, v)
+        if kv_scales is None:
+            k_cache.view(flat).index_copy_(0, slot_mapping, k)
+            v_cache.view(flat).index_copy_(0, slot_mapping, v)
+            return q, k, v
+        if ctx.calibrate_kv:
+            kv_scales.copy_(calibrated_scales(k, v))
+        # as bytes: torch has no index_copy_ for float8 on the CPU
+        k_cache.view(torch.uint8).view(flat).index_copy_(
+            0, slot_mapping, quantize(k, kv_scales[0]).view(torch.uint8)
+        )
+        v_cache.view(torch.uint8).view(flat).index_copy_(
+            0, slot_mapping, quantize(v, kv_scales[1]).view(torch.uint8)
+        )
         return q, k, v
 
 
@@ -129,10 +148,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, delta, cos, sin, k_cache, v_cache, ctx):
+    def forward(self, x, delta, cos, sin, k_cache, v_cache, ctx, kv_scales=None):
         """``x`` is the residual stream, still missing the previous layer's output
         ``delta``; returns this layer's output, to be added by the next norm."""
-        attn = self.self_attn(self.input_layernorm(x, delta), cos, sin, k_cache, v_cache, ctx)
+        attn = self.self_attn(self.input_layernorm(x, delta), cos, sin, k_cache, v_cache, ctx, kv_scales)
         return self.mlp(self.post_attention_layernorm(x, attn))
 
 
@@ -145,11 +164,13 @@ class StepContext:
         backend: AttentionBackend,
         attn_meta: Any,
         on_layer: Callable[[int], None] | None = None,
+        calibrate_kv: bool = False,
     ):
         self.slot_mapping = slot_mapping
         self.backend = backend
         self.attn_meta = attn_meta
         self.on_layer = on_layer  # called with i once layer i wrote its KV
+        self.calibrate_kv = calibrate_kv  # an FP8 cache takes its scales from this step's K and V
 
 
 class LlamaModel(nn.Module):
@@ -179,7 +200,7 @@ class LlamaModel(nn.Module):
         delta = None
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            delta = layer(x, delta, cos, sin, k_cache, v_cache, ctx)
+            delta = layer(x, delta, cos, sin, k_cache, v_cache, ctx, kv_cache.layer_scales(i))
             if ctx.on_layer is not None:
                 ctx.on_layer(i)
         return self.norm(x, delta)

@@ -287,7 +287,8 @@ def placement(model: LlamaModel, tp: TPGroup, name: str) -> Placement:
     raise ModelLoadError(f"checkpoint tensor {name} has no place in the model")
 
 
-SKIPPED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")  # static activation / KV scales: not used
+SKIPPED_SUFFIXES = (".input_scale",)  # static activation scales: not used
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")  # an FP8 KV cache's, read by build.set_kv_scales
 
 
 @torch.no_grad()
@@ -311,7 +312,7 @@ def load_weights(
             bar.update(_numel(source.shape) * source.dtype.itemsize)
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        if quant is not None and name.endswith(SKIPPED_SUFFIXES):
+        if name.endswith(KV_SCALE_SUFFIXES) or (quant is not None and name.endswith(SKIPPED_SUFFIXES)):
             continue
         if quant is not None and name.endswith("." + quant.scale_name):
             weight_name = name.removesuffix(quant.scale_name) + "weight"

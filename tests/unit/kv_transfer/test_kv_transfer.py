@@ -70,7 +70,7 @@ def make_engine(checkpoint, **kw) -> Engine:
 
 
 def compat(engine: Engine, model: str = "tiny") -> CompatInfo:
-    return CompatInfo(model=model, layout=engine.kv_cache.layout)
+    return CompatInfo(model, engine.kv_cache.layout, engine.kv_cache.scale_values())
 
 
 @pytest.fixture()
