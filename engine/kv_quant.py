@@ -11,7 +11,11 @@ used for every head), else computed by the engine at start from a
 calibration prompt, per layer and KV head, as vLLM's ``calculate_kv_scales``
 does per tensor: ``amax / 200`` for K and ``amax / 100`` for V (e4m3's
 largest value is 448: the range left above the calibration's largest value
-absorbs prompts that run larger; beyond it values saturate).
+absorbs prompts that run larger; beyond it values saturate), rounded up to a
+power of two. Powers of two make what crosses a handoff exact: two workers'
+calibrations that differ in the last bits (another thread count, another TP
+size) almost always land on the same power, and where they do not, rescaling
+by a power of two only shifts exponents (exact, short of e4m3's range ends).
 
 Each worker calibrates its own cache, so a prefill worker's scales and a
 decode worker's differ slightly: the KV crosses a handoff as the source's FP8
@@ -43,10 +47,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 def calibrated_scales(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """[2, heads]: the K and V scales of one layer from its calibration tokens' K and V
-    ([tokens, heads, head_dim] each)."""
+    ([tokens, heads, head_dim] each), rounded up to powers of two."""
     k_amax = k.float().abs().amax(dim=(0, 2))
     v_amax = v.float().abs().amax(dim=(0, 2))
-    return torch.stack([k_amax / K_RANGE, v_amax / V_RANGE]).clamp_(min=MIN_SCALE)
+    scales = torch.stack([k_amax / K_RANGE, v_amax / V_RANGE]).clamp_(min=MIN_SCALE)
+    return torch.exp2(torch.ceil(torch.log2(scales)))
 
 
 def requantize(

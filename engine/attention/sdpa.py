@@ -11,8 +11,10 @@ cache and uses an explicit bottom-right-aligned causal mask. KV heads are
 repeated for the query heads and inputs are 4-D (otherwise CPU SDPA drops to
 its slow math path).
 
-An FP8 cache's blocks are dequantized as they are gathered (``kv_scales``); a
-prompt with no cached prefix attends over its fresh, unquantized K/V.
+An FP8 cache's blocks are dequantized as they are gathered (``kv_scales``), and
+a prompt with no cached prefix attends over its fresh K/V rounded as the cache
+holds them (as vLLM, which reads them back from the cache): where a prompt's
+chunks begin, or whether its prefix came from elsewhere, changes no result.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.attention.base import AttentionBackend, SeqSpan
-from splitserve.engine.kv_quant import dequantize
+from splitserve.engine.kv_quant import dequantize, quantize
 
 
 @dataclass
@@ -100,6 +102,9 @@ class SdpaBackend(AttentionBackend):
             if p.blocks is None:
                 ks = k[p.q_start : p.q_start + p.q_len]
                 vs = v[p.q_start : p.q_start + p.q_len]
+                if kv_scales is not None:  # as the cache holds them, so chunking changes nothing
+                    ks = dequantize(quantize(ks, kv_scales[0]), kv_scales[0], q.dtype)
+                    vs = dequantize(quantize(vs, kv_scales[1]), kv_scales[1], q.dtype)
             else:
                 ks = gather(k_cache, p.blocks, 0).view(-1, kv_heads, head_dim)[: p.ctx_len]
                 vs = gather(v_cache, p.blocks, 1).view(-1, kv_heads, head_dim)[: p.ctx_len]

@@ -1,5 +1,6 @@
-"""KV head mapping between TP sizes: the plan on its own, then ``HeadMappingSink``
-over the in-process backend, checked against the unsharded cache it came from."""
+"""KV head mapping between TP sizes: the plan on its own, then ``RankSink`` and
+``HeadMappingSink`` over the in-process backend, checked against the unsharded
+cache it came from (FP8 caches of different scales included)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from splitserve.engine import KVLayout
+from splitserve.engine.kv_quant import FP8, SCHEME
 from splitserve.kv_transfer import CompatInfo, IncompatiblePeer, IntegrityError
 from splitserve.kv_transfer.backends.local import LocalHub, LocalSink, LocalSource
 from splitserve.kv_transfer.tp_mapping import (
@@ -133,3 +135,55 @@ def test_corrupted_shard_fails_the_pull():
     sink.connect([s.handshake() for s in sources])
     with pytest.raises(IntegrityError, match="corrupted"):
         sink.pull(descs, [3, 4])
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_fp8_kv_is_rescaled_into_the_sinks_own_scales(src_tp, dst_tp):
+    """FP8 caches whose scales differ (each worker calibrates its own): what a rank pulls
+    is stored in its own scales and means the source's values, within e4m3's rounding
+    (moved as bytes, checked by the source's checksums, then rescaled)."""
+    torch.manual_seed(1)
+    model = dataclasses.replace(FULL, dtype="float8_e4m3fn", kv_scales=SCHEME)
+    full = torch.randn(_cache(FULL).shape)  # the model's KV in float32
+    src_scales = full.abs().amax(dim=(2, 3, 5)) / 200  # [layers, 2, heads]
+    dst_scales = src_scales * torch.linspace(0.6, 1.7, 8)  # another worker's calibration
+    hub, sources, descs = LocalHub(), [], []
+    for r in range(src_tp):
+        lay = shard_layout(model, src_tp, r, model.num_blocks)
+        h0, h1 = lay.kv_head_range
+        own = src_scales[:, :, h0:h1]
+        cache = (full[..., h0:h1, :] / own[:, :, None, None, :, None]).to(FP8)
+        compat = CompatInfo("m", lay, tuple(own.flatten().tolist()))
+        sources.append(LocalSource(f"p{r}", cache, compat, hub=hub))
+        descs.append(
+            sources[r].export("req", [7, 2, 9], num_tokens=10, readers=readers_of(r, src_tp, dst_tp, 8))
+        )
+    for d in range(dst_tp):
+        lay = shard_layout(model, dst_tp, d, 6)
+        h0, h1 = lay.kv_head_range
+        own = dst_scales[:, :, h0:h1]
+        dst = torch.zeros(_cache(lay).shape, dtype=FP8)
+        compat = CompatInfo("m", lay, tuple(own.flatten().tolist()))
+        sink = RankSink(f"d{d}", dst, compat, functools.partial(LocalSink, hub=hub), max_blocks=4)
+        sink.connect([s.handshake() for s in sources])
+        sink.pull(tuple(descs), [5, 0, 3], timeout=10.0)
+        got = dst.view(torch.uint8)[:, :, [5, 0, 3]].view(FP8).float() * own[:, :, None, None, :, None]
+        want = full[:, :, [7, 2, 9]][..., h0:h1, :]
+        big = want.abs() > 0.05 * want.abs().amax()
+        # two roundings to e4m3 (source, then rescale): each at most 2**-4 relative
+        assert ((got - want).abs()[big] / want.abs()[big]).max() <= 2 * 2**-4 + 2**-8
+        sink.close()
+
+
+def test_an_fp8_sink_refuses_a_bf16_source_at_handshake():
+    hub = LocalHub()
+    bf16 = dataclasses.replace(FULL, dtype="bfloat16")
+    src = LocalSource(
+        "p0", torch.zeros(_cache(bf16).shape, dtype=torch.bfloat16), CompatInfo("m", bf16), hub=hub
+    )
+    fp8 = dataclasses.replace(FULL, dtype="float8_e4m3fn", kv_scales=SCHEME)
+    scales = tuple([1.0] * (2 * 2 * 8))
+    dst = torch.zeros(_cache(FULL).shape, dtype=FP8)
+    sink = RankSink("d", dst, CompatInfo("m", fp8, scales), functools.partial(LocalSink, hub=hub), 4)
+    with pytest.raises(IncompatiblePeer, match="dtype: 'bfloat16' there vs 'float8_e4m3fn' here"):
+        sink.connect([src.handshake()])
