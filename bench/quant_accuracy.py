@@ -4,11 +4,12 @@
 
 For each quantization (int8 weight-only, FP8 W8A8; on CPU FP8 runs its
 exact-dequantizing fallback, the same numbers FP8 tensor cores compute) and
-for unquantized bf16 as a yardstick, over a set of chat prompts:
+for unquantized bf16 as a yardstick, and bf16 with an FP8 KV cache
+(``kv_cache_dtype: fp8``), over a set of chat prompts:
 
 - teacher-forced logits at every prompt position, against float32: cosine
   (mean and minimum) and top-1 agreement (the token greedy decoding would
-  pick there);
+  pick there), and the perplexity of the prompts' own next tokens;
 - free-running greedy generation of ``--max-tokens`` tokens: prompts whose
   output is identical, and the mean length of the identical prefix.
 
@@ -48,6 +49,7 @@ class Closeness:
     mean_cos: float
     min_cos: float
     top1: float  # teacher-forced top-1 agreement
+    perplexity: float  # of the prompts' own next tokens
 
 
 def prompt_logits(engine: Engine, ids: list[int], cached_prefix: int = 0) -> torch.Tensor:
@@ -69,13 +71,15 @@ def prompt_logits(engine: Engine, ids: list[int], cached_prefix: int = 0) -> tor
 
 
 def closeness(engine: Engine, reference: Engine, prompts: list[list[int]]) -> Closeness:
-    cos, top1 = [], []
+    cos, top1, nll = [], [], []
     for p in prompts:
         got, ref = prompt_logits(engine, p), prompt_logits(reference, p)
         cos.append(nn.functional.cosine_similarity(got, ref, dim=-1))
         top1.append((got.argmax(-1) == ref.argmax(-1)).float())
+        nll.append(nn.functional.cross_entropy(got[:-1].float(), torch.tensor(p[1:]), reduction="none"))
     c = torch.cat(cos)
-    return Closeness(c.mean().item(), c.min().item(), torch.cat(top1).mean().item())
+    ppl = torch.cat(nll).mean().exp().item()
+    return Closeness(c.mean().item(), c.min().item(), torch.cat(top1).mean().item(), ppl)
 
 
 def greedy_agreement(got: list[list[int]], ref: list[list[int]]) -> tuple[int, float]:
@@ -107,17 +111,28 @@ def main(argv: list[str] | None = None) -> None:
     ref_out = [c.token_ids for c in reference.generate(prompts, params)]
     print(f"{args.model}: {len(prompts)} chat prompts, {sum(map(len, prompts))} positions, reference float32")
     speed_col = f" decode tok/s at B={args.speed} (vs bf16) |" if args.speed else ""
-    header = "| variant | mean cosine | min cosine | top-1 agreement | greedy identical | identical prefix |"
+    ref_ppl = closeness(reference, reference, prompts).perplexity
+    print(f"prompt perplexity of the float32 reference: {ref_ppl:.3f}")
+    header = (
+        "| variant | mean cosine | min cosine | top-1 agreement | prompt perplexity | greedy identical "
+        "| identical prefix | KV bytes/token |"
+    )
     print(header + speed_col)
-    print("|---|---|---|---|---|---|" + ("---|" if args.speed else ""))
-    variants = [("bfloat16", "none"), (args.dtype, "int8"), (args.dtype, "fp8")]
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if args.speed else ""))
+    variants = [
+        ("bfloat16", "none", "auto"),
+        ("bfloat16", "none", "fp8"),
+        (args.dtype, "int8", "auto"),
+        (args.dtype, "fp8", "auto"),
+    ]
     baseline = None
-    for dtype, q in variants:
+    for dtype, q, kv in variants:
         engine = Engine(
             EngineConfig(
                 model=args.model,
                 dtype=dtype,
                 quantization=q,
+                kv_cache_dtype=kv,
                 kv_cache_memory_mib=256,
                 enable_prefix_caching=False,
                 max_num_batched_tokens=2048,
@@ -125,15 +140,16 @@ def main(argv: list[str] | None = None) -> None:
         )
         c = closeness(engine, reference, prompts)
         same, prefix = greedy_agreement([o.token_ids for o in engine.generate(prompts, params)], ref_out)
-        label = f"{q} ({engine.dtype})".replace("torch.", "")
+        label = f"{q} ({engine.dtype}){', fp8 KV' if kv == 'fp8' else ''}".replace("torch.", "")
         speed = ""
         if args.speed:
             tps = decode_tokens_per_s(engine, args.speed)
             baseline = baseline or tps
             speed = f" {tps:.0f} ({tps / baseline:.2f}x) |"
         print(
-            f"| {label} | {c.mean_cos:.4f} | {c.min_cos:.4f} | {c.top1:.3f} | {same}/{len(prompts)} "
-            f"| {prefix:.1f}/{args.max_tokens} |" + speed
+            f"| {label} | {c.mean_cos:.4f} | {c.min_cos:.4f} | {c.top1:.3f} | {c.perplexity:.3f} "
+            f"| {same}/{len(prompts)} | {prefix:.1f}/{args.max_tokens} | {engine.capacity.bytes_per_token} |"
+            + speed
         )
 
 
