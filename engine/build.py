@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -152,7 +153,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         graphs,
     )
     if kv_cache.scales is not None:
-        set_kv_scales(runner, mc, source, config.seed)
+        set_kv_scales(runner, mc, source.directory if weights is not None else None, config.seed)
     validator = RequestValidator(
         model=config.model,
         vocab_size=mc.vocab_size,
@@ -191,12 +192,12 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
 CALIBRATION_TOKENS = 256  # the prompt an FP8 KV cache's scales are calibrated on, at most
 
 
-def set_kv_scales(runner: ModelRunner, mc: ModelConfig, source, seed: int) -> None:
-    """An FP8 cache's scales: the checkpoint's ``k_scale`` / ``v_scale`` where it ships
+def set_kv_scales(runner: ModelRunner, mc: ModelConfig, checkpoint: Path | None, seed: int) -> None:
+    """An FP8 cache's scales: the ``checkpoint``'s ``k_scale`` / ``v_scale`` where it ships
     them, else calibrated on a prompt of pseudo-random tokens (the same on every rank
     and every worker of a model; ``engine.kv_quant`` says how)."""
     scales = runner.kv_cache.scales
-    shipped = checkpoint_kv_scales(source.directory, mc.num_layers) if source is not None else None
+    shipped = checkpoint_kv_scales(checkpoint, mc.num_layers) if checkpoint is not None else None
     if shipped is not None:
         scales.copy_(shipped[:, :, None].expand_as(scales))
         return
@@ -206,7 +207,7 @@ def set_kv_scales(runner: ModelRunner, mc: ModelConfig, source, seed: int) -> No
     runner.calibrate_kv(torch.randint(0, mc.vocab_size, (n,), generator=rng).tolist())
 
 
-def checkpoint_kv_scales(directory, num_layers: int) -> torch.Tensor | None:
+def checkpoint_kv_scales(directory: Path, num_layers: int) -> torch.Tensor | None:
     """[num_layers, 2]: the checkpoint's per-layer K and V scales (FP8 checkpoints with a
     KV cache scheme ship ``model.layers.N.self_attn.k_scale`` / ``v_scale``), or None
     unless every layer has both."""
