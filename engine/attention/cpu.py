@@ -65,7 +65,7 @@ class CpuBackend(SdpaBackend):
             )
         return CpuMetadata(prefills, block_size, native, num_decodes, tables, lens)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float, kv_scales=None):
         nd = meta.num_decodes
         if nd == q.shape[0]:
             return self.kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)

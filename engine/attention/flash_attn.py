@@ -75,7 +75,7 @@ class FlashAttnBackend(AttentionBackend):
             max_k=max((s.ctx_len for s in varlen), default=0),
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: FlashMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: FlashMetadata, scale: float, kv_scales=None):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         out = torch.empty_like(q)

@@ -47,7 +47,7 @@ class TritonBackend(SdpaBackend):
         prefill = super().prepare(spans[num_decodes:], 0, block_size, device)  # q_start stays absolute
         return TritonMetadata(prefill, num_decodes, tables, lens)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float, kv_scales=None):
         nd = meta.num_decodes
         if nd == 0:
             return super().forward(q, k, v, k_cache, v_cache, meta.sdpa, scale)

@@ -83,10 +83,7 @@ class Attention(nn.Module):
             q, k, v = fused(qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, *heads)
         else:
             q, k, v = self._rope_and_cache(qkv, cos, sin, k_cache, v_cache, ctx, kv_scales)
-        if kv_scales is None:
-            o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale)
-        else:
-            o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale, kv_scales)
+        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale, kv_scales)
         return self.o_proj(o.view(T, self.q_size))
 
     def _rope_and_cache(self, qkv, cos, sin, k_cache, v_cache, ctx: StepContext, kv_scales=None):
