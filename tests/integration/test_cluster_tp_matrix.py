@@ -1,0 +1,42 @@
+"""Through the cluster, float32 greedy tokens equal transformers' own ``generate``
+for each model family the engine runs, with TP groups of either size on either
+side of the handoff (each case its own Ray instance and cluster, over NIXL):
+
+| family  | embeddings | KV heads | prefill TP | decode TP | what the handoff does            |
+|---------|------------|----------|------------|-----------|----------------------------------|
+| llama3  | tied       | 2        | 1          | 1         | rank to rank                     |
+| mistral | untied     | 2        | 2          | 1         | merges two ranks' heads          |
+| qwen2   | tied, bias | 1        | 1          | 2         | both decode ranks read one head  |
+| qwen3   | tied, norm | 1        | 2          | 2         | rank to rank, head replicated    |
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine import SamplingParams
+from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
+from tests.integration.cluster_util import live_cluster, stream_all, tiny_config
+
+ENGINE = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}
+MAX_TOKENS = 8
+
+
+@pytest.mark.parametrize(
+    "kind, kv_heads, prefill_tp, decode_tp",
+    [("llama3", 2, 1, 1), ("mistral", 2, 2, 1), ("qwen2", 1, 1, 2), ("qwen3", 1, 2, 2)],
+)
+def test_cluster_greedy_equals_transformers(tmp_path, kind, kv_heads, prefill_tp, decode_tp):
+    model = make_hf_checkpoint(kind, tmp_path, kv_heads=kv_heads)
+    prompts = random_prompts([5, 40, 120, 260], 512, seed=13)
+    expected = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    config = tiny_config(
+        str(tmp_path),
+        prefill={"num_cpus": 0.5, "tp_size": prefill_tp, "engine": ENGINE},
+        decode={"num_cpus": 0.5, "tp_size": decode_tp, "engine": ENGINE},
+    )
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * len(prompts)
+    with live_cluster(config) as cluster:
+        results = stream_all(cluster.address, prompts, params)
+    assert [out.token_ids for out, _ in results] == expected
+    assert all(out.final.prefill_worker == "prefill-0" for out, _ in results)  # every KV handed over
