@@ -82,15 +82,19 @@ class Attention(nn.Module):
             heads = (self.num_heads, self.num_kv_heads)
             q, k, v = fused(qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, *heads)
         else:
-            q, k, v = self._rope_and_cache(qkv, cos, sin, k_cache, v_cache, ctx, kv_scales)
+            q, k, v = self._rope_and_cache(
+                qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, kv_scales, ctx.calibrate_kv
+            )
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale, kv_scales)
         return self.o_proj(o.view(T, self.q_size))
 
-    def _rope_and_cache(self, qkv, cos, sin, k_cache, v_cache, ctx: StepContext, kv_scales=None):
+    def _rope_and_cache(
+        self, qkv, cos, sin, k_cache, v_cache, slot_mapping, kv_scales=None, calibrate: bool = False
+    ):
         """q, k, v of each token (q/k normed if the model has it, then rotated); k and v
-        written to the caches at ``ctx.slot_mapping`` (quantized with ``kv_scales`` for an
-        FP8 cache). In torch ops; ``kernels`` may fuse it."""
-        slot_mapping = ctx.slot_mapping
+        written to the caches at ``slot_mapping`` (an FP8 cache's quantized with its
+        ``kv_scales``, which ``calibrate`` first sets from these K and V). In torch ops;
+        ``kernels`` may fuse it."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -104,7 +108,7 @@ class Attention(nn.Module):
             k_cache.view(flat).index_copy_(0, slot_mapping, k)
             v_cache.view(flat).index_copy_(0, slot_mapping, v)
             return q, k, v
-        if ctx.calibrate_kv:
+        if calibrate:
             kv_scales.copy_(calibrated_scales(k, v))
         # as bytes: torch has no index_copy_ for float8 on the CPU
         k_cache.view(torch.uint8).view(flat).index_copy_(
