@@ -30,19 +30,15 @@ them on another decode worker), and the pool replaces the whole group.
 from __future__ import annotations
 
 import asyncio
-import logging
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from splitserve.decode_worker.api import DecodeWorkerSpec
 from splitserve.engine import Engine
 from splitserve.engine.parallel import TPGroup
-from splitserve.engine.parallel.worker_group import Heartbeat, join_group
+from splitserve.engine.parallel.worker_group import Heartbeat, RankFollower, join_group
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVDescriptor
 from splitserve.kv_transfer.tp_mapping import RankSink
-
-log = logging.getLogger(__name__)
 
 
 def join_decode_group(spec: DecodeWorkerSpec) -> TPGroup:
@@ -70,17 +66,12 @@ class DecodeRank:
         self.spec = spec
         self.name = f"{spec.worker_id}/tp{spec.tp.rank}"
         self.group = join_decode_group(spec)
-        # the engine is built on the follower thread, the one that runs its steps
-        # (engine/loop.py says why); that thread follows rank 0 once this is set up
-        built: Future[Engine] = Future()
-        self._go = threading.Event()
-        self._follower = threading.Thread(target=self._follow, args=(built,), name=f"{self.name}-follow")
-        self._follower.daemon = True
-        self._follower.start()
-        self.engine = built.result()
+        build = lambda: Engine(spec.engine, tp=self.group)  # noqa: E731
+        self._follower = RankFollower(build, self._on_message, self._close, name=f"{self.name}-follow")
+        self.engine = self._follower.engine
         self.sink = rank_sink(self.name, spec, self.engine)
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-kv")  # drives the sink
-        self._go.set()
+        self._follower.start()
 
     async def info(self) -> str:
         """What its engine chose (``Engine.summary``): answered once the shard is loaded."""
@@ -111,22 +102,11 @@ class DecodeRank:
             raise RuntimeError(f"{self.name} is colocated and takes no KV from elsewhere")
         return self.sink
 
-    def _follow(self, built: Future[Engine]) -> None:
-        try:
-            built.set_result(Engine(self.spec.engine, tp=self.group))
-        except BaseException as e:  # the constructor raises it
-            built.set_exception(e)
-            return
-        self._go.wait()
-        try:
-            self.engine.follow(self._on_message)
-        except Exception:
-            log.exception("TP rank %d lost its group", self.group.rank)
-        finally:
-            self._transfer.shutdown(wait=True)
-            if self.sink is not None:
-                self.sink.close()
-            self.group.destroy()
+    def _close(self) -> None:  # the follower thread, last
+        self._transfer.shutdown(wait=True)
+        if self.sink is not None:
+            self.sink.close()
+        self.group.destroy()
 
     def _on_message(self, msg: object) -> None:
         if not isinstance(msg, Heartbeat):

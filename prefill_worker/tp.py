@@ -38,12 +38,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 from splitserve.engine import Engine
 from splitserve.engine.parallel import TPGroup
-from splitserve.engine.parallel.worker_group import Heartbeat, join_group
+from splitserve.engine.parallel.worker_group import Heartbeat, RankFollower, join_group
 from splitserve.kv_transfer import KVTransferError, get_backend
 from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
 from splitserve.prefill_worker.api import PrefillWorkerSpec
@@ -89,15 +88,13 @@ class PrefillRank:
             raise ValueError("a PrefillRank is rank 1 or above of a TP group")
         self.spec = spec
         self.group = join_prefill_group(spec)
-        # the engine is built on the follower thread, the one that runs its steps
-        # (engine/loop.py says why); that thread follows rank 0 once this is set up
-        built: Future[Engine] = Future()
-        self._go = threading.Event()
-        self._follower = threading.Thread(
-            target=self._follow, args=(built,), name=f"{spec.worker_id}/tp{spec.tp.rank}-follow", daemon=True
+        self._follower = RankFollower(
+            lambda: Engine(spec.engine, tp=self.group),
+            self._on_message,
+            self._close,
+            name=f"{spec.worker_id}/tp{spec.tp.rank}-follow",
         )
-        self._follower.start()
-        self.engine = built.result()
+        self.engine = self._follower.engine
         kv = self.engine.kv_cache
         compat = CompatInfo(spec.engine.model, kv.layout, kv.scale_values())
         name = f"{spec.worker_id}/tp{spec.tp.rank}"
@@ -112,7 +109,7 @@ class PrefillRank:
         self._stopping = threading.Event()
         self._poller = threading.Thread(target=self._poll, name=f"{name}-kv-poll", daemon=True)
         self._poller.start()
-        self._go.set()
+        self._follower.start()
 
     async def info(self) -> Handshake:
         return self.handshake
@@ -122,23 +119,12 @@ class PrefillRank:
         self._follower.join(timeout)
 
     # ---- threads ----------------------------------------------------------------------
-    def _follow(self, built: Future[Engine]) -> None:
-        try:
-            built.set_result(Engine(self.spec.engine, tp=self.group))
-        except BaseException as e:  # the constructor raises it
-            built.set_exception(e)
-            return
-        self._go.wait()
-        try:
-            self.engine.follow(self._on_message)
-        except Exception:
-            log.exception("TP rank %d lost its group", self.group.rank)
-        finally:
-            self._stopping.set()
-            self._poller.join(5)
-            with self._lock:
-                self.source.close()
-            self.group.destroy()
+    def _close(self) -> None:  # the follower thread, last
+        self._stopping.set()
+        self._poller.join(5)
+        with self._lock:
+            self.source.close()
+        self.group.destroy()
 
     def _on_message(self, msg: object) -> None:
         if isinstance(msg, ExportShard):

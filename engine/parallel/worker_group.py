@@ -9,14 +9,21 @@ engine thread), and the followers ignore it.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.tp_init import TPInit
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,51 @@ def join_group(
     if tp is None:
         return TPGroup.single()
     return TPGroup.join(tp, device)
+
+
+class RankFollower:
+    """The thread of rank r > 0: builds the rank's engine (``build``) on itself, the
+    thread that will step it (engine/loop.py says why), and, once ``start`` is called
+    (the rank has set up what ``on_message`` uses), follows rank 0's steps
+    (``Engine.follow``, other messages to ``on_message``) until rank 0 stops the group
+    or the group breaks; ``on_exit`` runs on it last, to close what the rank holds.
+    The constructor returns once the engine is built (``engine``), or raises what the
+    build raised."""
+
+    def __init__(
+        self,
+        build: Callable[[], Any],
+        on_message: Callable[[Any], None],
+        on_exit: Callable[[], None],
+        name: str,
+    ):
+        built: Future = Future()
+        self._on_message, self._on_exit = on_message, on_exit
+        self._go = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(build, built), name=name, daemon=True)
+        self._thread.start()
+        self.engine = built.result()
+
+    def start(self) -> None:
+        self._go.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _run(self, build: Callable[[], Any], built: Future) -> None:
+        try:
+            engine = build()
+        except BaseException as e:  # the constructor raises it
+            built.set_exception(e)
+            return
+        built.set_result(engine)
+        self._go.wait()
+        try:
+            engine.follow(self._on_message)
+        except Exception:
+            log.exception("%s lost its TP group", self._thread.name)
+        finally:
+            self._on_exit()
 
 
 class Heartbeats:
