@@ -250,7 +250,9 @@ class RankSink:
     From a group of this rank's own size it reads source rank r's export straight
     into its cache with one ``KVSink`` (shared by all such sources: the layouts
     match); from any other through a ``HeadMappingSink`` per source group, keyed by
-    the source's worker id (its rank 0's). Not thread-safe, like ``KVSink``."""
+    the source's worker id (its rank 0's). An FP8 cache rescales the heads it pulled
+    from the source's scales (its handshake's) into its own (``kv_quant.requantize``),
+    after their checksums were verified. Not thread-safe, like ``KVSink``."""
 
     def __init__(
         self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, make_sink: SinkFactory, max_blocks: int
