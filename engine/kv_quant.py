@@ -20,7 +20,7 @@ by a power of two only shifts exponents (exact, short of e4m3's range ends).
 Each worker calibrates its own cache, so a prefill worker's scales and a
 decode worker's differ slightly: the KV crosses a handoff as the source's FP8
 bytes, verified by their checksums, and the source's scales travel in its
-handshake (``Handshake.kv_scales``); the sink then rescales the pulled heads
+handshake (``CompatInfo.kv_scales``); the sink then rescales the pulled heads
 into its own scales (``requantize``), a local pass over the request's blocks.
 """
 
@@ -33,6 +33,13 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 K_RANGE, V_RANGE = 200.0, 100.0  # vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT
 SCHEME = "per_layer_kv_head"  # KVLayout.kv_scales of an FP8 cache ("none" otherwise)
 MIN_SCALE = 1e-8  # a head whose calibration saw only zeros still gets a usable scale
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as raw bytes (same shape: e4m3 is one byte), anything else as it is:
+    torch has no float8 index_select, index_copy_ or collectives on the CPU, so FP8
+    caches are indexed, copied and sent as bytes."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -63,7 +70,7 @@ def requantize(
     if torch.equal(src, dst):
         return
     ratio = (src / dst)[:, :, None, None, :, None]  # [layers, 2, 1, 1, heads, 1]
-    raw = cache.view(torch.uint8)[:, :, :, :, heads]  # as bytes: torch indexes no float8 on the CPU
+    raw = as_bytes(cache)[:, :, :, :, heads]
     part = raw.index_select(2, blocks).view(FP8)
     fixed = (part.float() * ratio).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    raw.index_copy_(2, blocks, fixed.view(torch.uint8))
+    raw.index_copy_(2, blocks, as_bytes(fixed))

@@ -26,12 +26,6 @@ def check_cache(cache: torch.Tensor, compat: CompatInfo) -> None:
         raise ValueError("the KV cache tensor must be contiguous")
 
 
-def byte_view(cache: torch.Tensor) -> torch.Tensor:
-    """An FP8 cache as raw bytes (same shape; torch indexes, copies and sends no float8
-    on the CPU); any other cache as it is. What the transfer layer moves is bytes."""
-    return cache.view(torch.uint8) if cache.element_size() == 1 and cache.dtype != torch.uint8 else cache
-
-
 def runs(block_ids: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
     """Maximal runs of consecutive ids as (first id, length): [3,4,5,9] -> [(3,3),(9,1)]."""
     out: list[tuple[int, int]] = []

@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from splitserve.engine.kv_quant import as_bytes
 from splitserve.kv_transfer.contract import (
     PROTOCOL_VERSION,
     CompatInfo,
@@ -28,7 +29,7 @@ from splitserve.kv_transfer.errors import (
     PeerLost,
     TransferTimeout,
 )
-from splitserve.kv_transfer.integrity import byte_view, check_cache, layer_checksum
+from splitserve.kv_transfer.integrity import check_cache, layer_checksum
 
 
 class KVSink:
@@ -49,7 +50,7 @@ class KVSink:
     def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo):
         check_cache(cache, compat)
         self.worker_id = worker_id
-        self.cache = byte_view(cache)
+        self.cache = as_bytes(cache)  # an FP8 cache moves as bytes
         self.compat = compat
         self.peers: dict[str, Handshake] = {}
         self.last_stats = TransferStats()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.kv_quant import as_bytes
 from splitserve.kv_transfer import integrity
 from splitserve.kv_transfer.contract import (
     DEFAULT_LEASE_S,
@@ -57,7 +58,7 @@ class KVSource:
             raise ValueError("lease_s must be positive")
         self.worker_id = worker_id
         self.incarnation = uuid.uuid4().hex
-        self.cache = integrity.byte_view(cache)
+        self.cache = as_bytes(cache)  # an FP8 cache moves as bytes
         self.compat = compat
         self.lease_s = lease_s
         self._exports: dict[str, _Export] = {}

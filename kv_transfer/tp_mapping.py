@@ -41,10 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.kv_layout import KVLayout, kv_head_range
-from splitserve.engine.kv_quant import requantize
+from splitserve.engine.kv_quant import as_bytes, requantize
 from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVDescriptor
 from splitserve.kv_transfer.errors import IncompatiblePeer, PeerLost
-from splitserve.kv_transfer.integrity import byte_view
 from splitserve.kv_transfer.sink import KVSink
 
 # Fields that differ between the shards of one model's KV cache under different TP.
@@ -159,7 +158,7 @@ class HeadMappingSink:
         if max_blocks < 1:
             raise ValueError("max_blocks must be >= 1")
         self.worker_id = worker_id
-        self.cache = byte_view(cache)
+        self.cache = as_bytes(cache)
         self.compat = compat
         self.make_sink = make_sink
         self.max_blocks = max_blocks

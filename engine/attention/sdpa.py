@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.attention.base import AttentionBackend, SeqSpan
-from splitserve.engine.kv_quant import dequantize, quantize
+from splitserve.engine.kv_quant import as_bytes, dequantize, quantize
 
 
 @dataclass
@@ -82,7 +82,7 @@ class SdpaBackend(AttentionBackend):
         def gather(cache: torch.Tensor, blocks: torch.Tensor, kv: int) -> torch.Tensor:
             if kv_scales is None:
                 return cache.index_select(0, blocks)
-            got = cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype)  # no float8 index_select
+            got = as_bytes(cache).index_select(0, blocks).view(cache.dtype)
             return dequantize(got, kv_scales[kv], q.dtype)
 
         kv_heads = k.shape[1]

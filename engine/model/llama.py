@@ -19,7 +19,7 @@ from torch import nn
 
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.kv_quant import calibrated_scales, quantize
+from splitserve.engine.kv_quant import as_bytes, calibrated_scales, quantize
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.rope import RotaryEmbedding, apply_rotary
 from splitserve.engine.parallel.group import TPGroup
@@ -110,13 +110,8 @@ class Attention(nn.Module):
             return q, k, v
         if calibrate:
             kv_scales.copy_(calibrated_scales(k, v))
-        # as bytes: torch has no index_copy_ for float8 on the CPU
-        k_cache.view(torch.uint8).view(flat).index_copy_(
-            0, slot_mapping, quantize(k, kv_scales[0]).view(torch.uint8)
-        )
-        v_cache.view(torch.uint8).view(flat).index_copy_(
-            0, slot_mapping, quantize(v, kv_scales[1]).view(torch.uint8)
-        )
+        as_bytes(k_cache).view(flat).index_copy_(0, slot_mapping, as_bytes(quantize(k, kv_scales[0])))
+        as_bytes(v_cache).view(flat).index_copy_(0, slot_mapping, as_bytes(quantize(v, kv_scales[1])))
         return q, k, v
 
 
