@@ -86,7 +86,9 @@ class DecodeRank:
         self, descriptors: tuple[KVDescriptor, ...], blocks: list[int], timeout: float
     ) -> list[Confirmation]:
         """Pull this rank's KV heads of one request into ``blocks`` (``RankSink.pull``);
-        returns its confirmations. Errors are ``KVSink.pull``'s."""
+        returns its confirmations. Errors are ``KVSink.pull``'s. The blocks are rank 0's
+        to free (only rank 0 allocates), and only once every rank's pull has returned;
+        bounded by ``timeout``."""
         sink = self._sink()
         confirmations, _ = await asyncio.get_running_loop().run_in_executor(
             self._transfer, sink.pull, descriptors, blocks, timeout

@@ -298,7 +298,8 @@ class RankSink:
         """Pull this rank's heads of one request (``descs``: the handoff's, one per source
         rank) into ``dst_blocks``. Returns the confirmations (forward those not
         ``delivered`` to the source) and the seconds spent waiting for a streamed
-        source's layers. Errors are ``KVSink.pull``'s."""
+        source's layers. Errors are ``KVSink.pull``'s; on any, ``dst_blocks`` are
+        undefined and the caller frees them (it owns them; this never frees blocks)."""
         me = self.compat.layout
         if len(descs) == me.tp_size:
             desc = descs[me.tp_rank]
