@@ -54,7 +54,8 @@ from splitserve.client import AsyncClient, Client, Completion, SplitserveClientE
 from splitserve.cluster.app import BackgroundCluster, start_local_ray
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.pools import actor_state
-from splitserve.engine import Engine, SamplingParams
+from splitserve.engine.engine import Engine
+from splitserve.wire.sampling import SamplingParams
 
 KINDS = ("prefill", "decode", "tp_rank", "node")  # "node" only with LocalNodes; "tp_rank" with TP > 1
 FAILURES_ALLOWED = ("UNAVAILABLE", "DEADLINE_EXCEEDED")

@@ -33,8 +33,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from splitserve.engine import Engine, EngineConfig, SamplingParams
+from splitserve.engine.engine import Engine
 from splitserve.engine.model.loader import resolve_source
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.sampling import SamplingParams
 
 
 @dataclass

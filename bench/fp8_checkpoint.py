@@ -128,7 +128,8 @@ def _rewrite_index(src: Path, dst: Path, scale_suffix: str) -> None:
 
 def main() -> None:
     from splitserve.bench.quant_accuracy import prompt_logits
-    from splitserve.engine import Engine, EngineConfig
+    from splitserve.engine.engine import Engine
+    from splitserve.wire.config import EngineConfig
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path, help="a float HF checkpoint directory")

@@ -23,7 +23,9 @@ import torch
 
 from splitserve.bench.engine_bench import common_prefix
 from splitserve.bench.quant_accuracy import prompt_logits
-from splitserve.engine import Engine, EngineConfig, SamplingParams
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.sampling import SamplingParams
 
 TOPICS = (
     "volcanoes", "honeybees", "the moon", "glaciers", "octopuses", "bread", "chess", "rainbows",
@@ -57,8 +59,8 @@ def perplexity(engine: Engine, ids: list[int]) -> float:
 
 def handoff_bytes(engine: Engine, prompt: list[int]) -> int:
     """What one export of ``prompt``'s KV moves (prefilled into the engine's cache)."""
-    from splitserve.kv_transfer import CompatInfo
     from splitserve.kv_transfer.backends.local import LocalHub, LocalSource
+    from splitserve.wire.kv import CompatInfo
 
     rid = engine.add_request(prompt, SamplingParams(max_tokens=2))
     engine.step()

@@ -23,12 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine import Engine, EngineConfig, KVLayout, SamplingParams
+from splitserve.engine.engine import Engine
 from splitserve.engine.kv_cache import allocate_zeros
-from splitserve.kv_transfer import CompatInfo, KVDescriptor, LeaseEnd, get_backend
-from splitserve.kv_transfer.contract import DEFAULT_LEASE_S
+from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.integrity import layer_checksums
 from splitserve.kv_transfer.layerwise import LayerExporter
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.kv import DEFAULT_LEASE_S, CompatInfo, KVDescriptor, LeaseEnd
+from splitserve.wire.kv_layout import KVLayout
+from splitserve.wire.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from splitserve.bench.kv_peers import Confirm, ExportRandom, Prefill, SourceProcess, SourceSpec, start_source
-from splitserve.engine import EngineConfig, KVLayout, SamplingParams
 from splitserve.engine.kv_cache import allocate_zeros
-from splitserve.kv_transfer import CompatInfo, get_backend
+from splitserve.kv_transfer import get_backend
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.kv import CompatInfo
+from splitserve.wire.kv_layout import KVLayout
+from splitserve.wire.sampling import SamplingParams
 
 LAYOUTS = {
     "SmolLM2-135M": dict(num_layers=30, num_kv_heads=3, head_dim=64),

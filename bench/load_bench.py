@@ -141,8 +141,8 @@ def _rank_main(directory: str, rank: int, size: int, threads: int, out) -> None:
     import torch
 
     from splitserve.engine.build import build_engine
-    from splitserve.engine.config import EngineConfig
     from splitserve.engine.parallel.group import TPGroup
+    from splitserve.wire.config import EngineConfig
 
     torch.set_num_threads(threads)
     config = EngineConfig(model=directory, dtype="bfloat16", tp_size=size, num_kv_blocks=4, max_num_seqs=4)

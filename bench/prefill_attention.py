@@ -78,7 +78,9 @@ def kernel_part() -> None:
 
 def engine_part(model: str, repeats: int) -> None:
     from splitserve.bench.workloads import random_requests
-    from splitserve.engine import Engine, EngineConfig, SamplingParams
+    from splitserve.engine.engine import Engine
+    from splitserve.wire.config import EngineConfig
+    from splitserve.wire.sampling import SamplingParams
 
     engine = Engine(EngineConfig(model=model))
     backend = engine.runner.backend

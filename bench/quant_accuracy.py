@@ -28,9 +28,11 @@ import torch
 from torch import nn
 
 from splitserve.bench.engine_bench import common_prefix, engine_run, random_prompt
-from splitserve.engine import Engine, EngineConfig, SamplingParams
 from splitserve.engine.attention import SeqSpan
+from splitserve.engine.engine import Engine
 from splitserve.engine.model_runner import StepInputs
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.sampling import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?",

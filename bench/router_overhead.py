@@ -45,10 +45,10 @@ from splitserve.client import Chunk, Client
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.worker_client import RayDecodeWorker
-from splitserve.decode_worker import DecodeTask
-from splitserve.engine import SamplingParams
 from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
+from splitserve.wire.decode import DecodeTask
+from splitserve.wire.sampling import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

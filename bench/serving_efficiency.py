@@ -43,8 +43,9 @@ from splitserve.bench.workloads import random_requests
 from splitserve.client import AsyncClient, Chunk
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
-from splitserve.engine import Engine, SamplingParams
+from splitserve.engine.engine import Engine
 from splitserve.engine.model.loader import load_hf_config, resolve_source
+from splitserve.wire.sampling import SamplingParams
 
 
 def log(msg: str) -> None:

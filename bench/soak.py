@@ -42,7 +42,8 @@ from splitserve.bench.chaos import kv_held
 from splitserve.client import AsyncClient, Chunk, Client, SplitserveClientError
 from splitserve.cluster.app import BackgroundCluster, start_local_ray
 from splitserve.cluster.config import ClusterConfig
-from splitserve.engine import Engine, SamplingParams
+from splitserve.engine.engine import Engine
+from splitserve.wire.sampling import SamplingParams
 
 WORKER_TITLES = ("ray::PrefillWorker", "ray::PrefillRank", "ray::DecodeWorker")
 

@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     from splitserve.client import Client
     from splitserve.cluster.app import BackgroundCluster, start_local_ray
     from splitserve.cluster.config import ClusterConfig
-    from splitserve.engine import Engine, EngineConfig, SamplingParams
+    from splitserve.engine.engine import Engine
+    from splitserve.wire.config import EngineConfig
+    from splitserve.wire.sampling import SamplingParams
 
     write_checkpoint(args.dir, args.shape, shard_gib=2.0)
     engine = {"kv_cache_memory_mib": args.kv_mib, "max_num_batched_tokens": 512}

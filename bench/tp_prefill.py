@@ -21,8 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine import Engine, EngineConfig, SamplingParams
-from splitserve.engine.parallel import TPGroup, TPInit
+from splitserve.engine.engine import Engine
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.sampling import SamplingParams
+from splitserve.wire.tp import TPInit
 
 
 @dataclass(frozen=True)

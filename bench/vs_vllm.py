@@ -110,7 +110,9 @@ def offline_vllm(vllm: Vllm, work_file: Path) -> dict[str, float]:
 def offline_splitserve(work: dict) -> dict[str, float]:
     import torch
 
-    from splitserve.engine import Engine, EngineConfig, SamplingParams
+    from splitserve.engine.engine import Engine
+    from splitserve.wire.config import EngineConfig
+    from splitserve.wire.sampling import SamplingParams
 
     engine = Engine(EngineConfig(model=SERVED_NAME))
     log(f"splitserve engine: {engine.dtype}, {torch.get_num_threads()} torch threads")

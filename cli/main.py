@@ -157,7 +157,10 @@ def _wait_for_server(server: str, timeout_s: float) -> bool:
 
 
 def _generate_in_process(args: argparse.Namespace) -> int:
-    from splitserve.engine import Engine, EngineConfig, SamplingParams, SplitserveError
+    from splitserve.engine.engine import Engine
+    from splitserve.wire.config import EngineConfig
+    from splitserve.wire.errors import SplitserveError
+    from splitserve.wire.sampling import SamplingParams
 
     _err(f"no server on {DEFAULT_SERVER}; running the engine in-process")
     start = time.perf_counter()

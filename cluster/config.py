@@ -22,11 +22,11 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from splitserve.cluster.planner import PlannerSpec
-from splitserve.engine.config import EngineConfig
-from splitserve.kv_transfer.contract import DEFAULT_LEASE_S
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.policy import StrictModel as _Strict
 from splitserve.router.roles import Role
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.kv import DEFAULT_LEASE_S
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "cluster_configs"
 DEFAULT_CONFIG = "local.yaml"

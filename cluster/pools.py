@@ -52,13 +52,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from splitserve.cluster.config import ClusterConfig, PoolSpec
 from splitserve.cluster.worker_client import RayDecodeRank, RayDecodeWorker, RayPrefillWorker, unwrap
-from splitserve.decode_worker import DecodeWorker, DecodeWorkerSpec
 from splitserve.decode_worker.tp import DecodeRank
-from splitserve.engine.parallel.tp_init import TPInit
-from splitserve.prefill_worker import PrefillWorker, PrefillWorkerSpec
+from splitserve.decode_worker.worker import DecodeWorker
 from splitserve.prefill_worker.tp import PrefillRank
+from splitserve.prefill_worker.worker import PrefillWorker
 from splitserve.router.registry import Membership, NodePlacement, WorkerRecord, WorkerRegistry
 from splitserve.router.roles import Role
+from splitserve.wire.decode import DecodeWorkerSpec
+from splitserve.wire.prefill import PrefillWorkerSpec
+from splitserve.wire.tp import TPInit
 
 log = logging.getLogger(__name__)
 

@@ -27,18 +27,12 @@ from typing import Any
 import ray
 import ray.exceptions
 
-from splitserve.decode_worker.api import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
 from splitserve.engine.background import Background
-from splitserve.engine.errors import EngineStopped, WorkerLost, WorkerStopped
-from splitserve.engine.prefix_cache import PrefixCursor
-from splitserve.kv_transfer.contract import Confirmation, Handshake, KVDescriptor
-from splitserve.prefill_worker.api import (
-    KVStreaming,
-    PrefillResult,
-    PrefillStats,
-    PrefillTask,
-    PrefillWorkerInfo,
-)
+from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
+from splitserve.wire.errors import EngineStopped, WorkerLost, WorkerStopped
+from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor
+from splitserve.wire.prefill import KVStreaming, PrefillResult, PrefillStats, PrefillTask, PrefillWorkerInfo
+from splitserve.wire.prefix import PrefixCursor
 
 REMOTE_CALLS: collections.Counter[str] = collections.Counter()  # method name -> calls, this process
 

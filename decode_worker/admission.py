@@ -32,8 +32,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from splitserve.engine.errors import DeadlineExceeded, Overloaded
-from splitserve.kv_transfer.errors import LeaseExpired
+from splitserve.wire.errors import DeadlineExceeded, LeaseExpired, Overloaded
 
 Allocate = Callable[[], Awaitable[list[int] | None]]  # the blocks, or None while the cache is full
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 
-from splitserve.decode_worker.api import TokenBatch
+from splitserve.wire.decode import TokenBatch
 
 
 class Outbox:

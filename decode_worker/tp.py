@@ -32,19 +32,20 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from splitserve.decode_worker.api import DecodeWorkerSpec
-from splitserve.engine import Engine
-from splitserve.engine.parallel import TPGroup
+from splitserve.engine.device import resolve_device
+from splitserve.engine.engine import Engine
+from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.worker_group import Heartbeat, RankFollower, join_group
 from splitserve.kv_transfer import get_backend
-from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVDescriptor
 from splitserve.kv_transfer.tp_mapping import RankSink
+from splitserve.wire.decode import DecodeWorkerSpec
+from splitserve.wire.kv import CompatInfo, Confirmation, Handshake, KVDescriptor
 
 
 def join_decode_group(spec: DecodeWorkerSpec) -> TPGroup:
     """Pin and size this process as ``spec`` says, then join its TP group (blocks until
     every rank has joined)."""
-    return join_group(spec.tp, spec.engine.resolve_device(), spec.cpu_ids, spec.torch_threads)
+    return join_group(spec.tp, resolve_device(spec.engine), spec.cpu_ids, spec.torch_threads)
 
 
 def rank_sink(worker_id: str, spec: DecodeWorkerSpec, engine: Engine) -> RankSink | None:

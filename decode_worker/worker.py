@@ -59,7 +59,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from splitserve.decode_worker.admission import AdmissionQueue, AdmissionState
-from splitserve.decode_worker.api import (
+from splitserve.decode_worker.outbox import Outbox
+from splitserve.decode_worker.tp import join_decode_group, rank_sink
+from splitserve.engine.background import Background
+from splitserve.engine.engine import Engine
+from splitserve.engine.loop import EngineLoop
+from splitserve.engine.parallel.worker_group import Heartbeats
+from splitserve.wire.decode import (
     DecodeRankPeer,
     DecodeStats,
     DecodeTask,
@@ -68,23 +74,19 @@ from splitserve.decode_worker.api import (
     Prefilled,
     TokenBatch,
 )
-from splitserve.decode_worker.outbox import Outbox
-from splitserve.decode_worker.tp import join_decode_group, rank_sink
-from splitserve.engine import (
+from splitserve.wire.errors import (
     DeadlineExceeded,
-    Engine,
-    EngineLoop,
     InvalidRequest,
+    LeaseExpired,
     Overloaded,
-    RequestOutput,
+    PeerLost,
+    PrefillLost,
+    WorkerLost,
 )
-from splitserve.engine.background import Background
-from splitserve.engine.errors import PrefillLost, WorkerLost
-from splitserve.engine.parallel.worker_group import Heartbeats
-from splitserve.engine.prefix_cache import PrefixCursor
-from splitserve.kv_transfer.contract import Confirmation, KVHandoff
-from splitserve.kv_transfer.errors import LeaseExpired, PeerLost
-from splitserve.prefill_worker.api import KVStreaming, PrefillPeer, PrefillResult, PrefillTask
+from splitserve.wire.kv import Confirmation, KVHandoff
+from splitserve.wire.outputs import RequestOutput
+from splitserve.wire.prefill import KVStreaming, PrefillPeer, PrefillResult, PrefillTask
+from splitserve.wire.prefix import PrefixCursor
 
 log = logging.getLogger(__name__)
 

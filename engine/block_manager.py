@@ -8,7 +8,7 @@ Layout of one sequence over its block table (block_size = 4)::
     hashes         [   h0      |    h1       ]          <- only full blocks are hashed
 
 Prefix caching: a full block is identified by ``block_hash(parent_hash, its
-tokens)`` (``engine.prefix_cache``: a named hash, the same in every process), so
+tokens)`` (``wire.prefix``: a named hash, the same in every process), so
 equal content after a different prefix never matches. When a block's last
 token has been computed its hash is registered; a later sequence whose prompt
 starts with the same tokens takes a reference to the block instead of computing
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from splitserve.engine.prefix_cache import PrefixCursor, PrefixLog, PrefixUpdate, block_hash
 from splitserve.engine.sequence import Sequence
+from splitserve.wire.prefix import PrefixCursor, PrefixLog, PrefixUpdate, block_hash
 
 
 class BlockManager:
@@ -63,7 +63,7 @@ class BlockManager:
         return self.num_blocks - len(self.free_blocks)
 
     def prefix_update(self, cursor: PrefixCursor | None) -> PrefixUpdate:
-        """The registered hashes that changed since ``cursor`` (``engine.prefix_cache``)."""
+        """The registered hashes that changed since ``cursor`` (``wire.prefix``)."""
         return self.prefix_log.since(cursor, self.hash_to_block)
 
     def blocks_needed(self, num_tokens: int) -> int:

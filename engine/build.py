@@ -15,11 +15,9 @@ import torch
 from splitserve.engine import kernels, kv_quant
 from splitserve.engine.attention import get_backend
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
-from splitserve.engine.generation_defaults import GenerationDefaults
+from splitserve.engine.device import resolve_device, resolve_dtype
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.kv_layout import KVLayout, kv_head_range
 from splitserve.engine.kv_sizing import (
     KVCapacity,
     blocks_for,
@@ -31,11 +29,15 @@ from splitserve.engine.model.checkpoint import checkpoint_bytes, safetensors_ten
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import build_model, load_hf_config, resolve_source
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.parallel import TPGroup, check_tp_compatible
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.parallel.layers import check_tp_compatible
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.engine.validation import RequestValidator
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.defaults import GenerationDefaults
+from splitserve.wire.kv_layout import KVLayout, kv_head_range
+from splitserve.wire.validation import RequestValidator
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,8 @@ class EngineParts:
 def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, tp: TPGroup) -> EngineParts:
     """Load the model named by ``config`` (or build ``hf_config`` with random weights)
     as this rank's shard, and allocate the KV cache and the bookkeeping around it."""
-    device = config.resolve_device()
-    dtype = config.resolve_dtype(device)
+    device = resolve_device(config)
+    dtype = resolve_dtype(config, device)
     source = None
     if hf_config is None:
         source = resolve_source(config.model)

@@ -37,9 +37,15 @@ from collections.abc import Callable
 from typing import Any
 
 from splitserve.engine.build import build_engine
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.errors import InvalidRequest, Overloaded, UnknownRequest
-from splitserve.engine.outputs import (
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.request_state import RequestState
+from splitserve.engine.scheduler import ScheduledSeq
+from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.engine.step_rates import DecodeSteps, PrefillRate
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import InvalidRequest, Overloaded, UnknownRequest
+from splitserve.wire.outputs import (
     CompletionOutput,
     EngineStats,
     FinishingPrefill,
@@ -47,14 +53,8 @@ from splitserve.engine.outputs import (
     PrefilledRequest,
     RequestOutput,
 )
-from splitserve.engine.parallel import TPGroup
-from splitserve.engine.prefix_cache import PrefixCursor, PrefixUpdate
-from splitserve.engine.request_state import RequestState
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import ScheduledSeq
-from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
-from splitserve.engine.step_rates import DecodeSteps, PrefillRate
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.wire.prefix import PrefixCursor, PrefixUpdate
+from splitserve.wire.sampling import FinishReason, SamplingParams
 
 
 class Engine:

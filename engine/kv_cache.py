@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from splitserve.engine.kv_layout import KVLayout
+from splitserve.wire.kv_layout import KVLayout
 
 _HUGE_PAGE = 2 * 2**20
 _MADV_HUGEPAGE = 14

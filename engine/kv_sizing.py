@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from splitserve.engine.config import EngineConfig
+from splitserve.wire.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

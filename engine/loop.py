@@ -35,8 +35,8 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from splitserve.engine.engine import Engine
-from splitserve.engine.errors import EngineStopped
-from splitserve.engine.outputs import RequestOutput
+from splitserve.wire.errors import EngineStopped
+from splitserve.wire.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -29,7 +29,7 @@ from splitserve.engine.attention import AttentionBackend, SeqSpan
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.llama import LlamaModel, StepContext
-from splitserve.engine.parallel import TPGroup
+from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.sampler import Sampler, SampleRequest, SampleResult
 from splitserve.engine.scheduler import ScheduledSeq
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from splitserve.engine.outputs import CompletionOutput, RequestOutput
-from splitserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from splitserve.wire.outputs import CompletionOutput, RequestOutput
+from splitserve.wire.sampling import FinishReason
 
 
 class RequestState:

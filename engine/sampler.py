@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.wire.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.wire.sampling import FinishReason, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -31,13 +31,6 @@ class SequenceStatus(enum.Enum):
     PREFILLED = "prefilled"  # prefill-only request done; blocks held until release()
     IMPORTING = "importing"  # blocks allocated for incoming KV; scheduled after activate()
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the model's context reached
-    ABORT = "abort"  # cancelled by the caller
-    PREFILL_DONE = "prefill_done"  # prefill-only request produced its first token
 
 
 _counter = itertools.count()

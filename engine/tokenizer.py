@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve.engine.errors import InvalidRequest
+from splitserve.wire.errors import InvalidRequest
 
 
 class Tokenizer:

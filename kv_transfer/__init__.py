@@ -1,10 +1,10 @@
 """splitserve.kv_transfer: ship a finished KV cache from a prefill to a decode worker.
 
-The contract (records, lifecycle, who frees what) is in ``contract``; the two
+The contract (records, lifecycle, who frees what) is in ``splitserve.wire.kv``
+(its errors in ``splitserve.wire.errors``); the two
 sides every backend implements are ``source.KVSource`` (prefill) and
 ``sink.KVSink`` (decode). Backends are registered by
-name and imported only when chosen, and ``KVSource``/``KVSink`` on first use,
-so the records and errors load without torch::
+name and imported only when chosen::
 
     backend = get_backend("nixl")
     source = backend.source("prefill-0", engine.kv_cache.tensor, compat)   # prefill worker
@@ -35,29 +35,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from splitserve.engine.lazy import lazy_attributes
-from splitserve.kv_transfer.contract import (
-    PROTOCOL_VERSION,
-    CompatInfo,
-    Confirmation,
-    Handshake,
-    KVDescriptor,
-    KVHandoff,
-    LeaseEnd,
-    TransferState,
-    TransferStats,
-)
-from splitserve.kv_transfer.errors import (
-    HandshakeRequired,
-    IncompatiblePeer,
-    IntegrityError,
-    KVTransferError,
-    LeaseExpired,
-    PeerLost,
-    TransferTimeout,
-)
-
-if TYPE_CHECKING:  # imported on first use: they load torch
+if TYPE_CHECKING:
     from splitserve.kv_transfer.sink import KVSink
     from splitserve.kv_transfer.source import KVSource
 
@@ -93,30 +71,4 @@ def get_backend(name: str) -> Backend:
     return Backend(name, getattr(mod, source), getattr(mod, sink))
 
 
-# Imported on first use: importing this package must not load torch.
-__getattr__ = lazy_attributes(__name__, {"KVSink": "sink", "KVSource": "source"})
-
-
-__all__ = [
-    "PROTOCOL_VERSION",
-    "Backend",
-    "CompatInfo",
-    "Confirmation",
-    "Handshake",
-    "HandshakeRequired",
-    "IncompatiblePeer",
-    "IntegrityError",
-    "KVDescriptor",
-    "KVHandoff",
-    "KVSink",
-    "KVSource",
-    "KVTransferError",
-    "LeaseEnd",
-    "LeaseExpired",
-    "PeerLost",
-    "TransferState",
-    "TransferStats",
-    "TransferTimeout",
-    "backend_names",
-    "get_backend",
-]
+__all__ = ["Backend", "backend_names", "get_backend"]

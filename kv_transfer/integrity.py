@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from splitserve.kv_transfer.contract import CompatInfo
+from splitserve.wire.kv import CompatInfo
 
 
 def check_cache(cache: torch.Tensor, compat: CompatInfo) -> None:

@@ -31,10 +31,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from splitserve.engine.outputs import FinishingPrefill, LayerObserver
-from splitserve.kv_transfer.contract import KVDescriptor
 from splitserve.kv_transfer.integrity import layer_checksum
 from splitserve.kv_transfer.source import KVSource
+from splitserve.wire.kv import KVDescriptor
+from splitserve.wire.outputs import FinishingPrefill, LayerObserver
 
 
 @dataclass

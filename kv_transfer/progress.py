@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.kv_transfer.contract import LayerProgress, StreamSlot
-from splitserve.kv_transfer.errors import LeaseExpired
+from splitserve.wire.errors import LeaseExpired
+from splitserve.wire.kv import LayerProgress, StreamSlot
 
 _SIGN = 1 << 63
 

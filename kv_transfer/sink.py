@@ -1,6 +1,6 @@
 """``KVSink``: the decode side of a transfer. Checks peers at handshake, pulls
 blocks into the ids it is given, verifies them, confirms (see
-``kv_transfer.contract``). Not thread-safe: one thread at a time drives a sink."""
+``wire.kv``). Not thread-safe: one thread at a time drives a sink."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from splitserve.engine.kv_quant import as_bytes
-from splitserve.kv_transfer.contract import (
+from splitserve.kv_transfer.integrity import check_cache, layer_checksum
+from splitserve.wire.errors import (
+    IncompatiblePeer,
+    IntegrityError,
+    KVTransferError,
+    LeaseExpired,
+    PeerLost,
+    TransferTimeout,
+)
+from splitserve.wire.kv import (
     PROTOCOL_VERSION,
     CompatInfo,
     Confirmation,
@@ -21,15 +30,6 @@ from splitserve.kv_transfer.contract import (
     TransferStats,
     check_transition,
 )
-from splitserve.kv_transfer.errors import (
-    IncompatiblePeer,
-    IntegrityError,
-    KVTransferError,
-    LeaseExpired,
-    PeerLost,
-    TransferTimeout,
-)
-from splitserve.kv_transfer.integrity import check_cache, layer_checksum
 
 
 class KVSink:

@@ -1,6 +1,6 @@
 """``KVSource``: the prefill side of a transfer. Exports blocks, holds them under
 leases, serves reads, and reports every lease that ended (see
-``kv_transfer.contract`` for the lifecycle and who frees what). Not
+``wire.kv`` for the lifecycle and who frees what). Not
 thread-safe: one thread at a time drives a source."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 
 from splitserve.engine.kv_quant import as_bytes
 from splitserve.kv_transfer import integrity
-from splitserve.kv_transfer.contract import (
+from splitserve.kv_transfer.progress import ProgressBoard
+from splitserve.wire.kv import (
     DEFAULT_LEASE_S,
     PROTOCOL_VERSION,
     CompatInfo,
@@ -26,7 +27,6 @@ from splitserve.kv_transfer.contract import (
     TransferState,
     check_transition,
 )
-from splitserve.kv_transfer.progress import ProgressBoard
 
 log = logging.getLogger(__name__)
 

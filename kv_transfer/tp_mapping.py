@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.kv_layout import KVLayout, kv_head_range
 from splitserve.engine.kv_quant import as_bytes, requantize
-from splitserve.kv_transfer.contract import CompatInfo, Confirmation, Handshake, KVDescriptor
-from splitserve.kv_transfer.errors import IncompatiblePeer, PeerLost
 from splitserve.kv_transfer.sink import KVSink
+from splitserve.wire.errors import IncompatiblePeer, PeerLost
+from splitserve.wire.kv import CompatInfo, Confirmation, Handshake, KVDescriptor
+from splitserve.wire.kv_layout import KVLayout, kv_head_range
 
 # Fields that differ between the shards of one model's KV cache under different TP.
 # (``model_kv_heads`` is the same in every shard, but may be left unset: the model's

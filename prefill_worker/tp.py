@@ -40,12 +40,14 @@ import threading
 import time
 from dataclasses import dataclass
 
-from splitserve.engine import Engine
-from splitserve.engine.parallel import TPGroup
+from splitserve.engine.device import resolve_device
+from splitserve.engine.engine import Engine
+from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.worker_group import Heartbeat, RankFollower, join_group
-from splitserve.kv_transfer import KVTransferError, get_backend
-from splitserve.kv_transfer.contract import CompatInfo, Handshake, KVDescriptor
-from splitserve.prefill_worker.api import PrefillWorkerSpec
+from splitserve.kv_transfer import get_backend
+from splitserve.wire.errors import KVTransferError
+from splitserve.wire.kv import CompatInfo, Handshake, KVDescriptor
+from splitserve.wire.prefill import PrefillWorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ class PollShards:
 def join_prefill_group(spec: PrefillWorkerSpec) -> TPGroup:
     """Pin and size this process as ``spec`` says, then join its TP group (blocks until
     every rank has joined)."""
-    return join_group(spec.tp, spec.engine.resolve_device(), spec.cpu_ids, spec.torch_threads)
+    return join_group(spec.tp, resolve_device(spec.engine), spec.cpu_ids, spec.torch_threads)
 
 
 class PrefillRank:

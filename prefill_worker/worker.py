@@ -55,37 +55,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from splitserve.engine import (
-    DeadlineExceeded,
-    Engine,
-    EngineLoop,
-    EngineStopped,
-    FinishReason,
-    InvalidRequest,
-    RequestOutput,
-    UnknownRequest,
-)
+from splitserve.engine.engine import Engine
+from splitserve.engine.loop import EngineLoop
 from splitserve.engine.parallel.worker_group import Heartbeats
-from splitserve.engine.prefix_cache import PrefixCursor
-from splitserve.kv_transfer import KVTransferError, get_backend
-from splitserve.kv_transfer.contract import (
-    CompatInfo,
-    Confirmation,
-    KVDescriptor,
-    KVHandoff,
-    LeaseEnd,
-    TransferState,
-)
+from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.layerwise import LayerExporter
 from splitserve.kv_transfer.tp_mapping import readers_of
-from splitserve.prefill_worker.api import (
-    KVStreaming,
-    PrefillResult,
-    PrefillStats,
-    PrefillTask,
-    PrefillWorkerInfo,
-    PrefillWorkerSpec,
-)
 from splitserve.prefill_worker.tp import (
     ConfirmShard,
     ExportShard,
@@ -93,6 +68,25 @@ from splitserve.prefill_worker.tp import (
     ReleaseShard,
     join_prefill_group,
 )
+from splitserve.wire.errors import (
+    DeadlineExceeded,
+    EngineStopped,
+    InvalidRequest,
+    KVTransferError,
+    UnknownRequest,
+)
+from splitserve.wire.kv import CompatInfo, Confirmation, KVDescriptor, KVHandoff, LeaseEnd, TransferState
+from splitserve.wire.outputs import RequestOutput
+from splitserve.wire.prefill import (
+    KVStreaming,
+    PrefillResult,
+    PrefillStats,
+    PrefillTask,
+    PrefillWorkerInfo,
+    PrefillWorkerSpec,
+)
+from splitserve.wire.prefix import PrefixCursor
+from splitserve.wire.sampling import FinishReason
 
 log = logging.getLogger(__name__)
 

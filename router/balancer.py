@@ -25,8 +25,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from splitserve.engine.prefix_cache import prompt_block_hashes
 from splitserve.router.registry import WorkerRecord
+from splitserve.wire.prefix import prompt_block_hashes
 
 
 @dataclass(frozen=True)

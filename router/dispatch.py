@@ -54,11 +54,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from splitserve.decode_worker.api import DecodeTask
 from splitserve.engine.background import Background
-from splitserve.engine.errors import InvalidRequest, Overloaded, PrefillLost, WorkerLost
-from splitserve.engine.validation import RequestValidator
-from splitserve.kv_transfer.errors import KVTransferError
 from splitserve.router.balancer import Prompt, pick_decode, pick_prefill
 from splitserve.router.decider import Decider, Placement
 from splitserve.router.errors import code_for
@@ -68,6 +64,9 @@ from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import WorkerRecord, WorkerRegistry
 from splitserve.router.roles import Role
 from splitserve.router.trace import RequestTrace, TraceLog, TraceSink
+from splitserve.wire.decode import DecodeTask
+from splitserve.wire.errors import InvalidRequest, KVTransferError, Overloaded, PrefillLost, WorkerLost
+from splitserve.wire.validation import RequestValidator
 
 log = logging.getLogger(__name__)
 

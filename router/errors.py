@@ -11,16 +11,16 @@ import logging
 
 import grpc
 
-from splitserve.engine.errors import (
+from splitserve.wire.errors import (
     DeadlineExceeded,
     EngineStopped,
     InvalidRequest,
+    KVTransferError,
     Overloaded,
     PrefillLost,
     UnknownRequest,
     WorkerLost,
 )
-from splitserve.kv_transfer.errors import KVTransferError
 
 log = logging.getLogger(__name__)
 

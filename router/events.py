@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.sequence import FinishReason
+from splitserve.wire.sampling import FinishReason, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,12 @@ import asyncio
 import enum
 import time
 
-from splitserve.decode_worker.api import DecodeTask, TokenBatch
-from splitserve.engine.errors import DeadlineExceeded
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.sequence import FinishReason
 from splitserve.router.events import FinalEvent, TokenEvent
 from splitserve.router.registry import WorkerRecord
 from splitserve.router.trace import Mark, RequestTrace
+from splitserve.wire.decode import DecodeTask, TokenBatch
+from splitserve.wire.errors import DeadlineExceeded
+from splitserve.wire.sampling import FinishReason, SamplingParams
 
 
 class Phase(enum.Enum):

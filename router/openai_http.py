@@ -30,15 +30,15 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from splitserve.engine.errors import InvalidRequest
-from splitserve.engine.generation_defaults import SAMPLING_FIELDS
-from splitserve.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from splitserve.router.auth import ApiKeys, http_auth_middleware
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import http_status_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.metrics_server import add_metrics_route
+from splitserve.wire.defaults import SAMPLING_FIELDS
+from splitserve.wire.errors import InvalidRequest
+from splitserve.wire.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 log = logging.getLogger(__name__)
 

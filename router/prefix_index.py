@@ -1,5 +1,5 @@
 """What the router knows of one worker's prefix cache: the block hashes it holds, as
-followed through the worker's ``PrefixLog`` (``engine.prefix_cache``) on each stats
+followed through the worker's ``PrefixLog`` (``wire.prefix``) on each stats
 poll. Plain bookkeeping; the registry's poll is its only writer.
 
 It can lag the worker by one poll (a block cached since, or evicted since), which
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from splitserve.engine.prefix_cache import PrefixCursor, PrefixUpdate
+from splitserve.wire.prefix import PrefixCursor, PrefixUpdate
 
 
 class PrefixIndex:

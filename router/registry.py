@@ -42,13 +42,13 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from splitserve.decode_worker.api import DecodeStats
-from splitserve.engine.errors import WorkerLost, WorkerStopped
-from splitserve.prefill_worker.api import PrefillStats
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.roles import Role
 from splitserve.router.step_time import StepTimes
 from splitserve.router.workers import WorkerClient, WorkerInfo, WorkerStats
+from splitserve.wire.decode import DecodeStats
+from splitserve.wire.errors import WorkerLost, WorkerStopped
+from splitserve.wire.prefill import PrefillStats
 
 
 class Membership(enum.Enum):

@@ -10,12 +10,6 @@ import dataclasses
 import logging
 import uuid
 
-from splitserve.decode_worker.api import DecodeStats
-from splitserve.engine.errors import InvalidRequest
-from splitserve.engine.generation_defaults import SAMPLING_FIELDS
-from splitserve.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
-from splitserve.engine.sequence import FinishReason
-from splitserve.prefill_worker.api import PrefillStats
 from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
 from splitserve.router.dispatch import Dispatcher
@@ -24,6 +18,11 @@ from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.registry import WorkerRecord
 from splitserve.router.roles import Role
 from splitserve.router.trace import RequestTrace
+from splitserve.wire.decode import DecodeStats
+from splitserve.wire.defaults import SAMPLING_FIELDS
+from splitserve.wire.errors import InvalidRequest
+from splitserve.wire.prefill import PrefillStats
+from splitserve.wire.sampling import DEFAULT_MAX_TOKENS, FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from splitserve.decode_worker.api import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
-from splitserve.engine.prefix_cache import PrefixCursor
-from splitserve.prefill_worker.api import PrefillStats, PrefillWorkerInfo
+from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
+from splitserve.wire.prefill import PrefillStats, PrefillWorkerInfo
+from splitserve.wire.prefix import PrefixCursor
 
 WorkerStats = PrefillStats | DecodeStats
 WorkerInfo = PrefillWorkerInfo | DecodeWorkerInfo

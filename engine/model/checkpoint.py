@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from splitserve.engine.errors import ModelLoadError
+from splitserve.wire.errors import ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
 

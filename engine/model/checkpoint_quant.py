@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.engine.errors import ModelLoadError
+from splitserve.wire.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.model.checkpoint_quant import CheckpointQuant
+from splitserve.wire.errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from splitserve.engine import kernels
-from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.model.checkpoint import TensorSource, random_tensors
 from splitserve.engine.model.checkpoint_quant import CheckpointQuant
 from splitserve.engine.model.config import ModelConfig
@@ -47,6 +46,7 @@ from splitserve.engine.model.replace import replace_children
 from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.layers import kv_head_range, vocab_rows
+from splitserve.wire.errors import ModelLoadError
 
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

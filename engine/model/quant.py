@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine import kernels
-from splitserve.engine.config import QUANTIZATIONS
 from splitserve.engine.model.replace import replace_children
+from splitserve.wire.config import QUANTIZATIONS
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448

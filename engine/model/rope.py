@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from splitserve.engine.errors import ModelLoadError
+from splitserve.wire.errors import ModelLoadError
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from splitserve.engine.errors import GroupBroken
-from splitserve.engine.parallel.tp_init import TPInit
+from splitserve.wire.errors import GroupBroken
+from splitserve.wire.tp import TPInit
 
 
 class TPGroup:

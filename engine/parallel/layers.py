@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.kv_layout import kv_head_range as layout_head_range
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.parallel.group import TPGroup
+from splitserve.wire.kv_layout import kv_head_range as layout_head_range
 
 
 def check_tp_compatible(cfg: ModelConfig, tp_size: int) -> None:
@@ -50,7 +50,7 @@ def check_tp_compatible(cfg: ModelConfig, tp_size: int) -> None:
 
 
 def kv_head_range(num_kv_heads: int, group: TPGroup) -> tuple[int, int]:
-    """The model's KV heads this rank holds (``splitserve.engine.kv_layout.kv_head_range``)."""
+    """The model's KV heads this rank holds (``splitserve.wire.kv_layout.kv_head_range``)."""
     return layout_head_range(num_kv_heads, group.size, group.rank)
 
 

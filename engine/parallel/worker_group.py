@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from splitserve.engine.parallel.group import TPGroup
-from splitserve.engine.parallel.tp_init import TPInit
+from splitserve.wire.tp import TPInit
 
 log = logging.getLogger(__name__)
 

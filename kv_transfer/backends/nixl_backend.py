@@ -31,18 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitserve.kv_transfer.contract import (
-    DEFAULT_LEASE_S,
-    CompatInfo,
-    Handshake,
-    KVDescriptor,
-    LayerProgress,
-)
-from splitserve.kv_transfer.errors import KVTransferError, PeerLost, TransferTimeout
 from splitserve.kv_transfer.integrity import paired_runs
 from splitserve.kv_transfer.progress import parse_row
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
+from splitserve.wire.errors import KVTransferError, PeerLost, TransferTimeout
+from splitserve.wire.kv import DEFAULT_LEASE_S, CompatInfo, Handshake, KVDescriptor, LayerProgress
 
 log = logging.getLogger(__name__)
 

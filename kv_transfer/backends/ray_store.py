@@ -17,10 +17,10 @@ import warnings
 
 import torch
 
-from splitserve.kv_transfer.contract import DEFAULT_LEASE_S, CompatInfo, KVDescriptor
-from splitserve.kv_transfer.errors import PeerLost, TransferTimeout
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
+from splitserve.wire.errors import PeerLost, TransferTimeout
+from splitserve.wire.kv import DEFAULT_LEASE_S, CompatInfo, KVDescriptor
 
 
 class RaySource(KVSource):

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from splitserve.kv_transfer.backends.two_sided import TransferNumbers, accepts_connections
-from splitserve.kv_transfer.contract import DEFAULT_LEASE_S, CompatInfo, Handshake, KVDescriptor
-from splitserve.kv_transfer.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
+from splitserve.wire.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
+from splitserve.wire.kv import DEFAULT_LEASE_S, CompatInfo, Handshake, KVDescriptor
 
 log = logging.getLogger(__name__)
 

@@ -67,10 +67,10 @@ import numpy as np
 import torch
 
 from splitserve.kv_transfer.backends.two_sided import TransferNumbers, accepts_connections
-from splitserve.kv_transfer.contract import DEFAULT_LEASE_S, CompatInfo, Handshake, KVDescriptor
-from splitserve.kv_transfer.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
+from splitserve.wire.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
+from splitserve.wire.kv import DEFAULT_LEASE_S, CompatInfo, Handshake, KVDescriptor
 
 
 def _import_ucxx():

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine import Engine, EngineConfig, SamplingParams
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

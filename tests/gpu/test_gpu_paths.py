@@ -10,8 +10,9 @@ from torch import nn
 
 from splitserve.bench import gpu_bench as gb
 from splitserve.bench.quant_accuracy import closeness
-from splitserve.engine import Engine, EngineConfig
+from splitserve.engine.engine import Engine
 from splitserve.engine.model.quant import Fp8Linear, Int8Linear, fp8_gemm_supported, quantize_fp8
+from splitserve.wire.config import EngineConfig
 from tests.conftest import make_hf_checkpoint, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.client import Chunk, Client, Completion
 from splitserve.cluster.app import BackgroundCluster, start_local_ray
 from splitserve.cluster.config import ClusterConfig
-from splitserve.engine import Engine, SamplingParams
+from splitserve.engine.engine import Engine
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 
 VOCAB = 512

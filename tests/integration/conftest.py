@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from splitserve.client import Client
-from splitserve.engine import Engine, EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
 
 
 @pytest.fixture(scope="module")

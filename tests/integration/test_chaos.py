@@ -17,7 +17,7 @@ from splitserve.bench.chaos import ChaosSpec, chaos_config, mixed_prompts, run_c
 from splitserve.bench.local_nodes import local_nodes
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.pools import actor_state
-from splitserve.engine import Engine
+from splitserve.engine.engine import Engine
 from splitserve.router.registry import NodePlacement
 from tests.integration.cluster_util import VOCAB, live_cluster, wait_until
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from splitserve.engine.config import cpu_has_native_bf16
+from splitserve.engine.device import cpu_has_native_bf16
 from tests.conftest import HAS_SMOLLM2
 
 pytestmark = [
@@ -39,7 +39,9 @@ def _check_openai_chat(address: str) -> None:
     after a cached prefix (every chat shares the template's system prompt) may pick
     another greedy token than the same prompt prefilled whole."""
     openai = pytest.importorskip("openai")
-    from splitserve.engine import Engine, EngineConfig, SamplingParams
+    from splitserve.engine.engine import Engine
+    from splitserve.wire.config import EngineConfig
+    from splitserve.wire.sampling import SamplingParams
 
     messages = [{"role": "user", "content": "Name three colors."}]
     engine = Engine(EngineConfig(model="smollm2", kv_cache_memory_mib=64))

@@ -18,7 +18,7 @@ import ray
 
 from splitserve.client import Chunk, DeadlineExceeded, Unavailable
 from splitserve.cluster.worker_client import remote_calls
-from splitserve.engine import SamplingParams
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,

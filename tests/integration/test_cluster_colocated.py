@@ -8,8 +8,8 @@ import pytest
 import ray
 
 from splitserve.client import DeadlineExceeded
-from splitserve.decode_worker.api import DecodeTask
-from splitserve.engine import SamplingParams
+from splitserve.wire.decode import DecodeTask
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,

@@ -8,7 +8,8 @@ FP8-KV engine's greedy tokens exactly; no KV stays held afterwards."""
 from __future__ import annotations
 
 from splitserve.client import Client
-from splitserve.engine import Engine, EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
 from tests.integration.cluster_util import (
     live_cluster,
     mixed_workload,

@@ -16,9 +16,9 @@ from splitserve.client import (
     InvalidArgument,
     ResourceExhausted,
 )
-from splitserve.engine import SamplingParams
 from splitserve.router.balancer import Prompt
 from splitserve.router.decider import Placement
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,

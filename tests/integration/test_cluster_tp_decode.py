@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from splitserve.client import Chunk, Client, Completion
-from splitserve.engine import SamplingParams
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine import SamplingParams
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
 from tests.integration.cluster_util import live_cluster, stream_all, tiny_config
 

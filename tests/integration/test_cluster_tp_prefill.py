@@ -18,7 +18,7 @@ import time
 import pytest
 import ray
 
-from splitserve.engine import SamplingParams
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,

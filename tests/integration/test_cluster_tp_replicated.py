@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from splitserve.client import Client
-from splitserve.engine import Engine, EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
 from tests.conftest import make_hf_checkpoint
 from tests.integration.cluster_util import (
     live_cluster,

@@ -12,9 +12,12 @@ import dataclasses
 import multiprocessing as mp
 import time
 
-from splitserve.decode_worker import DecodeTask, DecodeWorker, DecodeWorkerSpec
-from splitserve.engine import Engine, EngineConfig, SamplingParams
-from splitserve.engine.parallel import TPInit
+from splitserve.decode_worker.worker import DecodeWorker
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec
+from splitserve.wire.sampling import SamplingParams
+from splitserve.wire.tp import TPInit
 from tests.conftest import make_hf_checkpoint, random_prompts
 from tests.integration.tp_ranks import decode_rank_main, free_port
 

@@ -34,18 +34,21 @@ from splitserve.bench.kv_peers import (
     start_source,
 )
 from splitserve.cluster.app import start_local_ray
-from splitserve.engine import Engine, EngineConfig, KVLayout, SamplingParams
-from splitserve.kv_transfer import (
-    CompatInfo,
+from splitserve.engine.engine import Engine
+from splitserve.kv_transfer import get_backend
+from splitserve.kv_transfer.integrity import layer_checksums
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import (
     IncompatiblePeer,
     IntegrityError,
     KVTransferError,
     LeaseExpired,
     PeerLost,
     TransferTimeout,
-    get_backend,
 )
-from splitserve.kv_transfer.integrity import layer_checksums
+from splitserve.wire.kv import CompatInfo
+from splitserve.wire.kv_layout import KVLayout
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import HAS_SMOLLM2
 
 BACKENDS = ["nixl", "torch_dist", "ray", "ucx"]

@@ -30,7 +30,9 @@ import ray
 
 from splitserve.client import Client
 from splitserve.cluster.app import BackgroundCluster
-from splitserve.engine import Engine, EngineConfig, SamplingParams
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import VOCAB, tiny_config
 

@@ -29,7 +29,8 @@ from ray.cluster_utils import Cluster
 
 from splitserve.client import Client
 from splitserve.cluster.app import BackgroundCluster
-from splitserve.engine import Engine, EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
 from tests.integration.cluster_util import (
     mixed_workload,
     reference_tokens,

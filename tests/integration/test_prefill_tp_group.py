@@ -13,10 +13,13 @@ import time
 
 import pytest
 
-from splitserve.engine import EngineConfig, InvalidRequest, SamplingParams
-from splitserve.engine.parallel import TPInit
-from splitserve.kv_transfer import Confirmation
-from splitserve.prefill_worker import PrefillTask, PrefillWorker, PrefillWorkerSpec
+from splitserve.prefill_worker.worker import PrefillWorker
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import InvalidRequest
+from splitserve.wire.kv import Confirmation
+from splitserve.wire.prefill import PrefillTask, PrefillWorkerSpec
+from splitserve.wire.sampling import SamplingParams
+from splitserve.wire.tp import TPInit
 from tests.conftest import make_hf_checkpoint, random_prompts
 from tests.integration.tp_ranks import free_port, prefill_rank_main
 

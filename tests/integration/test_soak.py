@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from splitserve.bench.soak import SoakSpec, run_soak, shared_prefix_prompts, soak_config
-from splitserve.engine import Engine
+from splitserve.engine.engine import Engine
 from tests.integration.cluster_util import VOCAB, live_cluster
 
 REQUESTS = int(os.environ.get("SPLITSERVE_SOAK_REQUESTS", "600"))

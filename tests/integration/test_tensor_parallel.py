@@ -16,8 +16,10 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from splitserve.engine import Engine, EngineConfig, SamplingParams
-from splitserve.engine.kv_layout import kv_head_range
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.kv_layout import kv_head_range
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint, random_prompts, tiny_hf_config
 from tests.integration.tp_ranks import (
     RankJob,

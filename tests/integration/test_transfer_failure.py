@@ -13,7 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.client import Client, Unavailable
-from splitserve.engine import Engine, EngineConfig, SamplingParams
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import VOCAB, live_cluster, stream_all, tiny_config, wait_kv_free
 

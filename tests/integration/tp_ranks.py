@@ -10,8 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine import Engine, EngineConfig, SamplingParams
-from splitserve.engine.parallel import TPGroup, TPInit
+from splitserve.engine.engine import Engine
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.sampling import SamplingParams
+from splitserve.wire.tp import TPInit
 
 
 @dataclass(frozen=True)
@@ -107,8 +110,9 @@ def prefill_export_rank(job: RankJob, backend: str, out, done, reader_tp: int = 
     """Prefill every prompt under TP, export each rank's KV shard through ``backend`` for
     a decode group of ``reader_tp`` ranks, put an ``ExportedShard``, then serve reads
     until ``done`` is set."""
-    from splitserve.kv_transfer import CompatInfo, get_backend
+    from splitserve.kv_transfer import get_backend
     from splitserve.kv_transfer.tp_mapping import readers_of
+    from splitserve.wire.kv import CompatInfo
 
     group, engine = _join(job)
     source = get_backend(backend).source(
@@ -144,8 +148,9 @@ def decode_import_rank(job: RankJob, shards: list[ExportedShard], backend: str, 
     prompt the source group exported (``shards``, in rank order) into the blocks rank 0
     allocated, then decode them under TP; rank 0 puts each prompt's tokens (the first,
     sampled by the source, included)."""
-    from splitserve.kv_transfer import CompatInfo, get_backend
+    from splitserve.kv_transfer import get_backend
     from splitserve.kv_transfer.tp_mapping import RankSink
+    from splitserve.wire.kv import CompatInfo
 
     group, engine = _join(job)
     compat = CompatInfo(job.config.model, engine.kv_cache.layout)

@@ -78,9 +78,9 @@ def test_no_default_is_written_twice():
     import dataclasses
 
     from splitserve.cluster import config as config_mod
-    from splitserve.decode_worker.api import DecodeWorkerSpec
-    from splitserve.engine import EngineConfig
-    from splitserve.prefill_worker.api import PrefillWorkerSpec
+    from splitserve.wire.config import EngineConfig
+    from splitserve.wire.decode import DecodeWorkerSpec
+    from splitserve.wire.prefill import PrefillWorkerSpec
 
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} | {"name"}
     literal = []
@@ -132,13 +132,13 @@ def test_a_tp_size_the_model_cannot_split_is_refused_before_any_worker_starts():
 
 
 def test_max_tokens_and_lease_defaults_are_written_once():
-    """``DEFAULT_MAX_TOKENS`` (engine/sampling_params.py) and ``DEFAULT_LEASE_S``
-    (kv_transfer/contract.py) are the only literals of those defaults in the code."""
+    """``DEFAULT_MAX_TOKENS`` (wire/sampling.py) and ``DEFAULT_LEASE_S``
+    (wire/kv.py) are the only literals of those defaults in the code."""
     import pathlib
     import re
 
     root = pathlib.Path(__file__).resolve().parents[3]
-    homes = {"engine/sampling_params.py", "kv_transfer/contract.py"}
+    homes = {"wire/sampling.py", "wire/kv.py"}
     pattern = re.compile(
         r"(max_tokens\w*\s*(:[^=]*)?=\s*16\b)|(lease\w*\s*(:[^=]*)?=\s*(Field\()?30(\.0)?\b)", re.I
     )
@@ -152,7 +152,7 @@ def test_max_tokens_and_lease_defaults_are_written_once():
                 found.append(f"{rel}:{i}: {line.strip()}")
     assert found == [], found
     for home, name in (
-        ("engine/sampling_params.py", "DEFAULT_MAX_TOKENS"),
-        ("kv_transfer/contract.py", "DEFAULT_LEASE_S"),
+        ("wire/sampling.py", "DEFAULT_MAX_TOKENS"),
+        ("wire/kv.py", "DEFAULT_LEASE_S"),
     ):
         assert re.search(rf"^{name} = ", (root / home).read_text(), re.M), home  # the home says it

@@ -11,8 +11,10 @@ import time
 import pytest
 
 from splitserve.decode_worker.admission import AdmissionQueue
-from splitserve.engine import DeadlineExceeded, Engine, EngineConfig, Overloaded, SamplingParams
-from splitserve.kv_transfer.errors import LeaseExpired
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import DeadlineExceeded, LeaseExpired, Overloaded
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint, random_prompts
 
 PARAMS = SamplingParams(max_tokens=4)

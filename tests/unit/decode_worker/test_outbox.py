@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from splitserve.decode_worker.api import TokenBatch
 from splitserve.decode_worker.outbox import Outbox
-from splitserve.engine.errors import DeadlineExceeded
-from splitserve.engine.sequence import FinishReason
+from splitserve.wire.decode import TokenBatch
+from splitserve.wire.errors import DeadlineExceeded
+from splitserve.wire.sampling import FinishReason
 
 
 def batch(rid: str, ids: list[int], t: float, finish=None, **kw) -> TokenBatch:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
+from splitserve.wire.sampling import SamplingParams
 
 
 def seq(tokens: list[int]) -> Sequence:

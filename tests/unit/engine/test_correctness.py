@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine import Engine, EngineConfig, SamplingParams
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
 
 LENGTHS = [3, 9, 17, 33, 47, 64, 90, 130, 5, 71]

@@ -6,16 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine import (
-    Engine,
-    EngineConfig,
-    FinishReason,
-    InvalidRequest,
-    ModelLoadError,
-    Overloaded,
-    SamplingParams,
-    UnknownRequest,
-)
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import InvalidRequest, ModelLoadError, Overloaded, UnknownRequest
+from splitserve.wire.sampling import FinishReason, SamplingParams
 from tests.conftest import random_prompts, tiny_hf_config
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -10,15 +10,17 @@ import json
 
 import pytest
 
-from splitserve.engine import Engine, EngineConfig, SamplingParams
-from splitserve.engine.errors import ModelLoadError
-from splitserve.engine.generation_defaults import GenerationDefaults
+from splitserve.engine.engine import Engine
 from splitserve.proto import splitserve_pb2 as pb
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.events import GenerateInput
 from splitserve.router.openai_http import ChatRequest
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.service import generate_input
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.defaults import GenerationDefaults
+from splitserve.wire.errors import ModelLoadError
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint
 from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill
 

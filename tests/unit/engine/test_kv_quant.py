@@ -23,8 +23,10 @@ from safetensors.torch import load_file, save_file
 
 from splitserve.bench.quant_accuracy import prompt_logits
 from splitserve.cluster.config import ClusterConfig
-from splitserve.engine import Engine, EngineConfig, SamplingParams
+from splitserve.engine.engine import Engine
 from splitserve.engine.kv_quant import FP8, FP8_MAX, dequantize, quantize, requantize
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint, random_prompts
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine import Engine, EngineConfig, SamplingParams
-from splitserve.engine.errors import InvalidRequest
+from splitserve.engine.engine import Engine
 from splitserve.engine.kv_sizing import DEFAULT_CPU_KV_CACHE_MIB, kv_budget_bytes
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import InvalidRequest
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint, tiny_hf_config
 
 GIB = 2**30

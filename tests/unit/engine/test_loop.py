@@ -4,8 +4,11 @@ import threading
 
 import pytest
 
-from splitserve.engine import Engine, EngineConfig, EngineLoop, EngineStopped, InvalidRequest, SamplingParams
-from splitserve.engine.errors import GroupBroken
+from splitserve.engine.engine import Engine
+from splitserve.engine.loop import EngineLoop
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import EngineStopped, GroupBroken, InvalidRequest
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint, random_prompts
 
 

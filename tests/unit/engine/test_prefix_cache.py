@@ -1,5 +1,5 @@
 """Prefix-cache identity across processes: the named block hash, and a router following
-a block manager's prefix log (``engine.prefix_cache``, ``router.prefix_index``)."""
+a block manager's prefix log (``wire.prefix``, ``router.prefix_index``)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import subprocess
 import sys
 
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.prefix_cache import PrefixLog, prompt_block_hashes
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
 from splitserve.router.prefix_index import PrefixIndex
+from splitserve.wire.prefix import PrefixLog, prompt_block_hashes
+from splitserve.wire.sampling import SamplingParams
 
-SCRIPT = "from splitserve.engine.prefix_cache import prompt_block_hashes as h; print(h(list(range(100)), 16))"
+SCRIPT = "from splitserve.wire.prefix import prompt_block_hashes as h; print(h(list(range(100)), 16))"
 
 
 def test_block_hashes_are_the_same_in_every_process():

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from splitserve.engine.errors import InvalidRequest
 from splitserve.engine.sampler import Sampler, SampleRequest
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.wire.errors import InvalidRequest
+from splitserve.wire.sampling import SamplingParams
 
 
 def rows(params: SamplingParams, n: int = 1, index: int = 0) -> list[SampleRequest]:

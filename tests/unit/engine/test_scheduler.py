@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.wire.sampling import SamplingParams
 
 
 def make(num_blocks=64, block_size=4, budget=16, max_seqs=8):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine import Engine, EngineConfig, FinishReason, SamplingParams
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.sampling import FinishReason, SamplingParams
 from tests.conftest import hf_greedy
 
 QUESTIONS = [

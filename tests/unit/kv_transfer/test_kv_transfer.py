@@ -11,19 +11,14 @@ import time
 import pytest
 import torch
 
-from splitserve.engine import Engine, EngineConfig, SamplingParams
-from splitserve.kv_transfer import (
-    CompatInfo,
-    IncompatiblePeer,
-    IntegrityError,
-    LeaseExpired,
-    PeerLost,
-    TransferState,
-    get_backend,
-)
+from splitserve.engine.engine import Engine
+from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.backends.local import LocalHub
-from splitserve.kv_transfer.contract import check_transition
 from splitserve.kv_transfer.integrity import layer_checksums, paired_runs, runs
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import IncompatiblePeer, IntegrityError, LeaseExpired, PeerLost
+from splitserve.wire.kv import CompatInfo, TransferState, check_transition
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)

@@ -11,10 +11,12 @@ import threading
 
 import pytest
 
-from splitserve.engine import Engine, SamplingParams
-from splitserve.engine.outputs import LayerObserver
-from splitserve.kv_transfer import IntegrityError, LeaseExpired, TransferTimeout, integrity
+from splitserve.engine.engine import Engine
+from splitserve.kv_transfer import integrity
 from splitserve.kv_transfer.layerwise import LayerExporter
+from splitserve.wire.errors import IntegrityError, LeaseExpired, TransferTimeout
+from splitserve.wire.outputs import LayerObserver
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.unit.kv_transfer.test_kv_transfer import decode_all, local_pair, make_engine, prefill
 

@@ -10,9 +10,7 @@ import functools
 import pytest
 import torch
 
-from splitserve.engine import KVLayout
 from splitserve.engine.kv_quant import FP8, SCHEME
-from splitserve.kv_transfer import CompatInfo, IncompatiblePeer, IntegrityError
 from splitserve.kv_transfer.backends.local import LocalHub, LocalSink, LocalSource
 from splitserve.kv_transfer.tp_mapping import (
     HeadCopy,
@@ -22,6 +20,9 @@ from splitserve.kv_transfer.tp_mapping import (
     readers_of,
     shard_layout,
 )
+from splitserve.wire.errors import IncompatiblePeer, IntegrityError
+from splitserve.wire.kv import CompatInfo
+from splitserve.wire.kv_layout import KVLayout
 
 FULL = KVLayout(num_layers=2, num_blocks=12, block_size=4, num_kv_heads=8, head_dim=8, dtype="float32")
 

@@ -9,29 +9,15 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from splitserve.decode_worker.api import DecodeStats, DecodeTask, DecodeWorkerInfo, Prefilled, TokenBatch
-from splitserve.engine.errors import PrefillLost, WorkerLost
-from splitserve.engine.kv_layout import KVLayout
-from splitserve.engine.outputs import EngineStats
-from splitserve.engine.sequence import FinishReason
-from splitserve.engine.validation import RequestValidator
-from splitserve.kv_transfer.contract import (
-    PROTOCOL_VERSION,
-    CompatInfo,
-    Confirmation,
-    Handshake,
-    KVDescriptor,
-    KVHandoff,
-)
-from splitserve.kv_transfer.errors import KVTransferError
-from splitserve.prefill_worker.api import (
-    KVStreaming,
-    PrefillResult,
-    PrefillStats,
-    PrefillTask,
-    PrefillWorkerInfo,
-)
 from splitserve.router.registry import Membership, WorkerRecord
+from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, Prefilled, TokenBatch
+from splitserve.wire.errors import KVTransferError, PrefillLost, WorkerLost
+from splitserve.wire.kv import PROTOCOL_VERSION, CompatInfo, Confirmation, Handshake, KVDescriptor, KVHandoff
+from splitserve.wire.kv_layout import KVLayout
+from splitserve.wire.outputs import EngineStats
+from splitserve.wire.prefill import KVStreaming, PrefillResult, PrefillStats, PrefillTask, PrefillWorkerInfo
+from splitserve.wire.sampling import FinishReason
+from splitserve.wire.validation import RequestValidator
 
 VALIDATOR = RequestValidator(
     "tiny", vocab_size=1000, max_model_len=4096, max_kv_tokens=100_000, tokenizer=None
@@ -280,7 +266,7 @@ class FakeDecode:
 
     async def _take_over(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
         """The first-token batch, then (unless it ended there) the pull's batch."""
-        from splitserve.kv_transfer.errors import PeerLost
+        from splitserve.wire.errors import PeerLost
 
         source, rid = task.source, task.request_id
         confirmed = False

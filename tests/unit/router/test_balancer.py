@@ -1,9 +1,9 @@
 """Routing policy: which prefill and decode worker a request goes to, by load and by
 the prefixes workers report cached."""
 
-from splitserve.engine.prefix_cache import PrefixUpdate, prompt_block_hashes
 from splitserve.router.balancer import Prompt, pick_decode, pick_prefill
 from splitserve.router.registry import Membership, WorkerRecord, WorkerRegistry
+from splitserve.wire.prefix import PrefixUpdate, prompt_block_hashes
 from tests.unit.router.fakes import record as _w
 
 

@@ -3,10 +3,10 @@ given its length, the queues, the cached prefixes and the measured rates."""
 
 import pytest
 
-from splitserve.engine.prefix_cache import PrefixUpdate, prompt_block_hashes
 from splitserve.router.balancer import Prompt
 from splitserve.router.decider import Decider, Placement, Reason
 from splitserve.router.policy import PolicySpec
+from splitserve.wire.prefix import PrefixUpdate, prompt_block_hashes
 from tests.unit.router.fakes import record
 
 RATE = 1000.0  # prompt tokens per second, as a worker reports it

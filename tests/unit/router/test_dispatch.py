@@ -17,14 +17,13 @@ import random
 
 import pytest
 
-from splitserve.engine import InvalidRequest, Overloaded, SamplingParams
-from splitserve.engine.errors import WorkerLost
-from splitserve.kv_transfer.errors import LeaseExpired, PeerLost
 from splitserve.router.decider import Placement, Reason
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import WorkerRegistry
+from splitserve.wire.errors import InvalidRequest, LeaseExpired, Overloaded, PeerLost, WorkerLost
+from splitserve.wire.sampling import SamplingParams
 from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill, expected_tokens
 
 

@@ -4,10 +4,18 @@ import grpc
 import pytest
 
 from splitserve.client import errors as client_errors
-from splitserve.engine import DeadlineExceeded, EngineStopped, InvalidRequest, Overloaded, UnknownRequest
-from splitserve.engine.errors import PrefillLost, WorkerLost
-from splitserve.kv_transfer.errors import IntegrityError, PeerLost
 from splitserve.router.errors import status_for
+from splitserve.wire.errors import (
+    DeadlineExceeded,
+    EngineStopped,
+    IntegrityError,
+    InvalidRequest,
+    Overloaded,
+    PeerLost,
+    PrefillLost,
+    UnknownRequest,
+    WorkerLost,
+)
 
 
 @pytest.mark.parametrize(

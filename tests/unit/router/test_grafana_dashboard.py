@@ -9,9 +9,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.engine.outputs import EngineStats
-from splitserve.prefill_worker.api import PrefillStats
 from splitserve.router.registry import Membership, WorkerRegistry
+from splitserve.wire.outputs import EngineStats
+from splitserve.wire.prefill import PrefillStats
 from tests.unit.router.test_trace_metrics import REMOTE, make_metrics, trace
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "cluster_configs" / "grafana" / "splitserve.json"

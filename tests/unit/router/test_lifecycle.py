@@ -8,12 +8,11 @@ import asyncio
 
 import pytest
 
-from splitserve.decode_worker.api import Prefilled, TokenBatch
-from splitserve.engine.errors import DeadlineExceeded
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.sequence import FinishReason
 from splitserve.router.events import FinalEvent, TokenEvent
 from splitserve.router.lifecycle import Phase, RequestLifecycle
+from splitserve.wire.decode import Prefilled, TokenBatch
+from splitserve.wire.errors import DeadlineExceeded
+from splitserve.wire.sampling import FinishReason, SamplingParams
 from tests.unit.router.fakes import FakePrefill, record
 
 

@@ -12,10 +12,10 @@ import grpc
 import pytest
 
 from splitserve.client import Client, InvalidArgument, Unavailable
-from splitserve.engine import RequestValidator
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
+from splitserve.wire.validation import RequestValidator
 
 
 class _Loop:

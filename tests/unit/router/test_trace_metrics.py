@@ -10,12 +10,12 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.engine.outputs import EngineStats
-from splitserve.prefill_worker.api import PrefillStats
 from splitserve.router.metrics import PoolSize, RouterMetrics
 from splitserve.router.metrics_server import MetricsServer
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.trace import Mark, RequestTrace, TraceLog
+from splitserve.wire.outputs import EngineStats
+from splitserve.wire.prefill import PrefillStats
 
 
 def trace(

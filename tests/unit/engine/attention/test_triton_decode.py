@@ -90,7 +90,9 @@ def test_mixed_batch_decodes_and_prefills():
 
 
 def test_engine_with_the_triton_backend_equals_hf(tmp_path):
-    from splitserve.engine import Engine, EngineConfig, SamplingParams
+    from splitserve.engine.engine import Engine
+    from splitserve.wire.config import EngineConfig
+    from splitserve.wire.sampling import SamplingParams
     from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
 
     hf = make_hf_checkpoint("llama", tmp_path)
@@ -135,7 +137,9 @@ def test_engine_with_decode_graphs_equals_hf(tmp_path):
     next recorded batch size (off CUDA the "recording" re-runs; the buffer logic is the
     same). 7 sequences of different lengths finish at different steps, so the batch
     crosses several sizes (7 -> 8 rows, then 4, 2, 1), and prefill steps run eagerly."""
-    from splitserve.engine import Engine, EngineConfig, SamplingParams
+    from splitserve.engine.engine import Engine
+    from splitserve.wire.config import EngineConfig
+    from splitserve.wire.sampling import SamplingParams
     from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
 
     hf = make_hf_checkpoint("llama", tmp_path)
@@ -171,7 +175,8 @@ def test_engine_with_decode_graphs_equals_hf(tmp_path):
 
 
 def test_decode_graphs_are_refused_with_another_backend_or_tp():
-    from splitserve.engine import Engine, EngineConfig
+    from splitserve.engine.engine import Engine
+    from splitserve.wire.config import EngineConfig
     from tests.conftest import tiny_hf_config
 
     with pytest.raises(ValueError, match="triton attention backend"):

@@ -16,13 +16,14 @@ from safetensors.torch import load_file, save_file
 
 from splitserve.bench.fp8_checkpoint import write_fp8_checkpoint
 from splitserve.bench.quant_accuracy import prompt_logits
-from splitserve.engine import Engine, EngineConfig
-from splitserve.engine.errors import ModelLoadError
+from splitserve.engine.engine import Engine
 from splitserve.engine.model.checkpoint import safetensors_tensors
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model.quant import Fp8CheckpointLinear
 from splitserve.engine.parallel.group import TPGroup
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import ModelLoadError
 from tests.conftest import make_hf_checkpoint, random_prompts
 
 BLOCK = 32  # the tiny models' widths (64, 128) are multiples of it; real checkpoints use 128

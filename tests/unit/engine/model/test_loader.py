@@ -13,12 +13,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from splitserve.engine import Engine, EngineConfig, SamplingParams
-from splitserve.engine.errors import ModelLoadError
+from splitserve.engine.engine import Engine
 from splitserve.engine.model.checkpoint import checkpoint_files, in_memory_tensors, safetensors_tensors
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.parallel.group import TPGroup
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import ModelLoadError
+from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts, tiny_hf_config
 
 

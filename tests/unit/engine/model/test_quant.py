@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from splitserve.bench.quant_accuracy import QUESTIONS, closeness
-from splitserve.engine import Engine, EngineConfig
+from splitserve.engine.engine import Engine
 from splitserve.engine.model.quant import (
     FP8_MAX,
     Fp8Linear,
@@ -31,6 +31,7 @@ from splitserve.engine.model.quant import (
     quantize_int8,
     quantize_linears,
 )
+from splitserve.wire.config import EngineConfig
 from tests.conftest import HAS_SMOLLM2, make_hf_checkpoint, random_prompts
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.rope import rope_inv_freq
+from splitserve.wire.errors import ModelLoadError
 from tests.conftest import tiny_hf_config
 
 VARIANTS = {

@@ -14,9 +14,11 @@ import time
 import pytest
 import torch
 
-from splitserve.engine import KVLayout
-from splitserve.kv_transfer import CompatInfo, LeaseExpired, TransferState, get_backend
+from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.integrity import layer_checksums
+from splitserve.wire.errors import LeaseExpired
+from splitserve.wire.kv import CompatInfo, TransferState
+from splitserve.wire.kv_layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=6, num_blocks=24, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
 COMPAT = CompatInfo(model="random", layout=LAYOUT)

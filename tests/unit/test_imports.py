@@ -10,15 +10,16 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import importlib, pathlib, pickle, sys
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.py")):
     importlib.import_module("splitserve.router." + path.stem)
-from splitserve.decode_worker.api import TokenBatch
-from splitserve.engine import FinishReason, RequestValidator, SamplingParams
-from splitserve.prefill_worker import PrefillResult
+from splitserve.wire.decode import TokenBatch
+from splitserve.wire.sampling import FinishReason, SamplingParams
+from splitserve.wire.validation import RequestValidator
+from splitserve.wire.prefill import PrefillResult
 validator = RequestValidator("m", vocab_size=10, max_model_len=8, max_kv_tokens=8, tokenizer=None)
 batch = TokenBatch("r", [1], "", [], [], FinishReason.STOP, 0)
 pickle.loads(pickle.dumps((validator, SamplingParams(), batch)))
@@ -65,3 +66,26 @@ def test_no_two_packages_import_each_other():
     assert ("router", "engine") in edges  # the walk sees imports (it would pass on nothing)
     cycles = {(a, b): (edges[(a, b)], edges[(b, a)]) for a, b in edges if (b, a) in edges and a < b}
     assert cycles == {}, cycles
+
+
+def test_wire_imports_only_the_standard_library_and_itself():
+    """The records every process unpickles load in any of them: no torch, no Ray,
+    no other splitserve package, not even inside a function."""
+    foreign = []
+    for path in sorted((ROOT / "wire").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "splitserve" and parts[1:2] == ["wire"]:
+                    continue
+                if parts[0] == "__future__" or parts[0] in sys.stdlib_module_names:
+                    continue
+                foreign.append(f"{path.name}: {name}")
+    assert len(list((ROOT / "wire").glob("*.py"))) > 5
+    assert foreign == []

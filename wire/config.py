@@ -1,16 +1,11 @@
 """Engine configuration: one validated dataclass, shared by every process role.
 
-Plain data: importing this module does not import torch (a router unpickles
-worker specs and stats without loading it); only ``resolve_device`` and
-``resolve_dtype`` do."""
+Plain data (a router unpickles worker specs without torch); what ``device`` and
+``dtype`` resolve to on a machine is ``engine.device``'s business."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "fp8", "int8")
@@ -72,29 +67,3 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-
-    def resolve_device(self) -> torch.device:
-        import torch
-
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def resolve_dtype(self, device: torch.device) -> torch.dtype:
-        import torch
-
-        if self.dtype != "auto":
-            return getattr(torch, self.dtype)
-        if device.type == "cuda":
-            return torch.bfloat16
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when oneDNN has bf16 kernels for this CPU (AVX512-BF16 or AMX)."""
-    import torch
-
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False

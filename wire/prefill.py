@@ -7,14 +7,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.outputs import EngineStats
-from splitserve.engine.parallel.tp_init import TPInit
-from splitserve.engine.prefix_cache import PrefixUpdate
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.sequence import FinishReason
-from splitserve.engine.validation import RequestValidator
-from splitserve.kv_transfer.contract import Confirmation, Handshake, KVHandoff
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.kv import Confirmation, Handshake, KVHandoff
+from splitserve.wire.outputs import EngineStats
+from splitserve.wire.prefix import PrefixUpdate
+from splitserve.wire.sampling import FinishReason, SamplingParams
+from splitserve.wire.tp import TPInit
+from splitserve.wire.validation import RequestValidator
 
 
 @dataclass(frozen=True)

@@ -6,16 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.errors import SplitserveError
-from splitserve.engine.outputs import EngineStats
-from splitserve.engine.parallel.tp_init import TPInit
-from splitserve.engine.prefix_cache import PrefixUpdate
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.sequence import FinishReason
-from splitserve.engine.validation import RequestValidator
-from splitserve.kv_transfer.contract import Confirmation, Handshake, KVDescriptor
-from splitserve.prefill_worker.api import PrefillPeer
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import SplitserveError
+from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor
+from splitserve.wire.outputs import EngineStats
+from splitserve.wire.prefill import PrefillPeer
+from splitserve.wire.prefix import PrefixUpdate
+from splitserve.wire.sampling import FinishReason, SamplingParams
+from splitserve.wire.tp import TPInit
+from splitserve.wire.validation import RequestValidator
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The exception hierarchy shared by every splitserve layer.
 
-The engine sits at the bottom of the dependency graph, so the base classes live
-here; later layers (kv_transfer, router) subclass them and the router maps them
-to gRPC status codes in one place.
+Every layer raises them and they cross process boundaries (a worker's error
+reaches the router pickled), so they live with the other wire records; the
+router maps them to gRPC status codes in one place.
 
 - ``SplitserveError``: base of everything splitserve raises on purpose.
 - ``InvalidRequest`` (also a ``ValueError``): the caller's input is wrong; the
@@ -17,6 +17,7 @@ to gRPC status codes in one place.
   (``WorkerStopped``: it answers, but its engine stopped).
 - ``PrefillLost``: the prefill worker a decode worker took a request's prompt to
   was lost before it handed any KV over (the request may prefill elsewhere).
+- ``KVTransferError`` and its subclasses: a KV transfer produced no usable KV.
 """
 
 from __future__ import annotations
@@ -73,3 +74,37 @@ class PrefillLost(SplitserveError):
     """A decode worker's prefill worker was lost (or stopped) before it handed over any of
     the request's KV: nothing of the request is held anywhere, and it may be prefilled
     on another prefill worker. Not a ``WorkerLost``: the decode worker is alive."""
+
+
+# The KV transfer layer's errors: each one means the same thing to the caller: this
+# transfer produced no usable KV; free the blocks allocated for it and retry
+# elsewhere or fail the request. The subclass says why, for logs and metrics.
+
+
+class KVTransferError(SplitserveError):
+    """A KV transfer failed; the destination blocks hold nothing usable."""
+
+
+class IncompatiblePeer(KVTransferError):
+    """The two sides disagree on protocol version, backend, model, dtype, block size, layout or TP."""
+
+
+class TransferTimeout(KVTransferError):
+    """The transfer did not finish within its deadline (the peer may be stalled or gone)."""
+
+
+class PeerLost(KVTransferError):
+    """The source worker is gone or restarted: its blocks can no longer be read."""
+
+
+class IntegrityError(KVTransferError):
+    """The bytes received do not match the checksum the source computed at export."""
+
+
+class LeaseExpired(KVTransferError):
+    """The source's lease on the blocks ran out, so it may have reused them."""
+
+
+class HandshakeRequired(KVTransferError):
+    """The sink holds no handshake for the source incarnation a handoff names (a new
+    peer, or either side restarted): send the source's handshakes, then retry."""

@@ -98,7 +98,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from splitserve.engine.kv_layout import KVLayout
+from splitserve.wire.kv_layout import KVLayout
 
 PROTOCOL_VERSION = 1
 DEFAULT_LEASE_S = 30.0  # how long exported KV waits for a decode worker, unless configured

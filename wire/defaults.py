@@ -19,8 +19,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.engine.errors import ModelLoadError
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.wire.errors import ModelLoadError
+from splitserve.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

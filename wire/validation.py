@@ -8,11 +8,19 @@ rejects bad input before it costs any worker anything.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from splitserve.engine.errors import InvalidRequest
-from splitserve.engine.generation_defaults import GenerationDefaults
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.wire.defaults import GenerationDefaults
+from splitserve.wire.errors import InvalidRequest
+from splitserve.wire.sampling import SamplingParams
+
+
+class Tokenizer(Protocol):
+    """What validation needs of a tokenizer (``engine.tokenizer.Tokenizer`` is one)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
 
 
 @dataclass

@@ -1,12 +1,23 @@
-"""Per-request sampling parameters, validated once at the engine's front door."""
+"""Per-request sampling parameters (validated once at the engine's front door) and
+why an output ended."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-from splitserve.engine.errors import InvalidRequest
+from splitserve.wire.errors import InvalidRequest
 
 DEFAULT_MAX_TOKENS = 16  # a request that does not say how many tokens gets these
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request's output ended."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context reached
+    ABORT = "abort"  # cancelled by the caller
+    PREFILL_DONE = "prefill_done"  # prefill-only request produced its first token
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitserve.engine.sequence import FinishReason
+from splitserve.wire.sampling import FinishReason
 
 
 @dataclass
