@@ -199,6 +199,7 @@ class _Load:
             try:
                 call = client.generate(
                     prompts[i],
+                    temperature=p.temperature,
                     max_tokens=p.max_tokens,
                     stop_token_ids=list(p.stop_token_ids),
                     timeout_ms=int(spec.deadline_s * 1000),

@@ -142,7 +142,9 @@ class _Background:
         async with AsyncClient(address, retries=0, timeout=300) as client:
 
             async def one(req: workloads.BenchRequest) -> None:
-                async for _ in client.stream(req.prompt_ids, max_tokens=req.output_len, ignore_eos=True):
+                async for _ in client.stream(
+                    req.prompt_ids, temperature=0, max_tokens=req.output_len, ignore_eos=True
+                ):
                     self.started.set()
 
             if not loop:

@@ -107,7 +107,7 @@ class Server:
 def warm_up(address: str, n: int) -> None:
     with Client(address, timeout=300) as c:
         for i in range(n):
-            c.generate(list(range(100, 164 + 64 * i)), max_tokens=8, ignore_eos=True)
+            c.generate(list(range(100, 164 + 64 * i)), temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def split_config(base: str, prefill: int, decode: int, cores: list[int] | None, out: Path) -> Path:

@@ -51,7 +51,7 @@ def deadline_overshoot(address: str, prompts, deadline_ms: int) -> list[float]:
         for p in prompts:
             start = time.monotonic()
             try:
-                c.generate(p, max_tokens=4000, ignore_eos=True, timeout_ms=deadline_ms)
+                c.generate(p, temperature=0, max_tokens=4000, ignore_eos=True, timeout_ms=deadline_ms)
             except DeadlineExceeded:
                 out.append(time.monotonic() - start - deadline_ms / 1000)
     return out
@@ -62,7 +62,7 @@ def cancel_to_free(address: str, prompts) -> list[float]:
     out = []
     with Client(address) as c:
         for p in prompts:
-            stream = c.stream(p, max_tokens=2000, ignore_eos=True)
+            stream = c.stream(p, temperature=0, max_tokens=2000, ignore_eos=True)
             got = 0
             for item in stream:
                 got += len(item.token_ids) if isinstance(item, Chunk) else 0
@@ -90,7 +90,9 @@ def resume_pause(cluster: BackgroundCluster, prompts) -> tuple[list[float], floa
 
     def one(i: int) -> None:
         with Client(cluster.address, timeout=600) as c:
-            for item in c.stream(prompts[i], max_tokens=400, ignore_eos=True, request_id=f"resume-{i}"):
+            for item in c.stream(
+                prompts[i], temperature=0, max_tokens=400, ignore_eos=True, request_id=f"resume-{i}"
+            ):
                 if isinstance(item, Chunk):
                     times[i].extend([time.monotonic()] * len(item.token_ids))
 

@@ -85,7 +85,7 @@ async def _one(client: AsyncClient, at: float, prompt: list[int], output_len: in
     start = time.perf_counter()
     times: list[float] = []
     try:
-        async for item in client.stream(prompt, max_tokens=output_len, ignore_eos=True):
+        async for item in client.stream(prompt, temperature=0, max_tokens=output_len, ignore_eos=True):
             if isinstance(item, Chunk):
                 times.extend([time.perf_counter()] * len(item.token_ids))
     except SplitserveClientError as e:

@@ -54,17 +54,17 @@ def main(argv: list[str] | None = None) -> int:
             ids = client.tokenize(PROMPT)
             (dw,) = cluster.registry.workers("decode")
             for _ in range(3):
-                list(client.stream(ids, max_tokens=8, ignore_eos=True))
+                list(client.stream(ids, temperature=0, max_tokens=8, ignore_eos=True))
             remote_calls(reset=True)
             remote_calls(dw.client.actor, reset=True)
-            list(client.stream(ids, max_tokens=8, ignore_eos=True))
+            list(client.stream(ids, temperature=0, max_tokens=8, ignore_eos=True))
             router = {m: n for m, n in remote_calls().items() if m != "stats"}
             decode = remote_calls(dw.client.actor)
             ttfts, router_ttfts = [], []
             for _ in range(args.requests):
                 t0 = time.perf_counter()
                 first = None
-                for item in client.stream(ids, max_tokens=4, ignore_eos=True):
+                for item in client.stream(ids, temperature=0, max_tokens=4, ignore_eos=True):
                     if isinstance(item, Chunk) and first is None:
                         first = time.perf_counter() - t0
                     if isinstance(item, Final):

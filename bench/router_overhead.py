@@ -68,7 +68,9 @@ def routed(
 ) -> tuple[float, list[tuple[float, float]], float]:
     """(time sent, [(time received, the token's times_ms)], seconds end to end)."""
     got, sent = [], time.time()
-    for item in client.stream(prompt_ids, max_tokens=params.max_tokens, ignore_eos=True, request_id=rid):
+    for item in client.stream(
+        prompt_ids, temperature=0, max_tokens=params.max_tokens, ignore_eos=True, request_id=rid
+    ):
         now = time.time()
         if isinstance(item, Chunk):
             got.extend((now, ms) for ms in item.times_ms)

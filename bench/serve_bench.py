@@ -58,7 +58,9 @@ async def run_load(
             async with limit:
                 rec = RequestRecord(len(req.prompt_ids), time.perf_counter())
                 try:
-                    stream = client.stream(req.prompt_ids, max_tokens=req.output_len, ignore_eos=True)
+                    stream = client.stream(
+                        req.prompt_ids, temperature=0, max_tokens=req.output_len, ignore_eos=True
+                    )
                     async for item in stream:
                         if isinstance(item, Chunk) and item.token_ids:
                             rec.chunk_times.append(time.perf_counter())

@@ -109,7 +109,7 @@ async def _poisson(
         """(each token's arrival time, e2e in s), as this client saw them."""
         await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
         sent, seen = time.perf_counter(), []
-        async for item in client.stream(prompt, max_tokens=output_len, ignore_eos=True):
+        async for item in client.stream(prompt, temperature=0, max_tokens=output_len, ignore_eos=True):
             if isinstance(item, Chunk):
                 seen.extend([time.perf_counter()] * len(item.token_ids))
         if len(seen) != output_len:
@@ -154,7 +154,7 @@ async def _generate(address: str, prompts: list[list[int]], output_len: int) -> 
     client = AsyncClient(address, timeout=3600)
     try:
         outs = await asyncio.gather(
-            *(client.generate(p, max_tokens=output_len, ignore_eos=True) for p in prompts)
+            *(client.generate(p, temperature=0, max_tokens=output_len, ignore_eos=True) for p in prompts)
         )
     finally:
         await client.close()

@@ -247,6 +247,7 @@ async def _load(address, prompts, params, reference, spec: SoakSpec, mark) -> li
             code, message = "OK", ""
             stream = client.stream(
                 prompts[i],
+                temperature=p.temperature,
                 max_tokens=p.max_tokens,
                 stop_token_ids=list(p.stop_token_ids),
                 timeout_ms=int(spec.deadline_s * 1000),

@@ -85,7 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     with BackgroundCluster(config) as cluster:
         print(f"cluster up in {time.perf_counter() - t0:.0f} s", flush=True)
         with Client(cluster.address, timeout=600) as client:
-            outs = [client.generate(p, max_tokens=params.max_tokens, ignore_eos=True) for p in prompts]
+            outs = [
+                client.generate(p, temperature=0, max_tokens=params.max_tokens, ignore_eos=True)
+                for p in prompts
+            ]
             status = client.cluster_status()
         procs = worker_processes()
         rows = sorted((title, pid, rss_anon(pid)) for pid, title in procs.items())

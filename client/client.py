@@ -157,6 +157,9 @@ class Client:
         resp = self._unary(self._stub.Tokenize, _tokenize_request(prompt, messages, model))
         return list(resp.token_ids)
 
+    def detokenize(self, token_ids: list[int], *, model: str = "") -> str:
+        return self._unary(self._stub.Detokenize, pb.DetokenizeRequest(model=model, token_ids=token_ids)).text
+
     def list_models(self) -> list[ModelInfo]:
         resp = self._unary(self._stub.ListModels, pb.ListModelsRequest())
         return [ModelInfo(m.id, m.max_model_len, m.vocab_size) for m in resp.models]
@@ -259,6 +262,10 @@ class AsyncClient:
     ) -> list[int]:
         resp = await self._unary(self._stub.Tokenize, _tokenize_request(prompt, messages, model))
         return list(resp.token_ids)
+
+    async def detokenize(self, token_ids: list[int], *, model: str = "") -> str:
+        request = pb.DetokenizeRequest(model=model, token_ids=token_ids)
+        return (await self._unary(self._stub.Detokenize, request)).text
 
     async def list_models(self) -> list[ModelInfo]:
         resp = await self._unary(self._stub.ListModels, pb.ListModelsRequest())

@@ -196,6 +196,7 @@ class ServingCluster:
                     self.metrics,
                     self.api_keys,
                     server_ssl_context(r.tls_cert, r.tls_key) if r.tls_cert else None,
+                    ignore_unknown_fields=r.openai.ignore_unknown_fields,
                 )
                 await self.http.start()
             if r.metrics_port is not None:

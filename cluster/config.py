@@ -227,6 +227,15 @@ class TransferSpec(_Strict):
     )
 
 
+class OpenAISpec(_Strict):
+    ignore_unknown_fields: bool = Field(
+        False,
+        description="answer a request carrying fields neither OpenAI nor vLLM defines instead of a 400 "
+        "listing them; each is logged and counted in splitserve:ignored_fields_total (fields known and "
+        "refused still get a 400: docs/api.md)",
+    )
+
+
 class RouterSpec(_Strict):
     host: str = Field("127.0.0.1", description="address the gRPC router listens on")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
@@ -260,6 +269,7 @@ class RouterSpec(_Strict):
     )
     tls_key: str | None = Field(None, description="PEM private key file")
     shutdown_grace_s: float = Field(5.0, ge=0, description="how long running calls may finish on shutdown")
+    openai: OpenAISpec = Field(default_factory=OpenAISpec, description="the OpenAI-compatible HTTP endpoint")
 
     @model_validator(mode="after")
     def _check(self) -> RouterSpec:

@@ -31,7 +31,12 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
             raise InvalidRequest("this model has no chat template; send a raw prompt instead")
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        from jinja2 import TemplateError
+
+        try:
+            out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as e:  # e.g. roles that must alternate; the template's own words
+            raise InvalidRequest(f"the model's chat template refused these messages: {e}") from None
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
         return list(ids)
 

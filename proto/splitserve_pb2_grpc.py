@@ -44,6 +44,11 @@ class SplitserveStub:
                 request_serializer=splitserve_dot_proto_dot_splitserve__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=splitserve_dot_proto_dot_splitserve__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/splitserve.v1.Splitserve/Detokenize',
+                request_serializer=splitserve_dot_proto_dot_splitserve__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_proto_dot_splitserve__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/splitserve.v1.Splitserve/ListModels',
                 request_serializer=splitserve_dot_proto_dot_splitserve__pb2.ListModelsRequest.SerializeToString,
@@ -68,6 +73,13 @@ class SplitserveServicer:
 
     def Tokenize(self, request, context):
         """Tokenize a prompt or chat messages the way Generate would.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids, as Generate decodes outputs (special tokens skipped).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +111,11 @@ def add_SplitserveServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=splitserve_dot_proto_dot_splitserve__pb2.TokenizeRequest.FromString,
                     response_serializer=splitserve_dot_proto_dot_splitserve__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=splitserve_dot_proto_dot_splitserve__pb2.DetokenizeRequest.FromString,
+                    response_serializer=splitserve_dot_proto_dot_splitserve__pb2.DetokenizeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -165,6 +182,33 @@ class Splitserve:
             '/splitserve.v1.Splitserve/Tokenize',
             splitserve_dot_proto_dot_splitserve__pb2.TokenizeRequest.SerializeToString,
             splitserve_dot_proto_dot_splitserve__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Splitserve/Detokenize',
+            splitserve_dot_proto_dot_splitserve__pb2.DetokenizeRequest.SerializeToString,
+            splitserve_dot_proto_dot_splitserve__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -168,12 +168,13 @@ def _refusing_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcM
 
 
 def http_auth_middleware(keys: ApiKeys, error_body: Callable[[str], dict]) -> Callable:
-    """An aiohttp middleware requiring a valid key on ``/v1/...`` (``/health`` and
-    ``/metrics`` stay open); ``error_body(message)`` shapes the 401's JSON."""
+    """An aiohttp middleware requiring a valid key on ``/v1/...``, ``/tokenize`` and
+    ``/detokenize`` (``/health``, ``/version`` and ``/metrics`` stay open);
+    ``error_body(message)`` shapes the 401's JSON."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Callable):
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") or request.path in ("/tokenize", "/detokenize"):
             token = bearer_token(request.headers.get("Authorization"))
             if not keys.check(token):
                 return web.json_response(

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -66,6 +65,7 @@ from splitserve.router.roles import Role
 from splitserve.router.trace import RequestTrace, TraceLog, TraceSink
 from splitserve.wire.decode import DecodeTask
 from splitserve.wire.errors import InvalidRequest, KVTransferError, Overloaded, PrefillLost, WorkerLost
+from splitserve.wire.sampling import SamplingParams
 from splitserve.wire.validation import RequestValidator
 
 log = logging.getLogger(__name__)
@@ -118,26 +118,34 @@ class Dispatcher:
     def num_inflight(self) -> int:
         return len(self._inflight)
 
-    def validate(self, inp: GenerateInput) -> list[int]:
-        if inp.model and inp.model != self.served_model:
-            raise InvalidRequest(f"unknown model {inp.model!r}; this server serves {self.served_model!r}")
+    def check_model(self, name: str) -> None:
+        """``InvalidRequest`` unless ``name`` is the served model (or empty: the served one)."""
+        if name and name != self.served_model:
+            raise InvalidRequest(f"unknown model {name!r}; this server serves {self.served_model!r}")
+
+    def unroutable_roles(self) -> list[Role]:
+        """The pools this router sends requests to that have no routable worker now."""
+        roles = [Role.COLOCATED] if self.colocated else [Role.PREFILL, Role.DECODE]
+        return [role for role in roles if not self.registry.routable(role)]
+
+    def validate(self, inp: GenerateInput) -> tuple[list[int], SamplingParams]:
+        """The request's prompt token ids and its sampling parameters with the fields it
+        left unset defaulted (``RequestValidator.prepare``: once, for both front doors)."""
+        self.check_model(inp.model)
         if inp.timeout_s is not None and inp.timeout_s <= 0:
             raise InvalidRequest("the timeout must be positive")
-        return self.validator.validate(inp.prompt, inp.params, inp.messages)
+        return self.validator.prepare(inp.prompt, inp.params, inp.messages, inp.unset)
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Run one request; yields its tokens, then one ``FinalEvent``. Raises
         ``InvalidRequest``, ``Overloaded``, ``DeadlineExceeded``, ``WorkerLost``,
-        ``KVTransferError``. Whatever the outcome, its trace goes to ``sinks``. The
-        model's ``generation_config.json`` defaults fill the sampling fields in
-        ``inp.unset`` first (here, once, for both front doors)."""
+        ``KVTransferError``. Whatever the outcome, its trace goes to ``sinks``."""
         timeouts = [t for t in (inp.timeout_s, self.limits.max_timeout_s) if t is not None]
         rid = inp.request_id or uuid.uuid4().hex
-        inp = dataclasses.replace(inp, params=self.validator.defaults.apply(inp.params, inp.unset))
         life = RequestLifecycle(rid, [], inp.params, min(timeouts) if timeouts else None)
         outcome, ok, admitted = "CANCELLED", False, False
         try:
-            prompt_ids = self.validate(inp)
+            prompt_ids, params = self.validate(inp)
             if rid in self._inflight:
                 raise InvalidRequest(f"request id {rid!r} is already in use")
             if len(self._inflight) >= self.limits.max_inflight_requests:
@@ -148,7 +156,7 @@ class Dispatcher:
             admitted = True
             self.admitted += 1
             # a trace with no prompt is a request refused at the door
-            life = RequestLifecycle(rid, prompt_ids, inp.params, life.timeout_s)
+            life = RequestLifecycle(rid, prompt_ids, params, life.timeout_s)
             async for event in self._serve(life):
                 if isinstance(event, FinalEvent):
                     outcome, ok = event.finish_reason.value, True

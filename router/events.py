@@ -27,6 +27,7 @@ class TokenEvent:
     text: str
     logprobs: list[float]
     times_ms: list[float]  # per token, since the router accepted the request
+    prompt_tokens: int  # the request's, for usage reported while it streams
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
     splitserve:prefill_placement_total{placement,reason} (the decider's choices)
     splitserve:kv_transfer_failures_total{error,action} (action: recompute or fail)
     splitserve:worker_replacements_total{pool}          (workers Ray gave up, replaced by the pool)
+    splitserve:ignored_fields_total                     unknown request fields ignored
+                                                       (router.openai.ignore_unknown_fields)
     gauges
     splitserve:num_requests_running{pool,worker}       in its engine's running batch
     splitserve:num_requests_waiting{pool,worker}       queued in its engine
@@ -254,6 +256,11 @@ class RouterMetrics:
     ):
         self.prom = CollectorRegistry(auto_describe=True)
         self.requests = RequestMetrics(self.prom, model_name)
+        self.ignored_fields = Counter(
+            "splitserve:ignored_fields",
+            "Unknown request fields ignored (router.openai.ignore_unknown_fields).",
+            registry=self.prom,
+        )
         self.prom.register(
             _ClusterCollector(registry, pool_sizes, inflight, placements, transfer_failures, batch_caps)
         )

@@ -25,73 +25,105 @@ import logging
 import ssl
 import time
 import uuid
-from typing import Any
+from importlib.metadata import version
+from typing import Any, ClassVar
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from splitserve.router.api_schema import Endpoint, check, refusal
 from splitserve.router.auth import ApiKeys, http_auth_middleware
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import http_status_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.metrics_server import add_metrics_route
-from splitserve.wire.defaults import SAMPLING_FIELDS
+from splitserve.wire.defaults import DEFAULTED, SAMPLING_FIELDS
 from splitserve.wire.errors import InvalidRequest
-from splitserve.wire.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from splitserve.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # usage so far in every chunk
+
+
 class _Request(BaseModel):
+    """The fields a front door reads (``api_schema``: honoured); every other field of
+    the body is checked against ``api_schema.FIELDS``."""
+
     model_config = ConfigDict(extra="allow")
+    ENDPOINT: ClassVar[Endpoint]
 
     model: str = ""
+    request_id: str | None = None
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # an extension, as in vLLM
+    top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    n: int = 1
-    ignore_eos: bool = False  # an extension, as in vLLM
-    user: str | None = None
+    stream_options: StreamOptions | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _given(self) -> dict[str, Any]:
+        """The defaulted fields (``wire.defaults.DEFAULTED``) this request sets."""
+        values = {"max_tokens": self.requested_max_tokens()} | {f: getattr(self, f) for f in SAMPLING_FIELDS}
+        return {k: v for k, v in values.items() if v is not None}
 
     def params(self) -> SamplingParams:
-        unsupported = [
-            k
-            for k in ("presence_penalty", "frequency_penalty", "logit_bias", "tools", "functions", "best_of")
-            if (self.model_extra or {}).get(k) not in (None, 0, 0.0, {}, [])
-        ]
-        if self.n != 1:
-            unsupported.append("n > 1")
-        if unsupported:
-            raise InvalidRequest(f"not supported by this server: {', '.join(unsupported)}")
+        """What the client set; ``unset()`` names the rest, which the dispatcher fills."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            max_tokens=self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
+            **self._given(),
             seed=self.seed,
             stop=stop,
+            stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
         )
 
     def unset(self) -> frozenset[str]:
-        """Sampling fields this request left unset (the model's defaults apply to them)."""
-        return frozenset(f for f in SAMPLING_FIELDS if getattr(self, f) is None)
+        return frozenset(DEFAULTED) - self._given().keys()
 
 
 class ChatRequest(_Request):
+    ENDPOINT = Endpoint.CHAT
+
     messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class CompletionRequest(_Request):
+    ENDPOINT = Endpoint.COMPLETIONS
+
     prompt: str | list[int]
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = ""
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = ""
+    tokens: list[int]
 
 
 def _text_of(content: Any) -> str:
@@ -115,8 +147,10 @@ class OpenAIServer:
         metrics: RouterMetrics | None = None,
         api_keys: ApiKeys | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        ignore_unknown_fields: bool = False,
     ):
         self.dispatcher = dispatcher
+        self.ignore_unknown_fields = ignore_unknown_fields
         self.metrics = metrics
         self.api_keys = api_keys
         self.ssl_context = ssl_context
@@ -131,6 +165,9 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/version", self._version)
         app.router.add_get("/health", self._health)
         if self.metrics is not None:
             add_metrics_route(app, self.metrics)
@@ -147,7 +184,41 @@ class OpenAIServer:
 
     # ---- handlers -------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
+        missing = [role.value for role in self.dispatcher.unroutable_roles()]
+        if missing:
+            message = f"no routable worker in the {' and '.join(missing)} pool"
+            return web.json_response({"status": "unavailable", "message": message}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": version("splitserve")})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: ``{prompt}`` or ``{messages}`` -> the token ids Generate
+        would run (the chat template applied to messages)."""
+        try:
+            body = _validated(TokenizeRequest, _json_object(await request.read()))
+            self.dispatcher.check_model(body.model)
+            messages = None
+            if body.messages is not None:
+                messages = [
+                    {"role": str(m.get("role", "")), "content": _text_of(m.get("content"))}
+                    for m in body.messages
+                ]
+            ids = self.dispatcher.validator.encode(body.prompt, messages)
+            limit = self.dispatcher.validator.max_model_len
+            return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": limit})
+        except Exception as e:
+            return _error(e)
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/detokenize``: ``{tokens}`` -> their text."""
+        try:
+            body = _validated(DetokenizeRequest, _json_object(await request.read()))
+            self.dispatcher.check_model(body.model)
+            return web.json_response({"prompt": self.dispatcher.validator.decode(body.tokens)})
+        except Exception as e:
+            return _error(e)
 
     async def _models(self, request: web.Request) -> web.Response:
         name = self.dispatcher.served_model
@@ -168,12 +239,7 @@ class OpenAIServer:
 
     async def _serve(self, request: web.Request, cls: type[_Request], chat: bool) -> web.StreamResponse:
         try:
-            try:
-                body = cls.model_validate(json.loads(await request.read()))
-            except ValidationError as e:
-                raise InvalidRequest(_pydantic_message(e)) from None
-            except ValueError:  # JSONDecodeError, UnicodeDecodeError
-                raise InvalidRequest("the request body is not valid JSON (UTF-8)") from None
+            body = self._parse(await request.read(), cls)
             if chat:
                 messages = [
                     {"role": str(m.get("role", "")), "content": _text_of(m.get("content"))}
@@ -182,14 +248,31 @@ class OpenAIServer:
                 inp = GenerateInput(body.params(), messages=messages, model=body.model, unset=body.unset())
             else:
                 inp = GenerateInput(body.params(), prompt=body.prompt, model=body.model, unset=body.unset())
-            prefix = "chatcmpl" if chat else "cmpl"
-            inp = dataclasses.replace(inp, request_id=f"{prefix}-{uuid.uuid4().hex}")
+            rid = body.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            inp = dataclasses.replace(inp, request_id=rid)
             events = self.dispatcher.generate(inp)
             if body.stream:
                 return await self._stream(request, inp, events, chat, body)
             return await self._collect(inp, events, chat)
         except Exception as e:
             return _error(e)
+
+    def _parse(self, raw: bytes, cls: type[_Request]) -> _Request:
+        """The body as ``cls``; ``InvalidRequest`` naming every refused field, and every
+        unknown one unless those are ignored (then each is logged and counted)."""
+        fields = _json_object(raw)
+        body = _validated(cls, fields)
+        verdict = check(cls.ENDPOINT, fields, cls.model_fields)
+        if verdict.unknown and self.ignore_unknown_fields:
+            for name in verdict.unknown:
+                log.warning("ignored the unknown field %r of a request to %s", name, cls.ENDPOINT.value)
+                if self.metrics is not None:
+                    self.metrics.ignored_fields.inc()
+            verdict = dataclasses.replace(verdict, unknown=())
+        message = refusal(cls.ENDPOINT, verdict)
+        if message is not None:
+            raise InvalidRequest(message)
+        return body
 
     async def _collect(self, inp: GenerateInput, events, chat: bool) -> web.Response:
         text, final = [], None
@@ -214,34 +297,37 @@ class OpenAIServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         env = self._envelope(inp, chat, True)
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        options = body.stream_options or StreamOptions()
+        completion_tokens = 0
 
         async def send(obj: dict) -> None:
             await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
+        def chunk(choice: dict, prompt_tokens: int) -> dict:
+            out = env | {"choices": [choice]}
+            if options.continuous_usage_stats:
+                out["usage"] = _counts(prompt_tokens, completion_tokens)
+            return out
+
         try:
             if chat:
-                await send(
-                    env
-                    | {
-                        "choices": [
-                            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                        ]
-                    }
-                )
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                await send(env | {"choices": [role]})
             ev = first
             while True:
                 if isinstance(ev, TokenEvent):
-                    if ev.text:
-                        part = {"content": ev.text} if chat else {}
+                    completion_tokens += len(ev.token_ids)
+                    if ev.text or options.continuous_usage_stats:
                         choice = {"index": 0, "finish_reason": None}
-                        choice |= {"delta": part} if chat else {"text": ev.text, "logprobs": None}
-                        await send(env | {"choices": [choice]})
+                        choice |= (
+                            {"delta": {"content": ev.text}} if chat else {"text": ev.text, "logprobs": None}
+                        )
+                        await send(chunk(choice, ev.prompt_tokens))
                 else:  # the FinalEvent
                     choice = {"index": 0, "finish_reason": ev.finish_reason.value}
                     choice |= {"delta": {}} if chat else {"text": "", "logprobs": None}
-                    await send(env | {"choices": [choice]})
-                    if include_usage:
+                    await send(chunk(choice, ev.prompt_tokens))
+                    if options.include_usage:
                         await send(env | {"choices": [], "usage": _usage(ev)})
                     break
                 ev = await events.__anext__()
@@ -264,13 +350,31 @@ class OpenAIServer:
         }
 
 
+def _counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    total = prompt_tokens + completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+
+
 def _usage(final: FinalEvent) -> dict[str, Any]:
-    return {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.completion_tokens,
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": final.cached_prompt_tokens},
-    }
+    usage: dict[str, Any] = _counts(final.prompt_tokens, final.completion_tokens)
+    return usage | {"prompt_tokens_details": {"cached_tokens": final.cached_prompt_tokens}}
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        fields = json.loads(raw)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        raise InvalidRequest("the request body is not valid JSON (UTF-8)") from None
+    if not isinstance(fields, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return fields
+
+
+def _validated(cls: type[BaseModel], fields: dict[str, Any]) -> Any:
+    try:
+        return cls.model_validate(fields)
+    except ValidationError as e:
+        raise InvalidRequest(_pydantic_message(e)) from None
 
 
 def _pydantic_message(e: ValidationError) -> str:

@@ -19,10 +19,10 @@ from splitserve.router.registry import WorkerRecord
 from splitserve.router.roles import Role
 from splitserve.router.trace import RequestTrace
 from splitserve.wire.decode import DecodeStats
-from splitserve.wire.defaults import SAMPLING_FIELDS
+from splitserve.wire.defaults import DEFAULTED
 from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.prefill import PrefillStats
-from splitserve.wire.sampling import DEFAULT_MAX_TOKENS, FinishReason, SamplingParams
+from splitserve.wire.sampling import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -30,18 +30,21 @@ _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FIN
 
 
 def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
-    """Proto sampling fields -> ``SamplingParams`` (unset fields take the defaults)."""
+    """Proto sampling fields -> ``SamplingParams``; the fields left unset
+    (``unset_fields``) are defaulted by the dispatcher, as for HTTP."""
+    given = {f: getattr(sp, f) for f in DEFAULTED if sp.HasField(f)}
     return SamplingParams(
-        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
-        temperature=sp.temperature if sp.HasField("temperature") else 0.0,
-        top_k=sp.top_k if sp.HasField("top_k") else 0,
-        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+        **given,
         seed=sp.seed if sp.HasField("seed") else None,
         stop=list(sp.stop),
         stop_token_ids=list(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs,
     )
+
+
+def unset_fields(sp: pb.SamplingParams) -> frozenset[str]:
+    return frozenset(f for f in DEFAULTED if not sp.HasField(f))
 
 
 def _input_of(msg) -> tuple[str | list[int] | None, list[dict[str, str]] | None]:
@@ -60,7 +63,7 @@ def generate_input(request: pb.GenerateRequest, time_remaining: float | None) ->
     timeouts = [t for t in (time_remaining, request.timeout_ms / 1000 if request.timeout_ms else None) if t]
     return GenerateInput(
         params=sampling_from_proto(request.sampling),
-        unset=frozenset(f for f in SAMPLING_FIELDS if not request.sampling.HasField(f)),
+        unset=unset_fields(request.sampling),
         prompt=prompt,
         messages=messages,
         model=request.model,
@@ -114,12 +117,19 @@ class SplitserveService(pb_grpc.SplitserveServicer):
 
     async def Tokenize(self, request, context):
         try:
-            if request.model and request.model != self.dispatcher.served_model:
-                raise InvalidRequest(f"unknown model {request.model!r}")
+            self.dispatcher.check_model(request.model)
             ids = self.dispatcher.validator.encode(*_input_of(request))
         except Exception as e:
             await context.abort(*status_for(e))
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.dispatcher.validator.max_model_len)
+
+    async def Detokenize(self, request, context):
+        try:
+            self.dispatcher.check_model(request.model)
+            text = self.dispatcher.validator.decode(list(request.token_ids))
+        except Exception as e:
+            await context.abort(*status_for(e))
+        return pb.DetokenizeResponse(text=text)
 
     async def ListModels(self, request, context):
         v, name = self.dispatcher.validator, self.dispatcher.served_model

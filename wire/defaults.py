@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 
 FILE = "generation_config.json"
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+# What a request gets for a sampling field it leaves unset when the model's file
+# sets none: OpenAI's defaults (top_k: off), for every front door.
+SERVER_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+DEFAULTED = ("max_tokens", *SAMPLING_FIELDS)  # the fields a front door may leave to the server
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,9 @@ class GenerationDefaults:
         return {f: getattr(self, f) for f in SAMPLING_FIELDS if getattr(self, f) is not None}
 
     def apply(self, params: SamplingParams, unset: Collection[str]) -> SamplingParams:
-        """``params`` with each field in ``unset`` (by name) that this file sets replaced
-        by the file's value; the rest as the client sent them."""
-        changes = {k: v for k, v in self.sampling().items() if k in unset}
+        """``params`` with each sampling field in ``unset`` (by name) replaced by this
+        file's value, or ``SERVER_DEFAULTS``' where the file sets none; the rest as the
+        client sent them."""
+        ours = SERVER_DEFAULTS | self.sampling()
+        changes = {k: v for k, v in ours.items() if k in unset}
         return dataclasses.replace(params, **changes) if changes else params

@@ -7,12 +7,14 @@ rejects bad input before it costs any worker anything.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from splitserve.wire.defaults import GenerationDefaults
 from splitserve.wire.errors import InvalidRequest
-from splitserve.wire.sampling import SamplingParams
+from splitserve.wire.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 
 class Tokenizer(Protocol):
@@ -21,6 +23,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 @dataclass
@@ -41,10 +45,35 @@ class RequestValidator:
     ) -> list[int]:
         """Encode the prompt, then check it and ``params``. Raises ``InvalidRequest``
         with a sentence a user can act on. Returns the prompt's token ids."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest("sampling parameters must be a SamplingParams")
-        params.validate()
+        _check_params(params)
         prompt_ids = self.encode(prompt, messages)
+        self._check(prompt_ids, params)
+        return prompt_ids
+
+    def prepare(
+        self,
+        prompt: str | list[int] | None,
+        params: SamplingParams,
+        messages: list[dict[str, str]] | None,
+        unset: Collection[str],
+    ) -> tuple[list[int], SamplingParams]:
+        """A front door's request as the workers run it: the prompt's token ids, and
+        ``params`` with the fields named in ``unset`` defaulted the same way for every
+        front door: sampling fields by ``defaults`` (the model's, else the server's);
+        ``max_tokens`` to the rest of the context for chat ``messages``, else
+        ``DEFAULT_MAX_TOKENS`` (as vLLM), never past the context. Raises
+        ``InvalidRequest`` as ``validate`` does."""
+        _check_params(params)
+        prompt_ids = self.encode(prompt, messages)
+        params = self.defaults.apply(params, unset)
+        if "max_tokens" in unset:
+            room = self.max_model_len - len(prompt_ids)
+            wanted = room if messages is not None else min(DEFAULT_MAX_TOKENS, room)
+            params = dataclasses.replace(params, max_tokens=max(1, wanted))
+        self._check(prompt_ids, params)
+        return prompt_ids, params
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         n, limit = len(prompt_ids), self.max_model_len
         if n >= limit:
             raise InvalidRequest(
@@ -61,7 +90,6 @@ class RequestValidator:
             raise InvalidRequest(f"the prompt has {n} tokens, more than this engine's KV cache holds")
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer, and this engine has none")
-        return prompt_ids
 
     def encode(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None) -> list[int]:
         """Token ids of a raw prompt, token ids, or chat ``messages`` (exactly one)."""
@@ -84,7 +112,19 @@ class RequestValidator:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
         return ids
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens skipped), as outputs are decoded."""
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
+            raise InvalidRequest(f"token ids must be integers in [0, {self.vocab_size})")
+        return self._require_tokenizer().decode(token_ids)
+
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer; send token ids")
         return self.tokenizer
+
+
+def _check_params(params: SamplingParams) -> None:
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequest("sampling parameters must be a SamplingParams")
+    params.validate()

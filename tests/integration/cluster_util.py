@@ -82,7 +82,14 @@ def stream_all(address: str, prompts, params, timeout: float = 120) -> list[tupl
 
 
 def _options(p: SamplingParams) -> dict:
-    return dict(max_tokens=p.max_tokens, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
+    """``p`` as the SDK's options (a field the SDK leaves unset gets the server's default:
+    temperature 1.0, so the temperature is always sent)."""
+    return dict(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
 
 
 def wait_until(condition, what: str, timeout: float = 120.0) -> None:
@@ -113,7 +120,7 @@ def cancel_mid_stream(client: Client, seed: int = 3) -> dict[str, int]:
     """Start a long stream, read 3 chunks, check KV is held, cancel; returns the KV
     each worker still holds once it drained (all zeros when every block was freed)."""
     prompt = random_prompts([200], VOCAB, seed=seed)[0]
-    stream = client.stream(prompt, max_tokens=800, ignore_eos=True)
+    stream = client.stream(prompt, temperature=0, max_tokens=800, ignore_eos=True)
     for _ in range(3):
         next(stream)
     if sum(kv_used(client).values()) == 0:

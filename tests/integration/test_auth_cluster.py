@@ -48,10 +48,10 @@ def test_both_doors_need_the_key_and_rotation_needs_no_restart(secured, monkeypa
     with client(None) as anonymous:
         assert anonymous.health()
         with pytest.raises(Unauthenticated, match="requires an API key"):
-            anonymous.generate(prompt, max_tokens=4)
+            anonymous.generate(prompt, temperature=0, max_tokens=4)
     assert cluster.dispatcher.admitted == 0  # refused at the door: no worker saw it
     with client(KEY) as c:
-        out = c.generate(prompt, max_tokens=6, ignore_eos=True)
+        out = c.generate(prompt, temperature=0, max_tokens=6, ignore_eos=True)
     assert len(out.token_ids) == 6
 
     http = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(cert)))

@@ -6,6 +6,7 @@ names it, and ``serve`` starts its own Ray regardless."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import pytest
 
@@ -57,6 +59,16 @@ def _check_openai_chat(address: str) -> None:
     )
     deltas = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert "".join(deltas) == "".join(want)
+    # /tokenize gives the ids the chat ran on; /detokenize gives text back
+    assert _post(address, "/tokenize", {"messages": messages})["count"] == out.usage.prompt_tokens
+    ids = _post(address, "/tokenize", {"prompt": "Name three colors."})["tokens"]
+    assert _post(address, "/detokenize", {"tokens": ids})["prompt"] == "Name three colors."
+
+
+def _post(address: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://{address}{path}", json.dumps(body).encode())
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.loads(r.read())
 
 
 def _stale_ray_dir() -> str:

@@ -78,7 +78,7 @@ def test_32_concurrent_streams_equal_monolithic_greedy(cluster, reference, clien
 
 def test_cancel_mid_stream_frees_every_block(client):
     prompt = random_prompts([200], VOCAB, seed=3)[0]
-    stream = client.stream(prompt, max_tokens=800, ignore_eos=True)
+    stream = client.stream(prompt, temperature=0, max_tokens=800, ignore_eos=True)
     for _ in range(3):
         next(stream)
     assert kv_used(client)["decode-0"] > 0  # the request holds blocks now
@@ -92,7 +92,7 @@ def test_deadline_ends_the_call_and_frees_blocks(client, how):
     prompt = random_prompts([50], VOCAB, seed=4)[0]
     kwargs = {"timeout_ms": 300} if how == "timeout_ms" else {"timeout": 0.3}
     with pytest.raises(DeadlineExceeded):
-        client.generate(prompt, max_tokens=960, ignore_eos=True, **kwargs)
+        client.generate(prompt, temperature=0, max_tokens=960, ignore_eos=True, **kwargs)
     assert wait_kv_free(client) == IDLE
 
 
@@ -108,7 +108,7 @@ def test_prefill_kv_is_freed_at_the_pull_not_at_the_end(cluster, client):
     nor by an abort)."""
     before = _prefill_stats(cluster)
     prompt = random_prompts([120], VOCAB, seed=21)[0]
-    stream = client.stream(prompt, max_tokens=600, ignore_eos=True, request_id="long-1")
+    stream = client.stream(prompt, temperature=0, max_tokens=600, ignore_eos=True, request_id="long-1")
     first = [next(stream) for _ in range(2)]  # the prefill token, then the decode worker's first
     assert all(isinstance(c, Chunk) for c in first)
     pulled_at = time.monotonic()
@@ -152,10 +152,10 @@ def test_the_router_sends_one_call_per_request_and_relays_nothing(cluster, clien
     from one worker to the other through the router."""
     (dw,) = cluster.registry.workers("decode")
     prompt = random_prompts([60], VOCAB, seed=31)[0]
-    list(client.stream(prompt, max_tokens=4))  # linked, streams open
+    list(client.stream(prompt, temperature=0, max_tokens=4))  # linked, streams open
     remote_calls(reset=True)
     remote_calls(dw.client.actor, reset=True)
-    chunks = list(client.stream(prompt, max_tokens=8, ignore_eos=True))
+    chunks = list(client.stream(prompt, temperature=0, max_tokens=8, ignore_eos=True))
     assert chunks[-1].finish_reason == "length"
     router = {m: n for m, n in remote_calls().items() if m != "stats"}  # stats: the poller's
     decode = remote_calls(dw.client.actor)
@@ -179,7 +179,7 @@ def test_a_restarted_prefill_worker_is_used_again(cluster, reference, client):
     deadline = time.monotonic() + 120
     while True:
         try:
-            got = client.generate(prompt, max_tokens=6, timeout=30)
+            got = client.generate(prompt, temperature=0, max_tokens=6, timeout=30)
             # Meanwhile, with no prefill worker left, the decode worker prefills it.
             assert got.token_ids == want
             if got.final.prefill_worker == "prefill-0":

@@ -92,19 +92,21 @@ def test_backpressure_past_the_inflight_limit(cluster, client):
     cluster.run(_set(d, limits=original.model_copy(update={"max_inflight_requests": 2})))
     try:
         streams = [
-            client.stream(random_prompts([20], VOCAB, seed=s)[0], max_tokens=900, ignore_eos=True)
+            client.stream(
+                random_prompts([20], VOCAB, seed=s)[0], temperature=0, max_tokens=900, ignore_eos=True
+            )
             for s in (1, 2)
         ]
         for s in streams:
             next(s)  # both admitted and streaming
         with pytest.raises(ResourceExhausted, match="capacity"):
-            client.generate([1, 2, 3], max_tokens=2)
+            client.generate([1, 2, 3], temperature=0, max_tokens=2)
         for s in streams:
             s.close()
     finally:
         cluster.run(_set(d, limits=original))
     assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}
-    assert client.generate([1, 2, 3], max_tokens=2).final.completion_tokens == 2
+    assert client.generate([1, 2, 3], temperature=0, max_tokens=2).final.completion_tokens == 2
 
 
 async def _set(dispatcher, **fields):
@@ -135,8 +137,8 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
         short, long = random_prompts([10, 100], VOCAB, seed=5)
         params = SamplingParams(max_tokens=8)
         want = reference_tokens(reference, [short, long], [params, params])
-        a = client.generate(short, max_tokens=8)
-        b = client.generate(long, max_tokens=8)
+        a = client.generate(short, temperature=0, max_tokens=8)
+        b = client.generate(long, temperature=0, max_tokens=8)
     finally:
         cluster.run(_set(d, policy=original))
     assert (a.token_ids, b.token_ids) == (want[0], want[1])
@@ -158,7 +160,7 @@ def test_the_decider_prefills_a_prefix_the_decode_worker_holds_there(cluster, re
     (stem,) = random_prompts([160], VOCAB, seed=41)
     first, second = stem + [7, 8, 9], stem + [10, 11, 12, 13]
     want = reference_tokens(reference, [first, second], [params, params])
-    a = client.generate(first, max_tokens=8)  # the decider is still off: handed over
+    a = client.generate(first, temperature=0, max_tokens=8)  # the decider is still off: handed over
     assert a.final.prefill_worker == "prefill-0"
     decode = d.registry.get("decode-0")
     deadline = time.monotonic() + 30
@@ -171,7 +173,7 @@ def test_the_decider_prefills_a_prefix_the_decode_worker_holds_there(cluster, re
     counts = dict(d.decider.counts)
     cluster.run(_set(d, policy=policy))
     try:
-        b = client.generate(second, max_tokens=8)
+        b = client.generate(second, temperature=0, max_tokens=8)
     finally:
         cluster.run(_set(d, policy=original))
     assert (a.token_ids, b.token_ids) == (want[0], want[1])
@@ -211,7 +213,7 @@ def test_openai_http_endpoint_with_the_official_client(cluster, client):
         api.completions.create(model=model.id, prompt=prompt, max_tokens=5000)
     with pytest.raises(openai.BadRequestError, match="unknown model"):
         api.completions.create(model="gpt-5", prompt=prompt, max_tokens=5)
-    with pytest.raises(openai.BadRequestError, match="n > 1"):
+    with pytest.raises(openai.BadRequestError, match="`n`"):
         api.completions.create(model=model.id, prompt=prompt, max_tokens=5, n=2)
     assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}
 

@@ -63,7 +63,9 @@ def test_a_decode_group_losing_a_rank_resumes_its_requests_on_another(cluster, r
     params = SamplingParams(max_tokens=900, ignore_eos=True)
     (expected,) = reference_tokens(reference, [prompt], [params])
     out, killed = Completion(), None
-    for item in client.stream(prompt, max_tokens=params.max_tokens, ignore_eos=True, timeout_ms=600_000):
+    for item in client.stream(
+        prompt, temperature=0, max_tokens=params.max_tokens, ignore_eos=True, timeout_ms=600_000
+    ):
         out.add(item)
         if killed is None and isinstance(item, Chunk) and len(out.token_ids) >= 20:
             (holder,) = [w for w, used in kv_used(client).items() if w.startswith("decode") and used]
@@ -81,4 +83,4 @@ def test_a_decode_group_losing_a_rank_resumes_its_requests_on_another(cluster, r
     with Client(cluster.address, timeout=60) as again:
         short = random_prompts([30], VOCAB, seed=12)[0]
         (want,) = reference_tokens(reference, [short], [SamplingParams(max_tokens=8, ignore_eos=True)])
-        assert again.generate(short, max_tokens=8, ignore_eos=True).token_ids == want
+        assert again.generate(short, temperature=0, max_tokens=8, ignore_eos=True).token_ids == want

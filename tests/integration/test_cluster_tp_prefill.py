@@ -59,7 +59,7 @@ def test_cancel_releases_both_ranks(client):
     assert idle(cancel_mid_stream(client))
     # The group still serves after the cancellation.
     prompt = random_prompts([200], VOCAB, seed=4)[0]
-    assert len(client.generate(prompt, max_tokens=5, ignore_eos=True).token_ids) == 5
+    assert len(client.generate(prompt, temperature=0, max_tokens=5, ignore_eos=True).token_ids) == 5
 
 
 def test_a_lost_rank_is_served_around_and_the_pool_replaces_the_group(cluster, reference, client):
@@ -70,7 +70,7 @@ def test_a_lost_rank_is_served_around_and_the_pool_replaces_the_group(cluster, r
     # The group is the only prefill worker: while it is broken (or its replacement
     # loads), the decode worker prefills requests itself, exactly.
     (expected,) = reference_tokens(reference, [prompt], [SamplingParams(max_tokens=5, ignore_eos=True)])
-    out = client.generate(prompt, max_tokens=5, ignore_eos=True, timeout_ms=600_000)
+    out = client.generate(prompt, temperature=0, max_tokens=5, ignore_eos=True, timeout_ms=600_000)
     assert out.token_ids == expected and out.final.prefill_worker == ""
     # The pool sees the group is lost for good (Ray never restarts a TP group) and starts
     # a new one in its place: the cluster serves again without anyone stepping in.
@@ -80,7 +80,7 @@ def test_a_lost_rank_is_served_around_and_the_pool_replaces_the_group(cluster, r
         time.sleep(0.1)
     (new,) = pool.workers
     assert new.worker_id != broken.worker_id and pool.replaced == 1
-    assert len(client.generate(prompt, max_tokens=5, ignore_eos=True).token_ids) == 5
+    assert len(client.generate(prompt, temperature=0, max_tokens=5, ignore_eos=True).token_ids) == 5
     assert idle(wait_kv_free(client))
 
 
@@ -94,5 +94,5 @@ def test_a_worker_whose_engine_stopped_is_replaced(cluster, client):
         time.sleep(0.1)
     assert pool.replaced == 1 and stopped.worker_id not in [w.worker_id for w in pool.workers]
     prompt = random_prompts([50], VOCAB, seed=10)[0]
-    assert len(client.generate(prompt, max_tokens=5, ignore_eos=True).token_ids) == 5
+    assert len(client.generate(prompt, temperature=0, max_tokens=5, ignore_eos=True).token_ids) == 5
     assert idle(wait_kv_free(client))

@@ -147,7 +147,9 @@ class Load:
                 k = i % len(self.prompts)
                 i += 1
                 try:
-                    out = client.generate(self.prompts[k], max_tokens=MAX_TOKENS, ignore_eos=True)
+                    out = client.generate(
+                        self.prompts[k], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True
+                    )
                 except Exception as e:  # counted, and the test fails on it
                     with self._lock:
                         self.failures.append(f"{type(e).__name__}: {e}")

@@ -50,7 +50,7 @@ def timed_stream(address: str, prompt: list[int], max_tokens: int, stop) -> tupl
         client.list_models()
         start = time.perf_counter()
         first = None
-        for item in client.stream(prompt, max_tokens=max_tokens, stop_token_ids=list(stop)):
+        for item in client.stream(prompt, temperature=0, max_tokens=max_tokens, stop_token_ids=list(stop)):
             if first is None:
                 first = time.perf_counter() - start
             out.add(item)
@@ -66,7 +66,9 @@ def stream_paced(address: str, requests, rate: float) -> list[tuple[Completion, 
         await asyncio.sleep(max(0.0, at - time.perf_counter()))
         out, first = Completion(), None
         start = time.perf_counter()
-        async for item in client.stream(prompt, max_tokens=max_tokens, stop_token_ids=list(stop)):
+        async for item in client.stream(
+            prompt, temperature=0, max_tokens=max_tokens, stop_token_ids=list(stop)
+        ):
             if first is None:
                 first = time.perf_counter() - start
             out.add(item)
@@ -148,7 +150,7 @@ def test_metrics_agree_with_what_the_clients_saw(cluster, client):
 def test_failures_are_counted_by_code(cluster, client):
     before = scrape(cluster)
     with pytest.raises(InvalidArgument):
-        client.generate([1, VOCAB + 5], max_tokens=2)
+        client.generate([1, VOCAB + 5], temperature=0, max_tokens=2)
     after = scrape(cluster)
     code = "INVALID_ARGUMENT"
     assert (
@@ -201,7 +203,9 @@ def test_the_trace_reaches_an_opentelemetry_collector(cluster, client, collector
     if collector is None:
         pytest.skip("the otel extra is not installed")
     final = Completion()
-    for item in client.stream(mixed_workload(1, seed=11)[0][0], max_tokens=12, request_id="otel-1"):
+    for item in client.stream(
+        mixed_workload(1, seed=11)[0][0], temperature=0, max_tokens=12, request_id="otel-1"
+    ):
         final.add(item)
     root, *phases = collector.trace_of("otel-1")
     assert root.attributes["splitserve.prefill_worker"] == "prefill-0"

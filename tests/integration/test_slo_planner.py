@@ -58,7 +58,7 @@ class Load:
                 seed += 1
                 prompt = random_prompts([prompt_len], VOCAB, seed=seed)[0]
                 try:
-                    out = c.generate(prompt, max_tokens=max_tokens, ignore_eos=True)
+                    out = c.generate(prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True)
                     assert len(out.token_ids) == max_tokens
                     self.done += 1
                 except Exception as e:  # counted, and the test fails on any

@@ -59,7 +59,7 @@ def test_failed_transfers_are_recomputed_or_fail_as_configured(cluster, checkpoi
         cluster.dispatcher.on_transfer_failure = "fail"
         try:
             with pytest.raises(Unavailable) as failed:
-                client.generate(prompts[0], max_tokens=4)
+                client.generate(prompts[0], temperature=0, max_tokens=4)
         finally:
             cluster.dispatcher.on_transfer_failure = "recompute"
         assert "lease" in failed.value.details.lower()

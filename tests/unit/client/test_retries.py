@@ -57,7 +57,7 @@ def _within_one_deadline(attempts) -> None:
 def test_retries_of_a_stream_share_its_timeout(down):
     servicer, address = down
     with Client(address, retries=3, backoff_s=0.2) as c, pytest.raises(Unavailable):
-        c.generate([1, 2, 3], max_tokens=4, timeout=TIMEOUT_S)
+        c.generate([1, 2, 3], temperature=0, max_tokens=4, timeout=TIMEOUT_S)
     assert len(servicer.attempts) == 4
     _within_one_deadline(servicer.attempts)
 
@@ -65,7 +65,7 @@ def test_retries_of_a_stream_share_its_timeout(down):
 def test_no_retry_starts_past_the_timeout(down):
     servicer, address = down
     with Client(address, retries=10, backoff_s=0.5) as c, pytest.raises(Unavailable):
-        c.generate([1, 2, 3], max_tokens=4, timeout=TIMEOUT_S)
+        c.generate([1, 2, 3], temperature=0, max_tokens=4, timeout=TIMEOUT_S)
     # 0.5 + 1 + 2 s of backoff would pass the 3 s deadline: the fourth attempt is not made
     assert len(servicer.attempts) == 3
     _within_one_deadline(servicer.attempts)
@@ -77,7 +77,7 @@ def test_async_retries_share_the_timeout_too(down):
     async def call():
         async with AsyncClient(address, retries=3, backoff_s=0.2, timeout=TIMEOUT_S) as c:
             with pytest.raises(Unavailable):
-                await c.generate([1, 2, 3], max_tokens=4)
+                await c.generate([1, 2, 3], temperature=0, max_tokens=4)
             with pytest.raises(Unavailable):
                 await c.list_models()
 

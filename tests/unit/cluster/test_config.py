@@ -156,3 +156,11 @@ def test_max_tokens_and_lease_defaults_are_written_once():
         ("wire/kv.py", "DEFAULT_LEASE_S"),
     ):
         assert re.search(rf"^{name} = ", (root / home).read_text(), re.M), home  # the home says it
+
+
+def test_the_openai_endpoint_may_ignore_unknown_fields():
+    assert not ClusterConfig().router.openai.ignore_unknown_fields  # strict unless asked
+    on = ClusterConfig.model_validate({"router": {"openai": {"ignore_unknown_fields": True}}})
+    assert on.router.openai.ignore_unknown_fields
+    with pytest.raises(ValueError, match="ignore_unknown_field"):
+        ClusterConfig.model_validate({"router": {"openai": {"ignore_unknown_field": True}}})

@@ -18,7 +18,7 @@ from splitserve.router.openai_http import ChatRequest
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.service import generate_input
 from splitserve.wire.config import EngineConfig
-from splitserve.wire.defaults import GenerationDefaults
+from splitserve.wire.defaults import SERVER_DEFAULTS, GenerationDefaults
 from splitserve.wire.errors import ModelLoadError
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint
@@ -35,9 +35,15 @@ def test_the_file_sets_sampling_fields_and_eos_ids(tmp_path):
     d = GenerationDefaults.read(tmp_path)
     assert d.sampling() == {"temperature": 0.6, "top_p": 0.9}
     assert d.eos_token_ids == (7, 9)
-    sent = SamplingParams(temperature=0.0, top_p=1.0, top_k=5)
-    applied = d.apply(sent, {"top_p", "top_k"})  # the client set temperature (to greedy) itself
+    sent = SamplingParams(temperature=0.0, top_p=0.5, top_k=5)
+    applied = d.apply(sent, {"top_p"})  # the client set temperature (to greedy) and top_k itself
     assert (applied.temperature, applied.top_p, applied.top_k) == (0.0, 0.9, 5)
+    # a field neither the client nor the file sets gets the server's (OpenAI's) default
+    applied = d.apply(sent, {"top_k"})
+    assert (applied.top_p, applied.top_k) == (0.5, SERVER_DEFAULTS["top_k"])
+    assert (
+        GenerationDefaults().apply(sent, {"temperature"}).temperature == SERVER_DEFAULTS["temperature"] == 1.0
+    )
 
 
 def test_a_default_out_of_range_is_refused_at_load(tmp_path):
@@ -50,7 +56,9 @@ def test_both_front_doors_report_which_fields_were_left_unset():
     req = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=0.0, max_tokens=4))
     assert generate_input(req, None).unset == {"top_p", "top_k"}
     body = ChatRequest(messages=[{"role": "user", "content": "hi"}], top_k=3)
-    assert body.unset() == {"temperature", "top_p"}
+    assert body.unset() == {"temperature", "top_p", "max_tokens"}
+    bare = pb.GenerateRequest(prompt="hi")
+    assert generate_input(bare, None).unset == {"temperature", "top_p", "top_k", "max_tokens"}
 
 
 def test_the_router_applies_the_models_defaults_to_unset_fields_only():
@@ -70,7 +78,7 @@ def test_the_router_applies_the_models_defaults_to_unset_fields_only():
 
     asyncio.run(run())
     first, second = (task.params for task in prefill.calls)
-    assert (first.temperature, first.top_k, first.top_p) == (0.6, 20, 1.0)
+    assert (first.temperature, first.top_k, first.top_p) == (0.6, 20, SERVER_DEFAULTS["top_p"])
     assert (second.temperature, second.top_k) == (0.0, 20)  # temperature 0 was the client's own
 
 

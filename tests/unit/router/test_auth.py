@@ -83,7 +83,7 @@ def test_grpc_refuses_a_call_without_a_valid_key_before_any_work(tmp_path, caplo
             with pytest.raises(Unauthenticated, match="requires an API key"):
                 anonymous.list_models()
             with pytest.raises(Unauthenticated, match="requires an API key"):
-                anonymous.generate([1, 2, 3], max_tokens=2)
+                anonymous.generate([1, 2, 3], temperature=0, max_tokens=2)
         with Client(server.address, retries=0, timeout=10, api_key=OTHER) as wrong:
             with pytest.raises(Unauthenticated, match="not valid"):
                 wrong.generate([1, 2, 3], max_tokens=2)
@@ -158,12 +158,15 @@ def test_http_needs_the_key_on_v1_and_the_openai_client_works_with_it(tmp_path):
     loop.run(http.start())
     base = f"http://127.0.0.1:{http.port}"
     try:
-        assert _http(base + "/health") == (200, {"status": "ok"})  # open
+        assert _http(base + "/health")[0] == 503  # open (no 401), and no worker behind this router
         code, body = _http(base + "/v1/models")
         assert code == 401 and "requires an API key" in body["error"]["message"]
         code, body = _http(base + "/v1/models", key=OTHER)
         assert code == 401 and body["error"]["code"] == "invalid_api_key"
         assert _http(base + "/v1/models", key=KEY)[1]["data"][0]["id"] == "tiny"
+        assert _http(base + "/version")[0] == 200
+        for path in ("/tokenize", "/detokenize"):
+            assert _http(base + path)[0] == 401
 
         refused = openai.OpenAI(base_url=base + "/v1", api_key=OTHER, max_retries=0)
         with pytest.raises(openai.AuthenticationError):
@@ -185,7 +188,7 @@ def test_https(tmp_path):
     loop.run(http.start())
     try:
         trusting = ssl.create_default_context(cafile=str(cert))
-        assert _http(f"https://127.0.0.1:{http.port}/health", context=trusting) == (200, {"status": "ok"})
+        assert _http(f"https://127.0.0.1:{http.port}/version", context=trusting)[0] == 200
         with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plain HTTP on the port
             _http(f"http://127.0.0.1:{http.port}/health")
     finally:

@@ -58,10 +58,16 @@ def test_unary_calls_and_errors_without_workers(plain):
         assert (model.id, model.max_model_len, model.vocab_size) == ("tiny", 64, 100)
         with pytest.raises(InvalidArgument, match="tokenizer"):
             c.tokenize("hello")
+        with pytest.raises(InvalidArgument, match="tokenizer"):
+            c.detokenize([1, 2])
+        with pytest.raises(InvalidArgument, match=r"token ids must be integers in \[0, 100\)"):
+            c.detokenize([1, 100])
+        with pytest.raises(InvalidArgument, match="unknown model"):
+            c.detokenize([1], model="other")
         with pytest.raises(InvalidArgument, match="context"):
             c.generate(list(range(70)))
         with pytest.raises(Unavailable, match="no decode worker"):
-            c.generate([1, 2, 3], max_tokens=2)
+            c.generate([1, 2, 3], temperature=0, max_tokens=2)
         assert c.cluster_status().inflight_requests == 0
 
 
@@ -146,7 +152,7 @@ def test_openai_http_errors_without_workers():
         cases = [
             ("/v1/completions", b"{not json", 400, "not valid JSON"),
             ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
-            ("/v1/completions", {"prompt": [1, 2], "n": 2}, 400, "n > 1"),
+            ("/v1/completions", {"prompt": [1, 2], "n": 2}, 400, "`n`"),
             ("/v1/completions", {"prompt": [1, 2], "frequency_penalty": 0.5}, 400, "frequency_penalty"),
             ("/v1/completions", {"prompt": [1, 2], "model": "other"}, 400, "unknown model"),
             ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2}, 503, "no decode worker"),

@@ -1,0 +1,286 @@
+"""The OpenAI front door's request schema (``router.api_schema``) on the real HTTP
+server over fake workers: every refused field is a 400 naming it (its neutral
+values pass), unknown fields are a 400 listing them unless ignored (then
+counted), honoured fields reach the workers as sent, ``docs/api.md`` is the
+table, and the endpoints beside the completions (tokenize, detokenize,
+version, health)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import urllib.error
+import urllib.request
+
+import pytest
+
+import tests.unit.engine.test_generation_defaults as defaults_tests
+import tests.unit.router.test_fuzz_front_doors as fuzz_tests
+import tests.unit.router.test_server as server_tests
+from splitserve.router import api_schema
+from splitserve.router.api_schema import Endpoint, Status
+from splitserve.router.dispatch import Dispatcher
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.openai_http import ChatRequest, CompletionRequest, OpenAIServer
+from splitserve.router.registry import WorkerRegistry
+from splitserve.wire.sampling import SamplingParams
+from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill
+from tests.unit.router.test_server import _Loop
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+PATH = {Endpoint.CHAT: "/v1/chat/completions", Endpoint.COMPLETIONS: "/v1/completions"}
+# a body each endpoint serves without a tokenizer (the fakes' validator has none); chat
+# bodies get as far as encoding their messages, which proves the fields passed the schema
+BASE = {
+    Endpoint.CHAT: {"messages": [{"role": "user", "content": "hi"}]},
+    Endpoint.COMPLETIONS: {"prompt": [5, 6]},
+}
+PASSED = {Endpoint.CHAT: (400, "no tokenizer"), Endpoint.COMPLETIONS: (200, "")}
+
+
+class Door:
+    """The HTTP server over a dispatcher with one fake prefill and one fake decode worker."""
+
+    def __init__(self, ignore_unknown_fields: bool = False, workers: bool = True):
+        self.loop = _Loop()
+        self.registry = WorkerRegistry()
+        self.prefill, self.decode = FakePrefill("p0"), FakeDecode("d0")
+
+        async def setup():
+            for role, fake in (("prefill", self.prefill), ("decode", self.decode)):
+                self.registry.add(fake.worker_id, role, fake, 16)
+                await self.registry.activate(fake.worker_id)
+
+        if workers:
+            self.loop.run(setup())
+        self.dispatcher = Dispatcher(self.registry, VALIDATOR, "tiny")
+        self.metrics = RouterMetrics("tiny", self.registry, list, lambda: 0, dict)
+        self.http = OpenAIServer(
+            self.dispatcher, "127.0.0.1", 0, self.metrics, ignore_unknown_fields=ignore_unknown_fields
+        )
+        self.loop.run(self.http.start())
+        self.base = f"http://127.0.0.1:{self.http.port}"
+
+    def request(self, path: str, body: dict | None = None) -> tuple[int, dict | str]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                raw = r.read().decode()
+                return r.status, raw if raw.startswith("data:") else json.loads(raw)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def close(self) -> None:
+        self.loop.run(self.http.stop())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def door():
+    d = Door()
+    yield d
+    d.close()
+
+
+def _passed(endpoint: Endpoint, status: int, payload) -> bool:
+    want_status, needle = PASSED[endpoint]
+    return status == want_status and (not needle or needle in payload["error"]["message"])
+
+
+def test_docs_api_md_is_the_schema():
+    assert (ROOT / "docs" / "api.md").read_text() == api_schema.markdown()
+
+
+@pytest.mark.parametrize("cls", [ChatRequest, CompletionRequest])
+def test_each_front_door_model_reads_exactly_the_honoured_fields(cls):
+    honoured = {f.name for f in api_schema.fields_of(cls.ENDPOINT).values() if f.status is Status.HONOURED}
+    assert set(cls.model_fields) == honoured
+
+
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+def test_every_refused_field_is_a_400_naming_it_and_its_neutral_values_pass(door, endpoint):
+    refused = [f for f in api_schema.fields_of(endpoint).values() if f.status is Status.REFUSED]
+    assert len(refused) > 30
+    for f in refused:
+        status, payload = door.request(PATH[endpoint], BASE[endpoint] | {f.name: {"not": "neutral"}})
+        assert status == 400 and f"`{f.name}`" in payload["error"]["message"], (f.name, status, payload)
+        for value in f.neutral:
+            status, payload = door.request(PATH[endpoint], BASE[endpoint] | {f.name: value})
+            assert _passed(endpoint, status, payload), (f.name, value, status, payload)
+
+
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+def test_metadata_fields_are_accepted(door, endpoint):
+    for f in api_schema.fields_of(endpoint).values():
+        if f.status is Status.METADATA:
+            status, payload = door.request(PATH[endpoint], BASE[endpoint] | {f.name: "label"})
+            assert _passed(endpoint, status, payload), (f.name, status, payload)
+
+
+def test_unknown_fields_are_a_400_listing_them(door):
+    body = BASE[Endpoint.COMPLETIONS] | {"temprature": 0.5, "frobnicate": 1, "n": 3}
+    status, payload = door.request("/v1/completions", body)
+    message = payload["error"]["message"]
+    assert status == 400 and "`temprature`" in message and "`frobnicate`" in message and "`n`" in message
+
+
+def test_unknown_fields_are_ignored_and_counted_when_configured():
+    door = Door(ignore_unknown_fields=True)
+    try:
+        status, payload = door.request("/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "a": 1, "b": 2})
+        assert status == 200 and payload["usage"]["completion_tokens"] == 3
+        assert door.metrics.prom.get_sample_value("splitserve:ignored_fields_total") == 2
+        status, payload = door.request("/v1/completions", {"prompt": [5, 6], "a": 1, "n": 2})
+        assert status == 400 and "`n`" in payload["error"]["message"]  # refused fields stay refused
+    finally:
+        door.close()
+
+
+def test_honoured_fields_reach_the_workers_as_sent(door):
+    before = len(door.prefill.calls)
+    body = {
+        "prompt": [5, 6, 7],
+        "max_tokens": 9,
+        "temperature": 0.25,
+        "top_p": 0.5,
+        "top_k": 7,
+        "seed": 11,
+        "stop_token_ids": [3, 4],
+        "ignore_eos": True,
+        "request_id": "mine-1",
+        "model": "tiny",
+    }
+    status, payload = door.request("/v1/completions", body)
+    assert status == 200 and payload["id"] == "mine-1"
+    (task,) = door.prefill.calls[before:]
+    p = task.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (9, 0.25, 0.5, 7, 11)
+    assert (p.stop_token_ids, p.ignore_eos) == ((3, 4), True)
+    assert payload["usage"]["completion_tokens"] == 9
+    status, payload = door.request("/v1/completions", body | {"model": "other"})
+    assert status == 400 and "unknown model" in payload["error"]["message"]
+
+
+def test_unset_fields_get_the_servers_defaults_and_completions_16_tokens(door):
+    before = len(door.prefill.calls)
+    status, payload = door.request("/v1/completions", {"prompt": [5, 6, 7]})
+    assert status == 200
+    (task,) = door.prefill.calls[before:]
+    p = task.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k) == (16, 1.0, 1.0, 0)
+
+
+def test_chat_without_max_tokens_gets_the_rest_of_the_context():
+    validator = dataclasses.replace(VALIDATOR, tokenizer=_ElevenTokenChat())
+    chat = [{"role": "user", "content": "x"}]
+    ids, params = validator.prepare(None, SamplingParams(), chat, {"max_tokens"})
+    assert len(ids) == 11 and params.max_tokens == VALIDATOR.max_model_len - 11
+    _, params = validator.prepare([1, 2, 3], SamplingParams(), None, {"max_tokens"})
+    assert params.max_tokens == 16  # completions: OpenAI's and vLLM's 16
+    _, params = validator.prepare([7] * 4089, SamplingParams(), None, {"max_tokens"})
+    assert params.max_tokens == 7  # never past the context
+
+
+class _ElevenTokenChat:
+    def encode(self, text):
+        return [1]
+
+    def apply_chat_template(self, messages):
+        return list(range(1, 12))
+
+    def decode(self, ids):
+        return ""
+
+
+def test_streams_carry_usage_when_asked(door):
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True, "stream": True}
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    status, raw = door.request("/v1/completions", body | {"stream_options": opts})
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    running = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+    assert running == sorted(running) and running[-1] == 6 and events[-1]["choices"] == []
+    assert events[-1]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 6,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    status, payload = door.request("/v1/completions", body | {"stream_options": {"bogus": True}})
+    assert status == 400 and "bogus" in payload["error"]["message"]
+
+
+def test_tokenize_detokenize_version_and_models(door):
+    status, payload = door.request("/tokenize", {"prompt": [5, 6, 7]})
+    assert status == 200 and payload == {"tokens": [5, 6, 7], "count": 3, "max_model_len": 4096}
+    status, payload = door.request("/tokenize", {"prompt": "text"})
+    assert status == 400 and "tokenizer" in payload["error"]["message"]
+    status, payload = door.request("/detokenize", {"tokens": [5, VALIDATOR.vocab_size]})
+    assert status == 400 and "token ids" in payload["error"]["message"]
+    status, payload = door.request("/tokenize", {"prompt": [1], "extra": 1})
+    assert status == 400 and "extra" in payload["error"]["message"]
+    status, payload = door.request("/version")
+    assert status == 200 and payload["version"]
+    status, payload = door.request("/v1/models")
+    assert payload["data"][0]["max_model_len"] == 4096
+
+
+def test_health_is_503_while_a_pool_has_no_routable_worker():
+    door = Door(workers=False)
+    try:
+        status, payload = door.request("/health")
+        assert status == 503 and "prefill and decode" in payload["message"]
+        door.loop.run(_add(door.registry, "decode", door.decode))
+        status, payload = door.request("/health")
+        assert status == 503 and payload["message"] == "no routable worker in the prefill pool"
+        door.loop.run(_add(door.registry, "prefill", door.prefill))
+        assert door.request("/health") == (200, {"status": "ok"})
+        assert door.request("/v1/completions", {"prompt": [5], "max_tokens": 2})[0] == 200
+    finally:
+        door.close()
+
+
+async def _add(registry, role, fake):
+    registry.add(fake.worker_id, role, fake, 16)
+    await registry.activate(fake.worker_id)
+
+
+# ---- every honoured field has a test that shows it --------------------------------------
+HONOURED_BY = {
+    "messages": [server_tests, "test_openai_http_errors_without_workers"],
+    "prompt": [None, "test_honoured_fields_reach_the_workers_as_sent"],
+    "model": [None, "test_honoured_fields_reach_the_workers_as_sent"],
+    "stream": [None, "test_streams_carry_usage_when_asked"],
+    "stream_options": [None, "test_streams_carry_usage_when_asked"],
+    "request_id": [None, "test_honoured_fields_reach_the_workers_as_sent"],
+    "max_tokens": [None, "test_chat_without_max_tokens_gets_the_rest_of_the_context"],
+    "max_completion_tokens": [None, "test_max_completion_tokens_wins"],
+    "stop": [None, "test_stop_is_a_string_or_a_list_and_reaches_the_engine"],
+    "stop_token_ids": [None, "test_honoured_fields_reach_the_workers_as_sent"],
+    "ignore_eos": [None, "test_honoured_fields_reach_the_workers_as_sent"],
+    "temperature": [defaults_tests, "test_the_router_applies_the_models_defaults_to_unset_fields_only"],
+    "top_p": [None, "test_honoured_fields_reach_the_workers_as_sent"],
+    "top_k": [None, "test_honoured_fields_reach_the_workers_as_sent"],
+    "seed": [None, "test_honoured_fields_reach_the_workers_as_sent"],
+}
+
+
+def test_stop_is_a_string_or_a_list_and_reaches_the_engine():
+    """(The engine's stop-string tests: ``tests/unit/engine/test_engine.py``.)"""
+    assert CompletionRequest(prompt=[1], stop="zz").params().stop == ("zz",)
+    assert CompletionRequest(prompt=[1], stop=["a", "b"]).params().stop == ("a", "b")
+
+
+def test_max_completion_tokens_wins():
+    body = ChatRequest(messages=[], max_tokens=5, max_completion_tokens=7)
+    assert body.params().max_tokens == 7 and "max_tokens" not in body.unset()
+
+
+def test_every_honoured_field_names_a_test_that_exists():
+    honoured = {f.name for f in api_schema.FIELDS if f.status is Status.HONOURED}
+    assert set(HONOURED_BY) == honoured
+    this = __import__(__name__, fromlist=["_"])
+    for module, name in HONOURED_BY.values():
+        assert callable(getattr(module or this, name)), name
+    assert {f.name for f in api_schema.FIELDS} <= set(fuzz_tests.FIELD_NAMES)  # the fuzz test covers them
