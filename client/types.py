@@ -20,6 +20,7 @@ class Chunk:
     text: str
     logprobs: list[float]
     times_ms: list[float]  # per token: ms since the router accepted the request
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     times_ms: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     final: Final | None = None
 
     @property
@@ -61,12 +63,14 @@ class Completion:
             self.token_ids.extend(item.token_ids)
             self.logprobs.extend(item.logprobs)
             self.times_ms.extend(item.times_ms)
+            self.top_logprobs.extend(item.top_logprobs)
 
 
 def item_of(resp: pb.GenerateResponse) -> Chunk | Final:
     if resp.WhichOneof("kind") == "token":
         t = resp.token
-        return Chunk(list(t.token_ids), t.text, list(t.logprobs), list(t.times_ms))
+        top = [list(zip(s.token_ids, s.logprobs)) for s in t.top_logprobs]
+        return Chunk(list(t.token_ids), t.text, list(t.logprobs), list(t.times_ms), top)
     f = resp.final
     return Final(
         finish_reason=_FINISH.get(f.finish_reason, "unspecified"),
@@ -101,7 +105,16 @@ def build_request(
     stop_token_ids: list[int] | None = None,
     ignore_eos: bool = False,
     logprobs: bool = False,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    min_tokens: int | None = None,
+    allowed_token_ids: list[int] | None = None,
+    top_logprobs: int | None = None,
 ) -> pb.GenerateRequest:
+    """A ``GenerateRequest``; an option left None is left unset (the server's default)."""
     sp = pb.SamplingParams(
         stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos, logprobs=logprobs
     )
@@ -111,12 +124,23 @@ def build_request(
         ("top_k", top_k),
         ("top_p", top_p),
         ("seed", seed),
+        ("min_p", min_p),
+        ("repetition_penalty", repetition_penalty),
+        ("frequency_penalty", frequency_penalty),
+        ("presence_penalty", presence_penalty),
+        ("min_tokens", min_tokens),
+        ("top_logprobs", top_logprobs),
     ):
         if value is not None:
             try:
                 setattr(sp, name, value)
             except (ValueError, TypeError) as e:  # e.g. a negative value for an unsigned field
                 raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"{name}={value!r}: {e}") from None
+    try:
+        sp.logit_bias.update(logit_bias or {})
+        sp.allowed_token_ids.extend(allowed_token_ids or [])
+    except (ValueError, TypeError) as e:
+        raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"token ids: {e}") from None
     req = pb.GenerateRequest(model=model, sampling=sp, request_id=request_id, timeout_ms=timeout_ms)
     if messages is not None:
         req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)

@@ -426,6 +426,7 @@ class DecodeWorker:
                 result.finish_reason,
                 result.num_cached_tokens,
                 prefilled=prefilled,
+                top_logprobs=list(result.top_logprobs),
             )
         )
 
@@ -519,6 +520,7 @@ def _batch(out: RequestOutput, now: float) -> TokenBatch:
         token_ids=list(out.new_token_ids),
         text=out.text,
         logprobs=list(out.new_logprobs),
+        top_logprobs=list(out.new_top_logprobs),
         token_times=[now] * len(out.new_token_ids),
         finish_reason=out.finish_reason if out.finished else None,
         num_cached_tokens=out.num_cached_tokens,

@@ -149,7 +149,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         model,
         kv_cache,
         backend,
-        Sampler(config.seed, argmax=native.argmax_rows if native is not None else None),
+        Sampler(config.seed, native.argmax_rows if native is not None else None, eos_token_ids),
         device,
         tp,
         graphs,

@@ -201,16 +201,18 @@ class Engine:
             self.block_manager.commit_computed(seq)
             if id(seq) not in sampling:
                 continue
-            token, logprob = result.token_ids[k], result.logprobs[k]
+            token, logprob, top = result.token_ids[k], result.logprobs[k], result.top_logprobs[k]
             k += 1
-            seq.append_token(token, logprob)
+            seq.append_token(token, logprob, top)
             state = self.requests[seq.request_id]
             reason = state.update_text_and_check_stop(self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 self._finish(state, reason)
             elif seq.prefill_only:
                 self._park_prefilled(state)
-            outputs.append(state.output([token], [] if logprob is None else [logprob]))
+            outputs.append(
+                state.output([token], [] if logprob is None else [logprob], [] if top is None else [top])
+            )
         return outputs
 
     def _layer_hook(self, scheduled: list[ScheduledSeq]) -> Callable[[int], None] | None:

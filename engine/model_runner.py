@@ -87,7 +87,9 @@ class ModelRunner:
             inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if s.samples:
                 inputs.last_index.append(len(inputs.input_ids) - 1)
-                rows.append(SampleRequest(seq.params, seq.num_output_tokens))
+                rows.append(
+                    SampleRequest(seq.params, seq.num_output_tokens, seq.token_ids, seq.num_prompt_tokens)
+                )
         graphs = self.graphs
         if (
             on_layer is None

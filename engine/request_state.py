@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from splitserve.wire.outputs import CompletionOutput, RequestOutput
+from splitserve.wire.outputs import CompletionOutput, RequestOutput, TopLogprobs
 from splitserve.wire.sampling import FinishReason
 
 
@@ -42,7 +42,12 @@ class RequestState:
             return FinishReason.LENGTH
         return None
 
-    def output(self, new_token_ids: list[int], new_logprobs: list[float] | None = None) -> RequestOutput:
+    def output(
+        self,
+        new_token_ids: list[int],
+        new_logprobs: list[float] | None = None,
+        new_top_logprobs: list[TopLogprobs] | None = None,
+    ) -> RequestOutput:
         seq = self.seq
         finished = seq.status in (SequenceStatus.FINISHED, SequenceStatus.PREFILLED)
         # While running, hold back a tail that could be the start of a stop string.
@@ -59,6 +64,7 @@ class RequestState:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             new_logprobs=new_logprobs or [],
+            new_top_logprobs=new_top_logprobs or [],
             scheduled_at=seq.scheduled_at,
         )
 
@@ -72,4 +78,5 @@ class RequestState:
             seq.finish_reason,
             seq.num_cached_tokens,
             list(seq.logprobs),
+            list(seq.top_logprobs),
         )

@@ -1,21 +1,26 @@
 """Token sampling for a batch of rows with per-row parameters.
 
-Greedy rows take the argmax. Other rows: logits / temperature, then top-k and
-top-p filters, then one draw by the exponential-race trick (argmax of p / E with
-E ~ Exp(1)), which equals sampling from p. Seeded rows draw their noise from a
-generator seeded with ``(seed, index of the token being generated)``, so a seeded
-request reproduces exactly whatever else is in the batch and whichever worker
-samples each token. Logprobs are of the chosen token under the unmodified
-distribution (log_softmax of the raw logits).
+Rows that ask for logits processing (``SamplingParams.processes_logits``: allowed
+tokens, ``min_tokens``, ``logit_bias``, repetition / frequency / presence
+penalties) get it first, greedy rows too, in ``SamplingParams``' documented
+order; each row's inputs are its own tokens, so a row's result never depends on
+the batch. Then greedy rows take the argmax. Other rows: logits / temperature,
+then top-k, top-p and min-p filters, then one draw by the exponential-race trick
+(argmax of p / E with E ~ Exp(1)), which equals sampling from p. Seeded rows
+draw their noise from a generator seeded with ``(seed, index of the token being
+generated)``, so a seeded request reproduces exactly whatever else is in the
+batch and whichever worker samples each token. Logprobs (the chosen token's, and
+the top-N's) are under the unmodified distribution (log_softmax of the raw logits).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 
+from splitserve.wire.outputs import TopLogprobs
 from splitserve.wire.sampling import SamplingParams
 
 
@@ -23,41 +28,105 @@ from splitserve.wire.sampling import SamplingParams
 class SampleRequest:
     params: SamplingParams
     output_index: int  # how many tokens this sequence has generated before this one
+    token_ids: list[int] | None = None  # prompt then output tokens so far (needed when processing)
+    num_prompt_tokens: int = 0
 
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
     logprobs: list[float | None]
+    top_logprobs: list[TopLogprobs | None]  # for rows with params.top_logprobs
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        seed: int = 0,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        eos_token_ids: Collection[int] = (),
+    ):
         """``argmax``: each row's first index of its maximum, for logits in the model's
-        dtype (the native CPU kernel; torch's ``argmax`` by default)."""
+        dtype (the native CPU kernel; torch's ``argmax`` by default). ``eos_token_ids``:
+        what ``min_tokens`` holds back besides a row's stop token ids."""
         self.generator = torch.Generator().manual_seed(seed)
         self.argmax = argmax or (lambda logits: logits.argmax(dim=-1))
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
         """``logits``: [len(rows), vocab] in any float dtype, on any device. Greedy rows
-        take the argmax of them as they are (a bf16 value's float32 twin orders the same);
-        rows that sample or want logprobs are upcast to float32 first."""
+        without processing take the argmax of them as they are (a bf16 value's float32
+        twin orders the same); other rows are upcast to float32 first."""
         tokens = self.argmax(logits)
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if sampled:
-            idx = torch.tensor(sampled, device=logits.device)
-            tokens[idx] = self._sample(logits.index_select(0, idx).float(), [rows[i] for i in sampled])
+        special = [i for i, r in enumerate(rows) if not r.params.greedy or r.params.processes_logits]
+        if special:
+            idx = torch.tensor(special, device=logits.device)
+            picked = [rows[i] for i in special]
+            tokens[idx] = self._pick(self.process(logits.index_select(0, idx).float(), picked), picked)
         token_list = tokens.tolist()
         logprobs: list[float | None] = [None] * len(rows)
+        top: list[TopLogprobs | None] = [None] * len(rows)
         want = [i for i, r in enumerate(rows) if r.params.logprobs]
         if want:
             idx = torch.tensor(want, device=logits.device)
             lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
             chosen = lp.gather(1, tokens.index_select(0, idx)[:, None]).squeeze(1).tolist()
-            for i, v in zip(want, chosen):
+            n = max(rows[i].params.top_logprobs for i in want)
+            best = lp.topk(n, dim=-1) if n else None
+            for j, (i, v) in enumerate(zip(want, chosen)):
                 logprobs[i] = v
-        return SampleResult(token_list, logprobs)
+                if k := rows[i].params.top_logprobs:
+                    ids, values = best.indices[j, :k].tolist(), best.values[j, :k].tolist()
+                    top[i] = tuple(zip(ids, values))
+        return SampleResult(token_list, logprobs, top)
+
+    def process(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+        """``logits`` (float32, one row per request) after each row's processing, in
+        place; rows without any are left as they are."""
+        for i, r in enumerate(rows):
+            p = r.params
+            if not p.processes_logits:
+                continue
+            row = logits[i]
+            if p.allowed_token_ids is not None:
+                keep = torch.full_like(row, float("-inf"))
+                keep[list(p.allowed_token_ids)] = 0.0
+                row += keep
+            if r.output_index < p.min_tokens:
+                held = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
+                if held:
+                    row[held] = float("-inf")
+            if p.logit_bias:
+                ids = [t for t, _ in p.logit_bias]
+                row[ids] += torch.tensor([b for _, b in p.logit_bias], device=row.device)
+            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+                self._penalize(row, r)
+        return logits
+
+    @staticmethod
+    def _penalize(row: torch.Tensor, r: SampleRequest) -> None:
+        p, device = r.params, row.device
+        if r.token_ids is None:
+            raise ValueError("penalties need the row's token ids")
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long, device=device)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        output = r.token_ids[r.num_prompt_tokens :]
+        if output and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(output, device=device), minlength=row.shape[0]).to(row.dtype)
+            row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+
+    def _pick(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+        """Each row's token from its processed float32 logits: the argmax for greedy rows,
+        a draw for the others."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            tokens[idx] = self._sample(logits.index_select(0, idx), [rows[i] for i in sampled])
+        return tokens
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
@@ -78,6 +147,12 @@ class Sampler:
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
+        min_ps = [r.params.min_p for r in rows]
+        if any(min_ps):
+            floor = (
+                probs.max(dim=-1, keepdim=True).values * torch.tensor(min_ps, device=probs.device)[:, None]
+            )
+            probs = probs.masked_fill(probs < floor, 0.0)
         shared = self.generator if probs.device.type == "cpu" else None
         noise = torch.empty_like(probs).exponential_(generator=shared)
         for i, r in enumerate(rows):

@@ -22,6 +22,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from splitserve.wire.outputs import TopLogprobs
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
 
@@ -54,6 +55,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] = []
+        self.top_logprobs: list[TopLogprobs] = []
         self.num_preemptions = 0
         self.scheduled_at: float | None = None  # time.time() when first scheduled (or imported)
 
@@ -82,7 +84,11 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_token(
+        self, token_id: int, logprob: float | None = None, top: TopLogprobs | None = None
+    ) -> None:
         self.token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
+        if top is not None:
+            self.top_logprobs.append(top)

@@ -43,6 +43,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (special tokens included, as logprobs show them)."""
+        return self.hf.convert_tokens_to_string([self.hf.convert_ids_to_tokens(token_id)])
+
 
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas without re-decoding everything.

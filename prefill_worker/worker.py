@@ -381,6 +381,7 @@ class PrefillWorker:
             output_token_ids=list(out.new_token_ids),
             text=out.text,
             logprobs=list(out.new_logprobs),
+            top_logprobs=list(out.new_top_logprobs),
             token_time=now,
             finish_reason=finish,
             num_cached_tokens=out.num_cached_tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.wire.outputs import TopLogprobs
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
 
@@ -28,6 +29,7 @@ class TokenEvent:
     logprobs: list[float]
     times_ms: list[float]  # per token, since the router accepted the request
     prompt_tokens: int  # the request's, for usage reported while it streams
+    top_logprobs: list[TopLogprobs]  # per token, when the request asked for them
 
 
 @dataclass(frozen=True)

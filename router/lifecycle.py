@@ -237,7 +237,14 @@ class RequestLifecycle:
         self._sent.extend(batch.token_ids)
         self._token_times.extend(batch.token_times)
         ms = [max(0.0, (t - self.accepted) * 1000) for t in batch.token_times]
-        return TokenEvent(list(batch.token_ids), batch.text, list(batch.logprobs), ms, len(self.prompt_ids))
+        return TokenEvent(
+            list(batch.token_ids),
+            batch.text,
+            list(batch.logprobs),
+            ms,
+            len(self.prompt_ids),
+            list(batch.top_logprobs),
+        )
 
     def _final(self, reason: FinishReason) -> FinalEvent:
         self._ended_in_prefill = self._source is not None and self._phase != Phase.DECODING

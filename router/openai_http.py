@@ -38,6 +38,7 @@ from splitserve.router.errors import http_status_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.metrics_server import add_metrics_route
+from splitserve.router.openai_logprobs import LogprobsWriter
 from splitserve.wire.defaults import DEFAULTED, SAMPLING_FIELDS
 from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.sampling import SamplingParams
@@ -65,6 +66,13 @@ class _Request(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # JSON keys are strings; pydantic reads them as ints
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -74,6 +82,10 @@ class _Request(BaseModel):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def requested_logprobs(self) -> tuple[bool, int]:
+        """(the chosen tokens' logprobs, how many most likely tokens' per step)."""
+        return False, 0
 
     def _given(self) -> dict[str, Any]:
         """The defaulted fields (``wire.defaults.DEFAULTED``) this request sets."""
@@ -89,6 +101,13 @@ class _Request(BaseModel):
             stop=stop,
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            logit_bias=self.logit_bias or {},
+            min_tokens=self.min_tokens,
+            allowed_token_ids=self.allowed_token_ids,
+            logprobs=self.requested_logprobs()[0],
+            top_logprobs=self.requested_logprobs()[1],
         )
 
     def unset(self) -> frozenset[str]:
@@ -100,15 +119,24 @@ class ChatRequest(_Request):
 
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> tuple[bool, int]:
+        return self.logprobs, self.top_logprobs or 0
 
 
 class CompletionRequest(_Request):
     ENDPOINT = Endpoint.COMPLETIONS
 
     prompt: str | list[int]
+    logprobs: int | None = None  # the chosen token's and this many most likely tokens'
+
+    def requested_logprobs(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
 
 
 class TokenizeRequest(BaseModel):
@@ -276,17 +304,22 @@ class OpenAIServer:
 
     async def _collect(self, inp: GenerateInput, events, chat: bool) -> web.Response:
         text, final = [], None
+        token_ids, logprobs, top = [], [], []
         async for ev in events:
             if isinstance(ev, TokenEvent):
                 text.append(ev.text)
+                token_ids += ev.token_ids
+                logprobs += ev.logprobs
+                top += ev.top_logprobs
             else:
                 final = ev
         content = "".join(text)
         choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish_reason.value}
+        lp = self._logprobs(chat).write(token_ids, logprobs, top) if inp.params.logprobs else None
         if chat:
-            choice["message"] = {"role": "assistant", "content": content}
+            choice |= {"message": {"role": "assistant", "content": content}, "logprobs": lp}
         else:
-            choice |= {"text": content, "logprobs": None}
+            choice |= {"text": content, "logprobs": lp}
         return web.json_response(
             self._envelope(inp, chat, False) | {"choices": [choice], "usage": _usage(final)}
         )
@@ -298,6 +331,7 @@ class OpenAIServer:
         await resp.prepare(request)
         env = self._envelope(inp, chat, True)
         options = body.stream_options or StreamOptions()
+        writer = self._logprobs(chat) if inp.params.logprobs else None
         completion_tokens = 0
 
         async def send(obj: dict) -> None:
@@ -317,11 +351,10 @@ class OpenAIServer:
             while True:
                 if isinstance(ev, TokenEvent):
                     completion_tokens += len(ev.token_ids)
-                    if ev.text or options.continuous_usage_stats:
-                        choice = {"index": 0, "finish_reason": None}
-                        choice |= (
-                            {"delta": {"content": ev.text}} if chat else {"text": ev.text, "logprobs": None}
-                        )
+                    if ev.text or options.continuous_usage_stats or writer is not None:
+                        lp = writer.write(ev.token_ids, ev.logprobs, ev.top_logprobs) if writer else None
+                        part = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
+                        choice = {"index": 0, "finish_reason": None, "logprobs": lp} | part
                         await send(chunk(choice, ev.prompt_tokens))
                 else:  # the FinalEvent
                     choice = {"index": 0, "finish_reason": ev.finish_reason.value}
@@ -339,6 +372,9 @@ class OpenAIServer:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    def _logprobs(self, chat: bool) -> LogprobsWriter:
+        return LogprobsWriter(chat, self.dispatcher.validator.token_text)
 
     def _envelope(self, inp: GenerateInput, chat: bool, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"

@@ -40,6 +40,12 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=list(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs,
+        top_logprobs=sp.top_logprobs,
+        frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty,
+        logit_bias=dict(sp.logit_bias),
+        min_tokens=sp.min_tokens,
+        allowed_token_ids=list(sp.allowed_token_ids) or None,
     )
 
 
@@ -73,7 +79,10 @@ def generate_input(request: pb.GenerateRequest, time_remaining: float | None) ->
 
 
 def _token_proto(e: TokenEvent) -> pb.Token:
-    return pb.Token(token_ids=e.token_ids, text=e.text, logprobs=e.logprobs, times_ms=e.times_ms)
+    top = [pb.TopLogprobs(token_ids=[t for t, _ in s], logprobs=[lp for _, lp in s]) for s in e.top_logprobs]
+    return pb.Token(
+        token_ids=e.token_ids, text=e.text, logprobs=e.logprobs, times_ms=e.times_ms, top_logprobs=top
+    )
 
 
 def _final_proto(e: FinalEvent) -> pb.Final:

@@ -9,7 +9,7 @@ from typing import Protocol
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import SplitserveError
 from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor
-from splitserve.wire.outputs import EngineStats
+from splitserve.wire.outputs import EngineStats, TopLogprobs
 from splitserve.wire.prefill import PrefillPeer
 from splitserve.wire.prefix import PrefixUpdate
 from splitserve.wire.sampling import FinishReason, SamplingParams
@@ -116,6 +116,7 @@ class TokenBatch:
     # request when its KV had landed (on the pull's batch), else when its engine began
     # the prompt; on every batch from then on
     started_at: float | None = None
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per token, when asked
 
 
 @dataclass(frozen=True)

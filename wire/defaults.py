@@ -1,8 +1,9 @@
 """The sampling defaults a model ships in ``generation_config.json``.
 
-A request that leaves ``temperature``, ``top_p`` or ``top_k`` unset gets the
-model's value (Llama-3-Instruct ships ``temperature: 0.6, top_p: 0.9``; Qwen3
-also ``top_k: 20``), as vLLM does with ``--generation-config auto``; the file's
+A request that leaves ``temperature``, ``top_p``, ``top_k``, ``min_p`` or
+``repetition_penalty`` unset gets the model's value (Llama-3-Instruct ships
+``temperature: 0.6, top_p: 0.9``; Qwen3 also ``top_k: 20``), as vLLM does with
+``--generation-config auto``, else ``SERVER_DEFAULTS`` (OpenAI's); the file's
 ``eos_token_id`` adds to the model's end-of-sequence ids. Turning it off
 (``EngineConfig.generation_config = False``, vLLM's ``--generation-config vllm``)
 leaves the server's own defaults. The router applies them (it knows which
@@ -25,10 +26,16 @@ from splitserve.wire.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 FILE = "generation_config.json"
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # What a request gets for a sampling field it leaves unset when the model's file
 # sets none: OpenAI's defaults (top_k: off), for every front door.
-SERVER_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+SERVER_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 DEFAULTED = ("max_tokens", *SAMPLING_FIELDS)  # the fields a front door may leave to the server
 
 
@@ -37,6 +44,8 @@ class GenerationDefaults:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
@@ -56,6 +65,8 @@ class GenerationDefaults:
             temperature=raw.get("temperature"),
             top_p=raw.get("top_p"),
             top_k=raw.get("top_k"),
+            min_p=raw.get("min_p"),
+            repetition_penalty=raw.get("repetition_penalty"),
             eos_token_ids=tuple(int(i) for i in eos_ids),
         )
         try:

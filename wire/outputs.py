@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from splitserve.wire.sampling import FinishReason
 
+TopLogprobs = tuple[tuple[int, float], ...]  # one step's most likely (token id, logprob), best first
+
 
 @dataclass
 class RequestOutput:
@@ -21,6 +23,7 @@ class RequestOutput:
     num_output_tokens: int  # total so far
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per new token, when asked
     scheduled_at: float | None = None  # time.time() when the engine first scheduled (or imported) it
 
 
@@ -35,6 +38,7 @@ class CompletionOutput:
     finish_reason: FinishReason | None
     num_cached_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,12 @@ Plain data: importing this module loads no torch (a router unpickles these)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.kv import Confirmation, Handshake, KVHandoff
-from splitserve.wire.outputs import EngineStats
+from splitserve.wire.outputs import EngineStats, TopLogprobs
 from splitserve.wire.prefix import PrefixUpdate
 from splitserve.wire.sampling import FinishReason, SamplingParams
 from splitserve.wire.tp import TPInit
@@ -70,6 +70,7 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     handoff: KVHandoff | None  # None when finish_reason is set
     scheduled_at: float | None = None  # time.time() when its engine began the prompt (queue time ends)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

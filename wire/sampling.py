@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from splitserve.wire.errors import InvalidRequest
 
 DEFAULT_MAX_TOKENS = 16  # a request that does not say how many tokens gets these
+MAX_TOP_LOGPROBS = 20  # as OpenAI (and vLLM's default max_logprobs)
 
 
 class FinishReason(str, enum.Enum):
@@ -29,7 +30,19 @@ class SamplingParams:
     for the n-th generated token depends only on ``(seed, n)``, not on which other
     requests share the batch, nor on which worker (prefill or decode) samples it.
     ``logprobs`` asks for the log-probability of each chosen token under the
-    model's unmodified distribution (before temperature, top-k and top-p).
+    model's unmodified distribution (before any processing below), and
+    ``top_logprobs`` for that many most likely tokens' at each step as well.
+
+    Before a token is picked (greedy rows too), per row and in this order:
+    ``allowed_token_ids`` (every other token is masked), ``min_tokens`` (EOS and
+    ``stop_token_ids`` masked until that many tokens were generated, unless
+    ``ignore_eos``), ``logit_bias`` (added), ``repetition_penalty`` (over prompt and
+    output tokens: a positive logit divided by it, a negative one multiplied, as
+    vLLM and transformers), ``frequency_penalty`` / ``presence_penalty`` (over
+    output tokens: minus count x frequency, minus presence if present, as OpenAI).
+    Then sampled rows: temperature, top-k, top-p, ``min_p`` (tokens below ``min_p``
+    x the top token's probability dropped). Every input of these is in the
+    sequence's tokens, so they hold across a handoff and a failover unchanged.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -41,12 +54,40 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: also this many most likely tokens at each step
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        # Accept lists from callers but keep the dataclass hashable and immutable.
+        # Accept lists and dicts from callers but keep the dataclass hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in bias)))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self.validate()
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything but temperature, top-k and top-p changes this row's logits."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.logit_bias
+            or self.min_tokens
+            or self.allowed_token_ids is not None
+        )
+
+    def token_ids_named(self) -> list[int]:
+        """Every token id these parameters name (checked against the vocabulary)."""
+        return [*self.stop_token_ids, *(t for t, _ in self.logit_bias), *(self.allowed_token_ids or ())]
 
     @property
     def greedy(self) -> bool:
@@ -68,3 +109,25 @@ class SamplingParams:
             raise InvalidRequest("stop strings must be non-empty strings")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be non-negative integers")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not (0.0 < self.repetition_penalty <= 100.0):
+            raise InvalidRequest(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {value!r}")
+        if any(t < 0 or not (-100.0 <= b <= 100.0) for t, b in self.logit_bias):
+            raise InvalidRequest("logit_bias maps token ids (>= 0) to values in [-100, 100]")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequest(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise InvalidRequest("allowed_token_ids must be a non-empty list of token ids")

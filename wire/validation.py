@@ -26,6 +26,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_text(self, token_id: int) -> str: ...
+
 
 @dataclass
 class RequestValidator:
@@ -90,6 +92,13 @@ class RequestValidator:
             raise InvalidRequest(f"the prompt has {n} tokens, more than this engine's KV cache holds")
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer, and this engine has none")
+        if params.min_tokens > params.max_tokens:
+            raise InvalidRequest(
+                f"min_tokens ({params.min_tokens}) is more than max_tokens ({params.max_tokens})"
+            )
+        outside = sorted({t for t in params.token_ids_named() if t >= self.vocab_size})
+        if outside:
+            raise InvalidRequest(f"token ids {outside[:5]} are not in the vocabulary [0, {self.vocab_size})")
 
     def encode(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None) -> list[int]:
         """Token ids of a raw prompt, token ids, or chat ``messages`` (exactly one)."""
@@ -117,6 +126,10 @@ class RequestValidator:
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
             raise InvalidRequest(f"token ids must be integers in [0, {self.vocab_size})")
         return self._require_tokenizer().decode(token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, as logprobs name it (``token_id:ID`` without a tokenizer)."""
+        return self.tokenizer.token_text(token_id) if self.tokenizer is not None else f"token_id:{token_id}"
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

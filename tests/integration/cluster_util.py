@@ -52,13 +52,25 @@ def live_cluster(config: ClusterConfig) -> Iterator[BackgroundCluster]:
 
 
 def mixed_workload(n: int = 32, seed: int = 7) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Prompts of 3..300 tokens and outputs of 1..40 tokens, some ending at a stop token."""
+    """Prompts of 3..300 tokens and outputs of 1..40 tokens, some ending at a stop token,
+    every third with penalties, a logit bias and min_tokens (greedy all: the tokens
+    depend on the request's own history only, which the handoff must carry whole)."""
     lengths = [3 + (i * 97) % 298 for i in range(n)]
     prompts = random_prompts(lengths, VOCAB, seed=seed)
     params = []
     for i in range(n):
         stop = (7, 11) if i % 4 == 0 else ()  # some requests may end early, by a stop token
-        params.append(SamplingParams(max_tokens=1 + (i * 13) % 40, stop_token_ids=stop))
+        max_tokens = 1 + (i * 13) % 40
+        processing = {}
+        if i % 3 == 2:
+            processing = dict(
+                repetition_penalty=1.4,
+                frequency_penalty=0.5,
+                presence_penalty=0.3,
+                logit_bias={5: 2.0, 9: -1.0},
+                min_tokens=min(3, max_tokens),
+            )
+        params.append(SamplingParams(max_tokens=max_tokens, stop_token_ids=stop, **processing))
     return prompts, params
 
 
@@ -89,6 +101,11 @@ def _options(p: SamplingParams) -> dict:
         temperature=p.temperature,
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+        logit_bias=dict(p.logit_bias),
+        min_tokens=p.min_tokens,
     )
 
 

@@ -185,7 +185,34 @@ def test_the_decider_prefills_a_prefix_the_decode_worker_holds_there(cluster, re
     assert shown[new_decision[0].value, new_decision[1].value] == d.decider.counts[new_decision]
 
 
-def test_openai_http_endpoint_with_the_official_client(cluster, client):
+def _check_logprobs(api, model: str, prompt: list[int], checkpoint: str) -> None:
+    """Completions' ``logprobs: 5``: the chosen tokens' and the top-5's equal
+    transformers' log_softmax of the float32 model within 1e-4 (the tiny model has no
+    tokenizer: tokens are named ``token_id:ID``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = api.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=5, extra_body={"ignore_eos": True}
+    )
+    lp = out.choices[0].logprobs
+    generated = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    assert len(generated) == 6 and len(lp.top_logprobs) == 6
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    for i, token in enumerate(generated):
+        assert abs(lp.token_logprobs[i] - ref[i, token].item()) < 1e-4
+        best = ref[i].topk(5)
+        top = {int(k.removeprefix("token_id:")): v for k, v in lp.top_logprobs[i].items()}
+        assert len(top) == 5 and token == best.indices[0].item()  # greedy: the most likely
+        for t, v in top.items():
+            assert abs(v - ref[i, t].item()) < 1e-4
+        assert sorted(top.values(), reverse=True) == pytest.approx(best.values.tolist(), abs=1e-4)
+
+
+def test_openai_http_endpoint_with_the_official_client(cluster, client, checkpoint):
     """The OpenAI-compatible endpoint, driven by the ``openai`` package itself."""
     openai = pytest.importorskip("openai")
     api = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0)
@@ -209,6 +236,7 @@ def test_openai_http_endpoint_with_the_official_client(cluster, client):
     )
     assert chunks[-1].usage.completion_tokens == 7
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    _check_logprobs(api, model.id, prompt, checkpoint)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         api.completions.create(model=model.id, prompt=prompt, max_tokens=5000)
     with pytest.raises(openai.BadRequestError, match="unknown model"):

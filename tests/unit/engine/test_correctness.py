@@ -87,3 +87,31 @@ def test_matches_hf_under_preemption(reference, backend, prefix_caching):
     assert preemptions > 0
     assert [states[i].seq.output_token_ids for i in ids] == expected
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_penalties_and_bias_match_hf_in_a_mixed_batch(tmp_path):
+    """Greedy with ``repetition_penalty`` and ``logit_bias`` equals transformers'
+    ``generate(repetition_penalty=, sequence_bias=)``, batched with plain greedy rows
+    and with prompts long enough to be prefilled in chunks."""
+    import torch
+
+    hf = make_hf_checkpoint("llama", tmp_path)
+    prompts = random_prompts([5, 40, 70, 12], 512, seed=4)
+    engine = make_engine(tmp_path, "native")
+    penalized = SamplingParams(
+        max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.8, logit_bias={7: 4.0}
+    )
+    params = [penalized, PARAMS, penalized, PARAMS]
+    got = [c.token_ids for c in engine.generate(prompts, params)]
+    for prompt, p, out in zip(prompts, params, got):
+        extra = {}
+        if p is penalized:
+            extra = dict(repetition_penalty=1.8, sequence_bias={(7,): 4.0})
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            ref = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                eos_token_id=None, pad_token_id=0, **extra,
+            )  # fmt: skip
+        assert out == ref[0, len(prompt) :].tolist()
+    assert got[0] != [c.token_ids for c in engine.generate(prompts[:1], [PARAMS])][0]  # it changed something

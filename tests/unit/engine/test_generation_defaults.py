@@ -18,7 +18,7 @@ from splitserve.router.openai_http import ChatRequest
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.service import generate_input
 from splitserve.wire.config import EngineConfig
-from splitserve.wire.defaults import SERVER_DEFAULTS, GenerationDefaults
+from splitserve.wire.defaults import DEFAULTED, SERVER_DEFAULTS, GenerationDefaults
 from splitserve.wire.errors import ModelLoadError
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint
@@ -53,12 +53,14 @@ def test_a_default_out_of_range_is_refused_at_load(tmp_path):
 
 
 def test_both_front_doors_report_which_fields_were_left_unset():
-    req = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=0.0, max_tokens=4))
-    assert generate_input(req, None).unset == {"top_p", "top_k"}
-    body = ChatRequest(messages=[{"role": "user", "content": "hi"}], top_k=3)
-    assert body.unset() == {"temperature", "top_p", "max_tokens"}
-    bare = pb.GenerateRequest(prompt="hi")
-    assert generate_input(bare, None).unset == {"temperature", "top_p", "top_k", "max_tokens"}
+    assert set(DEFAULTED) == {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+    req = pb.GenerateRequest(
+        prompt="hi", sampling=pb.SamplingParams(temperature=0.0, max_tokens=4, min_p=0.1)
+    )
+    assert generate_input(req, None).unset == {"top_p", "top_k", "repetition_penalty"}
+    body = ChatRequest(messages=[{"role": "user", "content": "hi"}], top_k=3, repetition_penalty=1.1)
+    assert body.unset() == {"temperature", "top_p", "max_tokens", "min_p"}
+    assert generate_input(pb.GenerateRequest(prompt="hi"), None).unset == set(DEFAULTED)
 
 
 def test_the_router_applies_the_models_defaults_to_unset_fields_only():

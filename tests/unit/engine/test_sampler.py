@@ -87,3 +87,138 @@ def test_logprobs_are_of_the_raw_distribution():
 def test_bad_sampling_params_raise_invalid_request(kwargs):
     with pytest.raises(InvalidRequest):
         SamplingParams(**kwargs)
+
+
+# ---- logits processing, against transformers' own processors ---------------------------
+VOCAB = 64
+
+
+def _hf_processed(
+    logits: torch.Tensor, params: SamplingParams, token_ids: list[int], n_prompt: int, eos: int
+):
+    """One row processed by transformers' logits processors (and OpenAI's documented
+    formula for frequency / presence penalties, which transformers does not have)."""
+    from transformers import (
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    ids = torch.tensor([token_ids])
+    scores = logits.clone()[None]
+    if params.allowed_token_ids is not None:
+        allowed = torch.full_like(scores, float("-inf"))
+        allowed[0, list(params.allowed_token_ids)] = 0
+        scores = scores + allowed
+    if params.min_tokens:
+        held = [eos, *params.stop_token_ids]
+        scores = MinNewTokensLengthLogitsProcessor(n_prompt, params.min_tokens, held)(ids, scores)
+    if params.logit_bias:
+        scores = SequenceBiasLogitsProcessor({(t,): b for t, b in params.logit_bias})(ids, scores)
+    if params.repetition_penalty != 1.0:
+        scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, scores)
+    out = scores[0].clone()
+    for tok in set(token_ids[n_prompt:]):
+        count = token_ids[n_prompt:].count(tok)
+        out[tok] -= count * params.frequency_penalty + params.presence_penalty
+    return out
+
+
+MIXED = [
+    SamplingParams(repetition_penalty=1.7),
+    SamplingParams(repetition_penalty=0.6, temperature=0.8, seed=1),
+    SamplingParams(frequency_penalty=1.5, presence_penalty=-0.5),
+    SamplingParams(logit_bias={3: 5.0, 9: -100.0, 11: 2.5}),
+    SamplingParams(min_tokens=6, stop_token_ids=[4, 5]),
+    SamplingParams(min_tokens=2, stop_token_ids=[4]),  # already past its minimum
+    SamplingParams(allowed_token_ids=[1, 7, 8, 30]),
+    SamplingParams(),  # nothing to process: left as it is
+    SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={0: 1.0}, min_tokens=9),
+]
+
+
+def test_processing_equals_transformers_per_row_in_a_mixed_batch():
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(len(MIXED), VOCAB, generator=gen) * 3
+    eos = 2
+    histories = [torch.randint(0, VOCAB, (12 + i,), generator=gen).tolist() for i in range(len(MIXED))]
+    rows = [SampleRequest(p, len(h) - 8, h, 8) for p, h in zip(MIXED, histories)]
+    got = Sampler(eos_token_ids=[eos]).process(logits.clone(), rows)
+    for i, (p, h) in enumerate(zip(MIXED, histories)):
+        want = _hf_processed(logits[i], p, h, 8, eos)
+        assert torch.allclose(got[i], want, atol=1e-6), (i, p)
+    assert torch.equal(got[7], logits[7])
+
+
+def test_greedy_rows_pick_the_argmax_of_their_processed_logits():
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(1, VOCAB, generator=gen).repeat(3, 1)
+    top = int(logits[0].argmax())
+    history = [top] * 5
+    params = [
+        SamplingParams(repetition_penalty=50.0),
+        SamplingParams(logit_bias={top: -100.0}),
+        SamplingParams(),
+    ]
+    rows = [SampleRequest(p, 3, history, 2) for p in params]
+    out = Sampler()(logits, rows)
+    assert out.token_ids[0] != top and out.token_ids[1] != top and out.token_ids[2] == top
+    only = Sampler()(logits, [SampleRequest(SamplingParams(allowed_token_ids=[5, 6]), 0, [1], 1)])
+    assert only.token_ids[0] == 5 + int(logits[0, 6] > logits[0, 5])
+
+
+def test_min_p_keeps_only_tokens_near_the_top():
+    logits = torch.tensor([[4.0, 3.9, 0.0, -1.0, 3.0]])
+    p = SamplingParams(temperature=1.0, min_p=0.5)
+    draws = {Sampler(seed=s)(logits, [SampleRequest(p, 0)]).token_ids[0] for s in range(200)}
+    assert draws == {0, 1}  # e^3 / e^4 = 0.37 < 0.5: token 4 is dropped, as transformers' MinPLogitsWarper
+
+
+def test_min_p_equals_transformers_warper():
+    from transformers import MinPLogitsWarper
+
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(9)) * 2
+    kept_hf = torch.isfinite(MinPLogitsWarper(0.2)(None, logits.clone()))[0]
+    p = SamplingParams(temperature=1.0, min_p=0.2)
+    draws = {Sampler(seed=s)(logits, [SampleRequest(p, 0)]).token_ids[0] for s in range(400)}
+    assert draws <= set(kept_hf.nonzero().flatten().tolist()) and len(draws) > 1
+
+
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        (dict(min_p=1.5), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(frequency_penalty=3.0), "frequency_penalty"),
+        (dict(presence_penalty=-2.5), "presence_penalty"),
+        (dict(logit_bias={1: 200.0}), "logit_bias"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    ],
+)
+def test_out_of_range_processing_parameters_are_refused(bad, needle):
+    with pytest.raises(InvalidRequest, match=needle):
+        SamplingParams(**bad)
+
+
+def test_top_logprobs_are_the_raw_distributions_best():
+    """Per row: the chosen token's logprob and the N best of the unprocessed distribution,
+    whatever the row's own processing and sampling (and None for rows that ask nothing)."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(10))
+    params = [
+        SamplingParams(logprobs=True, top_logprobs=5, repetition_penalty=2.0),
+        SamplingParams(logprobs=True, top_logprobs=2, temperature=1.0, seed=3),
+        SamplingParams(),
+    ]
+    out = Sampler()(logits, [SampleRequest(p, 0, [1, 2], 2) for p in params])
+    ref = torch.log_softmax(logits, dim=-1)
+    for i, n in ((0, 5), (1, 2)):
+        best = ref[i].topk(n)
+        assert [t for t, _ in out.top_logprobs[i]] == best.indices.tolist()
+        assert [v for _, v in out.top_logprobs[i]] == pytest.approx(best.values.tolist(), abs=1e-6)
+        assert out.logprobs[i] == pytest.approx(ref[i, out.token_ids[i]].item(), abs=1e-6)
+    assert out.top_logprobs[2] is None and out.logprobs[2] is None
+    with pytest.raises(InvalidRequest, match="top_logprobs needs logprobs"):
+        SamplingParams(top_logprobs=3)
+    with pytest.raises(InvalidRequest, match="top_logprobs"):
+        SamplingParams(logprobs=True, top_logprobs=21)

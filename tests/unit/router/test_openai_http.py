@@ -15,7 +15,9 @@ import urllib.request
 
 import pytest
 
+import tests.unit.engine.test_correctness as correctness_tests
 import tests.unit.engine.test_generation_defaults as defaults_tests
+import tests.unit.engine.test_sampler as sampler_tests
 import tests.unit.router.test_fuzz_front_doors as fuzz_tests
 import tests.unit.router.test_server as server_tests
 from splitserve.router import api_schema
@@ -23,6 +25,7 @@ from splitserve.router.api_schema import Endpoint, Status
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.openai_http import ChatRequest, CompletionRequest, OpenAIServer
+from splitserve.router.openai_logprobs import LogprobsWriter
 from splitserve.router.registry import WorkerRegistry
 from splitserve.wire.sampling import SamplingParams
 from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill
@@ -102,7 +105,7 @@ def test_each_front_door_model_reads_exactly_the_honoured_fields(cls):
 @pytest.mark.parametrize("endpoint", list(Endpoint))
 def test_every_refused_field_is_a_400_naming_it_and_its_neutral_values_pass(door, endpoint):
     refused = [f for f in api_schema.fields_of(endpoint).values() if f.status is Status.REFUSED]
-    assert len(refused) > 30
+    assert len(refused) > 20
     for f in refused:
         status, payload = door.request(PATH[endpoint], BASE[endpoint] | {f.name: {"not": "neutral"}})
         assert status == 400 and f"`{f.name}`" in payload["error"]["message"], (f.name, status, payload)
@@ -151,6 +154,13 @@ def test_honoured_fields_reach_the_workers_as_sent(door):
         "ignore_eos": True,
         "request_id": "mine-1",
         "model": "tiny",
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "frequency_penalty": 0.5,
+        "presence_penalty": -0.5,
+        "logit_bias": {"12": 3.0, "7": -100},
+        "min_tokens": 4,
+        "allowed_token_ids": [1, 2, 3],
     }
     status, payload = door.request("/v1/completions", body)
     assert status == 200 and payload["id"] == "mine-1"
@@ -158,6 +168,8 @@ def test_honoured_fields_reach_the_workers_as_sent(door):
     p = task.params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (9, 0.25, 0.5, 7, 11)
     assert (p.stop_token_ids, p.ignore_eos) == ((3, 4), True)
+    assert (p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (0.1, 1.2, 0.5, -0.5)
+    assert (p.logit_bias, p.min_tokens, p.allowed_token_ids) == (((7, -100.0), (12, 3.0)), 4, (1, 2, 3))
     assert payload["usage"]["completion_tokens"] == 9
     status, payload = door.request("/v1/completions", body | {"model": "other"})
     assert status == 400 and "unknown model" in payload["error"]["message"]
@@ -263,6 +275,17 @@ HONOURED_BY = {
     "top_p": [None, "test_honoured_fields_reach_the_workers_as_sent"],
     "top_k": [None, "test_honoured_fields_reach_the_workers_as_sent"],
     "seed": [None, "test_honoured_fields_reach_the_workers_as_sent"],
+    # what the engine then does with each: tests/unit/engine/test_sampler.py (against transformers'
+    # processors) and test_correctness.py (against transformers' generate)
+    "min_p": [sampler_tests, "test_min_p_equals_transformers_warper"],
+    "repetition_penalty": [correctness_tests, "test_penalties_and_bias_match_hf_in_a_mixed_batch"],
+    "frequency_penalty": [sampler_tests, "test_processing_equals_transformers_per_row_in_a_mixed_batch"],
+    "presence_penalty": [sampler_tests, "test_processing_equals_transformers_per_row_in_a_mixed_batch"],
+    "logit_bias": [correctness_tests, "test_penalties_and_bias_match_hf_in_a_mixed_batch"],
+    "min_tokens": [sampler_tests, "test_processing_equals_transformers_per_row_in_a_mixed_batch"],
+    "allowed_token_ids": [sampler_tests, "test_greedy_rows_pick_the_argmax_of_their_processed_logits"],
+    "logprobs": [sampler_tests, "test_top_logprobs_are_the_raw_distributions_best"],
+    "top_logprobs": [None, "test_logprobs_take_openais_shapes"],
 }
 
 
@@ -284,3 +307,39 @@ def test_every_honoured_field_names_a_test_that_exists():
     for module, name in HONOURED_BY.values():
         assert callable(getattr(module or this, name)), name
     assert {f.name for f in api_schema.FIELDS} <= set(fuzz_tests.FIELD_NAMES)  # the fuzz test covers them
+
+
+def test_logprobs_take_openais_shapes(door):
+    """(The values, against transformers: ``test_cluster_serving``'s OpenAI test.)"""
+    chat = LogprobsWriter(True, lambda t: f"<{t}>")
+    got = chat.write([5, 6], [-0.5, -1.0], [((5, -0.5), (9, -2.0)), ((6, -1.0), (5, -3.0))])
+    assert got["content"][0] == {
+        "token": "<5>",
+        "logprob": -0.5,
+        "bytes": list(b"<5>"),
+        "top_logprobs": [
+            {"token": "<5>", "logprob": -0.5, "bytes": list(b"<5>")},
+            {"token": "<9>", "logprob": -2.0, "bytes": list(b"<9>")},
+        ],
+    }
+    completion = LogprobsWriter(False, lambda t: "ab" if t == 5 else "c")
+    first = completion.write([5], [-0.5], [((5, -0.5), (6, -0.7))])
+    second = completion.write([6], [-0.7], [((6, -0.7), (5, -0.9))])
+    assert first == {
+        "tokens": ["ab"],
+        "token_logprobs": [-0.5],
+        "top_logprobs": [{"ab": -0.5, "c": -0.7}],
+        "text_offset": [0],
+    }
+    assert second["text_offset"] == [2]  # continues across a stream's chunks
+    # through the door: the fakes' tokens, named by id (their validator has no tokenizer)
+    status, payload = door.request("/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "logprobs": 2})
+    lp = payload["choices"][0]["logprobs"]
+    assert status == 200 and len(lp["tokens"]) == 3 and lp["tokens"][0].startswith("token_id:")
+    status, payload = door.request("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "logprobs": 21})
+    assert status == 400 and "top_logprobs" in payload["error"]["message"]
+    status, raw = door.request(
+        "/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "logprobs": 0, "stream": True}
+    )
+    chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"][0]["logprobs"]) == 3

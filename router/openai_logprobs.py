@@ -1,0 +1,56 @@
+"""OpenAI's ``logprobs`` object of a choice, from the tokens a request produced.
+
+Chat (``logprobs: true``, ``top_logprobs: N``)::
+
+    {"content": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105],
+                  "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}, ...]}]}
+
+Completions (``logprobs: N``: the chosen token's and the N most likely)::
+
+    {"tokens": ["Hi"], "token_logprobs": [-0.1], "top_logprobs": [{"Hi": -0.1, ...}], "text_offset": [0]}
+
+A token's text is the tokenizer's for it alone; without a tokenizer it is
+``token_id:ID`` (vLLM's ``return_tokens_as_token_ids`` form). Logprobs are of
+the model's unmodified distribution (``engine.sampler``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from splitserve.wire.outputs import TopLogprobs
+
+
+class LogprobsWriter:
+    """Builds one choice's ``logprobs`` from its tokens, in order (a stream's chunks
+    one after another: completions' ``text_offset`` continues across them)."""
+
+    def __init__(self, chat: bool, token_text: Callable[[int], str]):
+        self.chat = chat
+        self.token_text = token_text
+        self.offset = 0  # characters of completion text before the next token
+
+    def write(self, token_ids: list[int], logprobs: list[float], top: list[TopLogprobs]) -> dict[str, Any]:
+        tops = top if top else [()] * len(token_ids)
+        if self.chat:
+            content = [
+                self._entry(t, lp) | {"top_logprobs": [self._entry(u, v) for u, v in best]}
+                for t, lp, best in zip(token_ids, logprobs, tops)
+            ]
+            return {"content": content}
+        texts = [self.token_text(t) for t in token_ids]
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": list(logprobs),
+            "top_logprobs": [{self.token_text(u): v for u, v in best} for best in tops] if top else None,
+            "text_offset": offsets,
+        }
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
