@@ -113,10 +113,17 @@ def build_request(
     min_tokens: int | None = None,
     allowed_token_ids: list[int] | None = None,
     top_logprobs: int | None = None,
+    include_stop_str_in_output: bool = False,
+    skip_special_tokens: bool = True,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest``; an option left None is left unset (the server's default)."""
     sp = pb.SamplingParams(
-        stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos, logprobs=logprobs
+        stop=stop or [],
+        stop_token_ids=stop_token_ids or [],
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+        include_stop_str_in_output=include_stop_str_in_output,
+        keep_special_tokens=not skip_special_tokens,
     )
     for name, value in (
         ("max_tokens", max_tokens),

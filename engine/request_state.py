@@ -14,9 +14,13 @@ class RequestState:
 
     def __init__(self, seq: Sequence, tokenizer: Tokenizer | None, num_emitted: int):
         self.seq = seq
-        self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids, num_emitted) if tokenizer else None
+        skip = seq.params.skip_special_tokens
+        self.detok = (
+            IncrementalDetokenizer(tokenizer, seq.token_ids, num_emitted, skip) if tokenizer else None
+        )
         # Text of tokens emitted before this engine saw the request (context for stop strings).
-        self.text = tokenizer.decode(seq.token_ids[seq.num_prompt_tokens : num_emitted]) if tokenizer else ""
+        done = seq.token_ids[seq.num_prompt_tokens : num_emitted]
+        self.text = tokenizer.decode(done, skip) if tokenizer else ""
         self.emitted_chars = len(self.text)
         stops = seq.params.stop
         self.holdback = max((len(s) for s in stops), default=1) - 1
@@ -34,9 +38,10 @@ class RequestState:
             self.text += self.detok.step(seq.token_ids)
             if params.stop:
                 start = max(0, before - self.holdback)
-                hits = [i for i in (self.text.find(s, start) for s in params.stop) if i >= 0]
+                hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in params.stop) if i >= 0]
                 if hits:
-                    self.text = self.text[: min(hits)]
+                    at, stop = min(hits)
+                    self.text = self.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
                     return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
             return FinishReason.LENGTH

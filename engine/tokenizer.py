@@ -40,8 +40,8 @@ class Tokenizer:
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
         return list(ids)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (special tokens included, as logprobs show them)."""
@@ -58,13 +58,18 @@ class IncrementalDetokenizer:
 
     WINDOW = 5
 
-    def __init__(self, tokenizer: Tokenizer, token_ids: list[int], num_emitted: int):
+    def __init__(
+        self, tokenizer: Tokenizer, token_ids: list[int], num_emitted: int, skip_special_tokens: bool = True
+    ):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.read_offset = num_emitted
         self.prefix_offset = max(0, num_emitted - self.WINDOW)
 
     def step(self, token_ids: list[int]) -> str:
-        decode = self.tokenizer.decode
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, self.skip_special_tokens)
+
         prefix = decode(token_ids[self.prefix_offset : self.read_offset])
         full = decode(token_ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

@@ -73,6 +73,8 @@ class _Request(BaseModel):
     logit_bias: dict[int, float] | None = None  # JSON keys are strings; pydantic reads them as ints
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -106,6 +108,8 @@ class _Request(BaseModel):
             logit_bias=self.logit_bias or {},
             min_tokens=self.min_tokens,
             allowed_token_ids=self.allowed_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             logprobs=self.requested_logprobs()[0],
             top_logprobs=self.requested_logprobs()[1],
         )

@@ -41,6 +41,8 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs,
         top_logprobs=sp.top_logprobs,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+        skip_special_tokens=not sp.keep_special_tokens,
         frequency_penalty=sp.frequency_penalty,
         presence_penalty=sp.presence_penalty,
         logit_bias=dict(sp.logit_bias),

@@ -112,6 +112,25 @@ def test_stop_string_truncates_and_is_never_streamed(engines):
 
 
 @pytest.mark.slow
+def test_include_stop_str_in_output_keeps_the_stop_string(engines):
+    engine = engines["prefix"]
+    free, _, _ = stream(engine, "What is the capital of France?", SamplingParams(max_tokens=30))
+    params = SamplingParams(max_tokens=30, stop=["Paris"], include_stop_str_in_output=True)
+    text, _, reason = stream(engine, "What is the capital of France?", params)
+    assert reason == FinishReason.STOP and text == free[: free.index("Paris") + len("Paris")]
+
+
+@pytest.mark.slow
+def test_special_tokens_stay_in_the_text_when_asked(engines):
+    engine = engines["prefix"]
+    plain, tokens, reason = stream(engine, "Hi", SamplingParams(max_tokens=80))
+    assert reason == FinishReason.STOP  # ended at the EOS token, a special token
+    kept, same, _ = stream(engine, "Hi", SamplingParams(max_tokens=80, skip_special_tokens=False))
+    eos = engine.tokenizer.hf.convert_ids_to_tokens(tokens[-1])
+    assert same == tokens and kept == plain + eos and eos.startswith("<|")
+
+
+@pytest.mark.slow
 def test_ignore_eos_runs_to_max_tokens(engines):
     engine = engines["prefix"]
     _, natural, reason = stream(engine, "Hi", SamplingParams(max_tokens=80))

@@ -18,6 +18,7 @@ import pytest
 import tests.unit.engine.test_correctness as correctness_tests
 import tests.unit.engine.test_generation_defaults as defaults_tests
 import tests.unit.engine.test_sampler as sampler_tests
+import tests.unit.engine.test_smollm2 as smollm2_tests
 import tests.unit.router.test_fuzz_front_doors as fuzz_tests
 import tests.unit.router.test_server as server_tests
 from splitserve.router import api_schema
@@ -161,6 +162,8 @@ def test_honoured_fields_reach_the_workers_as_sent(door):
         "logit_bias": {"12": 3.0, "7": -100},
         "min_tokens": 4,
         "allowed_token_ids": [1, 2, 3],
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
     }
     status, payload = door.request("/v1/completions", body)
     assert status == 200 and payload["id"] == "mine-1"
@@ -170,6 +173,7 @@ def test_honoured_fields_reach_the_workers_as_sent(door):
     assert (p.stop_token_ids, p.ignore_eos) == ((3, 4), True)
     assert (p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (0.1, 1.2, 0.5, -0.5)
     assert (p.logit_bias, p.min_tokens, p.allowed_token_ids) == (((7, -100.0), (12, 3.0)), 4, (1, 2, 3))
+    assert (p.include_stop_str_in_output, p.skip_special_tokens) == (True, False)
     assert payload["usage"]["completion_tokens"] == 9
     status, payload = door.request("/v1/completions", body | {"model": "other"})
     assert status == 400 and "unknown model" in payload["error"]["message"]
@@ -286,6 +290,8 @@ HONOURED_BY = {
     "allowed_token_ids": [sampler_tests, "test_greedy_rows_pick_the_argmax_of_their_processed_logits"],
     "logprobs": [sampler_tests, "test_top_logprobs_are_the_raw_distributions_best"],
     "top_logprobs": [None, "test_logprobs_take_openais_shapes"],
+    "include_stop_str_in_output": [smollm2_tests, "test_include_stop_str_in_output_keeps_the_stop_string"],
+    "skip_special_tokens": [smollm2_tests, "test_special_tokens_stay_in_the_text_when_asked"],
 }
 
 
