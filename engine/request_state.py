@@ -29,9 +29,10 @@ class RequestState:
         """Account for the token just appended; return why the request ends, if it does."""
         seq, params = self.seq, self.seq.params
         token = seq.token_ids[-1]
-        if not params.ignore_eos and token in eos_token_ids:
-            return FinishReason.STOP
-        if token in params.stop_token_ids:
+        if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
+            # the stop token's own text only when asked (vLLM's include_stop_str_in_output)
+            if params.include_stop_str_in_output and self.detok is not None:
+                self.text += self.detok.step(seq.token_ids)
             return FinishReason.STOP
         if self.detok is not None:
             before = len(self.text)

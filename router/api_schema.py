@@ -127,7 +127,12 @@ FIELDS: tuple[ApiField, ...] = (
     _h("min_tokens", BOTH, "EOS and `stop_token_ids` held back until this many tokens", "vLLM"),
     _r("bad_words", BOTH, _NOT_YET, ([],), "vLLM"),
     _h("allowed_token_ids", BOTH, "every other token is masked", "vLLM"),
-    _h("include_stop_str_in_output", BOTH, "the stop string that ended the output stays in its text", "vLLM"),
+    _h(
+        "include_stop_str_in_output",
+        BOTH,
+        "the stop string (or stop token) that ended the output stays in its text",
+        "vLLM",
+    ),
     _h("skip_special_tokens", BOTH, "false: special tokens' text is kept in the output text", "vLLM"),
     _r(
         "spaces_between_special_tokens",

@@ -62,7 +62,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] | None = None
-    include_stop_str_in_output: bool = False  # the stop string that ended the output stays in its text
+    include_stop_str_in_output: bool = (
+        False  # the stop string (or token) that ended the output stays in its text
+    )
     skip_special_tokens: bool = True  # special tokens' text left out of the output text
 
     def __post_init__(self) -> None:

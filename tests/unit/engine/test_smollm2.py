@@ -122,12 +122,18 @@ def test_include_stop_str_in_output_keeps_the_stop_string(engines):
 
 @pytest.mark.slow
 def test_special_tokens_stay_in_the_text_when_asked(engines):
+    """The EOS token that ended the output is in its text only with
+    include_stop_str_in_output, and then only its special-token text with
+    skip_special_tokens false (as vLLM)."""
     engine = engines["prefix"]
     plain, tokens, reason = stream(engine, "Hi", SamplingParams(max_tokens=80))
     assert reason == FinishReason.STOP  # ended at the EOS token, a special token
-    kept, same, _ = stream(engine, "Hi", SamplingParams(max_tokens=80, skip_special_tokens=False))
     eos = engine.tokenizer.hf.convert_ids_to_tokens(tokens[-1])
-    assert same == tokens and kept == plain + eos and eos.startswith("<|")
+    assert eos.startswith("<|") and eos not in plain
+    for skip, include, want in ((False, False, plain), (True, True, plain), (False, True, plain + eos)):
+        params = SamplingParams(max_tokens=80, skip_special_tokens=skip, include_stop_str_in_output=include)
+        text, same, _ = stream(engine, "Hi", params)
+        assert same == tokens and text == want, (skip, include)
 
 
 @pytest.mark.slow
