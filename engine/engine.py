@@ -120,7 +120,7 @@ class Engine:
         done = list(output_token_ids or ())
         if len(done) >= params.max_tokens:
             raise InvalidRequest(f"{len(done)} tokens already generated; max_tokens is {params.max_tokens}")
-        seq = Sequence(request_id, prompt_ids, params, prefill_only=prefill_only)
+        seq = self._sequence(request_id, prompt_ids, params, prefill_only)
         for t in done:
             seq.append_token(t)
         self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
@@ -308,7 +308,7 @@ class Engine:
         and then comes with ``activate``."""
         request_id = self._new_id(request_id)
         prompt_ids = self.validate_request(list(prompt_token_ids), params)
-        seq = Sequence(request_id, prompt_ids, params)
+        seq = self._sequence(request_id, prompt_ids, params)
         if not self.block_manager.can_allocate(seq, len(prompt_ids)):
             raise Overloaded(f"not enough free KV blocks for {len(prompt_ids)} tokens")
         self.block_manager.allocate(seq, len(prompt_ids))
@@ -334,6 +334,16 @@ class Engine:
             raise InvalidRequest("an imported request needs its first sampled token")
         self.block_manager.commit_computed(state.seq)
         self.scheduler.add_running(state.seq)
+
+    def _sequence(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False
+    ) -> Sequence:
+        """A new sequence, with its structured-output grammar when it asks for one (the
+        tokens appended to it from here on advance the grammar)."""
+        seq = Sequence(request_id, prompt_ids, params, prefill_only=prefill_only)
+        if params.structured is not None:
+            seq.grammar = self.validator.grammar(params.structured)
+        return seq
 
     def _new_id(self, request_id: str | None) -> str:
         if request_id is None:

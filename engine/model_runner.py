@@ -88,7 +88,9 @@ class ModelRunner:
             if s.samples:
                 inputs.last_index.append(len(inputs.input_ids) - 1)
                 rows.append(
-                    SampleRequest(seq.params, seq.num_output_tokens, seq.token_ids, seq.num_prompt_tokens)
+                    SampleRequest(
+                        seq.params, seq.num_output_tokens, seq.token_ids, seq.num_prompt_tokens, seq.grammar
+                    )
                 )
         graphs = self.graphs
         if (

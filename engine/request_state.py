@@ -44,6 +44,8 @@ class RequestState:
                     at, stop = min(hits)
                     self.text = self.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
                     return FinishReason.STOP
+        if seq.grammar is not None and seq.grammar.done:  # the structured output is complete
+            return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None

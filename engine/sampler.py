@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.structured import Grammar
 from splitserve.wire.outputs import TopLogprobs
 from splitserve.wire.sampling import SamplingParams
 
@@ -30,6 +31,7 @@ class SampleRequest:
     output_index: int  # how many tokens this sequence has generated before this one
     token_ids: list[int] | None = None  # prompt then output tokens so far (needed when processing)
     num_prompt_tokens: int = 0
+    grammar: Grammar | None = None  # structured output: what it allows next
 
 
 @dataclass
@@ -89,6 +91,8 @@ class Sampler:
             if not p.processes_logits:
                 continue
             row = logits[i]
+            if r.grammar is not None:
+                r.grammar.mask(row)
             if p.allowed_token_ids is not None:
                 keep = torch.full_like(row, float("-inf"))
                 keep[list(p.allowed_token_ids)] = 0.0

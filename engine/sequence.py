@@ -21,9 +21,13 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from splitserve.wire.outputs import TopLogprobs
 from splitserve.wire.sampling import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from splitserve.engine.structured import Grammar
 
 
 class SequenceStatus(enum.Enum):
@@ -56,6 +60,8 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] = []
         self.top_logprobs: list[TopLogprobs] = []
+        # structured output: the grammar, advanced by every token appended (set by the engine)
+        self.grammar: Grammar | None = None
         self.num_preemptions = 0
         self.scheduled_at: float | None = None  # time.time() when first scheduled (or imported)
 
@@ -88,6 +94,8 @@ class Sequence:
         self, token_id: int, logprob: float | None = None, top: TopLogprobs | None = None
     ) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
         if top is not None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from splitserve.wire.errors import InvalidRequest
+from splitserve.wire.sampling import StructuredOutput
+
+if TYPE_CHECKING:
+    from splitserve.engine.structured import Grammar, GrammarCompiler
 
 
 class Tokenizer:
@@ -12,6 +16,19 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer: Any):
         self.hf = hf_tokenizer
+        self._grammars: GrammarCompiler | None = None  # built on first use; not pickled
+
+    def __getstate__(self) -> dict:
+        return {"hf": self.hf, "_grammars": None}
+
+    def grammar(self, spec: StructuredOutput, output_token_ids: list[int] = ()) -> Grammar:
+        """A structured-output matcher for ``spec`` past ``output_token_ids``
+        (``engine.structured``); ``InvalidRequest`` for a spec it cannot use."""
+        if self._grammars is None:
+            from splitserve.engine.structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.hf)
+        return self._grammars.grammar(spec, output_token_ids)
 
     @classmethod
     def from_source(cls, directory: str, **kwargs: Any) -> Tokenizer:

@@ -156,8 +156,17 @@ FIELDS: tuple[ApiField, ...] = (
     _r("prediction", CHAT, "predicted outputs are not supported"),
     _r("verbosity", CHAT, "not supported"),
     # ---- structured output, tools, reasoning --------------------------------------------
-    _r("response_format", BOTH, _NOT_YET, ({"type": "text"},)),
-    _r("structured_outputs", BOTH, _NOT_YET, (), "vLLM"),
+    _h(
+        "response_format",
+        BOTH,
+        "`text`, `json_object` or `json_schema` (always strict): every token keeps the output valid",
+    ),
+    _h(
+        "structured_outputs",
+        BOTH,
+        "one of `json` (a schema), `regex`, `choice`, `grammar` (Lark), `json_object` (llguidance)",
+        "vLLM",
+    ),
     _r("guided_json", BOTH, "vLLM's older name; use `response_format`", (), "vLLM"),
     _r("guided_regex", BOTH, "vLLM's older name; use `structured_outputs`", (), "vLLM"),
     _r("guided_choice", BOTH, "vLLM's older name; use `structured_outputs`", (), "vLLM"),

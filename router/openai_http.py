@@ -26,10 +26,10 @@ import ssl
 import time
 import uuid
 from importlib.metadata import version
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from splitserve.router.api_schema import Endpoint, check, refusal
 from splitserve.router.auth import ApiKeys, http_auth_middleware
@@ -41,7 +41,7 @@ from splitserve.router.metrics_server import add_metrics_route
 from splitserve.router.openai_logprobs import LogprobsWriter
 from splitserve.wire.defaults import DEFAULTED, SAMPLING_FIELDS
 from splitserve.wire.errors import InvalidRequest
-from splitserve.wire.sampling import SamplingParams
+from splitserve.wire.sampling import SamplingParams, StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,71 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False  # a last chunk with the request's usage
     continuous_usage_stats: bool = False  # usage so far in every chunk
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = ""
+    description: str = ""
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of its forms."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _structured(fmt: ResponseFormat | None, outputs: StructuredOutputs | None) -> StructuredOutput | None:
+    """The request's structured output, from ``response_format`` or ``structured_outputs``."""
+    if fmt is not None and fmt.type != "text" and outputs is not None:
+        raise InvalidRequest("give response_format or structured_outputs, not both")
+    if fmt is not None and fmt.type == "json_object":
+        return StructuredOutput("json_schema", '{"type": "object"}')
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise InvalidRequest("response_format of type json_schema needs json_schema.schema")
+        return StructuredOutput("json_schema", json.dumps(fmt.json_schema.schema_))
+    if outputs is None:
+        return None
+    forms = {
+        "json": outputs.json_,
+        "regex": outputs.regex,
+        "choice": outputs.choice,
+        "grammar": outputs.grammar,
+        "json_object": outputs.json_object or None,
+    }
+    given = [k for k, v in forms.items() if v is not None]
+    if len(given) != 1:
+        raise InvalidRequest(
+            f"structured_outputs needs exactly one of {', '.join(forms)}; got {given or 'none'}"
+        )
+    (kind,) = given
+    if kind == "json":
+        spec = outputs.json_ if isinstance(outputs.json_, str) else json.dumps(outputs.json_)
+        return StructuredOutput("json_schema", spec)
+    if kind == "json_object":
+        return StructuredOutput("json_schema", '{"type": "object"}')
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(outputs.choice))
+    return StructuredOutput(kind, forms[kind])
 
 
 class _Request(BaseModel):
@@ -75,6 +140,8 @@ class _Request(BaseModel):
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -110,6 +177,7 @@ class _Request(BaseModel):
             allowed_token_ids=self.allowed_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured=_structured(self.response_format, self.structured_outputs),
             logprobs=self.requested_logprobs()[0],
             top_logprobs=self.requested_logprobs()[1],
         )

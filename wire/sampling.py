@@ -21,6 +21,24 @@ class FinishReason(str, enum.Enum):
     PREFILL_DONE = "prefill_done"  # prefill-only request produced its first token
 
 
+STRUCTURED_KINDS = ("json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """The form every output token must keep (``engine.structured``): a JSON schema
+    (JSON text), a regex, a choice (a JSON list of strings) or a Lark grammar."""
+
+    kind: str
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequest(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}")
+        if not isinstance(self.spec, str) or not self.spec:
+            raise InvalidRequest(f"the {self.kind} for structured output is empty")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request.
@@ -34,6 +52,7 @@ class SamplingParams:
     ``top_logprobs`` for that many most likely tokens' at each step as well.
 
     Before a token is picked (greedy rows too), per row and in this order:
+    ``structured`` (tokens its grammar does not allow next are masked),
     ``allowed_token_ids`` (every other token is masked), ``min_tokens`` (EOS and
     ``stop_token_ids`` masked until that many tokens were generated, unless
     ``ignore_eos``), ``logit_bias`` (added), ``repetition_penalty`` (over prompt and
@@ -42,7 +61,8 @@ class SamplingParams:
     output tokens: minus count x frequency, minus presence if present, as OpenAI).
     Then sampled rows: temperature, top-k, top-p, ``min_p`` (tokens below ``min_p``
     x the top token's probability dropped). Every input of these is in the
-    sequence's tokens, so they hold across a handoff and a failover unchanged.
+    sequence's tokens (the grammar's state too: it is rebuilt from them), so they
+    hold across a handoff and a failover unchanged.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -66,6 +86,7 @@ class SamplingParams:
         False  # the stop string (or token) that ended the output stays in its text
     )
     skip_special_tokens: bool = True  # special tokens' text left out of the output text
+    structured: StructuredOutput | None = None  # every token keeps the output in this form
 
     def __post_init__(self) -> None:
         # Accept lists and dicts from callers but keep the dataclass hashable and immutable.
@@ -87,6 +108,7 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
             or self.allowed_token_ids is not None
+            or self.structured is not None
         )
 
     def token_ids_named(self) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from splitserve.wire.defaults import GenerationDefaults
 from splitserve.wire.errors import InvalidRequest
-from splitserve.wire.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from splitserve.wire.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
 
 
 class Tokenizer(Protocol):
@@ -27,6 +27,8 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
     def token_text(self, token_id: int) -> str: ...
+
+    def grammar(self, spec: StructuredOutput, output_token_ids: list[int] = ()) -> object: ...
 
 
 @dataclass
@@ -96,6 +98,8 @@ class RequestValidator:
             raise InvalidRequest(
                 f"min_tokens ({params.min_tokens}) is more than max_tokens ({params.max_tokens})"
             )
+        if params.structured is not None:
+            self.grammar(params.structured)  # InvalidRequest if it cannot be used
         outside = sorted({t for t in params.token_ids_named() if t >= self.vocab_size})
         if outside:
             raise InvalidRequest(f"token ids {outside[:5]} are not in the vocabulary [0, {self.vocab_size})")
@@ -126,6 +130,13 @@ class RequestValidator:
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
             raise InvalidRequest(f"token ids must be integers in [0, {self.vocab_size})")
         return self._require_tokenizer().decode(token_ids)
+
+    def grammar(self, spec: StructuredOutput) -> object:
+        """A structured-output matcher for ``spec`` (``engine.structured.Grammar``), from
+        the tokenizer; ``InvalidRequest`` for a spec it cannot use."""
+        if self.tokenizer is None:
+            raise InvalidRequest("structured output needs a tokenizer, and this model has none")
+        return self.tokenizer.grammar(spec)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as logprobs name it (``token_id:ID`` without a tokenizer)."""

@@ -59,8 +59,22 @@ def _check_openai_chat(address: str) -> None:
     )
     deltas = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert "".join(deltas) == "".join(want)
+    # structured output through the disaggregated cluster: the answer is the schema's JSON
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer"}},
+        "required": ["color", "count"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    out = api.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=60, temperature=0, response_format=fmt
+    )
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
     # /tokenize gives the ids the chat ran on; /detokenize gives text back
     assert _post(address, "/tokenize", {"messages": messages})["count"] == out.usage.prompt_tokens
+    assert out.choices[0].finish_reason == "stop"
     ids = _post(address, "/tokenize", {"prompt": "Name three colors."})["tokens"]
     assert _post(address, "/detokenize", {"tokens": ids})["prompt"] == "Name three colors."
 

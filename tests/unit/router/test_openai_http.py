@@ -19,6 +19,7 @@ import tests.unit.engine.test_correctness as correctness_tests
 import tests.unit.engine.test_generation_defaults as defaults_tests
 import tests.unit.engine.test_sampler as sampler_tests
 import tests.unit.engine.test_smollm2 as smollm2_tests
+import tests.unit.engine.test_structured as structured_tests
 import tests.unit.router.test_fuzz_front_doors as fuzz_tests
 import tests.unit.router.test_server as server_tests
 from splitserve.router import api_schema
@@ -28,7 +29,7 @@ from splitserve.router.metrics import RouterMetrics
 from splitserve.router.openai_http import ChatRequest, CompletionRequest, OpenAIServer
 from splitserve.router.openai_logprobs import LogprobsWriter
 from splitserve.router.registry import WorkerRegistry
-from splitserve.wire.sampling import SamplingParams
+from splitserve.wire.sampling import SamplingParams, StructuredOutput
 from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill
 from tests.unit.router.test_server import _Loop
 
@@ -292,6 +293,8 @@ HONOURED_BY = {
     "top_logprobs": [None, "test_logprobs_take_openais_shapes"],
     "include_stop_str_in_output": [smollm2_tests, "test_include_stop_str_in_output_keeps_the_stop_string"],
     "skip_special_tokens": [smollm2_tests, "test_special_tokens_stay_in_the_text_when_asked"],
+    "response_format": [structured_tests, "test_every_output_validates_against_its_schema_in_a_mixed_batch"],
+    "structured_outputs": [None, "test_structured_output_fields_map_to_one_grammar"],
 }
 
 
@@ -349,3 +352,33 @@ def test_logprobs_take_openais_shapes(door):
     )
     chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
     assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"][0]["logprobs"]) == 3
+
+
+def test_structured_output_fields_map_to_one_grammar(door):
+    """(What the engine does with it: ``tests/unit/engine/test_structured.py``.)"""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    named = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    cases = [
+        (dict(response_format={"type": "text"}), None),
+        (
+            dict(response_format={"type": "json_object"}),
+            StructuredOutput("json_schema", '{"type": "object"}'),
+        ),
+        (dict(response_format=named), StructuredOutput("json_schema", json.dumps(schema))),
+        (dict(structured_outputs={"json": schema}), StructuredOutput("json_schema", json.dumps(schema))),
+        (dict(structured_outputs={"regex": "[0-9]+"}), StructuredOutput("regex", "[0-9]+")),
+        (dict(structured_outputs={"choice": ["a", "b"]}), StructuredOutput("choice", '["a", "b"]')),
+        (dict(structured_outputs={"grammar": 'start: "x"'}), StructuredOutput("grammar", 'start: "x"')),
+    ]
+    for fields, want in cases:
+        assert CompletionRequest(prompt=[1], **fields).params().structured == want, fields
+    for body, needle in (
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "whitespace_pattern"),
+        ({"response_format": {"type": "json_schema"}}, "json_schema.schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "not both"),
+        ({"response_format": {"type": "json_object"}}, "needs a tokenizer"),  # the fakes' model has none
+    ):
+        status, payload = door.request("/v1/completions", {"prompt": [5]} | body)
+        assert status == 400 and needle in payload["error"]["message"], (body, payload)
