@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.structured import Grammar
+from splitserve.engine.structured import Grammar, allowed_tokens
 from splitserve.wire.outputs import TopLogprobs
 from splitserve.wire.sampling import SamplingParams
 
@@ -60,12 +60,15 @@ class Sampler:
         """``logits``: [len(rows), vocab] in any float dtype, on any device. Greedy rows
         without processing take the argmax of them as they are (a bf16 value's float32
         twin orders the same); other rows are upcast to float32 first."""
-        tokens = self.argmax(logits)
         special = [i for i, r in enumerate(rows) if not r.params.greedy or r.params.processes_logits]
-        if special:
-            idx = torch.tensor(special, device=logits.device)
-            picked = [rows[i] for i in special]
-            tokens[idx] = self._pick(self.process(logits.index_select(0, idx).float(), picked), picked)
+        if len(special) == len(rows):  # every row: one float32 copy of them all (never the model's own)
+            tokens = self._pick(self.process(logits.to(torch.float32, copy=True), rows), rows)
+        else:
+            tokens = self.argmax(logits)
+            if special:
+                idx = torch.tensor(special, device=logits.device)
+                picked = [rows[i] for i in special]
+                tokens[idx] = self._pick(self.process(logits.index_select(0, idx).float(), picked), picked)
         token_list = tokens.tolist()
         logprobs: list[float | None] = [None] * len(rows)
         top: list[TopLogprobs | None] = [None] * len(rows)
@@ -86,13 +89,20 @@ class Sampler:
     def process(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
         """``logits`` (float32, one row per request) after each row's processing, in
         place; rows without any are left as they are."""
+        structured = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if structured:
+            refused = allowed_tokens([rows[i].grammar for i in structured], logits.shape[1], logits.device)
+            refused.logical_not_()
+            if len(structured) == len(rows):
+                logits.masked_fill_(refused, float("-inf"))
+            else:
+                idx = torch.tensor(structured, device=logits.device)
+                logits[idx] = logits.index_select(0, idx).masked_fill_(refused, float("-inf"))
         for i, r in enumerate(rows):
             p = r.params
-            if not p.processes_logits:
+            if not p.transforms_logits:
                 continue
             row = logits[i]
-            if r.grammar is not None:
-                r.grammar.mask(row)
             if p.allowed_token_ids is not None:
                 keep = torch.full_like(row, float("-inf"))
                 keep[list(p.allowed_token_ids)] = 0.0

@@ -19,12 +19,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 import torch
 
 from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.sampling import StructuredOutput
 
-_BITS = torch.arange(32, dtype=torch.int32)  # bit i of a bitmask word: token 32 * word + i
 # StructuredOutput.kind -> llguidance's grammar format
 _FORMATS = {"json_schema": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
 
@@ -68,7 +68,6 @@ class Grammar:
     def __init__(self, matcher: Any, vocab_size: int):
         self.matcher = matcher
         self.vocab_size = vocab_size  # the tokenizer's; logits may be wider (padded vocabularies)
-        self._bitmask: torch.Tensor | None = None
 
     @property
     def done(self) -> bool:
@@ -84,17 +83,31 @@ class Grammar:
         if not self.matcher.consume_token(token_id):
             raise InvalidRequest(f"token {token_id} breaks the structured output: {self.matcher.get_error()}")
 
-    def mask(self, row: torch.Tensor) -> None:
-        """Set the logits of every token the grammar does not allow next to -inf (in place).
-        (llguidance fills a bitmask, 32 tokens per int32; it is unpacked here rather than
-        through ``llguidance.torch.apply_token_bitmask_inplace``, which compiles a kernel
-        with ``torch.compile`` on the CPU.)"""
-        import llguidance.torch
 
-        if self._bitmask is None:
-            self._bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
-        words = self._bitmask[0].to(row.device)
-        allowed = ((words[:, None] >> _BITS.to(row.device)) & 1).bool().flatten()[: self.vocab_size]
-        row[: self.vocab_size].masked_fill_(~allowed, float("-inf"))
-        row[self.vocab_size :] = float("-inf")
+def allowed_tokens(grammars: list[Grammar], width: int, device: torch.device) -> torch.Tensor:
+    """[len(grammars), width] bool: the tokens each grammar allows next (False past the
+    tokenizer's vocabulary). llguidance fills a bitmask, 32 tokens per int32 word, the
+    rows in parallel; it is unpacked here rather than with
+    ``llguidance.torch.apply_token_bitmask_inplace``, which compiles a kernel with
+    ``torch.compile`` on the CPU."""
+    import llguidance.torch
+
+    global _EXECUTOR
+    vocab = grammars[0].vocab_size  # one tokenizer per engine
+    bitmask = torch.zeros(len(grammars), (vocab + 31) // 32, dtype=torch.int32)
+    if len(grammars) == 1:
+        llguidance.torch.fill_next_token_bitmask(grammars[0].matcher, bitmask, 0)
+    else:
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+        matchers = [(g.matcher, i) for i, g in enumerate(grammars)]
+        llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, matchers, bitmask)
+    # little-endian words: byte k of a row holds tokens 8k..8k+7, lowest bit first
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    bits = torch.from_numpy(bits).view(torch.bool).to(device)  # 0/1 bytes are bools already
+    if width > vocab:
+        bits = torch.cat([bits, bits.new_zeros(len(grammars), width - vocab)], dim=1)
+    return bits[:, :width]
+
+
+_EXECUTOR = None  # llguidance's thread pool for filling many rows' masks at once

@@ -101,6 +101,12 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether anything but temperature, top-k and top-p changes this row's logits."""
+        return self.structured is not None or self.transforms_logits
+
+    @property
+    def transforms_logits(self) -> bool:
+        """Whether penalties, a bias, ``min_tokens`` or ``allowed_token_ids`` change this
+        row's logits (``processes_logits`` but for a grammar's mask)."""
         return bool(
             self.repetition_penalty != 1.0
             or self.frequency_penalty
@@ -108,7 +114,6 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
             or self.allowed_token_ids is not None
-            or self.structured is not None
         )
 
     def token_ids_named(self) -> list[int]:
