@@ -7,7 +7,8 @@ Each row runs the same chat prompts greedily, each request to ``--tokens`` outpu
 tokens; the constrained run's schema (an object holding a long array of short
 records) keeps every request going that long, so both runs generate the same
 number of tokens. Tokens/s counts output tokens over the wall time of the whole
-batch, best of ``--rounds``. The goal (issue 35): constrained >= 0.90x.
+batch; each round runs both, one after the other, and the row shows the round
+with the median ratio. The goal (issue 35): constrained >= 0.90x.
 """
 
 from __future__ import annotations
@@ -57,22 +58,23 @@ def run(engine: Engine, batch: int, tokens: int, structured: bool) -> tuple[floa
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", default="1,32")
     args = ap.parse_args(argv)
     engine = Engine(EngineConfig(model="smollm2", max_num_seqs=64))
     run(engine, 2, 8, True)  # warm-up: kernels, the grammar compiler
     print(f"SmolLM2-135M, {engine.summary}")
-    print(f"{'batch':>5} {'free tok/s':>11} {'schema tok/s':>13} {'ratio':>6}")
+    header = f"{'batch':>5} {'free tok/s':>11} {'schema tok/s':>13} {'ratio':>6}"
+    print(f"{header}  (median of {args.rounds} paired rounds)")
     for batch in (int(b) for b in args.batches.split(",")):
-        free = max(run(engine, batch, args.tokens, False)[0] for _ in range(args.rounds))
-        constrained = []
-        for _ in range(args.rounds):
+        pairs = []
+        for _ in range(args.rounds):  # interleaved, so a slow spell of the machine hits both
+            free = run(engine, batch, args.tokens, False)[0]
             rate, n = run(engine, batch, args.tokens, True)
             assert n == batch * args.tokens, (n, batch * args.tokens)
-            constrained.append(rate)
-        best = max(constrained)
-        print(f"{batch:>5} {free:>11.1f} {best:>13.1f} {best / free:>5.2f}x")
+            pairs.append((rate / free, free, rate))
+        ratio, free, rate = sorted(pairs)[len(pairs) // 2]
+        print(f"{batch:>5} {free:>11.1f} {rate:>13.1f} {ratio:>5.2f}x")
     return 0
 
 

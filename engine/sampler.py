@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.structured import Grammar, allowed_tokens
+from splitserve.engine.structured import Grammar, allowed_tokens, allows
 from splitserve.wire.outputs import TopLogprobs
 from splitserve.wire.sampling import SamplingParams
 
@@ -60,15 +60,21 @@ class Sampler:
         """``logits``: [len(rows), vocab] in any float dtype, on any device. Greedy rows
         without processing take the argmax of them as they are (a bf16 value's float32
         twin orders the same); other rows are upcast to float32 first."""
-        special = [i for i, r in enumerate(rows) if not r.params.greedy or r.params.processes_logits]
+        tokens = self.argmax(logits)
+        special = [i for i, r in enumerate(rows) if not r.params.greedy or r.params.transforms_logits]
+        # A greedy row whose only processing is a grammar keeps its argmax when the grammar
+        # allows it (masking only removes tokens): most steps of a model that follows the
+        # format. Only the others are masked.
+        guided = [i for i, r in enumerate(rows) if r.grammar is not None and i not in special]
+        if guided:
+            ok = allows([rows[i].grammar for i in guided], tokens.index_select(0, _index(guided, tokens)))
+            special = sorted(special + [i for i, fine in zip(guided, ok) if not fine])
         if len(special) == len(rows):  # every row: one float32 copy of them all (never the model's own)
             tokens = self._pick(self.process(logits.to(torch.float32, copy=True), rows), rows)
-        else:
-            tokens = self.argmax(logits)
-            if special:
-                idx = torch.tensor(special, device=logits.device)
-                picked = [rows[i] for i in special]
-                tokens[idx] = self._pick(self.process(logits.index_select(0, idx).float(), picked), picked)
+        elif special:
+            idx = _index(special, logits)
+            picked = [rows[i] for i in special]
+            tokens[idx] = self._pick(self.process(logits.index_select(0, idx).float(), picked), picked)
         token_list = tokens.tolist()
         logprobs: list[float | None] = [None] * len(rows)
         top: list[TopLogprobs | None] = [None] * len(rows)
@@ -174,6 +180,10 @@ class Sampler:
                 g = torch.Generator(device=probs.device).manual_seed(_row_seed(r.params.seed, r.output_index))
                 noise[i].exponential_(generator=g)
         return (probs / noise).argmax(dim=-1)
+
+
+def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(rows, device=like.device)
 
 
 def _row_seed(seed: int, index: int) -> int:

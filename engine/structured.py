@@ -84,12 +84,16 @@ class Grammar:
             raise InvalidRequest(f"token {token_id} breaks the structured output: {self.matcher.get_error()}")
 
 
-def allowed_tokens(grammars: list[Grammar], width: int, device: torch.device) -> torch.Tensor:
-    """[len(grammars), width] bool: the tokens each grammar allows next (False past the
-    tokenizer's vocabulary). llguidance fills a bitmask, 32 tokens per int32 word, the
-    rows in parallel; it is unpacked here rather than with
-    ``llguidance.torch.apply_token_bitmask_inplace``, which compiles a kernel with
-    ``torch.compile`` on the CPU."""
+def allows(grammars: list[Grammar], tokens: torch.Tensor) -> list[bool]:
+    """Whether each grammar allows its token next (``tokens``: one per grammar)."""
+    bitmask = _bitmasks(grammars)
+    return [bool((int(bitmask[i, t >> 5]) >> (t & 31)) & 1) for i, t in enumerate(tokens.tolist())]
+
+
+def _bitmasks(grammars: list[Grammar]) -> torch.Tensor:
+    """[len(grammars), words] int32: the tokens each grammar allows next, 32 per word
+    (token ``32 * w + b`` is bit ``b`` of word ``w``), filled by llguidance (the rows in
+    parallel)."""
     import llguidance.torch
 
     global _EXECUTOR
@@ -102,6 +106,16 @@ def allowed_tokens(grammars: list[Grammar], width: int, device: torch.device) ->
             _EXECUTOR = llguidance.LLExecutor()
         matchers = [(g.matcher, i) for i, g in enumerate(grammars)]
         llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, matchers, bitmask)
+    return bitmask
+
+
+def allowed_tokens(grammars: list[Grammar], width: int, device: torch.device) -> torch.Tensor:
+    """[len(grammars), width] bool: the tokens each grammar allows next (False past the
+    tokenizer's vocabulary). The bitmask is unpacked here rather than with
+    ``llguidance.torch.apply_token_bitmask_inplace``, which compiles a kernel with
+    ``torch.compile`` on the CPU."""
+    vocab = grammars[0].vocab_size
+    bitmask = _bitmasks(grammars)
     # little-endian words: byte k of a row holds tokens 8k..8k+7, lowest bit first
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     bits = torch.from_numpy(bits).view(torch.bool).to(device)  # 0/1 bytes are bools already

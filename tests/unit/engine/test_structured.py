@@ -139,3 +139,20 @@ def test_bad_specs_and_tokens_are_refused(engine):
     assert not engine.has_unfinished() and engine.block_manager.num_used_blocks == 0
     with pytest.raises(InvalidRequest, match="kind"):
         StructuredOutput("yaml", "x")
+
+
+@pytest.mark.slow
+def test_the_argmax_check_agrees_with_the_full_mask(engine):
+    """The sampler keeps a guided greedy row's argmax when ``allows`` says the grammar
+    takes it; that must be what the unpacked mask says of every token."""
+    import torch
+
+    from splitserve.engine.structured import allowed_tokens, allows
+
+    spec = StructuredOutput("json_schema", json.dumps(SCHEMAS[3]))
+    grammars = [engine.tokenizer.grammar(spec, engine.tokenizer.encode(p)) for p in ("", '{"color": "', "{")]
+    mask = allowed_tokens(grammars, engine.validator.vocab_size, torch.device("cpu"))
+    assert [row.sum().item() > 0 for row in mask] == [True, True, True]
+    for token in range(0, engine.validator.vocab_size, 97):
+        got = allows(grammars, torch.tensor([token] * len(grammars)))
+        assert got == [bool(mask[g, token]) for g in range(len(grammars))], token
