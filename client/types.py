@@ -115,6 +115,7 @@ def build_request(
     top_logprobs: int | None = None,
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool = True,
+    bad_words: list[str] | None = None,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest``; an option left None is left unset (the server's default)."""
     sp = pb.SamplingParams(
@@ -124,6 +125,7 @@ def build_request(
         logprobs=logprobs,
         include_stop_str_in_output=include_stop_str_in_output,
         keep_special_tokens=not skip_special_tokens,
+        bad_words=bad_words or [],
     )
     for name, value in (
         ("max_tokens", max_tokens),

@@ -339,7 +339,8 @@ class Engine:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False
     ) -> Sequence:
         """A new sequence, with its structured-output grammar when it asks for one (the
-        tokens appended to it from here on advance the grammar)."""
+        tokens appended to it from here on advance the grammar), its bad words as tokens."""
+        params = self.validator.with_bad_words_ids(params)
         seq = Sequence(request_id, prompt_ids, params, prefill_only=prefill_only)
         if params.structured is not None:
             seq.grammar = self.validator.grammar(params.structured)

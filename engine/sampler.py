@@ -113,6 +113,13 @@ class Sampler:
                 keep = torch.full_like(row, float("-inf"))
                 keep[list(p.allowed_token_ids)] = 0.0
                 row += keep
+            if p.bad_words_ids:
+                output = r.token_ids[r.num_prompt_tokens :] if r.token_ids is not None else []
+                banned = [
+                    w[-1] for w in p.bad_words_ids if len(w) == 1 or output[-(len(w) - 1) :] == list(w[:-1])
+                ]
+                if banned:
+                    row[banned] = float("-inf")
             if r.output_index < p.min_tokens:
                 held = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
                 if held:

@@ -45,6 +45,10 @@ class Tokenizer:
         # whatever the tokenizer adds by default (e.g. BOS for Llama).
         return self.hf.encode(text)
 
+    def encode_plain(self, text: str) -> list[int]:
+        """``text``'s tokens without the special tokens ``encode`` adds (a BOS)."""
+        return self.hf.encode(text, add_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
             raise InvalidRequest("this model has no chat template; send a raw prompt instead")

@@ -125,7 +125,7 @@ FIELDS: tuple[ApiField, ...] = (
     ),
     _h("logit_bias", BOTH, "token id -> added to its logit, in [-100, 100]"),
     _h("min_tokens", BOTH, "EOS and `stop_token_ids` held back until this many tokens", "vLLM"),
-    _r("bad_words", BOTH, _NOT_YET, ([],), "vLLM"),
+    _h("bad_words", BOTH, "never generated: each word as tokenized and after a space", "vLLM"),
     _h("allowed_token_ids", BOTH, "every other token is masked", "vLLM"),
     _h(
         "include_stop_str_in_output",

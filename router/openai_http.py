@@ -138,6 +138,7 @@ class _Request(BaseModel):
     logit_bias: dict[int, float] | None = None  # JSON keys are strings; pydantic reads them as ints
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
@@ -175,6 +176,7 @@ class _Request(BaseModel):
             logit_bias=self.logit_bias or {},
             min_tokens=self.min_tokens,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or (),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             structured=_structured(self.response_format, self.structured_outputs),

@@ -43,6 +43,7 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         top_logprobs=sp.top_logprobs,
         include_stop_str_in_output=sp.include_stop_str_in_output,
         skip_special_tokens=not sp.keep_special_tokens,
+        bad_words=list(sp.bad_words),
         frequency_penalty=sp.frequency_penalty,
         presence_penalty=sp.presence_penalty,
         logit_bias=dict(sp.logit_bias),

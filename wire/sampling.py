@@ -53,7 +53,9 @@ class SamplingParams:
 
     Before a token is picked (greedy rows too), per row and in this order:
     ``structured`` (tokens its grammar does not allow next are masked),
-    ``allowed_token_ids`` (every other token is masked), ``min_tokens`` (EOS and
+    ``allowed_token_ids`` (every other token is masked), ``bad_words_ids`` (a
+    sequence's last token masked when the output ends with the rest of it, as
+    transformers' ``NoBadWordsLogitsProcessor``), ``min_tokens`` (EOS and
     ``stop_token_ids`` masked until that many tokens were generated, unless
     ``ignore_eos``), ``logit_bias`` (added), ``repetition_penalty`` (over prompt and
     output tokens: a positive logit divided by it, a negative one multiplied, as
@@ -87,11 +89,15 @@ class SamplingParams:
     )
     skip_special_tokens: bool = True  # special tokens' text left out of the output text
     structured: StructuredOutput | None = None  # every token keeps the output in this form
+    bad_words: tuple[str, ...] = ()  # never generated (vLLM's: as tokenized, and after a space)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # never generated, as token sequences
 
     def __post_init__(self) -> None:
         # Accept lists and dicts from callers but keep the dataclass hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        object.__setattr__(self, "bad_words_ids", tuple(tuple(w) for w in self.bad_words_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in bias)))
         if self.allowed_token_ids is not None:
@@ -114,11 +120,17 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
             or self.allowed_token_ids is not None
+            or bool(self.bad_words_ids)
         )
 
     def token_ids_named(self) -> list[int]:
         """Every token id these parameters name (checked against the vocabulary)."""
-        return [*self.stop_token_ids, *(t for t, _ in self.logit_bias), *(self.allowed_token_ids or ())]
+        return [
+            *self.stop_token_ids,
+            *(t for t, _ in self.logit_bias),
+            *(self.allowed_token_ids or ()),
+            *(t for w in self.bad_words_ids for t in w),
+        ]
 
     @property
     def greedy(self) -> bool:
@@ -158,6 +170,10 @@ class SamplingParams:
             raise InvalidRequest("logit_bias maps token ids (>= 0) to values in [-100, 100]")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise InvalidRequest(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if any(not w or not isinstance(w, str) for w in self.bad_words):
+            raise InvalidRequest("bad_words must be non-empty strings")
+        if any(not w or any(not isinstance(t, int) or t < 0 for t in w) for w in self.bad_words_ids):
+            raise InvalidRequest("bad_words_ids must be non-empty lists of token ids")
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
         ):

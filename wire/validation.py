@@ -26,6 +26,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def encode_plain(self, text: str) -> list[int]: ...
+
     def token_text(self, token_id: int) -> str: ...
 
     def grammar(self, spec: StructuredOutput, output_token_ids: list[int] = ()) -> object: ...
@@ -70,12 +72,25 @@ class RequestValidator:
         _check_params(params)
         prompt_ids = self.encode(prompt, messages)
         params = self.defaults.apply(params, unset)
+        params = self.with_bad_words_ids(params)
         if "max_tokens" in unset:
             room = self.max_model_len - len(prompt_ids)
             wanted = room if messages is not None else min(DEFAULT_MAX_TOKENS, room)
             params = dataclasses.replace(params, max_tokens=max(1, wanted))
         self._check(prompt_ids, params)
         return prompt_ids, params
+
+    def with_bad_words_ids(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its ``bad_words`` turned into ``bad_words_ids``: each word as
+        tokenized and after a space (as vLLM). Unchanged without bad words."""
+        if not params.bad_words:
+            return params
+        tokenizer = self._require_tokenizer()
+        ids = set(params.bad_words_ids)
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids.add(tuple(tokenizer.encode_plain(text)))
+        return dataclasses.replace(params, bad_words=(), bad_words_ids=tuple(sorted(ids)))
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         n, limit = len(prompt_ids), self.max_model_len

@@ -222,3 +222,19 @@ def test_top_logprobs_are_the_raw_distributions_best():
         SamplingParams(top_logprobs=3)
     with pytest.raises(InvalidRequest, match="top_logprobs"):
         SamplingParams(logprobs=True, top_logprobs=21)
+
+
+def test_bad_words_ids_equal_transformers_no_bad_words_processor():
+    """Over output tokens (transformers' processor sees only them here: no prompt)."""
+    from transformers import NoBadWordsLogitsProcessor
+
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, VOCAB, generator=gen)
+    histories = [[4, 9, 13], [4, 9], [13, 13, 4]]
+    bad = ((13,), (9, 21), (4, 9, 30), (13, 4, 40))
+    params = SamplingParams(bad_words_ids=bad)
+    got = Sampler().process(logits.clone(), [SampleRequest(params, len(h), h, 0) for h in histories])
+    for i, h in enumerate(histories):
+        want = NoBadWordsLogitsProcessor([list(w) for w in bad])(torch.tensor([h]), logits[i : i + 1].clone())
+        assert torch.equal(got[i], want[0]), i
+    assert torch.isinf(got[1, 30]) and not torch.isinf(got[0, 30])  # (4, 9, 30) only after 4, 9

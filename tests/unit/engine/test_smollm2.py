@@ -137,6 +137,17 @@ def test_special_tokens_stay_in_the_text_when_asked(engines):
 
 
 @pytest.mark.slow
+def test_bad_words_are_never_generated(engines):
+    engine = engines["prefix"]
+    free, _, _ = stream(engine, "What is the capital of France?", SamplingParams(max_tokens=30))
+    assert "Paris" in free
+    text, _, _ = stream(
+        engine, "What is the capital of France?", SamplingParams(max_tokens=30, bad_words=["Paris"])
+    )
+    assert "Paris" not in text and text[:10] == free[:10]
+
+
+@pytest.mark.slow
 def test_ignore_eos_runs_to_max_tokens(engines):
     engine = engines["prefix"]
     _, natural, reason = stream(engine, "Hi", SamplingParams(max_tokens=80))

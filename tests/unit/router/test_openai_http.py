@@ -295,6 +295,7 @@ HONOURED_BY = {
     "skip_special_tokens": [smollm2_tests, "test_special_tokens_stay_in_the_text_when_asked"],
     "response_format": [structured_tests, "test_every_output_validates_against_its_schema_in_a_mixed_batch"],
     "structured_outputs": [None, "test_structured_output_fields_map_to_one_grammar"],
+    "bad_words": [smollm2_tests, "test_bad_words_are_never_generated"],
 }
 
 

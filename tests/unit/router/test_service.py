@@ -30,6 +30,7 @@ FIELDS = dict(
     allowed_token_ids=[1, 2, 3],
     include_stop_str_in_output=True,
     skip_special_tokens=False,
+    bad_words=["nope"],
 )
 
 
