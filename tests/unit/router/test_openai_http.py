@@ -26,8 +26,9 @@ from splitserve.router import api_schema
 from splitserve.router.api_schema import Endpoint, Status
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.openai_http import ChatRequest, CompletionRequest, OpenAIServer
+from splitserve.router.openai_http import OpenAIServer
 from splitserve.router.openai_logprobs import LogprobsWriter
+from splitserve.router.openai_requests import ChatRequest, CompletionRequest
 from splitserve.router.registry import WorkerRegistry
 from splitserve.wire.sampling import SamplingParams, StructuredOutput
 from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill

@@ -9,7 +9,7 @@ import pytest
 from splitserve.client import InvalidArgument
 from splitserve.client.types import build_request
 from splitserve.proto import splitserve_pb2 as pb
-from splitserve.router.openai_http import CompletionRequest
+from splitserve.router.openai_requests import CompletionRequest
 from splitserve.router.service import generate_input
 
 FIELDS = dict(
