@@ -62,6 +62,7 @@ def merge(batches: list[TokenBatch]) -> TokenBatch:
         text="".join(b.text for b in batches),
         logprobs=[x for b in batches for x in b.logprobs],
         top_logprobs=[x for b in batches for x in b.top_logprobs],
+        prompt_logprobs=next((b.prompt_logprobs for b in batches if b.prompt_logprobs is not None), None),
         token_times=[t for b in batches for t in b.token_times],
         finish_reason=last.finish_reason,
         num_cached_tokens=max(b.num_cached_tokens for b in batches),

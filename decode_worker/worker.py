@@ -427,6 +427,7 @@ class DecodeWorker:
                 result.num_cached_tokens,
                 prefilled=prefilled,
                 top_logprobs=list(result.top_logprobs),
+                prompt_logprobs=result.prompt_logprobs,
             )
         )
 
@@ -521,6 +522,7 @@ def _batch(out: RequestOutput, now: float) -> TokenBatch:
         text=out.text,
         logprobs=list(out.new_logprobs),
         top_logprobs=list(out.new_top_logprobs),
+        prompt_logprobs=out.prompt_logprobs,
         token_times=[now] * len(out.new_token_ids),
         finish_reason=out.finish_reason if out.finished else None,
         num_cached_tokens=out.num_cached_tokens,

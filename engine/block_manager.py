@@ -71,7 +71,7 @@ class BlockManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids that hold a prefix of ``seq``'s tokens (no references taken)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         found: list[int] = []
         parent = None

@@ -189,7 +189,9 @@ class Engine:
             if s.seq.num_computed_tokens < s.seq.num_prompt_tokens
         )
         started = time.perf_counter()
-        ordered, result = self.runner.execute(sched.scheduled, self._layer_hook(sched.scheduled))
+        ordered, result, prompt_logprobs = self.runner.execute(
+            sched.scheduled, self._layer_hook(sched.scheduled)
+        )
         if prompt_tokens:
             self._prefill_rate.add(prompt_tokens, time.perf_counter() - started)
         else:
@@ -197,6 +199,7 @@ class Engine:
         k = 0
         for s in ordered:
             seq = s.seq
+            seq.prompt_logprobs.extend(prompt_logprobs.get(seq.request_id, ()))
             seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.commit_computed(seq)
             if id(seq) not in sampling:

@@ -20,7 +20,7 @@ With ``graphs`` (TP=1 only), pure-decode steps replay a recorded forward
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,8 @@ from splitserve.engine.model.llama import LlamaModel, StepContext
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.sampler import Sampler, SampleRequest, SampleResult
 from splitserve.engine.scheduler import ScheduledSeq
+from splitserve.engine.sequence import Sequence
+from splitserve.wire.outputs import PromptLogprob
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class StepInputs:
     spans: list[SeqSpan]
     num_decodes: int
     last_index: list[int]  # packed positions whose logits are sampled
+    # packed positions whose logits give prompt logprobs (after last_index in the logits)
+    prompt_index: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -68,15 +72,17 @@ class ModelRunner:
 
     def execute(
         self, scheduled: list[ScheduledSeq], on_layer: Callable[[int], None] | None = None
-    ) -> tuple[list[ScheduledSeq], SampleResult | None]:
-        """Run one step (driver rank). Returns the scheduled entries in packed order and
-        the sampled tokens for those entries whose ``samples`` is true (in the same order).
-        ``on_layer(i)`` is called after layer ``i`` wrote its KV (never on a graph replay:
-        those are pure-decode steps)."""
+    ) -> tuple[list[ScheduledSeq], SampleResult | None, dict[str, list[PromptLogprob]]]:
+        """Run one step (driver rank). Returns the scheduled entries in packed order, the
+        sampled tokens for those entries whose ``samples`` is true (in the same order),
+        and, by request id, the prompt logprobs this step computed for sequences that ask
+        for them (the next ones after those they hold). ``on_layer(i)`` is called after
+        layer ``i`` wrote its KV (never on a graph replay: those are pure-decode steps)."""
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         bs = self.block_size
         inputs = StepInputs([], [], [], [], sum(1 for s in ordered if s.num_new_tokens == 1), [])
         rows: list[SampleRequest] = []
+        prompt_rows: list[tuple[Sequence, int]] = []  # (sequence, the prompt token scored)
         for s in ordered:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
@@ -85,6 +91,12 @@ class ModelRunner:
             inputs.positions.extend(range(start, end))
             table = seq.block_table
             inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if seq.params.prompt_logprobs is not None:
+                # position p's logits score prompt token p + 1; skip those already held
+                base = len(inputs.input_ids) - s.num_new_tokens - start
+                for p in range(max(start, len(seq.prompt_logprobs)), min(end, seq.num_prompt_tokens - 1)):
+                    inputs.prompt_index.append(base + p)
+                    prompt_rows.append((seq, p + 1))
             if s.samples:
                 inputs.last_index.append(len(inputs.input_ids) - 1)
                 rows.append(
@@ -95,6 +107,7 @@ class ModelRunner:
         graphs = self.graphs
         if (
             on_layer is None
+            and not prompt_rows
             and graphs is not None
             and graphs.fits(len(inputs.input_ids), inputs.num_decodes, len(rows))
         ):
@@ -102,7 +115,10 @@ class ModelRunner:
             logits = graphs.run(inputs.input_ids, inputs.positions, inputs.slots, tables)
         else:
             logits = self.run(inputs, on_layer)
-        return ordered, None if logits is None else self.sampler(logits, rows)
+        if logits is None:
+            return ordered, None, {}
+        prompt = _prompt_logprobs(logits[len(rows) :], prompt_rows) if prompt_rows else {}
+        return ordered, self.sampler(logits[: len(rows)], rows) if rows else None, prompt
 
     def calibrate_kv(self, token_ids: list[int]) -> None:
         """Every rank, in the same order (the model's collectives run): prefill
@@ -135,9 +151,10 @@ class ModelRunner:
             calibrate_kv=calibrate_kv,
         )
         hidden = self.model(ids_t, pos_t, self.kv_cache, ctx)
-        if not inputs.last_index:
+        wanted = inputs.last_index + inputs.prompt_index
+        if not wanted:
             return None
-        idx = torch.tensor(inputs.last_index, dtype=torch.long, device=dev)
+        idx = torch.tensor(wanted, dtype=torch.long, device=dev)
         return self.model.compute_logits(hidden.index_select(0, idx))
 
     def follow(self, on_message: Callable[[Any], None] | None = None) -> int:
@@ -158,3 +175,21 @@ class ModelRunner:
         """Driver: release the other ranks from ``follow()``."""
         if self.tp.is_driver:
             self.tp.broadcast_object(None)
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, rows: list[tuple[Sequence, int]]
+) -> dict[str, list[PromptLogprob]]:
+    """Each row's prompt token's logprob under the raw distribution, and the most likely
+    ones' (as many as its sequence asks), grouped by request id in prompt order."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor([seq.token_ids[i] for seq, i in rows], device=lp.device)
+    chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+    n = max(seq.params.prompt_logprobs for seq, _ in rows)
+    best = lp.topk(n, dim=-1) if n else None
+    out: dict[str, list[PromptLogprob]] = {}
+    for j, ((seq, _), value) in enumerate(zip(rows, chosen)):
+        k = seq.params.prompt_logprobs
+        top = tuple(zip(best.indices[j, :k].tolist(), best.values[j, :k].tolist())) if k else ()
+        out.setdefault(seq.request_id, []).append((value, top))
+    return out

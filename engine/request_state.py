@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from splitserve.wire.outputs import CompletionOutput, RequestOutput, TopLogprobs
+from splitserve.wire.outputs import CompletionOutput, PromptLogprob, RequestOutput, TopLogprobs
 from splitserve.wire.sampling import FinishReason
 
 
@@ -22,6 +22,7 @@ class RequestState:
         done = seq.token_ids[seq.num_prompt_tokens : num_emitted]
         self.text = tokenizer.decode(done, skip) if tokenizer else ""
         self.emitted_chars = len(self.text)
+        self._sent_prompt_logprobs = False
         stops = seq.params.stop
         self.holdback = max((len(s) for s in stops), default=1) - 1
 
@@ -73,8 +74,19 @@ class RequestState:
             num_cached_tokens=seq.num_cached_tokens,
             new_logprobs=new_logprobs or [],
             new_top_logprobs=new_top_logprobs or [],
+            prompt_logprobs=self._prompt_logprobs_once(),
             scheduled_at=seq.scheduled_at,
         )
+
+    def _prompt_logprobs_once(self) -> list[PromptLogprob] | None:
+        """The prompt's logprobs, on the first output that has them all (then never again)."""
+        seq = self.seq
+        if seq.params.prompt_logprobs is None or self._sent_prompt_logprobs:
+            return None
+        if len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
+            return None
+        self._sent_prompt_logprobs = True
+        return list(seq.prompt_logprobs)
 
     def completion(self) -> CompletionOutput:
         seq = self.seq
@@ -87,4 +99,5 @@ class RequestState:
             seq.num_cached_tokens,
             list(seq.logprobs),
             list(seq.top_logprobs),
+            list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
         )

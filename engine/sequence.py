@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from splitserve.wire.outputs import TopLogprobs
+from splitserve.wire.outputs import PromptLogprob, TopLogprobs
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] = []
         self.top_logprobs: list[TopLogprobs] = []
+        self.prompt_logprobs: list[PromptLogprob] = []  # prompt tokens 1.., as computed (when asked)
         # structured output: the grammar, advanced by every token appended (set by the engine)
         self.grammar: Grammar | None = None
         self.num_preemptions = 0

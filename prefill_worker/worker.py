@@ -382,6 +382,7 @@ class PrefillWorker:
             text=out.text,
             logprobs=list(out.new_logprobs),
             top_logprobs=list(out.new_top_logprobs),
+            prompt_logprobs=out.prompt_logprobs,
             token_time=now,
             finish_reason=finish,
             num_cached_tokens=out.num_cached_tokens,

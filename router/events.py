@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.wire.outputs import TopLogprobs
+from splitserve.wire.outputs import PromptLogprob, TopLogprobs
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
 
@@ -30,6 +30,7 @@ class TokenEvent:
     times_ms: list[float]  # per token, since the router accepted the request
     prompt_tokens: int  # the request's, for usage reported while it streams
     top_logprobs: list[TopLogprobs]  # per token, when the request asked for them
+    prompt_logprobs: list[PromptLogprob] | None = None  # once, on the first event, when asked
 
 
 @dataclass(frozen=True)

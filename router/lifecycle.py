@@ -61,6 +61,7 @@ class RequestLifecycle:
         self._decode: WorkerRecord | None = None  # the decode worker the task is with
         self._source: WorkerRecord | None = None  # the prefill worker it prefills on, if any
         self._sent: list[int] = []  # token ids passed on so far
+        self._prompt_logprobs_sent = False  # the prompt's logprobs passed on (a resume sends them again)
         self._token_times: list[float] = []  # when each was sampled (worker clocks)
         self._marks: list[Mark] = [Mark("admitted", self.accepted)]
         self._first_passed_at: float | None = None  # time.monotonic() when the first token went out
@@ -237,6 +238,9 @@ class RequestLifecycle:
         self._sent.extend(batch.token_ids)
         self._token_times.extend(batch.token_times)
         ms = [max(0.0, (t - self.accepted) * 1000) for t in batch.token_times]
+        prompt_logprobs = None
+        if batch.prompt_logprobs is not None and not self._prompt_logprobs_sent:  # a resume sends them again
+            prompt_logprobs, self._prompt_logprobs_sent = batch.prompt_logprobs, True
         return TokenEvent(
             list(batch.token_ids),
             batch.text,
@@ -244,6 +248,7 @@ class RequestLifecycle:
             ms,
             len(self.prompt_ids),
             list(batch.top_logprobs),
+            prompt_logprobs,
         )
 
     def _final(self, reason: FinishReason) -> FinalEvent:

@@ -172,7 +172,7 @@ class OpenAIServer:
             events = self.dispatcher.generate(inp)
             if body.stream:
                 return await self._stream(request, inp, events, chat, body)
-            return await self._collect(inp, events, chat)
+            return await self._collect(inp, events, chat, body)
         except Exception as e:
             return _error(e)
 
@@ -193,20 +193,28 @@ class OpenAIServer:
             raise InvalidRequest(message)
         return body
 
-    async def _collect(self, inp: GenerateInput, events, chat: bool) -> web.Response:
+    async def _collect(self, inp: GenerateInput, events, chat: bool, body: OpenAIRequest) -> web.Response:
         text, final = [], None
         token_ids, logprobs, top = [], [], []
+        prompt_logprobs = None
         async for ev in events:
             if isinstance(ev, TokenEvent):
                 text.append(ev.text)
                 token_ids += ev.token_ids
                 logprobs += ev.logprobs
                 top += ev.top_logprobs
+                prompt_logprobs = prompt_logprobs or ev.prompt_logprobs
             else:
                 final = ev
         content = "".join(text)
         choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish_reason.value}
-        lp = self._logprobs(chat).write(token_ids, logprobs, top) if inp.params.logprobs else None
+        writer = self._logprobs(chat)
+        echoed = self._echo(body, writer, prompt_logprobs)
+        lp = writer.write(token_ids, logprobs, top) if inp.params.logprobs else None
+        if echoed is not None:
+            content = echoed[0] + content
+            if lp is not None and echoed[1] is not None:
+                lp = writer.join(echoed[1], lp)
         if chat:
             choice |= {"message": {"role": "assistant", "content": content}, "logprobs": lp}
         else:
@@ -223,7 +231,7 @@ class OpenAIServer:
         env = self._envelope(inp, chat, True)
         options = body.stream_options or StreamOptions()
         writer = self._logprobs(chat) if inp.params.logprobs else None
-        completion_tokens = 0
+        completion_tokens, echo_pending = 0, True
 
         async def send(obj: dict) -> None:
             await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
@@ -242,9 +250,16 @@ class OpenAIServer:
             while True:
                 if isinstance(ev, TokenEvent):
                     completion_tokens += len(ev.token_ids)
-                    if ev.text or options.continuous_usage_stats or writer is not None:
+                    text, echoed = ev.text, None
+                    if echo_pending:  # the prompt goes before the first tokens
+                        echoed = self._echo(body, writer or self._logprobs(chat), ev.prompt_logprobs)
+                        echo_pending = False
+                        text = (echoed[0] if echoed else "") + text
+                    if text or options.continuous_usage_stats or writer is not None:
                         lp = writer.write(ev.token_ids, ev.logprobs, ev.top_logprobs) if writer else None
-                        part = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
+                        if lp is not None and echoed is not None and echoed[1] is not None:
+                            lp = writer.join(echoed[1], lp)
+                        part = {"delta": {"content": text}} if chat else {"text": text}
                         choice = {"index": 0, "finish_reason": None, "logprobs": lp} | part
                         await send(chunk(choice, ev.prompt_tokens))
                 else:  # the FinalEvent
@@ -263,6 +278,24 @@ class OpenAIServer:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    def _echo(
+        self, body: OpenAIRequest, writer: LogprobsWriter, prompt_logprobs: list | None
+    ) -> tuple[str, dict[str, Any] | None] | None:
+        """Completions with ``echo``: the prompt's text and (with logprobs) its logprobs'
+        part; None without echo."""
+        if not getattr(body, "echo", False):
+            return None
+        validator = self.dispatcher.validator
+        ids = validator.encode(body.prompt, None)
+        if isinstance(body.prompt, str):
+            text = body.prompt
+        elif validator.tokenizer is not None:
+            text = validator.decode(ids)
+        else:  # no tokenizer: the tokens' names, as the logprobs give them
+            text = "".join(validator.token_text(t) for t in ids)
+        part = writer.write_prompt(ids, prompt_logprobs) if prompt_logprobs is not None else None
+        return text, part
 
     def _logprobs(self, chat: bool) -> LogprobsWriter:
         return LogprobsWriter(chat, self.dispatcher.validator.token_text)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from splitserve.wire.outputs import TopLogprobs
+from splitserve.wire.outputs import PromptLogprob, TopLogprobs
 
 
 class LogprobsWriter:
@@ -49,6 +49,33 @@ class LogprobsWriter:
             "token_logprobs": list(logprobs),
             "top_logprobs": [{self.token_text(u): v for u, v in best} for best in tops] if top else None,
             "text_offset": offsets,
+        }
+
+    def write_prompt(self, token_ids: list[int], prompt_logprobs: list[PromptLogprob]) -> dict[str, Any]:
+        """Completions with ``echo``: the prompt's part, as ``write`` gives the output's
+        (the first prompt token has no logprob: ``None``)."""
+        texts = [self.token_text(t) for t in token_ids]
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        top = [{self.token_text(u): v for u, v in best} for _, best in prompt_logprobs]
+        return {
+            "tokens": texts,
+            "token_logprobs": [None] + [lp for lp, _ in prompt_logprobs],
+            "top_logprobs": [None, *top],
+            "text_offset": offsets,
+        }
+
+    @staticmethod
+    def join(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+        """Two completions-shaped parts as one (the prompt's, then the output's)."""
+        n = len(then["tokens"])
+        return {
+            "tokens": first["tokens"] + then["tokens"],
+            "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+            "top_logprobs": first["top_logprobs"] + (then["top_logprobs"] or [{}] * n),
+            "text_offset": first["text_offset"] + then["text_offset"],
         }
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:

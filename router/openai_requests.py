@@ -5,6 +5,7 @@ dispatcher fills it, the same for gRPC)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, ClassVar, Literal
 
@@ -178,9 +179,16 @@ class CompletionRequest(OpenAIRequest):
 
     prompt: str | list[int]
     logprobs: int | None = None  # the chosen token's and this many most likely tokens'
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's too)
 
     def requested_logprobs(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0
+
+    def params(self) -> SamplingParams:
+        params = super().params()
+        if self.echo and self.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 class TokenizeRequest(BaseModel):

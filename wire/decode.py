@@ -9,7 +9,7 @@ from typing import Protocol
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import SplitserveError
 from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor
-from splitserve.wire.outputs import EngineStats, TopLogprobs
+from splitserve.wire.outputs import EngineStats, PromptLogprob, TopLogprobs
 from splitserve.wire.prefill import PrefillPeer
 from splitserve.wire.prefix import PrefixUpdate
 from splitserve.wire.sampling import FinishReason, SamplingParams
@@ -117,6 +117,7 @@ class TokenBatch:
     # the prompt; on every batch from then on
     started_at: float | None = None
     top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per token, when asked
+    prompt_logprobs: list[PromptLogprob] | None = None  # on the batch with the first token, when asked
 
 
 @dataclass(frozen=True)

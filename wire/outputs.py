@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from splitserve.wire.sampling import FinishReason
 
 TopLogprobs = tuple[tuple[int, float], ...]  # one step's most likely (token id, logprob), best first
+# a prompt token's logprob given the tokens before it, and that position's most likely
+PromptLogprob = tuple[float, TopLogprobs]
 
 
 @dataclass
@@ -24,6 +26,8 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     new_logprobs: list[float] = field(default_factory=list)
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per new token, when asked
+    # prompt tokens 1.. (the first has none), on the output with the first token, when asked
+    prompt_logprobs: list[PromptLogprob] | None = None
     scheduled_at: float | None = None  # time.time() when the engine first scheduled (or imported) it
 
 
@@ -39,6 +43,7 @@ class CompletionOutput:
     num_cached_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] | None = None  # prompt tokens 1.., when asked
 
 
 @dataclass(frozen=True)

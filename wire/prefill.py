@@ -9,7 +9,7 @@ from typing import Protocol
 
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.kv import Confirmation, Handshake, KVHandoff
-from splitserve.wire.outputs import EngineStats, TopLogprobs
+from splitserve.wire.outputs import EngineStats, PromptLogprob, TopLogprobs
 from splitserve.wire.prefix import PrefixUpdate
 from splitserve.wire.sampling import FinishReason, SamplingParams
 from splitserve.wire.tp import TPInit
@@ -71,6 +71,7 @@ class PrefillResult:
     handoff: KVHandoff | None  # None when finish_reason is set
     scheduled_at: float | None = None  # time.time() when its engine began the prompt (queue time ends)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] | None = None  # when asked
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: also this many most likely tokens at each step
+    # each prompt token's logprob given the tokens before it, and this many most likely
+    # tokens' at each prompt position (None: none); such a prompt is never served from
+    # the prefix cache (those positions would not be computed)
+    prompt_logprobs: int | None = None
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -155,6 +159,12 @@ class SamplingParams:
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(
                 f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
+            )
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidRequest(
+                f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}"
             )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs")

@@ -186,29 +186,39 @@ def test_the_decider_prefills_a_prefix_the_decode_worker_holds_there(cluster, re
 
 
 def _check_logprobs(api, model: str, prompt: list[int], checkpoint: str) -> None:
-    """Completions' ``logprobs: 5``: the chosen tokens' and the top-5's equal
-    transformers' log_softmax of the float32 model within 1e-4 (the tiny model has no
-    tokenizer: tokens are named ``token_id:ID``)."""
+    """Completions' ``logprobs: 5`` with ``echo``: every prompt and output token's
+    logprob and the top-5's at each position equal transformers' log_softmax of the
+    float32 model within 1e-4, through the prefill worker (the prompt's) and the decode
+    worker (the output's). The tiny model has no tokenizer: tokens are named ``token_id:ID``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     out = api.completions.create(
-        model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=5, extra_body={"ignore_eos": True}
+        model=model,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        logprobs=5,
+        echo=True,
+        extra_body={"ignore_eos": True},
     )
     lp = out.choices[0].logprobs
-    generated = [int(t.removeprefix("token_id:")) for t in lp.tokens]
-    assert len(generated) == 6 and len(lp.top_logprobs) == 6
+    tokens = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    assert tokens[: len(prompt)] == prompt and len(tokens) == len(prompt) + 6  # echo: the prompt first
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first token has no context
+    assert out.choices[0].text == "".join(lp.tokens[: len(prompt)])  # (the output has no text here)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
-    ref = torch.log_softmax(logits.float(), dim=-1)
-    for i, token in enumerate(generated):
-        assert abs(lp.token_logprobs[i] - ref[i, token].item()) < 1e-4
-        best = ref[i].topk(5)
+        ref = torch.log_softmax(hf(torch.tensor([tokens])).logits[0, :-1].float(), dim=-1)
+    for i in range(1, len(tokens)):  # token i given tokens before it: the prompt's, then the output's
+        assert abs(lp.token_logprobs[i] - ref[i - 1, tokens[i]].item()) < 1e-4, i
+        best = ref[i - 1].topk(5)
         top = {int(k.removeprefix("token_id:")): v for k, v in lp.top_logprobs[i].items()}
-        assert len(top) == 5 and token == best.indices[0].item()  # greedy: the most likely
+        assert len(top) == 5, i
+        if i >= len(prompt):
+            assert tokens[i] == best.indices[0].item()  # greedy: the most likely
         for t, v in top.items():
-            assert abs(v - ref[i, t].item()) < 1e-4
+            assert abs(v - ref[i - 1, t].item()) < 1e-4
         assert sorted(top.values(), reverse=True) == pytest.approx(best.values.tolist(), abs=1e-4)
 
 

@@ -216,3 +216,36 @@ def test_measure_rates_gives_a_fresh_engine_its_prompt_rate_and_step_time_and_le
     engine.add_request([5, 6, 7], GREEDY)
     with pytest.raises(RuntimeError, match="idle"):
         engine.measure_rates(10)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_prompt_logprobs_equal_transformers_log_softmax(checkpoint, prefix_caching):
+    """Each prompt token's logprob given the ones before it, and the top-3 at each
+    position, equal transformers' float32 ``log_softmax`` within 1e-4: a prompt longer
+    than the prefill chunk, batched with a plain request, twice (the second time its
+    blocks are in the prefix cache, which a prompt that asks for logprobs must not use)."""
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine(
+        EngineConfig(
+            model=str(checkpoint),
+            dtype="float32",
+            block_size=8,
+            max_num_batched_tokens=32,
+            enable_prefix_caching=prefix_caching,
+        )
+    )
+    prompt, other = random_prompts([75, 20], 512, seed=21)
+    asks = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=3)
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for _ in range(2):
+        got, _ = engine.generate([prompt, other], [asks, GREEDY])
+        assert len(got.prompt_logprobs) == len(prompt) - 1
+        for i, (value, top) in enumerate(got.prompt_logprobs):
+            assert abs(value - ref[i, prompt[i + 1]].item()) < 1e-4, i
+            best = ref[i].topk(3)
+            assert [t for t, _ in top] == best.indices.tolist()
+            assert [v for _, v in top] == pytest.approx(best.values.tolist(), abs=1e-4)
+    assert_clean(engine)

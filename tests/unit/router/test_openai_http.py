@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 import tests.unit.engine.test_correctness as correctness_tests
+import tests.unit.engine.test_engine as engine_tests
 import tests.unit.engine.test_generation_defaults as defaults_tests
 import tests.unit.engine.test_sampler as sampler_tests
 import tests.unit.engine.test_smollm2 as smollm2_tests
@@ -297,6 +298,7 @@ HONOURED_BY = {
     "response_format": [structured_tests, "test_every_output_validates_against_its_schema_in_a_mixed_batch"],
     "structured_outputs": [None, "test_structured_output_fields_map_to_one_grammar"],
     "bad_words": [smollm2_tests, "test_bad_words_are_never_generated"],
+    "echo": [engine_tests, "test_prompt_logprobs_equal_transformers_log_softmax"],
 }
 
 
@@ -384,3 +386,25 @@ def test_structured_output_fields_map_to_one_grammar(door):
     ):
         status, payload = door.request("/v1/completions", {"prompt": [5]} | body)
         assert status == 400 and needle in payload["error"]["message"], (body, payload)
+
+
+def test_echo_puts_the_prompt_first(door):
+    """(The prompt's logprobs against transformers, through the disaggregated cluster:
+    ``test_cluster_serving``'s OpenAI test; in the engine: ``test_engine.py``.)"""
+    status, payload = door.request("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "echo": True})
+    assert status == 200 and payload["choices"][0]["text"] == "token_id:5token_id:6"  # no tokenizer: names
+    before = len(door.prefill.calls)
+    body = {"prompt": [5, 6], "max_tokens": 2, "echo": True, "logprobs": 2}
+    status, payload = door.request("/v1/completions", body)
+    assert status == 200 and door.prefill.calls[before].params.prompt_logprobs == 2
+    status, payload = door.request("/v1/chat/completions", {"messages": [], "echo": True})
+    assert status == 400 and "`echo`" in payload["error"]["message"]
+    writer = LogprobsWriter(False, lambda t: f"<{t}>")
+    prompt = writer.write_prompt([5, 6, 7], [(-1.0, ((6, -1.0),)), (-2.0, ((9, -0.5),))])
+    both = writer.join(prompt, writer.write([8], [-0.25], []))
+    assert both == {
+        "tokens": ["<5>", "<6>", "<7>", "<8>"],
+        "token_logprobs": [None, -1.0, -2.0, -0.25],
+        "top_logprobs": [None, {"<6>": -1.0}, {"<9>": -0.5}, {}],
+        "text_offset": [0, 3, 6, 9],
+    }
