@@ -19,6 +19,7 @@ tools) are refused with 400 rather than silently ignored.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -159,20 +160,34 @@ class OpenAIServer:
     async def _serve(self, request: web.Request, cls: type[OpenAIRequest], chat: bool) -> web.StreamResponse:
         try:
             body = self._parse(await request.read(), cls)
+            rid = body.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if chat:
                 messages = [
                     {"role": str(m.get("role", "")), "content": text_of(m.get("content"))}
                     for m in body.messages
                 ]
-                inp = GenerateInput(body.params(), messages=messages, model=body.model, unset=body.unset())
+                inputs = [GenerateInput(body.params(), messages=messages)]
             else:
-                inp = GenerateInput(body.params(), prompt=body.prompt, model=body.model, unset=body.unset())
-            rid = body.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            inp = dataclasses.replace(inp, request_id=rid)
-            events = self.dispatcher.generate(inp)
+                inputs = [GenerateInput(body.params(), prompt=p) for p in body.prompts()]
+            inputs = [
+                dataclasses.replace(
+                    inp,
+                    model=body.model,
+                    unset=body.unset(),
+                    request_id=rid if len(inputs) == 1 else f"{rid}-{i}",
+                )
+                for i, inp in enumerate(inputs)
+            ]
             if body.stream:
-                return await self._stream(request, inp, events, chat, body)
-            return await self._collect(inp, events, chat, body)
+                if len(inputs) > 1:
+                    raise InvalidRequest("a streamed completion takes one prompt, not a list of them")
+                return await self._stream(request, inputs[0], self.dispatcher.generate(inputs[0]), chat, body)
+            # several prompts (completions): one choice each, run side by side
+            done = await asyncio.gather(*(self._choice(inp, chat, body, i) for i, inp in enumerate(inputs)))
+            usage = _counts(sum(f.prompt_tokens for _, f in done), sum(f.completion_tokens for _, f in done))
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(f.cached_prompt_tokens for _, f in done)}
+            envelope = self._envelope(dataclasses.replace(inputs[0], request_id=rid), chat, False)
+            return web.json_response(envelope | {"choices": [c for c, _ in done], "usage": usage})
         except Exception as e:
             return _error(e)
 
@@ -193,8 +208,12 @@ class OpenAIServer:
             raise InvalidRequest(message)
         return body
 
-    async def _collect(self, inp: GenerateInput, events, chat: bool, body: OpenAIRequest) -> web.Response:
+    async def _choice(
+        self, inp: GenerateInput, chat: bool, body: OpenAIRequest, index: int
+    ) -> tuple[dict[str, Any], FinalEvent]:
+        """One request run to its end: its choice (at ``index``) and how it ended."""
         text, final = [], None
+        events = self.dispatcher.generate(inp)
         token_ids, logprobs, top = [], [], []
         prompt_logprobs = None
         async for ev in events:
@@ -207,9 +226,9 @@ class OpenAIServer:
             else:
                 final = ev
         content = "".join(text)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish_reason.value}
+        choice: dict[str, Any] = {"index": index, "finish_reason": final.finish_reason.value}
         writer = self._logprobs(chat)
-        echoed = self._echo(body, writer, prompt_logprobs)
+        echoed = self._echo(body, inp.prompt, writer, prompt_logprobs)
         lp = writer.write(token_ids, logprobs, top) if inp.params.logprobs else None
         if echoed is not None:
             content = echoed[0] + content
@@ -219,9 +238,7 @@ class OpenAIServer:
             choice |= {"message": {"role": "assistant", "content": content}, "logprobs": lp}
         else:
             choice |= {"text": content, "logprobs": lp}
-        return web.json_response(
-            self._envelope(inp, chat, False) | {"choices": [choice], "usage": _usage(final)}
-        )
+        return choice, final
 
     async def _stream(self, request, inp: GenerateInput, events, chat: bool, body: OpenAIRequest):
         # The first event may be an error (validation, admission): answer it as JSON, not SSE.
@@ -252,7 +269,9 @@ class OpenAIServer:
                     completion_tokens += len(ev.token_ids)
                     text, echoed = ev.text, None
                     if echo_pending:  # the prompt goes before the first tokens
-                        echoed = self._echo(body, writer or self._logprobs(chat), ev.prompt_logprobs)
+                        echoed = self._echo(
+                            body, inp.prompt, writer or self._logprobs(chat), ev.prompt_logprobs
+                        )
                         echo_pending = False
                         text = (echoed[0] if echoed else "") + text
                     if text or options.continuous_usage_stats or writer is not None:
@@ -280,16 +299,20 @@ class OpenAIServer:
         return resp
 
     def _echo(
-        self, body: OpenAIRequest, writer: LogprobsWriter, prompt_logprobs: list | None
+        self,
+        body: OpenAIRequest,
+        prompt: str | list[int],
+        writer: LogprobsWriter,
+        prompt_logprobs: list | None,
     ) -> tuple[str, dict[str, Any] | None] | None:
-        """Completions with ``echo``: the prompt's text and (with logprobs) its logprobs'
+        """Completions with ``echo``: ``prompt``'s text and (with logprobs) its logprobs'
         part; None without echo."""
         if not getattr(body, "echo", False):
             return None
         validator = self.dispatcher.validator
-        ids = validator.encode(body.prompt, None)
-        if isinstance(body.prompt, str):
-            text = body.prompt
+        ids = validator.encode(prompt, None)
+        if isinstance(prompt, str):
+            text = prompt
         elif validator.tokenizer is not None:
             text = validator.decode(ids)
         else:  # no tokenizer: the tokens' names, as the logprobs give them

@@ -177,12 +177,21 @@ class ChatRequest(OpenAIRequest):
 class CompletionRequest(OpenAIRequest):
     ENDPOINT = Endpoint.COMPLETIONS
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or several (one choice each)
     logprobs: int | None = None  # the chosen token's and this many most likely tokens'
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt's too)
 
     def requested_logprobs(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (OpenAI's forms: a string, token ids, or a list of either)."""
+        p = self.prompt
+        if isinstance(p, str) or all(isinstance(t, int) for t in p):
+            return [p]
+        if not p:
+            raise InvalidRequest("the prompt list is empty")
+        return list(p)
 
     def params(self) -> SamplingParams:
         params = super().params()

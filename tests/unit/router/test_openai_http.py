@@ -408,3 +408,18 @@ def test_echo_puts_the_prompt_first(door):
         "top_logprobs": [None, {"<6>": -1.0}, {"<9>": -0.5}, {}],
         "text_offset": [0, 3, 6, 9],
     }
+
+
+def test_a_list_of_prompts_gets_one_choice_each(door):
+    """OpenAI's batched prompts (what lm-evaluation-harness sends): one choice per prompt,
+    in order, usage summed."""
+    status, payload = door.request("/v1/completions", {"prompt": [[5, 6], [7, 8, 9]], "max_tokens": 2})
+    assert status == 200 and [c["index"] for c in payload["choices"]] == [0, 1]
+    assert payload["usage"]["prompt_tokens"] == 5 and payload["usage"]["completion_tokens"] == 4
+    body = {"prompt": [[5, 6]], "max_tokens": 2, "echo": True}
+    status, payload = door.request("/v1/completions", body)
+    assert status == 200 and payload["choices"][0]["text"] == "token_id:5token_id:6"
+    status, payload = door.request("/v1/completions", {"prompt": [[5], [6]], "stream": True})
+    assert status == 400 and "one prompt" in payload["error"]["message"]
+    status, payload = door.request("/v1/completions", {"prompt": [[5], []]})
+    assert status == 400 and "empty" in payload["error"]["message"]

@@ -154,7 +154,7 @@ def test_openai_http_errors_without_workers():
             ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
             ("/v1/completions", {"prompt": [1, 2], "n": 2}, 400, "`n`"),
             ("/v1/completions", {"prompt": [1, 2], "frequency_penalty": 5}, 400, "frequency_penalty"),
-            ("/v1/completions", {"prompt": [1, 2], "echo": True}, 400, "`echo`"),
+            ("/v1/completions", {"prompt": [1, 2], "suffix": "x"}, 400, "`suffix`"),
             ("/v1/completions", {"prompt": [1, 2], "model": "other"}, 400, "unknown model"),
             ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2}, 503, "no decode worker"),
             ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "stream": True}, 503, "no decode worker"),
