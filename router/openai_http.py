@@ -183,7 +183,14 @@ class OpenAIServer:
                     raise InvalidRequest("a streamed completion takes one prompt, not a list of them")
                 return await self._stream(request, inputs[0], self.dispatcher.generate(inputs[0]), chat, body)
             # several prompts (completions): one choice each, run side by side
-            done = await asyncio.gather(*(self._choice(inp, chat, body, i) for i, inp in enumerate(inputs)))
+            try:
+                async with asyncio.TaskGroup() as group:  # one failing cancels the others
+                    tasks = [
+                        group.create_task(self._choice(inp, chat, body, i)) for i, inp in enumerate(inputs)
+                    ]
+            except ExceptionGroup as failed:  # the client hears of the first failure
+                raise failed.exceptions[0] from None
+            done = [task.result() for task in tasks]
             usage = _counts(sum(f.prompt_tokens for _, f in done), sum(f.completion_tokens for _, f in done))
             usage["prompt_tokens_details"] = {"cached_tokens": sum(f.cached_prompt_tokens for _, f in done)}
             envelope = self._envelope(dataclasses.replace(inputs[0], request_id=rid), chat, False)
