@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.structured import Grammar, allowed_tokens, allows
+from splitserve.engine.structured import Grammar
+from splitserve.engine.structured_masks import allowed_tokens, allows
 from splitserve.wire.outputs import TopLogprobs
 from splitserve.wire.sampling import SamplingParams
 

@@ -147,7 +147,7 @@ def test_the_argmax_check_agrees_with_the_full_mask(engine):
     takes it; that must be what the unpacked mask says of every token."""
     import torch
 
-    from splitserve.engine.structured import allowed_tokens, allows
+    from splitserve.engine.structured_masks import allowed_tokens, allows
 
     spec = StructuredOutput("json_schema", json.dumps(SCHEMAS[3]))
     grammars = [engine.tokenizer.grammar(spec, engine.tokenizer.encode(p)) for p in ("", '{"color": "', "{")]
