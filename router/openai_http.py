@@ -191,10 +191,10 @@ class OpenAIServer:
             except ExceptionGroup as failed:  # the client hears of the first failure
                 raise failed.exceptions[0] from None
             done = [task.result() for task in tasks]
-            usage = _counts(sum(f.prompt_tokens for _, f in done), sum(f.completion_tokens for _, f in done))
-            usage["prompt_tokens_details"] = {"cached_tokens": sum(f.cached_prompt_tokens for _, f in done)}
-            envelope = self._envelope(dataclasses.replace(inputs[0], request_id=rid), chat, False)
-            return web.json_response(envelope | {"choices": [c for c, _ in done], "usage": usage})
+            usage = _usage([final for _, final in done])
+            return web.json_response(
+                self._envelope(rid, chat, False) | {"choices": [c for c, _ in done], "usage": usage}
+            )
         except Exception as e:
             return _error(e)
 
@@ -252,7 +252,7 @@ class OpenAIServer:
         first = await events.__anext__()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        env = self._envelope(inp, chat, True)
+        env = self._envelope(inp.request_id, chat, True)
         options = body.stream_options or StreamOptions()
         writer = self._logprobs(chat) if inp.params.logprobs else None
         completion_tokens, echo_pending = 0, True
@@ -293,7 +293,7 @@ class OpenAIServer:
                     choice |= {"delta": {}} if chat else {"text": "", "logprobs": None}
                     await send(chunk(choice, ev.prompt_tokens))
                     if options.include_usage:
-                        await send(env | {"choices": [], "usage": _usage(ev)})
+                        await send(env | {"choices": [], "usage": _usage([ev])})
                     break
                 ev = await events.__anext__()
         except Exception as e:  # mid-stream: the status is already sent; report in-band
@@ -330,10 +330,10 @@ class OpenAIServer:
     def _logprobs(self, chat: bool) -> LogprobsWriter:
         return LogprobsWriter(chat, self.dispatcher.validator.token_text)
 
-    def _envelope(self, inp: GenerateInput, chat: bool, chunk: bool) -> dict[str, Any]:
+    def _envelope(self, request_id: str, chat: bool, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
         return {
-            "id": inp.request_id,
+            "id": request_id,
             "object": kind,
             "created": int(time.time()),
             "model": self.dispatcher.served_model,
@@ -345,9 +345,12 @@ def _counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
 
 
-def _usage(final: FinalEvent) -> dict[str, Any]:
-    usage: dict[str, Any] = _counts(final.prompt_tokens, final.completion_tokens)
-    return usage | {"prompt_tokens_details": {"cached_tokens": final.cached_prompt_tokens}}
+def _usage(finals: list[FinalEvent]) -> dict[str, Any]:
+    """The usage of one request, or the sum of several (a list of prompts)."""
+    usage: dict[str, Any] = _counts(
+        sum(f.prompt_tokens for f in finals), sum(f.completion_tokens for f in finals)
+    )
+    return usage | {"prompt_tokens_details": {"cached_tokens": sum(f.cached_prompt_tokens for f in finals)}}
 
 
 def server_ssl_context(cert_file: str, key_file: str) -> ssl.SSLContext:
