@@ -18,7 +18,7 @@ from splitserve.bench.soak import SoakSpec, run_soak, shared_prefix_prompts, soa
 from splitserve.engine.engine import Engine
 from tests.integration.cluster_util import VOCAB, live_cluster
 
-REQUESTS = int(os.environ.get("SPLITSERVE_SOAK_REQUESTS", "600"))
+REQUESTS = int(os.environ.get("SPLITSERVE_SOAK_REQUESTS", "400"))
 
 
 def test_every_token_of_a_soak_is_right_and_nothing_leaks(checkpoint):
