@@ -125,7 +125,8 @@ class Client:
         model, request_id, max_tokens, temperature, top_k, top_p, seed, stop,
         stop_token_ids, ignore_eos, logprobs, top_logprobs, min_p, repetition_penalty, frequency_penalty,
         presence_penalty, logit_bias, min_tokens, allowed_token_ids, include_stop_str_in_output,
-        skip_special_tokens, bad_words, timeout_ms (``build_request``)."""
+        skip_special_tokens, bad_words, structured ((kind, spec), as ``StructuredOutput``),
+        timeout_ms (``build_request``)."""
         request = build_request(prompt, messages, **options)
         attempts = self._attempts(timeout)
         while True:

@@ -116,6 +116,7 @@ def build_request(
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool = True,
     bad_words: list[str] | None = None,
+    structured: tuple[str, str] | None = None,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest``; an option left None is left unset (the server's default)."""
     sp = pb.SamplingParams(
@@ -127,6 +128,8 @@ def build_request(
         keep_special_tokens=not skip_special_tokens,
         bad_words=bad_words or [],
     )
+    if structured is not None:  # (kind, spec): ("json_schema", schema as JSON text), ("regex", ...), ...
+        sp.structured.kind, sp.structured.spec = structured
     for name, value in (
         ("max_tokens", max_tokens),
         ("temperature", temperature),

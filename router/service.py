@@ -22,7 +22,7 @@ from splitserve.wire.decode import DecodeStats
 from splitserve.wire.defaults import DEFAULTED
 from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.prefill import PrefillStats
-from splitserve.wire.sampling import FinishReason, SamplingParams
+from splitserve.wire.sampling import FinishReason, SamplingParams, StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,9 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=sp.include_stop_str_in_output,
         skip_special_tokens=not sp.keep_special_tokens,
         bad_words=list(sp.bad_words),
+        structured=StructuredOutput(sp.structured.kind, sp.structured.spec)
+        if sp.HasField("structured")
+        else None,
         frequency_penalty=sp.frequency_penalty,
         presence_penalty=sp.presence_penalty,
         logit_bias=dict(sp.logit_bias),

@@ -129,6 +129,13 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
         )
         assert gen.returncode == 0, gen.stderr
         assert "Paris" in gen.stdout
+        # structured output through the gRPC SDK too
+        from splitserve.client import Client
+
+        with Client(address, timeout=120) as client:
+            chat = [{"role": "user", "content": "Is the sky blue?"}]
+            out = client.generate(messages=chat, temperature=0, structured=("choice", '["yes", "no"]'))
+        assert out.text in ("yes", "no") and out.final.finish_reason == "stop"
         status = subprocess.run(
             [*CLI, "status", "--server", address], capture_output=True, text=True, timeout=60
         )

@@ -32,11 +32,13 @@ FIELDS = dict(
     skip_special_tokens=False,
     bad_words=["nope"],
 )
+STRUCTURED = ("json_schema", '{"type": "object"}')
 
 
 def test_the_same_request_through_either_door_samples_the_same():
-    grpc_in = generate_input(build_request([5, 6], None, logprobs=True, top_logprobs=3, **FIELDS), None)
-    http = CompletionRequest(prompt=[5, 6], logprobs=3, **FIELDS)
+    request = build_request([5, 6], None, logprobs=True, top_logprobs=3, structured=STRUCTURED, **FIELDS)
+    grpc_in = generate_input(request, None)
+    http = CompletionRequest(prompt=[5, 6], logprobs=3, response_format={"type": "json_object"}, **FIELDS)
     assert grpc_in.params == http.params()
     assert grpc_in.unset == http.unset() == frozenset()
     bare_grpc = generate_input(build_request([5, 6], None), None)
