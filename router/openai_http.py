@@ -1,20 +1,23 @@
 """An OpenAI-compatible HTTP endpoint over the router's ``Dispatcher``.
 
     POST /v1/chat/completions   messages -> chat template (stream: SSE chunks)
-    POST /v1/completions        prompt as text or token ids (stream: SSE chunks)
-    GET  /v1/models
-    GET  /health
+    POST /v1/completions        a prompt (text or token ids) or a list of them (stream: one prompt)
+    GET  /v1/models             the served model and its max_model_len
+    POST /tokenize, /detokenize vLLM's: token ids of a prompt or messages; text of token ids
+    GET  /version
+    GET  /health                503 while a pool has no routable worker
     GET  /metrics               Prometheus metrics (router.metrics), when given
 
-With API keys (``router.auth``), ``/v1/...`` answers 401 without a valid
-``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open.
+With API keys (``router.auth``), ``/v1/...``, ``/tokenize`` and ``/detokenize``
+answer 401 without a valid ``Authorization: Bearer KEY``; the rest stays open.
 
-Requests take the same path as gRPC ``Generate`` (same validation, admission,
-cancellation: a client that disconnects aborts its request on every worker).
-Errors use OpenAI's shape, ``{"error": {"message", "type", "code"}}``, with
-the HTTP status from ``router.errors.http_status_for``. Fields OpenAI defines
-that splitserve does not implement (``n`` > 1, penalties, ``logit_bias``,
-tools) are refused with 400 rather than silently ignored.
+Requests take the same path as gRPC ``Generate`` (same validation, defaults,
+admission, cancellation: a client that disconnects aborts its request on every
+worker). Errors use OpenAI's shape, ``{"error": {"message", "type", "code"}}``,
+with the HTTP status from ``router.errors.http_status_for``. Every field of a
+body is checked against ``api_schema`` (the request models are in
+``openai_requests``): what splitserve does not honour is refused with a 400
+naming it, never silently ignored.
 """
 
 from __future__ import annotations
