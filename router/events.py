@@ -19,7 +19,7 @@ class GenerateInput:
     model: str = ""
     request_id: str = ""
     timeout_s: float | None = None
-    unset: frozenset[str] = frozenset()  # sampling fields the client left unset (the model's defaults apply)
+    unset: frozenset[str] = frozenset()  # defaulted fields the client left unset (wire.defaults.DEFAULTED)
 
 
 @dataclass(frozen=True)
