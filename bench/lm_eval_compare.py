@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 CAPITALS = [
@@ -83,21 +82,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"splitserve serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} was not healthy within {timeout_s:g} s")
-
-
 def run_lm_eval(python: str, model: str, model_args: str, tasks_dir: Path, out: Path) -> tuple[dict, dict]:
     """One lm-eval run: its ``results`` (task -> metric -> value) and its samples
     (task -> doc id -> the model's responses)."""
@@ -135,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lm-eval-python", required=True, help="a Python that has lm-eval installed")
     args = ap.parse_args(argv)
+    from splitserve.bench.vs_vllm import wait_healthy
     from splitserve.engine.model.loader import resolve_source
 
     hf_dir = str(resolve_source("smollm2").directory)
@@ -158,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     log = open(work / "serve.log", "w")
     server = subprocess.Popen(serve, stdout=log, stderr=log)
     try:
-        _wait_healthy(f"http://127.0.0.1:{http_port}/health", server, 600)
+        wait_healthy(f"http://127.0.0.1:{http_port}/health", server, 600)
         print("lm-eval runs (SmolLM2-135M-Instruct, float32):", flush=True)
         served, served_samples = run_lm_eval(
             args.lm_eval_python,

@@ -66,7 +66,11 @@ class Sampler:
         # A greedy row whose only processing is a grammar keeps its argmax when the grammar
         # allows it (masking only removes tokens): most steps of a model that follows the
         # format. Only the others are masked.
-        guided = [i for i, r in enumerate(rows) if r.grammar is not None and i not in special]
+        guided = [
+            i
+            for i, r in enumerate(rows)
+            if r.grammar is not None and r.params.greedy and not r.params.transforms_logits
+        ]
         if guided:
             ok = allows([rows[i].grammar for i in guided], tokens.index_select(0, _index(guided, tokens)))
             special = sorted(special + [i for i, fine in zip(guided, ok) if not fine])

@@ -41,23 +41,27 @@ def test_every_router_module_imports_without_torch_ray_or_worker_code():
     assert out.stdout.strip() == "", f"the router loaded: {out.stdout.strip()}"
 
 
+def _imported(path: pathlib.Path) -> list[str]:
+    """Every module ``path`` imports by absolute name, at any depth (inside functions too)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    return names
+
+
 def _package_imports() -> dict[tuple[str, str], list[str]]:
     """(importing package, imported package) -> the files, over every top-level package."""
     packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists() and p.name != "tests"}
     edges: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
     for pkg in packages:
         for path in (ROOT / pkg).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    names = [node.module]
-                else:
-                    continue
-                for name in names:
-                    parts = name.split(".")
-                    if parts[0] == "splitserve" and len(parts) > 1 and parts[1] in packages - {pkg}:
-                        edges[(pkg, parts[1])].append(str(path.relative_to(ROOT)))
+            for name in _imported(path):
+                parts = name.split(".")
+                if parts[0] == "splitserve" and len(parts) > 1 and parts[1] in packages - {pkg}:
+                    edges[(pkg, parts[1])].append(str(path.relative_to(ROOT)))
     return edges
 
 
@@ -73,19 +77,12 @@ def test_wire_imports_only_the_standard_library_and_itself():
     no other splitserve package, not even inside a function."""
     foreign = []
     for path in sorted((ROOT / "wire").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names = [node.module]
-            else:
+        for name in _imported(path):
+            parts = name.split(".")
+            if parts[0] == "splitserve" and parts[1:2] == ["wire"]:
                 continue
-            for name in names:
-                parts = name.split(".")
-                if parts[0] == "splitserve" and parts[1:2] == ["wire"]:
-                    continue
-                if parts[0] == "__future__" or parts[0] in sys.stdlib_module_names:
-                    continue
-                foreign.append(f"{path.name}: {name}")
+            if parts[0] == "__future__" or parts[0] in sys.stdlib_module_names:
+                continue
+            foreign.append(f"{path.name}: {name}")
     assert len(list((ROOT / "wire").glob("*.py"))) > 5
     assert foreign == []
