@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import queue
 import threading
 import time
@@ -57,7 +58,16 @@ class TorchDistTicket:
 
 
 def _secs(s: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(s, 0.001))
+    """``s`` seconds as a timedelta rounded *up* to whole milliseconds, at least one:
+    gloo truncates to milliseconds, and a wait must not end before its deadline."""
+    return datetime.timedelta(milliseconds=max(math.ceil(s * 1000), 1))
+
+
+def _timed_out(e: RuntimeError) -> bool:
+    """Whether gloo's error says a wait ran out of time ("Timed out waiting 999ms ..."),
+    or that the pair was closed by an earlier timeout."""
+    msg = str(e)
+    return "Timed out" in msg or "imeout" in msg
 
 
 class _Pair:
@@ -212,7 +222,7 @@ class TorchDistSink(KVSink):
                             f"KV transfer {desc.transfer_id}: {desc.source_worker} is gone"
                         ) from None
         except RuntimeError as e:
-            if time.monotonic() >= deadline or "imeout" in str(e):
+            if time.monotonic() >= deadline or _timed_out(e):
                 raise TransferTimeout(
                     f"KV transfer {desc.transfer_id} from {desc.source_worker} timed out"
                 ) from e

@@ -51,6 +51,7 @@ def test_node_kills_under_load_lose_no_request_and_corrupt_no_output(checkpoint)
     try:
         with BackgroundCluster(config) as cluster:
             report = run_chaos(cluster, prompts, params, reference, spec, nodes=nodes)
+            print(report.summary())
             # a decode worker on a killed node was restarted by Ray on another node, and
             # the registry (status, metrics) says where it is now
             moved = {w for k in report.kills for w in k.workers if w.startswith("decode")}
@@ -62,7 +63,6 @@ def test_node_kills_under_load_lose_no_request_and_corrupt_no_output(checkpoint)
     finally:
         ray.shutdown()
         nodes.cluster.shutdown()
-    print(report.summary())
     assert [k.kind for k in report.kills] == ["node"] * NODE_KILLS
     assert report.problems() == []
     assert len({k.node for k in report.kills}) == NODE_KILLS  # a fresh node each time
