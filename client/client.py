@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client.errors import Unavailable, from_rpc_error
-from splitserve.client.types import Chunk, Completion, Final, build_request, item_of
+from splitserve.client.types import Chunk, Completion, Final, build_request, collect, item_of
 from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
 
@@ -126,7 +126,7 @@ class Client:
         stop_token_ids, ignore_eos, logprobs, top_logprobs, min_p, repetition_penalty, frequency_penalty,
         presence_penalty, logit_bias, min_tokens, allowed_token_ids, include_stop_str_in_output,
         skip_special_tokens, bad_words, structured ((kind, spec), as ``StructuredOutput``),
-        timeout_ms (``build_request``)."""
+        n (items carry their sequence's ``index``), prompt_logprobs, timeout_ms (``build_request``)."""
         request = build_request(prompt, messages, **options)
         attempts = self._attempts(timeout)
         while True:
@@ -147,11 +147,15 @@ class Client:
                 call.cancel()  # a no-op after completion; frees the request if the caller left early
 
     def generate(self, prompt: str | list[int] | None = None, **kwargs: Any) -> Completion:
-        """The whole completion (``stream`` collected)."""
-        out = Completion(request_id=kwargs.get("request_id", ""))
-        for item in self.stream(prompt, **kwargs):
-            out.add(item)
+        """The whole completion (``stream`` collected); for ``n`` > 1, ``generate_n``."""
+        if (kwargs.get("n") or 1) != 1:
+            raise ValueError("n > 1 gives several completions: call generate_n")
+        (out,) = self.generate_n(prompt, **kwargs)
         return out
+
+    def generate_n(self, prompt: str | list[int] | None = None, **kwargs: Any) -> list[Completion]:
+        """The ``n`` (an option, default 1) completions of one request, by index."""
+        return collect(kwargs.get("request_id", ""), self.stream(prompt, **kwargs), kwargs.get("n") or 1)
 
     # ---- other calls --------------------------------------------------------------------
     def tokenize(
@@ -255,10 +259,14 @@ class AsyncClient:
                 call.cancel()
 
     async def generate(self, prompt: str | list[int] | None = None, **kwargs: Any) -> Completion:
-        out = Completion(request_id=kwargs.get("request_id", ""))
-        async for item in self.stream(prompt, **kwargs):
-            out.add(item)
+        if (kwargs.get("n") or 1) != 1:
+            raise ValueError("n > 1 gives several completions: call generate_n")
+        (out,) = await self.generate_n(prompt, **kwargs)
         return out
+
+    async def generate_n(self, prompt: str | list[int] | None = None, **kwargs: Any) -> list[Completion]:
+        items = [item async for item in self.stream(prompt, **kwargs)]
+        return collect(kwargs.get("request_id", ""), items, kwargs.get("n") or 1)
 
     async def tokenize(
         self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None, model: str = ""

@@ -21,6 +21,9 @@ class Chunk:
     logprobs: list[float]
     times_ms: list[float]  # per token: ms since the router accepted the request
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked
+    index: int = 0  # the sequence (of ``n``) these tokens are of
+    # prompt tokens 1.. : (logprob, most likely (token id, logprob)), on the first chunk, when asked
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class Final:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     kv_pull_ms: float = 0.0  # the part of transfer_ms spent moving and verifying the KV
+    index: int = 0  # the sequence (of ``n``) that ended
 
 
 @dataclass
@@ -49,7 +53,9 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     times_ms: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     final: Final | None = None
+    index: int = 0  # the sequence (of ``n``) it is
 
     @property
     def finish_reason(self) -> str | None:
@@ -64,13 +70,25 @@ class Completion:
             self.logprobs.extend(item.logprobs)
             self.times_ms.extend(item.times_ms)
             self.top_logprobs.extend(item.top_logprobs)
+            self.prompt_logprobs = self.prompt_logprobs or item.prompt_logprobs
+
+
+def collect(request_id: str, items, n: int) -> list[Completion]:
+    """A stream's items as ``n`` completions, by their ``index``."""
+    out = [Completion(request_id=request_id, index=i) for i in range(n)]
+    for item in items:
+        out[item.index].add(item)
+    return out
 
 
 def item_of(resp: pb.GenerateResponse) -> Chunk | Final:
     if resp.WhichOneof("kind") == "token":
         t = resp.token
         top = [list(zip(s.token_ids, s.logprobs)) for s in t.top_logprobs]
-        return Chunk(list(t.token_ids), t.text, list(t.logprobs), list(t.times_ms), top)
+        prompt = [(p.logprob, list(zip(p.top.token_ids, p.top.logprobs))) for p in t.prompt_logprobs]
+        return Chunk(
+            list(t.token_ids), t.text, list(t.logprobs), list(t.times_ms), top, t.index, prompt or None
+        )
     f = resp.final
     return Final(
         finish_reason=_FINISH.get(f.finish_reason, "unspecified"),
@@ -86,6 +104,7 @@ def item_of(resp: pb.GenerateResponse) -> Chunk | Final:
         prefill_ms=f.timing.prefill_ms,
         decode_ms=f.timing.decode_ms,
         kv_pull_ms=f.timing.kv_pull_ms,
+        index=f.index,
     )
 
 
@@ -117,6 +136,8 @@ def build_request(
     skip_special_tokens: bool = True,
     bad_words: list[str] | None = None,
     structured: tuple[str, str] | None = None,
+    n: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest``; an option left None is left unset (the server's default)."""
     sp = pb.SamplingParams(
@@ -142,6 +163,8 @@ def build_request(
         ("presence_penalty", presence_penalty),
         ("min_tokens", min_tokens),
         ("top_logprobs", top_logprobs),
+        ("n", n),
+        ("prompt_logprobs", prompt_logprobs),
     ):
         if value is not None:
             try:

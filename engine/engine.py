@@ -134,7 +134,10 @@ class Engine:
         messages: list[dict[str, str]] | None = None,
     ) -> list[int]:
         """Check a request against this engine (see ``RequestValidator.validate``);
-        changes no state. Returns the prompt ids."""
+        changes no state. Returns the prompt ids. An engine runs one sequence per
+        request: ``n`` > 1 is the router's to fork (``SamplingParams.sequence``)."""
+        if params.n != 1:
+            raise InvalidRequest(f"this engine runs one sequence per request, not n={params.n}")
         return self.validator.validate(prompt, params, messages)
 
     def abort(self, request_id: str) -> bool:

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.wire.sampling import MAX_N
+
 
 class Status(str, enum.Enum):
     HONOURED = "honoured"
@@ -105,7 +107,12 @@ FIELDS: tuple[ApiField, ...] = (
     _h("top_p", BOTH, "unset: the model's `generation_config.json`, else 1.0 (off)"),
     _h("top_k", BOTH, "unset: the model's `generation_config.json`, else 0 (off)", "vLLM"),
     _h("seed", BOTH, "reproducible sampling: the same output whatever else is in the batch"),
-    _r("n", BOTH, _NOT_YET, (1,)),
+    _h(
+        "n",
+        BOTH,
+        f"1 to {MAX_N} choices of one prompt, handed over once and forked on the decode worker; "
+        "choice i is seeded `seed + i`",
+    ),
     _r("best_of", BOTH, "not supported (vLLM's V1 engine dropped it too)", (1,)),
     _r("use_beam_search", BOTH, "beam search is not supported", (False,), "vLLM"),
     _r("length_penalty", BOTH, "only for beam search, which is not supported", (1, 1.0), "vLLM"),

@@ -46,8 +46,10 @@ exactly as long as the stream that causes it lasts.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -58,7 +60,7 @@ from splitserve.router.balancer import Prompt, pick_decode, pick_prefill
 from splitserve.router.decider import Decider, Placement
 from splitserve.router.errors import code_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
-from splitserve.router.lifecycle import RequestLifecycle
+from splitserve.router.lifecycle import Phase, RequestLifecycle
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import WorkerRecord, WorkerRegistry
 from splitserve.router.roles import Role
@@ -156,11 +158,13 @@ class Dispatcher:
             admitted = True
             self.admitted += 1
             # a trace with no prompt is a request refused at the door
-            life = RequestLifecycle(rid, prompt_ids, params, life.timeout_s)
-            async for event in self._serve(life):
-                if isinstance(event, FinalEvent):
-                    outcome, ok = event.finish_reason.value, True
-                yield event
+            life = RequestLifecycle(rid, prompt_ids, params.sequence(0), life.timeout_s)
+            events = self._serve(life) if params.n == 1 else self._fork(life, params)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, FinalEvent) and event.index == 0:
+                        outcome, ok = event.finish_reason.value, True
+                    yield event
         except Exception as e:
             outcome = code_for(e).name
             raise
@@ -209,7 +213,66 @@ class Dispatcher:
             pw = pick_prefill(self.registry.routable(Role.PREFILL), prompt, self.policy.prefix_affinity)
         decision = self.decider.decide(self.policy, prompt, dw, pw, self.colocated)
         source = self._admit_prefill(pw, n) if decision.placement == Placement.REMOTE else None
-        task = life.place(dw, source)
+        async for event in self._follow(life, life.place(dw, source), prompt):
+            yield event
+
+    async def _fork(
+        self, life: RequestLifecycle, params: SamplingParams
+    ) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """``params.n`` sequences of ``life``'s prompt, their events merged (each with its
+        ``index``) until all have ended; the first failure ends them all.
+
+        ``life`` is sequence 0 and is served as any request. Once its decode worker holds
+        its KV (handed over once, or prefilled there), sequences 1..n-1 start on that
+        worker, which prefills them itself: its prefix cache holds the prompt's full
+        blocks, so only the last, partial one is computed again. Each samples as a request
+        of its own with ``params.sequence(i)`` would, and fails over on its own."""
+        queue: asyncio.Queue[tuple[int, TokenEvent | FinalEvent | Exception]] = asyncio.Queue()
+        forks: list[RequestLifecycle] = []
+        outcomes = ["CANCELLED"] * params.n  # each fork's, for its trace
+
+        async def pump(i: int, events: AsyncIterator[TokenEvent | FinalEvent]) -> None:
+            try:
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        queue.put_nowait((i, event))
+            except Exception as e:
+                outcomes[i] = code_for(e).name
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(0, self._serve(life)))]
+        try:
+            ended = 0
+            while ended < params.n:
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if not forks and life.phase in (Phase.DECODING, Phase.FINISHED):
+                    dw = life.decode_worker
+                    prompt = Prompt.of(life.prompt_ids, dw.block_size)
+                    for j in range(1, params.n):
+                        fork = life.fork(f"{life.request_id}-{j}", params.sequence(j))
+                        forks.append(fork)
+                        events = self._follow(fork, fork.place(dw, None), prompt)
+                        tasks.append(asyncio.create_task(pump(j, events)))
+                if isinstance(item, FinalEvent):
+                    ended += 1
+                    outcomes[i] = item.finish_reason.value
+                yield dataclasses.replace(item, index=i)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for j, fork in enumerate(forks, 1):
+                self._record(fork.trace(outcomes[j], fork.phase is Phase.FINISHED))
+
+    async def _follow(
+        self, life: RequestLifecycle, task: DecodeTask, prompt: Prompt
+    ) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """``task`` (``life`` just placed) to ``life``'s last event, through its
+        transitions (see the module docstring)."""
+        n = len(life.prompt_ids)
+        source = life.source
         tried = {source.worker_id} if source is not None else set()
         resumed = False
         while True:

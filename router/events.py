@@ -31,6 +31,7 @@ class TokenEvent:
     prompt_tokens: int  # the request's, for usage reported while it streams
     top_logprobs: list[TopLogprobs]  # per token, when the request asked for them
     prompt_logprobs: list[PromptLogprob] | None = None  # once, on the first event, when asked
+    index: int = 0  # the sequence (of ``n``) these tokens are of
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,4 @@ class FinalEvent:
     e2e_ms: float
     prefill_worker: str
     decode_worker: str
+    index: int = 0  # the sequence (of ``n``) that ended

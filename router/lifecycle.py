@@ -118,6 +118,13 @@ class RequestLifecycle:
             ) from None
 
     # ---- transitions -------------------------------------------------------------------------
+    def fork(self, request_id: str, params: SamplingParams) -> RequestLifecycle:
+        """Another sequence of this request's prompt (``n`` > 1): a lifecycle of its own,
+        ADMITTED, under ``request_id`` with ``params``, and this one's deadline."""
+        other = RequestLifecycle(request_id, self.prompt_ids, params, self.timeout_s)
+        other._deadline = self._deadline
+        return other
+
     def place(self, decode: WorkerRecord, source: WorkerRecord | None) -> DecodeTask:
         """ADMITTED -> PREFILLING on ``decode``, prefilled on ``source`` (None: ``decode``)."""
         self._expect(Phase.ADMITTED)

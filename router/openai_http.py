@@ -189,15 +189,15 @@ class OpenAIServer:
             try:
                 async with asyncio.TaskGroup() as group:  # one failing cancels the others
                     tasks = [
-                        group.create_task(self._choice(inp, chat, body, i)) for i, inp in enumerate(inputs)
+                        group.create_task(self._choices(inp, chat, body, i * inp.params.n))
+                        for i, inp in enumerate(inputs)
                     ]
             except ExceptionGroup as failed:  # the client hears of the first failure
                 raise failed.exceptions[0] from None
             done = [task.result() for task in tasks]
-            usage = _usage([final for _, final in done])
-            return web.json_response(
-                self._envelope(rid, chat, False) | {"choices": [c for c, _ in done], "usage": usage}
-            )
+            choices = [c for cs, _ in done for c in cs]
+            usage = _usage([f for _, finals in done for f in finals])
+            return web.json_response(self._envelope(rid, chat, False) | {"choices": choices, "usage": usage})
         except Exception as e:
             return _error(e)
 
@@ -218,37 +218,36 @@ class OpenAIServer:
             raise InvalidRequest(message)
         return body
 
-    async def _choice(
-        self, inp: GenerateInput, chat: bool, body: OpenAIRequest, index: int
-    ) -> tuple[dict[str, Any], FinalEvent]:
-        """One request run to its end: its choice (at ``index``) and how it ended."""
-        text, final = [], None
-        events = self.dispatcher.generate(inp)
-        token_ids, logprobs, top = [], [], []
-        prompt_logprobs = None
-        async for ev in events:
+    async def _choices(
+        self, inp: GenerateInput, chat: bool, body: OpenAIRequest, first: int
+    ) -> tuple[list[dict[str, Any]], list[FinalEvent]]:
+        """One request (one prompt) run to its end: its ``n`` choices, at indexes
+        ``first``.. , and how each ended."""
+        n = inp.params.n
+        parts = [_Choice() for _ in range(n)]
+        finals: list[FinalEvent | None] = [None] * n
+        async for ev in self.dispatcher.generate(inp):
             if isinstance(ev, TokenEvent):
-                text.append(ev.text)
-                token_ids += ev.token_ids
-                logprobs += ev.logprobs
-                top += ev.top_logprobs
-                prompt_logprobs = prompt_logprobs or ev.prompt_logprobs
+                parts[ev.index].add(ev)
             else:
-                final = ev
-        content = "".join(text)
-        choice: dict[str, Any] = {"index": index, "finish_reason": final.finish_reason.value}
-        writer = self._logprobs(chat)
-        echoed = self._echo(body, inp.prompt, writer, prompt_logprobs)
-        lp = writer.write(token_ids, logprobs, top) if inp.params.logprobs else None
-        if echoed is not None:
-            content = echoed[0] + content
-            if lp is not None and echoed[1] is not None:
-                lp = writer.join(echoed[1], lp)
-        if chat:
-            choice |= {"message": {"role": "assistant", "content": content}, "logprobs": lp}
-        else:
-            choice |= {"text": content, "logprobs": lp}
-        return choice, final
+                finals[ev.index] = ev
+        choices = []
+        for i, (part, final) in enumerate(zip(parts, finals)):
+            content = "".join(part.text)
+            choice: dict[str, Any] = {"index": first + i, "finish_reason": final.finish_reason.value}
+            writer = self._logprobs(chat)
+            echoed = self._echo(body, inp.prompt, writer, part.prompt_logprobs)
+            lp = writer.write(part.token_ids, part.logprobs, part.top) if inp.params.logprobs else None
+            if echoed is not None:
+                content = echoed[0] + content
+                if lp is not None and echoed[1] is not None:
+                    lp = writer.join(echoed[1], lp)
+            if chat:
+                choice |= {"message": {"role": "assistant", "content": content}, "logprobs": lp}
+            else:
+                choice |= {"text": content, "logprobs": lp}
+            choices.append(choice)
+        return choices, finals
 
     async def _stream(self, request, inp: GenerateInput, events, chat: bool, body: OpenAIRequest):
         # The first event may be an error (validation, admission): answer it as JSON, not SSE.
@@ -257,8 +256,12 @@ class OpenAIServer:
         await resp.prepare(request)
         env = self._envelope(inp.request_id, chat, True)
         options = body.stream_options or StreamOptions()
-        writer = self._logprobs(chat) if inp.params.logprobs else None
-        completion_tokens, echo_pending = 0, True
+        n = inp.params.n
+        # per choice: its logprobs writer (completions' text_offset runs on), the prompt to echo
+        writers = [self._logprobs(chat) if inp.params.logprobs else None for _ in range(n)]
+        echo_pending = [True] * n
+        finals: list[FinalEvent] = []
+        completion_tokens = 0
 
         async def send(obj: dict) -> None:
             await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
@@ -271,33 +274,37 @@ class OpenAIServer:
 
         try:
             if chat:
-                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                await send(env | {"choices": [role]})
+                for i in range(n):
+                    role = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    await send(env | {"choices": [role]})
             ev = first
             while True:
+                i, writer = ev.index, writers[ev.index]
                 if isinstance(ev, TokenEvent):
                     completion_tokens += len(ev.token_ids)
                     text, echoed = ev.text, None
-                    if echo_pending:  # the prompt goes before the first tokens
+                    if echo_pending[i]:  # the prompt goes before the first tokens
                         echoed = self._echo(
                             body, inp.prompt, writer or self._logprobs(chat), ev.prompt_logprobs
                         )
-                        echo_pending = False
+                        echo_pending[i] = False
                         text = (echoed[0] if echoed else "") + text
                     if text or options.continuous_usage_stats or writer is not None:
                         lp = writer.write(ev.token_ids, ev.logprobs, ev.top_logprobs) if writer else None
                         if lp is not None and echoed is not None and echoed[1] is not None:
                             lp = writer.join(echoed[1], lp)
                         part = {"delta": {"content": text}} if chat else {"text": text}
-                        choice = {"index": 0, "finish_reason": None, "logprobs": lp} | part
+                        choice = {"index": i, "finish_reason": None, "logprobs": lp} | part
                         await send(chunk(choice, ev.prompt_tokens))
-                else:  # the FinalEvent
-                    choice = {"index": 0, "finish_reason": ev.finish_reason.value}
+                else:  # a FinalEvent
+                    finals.append(ev)
+                    choice = {"index": i, "finish_reason": ev.finish_reason.value}
                     choice |= {"delta": {}} if chat else {"text": "", "logprobs": None}
                     await send(chunk(choice, ev.prompt_tokens))
-                    if options.include_usage:
-                        await send(env | {"choices": [], "usage": _usage([ev])})
-                    break
+                    if len(finals) == n:
+                        if options.include_usage:
+                            await send(env | {"choices": [], "usage": _usage(finals)})
+                        break
                 ev = await events.__anext__()
         except Exception as e:  # mid-stream: the status is already sent; report in-band
             status, kind, message = http_status_for(e)
@@ -349,11 +356,31 @@ def _counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def _usage(finals: list[FinalEvent]) -> dict[str, Any]:
-    """The usage of one request, or the sum of several (a list of prompts)."""
+    """The usage of one request, or the sum of several (a list of prompts): each
+    prompt counted once (its first choice's), every choice's completion tokens."""
+    firsts = [f for f in finals if f.index == 0]
     usage: dict[str, Any] = _counts(
-        sum(f.prompt_tokens for f in finals), sum(f.completion_tokens for f in finals)
+        sum(f.prompt_tokens for f in firsts), sum(f.completion_tokens for f in finals)
     )
-    return usage | {"prompt_tokens_details": {"cached_tokens": sum(f.cached_prompt_tokens for f in finals)}}
+    return usage | {"prompt_tokens_details": {"cached_tokens": sum(f.cached_prompt_tokens for f in firsts)}}
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One choice's tokens as they come."""
+
+    text: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top: list = dataclasses.field(default_factory=list)
+    prompt_logprobs: list | None = None
+
+    def add(self, ev: TokenEvent) -> None:
+        self.text.append(ev.text)
+        self.token_ids += ev.token_ids
+        self.logprobs += ev.logprobs
+        self.top += ev.top_logprobs
+        self.prompt_logprobs = self.prompt_logprobs or ev.prompt_logprobs
 
 
 def server_ssl_context(cert_file: str, key_file: str) -> ssl.SSLContext:

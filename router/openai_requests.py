@@ -115,6 +115,7 @@ class OpenAIRequest(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     seed: int | None = None
+    n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -139,6 +140,7 @@ class OpenAIRequest(BaseModel):
         return SamplingParams(
             **self._given(),
             seed=self.seed,
+            n=self.n,
             stop=stop,
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,

@@ -21,6 +21,7 @@ from splitserve.router.trace import RequestTrace
 from splitserve.wire.decode import DecodeStats
 from splitserve.wire.defaults import DEFAULTED
 from splitserve.wire.errors import InvalidRequest
+from splitserve.wire.outputs import TopLogprobs
 from splitserve.wire.prefill import PrefillStats
 from splitserve.wire.sampling import FinishReason, SamplingParams, StructuredOutput
 
@@ -52,6 +53,8 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         logit_bias=dict(sp.logit_bias),
         min_tokens=sp.min_tokens,
         allowed_token_ids=list(sp.allowed_token_ids) or None,
+        n=sp.n or 1,
+        prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
     )
 
 
@@ -84,10 +87,20 @@ def generate_input(request: pb.GenerateRequest, time_remaining: float | None) ->
     )
 
 
+def _top_proto(best: TopLogprobs) -> pb.TopLogprobs:
+    return pb.TopLogprobs(token_ids=[t for t, _ in best], logprobs=[lp for _, lp in best])
+
+
 def _token_proto(e: TokenEvent) -> pb.Token:
-    top = [pb.TopLogprobs(token_ids=[t for t, _ in s], logprobs=[lp for _, lp in s]) for s in e.top_logprobs]
+    prompt = [pb.PromptLogprob(logprob=lp, top=_top_proto(best)) for lp, best in e.prompt_logprobs or ()]
     return pb.Token(
-        token_ids=e.token_ids, text=e.text, logprobs=e.logprobs, times_ms=e.times_ms, top_logprobs=top
+        token_ids=e.token_ids,
+        text=e.text,
+        logprobs=e.logprobs,
+        times_ms=e.times_ms,
+        top_logprobs=[_top_proto(best) for best in e.top_logprobs],
+        index=e.index,
+        prompt_logprobs=prompt,
     )
 
 
@@ -110,6 +123,7 @@ def _final_proto(e: FinalEvent) -> pb.Final:
         ),
         prefill_worker=e.prefill_worker,
         decode_worker=e.decode_worker,
+        index=e.index,
     )
 
 

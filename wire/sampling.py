@@ -4,12 +4,13 @@ why an output ended."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from splitserve.wire.errors import InvalidRequest
 
 DEFAULT_MAX_TOKENS = 16  # a request that does not say how many tokens gets these
 MAX_TOP_LOGPROBS = 20  # as OpenAI (and vLLM's default max_logprobs)
+MAX_N = 64  # sequences per request (``n``): each is a decode slot of its own
 
 
 class FinishReason(str, enum.Enum):
@@ -65,6 +66,11 @@ class SamplingParams:
     x the top token's probability dropped). Every input of these is in the
     sequence's tokens (the grammar's state too: it is rebuilt from them), so they
     hold across a handoff and a failover unchanged.
+
+    ``n`` > 1 asks for that many sequences of the prompt. The router serves it
+    (``router.dispatch``): sequence ``i`` samples as a request of its own with
+    ``sequence(i)``'s parameters would (seed ``seed + i``, as vLLM); an engine
+    runs one sequence per request.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -95,6 +101,7 @@ class SamplingParams:
     structured: StructuredOutput | None = None  # every token keeps the output in this form
     bad_words: tuple[str, ...] = ()  # never generated (vLLM's: as tokenized, and after a space)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # never generated, as token sequences
+    n: int = 1  # sequences of the prompt (the router forks them; see the docstring)
 
     def __post_init__(self) -> None:
         # Accept lists and dicts from callers but keep the dataclass hashable and immutable.
@@ -126,6 +133,14 @@ class SamplingParams:
             or self.allowed_token_ids is not None
             or bool(self.bad_words_ids)
         )
+
+    def sequence(self, i: int) -> SamplingParams:
+        """The parameters of sequence ``i`` of an ``n`` > 1 request, as a request of its
+        own: ``n`` 1, seed ``seed + i`` (unseeded stays unseeded), and the prompt's
+        logprobs asked of the first sequence only (the prompt is the same)."""
+        seed = None if self.seed is None else self.seed + i
+        prompt_logprobs = self.prompt_logprobs if i == 0 else None
+        return replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
     def token_ids_named(self) -> list[int]:
         """Every token id these parameters name (checked against the vocabulary)."""
@@ -188,3 +203,5 @@ class SamplingParams:
             not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
         ):
             raise InvalidRequest("allowed_token_ids must be a non-empty list of token ids")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequest(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")

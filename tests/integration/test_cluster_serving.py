@@ -25,8 +25,10 @@ from tests.integration.cluster_util import (
     live_cluster,
     mixed_workload,
     reference_tokens,
+    scrape,
     stream_all,
     tiny_config,
+    total,
     wait_kv_free,
     wait_until,
 )
@@ -251,8 +253,55 @@ def test_openai_http_endpoint_with_the_official_client(cluster, client, checkpoi
         api.completions.create(model=model.id, prompt=prompt, max_tokens=5000)
     with pytest.raises(openai.BadRequestError, match="unknown model"):
         api.completions.create(model="gpt-5", prompt=prompt, max_tokens=5)
-    with pytest.raises(openai.BadRequestError, match="`n`"):
-        api.completions.create(model=model.id, prompt=prompt, max_tokens=5, n=2)
+    with pytest.raises(openai.BadRequestError, match="`best_of`"):
+        api.completions.create(model=model.id, prompt=prompt, max_tokens=5, best_of=2)
+    assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_n_sequences_are_handed_over_once_and_each_equals_its_derived_seed(cluster, client):
+    """``n=4`` with a seed: four distinct sequences, one KV handover for the request (the
+    ``kv_handoffs`` metric), each equal to a request of its own seeded ``seed + i``; the
+    three forks are prefilled on the decode worker from the prompt's blocks it imported
+    (all but the last, partial one cached). The same through the OpenAI endpoint,
+    streamed: four choices, each ending once, usage counting the prompt once."""
+    openai = pytest.importorskip("openai")
+    (prompt,) = random_prompts([70], VOCAB, seed=21)
+    options = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def handoffs() -> float:
+        return total(scrape(cluster), "splitserve:kv_handoffs_total")
+
+    before = handoffs()
+    outs = client.generate_n(prompt, n=4, seed=7, **options)
+    wait_until(lambda: handoffs() > before, "the request's handover was not counted")
+    assert handoffs() - before == 1
+    assert [o.index for o in outs] == [0, 1, 2, 3]
+    assert len({tuple(o.token_ids) for o in outs}) == 4
+    assert outs[0].final.prefill_worker == "prefill-0"
+    block = cluster.dispatcher.registry.get("decode-0").block_size
+    for fork in outs[1:]:
+        assert fork.final.prefill_worker == "" and fork.final.decode_worker == "decode-0"
+        assert fork.final.cached_prompt_tokens == len(prompt) // block * block
+    alone = [client.generate(prompt, seed=7 + i, **options).token_ids for i in range(4)]
+    assert [o.token_ids for o in outs] == alone
+
+    api = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0)
+    chunks = list(
+        api.completions.create(
+            model="",
+            prompt=prompt,
+            n=4,
+            seed=7,
+            max_tokens=12,
+            temperature=1.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    ended = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(ended) == [0, 1, 2, 3]
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (70, 48)
     assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}
 
 

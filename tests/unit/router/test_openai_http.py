@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 
+import tests.integration.test_cluster_serving as serving_tests
 import tests.unit.engine.test_correctness as correctness_tests
 import tests.unit.engine.test_engine as engine_tests
 import tests.unit.engine.test_generation_defaults as defaults_tests
@@ -127,10 +128,11 @@ def test_metadata_fields_are_accepted(door, endpoint):
 
 
 def test_unknown_fields_are_a_400_listing_them(door):
-    body = BASE[Endpoint.COMPLETIONS] | {"temprature": 0.5, "frobnicate": 1, "n": 3}
+    body = BASE[Endpoint.COMPLETIONS] | {"temprature": 0.5, "frobnicate": 1, "best_of": 3}
     status, payload = door.request("/v1/completions", body)
     message = payload["error"]["message"]
-    assert status == 400 and "`temprature`" in message and "`frobnicate`" in message and "`n`" in message
+    assert status == 400
+    assert "`temprature`" in message and "`frobnicate`" in message and "`best_of`" in message
 
 
 def test_unknown_fields_are_ignored_and_counted_when_configured():
@@ -139,8 +141,8 @@ def test_unknown_fields_are_ignored_and_counted_when_configured():
         status, payload = door.request("/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "a": 1, "b": 2})
         assert status == 200 and payload["usage"]["completion_tokens"] == 3
         assert door.metrics.prom.get_sample_value("splitserve:ignored_fields_total") == 2
-        status, payload = door.request("/v1/completions", {"prompt": [5, 6], "a": 1, "n": 2})
-        assert status == 400 and "`n`" in payload["error"]["message"]  # refused fields stay refused
+        status, payload = door.request("/v1/completions", {"prompt": [5, 6], "a": 1, "best_of": 2})
+        assert status == 400 and "`best_of`" in payload["error"]["message"]  # refused fields stay refused
     finally:
         door.close()
 
@@ -299,6 +301,7 @@ HONOURED_BY = {
     "structured_outputs": [None, "test_structured_output_fields_map_to_one_grammar"],
     "bad_words": [smollm2_tests, "test_bad_words_are_never_generated"],
     "echo": [engine_tests, "test_prompt_logprobs_equal_transformers_log_softmax"],
+    "n": [serving_tests, "test_n_sequences_are_handed_over_once_and_each_equals_its_derived_seed"],
 }
 
 

@@ -152,7 +152,7 @@ def test_openai_http_errors_without_workers():
         cases = [
             ("/v1/completions", b"{not json", 400, "not valid JSON"),
             ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
-            ("/v1/completions", {"prompt": [1, 2], "n": 2}, 400, "`n`"),
+            ("/v1/completions", {"prompt": [1, 2], "best_of": 2}, 400, "`best_of`"),
             ("/v1/completions", {"prompt": [1, 2], "frequency_penalty": 5}, 400, "frequency_penalty"),
             ("/v1/completions", {"prompt": [1, 2], "suffix": "x"}, 400, "`suffix`"),
             ("/v1/completions", {"prompt": [1, 2], "model": "other"}, 400, "unknown model"),
