@@ -9,6 +9,7 @@ tests and benchmarks that want a live server next to their own code.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -136,6 +137,9 @@ class ServingCluster:
                 for engine in sorted({w.info.engine for w in workers}):
                     self.progress(f"{role} engine: {engine}")
             validator = min((w.info.validator for ws in refs for w in ws), key=lambda v: v.max_kv_tokens)
+            if cfg.router.openai.chat_template is not None:
+                template = Path(cfg.router.openai.chat_template).read_text()
+                validator = dataclasses.replace(validator, chat_template=template)
             dispatcher = Dispatcher(
                 self.registry,
                 validator,
@@ -197,6 +201,8 @@ class ServingCluster:
                     self.api_keys,
                     server_ssl_context(r.tls_cert, r.tls_key) if r.tls_cert else None,
                     ignore_unknown_fields=r.openai.ignore_unknown_fields,
+                    tool_parser=r.openai.tool_call_parser,
+                    reasoning_parser=r.openai.reasoning_parser,
                 )
                 await self.http.start()
             if r.metrics_port is not None:

@@ -234,6 +234,27 @@ class OpenAISpec(_Strict):
         "listing them; each is logged and counted in splitserve:ignored_fields_total (fields known and "
         "refused still get a 400: docs/api.md)",
     )
+    tool_call_parser: Literal["hermes", "llama3_json"] = Field(
+        "hermes",
+        description="how chat output is read for tool calls under tool_choice auto: hermes (Hermes, Qwen: "
+        "<tool_call>{...}</tool_call>) or llama3_json (Llama 3: the output one JSON call)",
+    )
+    reasoning_parser: Literal["think"] | None = Field(
+        None,
+        description="think: a chat output that begins with <think> is reasoning up to </think> "
+        "(reasoning_content), content after it (DeepSeek-R1, Qwen 3); null: all content",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="a Jinja chat template file used in place of the model's (a request's own "
+        "chat_template still wins)",
+    )
+
+    @model_validator(mode="after")
+    def _template_exists(self) -> OpenAISpec:
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ValueError(f"router.openai.chat_template: no file {self.chat_template!r}")
+        return self
 
 
 class RouterSpec(_Strict):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from splitserve.wire.chat import ChatTemplating
 from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.sampling import StructuredOutput
 
@@ -49,13 +50,25 @@ class Tokenizer:
         """``text``'s tokens without the special tokens ``encode`` adds (a BOS)."""
         return self.hf.encode(text, add_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        if not getattr(self.hf, "chat_template", None):
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], templating: ChatTemplating | None = None
+    ) -> list[int]:
+        """The prompt of ``messages`` with the generation prompt added, rendered by
+        ``templating``'s template (else the model's) with its tools and variables."""
+        templating = templating or ChatTemplating()
+        if not (templating.template or getattr(self.hf, "chat_template", None)):
             raise InvalidRequest("this model has no chat template; send a raw prompt instead")
         from jinja2 import TemplateError
 
         try:
-            out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            out = self.hf.apply_chat_template(
+                messages,
+                tools=templating.tools,
+                chat_template=templating.template,
+                add_generation_prompt=True,
+                tokenize=True,
+                **templating.variables,
+            )
         except TemplateError as e:  # e.g. roles that must alternate; the template's own words
             raise InvalidRequest(f"the model's chat template refused these messages: {e}") from None
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out

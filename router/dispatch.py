@@ -136,7 +136,7 @@ class Dispatcher:
         self.check_model(inp.model)
         if inp.timeout_s is not None and inp.timeout_s <= 0:
             raise InvalidRequest("the timeout must be positive")
-        return self.validator.prepare(inp.prompt, inp.params, inp.messages, inp.unset)
+        return self.validator.prepare(inp.prompt, inp.params, inp.messages, inp.unset, inp.templating)
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Run one request; yields its tokens, then one ``FinalEvent``. Raises

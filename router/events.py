@@ -4,7 +4,9 @@ dispatcher: what a request asks for, and what its stream yields."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from splitserve.wire.chat import ChatTemplating
 from splitserve.wire.outputs import PromptLogprob, TopLogprobs
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
@@ -15,7 +17,8 @@ class GenerateInput:
 
     params: SamplingParams
     prompt: str | list[int] | None = None  # text or token ids
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    templating: ChatTemplating | None = None  # how the messages are rendered (tools, template, variables)
     model: str = ""
     request_id: str = ""
     timeout_s: float | None = None

@@ -53,6 +53,14 @@ from splitserve.router.openai_requests import (
     text_of,
     validated,
 )
+from splitserve.router.tools import (
+    OutputFormat,
+    OutputStream,
+    ReasoningParser,
+    ToolParser,
+    parse,
+    template_messages,
+)
 from splitserve.wire.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -71,9 +79,13 @@ class OpenAIServer:
         api_keys: ApiKeys | None = None,
         ssl_context: ssl.SSLContext | None = None,
         ignore_unknown_fields: bool = False,
+        tool_parser: ToolParser = "hermes",
+        reasoning_parser: ReasoningParser | None = None,
     ):
         self.dispatcher = dispatcher
         self.ignore_unknown_fields = ignore_unknown_fields
+        self.tool_parser = tool_parser  # how "auto" tool calls are read from chat output
+        self.reasoning_parser = reasoning_parser
         self.metrics = metrics
         self.api_keys = api_keys
         self.ssl_context = ssl_context
@@ -122,12 +134,7 @@ class OpenAIServer:
         try:
             body = validated(TokenizeRequest, json_object(await request.read()))
             self.dispatcher.check_model(body.model)
-            messages = None
-            if body.messages is not None:
-                messages = [
-                    {"role": str(m.get("role", "")), "content": text_of(m.get("content"))}
-                    for m in body.messages
-                ]
+            messages = None if body.messages is None else template_messages(body.messages, text_of)
             ids = self.dispatcher.validator.encode(body.prompt, messages)
             limit = self.dispatcher.validator.max_model_len
             return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": limit})
@@ -164,12 +171,11 @@ class OpenAIServer:
         try:
             body = self._parse(await request.read(), cls)
             rid = body.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            fmt = None
             if chat:
-                messages = [
-                    {"role": str(m.get("role", "")), "content": text_of(m.get("content"))}
-                    for m in body.messages
-                ]
-                inputs = [GenerateInput(body.params(), messages=messages)]
+                fmt = body.output_format(self.tool_parser, self.reasoning_parser)
+                messages, templating = body.template_messages(), body.templating()
+                inputs = [GenerateInput(body.params(), messages=messages, templating=templating)]
             else:
                 inputs = [GenerateInput(body.params(), prompt=p) for p in body.prompts()]
             inputs = [
@@ -184,12 +190,13 @@ class OpenAIServer:
             if body.stream:
                 if len(inputs) > 1:
                     raise InvalidRequest("a streamed completion takes one prompt, not a list of them")
-                return await self._stream(request, inputs[0], self.dispatcher.generate(inputs[0]), chat, body)
+                events = self.dispatcher.generate(inputs[0])
+                return await self._stream(request, inputs[0], events, fmt, body)
             # several prompts (completions): one choice each, run side by side
             try:
                 async with asyncio.TaskGroup() as group:  # one failing cancels the others
                     tasks = [
-                        group.create_task(self._choices(inp, chat, body, i * inp.params.n))
+                        group.create_task(self._choices(inp, fmt, body, i * inp.params.n))
                         for i, inp in enumerate(inputs)
                     ]
             except ExceptionGroup as failed:  # the client hears of the first failure
@@ -219,11 +226,11 @@ class OpenAIServer:
         return body
 
     async def _choices(
-        self, inp: GenerateInput, chat: bool, body: OpenAIRequest, first: int
+        self, inp: GenerateInput, fmt: OutputFormat | None, body: OpenAIRequest, first: int
     ) -> tuple[list[dict[str, Any]], list[FinalEvent]]:
         """One request (one prompt) run to its end: its ``n`` choices, at indexes
-        ``first``.. , and how each ended."""
-        n = inp.params.n
+        ``first``.. , and how each ended; chat (``fmt``) reads tool calls and reasoning."""
+        chat, n = fmt is not None, inp.params.n
         parts = [_Choice() for _ in range(n)]
         finals: list[FinalEvent | None] = [None] * n
         async for ev in self.dispatcher.generate(inp):
@@ -234,7 +241,7 @@ class OpenAIServer:
         choices = []
         for i, (part, final) in enumerate(zip(parts, finals)):
             content = "".join(part.text)
-            choice: dict[str, Any] = {"index": first + i, "finish_reason": final.finish_reason.value}
+            reason = final.finish_reason.value
             writer = self._logprobs(chat)
             echoed = self._echo(body, inp.prompt, writer, part.prompt_logprobs)
             lp = writer.write(part.token_ids, part.logprobs, part.top) if inp.params.logprobs else None
@@ -243,23 +250,39 @@ class OpenAIServer:
                 if lp is not None and echoed[1] is not None:
                     lp = writer.join(echoed[1], lp)
             if chat:
-                choice |= {"message": {"role": "assistant", "content": content}, "logprobs": lp}
+                parsed = parse(content, fmt)
+                message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
+                if parsed.calls:
+                    message["tool_calls"] = [c.message() for c in parsed.calls]
+                    reason = _calls_reason(reason, fmt)
+                elif message["content"] is None:
+                    message["content"] = ""
+                if fmt.reasoning:
+                    message["reasoning_content"] = parsed.reasoning or None
+                choice = {"index": first + i, "message": message, "logprobs": lp, "finish_reason": reason}
             else:
-                choice |= {"text": content, "logprobs": lp}
+                choice = {"index": first + i, "text": content, "logprobs": lp, "finish_reason": reason}
             choices.append(choice)
         return choices, finals
 
-    async def _stream(self, request, inp: GenerateInput, events, chat: bool, body: OpenAIRequest):
+    async def _stream(
+        self, request, inp: GenerateInput, events, fmt: OutputFormat | None, body: OpenAIRequest
+    ):
+        """A request's choices as server-sent chunks; chat (``fmt``) has its text read as
+        content, reasoning and tool calls as it comes (``router.tools.OutputStream``)."""
         # The first event may be an error (validation, admission): answer it as JSON, not SSE.
         first = await events.__anext__()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        chat = fmt is not None
         env = self._envelope(inp.request_id, chat, True)
         options = body.stream_options or StreamOptions()
         n = inp.params.n
-        # per choice: its logprobs writer (completions' text_offset runs on), the prompt to echo
+        # per choice: its logprobs writer (completions' text_offset runs on), the prompt to
+        # echo, its output as read so far
         writers = [self._logprobs(chat) if inp.params.logprobs else None for _ in range(n)]
         echo_pending = [True] * n
+        outputs = [OutputStream(fmt) for _ in range(n)] if chat else []
         finals: list[FinalEvent] = []
         completion_tokens = 0
 
@@ -289,16 +312,29 @@ class OpenAIServer:
                         )
                         echo_pending[i] = False
                         text = (echoed[0] if echoed else "") + text
-                    if text or options.continuous_usage_stats or writer is not None:
-                        lp = writer.write(ev.token_ids, ev.logprobs, ev.top_logprobs) if writer else None
-                        if lp is not None and echoed is not None and echoed[1] is not None:
-                            lp = writer.join(echoed[1], lp)
-                        part = {"delta": {"content": text}} if chat else {"text": text}
-                        choice = {"index": i, "finish_reason": None, "logprobs": lp} | part
+                    lp = writer.write(ev.token_ids, ev.logprobs, ev.top_logprobs) if writer else None
+                    if lp is not None and echoed is not None and echoed[1] is not None:
+                        lp = writer.join(echoed[1], lp)
+                    if chat:
+                        deltas = outputs[i].feed(text)
+                        if not deltas and (lp is not None or options.continuous_usage_stats):
+                            deltas = [{"content": ""}]
+                        for k, delta in enumerate(deltas):  # the logprobs go with the first
+                            choice = {"index": i, "delta": delta, "logprobs": None if k else lp}
+                            await send(chunk(choice | {"finish_reason": None}, ev.prompt_tokens))
+                    elif text or options.continuous_usage_stats or writer is not None:
+                        choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": None}
                         await send(chunk(choice, ev.prompt_tokens))
                 else:  # a FinalEvent
                     finals.append(ev)
-                    choice = {"index": i, "finish_reason": ev.finish_reason.value}
+                    reason = ev.finish_reason.value
+                    if chat:
+                        rest, called = outputs[i].finish()
+                        for delta in rest:
+                            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                            await send(chunk(choice, ev.prompt_tokens))
+                        reason = _calls_reason(reason, fmt) if called else reason
+                    choice = {"index": i, "finish_reason": reason}
                     choice |= {"delta": {}} if chat else {"text": "", "logprobs": None}
                     await send(chunk(choice, ev.prompt_tokens))
                     if len(finals) == n:
@@ -348,6 +384,12 @@ class OpenAIServer:
             "created": int(time.time()),
             "model": self.dispatcher.served_model,
         }
+
+
+def _calls_reason(reason: str, fmt: OutputFormat) -> str:
+    """A choice that called tools ends with ``tool_calls`` (a forced named call, and one
+    cut short by ``length``, keep theirs, as OpenAI's)."""
+    return "tool_calls" if reason == "stop" and fmt.choice.mode != "named" else reason
 
 
 def _counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

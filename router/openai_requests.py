@@ -12,6 +12,16 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from splitserve.router.api_schema import Endpoint
+from splitserve.router.tools import (
+    OutputFormat,
+    ReasoningParser,
+    ToolChoice,
+    ToolParser,
+    forced_output,
+    template_messages,
+    tool_choice,
+)
+from splitserve.wire.chat import ChatTemplating
 from splitserve.wire.defaults import DEFAULTED, SAMPLING_FIELDS
 from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.sampling import SamplingParams, StructuredOutput
@@ -168,6 +178,48 @@ class ChatRequest(OpenAIRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # a template variable (as vLLM passes it)
+    include_reasoning: bool = True
+
+    def choice(self) -> ToolChoice:
+        return tool_choice(self.tools, self.tool_choice)
+
+    def params(self) -> SamplingParams:
+        """As any request's; a ``required`` or named ``tool_choice`` adds the structured
+        output that keeps the call valid (``router.tools``)."""
+        params = super().params()
+        choice = self.choice()
+        if choice.forced:
+            if params.structured is not None:
+                raise InvalidRequest(
+                    f"tool_choice {choice.name or choice.mode!r} fixes the output's form: "
+                    "leave out response_format and structured_outputs"
+                )
+            forced = forced_output(self.tools, choice, self.parallel_tool_calls)
+            params = dataclasses.replace(params, structured=forced)
+        return params
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return template_messages(self.messages, text_of)
+
+    def templating(self) -> ChatTemplating:
+        """The tools (unless ``tool_choice`` is none), the request's template and its
+        template variables (``chat_template_kwargs``, ``reasoning_effort``)."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables["reasoning_effort"] = self.reasoning_effort
+        tools = self.tools if self.tools and self.choice().mode != "none" else None
+        return ChatTemplating(tools=tools, template=self.chat_template, variables=variables)
+
+    def output_format(
+        self, tool_parser: ToolParser, reasoning_parser: ReasoningParser | None
+    ) -> OutputFormat:
+        return OutputFormat(self.choice(), tool_parser, reasoning_parser is not None, self.include_reasoning)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from splitserve.wire.chat import ChatTemplating
 from splitserve.wire.defaults import GenerationDefaults
 from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
@@ -22,7 +23,9 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], templating: ChatTemplating | None = None
+    ) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -42,6 +45,9 @@ class RequestValidator:
     tokenizer: Tokenizer | None
     # the model's defaults for the sampling fields a request leaves unset
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    # the server's chat template in place of the model's (``router.chat_template``); a
+    # request's own (``ChatTemplating.template``) wins over it
+    chat_template: str | None = None
 
     def validate(
         self,
@@ -60,8 +66,9 @@ class RequestValidator:
         self,
         prompt: str | list[int] | None,
         params: SamplingParams,
-        messages: list[dict[str, str]] | None,
+        messages: list[dict[str, Any]] | None,
         unset: Collection[str],
+        templating: ChatTemplating | None = None,
     ) -> tuple[list[int], SamplingParams]:
         """A front door's request as the workers run it: the prompt's token ids, and
         ``params`` with the fields named in ``unset`` defaulted the same way for every
@@ -70,7 +77,7 @@ class RequestValidator:
         ``DEFAULT_MAX_TOKENS`` (as vLLM), never past the context. Raises
         ``InvalidRequest`` as ``validate`` does."""
         _check_params(params)
-        prompt_ids = self.encode(prompt, messages)
+        prompt_ids = self.encode(prompt, messages, templating)
         params = self.defaults.apply(params, unset)
         params = self.with_bad_words_ids(params)
         if "max_tokens" in unset:
@@ -119,16 +126,27 @@ class RequestValidator:
         if outside:
             raise InvalidRequest(f"token ids {outside[:5]} are not in the vocabulary [0, {self.vocab_size})")
 
-    def encode(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None) -> list[int]:
-        """Token ids of a raw prompt, token ids, or chat ``messages`` (exactly one)."""
+    def encode(
+        self,
+        prompt: str | list[int] | None,
+        messages: list[dict[str, Any]] | None,
+        templating: ChatTemplating | None = None,
+    ) -> list[int]:
+        """Token ids of a raw prompt, token ids, or chat ``messages`` (exactly one), the
+        messages rendered as ``templating`` says (the server's template unless it names
+        one). A message needs a role, and content unless it carries tool calls."""
         if (prompt is None) == (messages is None):
             raise InvalidRequest("give exactly one of a prompt or chat messages")
         if messages is not None:
             if not messages or any(
-                not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages
+                not isinstance(m, dict) or "role" not in m or ("content" not in m and "tool_calls" not in m)
+                for m in messages
             ):
                 raise InvalidRequest("messages must be a non-empty list of {role, content}")
-            return self._require_tokenizer().apply_chat_template(messages)
+            templating = templating or ChatTemplating()
+            if templating.template is None and self.chat_template is not None:
+                templating = dataclasses.replace(templating, template=self.chat_template)
+            return self._require_tokenizer().apply_chat_template(messages, templating)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("the prompt is empty")

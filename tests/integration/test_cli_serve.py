@@ -79,6 +79,80 @@ def _check_openai_chat(address: str) -> None:
     assert _post(address, "/detokenize", {"tokens": ids})["prompt"] == "Name three colors."
 
 
+# A Hermes-style template that shows tools (SmolLM2's own does not): a request's chat_template
+HERMES_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+You may call functions. Available tools: <tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>
+For each call, return a JSON object within <tool_call></tool_call> tags.<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == "assistant" and m.tool_calls %}<|im_start|>assistant
+{% for c in m.tool_calls %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == "tool" %}<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _check_tool_conversation(address: str) -> None:
+    """call -> tool result -> answer through the ``openai`` client, streamed and not:
+    ``tool_choice: required`` holds the model to a valid call (finish_reason
+    ``tool_calls``); the streamed call's deltas add up to the same call; the answer to
+    the tool's result is text, streamed the same as not."""
+    openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    api = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0)
+    ask = dict(model="smollm2", temperature=0, max_tokens=60, tools=[WEATHER])
+    ask["extra_body"] = {"chat_template": HERMES_TEMPLATE}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    out = api.chat.completions.create(messages=messages, tool_choice="required", **ask)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    streamed: dict = {}
+    chunks = list(api.chat.completions.create(messages=messages, tool_choice="required", stream=True, **ask))
+    for c in chunks:
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = streamed.setdefault(d.index, {"name": "", "arguments": ""})
+            entry["name"] += d.function.name or ""
+            entry["arguments"] += d.function.arguments or ""
+    assert streamed == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny", "celsius": 21}'},
+    ]
+    answer = api.chat.completions.create(messages=messages, tool_choice="none", **ask)
+    text = answer.choices[0].message.content
+    assert text and not answer.choices[0].message.tool_calls
+    alone = api.chat.completions.create(messages=messages[:1], tool_choice="none", **ask | {"max_tokens": 1})
+    assert answer.usage.prompt_tokens > alone.usage.prompt_tokens + 20  # the call and its result rendered
+    stream = api.chat.completions.create(messages=messages, tool_choice="none", stream=True, **ask)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
 def _post(address: str, path: str, body: dict) -> dict:
     request = urllib.request.Request(f"http://{address}{path}", json.dumps(body).encode())
     with urllib.request.urlopen(request, timeout=30) as r:
@@ -111,6 +185,7 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
             assert time.monotonic() < deadline, "the server did not become ready"
             time.sleep(0.5)
         _check_openai_chat(f"127.0.0.1:{http_port}")
+        _check_tool_conversation(f"127.0.0.1:{http_port}")
         address = f"127.0.0.1:{port}"
         gen = subprocess.run(
             [

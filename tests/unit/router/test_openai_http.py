@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 
+import tests.integration.test_cli_serve as cli_serve_tests
 import tests.integration.test_cluster_serving as serving_tests
 import tests.unit.engine.test_correctness as correctness_tests
 import tests.unit.engine.test_engine as engine_tests
@@ -22,8 +23,10 @@ import tests.unit.engine.test_generation_defaults as defaults_tests
 import tests.unit.engine.test_sampler as sampler_tests
 import tests.unit.engine.test_smollm2 as smollm2_tests
 import tests.unit.engine.test_structured as structured_tests
+import tests.unit.engine.test_tokenizer as tokenizer_tests
 import tests.unit.router.test_fuzz_front_doors as fuzz_tests
 import tests.unit.router.test_server as server_tests
+import tests.unit.router.test_tools as tools_tests
 from splitserve.router import api_schema
 from splitserve.router.api_schema import Endpoint, Status
 from splitserve.router.dispatch import Dispatcher
@@ -208,7 +211,7 @@ class _ElevenTokenChat:
     def encode(self, text):
         return [1]
 
-    def apply_chat_template(self, messages):
+    def apply_chat_template(self, messages, templating=None):
         return list(range(1, 12))
 
     def decode(self, ids):
@@ -301,6 +304,15 @@ HONOURED_BY = {
     "structured_outputs": [None, "test_structured_output_fields_map_to_one_grammar"],
     "bad_words": [smollm2_tests, "test_bad_words_are_never_generated"],
     "echo": [engine_tests, "test_prompt_logprobs_equal_transformers_log_softmax"],
+    # tools and templates: the conversation through `splitserve serve` with the real model, the
+    # readings in test_tools, the rendering in test_tokenizer
+    "tools": [cli_serve_tests, "_check_tool_conversation"],
+    "tool_choice": [cli_serve_tests, "_check_tool_conversation"],
+    "parallel_tool_calls": [tools_tests, "test_a_forced_choice_is_a_schema_every_valid_call_meets"],
+    "chat_template": [tokenizer_tests, "test_a_requests_template_tools_and_variables_render"],
+    "chat_template_kwargs": [tokenizer_tests, "test_a_requests_template_tools_and_variables_render"],
+    "reasoning_effort": [tokenizer_tests, "test_a_requests_template_tools_and_variables_render"],
+    "include_reasoning": [tools_tests, "test_reasoning_is_split_from_content"],
     "n": [serving_tests, "test_n_sequences_are_handed_over_once_and_each_equals_its_derived_seed"],
 }
 
