@@ -88,6 +88,8 @@ class RouterServer:
         self.credentials = credentials
         self.api_keys = api_keys
         self.health = health.aio.HealthServicer()
+        self._serving: bool | None = None  # what health checks are told now
+        self._stopping = False
         self._server: grpc.aio.Server | None = None
         self._poller: asyncio.Task | None = None
 
@@ -116,12 +118,13 @@ class RouterServer:
         await self.dispatcher.registry.poll()
         await server.start()
         self._server = server
-        await self._set_serving(True)
+        await self._follow_pools()
         self._poller = asyncio.create_task(self._poll_forever())
         return self.port
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop taking calls; let running ones finish for up to ``grace_s``."""
+        self._stopping = True
         await self._set_serving(False)
         if self._poller is not None:
             self._poller.cancel()
@@ -133,13 +136,22 @@ class RouterServer:
     async def _set_serving(self, serving: bool) -> None:
         r = health_pb2.HealthCheckResponse
         status = r.SERVING if serving else r.NOT_SERVING
+        self._serving = serving
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
+
+    async def _follow_pools(self) -> None:
+        """Health checks say SERVING while every pool this router sends requests to has a
+        routable worker (as HTTP ``/health``), NOT_SERVING otherwise and once stopping."""
+        serving = not self._stopping and not self.dispatcher.unroutable_roles()
+        if serving != self._serving:
+            await self._set_serving(serving)
 
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.sleep(self.stats_interval_s)
             try:
                 await self.dispatcher.registry.poll()
+                await self._follow_pools()
             except Exception:  # never let status polling take the router down
                 log.exception("polling worker stats failed")

@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import subprocess
 import threading
+import time
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from splitserve.router.dispatch import Dispatcher
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
 from splitserve.wire.validation import RequestValidator
+from tests.unit.router.fakes import FakeDecode, FakePrefill
 
 
 class _Loop:
@@ -32,12 +34,18 @@ class _Loop:
         self.thread.join(10)
 
 
-def _server(credentials=None, api_keys=None) -> tuple[_Loop, RouterServer]:
+def _server(credentials=None, api_keys=None, stats_interval_s: float = 0.5) -> tuple[_Loop, RouterServer]:
     validator = RequestValidator("tiny", vocab_size=100, max_model_len=64, max_kv_tokens=1024, tokenizer=None)
     dispatcher = Dispatcher(WorkerRegistry(), validator, served_model="tiny")
     loop = _Loop()
     server = RouterServer(
-        dispatcher, "disaggregated", "127.0.0.1", 0, credentials=credentials, api_keys=api_keys
+        dispatcher,
+        "disaggregated",
+        "127.0.0.1",
+        0,
+        stats_interval_s=stats_interval_s,
+        credentials=credentials,
+        api_keys=api_keys,
     )
     loop.run(server.start())
     return loop, server
@@ -53,7 +61,7 @@ def plain():
 
 def test_unary_calls_and_errors_without_workers(plain):
     with Client(plain.address, retries=0, timeout=10) as c:
-        assert c.health()
+        assert not c.health()  # no pool has a routable worker
         (model,) = c.list_models()
         assert (model.id, model.max_model_len, model.vocab_size) == ("tiny", 64, 100)
         with pytest.raises(InvalidArgument, match="tokenizer"):
@@ -71,13 +79,36 @@ def test_unary_calls_and_errors_without_workers(plain):
         assert c.cluster_status().inflight_requests == 0
 
 
-def test_health_turns_not_serving_on_stop():
-    loop, server = _server()
+async def _call(fn, *args):
+    return fn(*args)
+
+
+def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_health_follows_the_pools_and_turns_not_serving_on_stop():
+    """SERVING once both pools have a routable worker, NOT_SERVING while one has none,
+    and from the moment the server stops (before it drains)."""
+    loop, server = _server(stats_interval_s=0.05)
+    registry = server.dispatcher.registry
     with Client(server.address, retries=0) as c:
-        assert c.health()
-        loop.run(server._set_serving(False))  # what stop() does first, before draining
         assert not c.health()
-    loop.run(server.stop(0))
+        for role, fake in (("prefill", FakePrefill("p0")), ("decode", FakeDecode("d0"))):
+            registry.add(fake.worker_id, role, fake, 16)
+            loop.run(registry.activate(fake.worker_id))
+        wait_until(c.health, "health did not turn SERVING with both pools routable")
+        loop.run(_call(registry.remove, "d0"))  # on the loop that owns the registry
+        wait_until(lambda: not c.health(), "health stayed SERVING with no decode worker")
+        fake = FakeDecode("d1")
+        registry.add(fake.worker_id, "decode", fake, 16)
+        loop.run(registry.activate(fake.worker_id))
+        wait_until(c.health, "health did not come back with a decode worker")
+        loop.run(server.stop(0))
+        assert not c.health()
     loop.close()
 
 
