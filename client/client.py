@@ -126,7 +126,9 @@ class Client:
         stop_token_ids, ignore_eos, logprobs, top_logprobs, min_p, repetition_penalty, frequency_penalty,
         presence_penalty, logit_bias, min_tokens, allowed_token_ids, include_stop_str_in_output,
         skip_special_tokens, bad_words, structured ((kind, spec), as ``StructuredOutput``),
-        n (items carry their sequence's ``index``), prompt_logprobs, timeout_ms (``build_request``)."""
+        n (items carry their sequence's ``index``), prompt_logprobs, tools, tool_choice,
+        parallel_tool_calls, chat_template, chat_template_kwargs (with ``messages``; the calls
+        read from the output come in ``Final.tool_calls``), timeout_ms (``build_request``)."""
         request = build_request(prompt, messages, **options)
         attempts = self._attempts(timeout)
         while True:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -43,6 +45,8 @@ class Final:
     decode_ms: float = 0.0
     kv_pull_ms: float = 0.0  # the part of transfer_ms spent moving and verifying the KV
     index: int = 0  # the sequence (of ``n``) that ended
+    # the calls read from the output of a request with tools: {"id", "name", "arguments" (JSON)}
+    tool_calls: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -71,6 +75,19 @@ class Completion:
             self.times_ms.extend(item.times_ms)
             self.top_logprobs.extend(item.top_logprobs)
             self.prompt_logprobs = self.prompt_logprobs or item.prompt_logprobs
+
+
+def _message(m: dict[str, Any]) -> pb.ChatMessage:
+    """An OpenAI-style chat message (an assistant's ``tool_calls``, a tool result's
+    ``tool_call_id``) as the proto's."""
+    calls = m.get("tool_calls")
+    return pb.ChatMessage(
+        role=m["role"],
+        content=m.get("content") or "",
+        tool_calls_json=json.dumps(calls) if calls else "",
+        tool_call_id=m.get("tool_call_id", ""),
+        name=m.get("name", ""),
+    )
 
 
 def collect(request_id: str, items, n: int) -> list[Completion]:
@@ -105,6 +122,7 @@ def item_of(resp: pb.GenerateResponse) -> Chunk | Final:
         decode_ms=f.timing.decode_ms,
         kv_pull_ms=f.timing.kv_pull_ms,
         index=f.index,
+        tool_calls=[{"id": c.id, "name": c.name, "arguments": c.arguments} for c in f.tool_calls],
     )
 
 
@@ -138,6 +156,11 @@ def build_request(
     structured: tuple[str, str] | None = None,
     n: int | None = None,
     prompt_logprobs: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+    parallel_tool_calls: bool = True,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest``; an option left None is left unset (the server's default)."""
     sp = pb.SamplingParams(
@@ -178,7 +201,14 @@ def build_request(
         raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"token ids: {e}") from None
     req = pb.GenerateRequest(model=model, sampling=sp, request_id=request_id, timeout_ms=timeout_ms)
     if messages is not None:
-        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        req.messages.messages.extend(_message(m) for m in messages)
+    chat = (tools, tool_choice, chat_template, chat_template_kwargs)
+    if any(v is not None for v in chat) or not parallel_tool_calls:
+        req.chat.tools_json = json.dumps(tools) if tools is not None else ""
+        req.chat.tool_choice_json = json.dumps(tool_choice) if tool_choice is not None else ""
+        req.chat.single_tool_call = not parallel_tool_calls
+        req.chat.chat_template = chat_template or ""
+        req.chat.chat_template_kwargs_json = json.dumps(chat_template_kwargs) if chat_template_kwargs else ""
     elif isinstance(prompt, str):
         req.prompt = prompt
     elif prompt is not None:

@@ -17,9 +17,9 @@ from splitserve.router.tools import (
     ReasoningParser,
     ToolChoice,
     ToolParser,
-    forced_output,
     template_messages,
     tool_choice,
+    with_forced_call,
 )
 from splitserve.wire.chat import ChatTemplating
 from splitserve.wire.defaults import DEFAULTED, SAMPLING_FIELDS
@@ -195,13 +195,7 @@ class ChatRequest(OpenAIRequest):
         params = super().params()
         choice = self.choice()
         if choice.forced:
-            if params.structured is not None:
-                raise InvalidRequest(
-                    f"tool_choice {choice.name or choice.mode!r} fixes the output's form: "
-                    "leave out response_format and structured_outputs"
-                )
-            forced = forced_output(self.tools, choice, self.parallel_tool_calls)
-            params = dataclasses.replace(params, structured=forced)
+            params = with_forced_call(params, self.tools, choice, self.parallel_tool_calls)
         return params
 
     def template_messages(self) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from splitserve.proto import splitserve_pb2_grpc as pb_grpc
 from splitserve.router.auth import ApiKeys, GrpcAuthInterceptor
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.service import SplitserveService
+from splitserve.router.tools import ToolParser
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class RouterServer:
         stats_interval_s: float = 0.5,
         credentials: grpc.ServerCredentials | None = None,
         api_keys: ApiKeys | None = None,
+        tool_parser: ToolParser = "hermes",
     ):
         self.dispatcher = dispatcher
         self.mode = mode
@@ -87,6 +89,7 @@ class RouterServer:
         self.stats_interval_s = stats_interval_s
         self.credentials = credentials
         self.api_keys = api_keys
+        self.tool_parser = tool_parser
         self.health = health.aio.HealthServicer()
         self._serving: bool | None = None  # what health checks are told now
         self._stopping = False
@@ -104,7 +107,8 @@ class RouterServer:
         if self.api_keys is not None:
             interceptors.insert(0, GrpcAuthInterceptor(self.api_keys))
         server = grpc.aio.server(interceptors=interceptors)
-        pb_grpc.add_SplitserveServicer_to_server(SplitserveService(self.dispatcher, self.mode), server)
+        service = SplitserveService(self.dispatcher, self.mode, self.tool_parser)
+        pb_grpc.add_SplitserveServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)

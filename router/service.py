@@ -6,9 +6,12 @@ status through ``router.errors.status_for``, and nothing else here decides codes
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import logging
 import uuid
+from typing import Any
 
 from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
@@ -17,7 +20,17 @@ from splitserve.router.errors import status_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.registry import WorkerRecord
 from splitserve.router.roles import Role
+from splitserve.router.tools import (
+    OutputFormat,
+    ToolChoice,
+    ToolParser,
+    parse,
+    template_messages,
+    tool_choice,
+    with_forced_call,
+)
 from splitserve.router.trace import RequestTrace
+from splitserve.wire.chat import ChatTemplating
 from splitserve.wire.decode import DecodeStats
 from splitserve.wire.defaults import DEFAULTED
 from splitserve.wire.errors import InvalidRequest
@@ -62,29 +75,80 @@ def unset_fields(sp: pb.SamplingParams) -> frozenset[str]:
     return frozenset(f for f in DEFAULTED if not sp.HasField(f))
 
 
-def _input_of(msg) -> tuple[str | list[int] | None, list[dict[str, str]] | None]:
+def _input_of(msg) -> tuple[str | list[int] | None, list[dict[str, Any]] | None]:
     kind = msg.WhichOneof("input")
     if kind == "prompt":
         return msg.prompt, None
     if kind == "token_ids":
         return list(msg.token_ids.ids), None
     if kind == "messages":
-        return None, [{"role": m.role, "content": m.content} for m in msg.messages.messages]
+        return None, template_messages([_message(m) for m in msg.messages.messages], str)
     raise InvalidRequest("the request has no input: set prompt, token_ids or messages")
 
 
-def generate_input(request: pb.GenerateRequest, time_remaining: float | None) -> GenerateInput:
+def _message(m: pb.ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        out["tool_calls"] = _json(m.tool_calls_json, "a message's tool_calls_json", list)
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def _json(text: str, what: str, kind: type) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise InvalidRequest(f"{what} is not JSON") from None
+    if not isinstance(value, kind):
+        raise InvalidRequest(f"{what} must be a JSON {'list' if kind is list else 'object'}")
+    return value
+
+
+def _chat(
+    request: pb.GenerateRequest, params: SamplingParams
+) -> tuple[ChatTemplating, ToolChoice, SamplingParams]:
+    """A chat request's rendering (``ChatOptions``), its tool choice, and ``params`` with
+    the structured output a forced call needs (``router.tools``)."""
+    o = request.chat
+    tools = _json(o.tools_json, "chat.tools_json", list) if o.tools_json else None
+    choice_value = json.loads(o.tool_choice_json) if o.tool_choice_json else None
+    choice = tool_choice(tools, choice_value)
+    if choice.forced:
+        params = with_forced_call(params, tools, choice, not o.single_tool_call)
+    variables = (
+        _json(o.chat_template_kwargs_json, "chat.chat_template_kwargs_json", dict)
+        if (o.chat_template_kwargs_json)
+        else {}
+    )
+    shown = tools if tools and choice.mode != "none" else None
+    return ChatTemplating(shown, o.chat_template or None, variables), choice, params
+
+
+def generate_input(
+    request: pb.GenerateRequest, time_remaining: float | None
+) -> tuple[GenerateInput, ToolChoice]:
+    """The request as the dispatcher takes it, and how its output may call tools."""
     prompt, messages = _input_of(request)
     timeouts = [t for t in (time_remaining, request.timeout_ms / 1000 if request.timeout_ms else None) if t]
-    return GenerateInput(
-        params=sampling_from_proto(request.sampling),
+    params, templating, choice = sampling_from_proto(request.sampling), None, ToolChoice("none")
+    if request.HasField("chat"):
+        if messages is None:
+            raise InvalidRequest("chat options (tools, template) need chat messages")
+        templating, choice, params = _chat(request, params)
+    inp = GenerateInput(
+        params=params,
         unset=unset_fields(request.sampling),
         prompt=prompt,
         messages=messages,
+        templating=templating,
         model=request.model,
         request_id=request.request_id,
         timeout_s=min(timeouts) if timeouts else None,
     )
+    return inp, choice
 
 
 def _top_proto(best: TopLogprobs) -> pb.TopLogprobs:
@@ -128,19 +192,32 @@ def _final_proto(e: FinalEvent) -> pb.Final:
 
 
 class SplitserveService(pb_grpc.SplitserveServicer):
-    def __init__(self, dispatcher: Dispatcher, mode: str):
+    def __init__(self, dispatcher: Dispatcher, mode: str, tool_parser: ToolParser = "hermes"):
         self.dispatcher = dispatcher
         self.mode = mode
+        self.tool_parser = tool_parser  # how "auto" tool calls are read from the output
 
     async def Generate(self, request, context):
+        """The request's tokens; a request with tools gets the calls read from each
+        sequence's whole text in its ``Final`` (the text streams as it comes)."""
         rid = request.request_id or uuid.uuid4().hex
         try:
-            inp = dataclasses.replace(generate_input(request, context.time_remaining()), request_id=rid)
+            inp, choice = generate_input(request, context.time_remaining())
+            inp = dataclasses.replace(inp, request_id=rid)
+            fmt = OutputFormat(choice, self.tool_parser) if choice.mode != "none" else None
+            texts: collections.defaultdict[int, list[str]] = collections.defaultdict(list)
             async for event in self.dispatcher.generate(inp):
                 if isinstance(event, TokenEvent):
+                    texts[event.index].append(event.text)
                     yield pb.GenerateResponse(request_id=rid, token=_token_proto(event))
                 else:
-                    yield pb.GenerateResponse(request_id=rid, final=_final_proto(event))
+                    final = _final_proto(event)
+                    if fmt is not None:
+                        calls = parse("".join(texts[event.index]), fmt).calls
+                        final.tool_calls.extend(
+                            pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls
+                        )
+                    yield pb.GenerateResponse(request_id=rid, final=final)
         except Exception as e:
             await context.abort(*status_for(e))
 

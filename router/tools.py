@@ -25,13 +25,14 @@ the chunks' deltas, holding back only what may still turn out to be a marker.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from splitserve.wire.errors import InvalidRequest
-from splitserve.wire.sampling import StructuredOutput
+from splitserve.wire.sampling import SamplingParams, StructuredOutput
 
 ToolParser = Literal["hermes", "llama3_json"]
 ReasoningParser = Literal["think"]
@@ -146,6 +147,19 @@ def forced_output(tools: list[dict[str, Any]], choice: ToolChoice, parallel: boo
     if not parallel:
         schema["maxItems"] = 1
     return StructuredOutput("json_schema", json.dumps(schema))
+
+
+def with_forced_call(
+    params: SamplingParams, tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool
+) -> SamplingParams:
+    """``params`` with the structured output of a ``required`` or named ``choice``
+    (``forced_output``); ``InvalidRequest`` if they ask for another output form."""
+    if params.structured is not None:
+        raise InvalidRequest(
+            f"tool_choice {choice.name or choice.mode!r} fixes the output's form: "
+            "leave out response_format and structured outputs"
+        )
+    return dataclasses.replace(params, structured=forced_output(tools, choice, parallel))
 
 
 def template_messages(messages: list[dict[str, Any]], text_of) -> list[dict[str, Any]]:

@@ -57,10 +57,10 @@ def test_both_front_doors_report_which_fields_were_left_unset():
     req = pb.GenerateRequest(
         prompt="hi", sampling=pb.SamplingParams(temperature=0.0, max_tokens=4, min_p=0.1)
     )
-    assert generate_input(req, None).unset == {"top_p", "top_k", "repetition_penalty"}
+    assert generate_input(req, None)[0].unset == {"top_p", "top_k", "repetition_penalty"}
     body = ChatRequest(messages=[{"role": "user", "content": "hi"}], top_k=3, repetition_penalty=1.1)
     assert body.unset() == {"temperature", "top_p", "max_tokens", "min_p"}
-    assert generate_input(pb.GenerateRequest(prompt="hi"), None).unset == set(DEFAULTED)
+    assert generate_input(pb.GenerateRequest(prompt="hi"), None)[0].unset == set(DEFAULTED)
 
 
 def test_the_router_applies_the_models_defaults_to_unset_fields_only():

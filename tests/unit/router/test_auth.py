@@ -13,7 +13,9 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import Client, Unauthenticated, Unavailable
 from splitserve.router.auth import ApiKeys, bearer_token, read_keys
@@ -79,7 +81,10 @@ def test_grpc_refuses_a_call_without_a_valid_key_before_any_work(tmp_path, caplo
     loop, server = _server(api_keys=ApiKeys(keys_file(tmp_path, KEY)))
     try:
         with Client(server.address, retries=0, timeout=10) as anonymous:
-            assert anonymous.health()  # health checking stays open
+            # health checking stays open: an answer (NOT_SERVING: no workers), not UNAUTHENTICATED
+            stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(Unauthenticated, match="requires an API key"):
                 anonymous.list_models()
             with pytest.raises(Unauthenticated, match="requires an API key"):
