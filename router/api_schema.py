@@ -200,7 +200,7 @@ FIELDS: tuple[ApiField, ...] = (
     ),
     _r("web_search_options", CHAT, "web search is not supported"),
     # ---- the prompt ---------------------------------------------------------------------
-    _h("chat_template", CHAT, "a Jinja chat template for this request (else `router.chat_template`)", "vLLM"),
+    _h("chat_template", CHAT, "a Jinja chat template for this request (else `router.openai.chat_template`)", "vLLM"),
     _h("chat_template_kwargs", CHAT, "more template variables, e.g. `enable_thinking`", "vLLM"),
     _r("add_generation_prompt", CHAT, "always added", (True,), "vLLM"),
     _r("continue_final_message", CHAT, "not supported", (False,), "vLLM"),
