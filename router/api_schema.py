@@ -153,7 +153,13 @@ FIELDS: tuple[ApiField, ...] = (
     _h("logprobs", CHAT, "true: each chosen token's logprob (the model's raw distribution)"),
     _h("top_logprobs", CHAT, "with `logprobs`: also the 0-20 most likely tokens' at each step"),
     _h("logprobs", COMPLETIONS, "0-20: each chosen token's logprob and this many most likely tokens'"),
-    _r("prompt_logprobs", BOTH, _NOT_YET, (), "vLLM"),
+    _h(
+        "prompt_logprobs",
+        BOTH,
+        "each prompt token's logprob and the k most likely at its position, in `choices[].prompt_logprobs`"
+        " (vLLM's shape); not with `stream`",
+        "vLLM",
+    ),
     _h("echo", COMPLETIONS, "the prompt before the completion; with `logprobs`, the prompt tokens' too"),
     _r("echo", CHAT, "vLLM's chat echo (of the last message) is not supported", (False,)),
     _r("suffix", COMPLETIONS, "insertion (fill-in-the-middle) is not supported", ("",)),
@@ -200,7 +206,12 @@ FIELDS: tuple[ApiField, ...] = (
     ),
     _r("web_search_options", CHAT, "web search is not supported"),
     # ---- the prompt ---------------------------------------------------------------------
-    _h("chat_template", CHAT, "a Jinja chat template for this request (else `router.openai.chat_template`)", "vLLM"),
+    _h(
+        "chat_template",
+        CHAT,
+        "a Jinja chat template for this request (else `router.openai.chat_template`)",
+        "vLLM",
+    ),
     _h("chat_template_kwargs", CHAT, "more template variables, e.g. `enable_thinking`", "vLLM"),
     _r("add_generation_prompt", CHAT, "always added", (True,), "vLLM"),
     _r("continue_final_message", CHAT, "not supported", (False,), "vLLM"),

@@ -41,7 +41,7 @@ from splitserve.router.errors import http_status_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.metrics_server import add_metrics_route
-from splitserve.router.openai_logprobs import LogprobsWriter
+from splitserve.router.openai_logprobs import LogprobsWriter, vllm_prompt_logprobs
 from splitserve.router.openai_requests import (
     ChatRequest,
     CompletionRequest,
@@ -262,6 +262,12 @@ class OpenAIServer:
                 choice = {"index": first + i, "message": message, "logprobs": lp, "finish_reason": reason}
             else:
                 choice = {"index": first + i, "text": content, "logprobs": lp, "finish_reason": reason}
+            if body.prompt_logprobs is not None and part.prompt_logprobs is not None:
+                validator = self.dispatcher.validator
+                ids = validator.encode(inp.prompt, inp.messages, inp.templating)
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                    ids, part.prompt_logprobs, validator.token_text
+                )
             choices.append(choice)
         return choices, finals
 

@@ -81,3 +81,22 @@ class LogprobsWriter:
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def vllm_prompt_logprobs(
+    token_ids: list[int], prompt_logprobs: list[PromptLogprob], token_text: Callable[[int], str]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: per prompt token (the first: ``None``),
+    token id (as text) -> ``{"logprob", "rank", "decoded_token"}`` for the token itself
+    and the most likely ones at its position (rank 1 = most likely; the prompt token's
+    rank is known only when it is among them, else ``None``)."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for token, (logprob, best) in zip(token_ids[1:], prompt_logprobs):
+        ranks = {t: r for r, (t, _) in enumerate(best, 1)}
+        entry = {
+            str(token): {"logprob": logprob, "rank": ranks.get(token), "decoded_token": token_text(token)}
+        }
+        for t, v in best:
+            entry.setdefault(str(t), {"logprob": v, "rank": ranks[t], "decoded_token": token_text(t)})
+        out.append(entry)
+    return out

@@ -9,7 +9,7 @@ import dataclasses
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from splitserve.router.api_schema import Endpoint
 from splitserve.router.tools import (
@@ -126,11 +126,18 @@ class OpenAIRequest(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     seed: int | None = None
     n: int = 1
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, in the response
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _no_streamed_prompt_logprobs(self) -> OpenAIRequest:
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not available when streaming (as in vLLM)")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -165,6 +172,7 @@ class OpenAIRequest(BaseModel):
             structured=_structured(self.response_format, self.structured_outputs),
             logprobs=self.requested_logprobs()[0],
             top_logprobs=self.requested_logprobs()[1],
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def unset(self) -> frozenset[str]:
@@ -244,7 +252,9 @@ class CompletionRequest(OpenAIRequest):
     def params(self) -> SamplingParams:
         params = super().params()
         if self.echo and self.logprobs is not None:
-            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+            params = dataclasses.replace(
+                params, prompt_logprobs=max(self.logprobs, self.prompt_logprobs or 0)
+            )
         return params
 
 

@@ -188,6 +188,8 @@ def test_the_decider_prefills_a_prefix_the_decode_worker_holds_there(cluster, re
 
 
 def _check_logprobs(api, model: str, prompt: list[int], checkpoint: str) -> None:
+    import openai
+
     """Completions' ``logprobs: 5`` with ``echo``: every prompt and output token's
     logprob and the top-5's at each position equal transformers' log_softmax of the
     float32 model within 1e-4, through the prefill worker (the prompt's) and the decode
@@ -222,6 +224,21 @@ def _check_logprobs(api, model: str, prompt: list[int], checkpoint: str) -> None
         for t, v in top.items():
             assert abs(v - ref[i - 1, t].item()) < 1e-4
         assert sorted(top.values(), reverse=True) == pytest.approx(best.values.tolist(), abs=1e-4)
+    # vLLM's prompt_logprobs field: the same numbers, in its shape (token id -> logprob, rank)
+    plain = api.completions.create(
+        model=model, prompt=prompt, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 5}
+    )
+    by_position = plain.choices[0].to_dict()["prompt_logprobs"]
+    assert len(by_position) == len(prompt) and by_position[0] is None
+    for i in range(1, len(prompt)):
+        entry = by_position[i]
+        assert entry[str(prompt[i])]["logprob"] == pytest.approx(lp.token_logprobs[i], abs=1e-5)
+        ranked = sorted((v for v in entry.values() if v["rank"] is not None), key=lambda v: v["rank"])
+        assert [v["rank"] for v in ranked] == [1, 2, 3, 4, 5]
+        expected = sorted(lp.top_logprobs[i].values(), reverse=True)
+        assert [v["logprob"] for v in ranked] == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        api.completions.create(model=model, prompt=prompt, stream=True, extra_body={"prompt_logprobs": 1})
 
 
 def test_openai_http_endpoint_with_the_official_client(cluster, client, checkpoint):

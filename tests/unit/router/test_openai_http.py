@@ -313,6 +313,7 @@ HONOURED_BY = {
     "chat_template_kwargs": [tokenizer_tests, "test_a_requests_template_tools_and_variables_render"],
     "reasoning_effort": [tokenizer_tests, "test_a_requests_template_tools_and_variables_render"],
     "include_reasoning": [tools_tests, "test_reasoning_is_split_from_content"],
+    "prompt_logprobs": [serving_tests, "test_openai_http_endpoint_with_the_official_client"],
     "n": [serving_tests, "test_n_sequences_are_handed_over_once_and_each_equals_its_derived_seed"],
 }
 
