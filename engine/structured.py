@@ -25,6 +25,9 @@ from splitserve.wire.sampling import StructuredOutput
 
 # StructuredOutput.kind -> llguidance's grammar format
 _FORMATS = {"json_schema": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
+# JSON as json.dumps writes it (`{"a": 1, "b": [2, 3]}`): llguidance's flexible whitespace let SmolLM2
+# fill a nested array with newlines until max_tokens. A schema's own "x-guidance" options win.
+_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarCompiler:
@@ -41,6 +44,8 @@ class GrammarCompiler:
         import llguidance
 
         try:
+            if spec.kind == "json_schema":  # JSON's separators fixed: no runs of free whitespace
+                return llguidance.LLMatcher.grammar_from_json_schema(spec.spec, defaults=_JSON_DEFAULTS)
             return llguidance.grammar_from(_FORMATS[spec.kind], spec.spec)
         except Exception as e:  # llguidance raises ValueError and friends on bad input
             raise InvalidRequest(f"the {spec.kind} for structured output is invalid: {e}") from None

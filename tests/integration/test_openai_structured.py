@@ -69,7 +69,22 @@ MORE_SCHEMAS = [
     {"type": "array", "items": {"enum": ["north", "south", "east", "west"]}, "minItems": 1, "maxItems": 4},
     _object(meta=_object(version={"type": "integer"}, tags={"type": "array", "items": NAME, "maxItems": 2})),
 ]
-ALL_SCHEMAS = SCHEMAS + MORE_SCHEMAS
+
+
+def _bounded(schema):
+    """``schema`` with every number bounded (a 135M model may write digits until
+    ``max_tokens``; the grammar then allows it, and the output is cut, not invalid)."""
+    if isinstance(schema, list):
+        return [_bounded(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded(v) for k, v in schema.items()}
+    if out.get("type") in ("integer", "number"):
+        out = {"minimum": -1000, "maximum": 1000} | out if "minimum" not in out else {"maximum": 10**6} | out
+    return out
+
+
+ALL_SCHEMAS = _bounded(SCHEMAS + MORE_SCHEMAS)
 QUESTION = "Answer with JSON about a person, a place, a thing or a date."
 
 
