@@ -137,8 +137,8 @@ class ServingCluster:
                 for engine in sorted({w.info.engine for w in workers}):
                     self.progress(f"{role} engine: {engine}")
             validator = min((w.info.validator for ws in refs for w in ws), key=lambda v: v.max_kv_tokens)
-            if cfg.router.openai.chat_template is not None:
-                template = Path(cfg.router.openai.chat_template).read_text()
+            if cfg.router.chat_template is not None:
+                template = Path(cfg.router.chat_template).read_text()
                 validator = dataclasses.replace(validator, chat_template=template)
             dispatcher = Dispatcher(
                 self.registry,

@@ -244,17 +244,6 @@ class OpenAISpec(_Strict):
         description="think: a chat output that begins with <think> is reasoning up to </think> "
         "(reasoning_content), content after it (DeepSeek-R1, Qwen 3); null: all content",
     )
-    chat_template: str | None = Field(
-        None,
-        description="a Jinja chat template file used in place of the model's (a request's own "
-        "chat_template still wins)",
-    )
-
-    @model_validator(mode="after")
-    def _template_exists(self) -> OpenAISpec:
-        if self.chat_template is not None and not Path(self.chat_template).is_file():
-            raise ValueError(f"router.openai.chat_template: no file {self.chat_template!r}")
-        return self
 
 
 class RouterSpec(_Strict):
@@ -291,6 +280,17 @@ class RouterSpec(_Strict):
     tls_key: str | None = Field(None, description="PEM private key file")
     shutdown_grace_s: float = Field(5.0, ge=0, description="how long running calls may finish on shutdown")
     openai: OpenAISpec = Field(default_factory=OpenAISpec, description="the OpenAI-compatible HTTP endpoint")
+    chat_template: str | None = Field(
+        None,
+        description="a Jinja chat template file used in place of the model's (gRPC and HTTP; a "
+        "request's own chat_template still wins)",
+    )
+
+    @model_validator(mode="after")
+    def _template_exists(self) -> RouterSpec:
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ValueError(f"router.chat_template: no file {self.chat_template!r}")
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> RouterSpec:

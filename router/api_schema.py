@@ -209,7 +209,7 @@ FIELDS: tuple[ApiField, ...] = (
     _h(
         "chat_template",
         CHAT,
-        "a Jinja chat template for this request (else `router.openai.chat_template`)",
+        "a Jinja chat template for this request (else `router.chat_template`)",
         "vLLM",
     ),
     _h("chat_template_kwargs", CHAT, "more template variables, e.g. `enable_thinking`", "vLLM"),

@@ -50,6 +50,8 @@ def test_every_field_is_described():
         ("decode: {placement_timeout_s: 0}\n", "placement_timeout_s"),
         ("limits: {max_inflight_requests: 0}\n", "max_inflight_requests"),
         ("modle: {name: x}\n", "modle"),
+        ("router: {chat_template: /nonexistent/template.jinja}\n", "router.chat_template: no file"),
+        ("router: {openai: {tool_call_parser: xml}}\n", "tool_call_parser"),
         ("model: [unclosed\n", "not valid YAML"),
     ],
 )

@@ -47,8 +47,8 @@ VARIABLES_TEMPLATE = (
 
 def test_a_requests_template_tools_and_variables_render(smollm2):
     """What a chat request sets (``tools``, ``chat_template``, ``chat_template_kwargs``,
-    ``reasoning_effort``) reaches the template; the server's template (``router.openai.
-    chat_template``) stands in for the model's unless the request names its own."""
+    ``reasoning_effort``) reaches the template; the server's template
+    (``router.chat_template``) stands in for the model's unless the request names its own."""
     _, hf = smollm2
     tok = Tokenizer(hf)
     messages = [{"role": "user", "content": "hi"}]
