@@ -30,6 +30,10 @@ deadline:
   worker, which prefills the prompt plus the tokens already sent and generates
   the rest (greedy and seeded output is unchanged; nothing is sent twice).
 
+A request with ``n`` > 1 is its first sequence, served as above, and ``n - 1``
+forks that start on its decode worker once that worker holds the KV, prefilled
+there from its prefix cache (``_fork``): one handover for all of them.
+
 Nothing is aborted on success. A request that ends early (client cancel,
 deadline, error) leaves its decode worker's stream, which aborts it there; the
 decode worker releases whatever the prefill worker still holds for it. A lost
