@@ -41,11 +41,12 @@ class Responses:
             else:
                 finals[ev.index] = ev
         choices = []
+        prompt_lp = parts[0].prompt_logprobs  # the first sequence's: the prompt is every choice's
         for i, (part, final) in enumerate(zip(parts, finals)):
             content = "".join(part.text)
             reason = final.finish_reason.value
             writer = self._logprobs(chat)
-            echoed = self._echo(body, inp.prompt, writer, part.prompt_logprobs)
+            echoed = self._echo(body, inp.prompt, writer, prompt_lp)
             lp = writer.write(part.token_ids, part.logprobs, part.top) if inp.params.logprobs else None
             if echoed is not None:
                 content = echoed[0] + content
@@ -64,13 +65,13 @@ class Responses:
                 choice = {"index": first + i, "message": message, "logprobs": lp, "finish_reason": reason}
             else:
                 choice = {"index": first + i, "text": content, "logprobs": lp, "finish_reason": reason}
-            if body.prompt_logprobs is not None and part.prompt_logprobs is not None:
-                validator = self.dispatcher.validator
-                ids = validator.encode(inp.prompt, inp.messages, inp.templating)
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(
-                    ids, part.prompt_logprobs, validator.token_text
-                )
             choices.append(choice)
+        if body.prompt_logprobs is not None and prompt_lp is not None:
+            validator = self.dispatcher.validator
+            ids = validator.encode(inp.prompt, inp.messages, inp.templating)
+            shown = vllm_prompt_logprobs(ids, prompt_lp, validator.token_text)
+            for choice in choices:
+                choice["prompt_logprobs"] = shown
         return choices, finals
 
     async def stream(
@@ -90,6 +91,7 @@ class Responses:
         # echo, its output as read so far
         writers = [self._logprobs(chat) if inp.params.logprobs else None for _ in range(n)]
         echo_pending = [True] * n
+        prompt_lp = None  # the prompt's logprobs, from the first sequence (the forks start after it)
         outputs = [OutputStream(fmt) for _ in range(n)] if chat else []
         finals: list[FinalEvent] = []
         completion_tokens = 0
@@ -114,10 +116,9 @@ class Responses:
                 if isinstance(ev, TokenEvent):
                     completion_tokens += len(ev.token_ids)
                     text, echoed = ev.text, None
+                    prompt_lp = prompt_lp or ev.prompt_logprobs
                     if echo_pending[i]:  # the prompt goes before the first tokens
-                        echoed = self._echo(
-                            body, inp.prompt, writer or self._logprobs(chat), ev.prompt_logprobs
-                        )
+                        echoed = self._echo(body, inp.prompt, writer or self._logprobs(chat), prompt_lp)
                         echo_pending[i] = False
                         text = (echoed[0] if echoed else "") + text
                     lp = writer.write(ev.token_ids, ev.logprobs, ev.top_logprobs) if writer else None

@@ -319,6 +319,12 @@ def test_n_sequences_are_handed_over_once_and_each_equals_its_derived_seed(clust
     ended = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(ended) == [0, 1, 2, 3]
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (70, 48)
+    # echo with logprobs: every choice shows the prompt's (scored once, by the first sequence)
+    both = api.completions.create(
+        model="", prompt=prompt, n=2, seed=7, max_tokens=3, temperature=1.0, echo=True, logprobs=2
+    )
+    first, second = (c.logprobs.token_logprobs[:70] for c in both.choices)
+    assert first == second and first[0] is None and None not in first[1:]
     assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}
 
 
