@@ -230,7 +230,9 @@ class Dispatcher:
         its KV (handed over once, or prefilled there), sequences 1..n-1 start on that
         worker, which prefills them itself: its prefix cache holds the prompt's full
         blocks, so only the last, partial one is computed again. Each samples as a request
-        of its own with ``params.sequence(i)`` would, and fails over on its own."""
+        of its own with ``params.sequence(i)`` would, and fails over on its own. However it
+        ends (all done, a failure, the caller closing it), every sequence's stream is closed
+        here, which aborts what is still running on its worker (as for one request)."""
         queue: asyncio.Queue[tuple[int, TokenEvent | FinalEvent | Exception]] = asyncio.Queue()
         forks: list[RequestLifecycle] = []
         outcomes = ["CANCELLED"] * params.n  # each fork's, for its trace

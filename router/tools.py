@@ -64,6 +64,11 @@ class OutputFormat:
     reasoning: bool = False  # split a <think> block out as reasoning_content
     include_reasoning: bool = True  # vLLM's: False drops the reasoning from the response
 
+    @property
+    def plain(self) -> bool:
+        """Nothing to read: no tools, no reasoning; the text is the content as it comes."""
+        return self.choice.mode == "none" and not self.reasoning
+
 
 @dataclass
 class ToolCall:
@@ -317,7 +322,9 @@ class OutputStream:
     """A chat choice's output read as it grows: ``feed`` the text delta of each batch,
     get the ``delta`` objects to send (``content``, ``reasoning_content``,
     ``tool_calls`` entries with their ``index``); ``finish`` at the end gives what was
-    held back and whether the output called tools."""
+    held back and whether the output called tools. A ``plain`` format passes each
+    delta on as content; any other re-reads the whole text at every delta (linear in
+    its length: the price of holding back no more than a marker's prefix)."""
 
     def __init__(self, fmt: OutputFormat):
         self.fmt = fmt
@@ -326,10 +333,14 @@ class OutputStream:
         self._args_sent: list[int] = []  # per call: arguments characters sent
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
+        if self.fmt.plain:  # every chat without tools or reasoning: nothing to re-read
+            return [{"content": delta}] if delta else []
         self._text += delta
         return self._deltas(parse(self._text, self.fmt, final=False))
 
     def finish(self) -> tuple[list[dict[str, Any]], bool]:
+        if self.fmt.plain:
+            return [], False
         parsed = parse(self._text, self.fmt, final=True)
         return self._deltas(parsed), bool(parsed.calls)
 

@@ -85,6 +85,7 @@ def test_reasoning_is_split_from_content():
 
 
 CASES = [
+    (OutputFormat(), "plain text, <tool_call> and <think> included, is all content"),
     (AUTO, HERMES),
     (AUTO, "plain answer with < and <tool but no call"),
     (OutputFormat(ToolChoice("auto"), "llama3_json"), '{"name": "get_time", "parameters": {}}'),
