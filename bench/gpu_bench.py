@@ -41,7 +41,8 @@ from splitserve.engine.cuda_graphs import cuda_graph_recorder
 from splitserve.engine.kv_cache import KVCache, KVLayout
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.cpu_linear import PackedLinear
-from splitserve.engine.model.llama import LlamaModel, RMSNorm, StepContext
+from splitserve.engine.model.decoder import DecoderModel
+from splitserve.engine.model.llama import RMSNorm, StepContext
 from splitserve.engine.model.loader import build_model
 from splitserve.engine.model.quant import Fp8Linear, Int8Linear, fp8_gemm_supported, quantize_fp8
 
@@ -208,7 +209,7 @@ def model_config(shape: str) -> ModelConfig:
     return ModelConfig.from_hf(LlamaConfig(**SHAPES[shape], tie_word_embeddings=False))
 
 
-def build(cfg: ModelConfig, quantization: str, device: torch.device, kernels: bool = True) -> LlamaModel:
+def build(cfg: ModelConfig, quantization: str, device: torch.device, kernels: bool = True) -> DecoderModel:
     """A random-weight model; ``kernels``: the fused Triton norms (else torch's)."""
     return build_model(
         cfg,
@@ -222,7 +223,7 @@ def build(cfg: ModelConfig, quantization: str, device: torch.device, kernels: bo
     )
 
 
-def weight_bytes(model: LlamaModel) -> int:
+def weight_bytes(model: DecoderModel) -> int:
     """Bytes a decode step reads: every decoder and LM-head weight with its scales, and
     the norms (the embedding rows it reads are negligible)."""
     total = 0
@@ -244,7 +245,7 @@ def _kv_cache(cfg: ModelConfig, num_blocks: int, device: torch.device) -> KVCach
 
 
 def _step(
-    model: LlamaModel,
+    model: DecoderModel,
     cache: KVCache,
     spans: list[SeqSpan],
     num_decodes: int,
@@ -270,7 +271,7 @@ def _step(
     return run
 
 
-def _decode_step(model: LlamaModel, cfg: ModelConfig, batch: int, context: int, attention: str):
+def _decode_step(model: DecoderModel, cfg: ModelConfig, batch: int, context: int, attention: str):
     """One decode step of ``batch`` sequences of ``context`` tokens, as a closure (and its cache)."""
     dev = next(model.buffers()).device
     per_seq = -(-context // BLOCK_SIZE)
@@ -284,7 +285,7 @@ def _decode_step(model: LlamaModel, cfg: ModelConfig, batch: int, context: int, 
 
 
 def decode_row(
-    model: LlamaModel,
+    model: DecoderModel,
     cfg: ModelConfig,
     quantization: str,
     batch: int,
@@ -322,13 +323,13 @@ def kernel_profile(run: Callable[[], object], label: str, steps: int = 3, top: i
     return "\n".join(lines)
 
 
-def decode_profile(model: LlamaModel, cfg: ModelConfig, batch: int, context: int, attention: str) -> str:
+def decode_profile(model: DecoderModel, cfg: ModelConfig, batch: int, context: int, attention: str) -> str:
     """``kernel_profile`` of one eager decode step of ``batch`` sequences."""
     run, _cache = _decode_step(model, cfg, batch, context, attention)
     return kernel_profile(run, f"decode B={batch} ctx={context} {attention}")
 
 
-def _prefill_step(model: LlamaModel, cfg: ModelConfig, tokens: int):
+def _prefill_step(model: DecoderModel, cfg: ModelConfig, tokens: int):
     """The prefill of one random ``tokens``-token prompt, as a closure (and its cache)."""
     dev = next(model.buffers()).device
     blocks = list(range(-(-tokens // BLOCK_SIZE)))
@@ -339,14 +340,14 @@ def _prefill_step(model: LlamaModel, cfg: ModelConfig, tokens: int):
     return run, cache
 
 
-def prefill_profile(model: LlamaModel, cfg: ModelConfig, tokens: int) -> str:
+def prefill_profile(model: DecoderModel, cfg: ModelConfig, tokens: int) -> str:
     """``kernel_profile`` of the prefill of one ``tokens``-token prompt."""
     run, _cache = _prefill_step(model, cfg, tokens)
     return kernel_profile(run, f"prefill T={tokens}", steps=2)
 
 
 def prefill_row(
-    model: LlamaModel, cfg: ModelConfig, quantization: str, tokens: int, peak: float
+    model: DecoderModel, cfg: ModelConfig, quantization: str, tokens: int, peak: float
 ) -> PrefillRow:
     run, cache = _prefill_step(model, cfg, tokens)
     ms = cuda_time_ms(run, warmup=2, iters=5)

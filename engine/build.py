@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from splitserve.engine import kernels, kv_quant
-from splitserve.engine.attention import get_backend
+from splitserve.engine.attention import AttentionBackend, get_backend
+from splitserve.engine.attention.mla import MlaBackend
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.device import resolve_device, resolve_dtype
@@ -116,13 +117,19 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         tp_rank=tp.rank,
         model_kv_heads=mc.num_kv_heads,
         kv_scales=kv_quant.SCHEME if fp8_kv else "none",
+        planes=mc.kv_planes,
     )
-    per_token = 2 * mc.num_layers * layout.block_bytes // config.block_size
+    per_token = layout.bytes_per_token
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     num_blocks = blocks_for(config, kv_budget_bytes(config, device.type, free), per_token)
     num_blocks = tp.min_int(num_blocks)  # every rank the same block ids
+    if mc.mla is not None and (fp8_kv or config.cuda_graphs):
+        raise ValueError(f"{mc.model_type} (MLA) runs with neither kv_cache_dtype fp8 nor cuda_graphs yet")
     attention = "sdpa" if fp8_kv and config.attention_backend == "auto" else config.attention_backend
-    backend = get_backend(attention, device, config.native_kernels)
+    if mc.mla is not None:
+        backend: AttentionBackend = MlaBackend(mc.mla.kv_lora_rank)
+    else:
+        backend = get_backend(attention, device, config.native_kernels)
     if fp8_kv and not backend.reads_fp8_kv:
         raise ValueError(
             f"kv_cache_dtype fp8 runs on the sdpa attention backend; {backend.name} cannot read it"

@@ -33,7 +33,8 @@ import torch
 from splitserve.engine.attention.base import AttentionBackend
 from splitserve.engine.attention.sdpa import SdpaMetadata
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.model.llama import LlamaModel, StepContext
+from splitserve.engine.model.decoder import DecoderModel
+from splitserve.engine.model.llama import StepContext
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -69,7 +70,7 @@ class DecodeGraphs:
     @classmethod
     def for_engine(
         cls,
-        model: LlamaModel,
+        model: DecoderModel,
         kv_cache: KVCache,
         backend: AttentionBackend,
         max_num_seqs: int,
@@ -89,7 +90,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv_cache: KVCache,
         backend: AttentionBackend,
         max_batch: int,

@@ -4,7 +4,8 @@ One tensor per engine::
 
     cache[layer, k_or_v, block, slot_in_block, kv_head, head_dim]
 
-so one block of one layer's K (or V) is a contiguous run of
+(an MLA model's cache has one plane per layer, its latent rows, and one "head":
+``layout.planes`` is 1), so one block of one layer's K (or V) is a contiguous run of
 ``block_size * num_kv_heads * head_dim`` elements: the unit a transfer backend
 moves, and what it registers once as one memory region. ``KVLayout`` is the
 plain-data description the transfer layer needs to check compatibility.
@@ -36,7 +37,7 @@ class KVCache:
         self.layout = layout
         shape = (
             layout.num_layers,
-            2,
+            layout.planes,
             layout.num_blocks,
             layout.block_size,
             layout.num_kv_heads,
@@ -49,9 +50,10 @@ class KVCache:
         if layout.kv_scales != "none":
             self.scales = torch.ones(layout.num_layers, 2, layout.num_kv_heads, device=device)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) of layer ``i``, each [num_blocks, block_size, kv_heads, head_dim]."""
-        return self.tensor[i, 0], self.tensor[i, 1]
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(k_cache, v_cache) of layer ``i``, each [num_blocks, block_size, kv_heads, head_dim];
+        with one plane (MLA) the latent rows and None."""
+        return self.tensor[i, 0], (self.tensor[i, 1] if self.layout.planes == 2 else None)
 
     def scale_values(self) -> tuple[float, ...]:
         """An FP8 cache's scales, flattened [num_layers, 2, kv_heads] (what a handshake
@@ -63,7 +65,7 @@ class KVCache:
         return None if self.scales is None else self.scales[i]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy of the given blocks: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        """Copy of the given blocks: [num_layers, planes, len(block_ids), block_size, kv_heads, head_dim]."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
         return self.tensor.index_select(2, idx)
 

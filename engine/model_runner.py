@@ -28,7 +28,8 @@ import torch
 from splitserve.engine.attention import AttentionBackend, SeqSpan
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.model.llama import LlamaModel, StepContext
+from splitserve.engine.model.decoder import DecoderModel
+from splitserve.engine.model.llama import StepContext
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.sampler import Sampler, SampleRequest, SampleResult
 from splitserve.engine.scheduler import ScheduledSeq
@@ -53,7 +54,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv_cache: KVCache,
         backend: AttentionBackend,
         sampler: Sampler,

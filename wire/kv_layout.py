@@ -37,6 +37,9 @@ class KVLayout:
     model_kv_heads: int | None = None
     # how values are scaled: "none", or an FP8 cache's scheme (engine.kv_quant.SCHEME)
     kv_scales: str = "none"
+    # planes per layer: 2 (K and V), or 1 (an MLA latent row; num_kv_heads 1, the
+    # same on every TP rank)
+    planes: int = 2
 
     @property
     def total_kv_heads(self) -> int:
@@ -49,6 +52,11 @@ class KVLayout:
         return kv_head_range(self.total_kv_heads, self.tp_size, self.tp_rank)
 
     @property
+    def bytes_per_token(self) -> int:
+        """This cache's bytes of one token, all layers and planes."""
+        return self.num_layers * self.planes * self.block_bytes // self.block_size
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes in one block of one layer's K (or V): the unit a transfer moves."""
+        """Bytes in one block of one layer's K (or V, or MLA latent): the unit a transfer moves."""
         return self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]

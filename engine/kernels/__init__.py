@@ -76,7 +76,7 @@ def load_cuda() -> ModuleType | None:
 
 @dataclass(frozen=True)
 class CpuModelKernels:
-    """The fused kernels a CPU model takes (``LlamaModel.use_kernels``): the norm for
+    """The fused kernels a CPU model takes (``DecoderModel.use_kernels``): the norm for
     every dtype; rotary + KV write and SiLU·up where they apply (bf16, built with
     AVX-512, a head size that is a multiple of 32 and an intermediate size that is a
     multiple of 16),

@@ -1,6 +1,6 @@
 """Triton kernels for CUDA: the fused residual-add + RMSNorm (the same contract and
 rounding points as the native CPU kernel, so ``RMSNorm`` uses either through
-``LlamaModel.use_kernels``), the weight-only int8 matmul of ``Int8Linear`` and
+``DecoderModel.use_kernels``), the weight-only int8 matmul of ``Int8Linear`` and
 the per-token FP8 quantization of ``Fp8Linear``'s activations.
 
 Each replaces a chain of small torch kernels whose launches, not their bytes,

@@ -1,9 +1,19 @@
 """The engine's view of a model architecture, read from a Hugging Face config.
 
-One dataclass covers the Llama family: Llama 2/3 (RoPE scaling variants, GQA),
-Mistral, Qwen2 (bias on q/k/v) and Qwen3 (per-head RMSNorm on q and k), and
-SmolLM2 (a Llama). Anything outside what the model code implements is refused
-here with ``ModelLoadError`` rather than silently computing something else.
+One dataclass covers every family the decoder (``engine.model.decoder``) builds:
+
+- attention: GQA (Llama 2/3 with their RoPE variants, Mistral, Qwen2 with q/k/v
+  bias, Qwen3 with per-head q/k RMSNorm, SmolLM2) or DeepSeek's multi-head latent
+  attention (``mla``: DeepSeek-V3);
+- MLP: dense, or a mixture of experts (``moe``: Mixtral, Qwen2-MoE, Qwen3-MoE,
+  DeepSeek-V3), with the layers that stay dense listed.
+
+With MLA the KV cache holds one latent row per token and layer instead of K and
+V heads: ``num_kv_heads`` is 1, ``head_dim`` is the row's width
+(``kv_lora_rank + qk_rope_head_dim``) and ``kv_planes`` is 1 (2 for K and V).
+
+Anything outside what the model code implements is refused here with
+``ModelLoadError`` rather than silently computing something else.
 """
 
 from __future__ import annotations
@@ -14,7 +24,65 @@ from typing import Any
 from splitserve.engine.model.checkpoint_quant import CheckpointQuant
 from splitserve.wire.errors import ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
+# model types a user may try whose missing pieces we can name
+NOT_YET = {
+    "deepseek_v2": "DeepSeek-V2's softmax routing with group-limited greedy top-k (DeepSeek-V3 is supported)",
+    "gpt_oss": "gpt-oss's attention sinks, alternating sliding-window layers and MXFP4 experts",
+}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: how tokens are routed and what each expert is.
+
+    Routing (``engine.model.moe.route``): scores are ``softmax`` (Mixtral, Qwen) or
+    ``sigmoid`` (DeepSeek-V3) of the router's logits, in float32; the experts are
+    chosen by score plus the correction bias (if any), within the ``topk_groups``
+    best of ``num_groups`` groups (a group's score: the sum of its two best), and
+    weighted by their scores, renormalised to sum to 1 if ``renormalize``, times
+    ``routed_scaling``. Shared experts (one MLP of ``shared_intermediate_size``)
+    see every token; Qwen2-MoE gates theirs by ``sigmoid(shared_expert_gate(x))``."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each routed expert's
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    renormalize: bool = True
+    routed_scaling: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    correction_bias: bool = False
+    shared_intermediate_size: int = 0  # 0: no shared experts
+    shared_gate: bool = False
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense (of the model's intermediate_size)
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention: a query of ``qk_nope + qk_rope`` per
+    head (through a ``q_lora_rank`` bottleneck, or one projection when None); per
+    token one latent ``kv_lora_rank`` vector (normed) and one ``qk_rope`` key shared
+    by every head, which is all the cache holds; ``kv_b_proj`` expands the latent
+    into each head's ``qk_nope`` key and ``v_head_dim`` value."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # rotary pairs are (x0, x1), (x2, x3), ...: de-interleaved before rotation
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one token's cache row: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -37,10 +105,33 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     checkpoint_quant: CheckpointQuant | None = None  # the checkpoint's own FP8 weights, if any
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
 
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
+
+    @property
+    def kv_planes(self) -> int:
+        """Cache planes per layer: 2 (K and V), or 1 (MLA's latent)."""
+        return 1 if self.mla is not None else 2
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions the rotary embedding turns: a head's, or MLA's rotary key's."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's KV takes in the whole model's cache at 1 byte per element
+        (multiply by the element size): layers x planes x KV heads x head_dim. For MLA
+        ``num_layers x (kv_lora_rank + qk_rope_head_dim)``; for GQA
+        ``num_layers x 2 x num_kv_heads x head_dim``."""
+        return self.num_layers * self.kv_planes * self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and i not in self.moe.dense_layers
 
     @property
     def kv_size(self) -> int:
@@ -50,6 +141,8 @@ class ModelConfig:
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Build from a ``transformers.PretrainedConfig``; raise for unsupported features."""
         mt = getattr(hf, "model_type", None)
+        if mt in NOT_YET:
+            raise ModelLoadError(f"model_type {mt!r} is not supported yet: splitserve lacks {NOT_YET[mt]}")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(
                 f"model_type {mt!r} is not supported; splitserve runs {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -65,9 +158,17 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         max_pos = hf.max_position_embeddings
         window = getattr(hf, "sliding_window", None)
-        if window and (mt == "mistral" or getattr(hf, "use_sliding_window", False)):
+        if window and (mt in ("mistral", "mixtral") or getattr(hf, "use_sliding_window", False)):
             # Within the window, sliding-window attention equals full attention.
             max_pos = min(max_pos, window)
+        quant = CheckpointQuant.from_config(getattr(hf, "quantization_config", None))
+        moe, mla = _moe_config(hf, mt), _mla_config(hf, mt)
+        if quant is not None and (moe is not None or mla is not None):
+            raise ModelLoadError(f"FP8 checkpoints of {mt} models are not supported yet (dense models are)")
+        if mla is not None:
+            heads_kv, head_dim = 1, mla.latent_dim
+        else:
+            heads_kv, head_dim = getattr(hf, "num_key_value_heads", None) or heads, head_dim
         return cls(
             model_type=mt,
             vocab_size=hf.vocab_size,
@@ -75,19 +176,76 @@ class ModelConfig:
             intermediate_size=hf.intermediate_size,
             num_layers=hf.num_hidden_layers,
             num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            num_kv_heads=heads_kv,
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=mt == "qwen2" or attention_bias,
-            o_bias=mt in ("llama", "mistral") and attention_bias,
-            qk_norm=mt == "qwen3",
+            qkv_bias=mt in ("qwen2", "qwen2_moe") or attention_bias,
+            o_bias=mt in ("llama", "mistral", "mixtral") and attention_bias,
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
             rope=_rope_params(hf),
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf, "bos_token_id", None),
-            checkpoint_quant=CheckpointQuant.from_config(getattr(hf, "quantization_config", None)),
+            checkpoint_quant=quant,
+            moe=moe,
+            mla=mla,
         )
+
+
+def _moe_config(hf: Any, mt: str) -> MoEConfig | None:
+    """The family's MoE settings in one record (None for a dense family)."""
+    top_k = getattr(hf, "num_experts_per_tok", 0)
+    if mt == "mixtral":
+        return MoEConfig(hf.num_local_experts, top_k, hf.intermediate_size)
+    if mt in ("qwen2_moe", "qwen3_moe"):
+        experts = getattr(hf, "num_experts", None) or hf.num_local_experts
+        step = getattr(hf, "decoder_sparse_step", 1) or 1
+        only = set(getattr(hf, "mlp_only_layers", None) or ())
+        dense = tuple(i for i in range(hf.num_hidden_layers) if i in only or (i + 1) % step)
+        shared = getattr(hf, "shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0
+        return MoEConfig(
+            experts,
+            top_k,
+            hf.moe_intermediate_size,
+            renormalize=bool(getattr(hf, "norm_topk_prob", False)),
+            shared_intermediate_size=shared,
+            shared_gate=bool(shared),
+            dense_layers=dense,
+        )
+    if mt == "deepseek_v3":
+        if getattr(hf, "scoring_func", "sigmoid") != "sigmoid":
+            raise ModelLoadError(f"DeepSeek-V3 scoring {hf.scoring_func!r} is not supported (only sigmoid)")
+        experts = getattr(hf, "n_routed_experts", None) or hf.num_local_experts
+        if experts % hf.n_group:
+            raise ModelLoadError(f"{experts} experts do not split into {hf.n_group} groups")
+        return MoEConfig(
+            experts,
+            top_k,
+            hf.moe_intermediate_size,
+            scoring="sigmoid",
+            renormalize=bool(hf.norm_topk_prob),
+            routed_scaling=float(hf.routed_scaling_factor),
+            num_groups=hf.n_group,
+            topk_groups=hf.topk_group,
+            correction_bias=True,
+            shared_intermediate_size=hf.moe_intermediate_size * (hf.n_shared_experts or 0),
+            dense_layers=tuple(range(min(hf.first_k_dense_replace, hf.num_hidden_layers))),
+        )
+    return None
+
+
+def _mla_config(hf: Any, mt: str) -> MLAConfig | None:
+    if mt != "deepseek_v3":
+        return None
+    return MLAConfig(
+        q_lora_rank=hf.q_lora_rank,
+        kv_lora_rank=hf.kv_lora_rank,
+        qk_nope_head_dim=hf.qk_nope_head_dim,
+        qk_rope_head_dim=hf.qk_rope_head_dim,
+        v_head_dim=hf.v_head_dim,
+        rope_interleave=bool(getattr(hf, "rope_interleave", True)),
+    )
 
 
 def _rope_params(hf: Any) -> dict[str, Any]:

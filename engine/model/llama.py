@@ -1,11 +1,8 @@
-"""The Llama-family decoder, written for packed variable-length batches over a
-paged KV cache, each rank of a tensor-parallel group building only its shard
-(``splitserve.engine.parallel.layers``).
-
-Input is one flat batch of ``T`` tokens from many sequences (no padding); the
-attention backend knows where each sequence starts and which cache blocks hold
-its past. q/k/v and gate/up projections are fused into single matmuls. Weight
-names follow Hugging Face checkpoints so loading is a rename, not a rewrite.
+"""The Llama family's blocks, which the other families share (``engine.model.decoder``
+assembles them): RMSNorm, GQA attention over the paged cache, the dense SiLU MLP,
+and the ``StepContext`` every layer reads. Each holds this rank's shard
+(``splitserve.engine.parallel.layers``); q/k/v and gate/up projections are fused
+into single matmuls.
 """
 
 from __future__ import annotations
@@ -18,17 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.attention import AttentionBackend
-from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_quant import as_bytes, calibrated_scales, quantize
 from splitserve.engine.model.config import ModelConfig
-from splitserve.engine.model.rope import RotaryEmbedding, apply_rotary
+from splitserve.engine.model.rope import apply_rotary
 from splitserve.engine.parallel.group import TPGroup
-from splitserve.engine.parallel.layers import (
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    VocabParallelLMHead,
-    kv_head_range,
-)
+from splitserve.engine.parallel.layers import RowParallelLinear, kv_head_range
 
 
 class RMSNorm(nn.Module):
@@ -116,12 +107,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """This rank's slice of the intermediate width (gate and up rows, down columns)."""
+    """This rank's slice of the intermediate width (gate and up rows, down columns);
+    ``intermediate_size`` defaults to the model's (MoE shared experts have their own)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None, intermediate_size: int | None = None):
         super().__init__()
         tp = tp or TPGroup.single()
-        self.inter = cfg.intermediate_size // tp.size
+        self.inter = (intermediate_size or cfg.intermediate_size) // tp.size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, False, tp)
         self.kernels: Any = None  # with ``silu_mul``: the activation in one kernel
@@ -133,22 +125,6 @@ class MLP(nn.Module):
             return self.down_proj(fused(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
-        super().__init__()
-        tp = tp or TPGroup.single()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
-
-    def forward(self, x, delta, cos, sin, k_cache, v_cache, ctx, kv_scales=None):
-        """``x`` is the residual stream, still missing the previous layer's output
-        ``delta``; returns this layer's output, to be added by the next norm."""
-        attn = self.self_attn(self.input_layernorm(x, delta), cos, sin, k_cache, v_cache, ctx, kv_scales)
-        return self.mlp(self.post_attention_layernorm(x, attn))
 
 
 class StepContext:
@@ -167,49 +143,3 @@ class StepContext:
         self.attn_meta = attn_meta
         self.on_layer = on_layer  # called with i once layer i wrote its KV
         self.calibrate_kv = calibrate_kv  # an FP8 cache takes its scales from this step's K and V
-
-
-class LlamaModel(nn.Module):
-    """The model as rank ``tp.rank`` of ``tp`` holds it (the whole model for TP=1).
-    Parameters are left uninitialised: the loader fills them. Build it on the meta
-    device and let the loader materialise it (``loader.build_model``), so that no
-    memory is touched twice."""
-
-    def __init__(self, cfg: ModelConfig, max_position: int, tp: TPGroup | None = None):
-        super().__init__()
-        tp = tp or TPGroup.single()
-        self.config = cfg
-        self.max_position = max_position
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = VocabParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-        if cfg.tie_word_embeddings:
-            self.lm_head.linear.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_position)
-
-    @torch.inference_mode()
-    def forward(self, input_ids, positions, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden]; KV written to the cache."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.tables(positions, x.dtype)
-        delta = None
-        for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv_cache.layer(i)
-            delta = layer(x, delta, cos, sin, k_cache, v_cache, ctx, kv_cache.layer_scales(i))
-            if ctx.on_layer is not None:
-                ctx.on_layer(i)
-        return self.norm(x, delta)
-
-    def use_kernels(self, kernels: Any) -> None:
-        """Route the norms through a fused add+RMSNorm kernel (``add_rms_norm``), and
-        attention and MLP through ``rope_and_cache`` / ``silu_mul`` where ``kernels``
-        has them (not None: the Triton set on CUDA; the C++ set on CPU for bf16)."""
-        for m in self.modules():
-            if isinstance(m, (RMSNorm, Attention, MLP)):
-                m.kernels = kernels
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] logits in the model's dtype (the sampler upcasts what needs it)."""
-        return self.lm_head(hidden)

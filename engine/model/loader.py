@@ -1,4 +1,4 @@
-"""Build a ``LlamaModel`` (this rank's shard of it) with weights from one of three sources:
+"""Build a ``DecoderModel`` (this rank's shard of it) with weights from one of three sources:
 
 - a Hugging Face model directory (``config.json`` + ``*.safetensors``, sharded
   with ``model.safetensors.index.json`` or not),
@@ -40,12 +40,17 @@ from splitserve.engine.model.checkpoint_quant import CheckpointQuant
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.cpu_linear import pack_linears, packing_supported
 from splitserve.engine.model.gguf_cache import converted_checkpoint
-from splitserve.engine.model.llama import LlamaModel
+from splitserve.engine.model.decoder import DecoderModel
 from splitserve.engine.model.quant import FP8_DTYPE, Fp8CheckpointLinear, quantize_linears
 from splitserve.engine.model.replace import replace_children
+from splitserve.engine.model.placement import (
+    Placement,
+    canonical_name,
+    checkpoint_tensor_shapes,
+    placement,
+)
 from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.parallel.group import TPGroup
-from splitserve.engine.parallel.layers import kv_head_range, vocab_rows
 from splitserve.wire.errors import ModelLoadError
 
 SMOLLM2_ALIAS = "smollm2"
@@ -103,7 +108,7 @@ def build_model(
     tp: TPGroup | None = None,
     init_on_device: bool = False,
     progress_bytes: int = 0,
-) -> LlamaModel:
+) -> DecoderModel:
     """This rank's shard of the model, on ``device`` in ``dtype``, with ``weights``
     (HF names; ``checkpoint.safetensors_tensors`` for a directory) or, if None,
     random weights drawn from ``seed`` (the same model at every TP size). Then
@@ -139,23 +144,23 @@ def load_model(
     tp: TPGroup | None = None,
     init_on_device: bool = False,
     progress_bytes: int = 0,
-) -> LlamaModel:
+) -> DecoderModel:
     """This rank's shard with its weights loaded (``build_model`` without quantizing,
     packing or kernels): every linear a plain ``nn.Linear``, but the decoder's are
     ``Fp8CheckpointLinear`` when the checkpoint is FP8 (``cfg.checkpoint_quant``)."""
     tp = tp or TPGroup.single()
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_position, tp)
+        model = DecoderModel(cfg, max_position, tp)
         if cfg.checkpoint_quant is not None:
             _fp8_shells(model, cfg.checkpoint_quant)
     _materialize(model, device, dtype)
     if weights is None:
-        weights = random_tensors(llama_tensor_shapes(cfg), seed, device if init_on_device else "cpu")
+        weights = random_tensors(checkpoint_tensor_shapes(cfg), seed, device if init_on_device else "cpu")
     load_weights(model, weights, tp, progress_bytes)
     return model.eval()
 
 
-def _fp8_shells(model: LlamaModel, quant: CheckpointQuant) -> None:
+def _fp8_shells(model: DecoderModel, quant: CheckpointQuant) -> None:
     """Replace every linear of the decoder layers by an empty ``Fp8CheckpointLinear``
     of the same (sharded) shape, for the loader to fill with the checkpoint's FP8
     weights and scales."""
@@ -172,7 +177,7 @@ def _fp8_shells(model: LlamaModel, quant: CheckpointQuant) -> None:
     replace_children(model.layers, nn.Linear, shell)
 
 
-def _prepare_fp8_checkpoint_linears(model: LlamaModel, dtype: torch.dtype) -> None:
+def _prepare_fp8_checkpoint_linears(model: DecoderModel, dtype: torch.dtype) -> None:
     """On CPU, replace each checkpoint FP8 linear by a float linear of its dequantized
     weight (oneDNN packs it as any other); on GPU keep the FP8 weights and pick the kernel."""
 
@@ -185,7 +190,7 @@ def _prepare_fp8_checkpoint_linears(model: LlamaModel, dtype: torch.dtype) -> No
     replace_children(model, Fp8CheckpointLinear, prepare)
 
 
-def _materialize(model: LlamaModel, device: torch.device, dtype: torch.dtype) -> None:
+def _materialize(model: DecoderModel, device: torch.device, dtype: torch.dtype) -> None:
     """Give every (meta) parameter real, uninitialised storage on ``device`` in ``dtype``,
     tied parameters one storage, and every buffer storage in its own dtype (FP8
     weights, float32 scales); rebuild the rotary tables there (computed in float32,
@@ -201,90 +206,7 @@ def _materialize(model: LlamaModel, device: torch.device, dtype: torch.dtype) ->
         for name, b in list(module.named_buffers(recurse=False)):
             module.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device=device))
     cfg = model.config
-    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, model.max_position).to(device=device, dtype=dtype)
-
-
-def llama_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a Hugging Face checkpoint of ``cfg``: name -> full shape."""
-    h, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        for proj, rows in (("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)):
-            shapes[f"{p}self_attn.{proj}.weight"] = (rows, h)
-            if cfg.qkv_bias:
-                shapes[f"{p}self_attn.{proj}.bias"] = (rows,)
-        if cfg.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
-            shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.q_size)
-        if cfg.o_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
-        shapes[p + "mlp.up_proj.weight"] = (inter, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, inter)
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    return shapes
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where this rank's slice of one checkpoint tensor goes: ``param`` rows from
-    ``row0`` on receive the tensor's range [start, stop) along ``dim`` (the whole
-    tensor when ``dim`` is None). ``pad_rows`` more rows after it are zeroed (the
-    last rank's share of a vocabulary that does not split evenly)."""
-
-    param: torch.Tensor
-    row0: int = 0
-    dim: int | None = None
-    start: int = 0
-    stop: int | None = None
-    pad_rows: int = 0
-
-
-def placement(model: LlamaModel, tp: TPGroup, name: str) -> Placement:
-    """Where checkpoint tensor ``name`` (HF naming, ``model.`` prefix removed) lands on this rank."""
-    cfg = model.config
-    d = cfg.head_dim
-    if name in ("embed_tokens.weight", "lm_head.weight"):
-        start, stop, rows = vocab_rows(cfg.vocab_size, tp)
-        param = model.embed_tokens.weight if name == "embed_tokens.weight" else model.lm_head.linear.weight
-        return Placement(param, 0, 0, start, stop, pad_rows=rows - (stop - start))
-    if name == "norm.weight":
-        return Placement(model.norm.weight)
-    _, i, module, rest = name.split(".", 3)
-    layer = model.layers[int(i)]
-    if module in ("input_layernorm", "post_attention_layernorm"):
-        return Placement(getattr(layer, module).weight)
-    proj, kind = rest.rsplit(".", 1)
-    attn, mlp = layer.self_attn, layer.mlp
-    h0, h1 = tp.shard_range(cfg.num_heads)
-    k0, k1 = kv_head_range(cfg.num_kv_heads, tp)
-    i0, i1 = tp.shard_range(cfg.intermediate_size)
-    match proj:
-        case "q_proj":
-            return Placement(getattr(attn.qkv_proj, kind), 0, 0, h0 * d, h1 * d)
-        case "k_proj":
-            return Placement(getattr(attn.qkv_proj, kind), attn.q_size, 0, k0 * d, k1 * d)
-        case "v_proj":
-            return Placement(getattr(attn.qkv_proj, kind), attn.q_size + attn.kv_size, 0, k0 * d, k1 * d)
-        case "q_norm" | "k_norm":
-            return Placement(getattr(attn, proj).weight)
-        case "o_proj" if kind == "bias":
-            return Placement(attn.o_proj.bias)
-        case "o_proj":
-            return Placement(attn.o_proj.linear.weight, 0, 1, h0 * d, h1 * d)
-        case "gate_proj":
-            return Placement(mlp.gate_up_proj.weight, 0, 0, i0, i1)
-        case "up_proj":
-            return Placement(mlp.gate_up_proj.weight, mlp.inter, 0, i0, i1)
-        case "down_proj":
-            return Placement(mlp.down_proj.linear.weight, 0, 1, i0, i1)
-    raise ModelLoadError(f"checkpoint tensor {name} has no place in the model")
+    model.rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope, model.max_position).to(device=device, dtype=dtype)
 
 
 SKIPPED_SUFFIXES = (".input_scale",)  # static activation scales: not used
@@ -293,7 +215,7 @@ KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")  # an FP8 KV cache's, read by build
 
 @torch.no_grad()
 def load_weights(
-    model: LlamaModel, weights: Iterable[tuple[str, TensorSource]], tp: TPGroup, progress_bytes: int = 0
+    model: DecoderModel, weights: Iterable[tuple[str, TensorSource]], tp: TPGroup, progress_bytes: int = 0
 ) -> None:
     """Read this rank's slice of every checkpoint tensor into ``model`` (see the
     module docstring); raise ``ModelLoadError`` for a tensor of the wrong shape,
@@ -302,11 +224,12 @@ def load_weights(
     and columns (``_scale_piece``)."""
     cfg = model.config
     quant = cfg.checkpoint_quant
-    expected = llama_tensor_shapes(cfg)
+    expected = checkpoint_tensor_shapes(cfg)
     fp8_owner = {id(m.weight): m for m in model.modules() if isinstance(m, Fp8CheckpointLinear)}
     written: dict[int, int] = {}
     bar = _progress_bar(tp, progress_bytes)
     for full_name, source in weights:
+        full_name = canonical_name(cfg, full_name)
         name = full_name.removeprefix("model.")
         if bar is not None:
             bar.update(_numel(source.shape) * source.dtype.itemsize)
@@ -323,6 +246,7 @@ def load_weights(
             want = expected["model." + weight_name]
             piece = _scale_piece(source, quant, place, want, full_name)
             dst, row0 = owner.weight_scale, place.row0
+            key = id(dst)
         else:
             want = expected.get(full_name, expected.get("model." + name))
             if want is None:
@@ -336,7 +260,7 @@ def load_weights(
                     "every decoder linear float8_e4m3fn"
                 )
             piece = source.read(place.dim, place.start, place.stop)
-            dst, row0 = place.param, place.row0
+            dst, row0, key = place.target, place.row0, id(place.param)  # a stack's rows count for it
         if dst.dim() and (piece.dim() != dst.dim() or piece.shape[1:] != dst.shape[1:]):
             raise ModelLoadError(f"tensor {full_name} has shape {tuple(source.shape)}, which does not fit")
         (dst.narrow(0, row0, piece.shape[0]) if dst.dim() else dst).copy_(piece)
@@ -344,7 +268,7 @@ def load_weights(
         if place.pad_rows:
             dst[row0 + piece.shape[0] :].zero_()
             padded = place.pad_rows * (piece.numel() // max(1, piece.shape[0]))
-        written[id(dst)] = written.get(id(dst), 0) + piece.numel() + padded
+        written[key] = written.get(key, 0) + piece.numel() + padded
     if bar is not None:
         bar.close()
     missing = [n for n, t in _loaded_tensors(model).items() if written.get(id(t), 0) != t.numel()]
@@ -352,7 +276,7 @@ def load_weights(
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def _loaded_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
+def _loaded_tensors(model: DecoderModel) -> dict[str, torch.Tensor]:
     """Every tensor a checkpoint fills (parameters, and FP8 weights and scales), once each."""
     seen: set[int] = set()
     out = {}

@@ -33,10 +33,11 @@ def check_tp_compatible(cfg: ModelConfig, tp_size: int) -> None:
     """Raise ``ValueError`` naming the dimension that does not split over ``tp_size`` ranks."""
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    for what, n in (
-        ("attention heads", cfg.num_heads),
-        ("MLP intermediate size", cfg.intermediate_size),
-    ):
+    sizes = [("attention heads", cfg.num_heads), ("MLP intermediate size", cfg.intermediate_size)]
+    if cfg.moe is not None:
+        sizes.append(("expert intermediate size", cfg.moe.intermediate_size))
+        sizes.append(("shared experts' intermediate size", cfg.moe.shared_intermediate_size))
+    for what, n in sizes:
         if n % tp_size:
             raise ValueError(
                 f"tensor parallelism of {tp_size} needs the model's {what} ({n}) to divide by {tp_size}"

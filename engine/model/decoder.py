@@ -1,0 +1,94 @@
+"""The decoder every family is built as, written for packed variable-length batches
+over a paged KV cache, each rank of a tensor-parallel group building only its shard
+(``splitserve.engine.parallel.layers``).
+
+A layer is attention then MLP, each behind an RMSNorm on the residual stream;
+which kinds, ``ModelConfig`` says, layer by layer::
+
+    attention   GQA (``llama.Attention``)       or  MLA (``mla.MLAttention``: DeepSeek-V3)
+    MLP         dense (``llama.MLP``)           or  mixture of experts (``moe.SparseMoE``)
+                                                    except the layers ``moe.dense_layers`` names
+
+Input is one flat batch of ``T`` tokens from many sequences (no padding); the
+attention backend knows where each sequence starts and which cache blocks hold
+its past. Parameter names follow Hugging Face checkpoints (``engine.model.placement``
+maps each checkpoint tensor to this rank's slice of one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.llama import MLP, Attention, RMSNorm, StepContext
+from splitserve.engine.model.mla import MLAttention
+from splitserve.engine.model.moe import SparseMoE
+from splitserve.engine.model.rope import RotaryEmbedding
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.parallel.layers import VocabParallelEmbedding, VocabParallelLMHead
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup | None = None):
+        super().__init__()
+        tp = tp or TPGroup.single()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SparseMoE(cfg, tp) if cfg.is_moe_layer(index) else MLP(cfg, tp)
+
+    def forward(self, x, delta, cos, sin, k_cache, v_cache, ctx, kv_scales=None):
+        """``x`` is the residual stream, still missing the previous layer's output
+        ``delta``; returns this layer's output, to be added by the next norm."""
+        attn = self.self_attn(self.input_layernorm(x, delta), cos, sin, k_cache, v_cache, ctx, kv_scales)
+        return self.mlp(self.post_attention_layernorm(x, attn))
+
+
+class DecoderModel(nn.Module):
+    """The model as rank ``tp.rank`` of ``tp`` holds it (the whole model for TP=1).
+    Parameters are left uninitialised: the loader fills them. Build it on the meta
+    device and let the loader materialise it (``loader.build_model``), so that no
+    memory is touched twice."""
+
+    def __init__(self, cfg: ModelConfig, max_position: int, tp: TPGroup | None = None):
+        super().__init__()
+        tp = tp or TPGroup.single()
+        self.config = cfg
+        self.max_position = max_position
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = VocabParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.linear.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope, max_position)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]; KV written to the cache."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.tables(positions, x.dtype)
+        delta = None
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv_cache.layer(i)
+            delta = layer(x, delta, cos, sin, k_cache, v_cache, ctx, kv_cache.layer_scales(i))
+            if ctx.on_layer is not None:
+                ctx.on_layer(i)
+        return self.norm(x, delta)
+
+    def use_kernels(self, kernels: Any) -> None:
+        """Route the norms through a fused add+RMSNorm kernel (``add_rms_norm``), and
+        GQA attention and dense MLPs through ``rope_and_cache`` / ``silu_mul`` where
+        ``kernels`` has them (not None: the Triton set on CUDA; the C++ set on CPU for bf16)."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.kernels = kernels
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] logits in the model's dtype (the sampler upcasts what needs it)."""
+        return self.lm_head(hidden)

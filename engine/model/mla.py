@@ -1,0 +1,110 @@
+"""DeepSeek's multi-head latent attention (MLA), in the absorbed form, over a paged
+cache of latents.
+
+Per token the cache holds one row per layer, shared by every head::
+
+    row = [ c_kv (kv_lora_rank, RMS-normed) | k_pe (qk_rope_head_dim, rotated) ]
+
+and nothing else: no per-head K or V. ``kv_b_proj`` [heads * (nope + v), kv_lora_rank]
+expands a latent into each head's key (``W_UK``, the first ``nope`` rows of a head's
+block) and value (``W_UV``, the last ``v``). Attention never expands the cache;
+``W_UK`` is absorbed into the query and ``W_UV`` applied after::
+
+    q_nope [T, h, nope] @ W_UK[h] -> q_lat [T, h, kv_lora_rank]
+    score(t, s) = (q_lat[t] . c_kv[s] + q_pe[t] . k_pe[s]) * scale       (MQA over rows)
+    o_lat[t] = sum_s softmax(score)[t, s] c_kv[s]  ->  o_lat @ W_UV[h]^T -> [T, h, v] -> o_proj
+
+which equals the reference's expanded form (``q . k = q_nope . (W_UK c) + q_pe . k_pe``).
+The same form serves prefill and decode (``engine.attention.mla``).
+
+Rotary: DeepSeek-V3's rotary pairs are interleaved ((x0, x1), (x2, x3), ...); they
+are de-interleaved before the usual half-split rotation, which is the same rotation
+(the cache holds the rotated key in the half-split order; any consistent order gives
+the same dot products). Under tensor parallelism a rank holds its heads' rows of
+``q_b_proj`` / ``kv_b_proj`` and columns of ``o_proj``; the latent (``kv_a_proj``)
+is computed whole on every rank, so every rank's cache holds the same rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.llama import RMSNorm, StepContext
+from splitserve.engine.model.rope import apply_rotary
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.parallel.layers import RowParallelLinear
+
+
+class LatentProjection(nn.Module):
+    """``kv_b_proj``'s weight, this rank's heads' rows: read by the absorbed attention,
+    never applied as a linear (so quantization and CPU packing leave it alone)."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+
+def _yarn_mscale(rope: dict) -> float:
+    """The softmax scale's YaRN correction the reference applies (``mscale_all_dim``)."""
+    m_all = rope.get("mscale_all_dim", 0)
+    factor = rope.get("factor", 1.0)
+    if rope.get("rope_type", "default") == "default" or not m_all or factor <= 1:
+        return 1.0
+    return 0.1 * m_all * math.log(factor) + 1.0
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., (x0, x1, x2, x3, ...)] -> [..., (x0, x2, ..., x1, x3, ...)]."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class MLAttention(nn.Module):
+    """This rank's heads of one MLA layer (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
+        super().__init__()
+        tp = tp or TPGroup.single()
+        m = cfg.mla
+        self.mla = m
+        h0, h1 = tp.shard_range(cfg.num_heads)
+        self.num_heads = h1 - h0
+        qk = m.qk_head_dim
+        if m.q_lora_rank:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, m.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, self.num_heads * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, m.latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = LatentProjection(self.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        self.o_proj = RowParallelLinear(self.num_heads * m.v_head_dim, cfg.hidden_size, False, tp)
+        self.scale = qk**-0.5 * _yarn_mscale(cfg.rope) ** 2
+
+    def forward(self, x, cos, sin, cache, _unused, ctx: StepContext, kv_scales=None) -> torch.Tensor:
+        """Attention output [T, hidden]; this step's latent rows written to ``cache``
+        ([num_blocks, block_size, 1, latent_dim]) at ``ctx.slot_mapping``."""
+        m, t = self.mla, x.shape[0]
+        if m.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(t, self.num_heads, m.qk_head_dim)
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        if m.rope_interleave:
+            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+        q_pe = apply_rotary(q_pe, cos, sin)
+        k_pe = apply_rotary(k_pe[:, None, :], cos, sin)
+        row = torch.cat((self.kv_a_layernorm(c_kv.contiguous()), k_pe[:, 0]), dim=-1)
+        cache.view(-1, m.latent_dim).index_copy_(0, ctx.slot_mapping, row)
+        w = self.kv_b_proj.weight.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        w_uk, w_uv = w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+        o_lat = ctx.backend.forward(torch.cat((q_lat, q_pe), dim=-1), None, None, cache, None, ctx.attn_meta, self.scale)
+        o = torch.einsum("thc,hvc->thv", o_lat, w_uv)
+        return self.o_proj(o.reshape(t, self.num_heads * m.v_head_dim))

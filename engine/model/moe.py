@@ -1,0 +1,142 @@
+"""The mixture-of-experts MLP every MoE family shares (Mixtral, Qwen2/3-MoE, DeepSeek-V3).
+
+One step's tokens go through it as one packed batch::
+
+    x [T, H] --gate--> logits [T, E] (float32) --route--> weights [T, k], expert ids [T, k]
+       |
+       +-- grouped_experts: the T*k (token, expert) pairs sorted by expert, so each
+       |   expert's tokens are one contiguous run of rows
+       |       expert e, rows [s_e, s_e + n_e):  gate_up [n_e, 2I] -> silu(gate) * up -> down [n_e, H]
+       |   (one GEMM pair per expert that got tokens; none for the others), each row
+       |   scaled by its routing weight and added back into its token's row
+       +-- shared experts: one dense MLP over every token (Qwen2-MoE scales it by
+           sigmoid(shared_expert_gate(x)))
+
+Expert weights keep their own layout, stacked: ``experts.gate_up_proj [E, 2I, H]``
+(gate rows, then up rows) and ``experts.down_proj [E, H, I]``, the checkpoint's
+``experts.N.{gate,up,down}_proj`` (Mixtral's ``w1, w3, w2``) read into row N.
+
+Under tensor parallelism each rank holds every expert's slice of the intermediate
+width (gate/up rows and down columns [i0, i1), as a dense MLP's), and the partial
+outputs are summed by one all-reduce. Routing is computed the same on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.model.config import ModelConfig, MoEConfig
+from splitserve.engine.model.llama import MLP
+from splitserve.engine.parallel.group import TPGroup
+
+
+def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, moe: MoEConfig):
+    """(weights [T, k] float32, expert ids [T, k] int64) of float32 router ``logits``
+    [T, E], by the rule ``MoEConfig`` states: experts chosen by score (+ the
+    correction bias) within the best groups, weighted by their uncorrected score."""
+    scores = logits.softmax(dim=-1) if moe.scoring == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias
+    if moe.num_groups > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, moe.num_groups, e // moe.num_groups)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        kept = group_scores.topk(moe.topk_groups, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(e // moe.num_groups, dim=1), float("-inf"))
+    ids = choice.topk(moe.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if moe.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling if moe.routed_scaling != 1.0 else weights, ids
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """Sum over each token's chosen experts of weight x expert(x), [T, H] in ``x``'s
+    dtype. ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] hold experts
+    [first_expert, first_expert + E); pairs routed to other experts add nothing
+    (their expert lives on another rank). Tokens are grouped by expert (see the
+    module docstring): a Python loop over the experts that got tokens, none over tokens."""
+    t, k = ids.shape
+    held = gate_up.shape[0]
+    local = ids.reshape(-1) - first_expert
+    local = torch.where((local >= 0) & (local < held), local, held)  # ``held``: an expert elsewhere
+    order = local.argsort(stable=True)
+    counts = torch.bincount(local, minlength=held + 1)[:held].tolist()
+    n = sum(counts)
+    order = order[:n]
+    token = order // k
+    rows = x.index_select(0, token)
+    out = torch.empty_like(rows)
+    inter = down.shape[2]
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            h = F.linear(rows[start : start + count], gate_up[e])
+            out[start : start + count] = F.linear(F.silu(h[:, :inter]) * h[:, inter:], down[e])
+            start += count
+    out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
+    return torch.zeros_like(x).index_add_(0, token, out)
+
+
+class Router(nn.Module):
+    """``weight`` [E, H] (and DeepSeek-V3's ``e_score_correction_bias`` [E]); logits in
+    float32 whatever the model's dtype (the reference implementations route in float32).
+    Not an ``nn.Linear``, so quantization and CPU packing leave it alone."""
+
+    def __init__(self, num_experts: int, hidden: int, correction_bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(num_experts), requires_grad=False) if correction_bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class Experts(nn.Module):
+    """The routed experts this rank holds, stacked (see the module docstring)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
+
+
+class SparseMoE(nn.Module):
+    """A MoE layer as rank ``tp.rank`` of ``tp`` holds it (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
+        super().__init__()
+        tp = tp or TPGroup.single()
+        moe = cfg.moe
+        self.moe = moe
+        self.group = tp
+        self.inter = moe.intermediate_size // tp.size
+        self.gate = Router(moe.num_experts, cfg.hidden_size, moe.correction_bias)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, self.inter)
+        self.shared_experts = (
+            MLP(cfg, tp, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+        )
+        self.shared_expert_gate = Router(1, cfg.hidden_size, False) if moe.shared_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.gate.e_score_correction_bias, self.moe)
+        out = self.group.all_reduce(
+            grouped_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        )
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = shared * self.shared_expert_gate(x).sigmoid().to(shared.dtype)
+            out = out + shared
+        return out

@@ -1,0 +1,237 @@
+"""Which checkpoint tensors a model has, and where this rank's slice of each goes.
+
+Names are Hugging Face's, in one canonical spelling per family
+(``canonical_name``): Mixtral's ``block_sparse_moe.experts.N.w1 / w3 / w2`` and
+``block_sparse_moe.gate`` read as ``mlp.experts.N.gate_proj / up_proj / down_proj``
+and ``mlp.gate``; Qwen2-MoE's ``mlp.shared_expert`` as ``mlp.shared_experts``.
+
+A ``Placement`` says which rows of which parameter receive which range of the
+tensor::
+
+    checkpoint tensor (canonical name, full shape)      -> (parameter, index, rows, slice)
+    layers.3.self_attn.k_proj.weight [KV*d, H]           -> self_attn.qkv_proj.weight rows [q, q+kv)
+                                                            <- rows [k0*d, k1*d) of the file
+    layers.3.mlp.experts.7.up_proj.weight [I, H]         -> mlp.experts.gate_up_proj[7] rows [I/tp, ...)
+                                                            <- rows [i0, i1) of the file
+    layers.3.self_attn.kv_b_proj.weight [h*(n+v), r]     -> rows of this rank's heads
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.decoder import DecoderModel
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.parallel.layers import kv_head_range, vocab_rows
+from splitserve.wire.errors import ModelLoadError
+
+_RENAMES = {
+    "mixtral": (
+        ("block_sparse_moe.gate.", "mlp.gate."),
+        ("block_sparse_moe.experts.", "mlp.experts."),
+        (".w1.", ".gate_proj."),
+        (".w3.", ".up_proj."),
+        (".w2.", ".down_proj."),
+    ),
+    "qwen2_moe": (("mlp.shared_expert.", "mlp.shared_experts."),),
+}
+
+
+def canonical_name(cfg: ModelConfig, name: str) -> str:
+    """``name`` in the spelling ``checkpoint_tensor_shapes`` uses (see the module docstring)."""
+    for old, new in _RENAMES.get(cfg.model_type, ()):
+        if old in name and ".layers." in name:
+            name = name.replace(old, new)
+    return name
+
+
+def checkpoint_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Hugging Face checkpoint of ``cfg`` (canonical names): name -> full shape."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes.update(_mla_shapes(cfg, p) if cfg.mla is not None else _attention_shapes(cfg, p))
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.is_moe_layer(i):
+            shapes.update(_moe_shapes(cfg, p + "mlp."))
+        else:
+            shapes.update(_mlp_shapes(h, cfg.intermediate_size, p + "mlp."))
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    h = cfg.hidden_size
+    out: dict[str, tuple[int, ...]] = {}
+    for proj, rows in (("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)):
+        out[f"{p}self_attn.{proj}.weight"] = (rows, h)
+        if cfg.qkv_bias:
+            out[f"{p}self_attn.{proj}.bias"] = (rows,)
+    if cfg.qk_norm:
+        out[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
+        out[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
+    out[p + "self_attn.o_proj.weight"] = (h, cfg.q_size)
+    if cfg.o_bias:
+        out[p + "self_attn.o_proj.bias"] = (h,)
+    return out
+
+
+def _mla_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    m, h, heads = cfg.mla, cfg.hidden_size, cfg.num_heads
+    a = p + "self_attn."
+    out: dict[str, tuple[int, ...]] = {}
+    if m.q_lora_rank:
+        out[a + "q_a_proj.weight"] = (m.q_lora_rank, h)
+        out[a + "q_a_layernorm.weight"] = (m.q_lora_rank,)
+        out[a + "q_b_proj.weight"] = (heads * m.qk_head_dim, m.q_lora_rank)
+    else:
+        out[a + "q_proj.weight"] = (heads * m.qk_head_dim, h)
+    out[a + "kv_a_proj_with_mqa.weight"] = (m.latent_dim, h)
+    out[a + "kv_a_layernorm.weight"] = (m.kv_lora_rank,)
+    out[a + "kv_b_proj.weight"] = (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    out[a + "o_proj.weight"] = (h, heads * m.v_head_dim)
+    return out
+
+
+def _mlp_shapes(h: int, inter: int, p: str) -> dict[str, tuple[int, ...]]:
+    return {p + "gate_proj.weight": (inter, h), p + "up_proj.weight": (inter, h), p + "down_proj.weight": (h, inter)}
+
+
+def _moe_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    moe, h = cfg.moe, cfg.hidden_size
+    out: dict[str, tuple[int, ...]] = {p + "gate.weight": (moe.num_experts, h)}
+    if moe.correction_bias:
+        out[p + "gate.e_score_correction_bias"] = (moe.num_experts,)
+    for e in range(moe.num_experts):
+        out.update(_mlp_shapes(h, moe.intermediate_size, f"{p}experts.{e}."))
+    if moe.shared_intermediate_size:
+        out.update(_mlp_shapes(h, moe.shared_intermediate_size, p + "shared_experts."))
+    if moe.shared_gate:
+        out[p + "shared_expert_gate.weight"] = (1, h)
+    return out
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank's slice of one checkpoint tensor goes: rows from ``row0`` on of
+    ``param`` (of ``param[index]`` when ``index`` is set: one expert of a stack)
+    receive the tensor's range [start, stop) along ``dim`` (the whole tensor when
+    ``dim`` is None). ``pad_rows`` more rows after it are zeroed (the last rank's
+    share of a vocabulary that does not split evenly)."""
+
+    param: torch.Tensor
+    row0: int = 0
+    dim: int | None = None
+    start: int = 0
+    stop: int | None = None
+    pad_rows: int = 0
+    index: int | None = None
+
+    @property
+    def target(self) -> torch.Tensor:
+        """The tensor written: ``param``, or its ``index``-th row."""
+        return self.param if self.index is None else self.param[self.index]
+
+
+def placement(model: DecoderModel, tp: TPGroup, name: str) -> Placement:
+    """Where checkpoint tensor ``name`` (canonical, ``model.`` prefix removed) lands on this rank."""
+    cfg = model.config
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        start, stop, rows = vocab_rows(cfg.vocab_size, tp)
+        param = model.embed_tokens.weight if name == "embed_tokens.weight" else model.lm_head.linear.weight
+        return Placement(param, 0, 0, start, stop, pad_rows=rows - (stop - start))
+    if name == "norm.weight":
+        return Placement(model.norm.weight)
+    try:
+        _, i, module, rest = name.split(".", 3)
+        layer = model.layers[int(i)]
+    except (ValueError, IndexError):
+        raise ModelLoadError(f"checkpoint tensor {name} has no place in the model") from None
+    found = None
+    if module in ("input_layernorm", "post_attention_layernorm"):
+        found = Placement(getattr(layer, module).weight)
+    elif module == "self_attn":
+        found = _mla_placement(cfg, layer.self_attn, tp, rest) if cfg.mla else _attention(cfg, layer, tp, rest)
+    elif module == "mlp":
+        found = _moe_placement(layer.mlp, tp, rest) if cfg.is_moe_layer(int(i)) else _mlp(layer.mlp, tp, rest)
+    if found is None:
+        raise ModelLoadError(f"checkpoint tensor {name} has no place in the model")
+    return found
+
+
+def _attention(cfg: ModelConfig, layer, tp: TPGroup, rest: str) -> Placement | None:
+    attn, d = layer.self_attn, cfg.head_dim
+    proj, kind = rest.rsplit(".", 1)
+    h0, h1 = tp.shard_range(cfg.num_heads)
+    k0, k1 = kv_head_range(cfg.num_kv_heads, tp)
+    match proj:
+        case "q_proj":
+            return Placement(getattr(attn.qkv_proj, kind), 0, 0, h0 * d, h1 * d)
+        case "k_proj":
+            return Placement(getattr(attn.qkv_proj, kind), attn.q_size, 0, k0 * d, k1 * d)
+        case "v_proj":
+            return Placement(getattr(attn.qkv_proj, kind), attn.q_size + attn.kv_size, 0, k0 * d, k1 * d)
+        case "q_norm" | "k_norm":
+            return Placement(getattr(attn, proj).weight)
+        case "o_proj" if kind == "bias":
+            return Placement(attn.o_proj.bias)
+        case "o_proj":
+            return Placement(attn.o_proj.linear.weight, 0, 1, h0 * d, h1 * d)
+    return None
+
+
+def _mla_placement(cfg: ModelConfig, attn, tp: TPGroup, rest: str) -> Placement | None:
+    m = cfg.mla
+    h0, h1 = tp.shard_range(cfg.num_heads)
+    proj = rest.removesuffix(".weight")
+    match proj:
+        case "q_a_proj" | "kv_a_proj_with_mqa" | "q_a_layernorm" | "kv_a_layernorm":
+            return Placement(getattr(attn, proj).weight)
+        case "q_proj" | "q_b_proj":
+            return Placement(getattr(attn, proj).weight, 0, 0, h0 * m.qk_head_dim, h1 * m.qk_head_dim)
+        case "kv_b_proj":
+            per = m.qk_nope_head_dim + m.v_head_dim
+            return Placement(attn.kv_b_proj.weight, 0, 0, h0 * per, h1 * per)
+        case "o_proj":
+            return Placement(attn.o_proj.linear.weight, 0, 1, h0 * m.v_head_dim, h1 * m.v_head_dim)
+    return None
+
+
+def _mlp(mlp, tp: TPGroup, rest: str, index: int | None = None) -> Placement | None:
+    """A dense MLP's tensor (``rest``: ``gate_proj.weight`` ...), or one expert's
+    (``index``: its row of the stacked ``mlp``: ``moe.Experts``)."""
+    inter = mlp.inter if index is None else mlp.down_proj.shape[2]
+    i0, i1 = tp.shard_range(inter * tp.size)
+    gate_up = mlp.gate_up_proj.weight if index is None else mlp.gate_up_proj
+    down = mlp.down_proj.linear.weight if index is None else mlp.down_proj
+    match rest:
+        case "gate_proj.weight":
+            return Placement(gate_up, 0, 0, i0, i1, index=index)
+        case "up_proj.weight":
+            return Placement(gate_up, inter, 0, i0, i1, index=index)
+        case "down_proj.weight":
+            return Placement(down, 0, 1, i0, i1, index=index)
+    return None
+
+
+def _moe_placement(moe, tp: TPGroup, rest: str) -> Placement | None:
+    if rest == "gate.weight":
+        return Placement(moe.gate.weight)
+    if rest == "gate.e_score_correction_bias" and moe.gate.e_score_correction_bias is not None:
+        return Placement(moe.gate.e_score_correction_bias)
+    if rest == "shared_expert_gate.weight" and moe.shared_expert_gate is not None:
+        return Placement(moe.shared_expert_gate.weight)
+    if rest.startswith("shared_experts.") and moe.shared_experts is not None:
+        return _mlp(moe.shared_experts, tp, rest.removeprefix("shared_experts."))
+    if rest.startswith("experts."):
+        _, e, tail = rest.split(".", 2)
+        if e.isdigit() and int(e) < moe.experts.gate_up_proj.shape[0]:
+            return _mlp(moe.experts, tp, tail, index=int(e))
+    return None
