@@ -72,9 +72,13 @@ def _tiny_moe_config(kind: str, common: dict):
         return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
     moe = dict(moe_intermediate_size=32, num_experts_per_tok=2, tie_word_embeddings=False)
     if kind == "qwen3_moe":
-        return Qwen3MoeConfig(**common, **moe, head_dim=32, num_experts=8, norm_topk_prob=True, mlp_only_layers=[0])
+        return Qwen3MoeConfig(
+            **common, **moe, head_dim=32, num_experts=8, norm_topk_prob=True, mlp_only_layers=[0]
+        )
     if kind == "qwen2_moe":
-        return Qwen2MoeConfig(**common, **moe, num_experts=8, norm_topk_prob=False, shared_expert_intermediate_size=64)
+        return Qwen2MoeConfig(
+            **common, **moe, num_experts=8, norm_topk_prob=False, shared_expert_intermediate_size=64
+        )
     if kind == "deepseek_v3":
         mha = {**common, "num_key_value_heads": common["num_attention_heads"]}  # MLA keys are per head
         return DeepseekV3Config(

@@ -39,16 +39,16 @@ from splitserve.engine.model.checkpoint import TensorSource, random_tensors
 from splitserve.engine.model.checkpoint_quant import CheckpointQuant
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.cpu_linear import pack_linears, packing_supported
-from splitserve.engine.model.gguf_cache import converted_checkpoint
 from splitserve.engine.model.decoder import DecoderModel
-from splitserve.engine.model.quant import FP8_DTYPE, Fp8CheckpointLinear, quantize_linears
-from splitserve.engine.model.replace import replace_children
+from splitserve.engine.model.gguf_cache import converted_checkpoint
 from splitserve.engine.model.placement import (
     Placement,
     canonical_name,
     checkpoint_tensor_shapes,
     placement,
 )
+from splitserve.engine.model.quant import FP8_DTYPE, Fp8CheckpointLinear, quantize_linears
+from splitserve.engine.model.replace import replace_children
 from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.wire.errors import ModelLoadError

@@ -81,7 +81,8 @@ class MLAttention(nn.Module):
             self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, m.latent_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = LatentProjection(self.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        per_head = m.qk_nope_head_dim + m.v_head_dim
+        self.kv_b_proj = LatentProjection(self.num_heads * per_head, m.kv_lora_rank)
         self.o_proj = RowParallelLinear(self.num_heads * m.v_head_dim, cfg.hidden_size, False, tp)
         self.scale = qk**-0.5 * _yarn_mscale(cfg.rope) ** 2
 
@@ -105,6 +106,7 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
         q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
-        o_lat = ctx.backend.forward(torch.cat((q_lat, q_pe), dim=-1), None, None, cache, None, ctx.attn_meta, self.scale)
+        q_rows = torch.cat((q_lat, q_pe), dim=-1)  # [T, heads, latent_dim]: a query of the rows
+        o_lat = ctx.backend.forward(q_rows, None, None, cache, None, ctx.attn_meta, self.scale)
         o = torch.einsum("thc,hvc->thv", o_lat, w_uv)
         return self.o_proj(o.reshape(t, self.num_heads * m.v_head_dim))

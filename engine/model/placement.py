@@ -101,7 +101,11 @@ def _mla_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
 
 
 def _mlp_shapes(h: int, inter: int, p: str) -> dict[str, tuple[int, ...]]:
-    return {p + "gate_proj.weight": (inter, h), p + "up_proj.weight": (inter, h), p + "down_proj.weight": (h, inter)}
+    return {
+        p + "gate_proj.weight": (inter, h),
+        p + "up_proj.weight": (inter, h),
+        p + "down_proj.weight": (h, inter),
+    }
 
 
 def _moe_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
@@ -157,10 +161,14 @@ def placement(model: DecoderModel, tp: TPGroup, name: str) -> Placement:
     found = None
     if module in ("input_layernorm", "post_attention_layernorm"):
         found = Placement(getattr(layer, module).weight)
+    elif module == "self_attn" and cfg.mla is not None:
+        found = _mla_placement(cfg, layer.self_attn, tp, rest)
     elif module == "self_attn":
-        found = _mla_placement(cfg, layer.self_attn, tp, rest) if cfg.mla else _attention(cfg, layer, tp, rest)
+        found = _attention(cfg, layer, tp, rest)
+    elif module == "mlp" and cfg.is_moe_layer(int(i)):
+        found = _moe_placement(layer.mlp, tp, rest)
     elif module == "mlp":
-        found = _moe_placement(layer.mlp, tp, rest) if cfg.is_moe_layer(int(i)) else _mlp(layer.mlp, tp, rest)
+        found = _mlp(layer.mlp, tp, rest)
     if found is None:
         raise ModelLoadError(f"checkpoint tensor {name} has no place in the model")
     return found
