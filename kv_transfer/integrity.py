@@ -1,7 +1,8 @@
 """Checksums of KV blocks and the contiguous runs transfers are built from.
 
 The KV cache tensor is ``[layer, k/v, block, slot, kv_head, head_dim]``
-(``splitserve.engine.kv_cache``), contiguous, so for each (layer, k/v) a run
+(``splitserve.engine.kv_cache``; one plane, not two, for an MLA latent cache),
+contiguous, so for each (layer, k/v) a run
 of consecutive block ids is one contiguous byte range. A request's blocks are
 hashed and moved as such runs, in the order (layer, k/v, run). The checksum
 is one xxh3-64 per layer, so a sink can verify layer by layer while later
@@ -19,7 +20,7 @@ from splitserve.wire.kv import CompatInfo
 def check_cache(cache: torch.Tensor, compat: CompatInfo) -> None:
     """Raise ``ValueError`` unless ``cache`` is contiguous and laid out as ``compat`` says."""
     lay = compat.layout
-    expected = (lay.num_layers, 2, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+    expected = (lay.num_layers, lay.planes, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
     if tuple(cache.shape) != expected or str(cache.dtype) != f"torch.{lay.dtype}":
         raise ValueError(f"KV cache {tuple(cache.shape)} {cache.dtype} does not match layout {lay}")
     if not cache.is_contiguous():
@@ -53,7 +54,8 @@ def paired_runs(
 
 
 def layer_checksum(cache: torch.Tensor, layer: int, block_ids: list[int] | tuple[int, ...]) -> int:
-    """xxh3-64 over one layer's bytes of the blocks: K of every block in order, then V.
+    """xxh3-64 over one layer's bytes of the blocks: K of every block in order, then V
+    (an MLA cache: its latent rows).
 
     A CPU tensor is hashed in place (~25-30 GB/s on one core here; the hash
     releases the GIL, so another thread can move bytes meanwhile); from a GPU
@@ -64,9 +66,9 @@ def layer_checksum(cache: torch.Tensor, layer: int, block_ids: list[int] | tuple
     if cache.device.type != "cpu":
         idx = torch.tensor(list(block_ids), device=cache.device)
         planes, block_runs = planes.index_select(1, idx).cpu(), [(0, len(block_ids))]
-    raw = planes.reshape(2, planes.shape[1], -1).view(torch.uint8)  # last dim contiguous
+    raw = planes.reshape(planes.shape[0], planes.shape[1], -1).view(torch.uint8)  # last dim contiguous
     h = xxhash.xxh3_64()
-    for kv in range(2):
+    for kv in range(raw.shape[0]):
         for first, n in block_runs:
             h.update(raw[kv, first : first + n].numpy())
     return h.intdigest()

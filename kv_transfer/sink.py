@@ -173,7 +173,7 @@ class KVSink:
     def _layers_per_chunk(self, num_blocks: int) -> int:
         if not self.chunked:
             return self.compat.layout.num_layers
-        layer_bytes = 2 * self.compat.layout.block_bytes * num_blocks
+        layer_bytes = self.compat.layout.planes * self.compat.layout.block_bytes * num_blocks
         return max(1, -(-self.MIN_CHUNK_BYTES // layer_bytes))
 
     def close(self) -> None:

@@ -142,7 +142,7 @@ class KVSource:
             raise ValueError("readers must be >= 0")
         transfer_id = f"{request_id}:{uuid.uuid4().hex[:12]}"
         layout = self.compat.layout
-        num_bytes = 2 * layout.num_layers * layout.block_bytes * len(block_ids) if readers else 0
+        num_bytes = layout.planes * layout.num_layers * layout.block_bytes * len(block_ids) if readers else 0
         desc = KVDescriptor(
             transfer_id=transfer_id,
             request_id=request_id,

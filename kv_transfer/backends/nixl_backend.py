@@ -187,7 +187,8 @@ class NixlSink(KVSink):
     ) -> tuple[np.ndarray, np.ndarray]:
         block_bytes = self.compat.layout.block_bytes
         pairs = np.array(paired_runs(desc.block_ids, dst_blocks), dtype=np.uint64).reshape(-1, 3)
-        planes = np.arange(2 * self.compat.layout.num_layers, dtype=np.uint64)[:, None]  # (layer, k/v)
+        lay = self.compat.layout
+        planes = np.arange(lay.planes * lay.num_layers, dtype=np.uint64)[:, None]  # (layer, k/v)
         src_off = (planes * np.uint64(info.num_blocks) + pairs[None, :, 0]) * np.uint64(block_bytes)
         dst_off = (planes * np.uint64(self.cache.shape[2]) + pairs[None, :, 1]) * np.uint64(block_bytes)
         lengths = np.broadcast_to(pairs[None, :, 2] * np.uint64(block_bytes), src_off.shape)

@@ -236,7 +236,7 @@ class TorchDistSink(KVSink):
         if int(header[0]) != OK:
             raise LeaseExpired(f"{desc.source_worker} no longer holds {desc.transfer_id}")
         c = self.cache
-        data = torch.empty((c.shape[0], 2, len(dst_blocks), *c.shape[3:]), dtype=c.dtype)
+        data = torch.empty((c.shape[0], c.shape[1], len(dst_blocks), *c.shape[3:]), dtype=c.dtype)
         if data.numel() * data.element_size() != int(header[1]):
             raise KVTransferError(
                 f"{desc.source_worker} announced {int(header[1])} bytes, expected more/less"

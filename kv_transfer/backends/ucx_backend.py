@@ -391,7 +391,7 @@ class UcxSink(KVSink):
         if header[0] != OK:
             raise LeaseExpired(f"{source} no longer holds {desc.transfer_id}")
         c = self.cache
-        data = torch.empty((len(layers), 2, len(dst_blocks), *c.shape[3:]), dtype=c.dtype)
+        data = torch.empty((len(layers), c.shape[1], len(dst_blocks), *c.shape[3:]), dtype=c.dtype)
         if data.numel() * data.element_size() != int(header[1]):
             raise KVTransferError(
                 f"{source} announced {int(header[1])} bytes for {desc.transfer_id}, not the layout's"
