@@ -19,7 +19,7 @@ import pytest
 
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
-from tests.integration.cluster_util import live_cluster, stream_all, tiny_config
+from tests.integration.cluster_util import live_cluster, scrape, stream_all, tiny_config, total
 
 ENGINE = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 64, "block_size": 8}
 MAX_TOKENS = 8
@@ -47,3 +47,33 @@ def test_moe_and_mla_through_the_cluster_equal_transformers(tmp_path, kind, pref
     assert all(out.final.prefill_worker == "prefill-0" for out, _ in first)  # every KV handed over
     # the second pass found each prompt's full blocks in a cache
     assert all(out.final.cached_prompt_tokens >= (len(p) - 1) // 8 * 8 for (out, _), p in zip(again, prompts))
+
+
+def test_an_mla_handover_moves_one_latent_row_per_token_and_layer(tmp_path):
+    """KV bytes per token, measured on a handover (the router's count of KV bytes the
+    decode workers pulled) for a DeepSeek-V3-shaped model and a GQA model of the same
+    hidden size, against the formulas of ``docs/models.md``, computed here from the
+    transformers configs: MLA ``layers x (kv_lora_rank + qk_rope_head_dim) x 4`` bytes
+    (float32), GQA ``layers x 2 x kv_heads x head_dim x 4``."""
+    measured = {}
+    prompt = random_prompts([40], 512, seed=3)  # 5 whole blocks of 8
+    for kind in ("deepseek_v3", "llama"):
+        directory = tmp_path / kind
+        hf = make_hf_checkpoint(kind, directory).config
+        config = tiny_config(
+            str(directory),
+            prefill={"num_cpus": 0.5, "engine": ENGINE},
+            decode={"num_cpus": 0.5, "engine": ENGINE},
+        )
+        with live_cluster(config) as cluster:
+            before = total(scrape(cluster), "splitserve:kv_transfer_bytes_total")
+            ((out, _),) = stream_all(cluster.address, prompt, [SamplingParams(max_tokens=2, ignore_eos=True)])
+            assert out.final.prefill_worker == "prefill-0"
+            measured[kind] = (total(scrape(cluster), "splitserve:kv_transfer_bytes_total") - before) / 40
+        if kind == "deepseek_v3":
+            formula = hf.num_hidden_layers * (hf.kv_lora_rank + hf.qk_rope_head_dim) * 4
+        else:
+            head_dim = hf.hidden_size // hf.num_attention_heads
+            formula = hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * 4
+        assert measured[kind] == formula, (kind, measured[kind], formula)
+    assert measured["deepseek_v3"] < measured["llama"]

@@ -55,7 +55,9 @@ def jobs_for(directory, prompts, size=2, **engine):
 
 
 @pytest.mark.parametrize(
-    "kind, kv_heads", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama3", 2), ("mistral", 2), ("llama", 1)]
+    "kind, kv_heads",
+    [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama3", 2), ("mistral", 2), ("llama", 1)]
+    + [("mixtral", 2), ("qwen2_moe", 2), ("deepseek_v3", 4)],  # experts' width split; MLA heads split
 )
 def test_tp2_greedy_equals_tp1(tmp_path, kind, kv_heads):
     """kv_heads 1: fewer KV heads than ranks, so both ranks hold (replicate) the one head."""
