@@ -16,10 +16,12 @@ rank reads them from one source rank.
 from __future__ import annotations
 
 import pytest
+import ray
 
+from splitserve.client import Chunk, Client, Completion
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
-from tests.integration.cluster_util import live_cluster, scrape, stream_all, tiny_config, total
+from tests.integration.cluster_util import kv_used, live_cluster, scrape, stream_all, tiny_config, total
 
 ENGINE = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 64, "block_size": 8}
 MAX_TOKENS = 8
@@ -77,3 +79,29 @@ def test_an_mla_handover_moves_one_latent_row_per_token_and_layer(tmp_path):
             formula = hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * 4
         assert measured[kind] == formula, (kind, measured[kind], formula)
     assert measured["deepseek_v3"] < measured["llama"]
+
+
+def test_an_mla_moe_decode_group_losing_a_rank_resumes_exactly(tmp_path):
+    """DeepSeek-V3 (MLA + MoE) on TP=2 decode groups: killing rank 1 of the group
+    holding a stream mid-way ends it there with ``WorkerLost``; the router resumes it
+    on the other group, and the whole output still equals transformers' greedy."""
+    hf = make_hf_checkpoint("deepseek_v3", tmp_path)
+    prompt = random_prompts([60], 512, seed=11)[0]
+    expected = hf_greedy(hf, prompt, 300)
+    config = tiny_config(
+        str(tmp_path),
+        prefill={"num_cpus": 0.25, "engine": ENGINE},
+        decode={"num_cpus": 0.25, "tp_size": 2, "replicas": 2, "engine": ENGINE},
+    )
+    with live_cluster(config) as cluster, Client(cluster.address, timeout=60) as client:
+        pool = cluster.cluster.pools["decode"]
+        out, killed = Completion(), None
+        for item in client.stream(prompt, temperature=0, max_tokens=300, ignore_eos=True, timeout_ms=600_000):
+            out.add(item)
+            if killed is None and isinstance(item, Chunk) and len(out.token_ids) >= 20:
+                (holder,) = [w for w, used in kv_used(client).items() if w.startswith("decode") and used]
+                killed = holder
+                ray.kill(pool.actors(holder)[1], no_restart=True)  # its TP rank 1
+    assert killed is not None, "the stream ended before a rank could be killed"
+    assert out.token_ids == expected
+    assert out.final.decode_worker not in ("", killed)
