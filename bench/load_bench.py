@@ -69,7 +69,7 @@ def write_checkpoint(directory: Path, shape: str, shard_gib: float, seed: int = 
     from transformers import LlamaConfig
 
     from splitserve.engine.model.config import ModelConfig
-    from splitserve.engine.model.loader import llama_tensor_shapes
+    from splitserve.engine.model.placement import checkpoint_tensor_shapes
 
     index_path = directory / "model.safetensors.index.json"
     if index_path.exists():
@@ -78,7 +78,7 @@ def write_checkpoint(directory: Path, shape: str, shard_gib: float, seed: int = 
     cfg = SHAPES[shape]
     hf = LlamaConfig(**cfg, torch_dtype="bfloat16")
     hf.save_pretrained(str(directory))
-    shapes = llama_tensor_shapes(ModelConfig.from_hf(hf))
+    shapes = checkpoint_tensor_shapes(ModelConfig.from_hf(hf))
     groups: list[list[str]] = [[]]
     size = 0
     for name, s in shapes.items():
