@@ -234,12 +234,14 @@ def _print_capacity(st) -> None:
     """Each pool's KV cache, context and concurrency (one line per distinct figure)."""
     for pool in st.pools:
         seen = {
-            (w.kv_cache_tokens, w.max_model_len, w.max_concurrency) for w in pool.workers if w.max_model_len
+            (w.kv_cache_tokens, w.kv_bytes_per_token, w.max_model_len, w.max_concurrency)
+            for w in pool.workers
+            if w.max_model_len
         }
-        for tokens, length, concurrency in sorted(seen):
+        for tokens, per_token, length, concurrency in sorted(seen):
             print(
-                f"{pool.role}: KV cache {tokens:,} tokens per worker; max context {length:,} tokens; "
-                f"{concurrency:.2f}x concurrency at that length"
+                f"{pool.role}: KV cache {tokens:,} tokens per worker ({per_token:,} bytes per token per "
+                f"rank); max context {length:,} tokens; {concurrency:.2f}x concurrency at that length"
             )
 
 

@@ -153,7 +153,11 @@ class DecodeWorker:
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> DecodeWorkerInfo:
         return DecodeWorkerInfo(
-            self.worker_id, self.engine.validator, colocated=self.sink is None, engine=self.engine.summary
+            self.worker_id,
+            self.engine.validator,
+            colocated=self.sink is None,
+            engine=self.engine.summary,
+            kv_bytes_per_token=self.engine.capacity.bytes_per_token,
         )
 
     async def stream(self, outbox_id: str) -> AsyncIterator[tuple[TokenBatch, ...]]:

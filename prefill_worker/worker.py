@@ -173,7 +173,12 @@ class PrefillWorker:
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> PrefillWorkerInfo:
         return PrefillWorkerInfo(
-            self.worker_id, self.engine.validator, self.handshakes, self.engine.summary, self.streams_kv
+            self.worker_id,
+            self.engine.validator,
+            self.handshakes,
+            self.engine.summary,
+            self.streams_kv,
+            self.engine.capacity.bytes_per_token,
         )
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:

@@ -314,6 +314,7 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
         v = w.info.validator
         out.kv_cache_tokens, out.max_model_len = v.max_kv_tokens, v.max_model_len
         out.max_concurrency = v.max_kv_tokens / v.max_model_len
+        out.kv_bytes_per_token = w.info.kv_bytes_per_token
     s = w.stats
     if s is not None:
         e = s.engine

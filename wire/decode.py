@@ -56,6 +56,7 @@ class DecodeWorkerInfo:
     validator: RequestValidator
     colocated: bool  # prefills every request itself (no KV transfer backend)
     engine: str = ""  # what its engine chose (Engine.summary)
+    kv_bytes_per_token: int = 0  # one token's KV in one rank's cache, all layers (docs/models.md)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class PrefillWorkerInfo:
     handshakes: tuple[Handshake, ...]  # its KV sources', one per TP rank in rank order
     engine: str = ""  # what its engine chose (Engine.summary)
     streams_kv: bool = False  # prefill_stream hands KV over before prefill ends (layer-wise)
+    kv_bytes_per_token: int = 0  # one token's KV in one rank's cache, all layers (docs/models.md)
 
 
 @dataclass(frozen=True)

@@ -223,7 +223,8 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
         tokens = 2**30 // (per_token * 16) * 16
         for role in ("prefill", "decode"):
             assert (
-                f"{role}: KV cache {tokens:,} tokens per worker; max context 8,192 tokens; "
+                f"{role}: KV cache {tokens:,} tokens per worker ({per_token:,} bytes per token per rank); "
+                "max context 8,192 tokens; "
                 f"{tokens / 8192:.2f}x concurrency" in status.stdout
             ), status.stdout
     finally:

@@ -62,22 +62,24 @@ def test_an_mla_handover_moves_one_latent_row_per_token_and_layer(tmp_path):
     for kind in ("deepseek_v3", "llama"):
         directory = tmp_path / kind
         hf = make_hf_checkpoint(kind, directory).config
-        config = tiny_config(
-            str(directory),
-            prefill={"num_cpus": 0.5, "engine": ENGINE},
-            decode={"num_cpus": 0.5, "engine": ENGINE},
-        )
-        with live_cluster(config) as cluster:
-            before = total(scrape(cluster), "splitserve:kv_transfer_bytes_total")
-            ((out, _),) = stream_all(cluster.address, prompt, [SamplingParams(max_tokens=2, ignore_eos=True)])
-            assert out.final.prefill_worker == "prefill-0"
-            measured[kind] = (total(scrape(cluster), "splitserve:kv_transfer_bytes_total") - before) / 40
         if kind == "deepseek_v3":
             formula = hf.num_hidden_layers * (hf.kv_lora_rank + hf.qk_rope_head_dim) * 4
         else:
             head_dim = hf.hidden_size // hf.num_attention_heads
             formula = hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * 4
+        config = tiny_config(
+            str(directory),
+            prefill={"num_cpus": 0.5, "engine": ENGINE},
+            decode={"num_cpus": 0.5, "engine": ENGINE},
+        )
+        with live_cluster(config) as cluster, Client(cluster.address, timeout=60) as client:
+            before = total(scrape(cluster), "splitserve:kv_transfer_bytes_total")
+            ((out, _),) = stream_all(cluster.address, prompt, [SamplingParams(max_tokens=2, ignore_eos=True)])
+            assert out.final.prefill_worker == "prefill-0"
+            measured[kind] = (total(scrape(cluster), "splitserve:kv_transfer_bytes_total") - before) / 40
+            shown = {w.kv_bytes_per_token for p in client.cluster_status().pools for w in p.workers}
         assert measured[kind] == formula, (kind, measured[kind], formula)
+        assert shown == {formula}  # what `splitserve status` prints
     assert measured["deepseek_v3"] < measured["llama"]
 
 
