@@ -27,14 +27,12 @@ is computed whole on every rank, so every rank's cache holds the same rows.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.llama import RMSNorm, StepContext
-from splitserve.engine.model.rope import apply_rotary
+from splitserve.engine.model.rope import apply_rotary, yarn_mscale
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.layers import RowParallelLinear
 
@@ -48,13 +46,12 @@ class LatentProjection(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
 
-def _yarn_mscale(rope: dict) -> float:
+def _softmax_mscale(rope: dict) -> float:
     """The softmax scale's YaRN correction the reference applies (``mscale_all_dim``)."""
     m_all = rope.get("mscale_all_dim", 0)
-    factor = rope.get("factor", 1.0)
-    if rope.get("rope_type", "default") == "default" or not m_all or factor <= 1:
+    if rope.get("rope_type", "default") == "default" or not m_all:
         return 1.0
-    return 0.1 * m_all * math.log(factor) + 1.0
+    return yarn_mscale(rope.get("factor", 1.0), m_all)
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +81,7 @@ class MLAttention(nn.Module):
         per_head = m.qk_nope_head_dim + m.v_head_dim
         self.kv_b_proj = LatentProjection(self.num_heads * per_head, m.kv_lora_rank)
         self.o_proj = RowParallelLinear(self.num_heads * m.v_head_dim, cfg.hidden_size, False, tp)
-        self.scale = qk**-0.5 * _yarn_mscale(cfg.rope) ** 2
+        self.scale = qk**-0.5 * _softmax_mscale(cfg.rope) ** 2
 
     def forward(self, x, cos, sin, cache, _unused, ctx: StepContext, kv_scales=None) -> torch.Tensor:
         """Attention output [T, hidden]; this step's latent rows written to ``cache``

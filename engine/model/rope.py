@@ -48,14 +48,19 @@ def _llama3(inv_freq: torch.Tensor, factor: float, p: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn(base: float, dim: int, factor: float, p: dict[str, Any], max_position: int):
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 0.1 * m * math.log(scale) + 1.0 if scale > 1 else 1.0
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``scale`` times."""
+    return 0.1 * m * math.log(scale) + 1.0 if scale > 1 else 1.0
 
+
+def _yarn(base: float, dim: int, factor: float, p: dict[str, Any], max_position: int):
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
         m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        if m and m_all:
+            attention_factor = yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+        else:
+            attention_factor = yarn_mscale(factor)
     beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
     original = p.get("original_max_position_embeddings") or max_position
 
