@@ -23,6 +23,13 @@ follows to know which prefixes this cache holds.
 
 Ownership: the sequence holds one reference per entry in its block table;
 ``free`` drops them all. A block returns to the free pool when its count is 0.
+
+Shards (expert parallelism, attention data-parallel): with ``shards`` > 1 the
+block ids are split evenly, shard s owning [s * shard_blocks, (s + 1) * shard_blocks)
+(rank s of the group holds them in its own cache), and all of one sequence's
+blocks come from one shard, its home: the shard of the cached prefix it takes, or
+else the one with the most free blocks, chosen when it gets its first block and
+kept until it frees them. A cached prefix is only taken within one shard.
 """
 
 from __future__ import annotations
@@ -36,18 +43,25 @@ from splitserve.wire.prefix import PrefixCursor, PrefixLog, PrefixUpdate, block_
 class BlockManager:
     """Allocates KV blocks to sequences. Check with ``can_*``, then act."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError("num_blocks and block_size must be positive")
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, shards: int = 1):
+        if num_blocks < 1 or block_size < 1 or shards < 1:
+            raise ValueError("num_blocks, block_size and shards must be positive")
+        if num_blocks % shards:
+            raise ValueError(f"{num_blocks} blocks do not split evenly into {shards} shards")
         self.num_blocks = num_blocks
+        self.shards = shards
+        self.shard_blocks = num_blocks // shards  # the most one sequence can hold
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
-        # Free blocks in eviction order (oldest freed first); values unused.
-        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Free blocks of each shard in eviction order (oldest freed first); values unused.
+        per = self.shard_blocks
+        self._free: list[OrderedDict[int, None]] = [
+            OrderedDict((b, None) for b in range(s * per, (s + 1) * per)) for s in range(shards)
+        ]
         # Per-sequence chain of hashes of its full, computed blocks.
         self._seq_hashes: dict[int, list[int]] = {}
         self.prefix_hits = 0  # tokens served from the cache since start (a metric)
@@ -56,11 +70,29 @@ class BlockManager:
     # ---- queries -----------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return sum(len(f) for f in self._free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.num_free_blocks
+
+    def shard_of(self, block: int) -> int:
+        return block // self.shard_blocks
+
+    def home(self, seq: Sequence, cached: list[int] = ()) -> int:
+        """The shard ``seq``'s blocks are (or will be) in: that of its first block, or of
+        ``cached``, or else the shard with the most free blocks (the first of those)."""
+        if seq.block_table:
+            return self.shard_of(seq.block_table[0])
+        if cached:
+            return self.shard_of(cached[0])
+        return max(range(self.shards), key=lambda s: len(self._free[s]))
+
+    def locate(self, blocks: list[int]) -> tuple[int, list[int]]:
+        """(shard, the blocks' ids within it) of one sequence's ``blocks``."""
+        shard = self.shard_of(blocks[0])
+        base = shard * self.shard_blocks
+        return shard, [b - base for b in blocks]
 
     def prefix_update(self, cursor: PrefixCursor | None) -> PrefixUpdate:
         """The registered hashes that changed since ``cursor`` (``wire.prefix``)."""
@@ -82,6 +114,8 @@ class BlockManager:
             block = self.hash_to_block.get(h)
             if block is None or self.block_tokens[block] != tokens:
                 break
+            if found and self.shard_of(block) != self.shard_of(found[0]):
+                break  # a sequence's blocks are in one shard
             found.append(block)
             parent = h
         return found
@@ -92,8 +126,9 @@ class BlockManager:
         have = len(seq.block_table) + len(cached)
         computed = seq.num_computed_tokens + len(cached) * self.block_size
         need = self.blocks_needed(computed + num_new_tokens) - have
-        taken_from_free = sum(1 for b in cached if b in self.free_blocks)
-        return need + taken_from_free <= len(self.free_blocks)
+        free = self._free[self.home(seq, cached)]
+        taken_from_free = sum(1 for b in cached if b in free)
+        return need + taken_from_free <= len(free)
 
     # ---- actions -----------------------------------------------------------
     def take_cached_prefix(self, seq: Sequence, cached: list[int]) -> None:
@@ -116,10 +151,11 @@ class BlockManager:
         """Append blocks so ``seq`` covers its computed tokens plus ``num_new_tokens``.
         Call ``can_allocate`` first; raises ``RuntimeError`` if the pool is short."""
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if need > len(self.free_blocks):
+        free = self._free[self.home(seq)]
+        if need > len(free):
             raise RuntimeError("allocate() called without enough free blocks")
         for _ in range(need):
-            seq.block_table.append(self._pop_free())
+            seq.block_table.append(self._pop_free(free))
 
     def commit_computed(self, seq: Sequence) -> None:
         """Register hashes of blocks that became full and computed (prefix caching)."""
@@ -146,18 +182,18 @@ class BlockManager:
         for b in reversed(seq.block_table):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_blocks[b] = None
+                self._free[self.shard_of(b)][b] = None
         seq.block_table = []
         self._seq_hashes.pop(seq.seq_no, None)
 
     # ---- internals ---------------------------------------------------------
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:
-            del self.free_blocks[block]
+            del self._free[self.shard_of(block)][block]
         self.ref_counts[block] += 1
 
-    def _pop_free(self) -> int:
-        block, _ = self.free_blocks.popitem(last=False)
+    def _pop_free(self, free: OrderedDict[int, None]) -> int:
+        block, _ = free.popitem(last=False)
         h = self.block_hashes[block]
         if h is not None:  # evict: its content is about to be overwritten
             if self.hash_to_block.get(h) == block:

@@ -73,7 +73,12 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         source = resolve_source(config.model)
         hf_config = load_hf_config(source)
     mc = ModelConfig.from_hf(hf_config)
-    check_tp_compatible(mc, tp.size)
+    # expert parallelism: the group splits the routed experts; every other layer is whole
+    # on every rank (a group of one to shard by), attention data-parallel
+    ep = tp if config.ep_size > 1 else None
+    layer_tp = TPGroup.single() if ep is not None else tp
+    check_parallel(config, mc)
+    check_tp_compatible(mc, layer_tp.size)
     context = model_context(config, mc.max_position_embeddings)  # lowered to what the KV holds below
     weights, progress = None, 0
     if not (config.random_weights or source is None):
@@ -89,8 +94,9 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         config.seed,
         config.native_kernels,
         config.quantization,
-        tp,
+        layer_tp,
         progress_bytes=progress,
+        ep=ep,
     )
     if tokenizer is None and config.tokenizer:
         tokenizer = Tokenizer.from_source(config.tokenizer)
@@ -105,7 +111,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
 
     fp8_kv = config.kv_cache_dtype == "fp8"
     kv_dtype = kv_quant.FP8 if fp8_kv else dtype
-    k0, k1 = kv_head_range(mc.num_kv_heads, tp.size, tp.rank)
+    k0, k1 = kv_head_range(mc.num_kv_heads, layer_tp.size, layer_tp.rank)
     layout = KVLayout(
         mc.num_layers,
         0,
@@ -113,8 +119,8 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         k1 - k0,
         mc.head_dim,
         str(kv_dtype).removeprefix("torch."),
-        tp_size=tp.size,
-        tp_rank=tp.rank,
+        tp_size=layer_tp.size,
+        tp_rank=layer_tp.rank,
         model_kv_heads=mc.num_kv_heads,
         kv_scales=kv_quant.SCHEME if fp8_kv else "none",
         planes=mc.kv_planes,
@@ -154,7 +160,11 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         graphs = DecodeGraphs.for_engine(
             model, kv_cache, backend, config.max_num_seqs, max_model_len, tp.size
         )
-    block_manager = BlockManager(capacity.num_blocks, config.block_size, config.enable_prefix_caching)
+    # one shard of blocks per rank of an expert-parallel group (each rank caches its own sequences)
+    shards = config.ep_size
+    block_manager = BlockManager(
+        capacity.num_blocks * shards, config.block_size, config.enable_prefix_caching, shards
+    )
     scheduler = Scheduler(block_manager, config.max_num_batched_tokens, config.max_num_seqs)
     native = kernels.load() if config.native_kernels and device.type == "cpu" else None
     runner = ModelRunner(
@@ -165,6 +175,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         device,
         tp,
         graphs,
+        data_parallel=ep is not None,
     )
     if kv_cache.scales is not None:
         set_kv_scales(runner, mc, source.directory if weights is not None else None, config.seed)
@@ -181,7 +192,9 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         f"{mc.model_type}, {str(dtype).removeprefix('torch.')}"
         f"{', fp8 KV cache' if fp8_kv else ''}"
         f"{'' if config.quantization == 'none' else f' with {config.quantization} linears'} on {threads}"
-        f"{f' (TP {tp.size})' if tp.size > 1 else ''}, attention {runner.backend.name}, "
+        f"{f' (TP {tp.size})' if tp.size > 1 and ep is None else ''}"
+        f"{f' (EP {tp.size}: {mc.moe.num_experts // tp.size} experts per rank)' if ep is not None else ''}"
+        f", attention {runner.backend.name}{' data-parallel' if ep is not None else ''}, "
         f"up to {config.max_num_seqs} sequences; {capacity.describe()}"
     )
     log.info("engine ready (TP rank %d): %s", tp.rank, summary)
@@ -201,6 +214,22 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         runner=runner,
         validator=validator,
     )
+
+
+def check_parallel(config: EngineConfig, mc: ModelConfig) -> None:
+    """Refuse, with a sentence naming why, expert parallelism the model cannot run."""
+    if config.ep_size == 1:
+        return
+    if mc.moe is None:
+        raise ValueError(
+            f"ep_size {config.ep_size} needs a mixture-of-experts model; {mc.model_type} has none"
+        )
+    if mc.moe.num_experts % config.ep_size:
+        raise ValueError(
+            f"ep_size {config.ep_size} does not divide the model's {mc.moe.num_experts} routed experts"
+        )
+    if config.kv_cache_dtype == "fp8":
+        raise ValueError("kv_cache_dtype fp8 does not run with expert parallelism (ep_size > 1) yet")
 
 
 CALIBRATION_TOKENS = 256  # the prompt an FP8 KV cache's scales are calibrated on, at most

@@ -68,13 +68,16 @@ class Engine:
         """Load the model named by ``config`` (or build ``hf_config`` with random
         weights) and allocate the KV cache.
 
-        With ``config.tp_size > 1`` every rank's process builds an ``Engine`` with its
-        joined ``tp`` group (``TPGroup.join``), from the same config and seed. Rank 0
-        (the driver) is used like any engine; the others call ``follow()``, which
-        returns once the driver calls ``stop_followers()``."""
+        With ``config.tp_size > 1`` (or ``ep_size > 1``) every rank's process builds an
+        ``Engine`` with its joined ``tp`` group (``TPGroup.join``; of ``group_size``
+        ranks), from the same config and seed. Rank 0 (the driver) is used like any
+        engine; the others call ``follow()``, which returns once the driver calls
+        ``stop_followers()``."""
         tp = tp or TPGroup.single()
-        if tp.size != config.tp_size:
-            raise ValueError(f"config.tp_size is {config.tp_size} but the TP group has {tp.size} ranks")
+        if tp.size != config.group_size:
+            raise ValueError(
+                f"config.tp_size x ep_size is {config.group_size} but the engine's group has {tp.size} ranks"
+            )
         self.tp = tp
         self.config = config
         parts = build_engine(config, hf_config, tokenizer, tp)

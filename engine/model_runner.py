@@ -50,6 +50,46 @@ class StepInputs:
     # packed positions whose logits give prompt logprobs (after last_index in the logits)
     prompt_index: list[int] = field(default_factory=list)
 
+    def home(self, span: SeqSpan, blocks_per_rank: int) -> int:
+        """The rank of an expert-parallel group holding ``span``'s sequence: the one whose
+        share of the group's block ids (``blocks_per_rank`` each) its blocks are in."""
+        return span.block_table[0] // blocks_per_rank
+
+    def for_rank(self, rank: int, blocks_per_rank: int, block_size: int) -> StepInputs:
+        """What rank ``rank`` of an expert-parallel group runs of this step (attention is
+        data-parallel: each rank its own sequences): the spans whose blocks it holds,
+        packed anew, with its own block ids; its ``last_index`` / ``prompt_index``
+        positions, in this step's order."""
+        base = rank * blocks_per_rank
+        mine = [i for i, span in enumerate(self.spans) if self.home(span, blocks_per_rank) == rank]
+        out = StepInputs([], [], [], [], sum(i < self.num_decodes for i in mine), [])
+        moved: dict[int, int] = {}  # this step's packed position -> the rank's
+        for span in (self.spans[i] for i in mine):
+            q, end = len(out.input_ids), span.q_start + span.q_len
+            moved.update((p, q + p - span.q_start) for p in range(span.q_start, end))
+            out.spans.append(SeqSpan(q, span.q_len, span.ctx_len, [b - base for b in span.block_table]))
+            out.input_ids.extend(self.input_ids[span.q_start : end])
+            out.positions.extend(self.positions[span.q_start : end])
+            out.slots.extend(s - base * block_size for s in self.slots[span.q_start : end])
+        out.last_index.extend(moved[p] for p in self.last_index if p in moved)
+        out.prompt_index.extend(moved[p] for p in self.prompt_index if p in moved)
+        return out
+
+    def gather_plan(self, blocks_per_rank: int, size: int) -> tuple[list[int], list[int]]:
+        """(rows each rank gives, order): every rank's ``for_rank`` rows of
+        ``last_index + prompt_index``, concatenated in rank order, taken at ``order``,
+        are this step's ``last_index + prompt_index`` rows."""
+        owner: dict[int, int] = {}
+        for span in self.spans:
+            r = self.home(span, blocks_per_rank)
+            owner.update((p, r) for p in range(span.q_start, span.q_start + span.q_len))
+        wanted = [(0, p) for p in self.last_index] + [(1, p) for p in self.prompt_index]
+        by_rank: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+        for w in wanted:
+            by_rank[owner[w[1]]].append(w)
+        at = {w: i for i, w in enumerate(w for rows in by_rank for w in rows)}
+        return [len(rows) for rows in by_rank], [at[w] for w in wanted]
+
 
 class ModelRunner:
     def __init__(
@@ -61,8 +101,14 @@ class ModelRunner:
         device: torch.device,
         tp: TPGroup | None = None,
         graphs: DecodeGraphs | None = None,
+        data_parallel: bool = False,
     ):
+        """``tp`` is the group the steps go to; with ``data_parallel`` (expert
+        parallelism) it is an expert-parallel group whose ranks each run their own
+        sequences of a step (``StepInputs.for_rank``) and the driver gathers the rows
+        it samples from."""
         self.model = model
+        self.data_parallel = data_parallel and tp is not None and tp.size > 1
         self.graphs = graphs
         self.kv_cache = kv_cache
         self.backend = backend
@@ -70,6 +116,7 @@ class ModelRunner:
         self.device = device
         self.tp = tp or TPGroup.single()
         self.block_size = kv_cache.layout.block_size
+        self.tokens_run = 0  # tokens this rank ran through the model (its own share, data-parallel)
 
     def execute(
         self, scheduled: list[ScheduledSeq], on_layer: Callable[[int], None] | None = None
@@ -139,11 +186,36 @@ class ModelRunner:
     def forward(
         self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None, calibrate_kv: bool = False
     ) -> torch.Tensor | None:
-        """The model on one step's inputs: KV written to the cache; the logits of
-        ``last_index`` (full vocabulary, the model's dtype), or None when nothing samples."""
+        """The model on one step's inputs (this rank's share of them, data-parallel): KV
+        written to the cache; the logits of ``last_index`` then ``prompt_index`` (full
+        vocabulary, the model's dtype) on the driver, or None when nothing samples (and
+        on the other ranks)."""
+        if not self.data_parallel:
+            self.tokens_run += len(inputs.input_ids)
+            hidden = self._run_model(inputs, on_layer, calibrate_kv)
+            wanted = inputs.last_index + inputs.prompt_index
+            return self.model.compute_logits(self._rows(hidden, wanted)) if wanted else None
+        per_rank = self.kv_cache.layout.num_blocks
+        mine = inputs.for_rank(self.tp.rank, per_rank, self.block_size)
+        self.tokens_run += len(mine.input_ids)
+        hidden = self._run_model(mine, on_layer, calibrate_kv)
+        counts, order = inputs.gather_plan(per_rank, self.tp.size)
+        if not sum(counts):
+            return None
+        every = self.tp.all_gather_rows(self._rows(hidden, mine.last_index + mine.prompt_index), counts)
+        if not self.tp.is_driver:
+            return None
+        return self.model.compute_logits(every.index_select(0, torch.tensor(order, device=self.device)))
+
+    def _run_model(
+        self, inputs: StepInputs, on_layer: Callable[[int], None] | None, calibrate_kv: bool
+    ) -> torch.Tensor:
+        """Hidden states of every packed position, [T, hidden]."""
         dev = self.device
         ids_t = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
+        if not inputs.spans:  # a data-parallel rank with no sequence in this step
+            return self.model(ids_t, pos_t, self.kv_cache, None)
         ctx = StepContext(
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=dev),
             backend=self.backend,
@@ -151,12 +223,10 @@ class ModelRunner:
             on_layer=on_layer,
             calibrate_kv=calibrate_kv,
         )
-        hidden = self.model(ids_t, pos_t, self.kv_cache, ctx)
-        wanted = inputs.last_index + inputs.prompt_index
-        if not wanted:
-            return None
-        idx = torch.tensor(wanted, dtype=torch.long, device=dev)
-        return self.model.compute_logits(hidden.index_select(0, idx))
+        return self.model(ids_t, pos_t, self.kv_cache, ctx)
+
+    def _rows(self, hidden: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        return hidden.index_select(0, torch.tensor(positions, dtype=torch.long, device=self.device))
 
     def follow(self, on_message: Callable[[Any], None] | None = None) -> int:
         """Non-driver ranks: run every step the driver broadcasts until it stops us;

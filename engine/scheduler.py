@@ -10,9 +10,10 @@ budget, ``max_num_seqs`` and free blocks allow. Admission reuses prefix-cached
 blocks when the block manager has them.
 
 When a running sequence needs a block and none is free, the newest running
-sequence is preempted: its blocks are freed and it returns to the front of the
-waiting queue, to be recomputed later (its generated tokens are kept and
-recomputed as part of its prefix). The engine never crashes for lack of blocks;
+sequence (of its shard, when the block manager is sharded) is preempted: its
+blocks are freed and it returns to the front of the waiting queue, to be
+recomputed later (its generated tokens are kept and recomputed as part of its
+prefix). The engine never crashes for lack of blocks;
 no new sequence is admitted in a step that preempted.
 """
 
@@ -87,8 +88,8 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
             while not bm.can_allocate(seq, n):
-                victim = self.running.pop()
-                if victim is seq and bm.blocks_needed(seq.num_computed_tokens + n) > bm.num_blocks:
+                victim = self._victim(seq)
+                if victim is seq and bm.blocks_needed(seq.num_computed_tokens + n) > bm.shard_blocks:
                     out.unschedulable.append(seq)  # larger than the whole cache
                     break
                 self._preempt(victim, out)
@@ -107,10 +108,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = bm.find_cached_prefix(seq) if not seq.block_table else []
-            cached_tokens = len(cached) * bm.block_size
-            n = min(seq.num_uncomputed_tokens - cached_tokens, budget)
+            n = min(seq.num_uncomputed_tokens - len(cached) * bm.block_size, budget)
+            if cached and bm.shards > 1 and not bm.can_allocate(seq, n, cached):
+                cached = []  # its prefix's shard is full: compute it again in another
+                n = min(seq.num_uncomputed_tokens, budget)
             if not bm.can_allocate(seq, n, cached):
-                if bm.blocks_needed(seq.num_tokens) > bm.num_blocks:
+                if bm.blocks_needed(seq.num_tokens) > bm.shard_blocks:
                     self.waiting.popleft()
                     out.unschedulable.append(seq)  # larger than the whole cache
                     continue
@@ -125,6 +128,16 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def _victim(self, seq: Sequence) -> Sequence:
+        """The newest running sequence whose blocks are in ``seq``'s shard (``seq`` at the
+        latest: the running list holds it), taken out of the running list."""
+        bm = self.block_manager
+        home = bm.home(seq)
+        for i in range(len(self.running) - 1, -1, -1):
+            if self.running[i] is seq or bm.home(self.running[i]) == home:
+                return self.running.pop(i)
+        raise AssertionError("a running sequence is missing from the running list")
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq)

@@ -38,6 +38,9 @@ class EngineConfig:
     native_kernels: bool = True  # splitserve's kernels: C++ on CPU, Triton on CUDA (else pure torch)
     quantization: str = "none"  # none | fp8 (W8A8, prefill) | int8 (weight-only, decode)
     tp_size: int = 1  # tensor-parallel ranks; each rank's process builds an Engine with its TPGroup
+    # expert-parallel ranks (MoE models): experts split over them, attention data-parallel
+    # (each rank a whole attention replica with its own share of the KV cache); needs tp_size 1
+    ep_size: int = 1
     cuda_graphs: bool | None = None  # replay decode steps from CUDA graphs; None: where they can be
     # captured (CUDA, triton attention, TP=1); True requires that
     seed: int = 0  # random weights and unseeded sampling
@@ -63,7 +66,19 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.ep_size < 1:
+            raise ValueError(f"ep_size must be >= 1, got {self.ep_size}")
+        if self.ep_size > 1 and self.tp_size > 1:
+            raise ValueError(
+                "ep_size > 1 runs attention data-parallel (every rank holds whole attention layers); "
+                f"tp_size must be 1 with it, got {self.tp_size}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def group_size(self) -> int:
+        """The ranks (processes) one engine runs on: ``tp_size`` x ``ep_size``."""
+        return self.tp_size * self.ep_size

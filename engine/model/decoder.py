@@ -33,13 +33,13 @@ from splitserve.engine.parallel.layers import VocabParallelEmbedding, VocabParal
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup | None = None):
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup | None = None, ep: TPGroup | None = None):
         super().__init__()
         tp = tp or TPGroup.single()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(cfg, tp) if cfg.is_moe_layer(index) else MLP(cfg, tp)
+        self.mlp = SparseMoE(cfg, tp, ep) if cfg.is_moe_layer(index) else MLP(cfg, tp)
 
     def forward(self, x, delta, cos, sin, k_cache, v_cache, ctx, kv_scales=None):
         """``x`` is the residual stream, still missing the previous layer's output
@@ -49,18 +49,21 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """The model as rank ``tp.rank`` of ``tp`` holds it (the whole model for TP=1).
-    Parameters are left uninitialised: the loader fills them. Build it on the meta
-    device and let the loader materialise it (``loader.build_model``), so that no
-    memory is touched twice."""
+    """The model as rank ``tp.rank`` of ``tp`` holds it (the whole model for TP=1);
+    with ``ep`` (expert parallelism) every rank holds all but the routed experts
+    whole, and its share of those (``moe.SparseMoE``). Parameters are left
+    uninitialised: the loader fills them. Build it on the meta device and let the
+    loader materialise it (``loader.build_model``), so that no memory is touched twice."""
 
-    def __init__(self, cfg: ModelConfig, max_position: int, tp: TPGroup | None = None):
+    def __init__(
+        self, cfg: ModelConfig, max_position: int, tp: TPGroup | None = None, ep: TPGroup | None = None
+    ):
         super().__init__()
         tp = tp or TPGroup.single()
         self.config = cfg
         self.max_position = max_position
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, ep) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = VocabParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
@@ -69,7 +72,11 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden]; KV written to the cache."""
+        """Hidden states after the final norm, [T, hidden]; KV written to the cache.
+        With no tokens (a rank of an expert-parallel group none of whose sequences run
+        this step) only the MoE layers run, to take part in the group's exchanges."""
+        if input_ids.numel() == 0:
+            return self._no_tokens()
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
         delta = None
@@ -79,6 +86,16 @@ class DecoderModel(nn.Module):
             if ctx.on_layer is not None:
                 ctx.on_layer(i)
         return self.norm(x, delta)
+
+    def _no_tokens(self) -> torch.Tensor:
+        empty = self.norm.weight.new_empty((0, self.config.hidden_size))
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp(empty)
+        return empty
+
+    def moe_layers(self) -> list[SparseMoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
 
     def use_kernels(self, kernels: Any) -> None:
         """Route the norms through a fused add+RMSNorm kernel (``add_rms_norm``), and

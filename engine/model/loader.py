@@ -108,10 +108,12 @@ def build_model(
     tp: TPGroup | None = None,
     init_on_device: bool = False,
     progress_bytes: int = 0,
+    ep: TPGroup | None = None,
 ) -> DecoderModel:
-    """This rank's shard of the model, on ``device`` in ``dtype``, with ``weights``
-    (HF names; ``checkpoint.safetensors_tensors`` for a directory) or, if None,
-    random weights drawn from ``seed`` (the same model at every TP size). Then
+    """This rank's shard of the model (of ``tp``, and of ``ep``'s experts), on
+    ``device`` in ``dtype``, with ``weights`` (HF names;
+    ``checkpoint.safetensors_tensors`` for a directory) or, if None, random weights
+    drawn from ``seed`` (the same model at every TP size). Then
     quantize the decoder's linears (``quantization``: none, fp8, int8) and on CPU
     pre-pack the remaining float linears for oneDNN; with ``native_kernels`` the
     model uses ``splitserve.engine.kernels``: the fused norm, rotary + KV write and
@@ -119,7 +121,9 @@ def build_model(
     Triton on CUDA. ``init_on_device`` draws random weights on ``device`` (for
     random models too large to draw on the host quickly: GPU benchmarks);
     ``progress_bytes`` > 0 shows a progress bar of the checkpoint bytes read, out of that many."""
-    model = load_model(cfg, dtype, device, max_position, weights, seed, tp, init_on_device, progress_bytes)
+    model = load_model(
+        cfg, dtype, device, max_position, weights, seed, tp, init_on_device, progress_bytes, ep
+    )
     _prepare_fp8_checkpoint_linears(model, dtype)
     quantize_linears(model, quantization)
     if packing_supported(device, dtype):
@@ -144,13 +148,14 @@ def load_model(
     tp: TPGroup | None = None,
     init_on_device: bool = False,
     progress_bytes: int = 0,
+    ep: TPGroup | None = None,
 ) -> DecoderModel:
     """This rank's shard with its weights loaded (``build_model`` without quantizing,
     packing or kernels): every linear a plain ``nn.Linear``, but the decoder's are
     ``Fp8CheckpointLinear`` when the checkpoint is FP8 (``cfg.checkpoint_quant``)."""
     tp = tp or TPGroup.single()
     with torch.device("meta"):
-        model = DecoderModel(cfg, max_position, tp)
+        model = DecoderModel(cfg, max_position, tp, ep)
         if cfg.checkpoint_quant is not None:
             _fp8_shells(model, cfg.checkpoint_quant)
     _materialize(model, device, dtype)
@@ -240,6 +245,8 @@ def load_weights(
         if quant is not None and name.endswith("." + quant.scale_name):
             weight_name = name.removesuffix(quant.scale_name) + "weight"
             place = placement(model, tp, weight_name)
+            if place is None:  # another expert-parallel rank's expert
+                continue
             owner = fp8_owner.get(id(place.param))
             if owner is None:
                 raise ModelLoadError(f"checkpoint tensor {full_name} scales a weight that is not FP8")
@@ -254,6 +261,8 @@ def load_weights(
             if tuple(source.shape) != want:
                 raise ModelLoadError(f"tensor {full_name} has shape {tuple(source.shape)}, expected {want}")
             place = placement(model, tp, name)
+            if place is None:  # another expert-parallel rank's expert: not read
+                continue
             if id(place.param) in fp8_owner and source.dtype != FP8_DTYPE:
                 raise ModelLoadError(
                     f"checkpoint tensor {full_name} is {source.dtype}, but its quantization_config makes "

@@ -19,6 +19,12 @@ Expert weights keep their own layout, stacked: ``experts.gate_up_proj [E, 2I, H]
 Under tensor parallelism each rank holds every expert's slice of the intermediate
 width (gate/up rows and down columns [i0, i1), as a dense MLP's), and the partial
 outputs are summed by one all-reduce. Routing is computed the same on every rank.
+Under expert parallelism (``ep``) each rank holds whole experts, a range of them,
+and runs its own tokens; ``engine.parallel.expert_parallel`` sends each (token,
+expert) pair to the expert's rank and the result back.
+
+``routed`` counts the rows each expert this rank holds has computed since the
+last ``take_routed`` (the expert load ``splitserve status`` shows).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from torch import nn
 
 from splitserve.engine.model.config import ModelConfig, MoEConfig
 from splitserve.engine.model.llama import MLP
+from splitserve.engine.parallel.expert_parallel import ExpertShard, dispatch_combine
 from splitserve.engine.parallel.group import TPGroup
 
 
@@ -71,10 +78,26 @@ def grouped_experts(
     local = torch.where((local >= 0) & (local < held), local, held)  # ``held``: an expert elsewhere
     order = local.argsort(stable=True)
     counts = torch.bincount(local, minlength=held + 1)[:held].tolist()
-    n = sum(counts)
-    order = order[:n]
+    order = order[: sum(counts)]
     token = order // k
-    rows = x.index_select(0, token)
+    out = _grouped(x.index_select(0, token), counts, gate_up, down)
+    out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
+    return torch.zeros_like(x).index_add_(0, token, out)
+
+
+def expert_rows(rows: torch.Tensor, expert: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor):
+    """Row i through expert ``expert[i]`` (an index into the stacks ``gate_up``
+    [E, 2I, H] and ``down`` [E, H, I]), unweighted, [N, H] in the rows' order (what an
+    expert-parallel rank computes for the rows other ranks sent it)."""
+    order = expert.argsort(stable=True)
+    counts = torch.bincount(expert, minlength=gate_up.shape[0]).tolist()
+    out = _grouped(rows.index_select(0, order), counts, gate_up, down)
+    return torch.empty_like(out).index_copy_(0, order, out)
+
+
+def _grouped(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor):
+    """``rows`` sorted by expert, ``counts[e]`` of them for expert e: one GEMM pair per
+    expert that has rows, in place of a loop over tokens."""
     out = torch.empty_like(rows)
     inter = down.shape[2]
     start = 0
@@ -83,8 +106,7 @@ def grouped_experts(
             h = F.linear(rows[start : start + count], gate_up[e])
             out[start : start + count] = F.linear(F.silu(h[:, :inter]) * h[:, inter:], down[e])
             start += count
-    out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
-    return torch.zeros_like(x).index_add_(0, token, out)
+    return out
 
 
 class Router(nn.Module):
@@ -113,30 +135,53 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A MoE layer as rank ``tp.rank`` of ``tp`` holds it (see the module docstring)."""
+    """A MoE layer as rank ``tp.rank`` of ``tp`` holds it, or, with ``ep`` (a group of
+    more than one), rank ``ep.rank``'s share of the experts (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None, ep: TPGroup | None = None):
         super().__init__()
         tp = tp or TPGroup.single()
         moe = cfg.moe
         self.moe = moe
         self.group = tp
+        self.ep = ep if ep is not None and ep.size > 1 else None
+        self.shard = (
+            ExpertShard.of(moe.num_experts, ep.rank, ep.size) if self.ep else ExpertShard(0, moe.num_experts)
+        )
         self.inter = moe.intermediate_size // tp.size
         self.gate = Router(moe.num_experts, cfg.hidden_size, moe.correction_bias)
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, self.inter)
+        self.experts = Experts(self.shard.count, cfg.hidden_size, self.inter)
         self.shared_experts = (
             MLP(cfg, tp, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         )
         self.shared_expert_gate = Router(1, cfg.hidden_size, False) if moe.shared_gate else None
+        self.routed: torch.Tensor | None = None  # made on the device of the first rows counted
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.gate.e_score_correction_bias, self.moe)
-        out = self.group.all_reduce(
-            grouped_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
-        )
+        if self.ep is not None:
+            out = dispatch_combine(self.ep, x, weights, ids, self.shard.count, self._held_experts)
+        else:
+            self._count(ids.reshape(-1))
+            gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+            out = self.group.all_reduce(grouped_experts(x, gate_up, down, weights, ids))
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
                 shared = shared * self.shared_expert_gate(x).sigmoid().to(shared.dtype)
             out = out + shared
         return out
+
+    def take_routed(self) -> list[int]:
+        """Rows each held expert computed since the last call (and start counting again)."""
+        counts = self.routed.tolist() if self.routed is not None else [0] * self.shard.count
+        self.routed = None
+        return counts
+
+    def _held_experts(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        self._count(local_ids)
+        return expert_rows(rows, local_ids, self.experts.gate_up_proj, self.experts.down_proj)
+
+    def _count(self, local_ids: torch.Tensor) -> None:
+        counts = torch.bincount(local_ids, minlength=self.shard.count)
+        self.routed = counts if self.routed is None else self.routed + counts

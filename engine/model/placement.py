@@ -144,8 +144,13 @@ class Placement:
         return self.param if self.index is None else self.param[self.index]
 
 
-def placement(model: DecoderModel, tp: TPGroup, name: str) -> Placement:
-    """Where checkpoint tensor ``name`` (canonical, ``model.`` prefix removed) lands on this rank."""
+_ELSEWHERE = object()  # a routed expert another expert-parallel rank holds
+
+
+def placement(model: DecoderModel, tp: TPGroup, name: str) -> Placement | None:
+    """Where checkpoint tensor ``name`` (canonical, ``model.`` prefix removed) lands on
+    this rank; None for a routed expert another expert-parallel rank holds (this rank
+    never reads it). ``ModelLoadError`` for a tensor with no place in the model."""
     cfg = model.config
     if name in ("embed_tokens.weight", "lm_head.weight"):
         start, stop, rows = vocab_rows(cfg.vocab_size, tp)
@@ -171,7 +176,7 @@ def placement(model: DecoderModel, tp: TPGroup, name: str) -> Placement:
         found = _mlp(layer.mlp, tp, rest)
     if found is None:
         raise ModelLoadError(f"checkpoint tensor {name} has no place in the model")
-    return found
+    return None if found is _ELSEWHERE else found
 
 
 def _attention(cfg: ModelConfig, layer, tp: TPGroup, rest: str) -> Placement | None:
@@ -229,7 +234,7 @@ def _mlp(mlp, tp: TPGroup, rest: str, index: int | None = None) -> Placement | N
     return None
 
 
-def _moe_placement(moe, tp: TPGroup, rest: str) -> Placement | None:
+def _moe_placement(moe, tp: TPGroup, rest: str) -> Placement | object | None:
     if rest == "gate.weight":
         return Placement(moe.gate.weight)
     if rest == "gate.e_score_correction_bias" and moe.gate.e_score_correction_bias is not None:
@@ -240,6 +245,9 @@ def _moe_placement(moe, tp: TPGroup, rest: str) -> Placement | None:
         return _mlp(moe.shared_experts, tp, rest.removeprefix("shared_experts."))
     if rest.startswith("experts."):
         _, e, tail = rest.split(".", 2)
-        if e.isdigit() and int(e) < moe.experts.gate_up_proj.shape[0]:
-            return _mlp(moe.experts, tp, tail, index=int(e))
+        if e.isdigit() and int(e) < moe.moe.num_experts:
+            held = int(e) - moe.shard.first
+            if not 0 <= held < moe.shard.count:
+                return _ELSEWHERE
+            return _mlp(moe.experts, tp, tail, index=held)
     return None

@@ -68,6 +68,38 @@ class TPGroup:
         self._collective(dist.all_gather, parts, t.contiguous(), group=self._device_group)
         return torch.cat(parts, dim=-1)
 
+    def all_to_all_rows(
+        self, t: torch.Tensor, send_counts: list[int], recv_counts: list[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Send rows of ``t`` to every rank: the first ``send_counts[0]`` to rank 0, the
+        next ``send_counts[1]`` to rank 1, ...; returns the rows received, in source rank
+        order, and how many came from each rank (``recv_counts``, exchanged first when not
+        given). Every rank calls it, whether it sends rows or none."""
+        if self.size == 1:
+            return t, list(send_counts)
+        if recv_counts is None:
+            counts = torch.tensor(send_counts, dtype=torch.long, device=t.device)
+            got = torch.empty_like(counts)
+            self._collective(dist.all_to_all_single, got, counts, group=self._device_group)
+            recv_counts = got.tolist()
+        out = t.new_empty((sum(recv_counts), *t.shape[1:]))
+        self._collective(
+            dist.all_to_all_single, out, t.contiguous(), recv_counts, send_counts, group=self._device_group
+        )
+        return out, recv_counts
+
+    def all_gather_rows(self, t: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every rank's rows of ``t`` (``counts[r]`` on rank r, known to every rank),
+        concatenated in rank order, on every rank."""
+        if self.size == 1:
+            return t
+        most = max(counts)
+        padded = t.new_zeros((most, *t.shape[1:]))
+        padded[: t.shape[0]] = t
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        self._collective(dist.all_gather, parts, padded, group=self._device_group)
+        return torch.cat([p[:n] for p, n in zip(parts, counts)])
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """The driver's ``obj`` on every rank (pickled; for small control messages)."""
         if self.size == 1:

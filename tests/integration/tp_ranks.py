@@ -70,6 +70,29 @@ def generate_rank(job: RankJob, out) -> None:
     _exit(out)
 
 
+def expert_parallel_rank(job: RankJob, out) -> None:
+    """An expert-parallel group: rank 0 generates the prompts twice (the second pass
+    hits the prefix cache) and puts ("tokens", both passes' token ids, the second's
+    cached token counts, the preemptions); every rank then puts ("ran", its rank, the
+    tokens it ran through the model, the rows its experts computed)."""
+    group, engine = _join(job)
+    try:
+        if group.is_driver:
+            first = engine.generate(job.prompts, job.params)
+            again = engine.generate(job.prompts, job.params)
+            engine.stop_followers()
+            passes = [[c.token_ids for c in first], [c.token_ids for c in again]]
+            cached = [c.num_cached_tokens for c in again]
+            out.put(("tokens", passes, cached, engine.scheduler.num_preemptions))
+        else:
+            engine.follow()
+        routed = sum(sum(m.take_routed()) for m in engine.model.moe_layers())
+        out.put(("ran", group.rank, engine.runner.tokens_run, routed))
+    finally:
+        group.destroy()
+    _exit(out)
+
+
 def capacity_rank(job: RankJob, out) -> None:
     """Each rank puts (its rank, its engine's KV capacity); no step is run."""
     group, engine = _join(job)
