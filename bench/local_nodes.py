@@ -47,6 +47,6 @@ def local_nodes(count: int, config: ClusterConfig) -> tuple[LocalNodes, ClusterC
 
     head = {"num_cpus": 0, "_system_config": dict(RAY_SYSTEM_CONFIG)}  # a copy: Ray adds to it
     cluster = Cluster(initialize_head=True, head_node_args=head)
-    cpus = math.ceil(sum(p.num_cpus * p.tp_size for p in config.pools().values()))  # Ray: whole CPUs
+    cpus = math.ceil(sum(p.num_cpus * p.ranks for p in config.pools().values()))  # Ray: whole CPUs
     ray_spec = config.ray.model_copy(update={"address": cluster.address})
     return LocalNodes(cluster, count, num_cpus=cpus), config.model_copy(update={"ray": ray_spec})

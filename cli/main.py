@@ -217,6 +217,7 @@ def _status(args: argparse.Namespace) -> int:
                 + (f"  {w.error}" if w.error else "")
             )
     _print_capacity(st)
+    _print_expert_load(st)
     for g in st.given_up:
         print(f"given up {time.strftime('%H:%M:%S', time.localtime(g.at))}: {g.reason}")
     if st.placements:
@@ -242,6 +243,28 @@ def _print_capacity(st) -> None:
             print(
                 f"{pool.role}: KV cache {tokens:,} tokens per worker ({per_token:,} bytes per token per "
                 f"rank); max context {length:,} tokens; {concurrency:.2f}x concurrency at that length"
+            )
+
+
+def _print_expert_load(st) -> None:
+    """Each MoE worker's expert load over its last window: per rank, and the hottest expert."""
+    from splitserve.wire.outputs import rank_loads
+
+    for pool in st.pools:
+        for w in pool.workers:
+            if not w.expert_tokens:
+                continue
+            tokens = list(w.expert_tokens)
+            per = len(tokens) // max(1, w.expert_ranks)
+            ranks = ", ".join(
+                f"rank {r} {n:,} (experts {r * per}-{(r + 1) * per - 1})"
+                for r, n in enumerate(rank_loads(tokens, w.expert_ranks))
+            )
+            hot = max(range(len(tokens)), key=tokens.__getitem__)
+            print(
+                f"{w.worker_id}: expert load over the last {w.expert_window_s:.0f} s, "
+                f"tokens routed: {ranks}; "
+                f"hottest expert {hot} ({tokens[hot]:,})"
             )
 
 

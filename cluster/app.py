@@ -27,6 +27,7 @@ from splitserve.cluster.pools import WorkerPool
 from splitserve.cluster.slo_autoscale import PlannerLoop
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_hf_config, resolve_source
+from splitserve.engine.parallel.expert_parallel import check_ep_compatible
 from splitserve.engine.parallel.layers import check_tp_compatible
 from splitserve.router.auth import ApiKeys
 from splitserve.router.dispatch import Dispatcher
@@ -66,7 +67,7 @@ def connect_ray(config: ClusterConfig) -> bool:
     if config.ray.address:
         ray.init(address=config.ray.address, logging_level=logging.WARNING)
         return False
-    needed = sum(p.replicas * p.num_cpus * p.tp_size for p in config.pools().values())
+    needed = sum(p.replicas * p.num_cpus * p.ranks for p in config.pools().values())
     num_cpus = config.ray.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
     # "local": a new instance of our own, whatever the machine has seen. Without it Ray
     # joins the cluster named in RAY_ADDRESS or in the session file a `ray start` left
@@ -82,12 +83,17 @@ def connect_ray(config: ClusterConfig) -> bool:
 
 
 def check_model_fits_pools(config: ClusterConfig, model: ModelConfig) -> None:
-    """Refuse, before any worker starts, a ``tp_size`` the model's heads do not split over."""
+    """Refuse, before any worker starts, a ``tp_size`` the model's heads do not split over
+    and an ``ep_size`` its experts do not."""
     for role, pool in config.pools().items():
         try:
             check_tp_compatible(model, pool.tp_size)
         except ValueError as e:
             raise ValueError(f"{role}.tp_size does not fit the model {config.model.name}: {e}") from None
+        try:
+            check_ep_compatible(model, pool.ep_size, pool.engine.kv_cache_dtype)
+        except ValueError as e:
+            raise ValueError(f"{role}.ep_size does not fit the model {config.model.name}: {e}") from None
 
 
 class ServingCluster:

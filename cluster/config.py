@@ -168,6 +168,13 @@ class PoolSpec(_Strict):
         description="tensor-parallel ranks per worker, placed on one node (any pool; the KV handoff "
         "maps KV heads between prefill and decode groups of any sizes)",
     )
+    ep_size: int = Field(
+        _engine_default("ep_size"),
+        ge=1,
+        description="expert-parallel ranks per worker (MoE models; decode and colocated pools): the routed "
+        "experts split over them, attention data-parallel (each rank its own sequences and its share of the "
+        "KV cache); needs tp_size 1. A worker is tp_size x ep_size ranks",
+    )
     torch_threads: int | None = Field(None, ge=1, description="torch threads per worker; default: num_cpus")
     device: Literal["auto", "cpu", "cuda"] = Field(
         _engine_default("device"), description="where the engine runs"
@@ -204,7 +211,14 @@ class PoolSpec(_Strict):
             raise ValueError("engine.cuda_graphs needs engine.attention_backend: triton")
         if self.engine.cuda_graphs and self.tp_size > 1:
             raise ValueError("engine.cuda_graphs needs tp_size 1")
+        if self.ep_size > 1 and self.tp_size > 1:
+            raise ValueError("ep_size > 1 runs attention data-parallel: tp_size must be 1 with it")
         return self
+
+    @property
+    def ranks(self) -> int:
+        """Processes per worker: tp_size x ep_size."""
+        return self.tp_size * self.ep_size
 
 
 class TransferSpec(_Strict):
@@ -340,6 +354,11 @@ class ClusterConfig(_Strict):
             if self.planner is None:
                 raise ValueError("autoscaling.policy slo needs a planner section (ttft_ms, tpot_ms)")
         if self.mode == "disaggregated":
+            if self.prefill.ep_size > 1:
+                raise ValueError(
+                    "prefill.ep_size must be 1: prefill runs tensor-parallel (its batches are large enough "
+                    "to keep every rank's GEMMs busy); expert parallelism is for decode and colocated pools"
+                )
             if self.prefill.replicas < 1 or self.decode.replicas < 1:
                 raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
             if self.prefill.engine.block_size != self.decode.engine.block_size:
@@ -362,6 +381,7 @@ class ClusterConfig(_Strict):
             model=self.model.name,
             device=pool.device,
             tp_size=pool.tp_size,
+            ep_size=pool.ep_size,
             **model,
             **pool.engine.model_dump(),
         )

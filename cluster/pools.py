@@ -287,12 +287,12 @@ class WorkerPool:
         worker_id = f"{self.role}-{self._next_index}"
         self._next_index += 1
         bundle = {"CPU": s.num_cpus} | ({"GPU": s.num_gpus} if s.num_gpus else {}) | s.resources
-        pg = placement_group([bundle] * s.tp_size, strategy="STRICT_PACK", name=f"splitserve-{worker_id}")
+        pg = placement_group([bundle] * s.ranks, strategy="STRICT_PACK", name=f"splitserve-{worker_id}")
         spec = self._worker_spec(worker_id)
         member = self._members[worker_id] = _Member(worker_id, pg)
         cls = PrefillWorker if self.role == Role.PREFILL else DecodeWorker
         args: tuple = ()
-        if s.tp_size > 1:
+        if s.ranks > 1:
             try:
                 spec = await self._start_ranks(member, spec, deadline)
             except BaseException:
@@ -306,7 +306,7 @@ class WorkerPool:
                 num_cpus=s.num_cpus,
                 num_gpus=s.num_gpus,
                 resources=s.resources,
-                max_restarts=MAX_RESTARTS if s.tp_size == 1 else 0,
+                max_restarts=MAX_RESTARTS if s.ranks == 1 else 0,
                 max_concurrency=4096,
                 scheduling_strategy=self._bundle(pg, 0),
             )
@@ -329,13 +329,11 @@ class WorkerPool:
             .remote()
         )
         ranks = [
-            dataclasses.replace(
-                spec, tp=TPInit(r, s.tp_size, address), cpu_ids=self._rank_cpus(m.worker_id, r)
-            )
-            for r in range(s.tp_size)
+            dataclasses.replace(spec, tp=TPInit(r, s.ranks, address), cpu_ids=self._rank_cpus(m.worker_id, r))
+            for r in range(s.ranks)
         ]
         rank_cls = PrefillRank if self.role == Role.PREFILL else DecodeRank
-        for r in range(1, s.tp_size):
+        for r in range(1, s.ranks):
             handle = ray.remote(rank_cls).options(
                 num_cpus=s.num_cpus,
                 num_gpus=s.num_gpus,
@@ -350,7 +348,7 @@ class WorkerPool:
         ids = self.spec.cpu_ids
         if not ids:
             return None
-        index = int(worker_id.rsplit("-", 1)[1]) * self.spec.tp_size + rank
+        index = int(worker_id.rsplit("-", 1)[1]) * self.spec.ranks + rank
         return (ids[index % len(ids)],)
 
     @staticmethod
@@ -370,7 +368,7 @@ class WorkerPool:
         except TimeoutError:
             extra = "".join(f", {k}: {v:g}" for k, v in s.resources.items())
             reason = (
-                f"Ray cannot place {m.worker_id}: it needs {s.tp_size} x "
+                f"Ray cannot place {m.worker_id}: it needs {s.ranks} x "
                 f"{{CPU: {s.num_cpus}, GPU: {s.num_gpus}{extra}}} on one node, and no node "
                 f"offered that within {s.placement_timeout_s:g} s (placement_timeout_s)"
             )

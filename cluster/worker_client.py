@@ -131,7 +131,7 @@ class RayDecodeRank:
 
     async def pull(
         self, descriptors: tuple[KVDescriptor, ...], blocks: list[int], timeout: float
-    ) -> list[Confirmation]:
+    ) -> tuple[list[Confirmation], float]:
         return await _call(self.actor, "pull", descriptors, blocks, timeout)
 
 

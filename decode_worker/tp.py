@@ -85,16 +85,15 @@ class DecodeRank:
 
     async def pull(
         self, descriptors: tuple[KVDescriptor, ...], blocks: list[int], timeout: float
-    ) -> list[Confirmation]:
+    ) -> tuple[list[Confirmation], float]:
         """Pull this rank's KV heads of one request into ``blocks`` (``RankSink.pull``);
-        returns its confirmations. Errors are ``KVSink.pull``'s. The blocks are rank 0's
-        to free (only rank 0 allocates), and only once every rank's pull has returned;
-        bounded by ``timeout``."""
+        returns its confirmations and the seconds it waited for a streamed source's
+        layers. Errors are ``KVSink.pull``'s. The blocks are rank 0's to free (only rank
+        0 allocates), and only once every rank's pull has returned; bounded by ``timeout``."""
         sink = self._sink()
-        confirmations, _ = await asyncio.get_running_loop().run_in_executor(
+        return await asyncio.get_running_loop().run_in_executor(
             self._transfer, sink.pull, descriptors, blocks, timeout
         )
-        return confirmations
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until rank 0 stops the group (for a rank hosted outside Ray)."""

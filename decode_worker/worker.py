@@ -299,7 +299,10 @@ class DecodeWorker:
         yet confirmed is released on the source."""
         rid, source = task.request_id, task.source
         left = None if deadline is None else max(0.001, deadline - time.monotonic())
-        prefill = PrefillTask(rid, task.prompt_token_ids, task.params, left, reader_tp=self.tp.size)
+        # the source maps KV heads to a group of tp_size readers (under EP one rank reads it all)
+        prefill = PrefillTask(
+            rid, task.prompt_token_ids, task.params, left, reader_tp=self.spec.engine.tp_size
+        )
         pull = first_token = None
         exported = confirmed = ended = False
         try:
@@ -459,16 +462,27 @@ class DecodeWorker:
     async def _pull(
         self, handoff: KVHandoff, blocks: list[int], timeout: float
     ) -> tuple[list[Confirmation], float]:
-        """Every rank pulls its KV heads of ``handoff`` into ``blocks`` at once; returns
-        once all have ended (bytes may be landing in the blocks until then): every
-        rank's confirmations, and the seconds this rank waited for a streamed source's
-        layers. The first rank's error, if any, is raised after all have ended."""
-        own = asyncio.get_running_loop().run_in_executor(
-            self._transfer, self.sink.pull, handoff.descriptors, blocks, timeout
-        )
-        pulls = [own, *(rank.pull(handoff.descriptors, blocks, timeout) for rank in self.ranks)]
+        """Under TP every rank pulls its KV heads of ``handoff`` into ``blocks`` at once;
+        under EP the one rank whose share of the cache holds ``blocks`` pulls all the KV
+        into its own block ids. Returns once all have ended (bytes may be landing in the
+        blocks until then): every confirmation, and the seconds waited for a streamed
+        source's layers. The first rank's error, if any, is raised after all have ended."""
+        descs, loop = handoff.descriptors, asyncio.get_running_loop()
+        pulls = [
+            loop.run_in_executor(self._transfer, self.sink.pull, descs, ids, timeout)
+            if rank == 0
+            else self.ranks[rank - 1].pull(descs, ids, timeout)
+            for rank, ids in self._holders(blocks)
+        ]
         (confirmations, waited), *others = await _all_of(*pulls)
-        return [c for cs in (confirmations, *others) for c in cs], waited
+        return [c for cs, _ in ((confirmations, waited), *others) for c in cs], waited
+
+    def _holders(self, blocks: list[int]) -> list[tuple[int, list[int]]]:
+        """(rank, its block ids) of every rank that takes KV into ``blocks``: all of them,
+        with the same ids, under TP; under EP the one rank holding them (its own ids)."""
+        if self.spec.engine.ep_size == 1:
+            return [(r, blocks) for r in range(1 + len(self.ranks))]
+        return [self.engine.block_manager.locate(blocks)]  # arithmetic on constants: any thread
 
     def _on_error(self, error: BaseException) -> None:  # engine thread
         """The engine loop died (a bug, or a lost TP rank): every request ends with

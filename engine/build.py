@@ -30,6 +30,7 @@ from splitserve.engine.model.checkpoint import checkpoint_bytes, safetensors_ten
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import build_model, load_hf_config, resolve_source
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.parallel.expert_parallel import check_ep_compatible
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.layers import check_tp_compatible
 from splitserve.engine.sampler import Sampler
@@ -77,7 +78,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     # on every rank (a group of one to shard by), attention data-parallel
     ep = tp if config.ep_size > 1 else None
     layer_tp = TPGroup.single() if ep is not None else tp
-    check_parallel(config, mc)
+    check_ep_compatible(mc, config.ep_size, config.kv_cache_dtype)
     check_tp_compatible(mc, layer_tp.size)
     context = model_context(config, mc.max_position_embeddings)  # lowered to what the KV holds below
     weights, progress = None, 0
@@ -214,22 +215,6 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         runner=runner,
         validator=validator,
     )
-
-
-def check_parallel(config: EngineConfig, mc: ModelConfig) -> None:
-    """Refuse, with a sentence naming why, expert parallelism the model cannot run."""
-    if config.ep_size == 1:
-        return
-    if mc.moe is None:
-        raise ValueError(
-            f"ep_size {config.ep_size} needs a mixture-of-experts model; {mc.model_type} has none"
-        )
-    if mc.moe.num_experts % config.ep_size:
-        raise ValueError(
-            f"ep_size {config.ep_size} does not divide the model's {mc.moe.num_experts} routed experts"
-        )
-    if config.kv_cache_dtype == "fp8":
-        raise ValueError("kv_cache_dtype fp8 does not run with expert parallelism (ep_size > 1) yet")
 
 
 CALIBRATION_TOKENS = 256  # the prompt an FP8 KV cache's scales are calibrated on, at most

@@ -41,7 +41,7 @@ from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.scheduler import ScheduledSeq
 from splitserve.engine.sequence import Sequence, SequenceStatus
-from splitserve.engine.step_rates import DecodeSteps, PrefillRate
+from splitserve.engine.step_rates import DecodeSteps, ExpertLoad, PrefillRate
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import InvalidRequest, Overloaded, UnknownRequest
@@ -97,6 +97,8 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self._prefill_rate = PrefillRate()
         self._decode_steps = DecodeSteps()
+        moe = self.model_config.moe
+        self._expert_load = ExpertLoad(moe.num_experts) if moe is not None else None
         # told as each layer of a completing prefill-only prompt is written (driver rank only)
         self.layer_observer: LayerObserver | None = None
 
@@ -155,7 +157,12 @@ class Engine:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
+        """Load figures (``EngineStats``). On an expert-parallel group it gathers the
+        ranks' expert counts: driver only, between steps, as ``step``."""
         sched = self.scheduler
+        load = self._expert_load
+        if load is not None:
+            load.add(self.runner.take_expert_load())
         in_batch = [*sched.waiting, *sched.running]
         pending = sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in in_batch)
         return EngineStats(
@@ -168,6 +175,10 @@ class Engine:
             decode_batch=self._decode_steps.batch,
             decode_step_s=self._decode_steps.step_s,
             num_preemptions=sched.num_preemptions,
+            expert_tokens_total=tuple(load.total) if load is not None else (),
+            expert_tokens_recent=load.recent if load is not None else (),
+            expert_window_s=load.recent_s if load is not None else 0.0,
+            expert_ranks=self.config.ep_size,
         )
 
     def prefix_update(self, cursor: PrefixCursor | None) -> PrefixUpdate:

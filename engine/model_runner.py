@@ -91,6 +91,11 @@ class StepInputs:
         return [len(rows) for rows in by_rank], [at[w] for w in wanted]
 
 
+@dataclass(frozen=True)
+class TakeExpertLoad:
+    """The driver asks every rank for its experts' counts (``take_expert_load``)."""
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -228,6 +233,19 @@ class ModelRunner:
     def _rows(self, hidden: torch.Tensor, positions: list[int]) -> torch.Tensor:
         return hidden.index_select(0, torch.tensor(positions, dtype=torch.long, device=self.device))
 
+    def take_expert_load(self) -> list[int]:
+        """Driver: rows each routed expert computed since the last call, all MoE layers
+        summed, in expert order (under expert parallelism gathered from every rank,
+        each counting its own experts)."""
+        if self.data_parallel:
+            self.tp.broadcast_object(TakeExpertLoad())
+            return [n for counts in self.tp.gather_object(self._held_load()) for n in counts]
+        return self._held_load()
+
+    def _held_load(self) -> list[int]:
+        per_layer = [m.take_routed() for m in self.model.moe_layers()]
+        return [sum(c) for c in zip(*per_layer)]
+
     def follow(self, on_message: Callable[[Any], None] | None = None) -> int:
         """Non-driver ranks: run every step the driver broadcasts until it stops us;
         any other message goes to ``on_message``. Returns the number of steps run."""
@@ -236,6 +254,8 @@ class ModelRunner:
             if isinstance(msg, StepInputs):
                 self.forward(msg)
                 steps += 1
+            elif isinstance(msg, TakeExpertLoad):
+                self.tp.gather_object(self._held_load())
             elif on_message is not None:
                 on_message(msg)
             else:

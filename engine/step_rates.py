@@ -1,7 +1,10 @@
 """What an engine measures of its own steps, for its ``stats``: the prompt rate and
-the decode step time, as decaying totals. Bookkeeping only: no torch."""
+the decode step time, as decaying totals, and a MoE model's expert load.
+Bookkeeping only: no torch."""
 
 from __future__ import annotations
+
+import time
 
 
 class DecodeSteps:
@@ -47,3 +50,26 @@ class PrefillRate:
     @property
     def tokens_per_s(self) -> float:
         return self._tokens / self._seconds if self._seconds > 0 else 0.0
+
+
+class ExpertLoad:
+    """Rows routed to each expert of a MoE model, summed over its MoE layers: since the
+    engine started (``total``) and over the last whole window of about ``window_s``
+    seconds (``recent``; empty until one has passed, ``recent_s`` its length). Counts
+    come in batches (``add``), each batch counted in the window it closes."""
+
+    def __init__(self, num_experts: int, window_s: float = 10.0, clock=time.monotonic):
+        self.window_s, self._clock = window_s, clock
+        self.total = [0] * num_experts
+        self.recent: tuple[int, ...] = ()
+        self.recent_s = 0.0
+        self._window = [0] * num_experts
+        self._since = clock()
+
+    def add(self, counts: list[int]) -> None:
+        self.total = [a + b for a, b in zip(self.total, counts)]
+        self._window = [a + b for a, b in zip(self._window, counts)]
+        now = self._clock()
+        if now - self._since >= self.window_s:
+            self.recent, self.recent_s = tuple(self._window), now - self._since
+            self._window, self._since = [0] * len(self._window), now

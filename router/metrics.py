@@ -40,6 +40,8 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
     splitserve:num_requests_waiting{pool,worker}       queued in its engine
     splitserve:kv_cache_usage_perc{pool,worker}        used KV blocks / all (0..1, as vLLM)
     splitserve:num_preemptions_total{pool,worker}      from the engine (restarts from 0 with the worker)
+    splitserve:expert_routed_tokens_total{pool,worker,rank}  MoE: (token, expert) pairs routed to the
+                                                       experts rank holds (its rate: the expert load)
     splitserve:pool_replicas{pool,state}               state: current (routable), warming
                                                        (starting), draining, desired
     splitserve:num_requests_inflight                    admitted by the router, unfinished
@@ -58,6 +60,7 @@ from prometheus_client.registry import Collector
 
 from splitserve.router.registry import Membership, WorkerRegistry
 from splitserve.router.trace import RequestTrace
+from splitserve.wire.outputs import rank_loads
 
 __all__ = ["CONTENT_TYPE_LATEST", "PoolSize", "RequestMetrics", "RouterMetrics"]
 
@@ -177,6 +180,11 @@ class _ClusterCollector(Collector):
         preemptions = CounterMetricFamily(
             "splitserve:num_preemptions", "Sequences preempted for lack of KV blocks.", labels=labels
         )
+        experts = CounterMetricFamily(
+            "splitserve:expert_routed_tokens",
+            "MoE models: (token, expert) pairs routed to the experts each rank holds, all MoE layers.",
+            labels=[*labels, "rank"],
+        )
         for w in self.registry.workers():
             if w.stats is None or w.state == Membership.STARTING:
                 continue
@@ -186,6 +194,8 @@ class _ClusterCollector(Collector):
             waiting.add_metric(key, e.num_waiting)
             kv.add_metric(key, e.num_used_blocks / e.num_blocks if e.num_blocks else 0.0)
             preemptions.add_metric(key, e.num_preemptions)
+            for rank, n in enumerate(rank_loads(e.expert_tokens_total, e.expert_ranks)):
+                experts.add_metric([*key, str(rank)], n)
         replicas = GaugeMetricFamily(
             "splitserve:pool_replicas", "Workers per pool and state.", labels=["pool", "state"]
         )
@@ -230,6 +240,7 @@ class _ClusterCollector(Collector):
             waiting,
             kv,
             preemptions,
+            experts,
             replicas,
             replacements,
             placement,

@@ -322,6 +322,8 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
         out.queued_prompt_tokens = e.num_pending_prompt_tokens
         out.kv_blocks_total, out.kv_blocks_used = e.num_blocks, e.num_used_blocks
         out.preemptions = e.num_preemptions
+        out.expert_tokens.extend(e.expert_tokens_recent)
+        out.expert_window_s, out.expert_ranks = e.expert_window_s, e.expert_ranks
     if isinstance(s, PrefillStats):
         out.kv_exports_held = len(s.exports)
     if isinstance(s, DecodeStats):

@@ -45,8 +45,9 @@ class DecodeRankPeer(Protocol):
 
     async def pull(
         self, descriptors: tuple[KVDescriptor, ...], blocks: list[int], timeout: float
-    ) -> list[Confirmation]:
-        """Pull the rank's KV heads of one request into ``blocks``; its confirmations."""
+    ) -> tuple[list[Confirmation], float]:
+        """Pull the rank's KV heads of one request into ``blocks`` (the rank's own block
+        ids); its confirmations, and the seconds it waited for a streamed source's layers."""
         ...
 
 

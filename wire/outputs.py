@@ -3,6 +3,7 @@ prefill half's description of the KV it holds."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from splitserve.wire.sampling import FinishReason
@@ -80,10 +81,27 @@ class EngineStats:
     decode_batch: float = 0.0
     decode_step_s: float = 0.0
     num_preemptions: int = 0  # since the engine started (as vLLM's num_preemptions_total)
+    # MoE models: rows (token, expert pairs) routed to each expert, all MoE layers summed,
+    # since the engine started and over its last whole window of ``expert_window_s``
+    # (empty for dense models; the window empty until one has passed); the experts are
+    # split evenly over ``expert_ranks`` ranks in order (1: every rank computes every expert)
+    expert_tokens_total: tuple[int, ...] = ()
+    expert_tokens_recent: tuple[int, ...] = ()
+    expert_window_s: float = 0.0
+    expert_ranks: int = 1
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+
+def rank_loads(expert_tokens: Sequence[int], ranks: int) -> list[int]:
+    """Per rank, the rows routed to the experts it holds: ``expert_tokens`` (one count
+    per expert) split evenly over ``ranks`` in order ([] when there are no counts)."""
+    if not expert_tokens:
+        return []
+    per = len(expert_tokens) // max(1, ranks)
+    return [sum(expert_tokens[r * per : (r + 1) * per]) for r in range(len(expert_tokens) // per)]
 
 
 @dataclass(frozen=True)

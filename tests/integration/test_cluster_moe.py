@@ -3,14 +3,17 @@ greedy tokens equal transformers' own ``generate`` (each case its own Ray
 instance and cluster, over NIXL), the second pass of the same prompts hitting the
 prefix cache:
 
-| family      | attention | MoE                                      | prefill TP | decode TP |
-|-------------|-----------|------------------------------------------|------------|-----------|
-| mixtral     | GQA       | 4 experts, softmax top 2                 | 2          | 1         |
-| qwen3_moe   | GQA, norm | 8 experts, layer 0 dense                 | 1          | 2         |
-| deepseek_v3 | MLA       | sigmoid, grouped, bias, shared, 0 dense  | 2          | 2         |
+| family      | attention | MoE                                      | prefill TP | decode          |
+|-------------|-----------|------------------------------------------|------------|-----------------|
+| mixtral     | GQA       | 4 experts, softmax top 2                 | 2          | TP 1, EP 2      |
+| qwen3_moe   | GQA, norm | 8 experts, layer 0 dense                 | 1          | TP 2, EP 2      |
+| deepseek_v3 | MLA       | sigmoid, grouped, bias, shared, 0 dense  | 2          | TP 2, EP 2      |
 
 With MLA every rank holds the same latent rows (one plane, one "head"); a decode
-rank reads them from one source rank.
+rank reads them from one source rank. Under EP (experts split over the decode
+group's ranks, attention data-parallel) the one rank whose share of the cache holds
+a request reads its whole KV; each EP case also checks that both ranks' experts
+computed rows.
 """
 
 from __future__ import annotations
@@ -21,34 +24,64 @@ import ray
 from splitserve.client import Chunk, Client, Completion
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
-from tests.integration.cluster_util import kv_used, live_cluster, scrape, stream_all, tiny_config, total
+from tests.integration.cluster_util import (
+    kv_used,
+    live_cluster,
+    scrape,
+    stream_all,
+    tiny_config,
+    total,
+    wait_until,
+)
 
 ENGINE = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 64, "block_size": 8}
 MAX_TOKENS = 8
 
 
 @pytest.mark.parametrize(
-    "kind, prefill_tp, decode_tp",
-    [("mixtral", 2, 1), ("qwen3_moe", 1, 2), ("deepseek_v3", 2, 2)],
+    "kind, prefill_tp, decode",
+    [
+        ("mixtral", 2, {"tp_size": 1}),
+        ("qwen3_moe", 1, {"tp_size": 2}),
+        ("deepseek_v3", 2, {"tp_size": 2}),
+        ("mixtral", 2, {"ep_size": 2}),
+        ("qwen3_moe", 1, {"ep_size": 2}),
+        ("deepseek_v3", 2, {"ep_size": 2}),
+    ],
+    ids=["mixtral-tp2-tp1", "qwen3_moe-tp1-tp2", "deepseek_v3-tp2-tp2"]
+    + ["mixtral-tp2-ep2", "qwen3_moe-tp1-ep2", "deepseek_v3-tp2-ep2"],
 )
-def test_moe_and_mla_through_the_cluster_equal_transformers(tmp_path, kind, prefill_tp, decode_tp):
+def test_moe_and_mla_through_the_cluster_equal_transformers(tmp_path, kind, prefill_tp, decode):
     model = make_hf_checkpoint(kind, tmp_path)
-    prompts = random_prompts([5, 40, 120], 512, seed=13)
+    prompts = random_prompts([5, 40, 120, 33], 512, seed=13)
     expected = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
     config = tiny_config(
         str(tmp_path),
         prefill={"num_cpus": 0.5, "tp_size": prefill_tp, "engine": ENGINE},
-        decode={"num_cpus": 0.5, "tp_size": decode_tp, "engine": ENGINE},
+        decode={"num_cpus": 0.5, **decode, "engine": ENGINE},
     )
     params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * len(prompts)
     with live_cluster(config) as cluster:
         first = stream_all(cluster.address, prompts, params)
         again = stream_all(cluster.address, prompts, params)
+        if "ep_size" in decode:  # both ranks' experts computed rows (the expert load metric)
+            loads = lambda: total_by_rank(scrape(cluster))  # noqa: E731
+            wait_until(lambda: len(loads()) == 2 and all(loads().values()), "both ranks' experts used")
     assert [out.token_ids for out, _ in first] == expected
     assert [out.token_ids for out, _ in again] == expected
     assert all(out.final.prefill_worker == "prefill-0" for out, _ in first)  # every KV handed over
     # the second pass found each prompt's full blocks in a cache
     assert all(out.final.cached_prompt_tokens >= (len(p) - 1) // 8 * 8 for (out, _), p in zip(again, prompts))
+
+
+def total_by_rank(values: dict) -> dict[str, float]:
+    """The decode pool's ``splitserve:expert_routed_tokens_total`` by rank."""
+    found: dict[str, float] = {}
+    for (name, labels), v in values.items():
+        labels = dict(labels)
+        if name == "splitserve:expert_routed_tokens_total" and labels["pool"] == "decode":
+            found[labels["rank"]] = found.get(labels["rank"], 0.0) + v
+    return found
 
 
 def test_an_mla_handover_moves_one_latent_row_per_token_and_layer(tmp_path):
@@ -83,17 +116,19 @@ def test_an_mla_handover_moves_one_latent_row_per_token_and_layer(tmp_path):
     assert measured["deepseek_v3"] < measured["llama"]
 
 
-def test_an_mla_moe_decode_group_losing_a_rank_resumes_exactly(tmp_path):
-    """DeepSeek-V3 (MLA + MoE) on TP=2 decode groups: killing rank 1 of the group
-    holding a stream mid-way ends it there with ``WorkerLost``; the router resumes it
-    on the other group, and the whole output still equals transformers' greedy."""
+@pytest.mark.parametrize("parallel", ["tp_size", "ep_size"])
+def test_an_mla_moe_decode_group_losing_a_rank_resumes_exactly(tmp_path, parallel):
+    """DeepSeek-V3 (MLA + MoE) on decode groups of 2 ranks (TP, or EP with attention
+    data-parallel): killing rank 1 of the group holding a stream mid-way ends it there
+    with ``WorkerLost``; the router resumes it on the other group, and the whole output
+    still equals transformers' greedy."""
     hf = make_hf_checkpoint("deepseek_v3", tmp_path)
     prompt = random_prompts([60], 512, seed=11)[0]
     expected = hf_greedy(hf, prompt, 300)
     config = tiny_config(
         str(tmp_path),
         prefill={"num_cpus": 0.25, "engine": ENGINE},
-        decode={"num_cpus": 0.25, "tp_size": 2, "replicas": 2, "engine": ENGINE},
+        decode={"num_cpus": 0.25, parallel: 2, "replicas": 2, "engine": ENGINE},
     )
     with live_cluster(config) as cluster, Client(cluster.address, timeout=60) as client:
         pool = cluster.cluster.pools["decode"]
@@ -103,7 +138,7 @@ def test_an_mla_moe_decode_group_losing_a_rank_resumes_exactly(tmp_path):
             if killed is None and isinstance(item, Chunk) and len(out.token_ids) >= 20:
                 (holder,) = [w for w, used in kv_used(client).items() if w.startswith("decode") and used]
                 killed = holder
-                ray.kill(pool.actors(holder)[1], no_restart=True)  # its TP rank 1
+                ray.kill(pool.actors(holder)[1], no_restart=True)  # its rank 1
     assert killed is not None, "the stream ended before a rank could be killed"
     assert out.token_ids == expected
     assert out.final.decode_worker not in ("", killed)
