@@ -71,6 +71,8 @@ def serve_config(args: argparse.Namespace, config):
             data[role]["engine"]["kv_cache_dtype"] = args.kv_cache_dtype
         if args.tensor_parallel_size is not None:
             data[role]["tp_size"] = args.tensor_parallel_size
+        if args.expert_parallel_size is not None and role != Role.PREFILL:
+            data[role]["ep_size"] = args.expert_parallel_size
     return ClusterConfig.model_validate(data)
 
 
@@ -334,6 +336,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="TP ranks per worker, in every pool (the config may set each pool's own tp_size)",
+    )
+    srv.add_argument(
+        "--expert-parallel-size",
+        "-ep",
+        type=int,
+        default=None,
+        help="MoE models: expert-parallel ranks per decode (or colocated) worker, attention data-parallel "
+        "(prefill stays TP; docs/models.md)",
     )
     srv.add_argument(
         "--max-model-len", type=int, default=None, help="context length cap (default: the model's)"

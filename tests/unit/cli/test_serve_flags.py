@@ -69,3 +69,13 @@ def test_help_lists_the_flags(capsys):
         "--generation-config",
     ):
         assert flag in out
+
+
+def test_expert_parallel_size_sets_decode_and_colocated_pools_only():
+    cfg = _config("--expert-parallel-size", "2")
+    assert (cfg.prefill.ep_size, cfg.decode.ep_size, cfg.colocated.ep_size) == (1, 2, 2)
+    assert cfg.engine_config("decode").ep_size == 2 and cfg.decode.ranks == 2
+    with pytest.raises(ValueError, match="tp_size must be 1"):
+        _config("--expert-parallel-size", "2", "--tensor-parallel-size", "2")
+    with pytest.raises(ValueError, match="prefill.ep_size must be 1"):
+        ClusterConfig.model_validate(ClusterConfig.load().model_dump() | {"prefill": {"ep_size": 2}})
