@@ -237,13 +237,15 @@ def _print_capacity(st) -> None:
     """Each pool's KV cache, context and concurrency (one line per distinct figure)."""
     for pool in st.pools:
         seen = {
-            (w.kv_cache_tokens, w.kv_bytes_per_token, w.max_model_len, w.max_concurrency)
+            (w.kv_cache_tokens, w.kv_bytes_per_token, w.max_model_len, w.max_concurrency, w.expert_ranks)
             for w in pool.workers
             if w.max_model_len
         }
-        for tokens, per_token, length, concurrency in sorted(seen):
+        for tokens, per_token, length, concurrency, ranks in sorted(seen):
+            # an expert-parallel worker's ranks each cache their own sequences
+            where = f"per rank x {ranks} ranks (EP)" if ranks > 1 else "per worker"
             print(
-                f"{pool.role}: KV cache {tokens:,} tokens per worker ({per_token:,} bytes per token per "
+                f"{pool.role}: KV cache {tokens:,} tokens {where} ({per_token:,} bytes per token per "
                 f"rank); max context {length:,} tokens; {concurrency:.2f}x concurrency at that length"
             )
 
