@@ -1,7 +1,8 @@
 """Triton kernels for CUDA: the fused residual-add + RMSNorm (the same contract and
 rounding points as the native CPU kernel, so ``RMSNorm`` uses either through
 ``DecoderModel.use_kernels``), the weight-only int8 matmul of ``Int8Linear`` and
-the per-token FP8 quantization of ``Fp8Linear``'s activations.
+the per-token FP8 quantization of ``Fp8Linear``'s activations; and, from
+``triton_moe``, the routed experts' grouped GEMMs.
 
 Each replaces a chain of small torch kernels whose launches, not their bytes,
 bound a decode step: a norm in torch is eight kernels, this is one. With
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from splitserve.engine.kernels.triton_moe import grouped_experts_gemm  # noqa: F401  (part of the set)
 
 
 @triton.jit

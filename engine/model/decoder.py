@@ -99,11 +99,14 @@ class DecoderModel(nn.Module):
 
     def use_kernels(self, kernels: Any) -> None:
         """Route the norms through a fused add+RMSNorm kernel (``add_rms_norm``), and
-        GQA attention and dense MLPs through ``rope_and_cache`` / ``silu_mul`` where
-        ``kernels`` has them (not None: the Triton set on CUDA; the C++ set on CPU for bf16)."""
+        GQA attention and dense MLPs through ``rope_and_cache`` / ``silu_mul``, and the
+        routed experts through ``grouped_experts_gemm``, where ``kernels`` has them (not
+        None: the Triton set on CUDA; the C++ set on CPU for bf16)."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.kernels = kernels
+            elif isinstance(m, SparseMoE):
+                m.grouped_kernel = getattr(kernels, "grouped_experts_gemm", None)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

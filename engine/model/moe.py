@@ -29,6 +29,8 @@ last ``take_routed`` (the expert load ``splitserve status`` shows).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,12 +68,14 @@ def grouped_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     first_expert: int = 0,
+    kernel: Callable | None = None,
 ) -> torch.Tensor:
     """Sum over each token's chosen experts of weight x expert(x), [T, H] in ``x``'s
     dtype. ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] hold experts
     [first_expert, first_expert + E); pairs routed to other experts add nothing
     (their expert lives on another rank). Tokens are grouped by expert (see the
-    module docstring): a Python loop over the experts that got tokens, none over tokens."""
+    module docstring): a Python loop over the experts that got tokens, none over tokens,
+    or ``kernel`` (``kernels.triton_moe.grouped_experts_gemm``: two launches in all)."""
     t, k = ids.shape
     held = gate_up.shape[0]
     local = ids.reshape(-1) - first_expert
@@ -80,24 +84,41 @@ def grouped_experts(
     counts = torch.bincount(local, minlength=held + 1)[:held].tolist()
     order = order[: sum(counts)]
     token = order // k
-    out = _grouped(x.index_select(0, token), counts, gate_up, down)
+    out = _grouped(x, token, counts, gate_up, down, kernel)
     out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
     return torch.zeros_like(x).index_add_(0, token, out)
 
 
-def expert_rows(rows: torch.Tensor, expert: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor):
+def expert_rows(
+    rows: torch.Tensor,
+    expert: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    kernel: Callable | None = None,
+):
     """Row i through expert ``expert[i]`` (an index into the stacks ``gate_up``
     [E, 2I, H] and ``down`` [E, H, I]), unweighted, [N, H] in the rows' order (what an
     expert-parallel rank computes for the rows other ranks sent it)."""
     order = expert.argsort(stable=True)
     counts = torch.bincount(expert, minlength=gate_up.shape[0]).tolist()
-    out = _grouped(rows.index_select(0, order), counts, gate_up, down)
+    out = _grouped(rows, order, counts, gate_up, down, kernel)
     return torch.empty_like(out).index_copy_(0, order, out)
 
 
-def _grouped(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor):
-    """``rows`` sorted by expert, ``counts[e]`` of them for expert e: one GEMM pair per
-    expert that has rows, in place of a loop over tokens."""
+def _grouped(
+    x: torch.Tensor,
+    token: torch.Tensor,
+    counts: list[int],
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    kernel: Callable | None = None,
+):
+    """Rows ``x[token]``, sorted by expert, ``counts[e]`` of them for expert e, each
+    through its expert: one GEMM pair per expert that has rows, in place of a loop
+    over tokens (or ``kernel``'s two grouped GEMMs)."""
+    if kernel is not None:
+        return kernel(x, token, counts, gate_up, down)
+    rows = x.index_select(0, token)
     out = torch.empty_like(rows)
     inter = down.shape[2]
     start = 0
@@ -156,6 +177,7 @@ class SparseMoE(nn.Module):
         )
         self.shared_expert_gate = Router(1, cfg.hidden_size, False) if moe.shared_gate else None
         self.routed: torch.Tensor | None = None  # made on the device of the first rows counted
+        self.grouped_kernel: Callable | None = None  # DecoderModel.use_kernels: the Triton one on CUDA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.gate.e_score_correction_bias, self.moe)
@@ -164,7 +186,9 @@ class SparseMoE(nn.Module):
         else:
             self._count(ids.reshape(-1))
             gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-            out = self.group.all_reduce(grouped_experts(x, gate_up, down, weights, ids))
+            out = self.group.all_reduce(
+                grouped_experts(x, gate_up, down, weights, ids, kernel=self.grouped_kernel)
+            )
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
@@ -180,7 +204,8 @@ class SparseMoE(nn.Module):
 
     def _held_experts(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         self._count(local_ids)
-        return expert_rows(rows, local_ids, self.experts.gate_up_proj, self.experts.down_proj)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        return expert_rows(rows, local_ids, gate_up, down, self.grouped_kernel)
 
     def _count(self, local_ids: torch.Tensor) -> None:
         counts = torch.bincount(local_ids, minlength=self.shard.count)

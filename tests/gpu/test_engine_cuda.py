@@ -44,3 +44,20 @@ def test_cuda_engine_with_triton_attention_and_decode_graphs_matches_hf(tmp_path
     )
     out = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in out] == expected
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_moe_and_mla_on_cuda_match_hf(tmp_path, kind):
+    """The MoE families on CUDA, the routed experts through the Triton grouped GEMMs
+    (``kernels.triton_moe``) and MLA through its torch attention."""
+    hf = make_hf_checkpoint(kind, tmp_path)
+    prompts = random_prompts([5, 40, 77, 130], 512)
+    expected = [hf_greedy(hf, p, 16) for p in prompts]
+    engine = Engine(
+        EngineConfig(
+            model=str(tmp_path), dtype="float32", device="cuda", block_size=16, max_num_batched_tokens=64
+        )
+    )
+    assert all(m.grouped_kernel is not None for m in engine.model.moe_layers())
+    out = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [o.token_ids for o in out] == expected
