@@ -22,6 +22,11 @@ while the group keeps decoding the running batch, and rank 0 activates the
 request once every rank's pull ended (it frees the blocks only then, whatever
 happened, since bytes may still be landing in them on some rank).
 
+Under expert parallelism (``engine.ep_size``) the protocol is the same, but a
+request's KV goes to one rank only, the one whose share of the group's blocks
+holds it (whole, into its own block ids), and each rank runs attention for its
+own sequences of each step.
+
 Failure: a rank that dies breaks the group's collectives; rank 0's engine loop
 then stops and ends every request with ``WorkerLost`` (the router resumes
 them on another decode worker), and the pool replaces the whole group.

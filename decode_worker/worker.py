@@ -41,7 +41,10 @@ With ``spec.tp`` set the worker is rank 0 of a tensor-parallel group whose other
 ranks are ``DecodeRank``s (``splitserve.decode_worker.tp`` describes the
 protocol): its steps drive theirs, each pull runs on every rank at once (each
 pulling its own KV heads into the same blocks), and if the group breaks every
-request ends with ``WorkerLost``.
+request ends with ``WorkerLost``. An expert-parallel group (``engine.ep_size``) is
+the same group, but each rank caches its own sequences (attention data-parallel):
+a request's pull runs on the one rank whose share of the blocks holds it
+(``_holders``), into its own block ids.
 
 The class imports no Ray: ``cluster`` wraps it with ``ray.remote``, the source is
 whatever client the router put in the task, and the other ranks whatever
