@@ -485,7 +485,7 @@ class DecodeWorker:
         with the same ids, under TP; under EP the one rank holding them (its own ids)."""
         if self.spec.engine.ep_size == 1:
             return [(r, blocks) for r in range(1 + len(self.ranks))]
-        return [self.engine.block_manager.locate(blocks)]  # arithmetic on constants: any thread
+        return [self.engine.block_manager.locate(blocks)]  # any thread may call locate
 
     def _on_error(self, error: BaseException) -> None:  # engine thread
         """The engine loop died (a bug, or a lost TP rank): every request ends with

@@ -89,7 +89,8 @@ class BlockManager:
         return max(range(self.shards), key=lambda s: len(self._free[s]))
 
     def locate(self, blocks: list[int]) -> tuple[int, list[int]]:
-        """(shard, the blocks' ids within it) of one sequence's ``blocks``."""
+        """(shard, the blocks' ids within it) of one sequence's ``blocks``. Arithmetic on
+        values fixed at construction: safe from any thread (the block manager is not)."""
         shard = self.shard_of(blocks[0])
         base = shard * self.shard_blocks
         return shard, [b - base for b in blocks]

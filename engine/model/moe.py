@@ -184,7 +184,8 @@ class SparseMoE(nn.Module):
         if self.ep is not None:
             out = dispatch_combine(self.ep, x, weights, ids, self.shard.count, self._held_experts)
         else:
-            self._count(ids.reshape(-1))
+            if self.group.is_driver:  # the rank stats read (every rank routes the same)
+                self._count(ids.reshape(-1))
             gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
             out = self.group.all_reduce(
                 grouped_experts(x, gate_up, down, weights, ids, kernel=self.grouped_kernel)
