@@ -21,6 +21,12 @@ a shared block.
 Every hash registered or dropped is written to ``prefix_log``, which a router
 follows to know which prefixes this cache holds.
 
+A host tier below the cache (``tier``, ``engine.kv_tier``; single shard only): an
+evicted block's bytes are saved there by hash before the block is reused, and a
+waiting prompt whose next full blocks are missing from the cache but held by the
+tier gets fresh blocks loaded from it (``tier_prefix`` then ``reload``) instead of
+computing them. The log keeps a hash while either tier holds it.
+
 Ownership: the sequence holds one reference per entry in its block table;
 ``free`` drops them all. A block returns to the free pool when its count is 0.
 
@@ -35,19 +41,39 @@ kept until it frees them. A cached prefix is only taken within one shard.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
 from splitserve.engine.sequence import Sequence
 from splitserve.wire.prefix import PrefixCursor, PrefixLog, PrefixUpdate, block_hash
 
 
+class KVTier(Protocol):
+    """A store of evicted blocks by hash (``engine.kv_tier.HostKVTier``)."""
+
+    def holds(self, h: int, tokens: tuple[int, ...]) -> bool: ...
+    def save(self, h: int, tokens: tuple[int, ...], block: int) -> list[int]: ...
+    def load(self, h: int, block: int) -> bool: ...
+    def hashes(self) -> list[int]: ...
+    def __contains__(self, h: int) -> bool: ...
+
+
 class BlockManager:
     """Allocates KV blocks to sequences. Check with ``can_*``, then act."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, shards: int = 1):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        shards: int = 1,
+        tier: KVTier | None = None,
+    ):
         if num_blocks < 1 or block_size < 1 or shards < 1:
             raise ValueError("num_blocks, block_size and shards must be positive")
         if num_blocks % shards:
             raise ValueError(f"{num_blocks} blocks do not split evenly into {shards} shards")
+        if tier is not None and (shards > 1 or not enable_prefix_caching):
+            raise ValueError("a host KV tier needs prefix caching and one shard")
         self.num_blocks = num_blocks
         self.shards = shards
         self.shard_blocks = num_blocks // shards  # the most one sequence can hold
@@ -65,6 +91,8 @@ class BlockManager:
         # Per-sequence chain of hashes of its full, computed blocks.
         self._seq_hashes: dict[int, list[int]] = {}
         self.prefix_hits = 0  # tokens served from the cache since start (a metric)
+        self.tier = tier
+        self.tier_hits = 0  # tokens reloaded from the tier since start (a metric)
         self.prefix_log = PrefixLog()
 
     # ---- queries -----------------------------------------------------------
@@ -97,7 +125,8 @@ class BlockManager:
 
     def prefix_update(self, cursor: PrefixCursor | None) -> PrefixUpdate:
         """The registered hashes that changed since ``cursor`` (``wire.prefix``)."""
-        return self.prefix_log.since(cursor, self.hash_to_block)
+        held = self.hash_to_block if self.tier is None else {*self.hash_to_block, *self.tier.hashes()}
+        return self.prefix_log.since(cursor, held)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -120,6 +149,21 @@ class BlockManager:
             found.append(block)
             parent = h
         return found
+
+    def tier_prefix(self, seq: Sequence, cached: list[int]) -> int:
+        """How many full blocks of ``seq``'s prompt right after ``cached`` (what
+        ``find_cached_prefix`` found) the tier holds; 0 without a tier."""
+        if self.tier is None or not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0
+        parent = self.block_hashes[cached[-1]] if cached else None
+        bs, n = self.block_size, 0
+        for i in range(len(cached), (seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = block_hash(parent, tokens)
+            if not self.tier.holds(parent, tokens):
+                break
+            n += 1
+        return n
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Whether ``seq`` (holding its current table, or about to take ``cached``)
@@ -147,6 +191,39 @@ class BlockManager:
         seq.num_cached_tokens = seq.num_computed_tokens
         self.prefix_hits += seq.num_computed_tokens
         self._seq_hashes[seq.seq_no] = hashes
+
+    def reload(self, seq: Sequence, count: int) -> int:
+        """Give ``seq`` (holding only its cached prefix, all computed) fresh blocks for
+        its next ``count`` full blocks and load them from the tier, registering each.
+        Stops at the first block the tier cannot give (dropped, or its checksum failed:
+        then computed as usual). Returns the blocks loaded. Check ``can_allocate`` for
+        ``count`` blocks' tokens first."""
+        bs, free = self.block_size, self._free[0]
+        hashes = self._seq_hashes.setdefault(seq.seq_no, [])
+        parent = hashes[-1] if hashes else None
+        loaded = 0
+        for i in range(len(seq.block_table), len(seq.block_table) + count):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, tokens)
+            block = self._pop_free(free)
+            if not self.tier.load(h, block):
+                self.ref_counts[block] = 0
+                free[block] = None
+                free.move_to_end(block, last=False)  # reused first: it holds nothing
+                self._forget(h)
+                break
+            seq.block_table.append(block)
+            self.block_hashes[block], self.block_tokens[block] = h, tokens
+            if h not in self.hash_to_block:
+                self.hash_to_block[h] = block
+                self.prefix_log.stored(h)
+            hashes.append(h)
+            parent = h
+            loaded += 1
+        seq.num_computed_tokens += loaded * bs
+        seq.num_cached_tokens += loaded * bs
+        self.tier_hits += loaded * bs
+        return loaded
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Append blocks so ``seq`` covers its computed tokens plus ``num_new_tokens``.
@@ -193,13 +270,22 @@ class BlockManager:
             del self._free[self.shard_of(block)][block]
         self.ref_counts[block] += 1
 
+    def _forget(self, h: int) -> None:
+        """``h`` left a tier: logged removed unless the other still holds it."""
+        if h not in self.hash_to_block and (self.tier is None or h not in self.tier):
+            self.prefix_log.removed(h)
+
     def _pop_free(self, free: OrderedDict[int, None]) -> int:
         block, _ = free.popitem(last=False)
         h = self.block_hashes[block]
         if h is not None:  # evict: its content is about to be overwritten
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
-                self.prefix_log.removed(h)
+                if self.tier is None:
+                    self.prefix_log.removed(h)
+                else:  # the bytes move down a tier
+                    for gone in self.tier.save(h, self.block_tokens[block], block):
+                        self._forget(gone)
             self.block_hashes[block] = None
             self.block_tokens[block] = None
         self.ref_counts[block] = 1

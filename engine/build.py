@@ -26,6 +26,7 @@ from splitserve.engine.kv_sizing import (
     model_context,
     size_kv_cache,
 )
+from splitserve.engine.kv_tier import HostKVTier
 from splitserve.engine.model.checkpoint import checkpoint_bytes, safetensors_tensors
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import build_model, load_hf_config, resolve_source
@@ -58,6 +59,7 @@ class EngineParts:
     eos_token_ids: set[int]
     kv_cache: KVCache
     block_manager: BlockManager
+    host_tier: HostKVTier | None  # below the KV cache (config.host_kv_tier_mib), or none
     scheduler: Scheduler
     runner: ModelRunner
     validator: RequestValidator
@@ -163,8 +165,11 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         )
     # one shard of blocks per rank of an expert-parallel group (each rank caches its own sequences)
     shards = config.ep_size
+    tier = None
+    if config.host_kv_tier_mib:
+        tier = HostKVTier(kv_cache, HostKVTier.blocks_for(kv_cache, config.host_kv_tier_mib))
     block_manager = BlockManager(
-        capacity.num_blocks * shards, config.block_size, config.enable_prefix_caching, shards
+        capacity.num_blocks * shards, config.block_size, config.enable_prefix_caching, shards, tier
     )
     scheduler = Scheduler(block_manager, config.max_num_batched_tokens, config.max_num_seqs)
     native = kernels.load() if config.native_kernels and device.type == "cpu" else None
@@ -197,6 +202,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         f"{f' (EP {tp.size}: {mc.moe.num_experts // tp.size} experts per rank)' if ep is not None else ''}"
         f", attention {runner.backend.name}{' data-parallel' if ep is not None else ''}, "
         f"up to {config.max_num_seqs} sequences; {capacity.describe()}"
+        f"{f'; host KV tier of {tier.capacity} blocks' if tier is not None else ''}"
     )
     log.info("engine ready (TP rank %d): %s", tp.rank, summary)
     return EngineParts(
@@ -211,6 +217,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         eos_token_ids=eos_token_ids,
         kv_cache=kv_cache,
         block_manager=block_manager,
+        host_tier=tier,
         scheduler=scheduler,
         runner=runner,
         validator=validator,

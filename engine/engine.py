@@ -52,6 +52,7 @@ from splitserve.wire.outputs import (
     LayerObserver,
     PrefilledRequest,
     RequestOutput,
+    TierCounters,
 )
 from splitserve.wire.prefix import PrefixCursor, PrefixUpdate
 from splitserve.wire.sampling import FinishReason, SamplingParams
@@ -90,6 +91,7 @@ class Engine:
         self.eos_token_ids = parts.eos_token_ids
         self.kv_cache = parts.kv_cache
         self.block_manager = parts.block_manager
+        self.host_tier = parts.host_tier
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.validator = parts.validator
@@ -159,7 +161,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """Load figures (``EngineStats``). On an expert-parallel group it gathers the
         ranks' expert counts: driver only, between steps, as ``step``."""
-        sched = self.scheduler
+        sched, bm = self.scheduler, self.block_manager
         load = self._expert_load
         if load is not None:
             load.add(self.runner.take_expert_load())
@@ -169,8 +171,8 @@ class Engine:
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             num_pending_prompt_tokens=pending,
-            num_blocks=self.block_manager.num_blocks,
-            num_free_blocks=self.block_manager.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
             prefill_tokens_per_s=self._prefill_rate.tokens_per_s,
             decode_batch=self._decode_steps.batch,
             decode_step_s=self._decode_steps.step_s,
@@ -179,6 +181,9 @@ class Engine:
             expert_tokens_recent=load.recent if load is not None else (),
             expert_window_s=load.recent_s if load is not None else 0.0,
             expert_ranks=self.config.ep_size,
+            prefix_hit_tokens=bm.prefix_hits,
+            tier_hit_tokens=bm.tier_hits,
+            host_tier=self.host_tier.counters() if self.host_tier is not None else TierCounters(),
         )
 
     def prefix_update(self, cursor: PrefixCursor | None) -> PrefixUpdate:

@@ -7,7 +7,8 @@ prefill takes as much of its remaining prompt as the budget allows (chunked
 prefill), so decodes keep flowing while a long prompt is prefilled over several
 steps. Waiting sequences are then admitted first-come-first-served while the
 budget, ``max_num_seqs`` and free blocks allow. Admission reuses prefix-cached
-blocks when the block manager has them.
+blocks when the block manager has them, and the blocks right after them that its
+host tier holds are loaded from there (``BlockManager.reload``) before the step.
 
 When a running sequence needs a block and none is free, the newest running
 sequence (of its shard, when the block manager is sharded) is preempted: its
@@ -108,11 +109,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = bm.find_cached_prefix(seq) if not seq.block_table else []
-            n = min(seq.num_uncomputed_tokens - len(cached) * bm.block_size, budget)
+            tiered = bm.tier_prefix(seq, cached) if not seq.block_table else 0
+            n = min(seq.num_uncomputed_tokens - (len(cached) + tiered) * bm.block_size, budget)
             if cached and bm.shards > 1 and not bm.can_allocate(seq, n, cached):
                 cached = []  # its prefix's shard is full: compute it again in another
                 n = min(seq.num_uncomputed_tokens, budget)
-            if not bm.can_allocate(seq, n, cached):
+            if not bm.can_allocate(seq, n + tiered * bm.block_size, cached):
                 if bm.blocks_needed(seq.num_tokens) > bm.shard_blocks:
                     self.waiting.popleft()
                     out.unschedulable.append(seq)  # larger than the whole cache
@@ -121,6 +123,9 @@ class Scheduler:
             self.waiting.popleft()
             if cached:
                 bm.take_cached_prefix(seq, cached)
+            if tiered:
+                missed = tiered - bm.reload(seq, tiered)  # those blocks are computed instead
+                n = min(seq.num_uncomputed_tokens, n + missed * bm.block_size, budget)
             bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             seq.mark_scheduled()

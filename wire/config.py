@@ -34,6 +34,8 @@ class EngineConfig:
     max_num_seqs: int = 256  # running sequences at most
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # host memory (MiB) for prefix blocks evicted from the KV cache (engine.kv_tier); 0: none
+    host_kv_tier_mib: int = 0
     attention_backend: str = "auto"  # auto (CUDA: flash_attn if installed, else triton) | sdpa | cpu | ...
     native_kernels: bool = True  # splitserve's kernels: C++ on CPU, Triton on CUDA (else pure torch)
     quantization: str = "none"  # none | fp8 (W8A8, prefill) | int8 (weight-only, decode)
@@ -72,6 +74,13 @@ class EngineConfig:
             raise ValueError(
                 "ep_size > 1 runs attention data-parallel (every rank holds whole attention layers); "
                 f"tp_size must be 1 with it, got {self.tp_size}"
+            )
+        if self.host_kv_tier_mib < 0:
+            raise ValueError(f"host_kv_tier_mib must be >= 0, got {self.host_kv_tier_mib}")
+        if self.host_kv_tier_mib and (self.group_size > 1 or not self.enable_prefix_caching):
+            raise ValueError(
+                "host_kv_tier_mib needs prefix caching on a single-rank worker (tp_size and ep_size 1): "
+                "a tier per rank of a group is not built yet"
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

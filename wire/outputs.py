@@ -65,6 +65,19 @@ class PrefilledRequest:
 
 
 @dataclass(frozen=True)
+class TierCounters:
+    """An engine's prefix reuse by tier, in blocks, cumulative since it started.
+    ``capacity_blocks`` 0: it has no host tier (``engine.kv_tier``)."""
+
+    capacity_blocks: int = 0
+    held_blocks: int = 0  # blocks the host tier holds now
+    saved: int = 0  # evicted from the engine's cache into the host tier
+    reloaded: int = 0  # copied back from the host tier for a prompt (prefix hits of the tier)
+    dropped: int = 0  # dropped by the host tier when full (least recently used)
+    corrupt: int = 0  # failed their checksum when reloaded (dropped and recomputed)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of an engine's load, for routing and status pages."""
 
@@ -89,6 +102,11 @@ class EngineStats:
     expert_tokens_recent: tuple[int, ...] = ()
     expert_window_s: float = 0.0
     expert_ranks: int = 1
+    # prefix reuse: prompt tokens taken from the engine's own cache (device tier) and
+    # reloaded from its host tier, since it started; the host tier's counters
+    prefix_hit_tokens: int = 0
+    tier_hit_tokens: int = 0
+    host_tier: TierCounters = TierCounters()
 
     @property
     def num_used_blocks(self) -> int:
