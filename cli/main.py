@@ -220,6 +220,7 @@ def _status(args: argparse.Namespace) -> int:
             )
     _print_capacity(st)
     _print_expert_load(st)
+    _print_prefix_reuse(st)
     for g in st.given_up:
         print(f"given up {time.strftime('%H:%M:%S', time.localtime(g.at))}: {g.reason}")
     if st.placements:
@@ -270,6 +271,29 @@ def _print_expert_load(st) -> None:
                 f"tokens routed: {ranks}; "
                 f"hottest expert {hot} ({tokens[hot]:,})"
             )
+
+
+def _print_prefix_reuse(st) -> None:
+    """Per worker that reused any prompt KV: tokens by where they came from, the share of
+    the prompt tokens it was handed over that it held, and its host tier."""
+    for pool in st.pools:
+        for w in pool.workers:
+            r = w.prefix_reuse
+            handed = r.import_held_tokens + r.import_moved_tokens
+            if not (r.device_tokens or r.host_tokens or handed or r.host_capacity_blocks):
+                continue
+            line = (
+                f"{w.worker_id}: prefix tokens reused: cache {r.device_tokens:,}, host tier {r.host_tokens:,}"
+            )
+            if handed:
+                line += f"; handed-over prompt tokens held {r.import_held_tokens:,} of {handed:,}"
+            if r.host_capacity_blocks:
+                line += (
+                    f"; host tier {r.host_held_blocks:,}/{r.host_capacity_blocks:,} blocks, "
+                    f"saved {r.host_saved_blocks:,}, reloaded {r.host_reloaded_blocks:,}, "
+                    f"dropped {r.host_dropped_blocks:,}, corrupt {r.host_corrupt_blocks:,}"
+                )
+            print(line)
 
 
 def _print_trace(t) -> None:

@@ -108,6 +108,13 @@ class EngineOptions(_Strict):
     enable_prefix_caching: bool = Field(
         _engine_default("enable_prefix_caching"), description="reuse KV of prompt prefixes seen before"
     )
+    host_kv_tier_mib: int = Field(
+        _engine_default("host_kv_tier_mib"),
+        ge=0,
+        description="host memory (MiB) below the KV cache for prefix blocks it evicts, kept by content "
+        "hash with a checksum and reloaded when a prompt asks for them again, instead of recomputing "
+        "them (least recently used dropped when full); 0: no host tier. Needs tp_size and ep_size 1",
+    )
     attention_backend: Literal["auto", "sdpa", "cpu", "triton", "flash_attn"] = Field(
         _engine_default("attention_backend"),
         description="attention implementation (auto: cpu kernel on CPU; on CUDA flash_attn if installed, "

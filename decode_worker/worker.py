@@ -9,6 +9,9 @@ all its requests come back as one item (``decode_worker.outbox``).
 A request's life here (the queues SGLang's decode side names)::
 
     start(outbox, task) with a source (a prefill worker, task.source):
+        -> hold_prefix: the prompt's leading full blocks this engine holds (its cache,
+           its host tier) are taken for it; the source exports only the blocks
+           after them (PrefillTask.export_from_block)
         -> PREFILLING: source.prefill_stream(prompt); lost before any KV came:
            PrefillLost (nothing is held anywhere; the router may try another)
         -> the handoff (KVStreaming as the prompt's last step begins, where the
@@ -16,7 +19,7 @@ A request's life here (the queues SGLang's decode side names)::
         -> linked: the source's handshakes, fetched once per source incarnation
            (source.info); a source that restarted since it exported: PeerLost
         -> WAITING_FOR_BLOCKS: the FIFO AdmissionQueue (decode_worker.admission)
-        -> PULLING: import_request (blocks allocated) + a RankSink pull on the
+        -> PULLING: import_request (the rest's blocks allocated) + a RankSink pull on the
            transfer thread of every TP rank here (verified; from a source group of
            another TP size, heads mapped by HeadMappingSink), confirmed to the
            source where the backend cannot confirm by itself (source.confirm)
@@ -302,13 +305,20 @@ class DecodeWorker:
         yet confirmed is released on the source."""
         rid, source = task.request_id, task.source
         left = None if deadline is None else max(0.001, deadline - time.monotonic())
-        # the source maps KV heads to a group of tp_size readers (under EP one rank reads it all)
-        prefill = PrefillTask(
-            rid, task.prompt_token_ids, task.params, left, reader_tp=self.spec.engine.tp_size
-        )
         pull = first_token = None
         exported = confirmed = ended = False
         try:
+            # the prompt's leading blocks this worker holds stay held; only the rest moves
+            held = await self._call(lambda e: e.hold_prefix(rid, task.prompt_token_ids, task.params))
+            # the source maps KV heads to a group of tp_size readers (under EP one rank reads it all)
+            prefill = PrefillTask(
+                rid,
+                task.prompt_token_ids,
+                task.params,
+                left,
+                reader_tp=self.spec.engine.tp_size,
+                export_from_block=held // self.spec.engine.block_size,
+            )
             async with contextlib.aclosing(source.prefill_stream(prefill)) as events:
                 try:
                     first = await self._prefill_event(events, rid, kv_began=False)
@@ -323,7 +333,7 @@ class DecodeWorker:
                         )
                     if handoff is None:  # it ended at its first token: nothing to take
                         confirmed = True
-                        self._end(rid, abort=False)
+                        self._end(rid)  # what it held here
                         return
                     await self._link(source, handoff)
                     if self._admission is None:

@@ -101,6 +101,8 @@ class Engine:
         self._decode_steps = DecodeSteps()
         moe = self.model_config.moe
         self._expert_load = ExpertLoad(moe.num_experts) if moe is not None else None
+        # prompt tokens of imported requests: held here already (hold_prefix), moved in
+        self.import_held_tokens = self.import_moved_tokens = 0
         # told as each layer of a completing prefill-only prompt is written (driver rank only)
         self.layer_observer: LayerObserver | None = None
 
@@ -113,8 +115,13 @@ class Engine:
         messages: list[dict[str, str]] | None = None,
         prefill_only: bool = False,
         output_token_ids: list[int] | None = None,
+        export_from_block: int = 0,
     ) -> str:
         """Queue a request given as text, token ids, or chat ``messages``; return its id.
+
+        ``export_from_block`` (prefill-only): the reader of its KV holds the prompt's
+        first that many full blocks already (``hold_prefix``), so ``prefilled`` and the
+        layer observer name only the blocks after them.
 
         ``output_token_ids``: tokens this request already generated elsewhere (one
         resumed after its worker was lost). They are prefilled with the prompt and
@@ -127,7 +134,14 @@ class Engine:
         done = list(output_token_ids or ())
         if len(done) >= params.max_tokens:
             raise InvalidRequest(f"{len(done)} tokens already generated; max_tokens is {params.max_tokens}")
+        most = (len(prompt_ids) - 1) // self.block_manager.block_size
+        if export_from_block and (not prefill_only or not 0 < export_from_block <= most):
+            raise InvalidRequest(
+                f"a reader can hold at most the {most} full blocks before a {len(prompt_ids)}-token "
+                f"prompt's last token, of a prefill-only request; got {export_from_block}"
+            )
         seq = self._sequence(request_id, prompt_ids, params, prefill_only)
+        seq.export_from_block = export_from_block
         for t in done:
             seq.append_token(t)
         self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
@@ -183,6 +197,8 @@ class Engine:
             expert_ranks=self.config.ep_size,
             prefix_hit_tokens=bm.prefix_hits,
             tier_hit_tokens=bm.tier_hits,
+            import_held_tokens=self.import_held_tokens,
+            import_moved_tokens=self.import_moved_tokens,
             host_tier=self.host_tier.counters() if self.host_tier is not None else TierCounters(),
         )
 
@@ -246,8 +262,13 @@ class Engine:
         observer = self.layer_observer
         if observer is None:
             return None
+        bs = self.block_manager.block_size
         finishing = [
-            FinishingPrefill(s.seq.request_id, tuple(s.seq.block_table), s.seq.num_tokens)
+            FinishingPrefill(
+                s.seq.request_id,
+                tuple(s.seq.block_table[s.seq.export_from_block :]),
+                s.seq.num_tokens - s.seq.export_from_block * bs,
+            )
             for s in scheduled
             if s.seq.prefill_only and s.samples
         ]
@@ -301,13 +322,16 @@ class Engine:
 
     # ---- prefill half ------------------------------------------------------
     def prefilled(self, request_id: str) -> PrefilledRequest:
+        """A PREFILLED request's KV to export: its blocks after the ``export_from_block``
+        its reader holds, and the tokens in them."""
         seq = self._get(request_id, SequenceStatus.PREFILLED).seq
+        skip = seq.export_from_block
         return PrefilledRequest(
             request_id,
             list(seq.prompt_token_ids),
             seq.output_token_ids,
-            list(seq.block_table),
-            seq.num_computed_tokens,
+            list(seq.block_table[skip:]),
+            seq.num_computed_tokens - skip * self.block_manager.block_size,
             seq.num_cached_tokens,
         )
 
@@ -316,6 +340,32 @@ class Engine:
         self._finish(self._get(request_id, SequenceStatus.PREFILLED), FinishReason.PREFILL_DONE)
 
     # ---- decode half -------------------------------------------------------
+    def hold_prefix(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Before asking for the KV of ``prompt_token_ids`` from elsewhere: take the
+        prompt's leading full blocks this engine holds (its cache, then its host tier,
+        reloaded now) for request ``request_id``, which is IMPORTING from here on, holding
+        them (never evicted) until ``import_request`` adds the rest, or ``abort``. Returns
+        the tokens held, a whole number of blocks (0: none; no request is made). Never
+        the block of the prompt's last token: its KV always comes from the prefill."""
+        request_id = self._new_id(request_id)
+        prompt_ids = self.validate_request(list(prompt_token_ids), params)
+        seq = self._sequence(request_id, prompt_ids, params)
+        bm = self.block_manager
+        cached = bm.find_cached_prefix(seq)
+        tiered = bm.tier_prefix(seq, cached)
+        if not bm.can_allocate(seq, tiered * bm.block_size, cached):
+            tiered = 0  # the reloads need free blocks; the cached ones do not
+        if not cached and not tiered:
+            return 0
+        if cached:
+            bm.take_cached_prefix(seq, cached)
+        bm.reload(seq, tiered)
+        if not seq.block_table:
+            return 0  # nothing reloaded after all
+        seq.status = SequenceStatus.IMPORTING
+        self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
+        return seq.num_computed_tokens
+
     def import_request(
         self,
         request_id: str,
@@ -323,26 +373,40 @@ class Engine:
         output_token_ids: list[int],
         params: SamplingParams,
     ) -> list[int]:
-        """Allocate blocks for the KV of ``prompt_token_ids`` computed elsewhere.
+        """Allocate blocks for the KV of ``prompt_token_ids`` computed elsewhere (after
+        those ``hold_prefix`` holds for it, if it held any).
 
-        Returns the block ids to fill (in order; the last may be partial). Raises
-        ``Overloaded`` if the cache has no room now. The request stays IMPORTING
-        until ``activate`` (or ``abort``, which frees the blocks).
-        ``output_token_ids`` is the first token the prefill side sampled; it may be
-        empty when the KV starts moving before prefill ends (layer-wise streaming),
-        and then comes with ``activate``."""
-        request_id = self._new_id(request_id)
-        prompt_ids = self.validate_request(list(prompt_token_ids), params)
-        seq = self._sequence(request_id, prompt_ids, params)
-        if not self.block_manager.can_allocate(seq, len(prompt_ids)):
-            raise Overloaded(f"not enough free KV blocks for {len(prompt_ids)} tokens")
-        self.block_manager.allocate(seq, len(prompt_ids))
+        Returns the block ids to fill (in order; the last may be partial): after the
+        held ones. Raises ``Overloaded`` if the cache has no room now (what was held
+        stays held). The request stays IMPORTING until ``activate`` (or ``abort``,
+        which frees the blocks). ``output_token_ids`` is the first token the prefill
+        side sampled; it may be empty when the KV starts moving before prefill ends
+        (layer-wise streaming), and then comes with ``activate``."""
+        held = self.requests.get(request_id)
+        if (
+            held is not None
+            and held.seq.status == SequenceStatus.IMPORTING
+            and held.seq.num_computed_tokens < held.seq.num_prompt_tokens
+        ):
+            seq = held.seq
+            if list(prompt_token_ids) != seq.prompt_token_ids:
+                raise InvalidRequest(f"request {request_id} holds a prefix of another prompt")
+        else:
+            request_id = self._new_id(request_id)
+            prompt_ids = self.validate_request(list(prompt_token_ids), params)
+            seq = self._sequence(request_id, prompt_ids, params)
+        have, total = seq.num_computed_tokens, seq.num_prompt_tokens
+        if not self.block_manager.can_allocate(seq, total - have):
+            raise Overloaded(f"not enough free KV blocks for {total - have} tokens")
+        self.block_manager.allocate(seq, total - have)
         for t in output_token_ids:
             seq.append_token(t)
-        seq.num_computed_tokens = len(prompt_ids)
+        seq.num_computed_tokens = total
         seq.status = SequenceStatus.IMPORTING
+        self.import_held_tokens += have
+        self.import_moved_tokens += total - have
         self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
-        return list(seq.block_table)
+        return list(seq.block_table[have // self.block_manager.block_size :])
 
     def activate(self, request_id: str, output_token_ids: list[int] | None = None) -> None:
         """The KV of an IMPORTING request is in place: start decoding it. The first

@@ -49,6 +49,9 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     prefill_only: bool = False
+    # prefill-only: the reader of its KV holds the prompt's first this many full blocks;
+    # only the blocks after them are exported
+    export_from_block: int = 0
 
     def __post_init__(self) -> None:
         self.seq_no = next(_counter)  # arrival order, used for FCFS and preemption

@@ -217,7 +217,13 @@ class PrefillWorker:
         waiter = _Waiter(loop, loop.create_future(), streamed, deadline, readers)
 
         def add(engine: Engine) -> str:  # raises InvalidRequest, e.g. for an id still held here
-            return engine.add_request(task.prompt_token_ids, task.params, rid, prefill_only=True)
+            return engine.add_request(
+                task.prompt_token_ids,
+                task.params,
+                rid,
+                prefill_only=True,
+                export_from_block=task.export_from_block,
+            )
 
         self._waiters[rid] = waiter  # before the engine sees the request: no output is missed
         try:

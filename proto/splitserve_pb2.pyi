@@ -300,7 +300,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self, traces: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "alive", "running", "waiting", "queued_prompt_tokens", "kv_blocks_total", "kv_blocks_used", "kv_exports_held", "error", "state", "waiting_for_blocks", "pulling", "router_active", "prefill_tokens_per_s", "prefix_blocks", "node_id", "node_type", "waiting_for_node", "preemptions", "kv_cache_tokens", "max_model_len", "max_concurrency", "kv_bytes_per_token", "expert_tokens", "expert_window_s", "expert_ranks")
+    __slots__ = ("worker_id", "role", "alive", "running", "waiting", "queued_prompt_tokens", "kv_blocks_total", "kv_blocks_used", "kv_exports_held", "error", "state", "waiting_for_blocks", "pulling", "router_active", "prefill_tokens_per_s", "prefix_blocks", "node_id", "node_type", "waiting_for_node", "preemptions", "kv_cache_tokens", "max_model_len", "max_concurrency", "kv_bytes_per_token", "expert_tokens", "expert_window_s", "expert_ranks", "prefix_reuse")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class WorkerStatus(_message.Message):
     EXPERT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     EXPERT_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REUSE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     alive: bool
@@ -355,7 +356,32 @@ class WorkerStatus(_message.Message):
     expert_tokens: _containers.RepeatedScalarFieldContainer[int]
     expert_window_s: float
     expert_ranks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_exports_held: _Optional[int] = ..., error: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for_blocks: _Optional[int] = ..., pulling: _Optional[int] = ..., router_active: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_blocks: _Optional[int] = ..., node_id: _Optional[str] = ..., node_type: _Optional[str] = ..., waiting_for_node: _Optional[bool] = ..., preemptions: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrency: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., expert_window_s: _Optional[float] = ..., expert_ranks: _Optional[int] = ...) -> None: ...
+    prefix_reuse: PrefixReuse
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_exports_held: _Optional[int] = ..., error: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for_blocks: _Optional[int] = ..., pulling: _Optional[int] = ..., router_active: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_blocks: _Optional[int] = ..., node_id: _Optional[str] = ..., node_type: _Optional[str] = ..., waiting_for_node: _Optional[bool] = ..., preemptions: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrency: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., expert_window_s: _Optional[float] = ..., expert_ranks: _Optional[int] = ..., prefix_reuse: _Optional[_Union[PrefixReuse, _Mapping]] = ...) -> None: ...
+
+class PrefixReuse(_message.Message):
+    __slots__ = ("device_tokens", "host_tokens", "import_held_tokens", "import_moved_tokens", "host_capacity_blocks", "host_held_blocks", "host_saved_blocks", "host_reloaded_blocks", "host_dropped_blocks", "host_corrupt_blocks")
+    DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_MOVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_SAVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_RELOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    device_tokens: int
+    host_tokens: int
+    import_held_tokens: int
+    import_moved_tokens: int
+    host_capacity_blocks: int
+    host_held_blocks: int
+    host_saved_blocks: int
+    host_reloaded_blocks: int
+    host_dropped_blocks: int
+    host_corrupt_blocks: int
+    def __init__(self, device_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ..., import_held_tokens: _Optional[int] = ..., import_moved_tokens: _Optional[int] = ..., host_capacity_blocks: _Optional[int] = ..., host_held_blocks: _Optional[int] = ..., host_saved_blocks: _Optional[int] = ..., host_reloaded_blocks: _Optional[int] = ..., host_dropped_blocks: _Optional[int] = ..., host_corrupt_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("role", "replicas", "workers")

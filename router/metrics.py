@@ -42,6 +42,13 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
     splitserve:num_preemptions_total{pool,worker}      from the engine (restarts from 0 with the worker)
     splitserve:expert_routed_tokens_total{pool,worker,rank}  MoE: (token, expert) pairs routed to the
                                                        experts rank holds (its rate: the expert load)
+    splitserve:prefix_reused_tokens_total{pool,worker,source}  prompt tokens not computed: source
+                                                       device (its KV cache), host (its host tier),
+                                                       held (decode: a handover's prefix it held,
+                                                       not moved)
+    splitserve:kv_imported_tokens_total{pool,worker}   decode: prompt tokens whose KV moved in
+    splitserve:kv_tier_blocks_total{pool,worker,event} its host tier: saved, reloaded, dropped, corrupt
+    splitserve:kv_tier_blocks_held{pool,worker}        blocks its host tier holds now
     splitserve:pool_replicas{pool,state}               state: current (routable), warming
                                                        (starting), draining, desired
     splitserve:num_requests_inflight                    admitted by the router, unfinished
@@ -185,6 +192,26 @@ class _ClusterCollector(Collector):
             "MoE models: (token, expert) pairs routed to the experts each rank holds, all MoE layers.",
             labels=[*labels, "rank"],
         )
+        reused = CounterMetricFamily(
+            "splitserve:prefix_reused_tokens",
+            "Prompt tokens not computed: from the KV cache (device), the host tier (host), or held by a "
+            "decode worker when their KV was handed over (held: not moved).",
+            labels=[*labels, "source"],
+        )
+        imported = CounterMetricFamily(
+            "splitserve:kv_imported_tokens",
+            "Prompt tokens whose KV moved into a decode worker.",
+            labels=labels,
+        )
+        tier = CounterMetricFamily(
+            "splitserve:kv_tier_blocks",
+            "Host KV tier blocks: saved (evicted from the cache), reloaded, dropped (tier full), corrupt "
+            "(checksum failed on reload).",
+            labels=[*labels, "event"],
+        )
+        tier_held = GaugeMetricFamily(
+            "splitserve:kv_tier_blocks_held", "Blocks a worker's host KV tier holds.", labels=labels
+        )
         for w in self.registry.workers():
             if w.stats is None or w.state == Membership.STARTING:
                 continue
@@ -196,6 +223,23 @@ class _ClusterCollector(Collector):
             preemptions.add_metric(key, e.num_preemptions)
             for rank, n in enumerate(rank_loads(e.expert_tokens_total, e.expert_ranks)):
                 experts.add_metric([*key, str(rank)], n)
+            for source, n in (
+                ("device", e.prefix_hit_tokens),
+                ("host", e.tier_hit_tokens),
+                ("held", e.import_held_tokens),
+            ):
+                reused.add_metric([*key, source], n)
+            imported.add_metric(key, e.import_moved_tokens)
+            t = e.host_tier
+            if t.capacity_blocks:
+                for event, n in (
+                    ("saved", t.saved),
+                    ("reloaded", t.reloaded),
+                    ("dropped", t.dropped),
+                    ("corrupt", t.corrupt),
+                ):
+                    tier.add_metric([*key, event], n)
+                tier_held.add_metric(key, t.held_blocks)
         replicas = GaugeMetricFamily(
             "splitserve:pool_replicas", "Workers per pool and state.", labels=["pool", "state"]
         )
@@ -241,6 +285,10 @@ class _ClusterCollector(Collector):
             kv,
             preemptions,
             experts,
+            reused,
+            imported,
+            tier,
+            tier_held,
             replicas,
             replacements,
             placement,

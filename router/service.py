@@ -324,6 +324,21 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
         out.preemptions = e.num_preemptions
         out.expert_tokens.extend(e.expert_tokens_recent)
         out.expert_window_s, out.expert_ranks = e.expert_window_s, e.expert_ranks
+        t = e.host_tier
+        out.prefix_reuse.CopyFrom(
+            pb.PrefixReuse(
+                device_tokens=e.prefix_hit_tokens,
+                host_tokens=e.tier_hit_tokens,
+                import_held_tokens=e.import_held_tokens,
+                import_moved_tokens=e.import_moved_tokens,
+                host_capacity_blocks=t.capacity_blocks,
+                host_held_blocks=t.held_blocks,
+                host_saved_blocks=t.saved,
+                host_reloaded_blocks=t.reloaded,
+                host_dropped_blocks=t.dropped,
+                host_corrupt_blocks=t.corrupt,
+            )
+        )
     if isinstance(s, PrefillStats):
         out.kv_exports_held = len(s.exports)
     if isinstance(s, DecodeStats):

@@ -99,12 +99,12 @@ def _tiny_moe_config(kind: str, common: dict):
     raise ValueError(kind)
 
 
-def make_hf_checkpoint(kind: str, directory, seed: int = 0, kv_heads: int = 2):
+def make_hf_checkpoint(kind: str, directory, seed: int = 0, kv_heads: int = 2, max_position: int = 1024):
     """A random-weight HF model of ``kind``, saved as safetensors into ``directory``."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_hf_config(kind, kv_heads=kv_heads)
+    config = tiny_hf_config(kind, kv_heads=kv_heads, max_position=max_position)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     # Larger weights than the default init make logits less flat, so greedy ties are rare.
     with torch.no_grad():

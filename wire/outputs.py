@@ -107,6 +107,10 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     tier_hit_tokens: int = 0
     host_tier: TierCounters = TierCounters()
+    # decode: prompt tokens of imported requests whose KV it held already (not moved) and
+    # whose KV moved in, since it started
+    import_held_tokens: int = 0
+    import_moved_tokens: int = 0
 
     @property
     def num_used_blocks(self) -> int:

@@ -53,6 +53,9 @@ class PrefillTask:
     # the TP size of the decode worker that takes the KV: each of its ranks pulls its heads,
     # so an export's lease ends once every rank that reads it confirmed
     reader_tp: int = 1
+    # the reader holds the prompt's first this many full blocks already (its own prefix
+    # cache): only the blocks after them are exported, checksummed and moved
+    export_from_block: int = 0
 
 
 @dataclass(frozen=True)

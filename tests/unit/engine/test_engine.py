@@ -157,6 +157,56 @@ def test_prefill_half_then_decode_half_equals_monolithic(checkpoint):
     assert_clean(decode)
 
 
+def test_a_decode_engine_holding_a_prefix_imports_only_the_tail(checkpoint):
+    """The decode side holds a 64-token prefix (its cache), later the whole prompt's
+    full blocks (after eviction, its host tier); the prefill side exports only the
+    blocks after them; greedy output equals a
+    whole engine's, and only the tail's bytes moved."""
+    cfg = dict(model=str(checkpoint), dtype="float32", block_size=8, max_num_batched_tokens=32)
+    prefill, mono = Engine(EngineConfig(**cfg)), Engine(EngineConfig(**cfg))
+    decode = Engine(EngineConfig(**cfg, num_kv_blocks=24, host_kv_tier_mib=1))
+    prefix = random_prompts([64], 512, seed=5)[0]
+    warm, prompt, filler = prefix + [7, 8, 9], prefix + random_prompts([21], 512, seed=6)[0], [3] * 150
+    expected = mono.generate([prompt], GREEDY)[0].token_ids
+    decode.generate([warm], GREEDY)  # the decode side's cache now holds the prefix
+
+    def hand_over(rid: str) -> int:
+        held = decode.hold_prefix(rid, prompt, GREEDY)
+        prefill.add_request(prompt, GREEDY, rid, prefill_only=True, export_from_block=held // 8)
+        while prefill.has_unfinished():
+            prefill.step()
+        done = prefill.prefilled(rid)
+        assert done.num_kv_tokens == len(prompt) - held
+        blocks = decode.import_request(rid, prompt, done.output_token_ids, GREEDY)
+        assert len(blocks) == len(done.block_ids) == -(-(len(prompt) - held) // 8)
+        decode.kv_cache.write_blocks(blocks, prefill.kv_cache.read_blocks(done.block_ids))
+        decode.activate(rid)
+        prefill.release(rid)
+        got = list(done.output_token_ids)
+        while decode.has_unfinished():
+            got += [t for o in decode.step() for t in o.new_token_ids]
+        assert got == expected
+        return held
+
+    assert hand_over("a") == 64  # from the cache
+    decode.generate([filler], GREEDY)  # evicts the prefix into the host tier
+    # "a"'s import registered every full block of the prompt: all 10 are held, those the
+    # filler evicted (the last ones: a sequence frees its tail first) from the host tier
+    before = decode.stats().prefix_hit_tokens
+    assert hand_over("b") == 80
+    stats = decode.stats()
+    assert stats.tier_hit_tokens >= 8 and stats.tier_hit_tokens + stats.prefix_hit_tokens - before == 80
+    assert stats.import_held_tokens == 64 + 80
+    assert stats.import_moved_tokens == (len(prompt) - 64) + (len(prompt) - 80)
+    # Nothing held: the whole prompt moves; a held request that is aborted frees its blocks.
+    assert decode.hold_prefix("c", [1] * 40, GREEDY) == 0 and "c" not in decode.requests
+    decode.generate([filler], GREEDY)
+    assert decode.hold_prefix("d", filler, GREEDY) == 144
+    assert decode.abort("d") and decode.block_manager.num_used_blocks == 0
+    with pytest.raises(InvalidRequest, match="at most the 8 full blocks"):
+        prefill.add_request(prompt[:65], GREEDY, prefill_only=True, export_from_block=9)
+
+
 def test_import_two_phase_and_abort_before_activate(engine):
     blocks = engine.import_request("x", list(range(20)), [5], GREEDY)
     assert len(blocks) == 3 and engine.block_manager.num_used_blocks == 3
