@@ -6,6 +6,7 @@ the ratios.
         --goodput tpot:150 --out-dir bench-results/
     splitserve bench compare --splits 1:1 2:1 1:2 ...     # pool ratios, same cores
     splitserve bench compare --disaggregated a.yaml b.yaml ...  # several against colocated
+    splitserve bench compare --engine kv_cache_memory_mib=128 ...  # set in every setup's pools
 
 Each setup is a real ``splitserve serve`` process (its own Ray instance,
 router and workers), started from a config, warmed up, measured at every
@@ -173,18 +174,47 @@ def print_ratios(label: str, rows: list[dict], disagg: list, coloc: list) -> Non
 
 
 def setups(args: argparse.Namespace, out: Path) -> dict[str, str]:
-    """Label -> config of every setup, the colocated baseline first."""
+    """Label -> config of every setup, the colocated baseline first (each with the
+    ``--engine`` options set in all its pools)."""
     found = {"colocated": args.colocated}
     configs = args.disaggregated
     if not args.splits:
         if len(configs) == 1:
-            return found | {"disaggregated": configs[0]}
-        return found | {Path(c).stem: c for c in configs}
-    if len(configs) > 1:
+            found |= {"disaggregated": configs[0]}
+        else:
+            found |= {Path(c).stem: c for c in configs}
+    elif len(configs) > 1:
         raise ValueError("--splits builds its setups from one --disaggregated config")
-    for p, d in args.splits:
-        found[f"{p}P:{d}D"] = str(split_config(configs[0], p, d, args.cores, out))
+    else:
+        for p, d in args.splits:
+            found[f"{p}P:{d}D"] = str(split_config(configs[0], p, d, args.cores, out))
+    options = {k: v for item in args.engine for k, v in item.items()}
+    if options:
+        found = {label: str(engine_config(config, options, out, label)) for label, config in found.items()}
     return found
+
+
+def engine_config(base: str, options: dict[str, object], out: Path, label: str) -> Path:
+    """``base`` with ``options`` set in the ``engine`` section of every pool it runs."""
+    data = yaml.safe_load(Path(base).read_text())
+    roles = ("colocated",) if data.get("mode") == "colocated" else ("prefill", "decode")
+    for role in roles:
+        data.setdefault(role, {}).setdefault("engine", {}).update(options)
+    path = out / f"{label.replace(':', '')}_engine.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def parse_engine_options(items: list[str]) -> dict[str, object]:
+    """``["host_kv_tier_mib=1024"]`` -> ``{"host_kv_tier_mib": 1024}`` (values read as YAML)."""
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine takes KEY=VALUE, got {item!r}")
+        options[key] = yaml.safe_load(value)
+    return options
 
 
 def main(args: argparse.Namespace) -> int:
@@ -240,6 +270,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=lambda t: [int(c) for c in t.split(",")],
         default=None,
         help="cores the splits share, e.g. 0,1 (default: those the disaggregated config pins to)",
+    )
+    p.add_argument(
+        "--engine",
+        nargs="+",
+        type=lambda t: parse_engine_options([t]),
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine options set in every setup's pools, e.g. kv_cache_memory_mib=128",
     )
     p.add_argument("--warmup", type=int, default=3, help="requests sent to each setup before measuring")
     p.add_argument("--out-dir", default="bench-results", help="JSON, plots and server logs go here")

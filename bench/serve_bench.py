@@ -56,22 +56,7 @@ async def run_load(
         async def one(req: workloads.BenchRequest, at: float) -> RequestRecord:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             async with limit:
-                rec = RequestRecord(len(req.prompt_ids), time.perf_counter())
-                try:
-                    stream = client.stream(
-                        req.prompt_ids, temperature=0, max_tokens=req.output_len, ignore_eos=True
-                    )
-                    async for item in stream:
-                        if isinstance(item, Chunk) and item.token_ids:
-                            rec.chunk_times.append(time.perf_counter())
-                            rec.chunk_tokens.append(len(item.token_ids))
-                        elif isinstance(item, Final) and item.prefill_worker and item.decode_worker:
-                            rec.handover = item.transfer_ms / 1000
-                    rec.success = bool(rec.chunk_times)
-                except ResourceExhausted as e:
-                    rec.rejected, rec.error = True, e.details
-                except SplitserveClientError as e:
-                    rec.error = str(e)
+                rec, _ = await _send(client, req.prompt_ids, req.output_len)
             bar.update(1)
             return rec
 
@@ -79,6 +64,67 @@ async def run_load(
     bar.close()
     ends = [r.chunk_times[-1] for r in records if r.chunk_times] or [time.perf_counter()]
     return list(records), max(ends) - start
+
+
+async def run_conversations(
+    address: str,
+    conversations: list[workloads.Conversation],
+    arrivals: list[float],
+    timeout_s: float = 600.0,
+    progress: bool = True,
+) -> tuple[list[RequestRecord], float]:
+    """Start each conversation at its arrival (s from start) and run its turns one after
+    another, each re-sending the history with the answers the server gave, after its
+    think time. A failed turn ends its conversation (the rest are not sent, and not
+    recorded). Returns a record per turn sent, and the run's duration."""
+    from tqdm import tqdm
+
+    total = sum(len(c.user_ids) for c in conversations)
+    bar = tqdm(total=total, disable=not progress, file=sys.stderr, unit="turn")
+    async with AsyncClient(address, retries=0, timeout=timeout_s) as client:
+        start = time.perf_counter()
+
+        async def chat(conv: workloads.Conversation, at: float) -> list[RequestRecord]:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            records, answers = [], []
+            for turn in range(len(conv.user_ids)):
+                if turn:
+                    await asyncio.sleep(conv.think_s[turn])
+                rec, answer = await _send(client, conv.prompt(turn, answers), conv.output_len)
+                records.append(rec)
+                bar.update(1)
+                if not rec.success:
+                    break
+                answers.append(answer)
+            return records
+
+        runs = await asyncio.gather(*(chat(c, t) for c, t in zip(conversations, arrivals)))
+    bar.close()
+    records = [r for run in runs for r in run]
+    ends = [r.chunk_times[-1] for r in records if r.chunk_times] or [time.perf_counter()]
+    return records, max(ends) - start
+
+
+async def _send(
+    client: AsyncClient, prompt_ids: list[int], output_len: int
+) -> tuple[RequestRecord, list[int]]:
+    """One greedy streamed request: what the load generator saw, and the tokens it got."""
+    rec, tokens = RequestRecord(len(prompt_ids), time.perf_counter()), []
+    try:
+        stream = client.stream(prompt_ids, temperature=0, max_tokens=output_len, ignore_eos=True)
+        async for item in stream:
+            if isinstance(item, Chunk) and item.token_ids:
+                rec.chunk_times.append(time.perf_counter())
+                rec.chunk_tokens.append(len(item.token_ids))
+                tokens += item.token_ids
+            elif isinstance(item, Final) and item.prefill_worker and item.decode_worker:
+                rec.handover = item.transfer_ms / 1000
+        rec.success = bool(rec.chunk_times)
+    except ResourceExhausted as e:
+        rec.rejected, rec.error = True, e.details
+    except SplitserveClientError as e:
+        rec.error = str(e)
+    return rec, tokens
 
 
 def build_requests(
@@ -117,6 +163,30 @@ def build_requests(
     return reqs
 
 
+def build_conversations(
+    args: argparse.Namespace, vocab_size: int, max_model_len: int
+) -> list[workloads.Conversation]:
+    """``--dataset multi-turn``: ``--num-prompts`` conversations of ``--num-turns``."""
+    convs = workloads.multi_turn(
+        args.num_prompts,
+        args.num_turns,
+        args.prefix_len,
+        args.input_len,
+        args.output_len,
+        vocab_size,
+        args.seed,
+        num_prefixes=args.num_prefixes,
+        think_s=args.think_time,
+    )
+    longest = max(len(c.system_ids) + sum(len(u) for u in c.user_ids) + c.output_len * c.turns for c in convs)
+    if longest > max_model_len:
+        raise ValueError(
+            f"a conversation's last turn would reach {longest} tokens, past the model's context of "
+            f"{max_model_len}: fewer turns or shorter messages"
+        )
+    return convs
+
+
 def parse_goodput(items: list[str]) -> dict[str, float]:
     """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (ms)."""
     slos = {}
@@ -136,13 +206,22 @@ async def run_rates(args: argparse.Namespace, address: str) -> list[RunResult]:
     results = []
     for i, rate in enumerate(args.request_rate):
         # Fresh prompts per rate (seed + i): a rerun of the same prompts would hit the prefix cache.
-        requests = build_requests(argparse.Namespace(**{**vars(args), "seed": args.seed + i}), *limits)
-        if args.dataset == "trace":
-            arrivals = [r.arrival_s for r in requests]
+        seeded = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
+        if args.dataset == "multi-turn":
+            conversations = build_conversations(seeded, *limits)
+            arrivals = workloads.arrival_times(len(conversations), rate, args.burstiness, args.seed + i)
+            print(f"rate {rate:g} conversations/s: {len(conversations)} x {args.num_turns}", file=sys.stderr)
+            records, duration = await run_conversations(address, conversations, arrivals, progress=True)
         else:
-            arrivals = workloads.arrival_times(len(requests), rate, args.burstiness, args.seed + i)
-        print(f"rate {rate:g} req/s: {len(requests)} requests", file=sys.stderr)
-        records, duration = await run_load(address, requests, arrivals, args.max_concurrency, progress=True)
+            requests = build_requests(seeded, *limits)
+            if args.dataset == "trace":
+                arrivals = [r.arrival_s for r in requests]
+            else:
+                arrivals = workloads.arrival_times(len(requests), rate, args.burstiness, args.seed + i)
+            print(f"rate {rate:g} req/s: {len(requests)} requests", file=sys.stderr)
+            records, duration = await run_load(
+                address, requests, arrivals, args.max_concurrency, progress=True
+            )
         metrics = compute_metrics(records, duration, slos)
         metrics |= {
             "request_rate": rate,
@@ -177,16 +256,36 @@ def write_json(path: str, payload: object) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--dataset", default="random", choices=["random", "sharegpt", "shared-prefix", "mixed", "trace"]
+        "--dataset",
+        default="random",
+        choices=["random", "sharegpt", "shared-prefix", "mixed", "trace", "multi-turn"],
+        help="multi-turn: --num-prompts conversations arriving at --request-rate per second",
     )
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument(
-        "--input-len", type=int, default=256, help="random/mixed (short ones)/shared-prefix suffix"
+        "--input-len",
+        type=int,
+        default=256,
+        help="random/mixed (short ones)/shared-prefix suffix/multi-turn user message",
     )
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0, help="random: widen lengths by this fraction")
-    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: the common prefix")
-    p.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: how many distinct prefixes")
+    p.add_argument(
+        "--prefix-len",
+        type=int,
+        default=512,
+        help="shared-prefix: the common prefix; multi-turn: system prompt",
+    )
+    p.add_argument(
+        "--num-prefixes", type=int, default=1, help="shared-prefix, multi-turn: how many distinct prefixes"
+    )
+    p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument(
+        "--think-time",
+        type=float,
+        default=1.0,
+        help="multi-turn: mean pause (s) before a turn after the first",
+    )
     p.add_argument("--long-len", type=int, default=2048, help="mixed: length of the long prompts")
     p.add_argument("--long-fraction", type=float, default=0.1, help="mixed: fraction of long prompts")
     p.add_argument("--trace", default=None, help="trace: JSONL of timestamp, input_len, output_len")

@@ -15,7 +15,12 @@ Datasets (all generated from a seed; nothing is downloaded):
   is for;
 - ``mixed``: short chat requests with a fraction of long prompts among them
   (the workload disaggregation is for);
-- ``trace``: replay a JSONL file of ``{"timestamp", "input_len", "output_len"}``.
+- ``trace``: replay a JSONL file of ``{"timestamp", "input_len", "output_len"}``;
+- ``multi-turn``: chat conversations (``Conversation``) of several turns behind
+  ``num_prefixes`` system prompts; each turn re-sends the whole conversation so
+  far (the system prompt, every earlier user message and the tokens the server
+  answered) and a new user message, after a think time following the previous
+  answer. The common case of prefix reuse, and the one a KV tier is for.
 
 Arrivals: gaps from a gamma distribution with shape ``burstiness`` and mean
 ``1 / rate`` (burstiness 1.0 is a Poisson process; < 1 burstier), as vLLM.
@@ -98,6 +103,48 @@ def trace(path: str | Path, vocab_size, seed=0, low_id=100):
         ]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"trace {path}: every line needs timestamp, input_len, output_len ({e})") from None
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One chat: its system prompt, then a user message per turn. The history each turn
+    re-sends is built while it runs (it holds the server's answers)."""
+
+    system_ids: list[int]
+    user_ids: list[list[int]]  # one message per turn
+    output_len: int  # tokens asked for in every turn
+    think_s: list[float]  # before each turn after the first: the user's pause after the answer
+
+    @property
+    def turns(self) -> int:
+        return len(self.user_ids)
+
+    def prompt(self, turn: int, answers: list[list[int]]) -> list[int]:
+        """Turn ``turn``'s prompt: the system prompt, each earlier turn's user message and
+        ``answers[i]``, then this turn's message."""
+        ids = list(self.system_ids)
+        for i in range(turn):
+            ids += self.user_ids[i] + answers[i]
+        return ids + self.user_ids[turn]
+
+
+def multi_turn(
+    n, turns, system_len, user_len, output_len, vocab_size, seed=0, num_prefixes=1, think_s=1.0, low_id=100
+):
+    """``n`` conversations of ``turns`` turns: each behind one of ``num_prefixes`` system
+    prompts of ``system_len`` tokens, user messages of ``user_len`` tokens (+-50 %),
+    think times exponential with mean ``think_s``."""
+    rng = np.random.default_rng(seed)
+    systems = [_ids(rng, system_len, vocab_size, low_id) for _ in range(num_prefixes)]
+    out = []
+    for k in rng.integers(0, num_prefixes, size=n):
+        users = [
+            _ids(rng, int(rng.integers(max(1, user_len // 2), user_len * 3 // 2 + 1)), vocab_size, low_id)
+            for _ in range(turns)
+        ]
+        pauses = rng.exponential(think_s, size=turns).tolist() if think_s > 0 else [0.0] * turns
+        out.append(Conversation(systems[k], users, output_len, pauses))
+    return out
 
 
 def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:

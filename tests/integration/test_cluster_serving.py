@@ -349,3 +349,28 @@ def test_bench_load_generator_against_the_live_cluster(cluster, client):
     assert m["completed"] == 8 and m["total_output_tokens"] == sum(q.output_len for q in reqs)
     assert m["slo_attainment"] == 1.0 and 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"]
     assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_bench_multi_turn_conversations_resend_what_the_server_answered(cluster, client):
+    """``--dataset multi-turn``: each turn's prompt is the conversation so far with the
+    server's own answers, so a turn's prompt is the previous one's plus its answer and a
+    new message; the decode worker already holds those earlier turns' blocks."""
+    import asyncio
+
+    from splitserve.bench import workloads
+    from splitserve.bench.serve_bench import run_conversations
+
+    def held() -> int:
+        pools = client.cluster_status().pools
+        return sum(w.prefix_reuse.import_held_tokens for p in pools for w in p.workers)
+
+    before = held()
+    convs = workloads.multi_turn(3, 3, 48, 12, 8, vocab_size=VOCAB, seed=4, think_s=0.0)
+    arrivals = workloads.arrival_times(3, rate=20.0, seed=4)
+    records, _ = asyncio.run(run_conversations(cluster.address, convs, arrivals, progress=False))
+    assert len(records) == 9 and all(r.success and r.output_len == 8 for r in records)
+    by_len = sorted(r.prompt_len for r in records)
+    expected = sorted(48 + sum(len(u) for u in c.user_ids[: t + 1]) + 8 * t for c in convs for t in range(3))
+    assert by_len == expected
+    assert held() > before  # later turns found their history on the decode worker
+    assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}

@@ -38,3 +38,28 @@ def test_splits_are_parsed_and_bad_ones_refused_clearly(tmp_path):
     colocated = str(CONFIG_DIR / "bench_colocated.yaml")
     with pytest.raises(ValueError, match="disaggregated config"):
         split_config(colocated, 1, 1, None, tmp_path)
+
+
+def test_engine_options_reach_every_pool_of_every_setup(tmp_path):
+    from splitserve.bench.compare import parse_engine_options, setups
+
+    options = parse_engine_options(["kv_cache_memory_mib=128", "host_kv_tier_mib=1024"])
+    assert options == {"kv_cache_memory_mib": 128, "host_kv_tier_mib": 1024}
+    args = argparse.Namespace(
+        colocated=str(CONFIG_DIR / "bench_colocated.yaml"),
+        disaggregated=[BASE, str(CONFIG_DIR / "bench_disaggregated_tier.yaml")],
+        splits=[],
+        cores=None,
+        engine=[options],
+    )
+    found = setups(args, tmp_path)
+    assert list(found) == ["colocated", "bench_disaggregated", "bench_disaggregated_tier"]
+    for label, path in found.items():
+        cfg = ClusterConfig.load(path)
+        for role in cfg.pools():
+            engine = cfg.engine_config(role)
+            assert (engine.kv_cache_memory_mib, engine.host_kv_tier_mib) == (128, 1024), (label, role)
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_engine_options(["host_kv_tier_mib"])
+    tier = ClusterConfig.load(CONFIG_DIR / "bench_colocated_tier.yaml").engine_config("colocated")
+    assert tier.host_kv_tier_mib == 1024

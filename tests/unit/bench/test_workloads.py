@@ -62,3 +62,16 @@ def test_goodput_flag():
     assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
     with pytest.raises(ValueError, match="tpot:MS"):
         parse_goodput(["itl:5"])
+
+
+def test_multi_turn_conversations_resend_their_history():
+    convs = workloads.multi_turn(30, 3, 40, 10, 6, vocab_size=1000, seed=2, num_prefixes=2, think_s=0.5)
+    assert len({tuple(c.system_ids) for c in convs}) == 2 and all(len(c.system_ids) == 40 for c in convs)
+    assert all(c.turns == 3 and all(5 <= len(u) <= 15 for u in c.user_ids) for c in convs)
+    pauses = np.array([t for c in convs for t in c.think_s])
+    assert pauses.min() >= 0 and 0.3 < pauses.mean() < 0.7
+    c = convs[0]
+    answers = [[1, 2], [3]]
+    assert c.prompt(0, []) == c.system_ids + c.user_ids[0]
+    assert c.prompt(2, answers) == c.system_ids + c.user_ids[0] + [1, 2] + c.user_ids[1] + [3] + c.user_ids[2]
+    assert workloads.multi_turn(2, 2, 8, 4, 1, 1000, think_s=0)[0].think_s == [0.0, 0.0]
