@@ -115,7 +115,7 @@ class HostKVTier:
             self._drop(h)
             self.corrupt += 1
             return False
-        self._cache.tensor[:, :, block].copy_(self._store[entry.slot], non_blocking=False)
+        self._cache.tensor[:, :, block].copy_(self._store[entry.slot])
         self._entries.move_to_end(h)
         self.reloaded += 1
         return True

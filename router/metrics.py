@@ -44,8 +44,9 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
                                                        experts rank holds (its rate: the expert load)
     splitserve:prefix_reused_tokens_total{pool,worker,source}  prompt tokens not computed: source
                                                        device (its KV cache), host (its host tier),
-                                                       held (decode: a handover's prefix it held,
-                                                       not moved)
+                                                       held (decode: the part of handed-over
+                                                       prompts it held, so their KV did not move;
+                                                       also counted as device or host)
     splitserve:kv_imported_tokens_total{pool,worker}   decode: prompt tokens whose KV moved in
     splitserve:kv_tier_blocks_total{pool,worker,event} its host tier: saved, reloaded, dropped, corrupt
     splitserve:kv_tier_blocks_held{pool,worker}        blocks its host tier holds now
@@ -194,8 +195,8 @@ class _ClusterCollector(Collector):
         )
         reused = CounterMetricFamily(
             "splitserve:prefix_reused_tokens",
-            "Prompt tokens not computed: from the KV cache (device), the host tier (host), or held by a "
-            "decode worker when their KV was handed over (held: not moved).",
+            "Prompt tokens not computed: from the KV cache (device), the host tier (host); held: those of "
+            "handed-over prompts a decode worker had (their KV did not move; also in device or host).",
             labels=[*labels, "source"],
         )
         imported = CounterMetricFamily(
