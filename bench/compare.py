@@ -243,8 +243,11 @@ def main(args: argparse.Namespace) -> int:
         {"args": {k: v for k, v in vars(args).items() if k != "func"}, "ratios": table}
         | {label: [r.metrics for r in results] for label, results in runs.items()},
     )
-    plots.write_all(str(out), runs, serve_bench.parse_goodput(args.goodput))
-    print(f"\nwrote {out / 'compare.json'} and plots in {out}/", file=sys.stderr)
+    if plots.available():
+        plots.write_all(str(out), runs, serve_bench.parse_goodput(args.goodput))
+        print(f"\nwrote {out / 'compare.json'} and plots in {out}/", file=sys.stderr)
+    else:
+        print(f"\nwrote {out / 'compare.json'} (no plots: pip install matplotlib)", file=sys.stderr)
     return 0
 
 

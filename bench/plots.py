@@ -12,6 +12,13 @@ from pathlib import Path
 import numpy as np
 
 
+def available() -> bool:
+    """Whether matplotlib imports (the plots are optional)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def _plt():
     try:
         import matplotlib
