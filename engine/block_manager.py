@@ -153,7 +153,7 @@ class BlockManager:
     def tier_prefix(self, seq: Sequence, cached: list[int]) -> int:
         """How many full blocks of ``seq``'s prompt right after ``cached`` (what
         ``find_cached_prefix`` found) the tier holds; 0 without a tier."""
-        if self.tier is None or not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if self.tier is None or seq.params.prompt_logprobs is not None:  # a tier implies prefix caching
             return 0
         parent = self.block_hashes[cached[-1]] if cached else None
         bs, n = self.block_size, 0

@@ -167,7 +167,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     shards = config.ep_size
     tier = None
     if config.host_kv_tier_mib:
-        tier = HostKVTier(kv_cache, HostKVTier.blocks_for(kv_cache, config.host_kv_tier_mib))
+        tier = HostKVTier.of_size(kv_cache, config.host_kv_tier_mib)
     block_manager = BlockManager(
         capacity.num_blocks * shards, config.block_size, config.enable_prefix_caching, shards, tier
     )

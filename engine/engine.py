@@ -377,11 +377,13 @@ class Engine:
         those ``hold_prefix`` holds for it, if it held any).
 
         Returns the block ids to fill (in order; the last may be partial): after the
-        held ones. Raises ``Overloaded`` if the cache has no room now (what was held
-        stays held). The request stays IMPORTING until ``activate`` (or ``abort``,
-        which frees the blocks). ``output_token_ids`` is the first token the prefill
-        side sampled; it may be empty when the KV starts moving before prefill ends
-        (layer-wise streaming), and then comes with ``activate``."""
+        held ones. A request ``hold_prefix`` made keeps the sequence (and ``params``)
+        it was held with; ``prompt_token_ids`` must be the same prompt. Raises
+        ``Overloaded`` if the cache has no room now (what was held stays held). The
+        request stays IMPORTING until ``activate`` (or ``abort``, which frees the
+        blocks). ``output_token_ids`` is the first token the prefill side sampled; it
+        may be empty when the KV starts moving before prefill ends (layer-wise
+        streaming), and then comes with ``activate``."""
         held = self.requests.get(request_id)
         if (
             held is not None

@@ -61,11 +61,16 @@ class HostKVTier:
         self.capacity = capacity
         self.saved = self.reloaded = self.dropped = self.corrupt = 0  # blocks, since start
 
-    @staticmethod
-    def blocks_for(cache: KVCache, mib: int) -> int:
-        """How many blocks of ``cache`` fit in ``mib`` MiB of host memory."""
+    @classmethod
+    def of_size(cls, cache: KVCache, mib: int) -> HostKVTier:
+        """A tier of as many of ``cache``'s blocks as fit in ``mib`` MiB of host memory;
+        ``ValueError`` when not even one does."""
         per_block = cache.tensor[:, :, 0].numel() * cache.tensor.element_size()
-        return (mib * 2**20) // per_block
+        if mib * 2**20 < per_block:
+            raise ValueError(
+                f"host_kv_tier_mib={mib} holds no KV block of this model (one block is {per_block:,} bytes)"
+            )
+        return cls(cache, (mib * 2**20) // per_block)
 
     def holds(self, h: int, tokens: tuple[int, ...]) -> bool:
         """Whether the tier has the block named ``h`` holding ``tokens``; a hit is marked
