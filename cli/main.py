@@ -280,13 +280,20 @@ def _print_prefix_reuse(st) -> None:
         for w in pool.workers:
             r = w.prefix_reuse
             handed = r.import_held_tokens + r.import_moved_tokens
-            if not (r.device_tokens or r.host_tokens or handed or r.host_capacity_blocks):
+            pulls = r.pulls + r.pull_failures
+            shown = (r.device_tokens, r.host_tokens, handed, r.host_capacity_blocks, pulls, r.lent_tokens)
+            if not any(shown):
                 continue
             line = (
                 f"{w.worker_id}: prefix tokens reused: cache {r.device_tokens:,}, host tier {r.host_tokens:,}"
             )
             if handed:
                 line += f"; handed-over prompt tokens held {r.import_held_tokens:,} of {handed:,}"
+            if pulls or r.lent_tokens:
+                line += (
+                    f"; pulled {r.pulled_tokens:,} tokens from other prefill workers in {r.pulls:,} of "
+                    f"{pulls:,} pulls, lent {r.lent_tokens:,}"
+                )
             if r.host_capacity_blocks:
                 line += (
                     f"; host tier {r.host_held_blocks:,}/{r.host_capacity_blocks:,} blocks, "
@@ -301,6 +308,8 @@ def _print_trace(t) -> None:
     total = sum(s.duration_ms for s in t.spans)
     cached = f", {t.cached_prompt_tokens} cached" if t.cached_prompt_tokens else ""
     kv = f", KV {t.kv_bytes / 2**20:.1f} MiB pulled in {t.kv_pull_ms:.1f} ms" if t.kv_bytes else ""
+    if t.prefix_pulled_tokens:
+        kv += f", {t.prefix_pulled_tokens} prefix tokens copied from {t.prefix_pulled_from}"
     print(
         f"\n{t.request_id}  {t.outcome}  {total:.1f} ms  "
         f"{t.prompt_tokens} prompt tokens{cached} -> {t.output_tokens} output tokens{kv}"

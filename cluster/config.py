@@ -233,7 +233,9 @@ class TransferSpec(_Strict):
     lease_s: float = Field(
         DEFAULT_LEASE_S, gt=0, description="how long exported KV waits for a decode worker"
     )
-    timeout_s: float = Field(10.0, gt=0, description="bound on one KV pull")
+    timeout_s: float = Field(
+        10.0, gt=0, description="bound on one KV pull (a handover, or a prefix copied between prefill ones)"
+    )
     stream_layers: bool = Field(
         True,
         description="hand each prompt's KV over layer by layer while its last prefill step computes it, so "

@@ -163,7 +163,14 @@ class WorkerPool:
         cpus = (ids[int(worker_id.rsplit("-", 1)[1]) % len(ids)],) if ids else None
         if self.role == Role.PREFILL:
             return PrefillWorkerSpec(
-                worker_id, eng, t.backend, t.lease_s, threads, cpus, stream_kv=t.stream_layers
+                worker_id,
+                eng,
+                t.backend,
+                t.lease_s,
+                threads,
+                cpus,
+                stream_kv=t.stream_layers,
+                transfer_timeout_s=t.timeout_s,
             )
         backend = t.backend if self.role == Role.DECODE else None
         queue = self.config.limits.max_admission_queue

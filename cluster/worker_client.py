@@ -30,8 +30,15 @@ import ray.exceptions
 from splitserve.engine.background import Background
 from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
 from splitserve.wire.errors import EngineStopped, WorkerLost, WorkerStopped
-from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor
-from splitserve.wire.prefill import KVStreaming, PrefillResult, PrefillStats, PrefillTask, PrefillWorkerInfo
+from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor, KVHandoff
+from splitserve.wire.prefill import (
+    KVStreaming,
+    PrefillResult,
+    PrefillStats,
+    PrefillTask,
+    PrefillWorkerInfo,
+    PrefixLoan,
+)
 from splitserve.wire.prefix import PrefixCursor
 
 REMOTE_CALLS: collections.Counter[str] = collections.Counter()  # method name -> calls, this process
@@ -100,6 +107,9 @@ class RayPrefillWorker(_EveryWorker):
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
         await _call(self.actor, "confirm", confirmations)
+
+    async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
+        return await _call(self.actor, "lend_prefix", loan)
 
     async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
         stream = _remote(self.actor, "prefill_stream", task)

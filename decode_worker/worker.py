@@ -318,6 +318,7 @@ class DecodeWorker:
                 left,
                 reader_tp=self.spec.engine.tp_size,
                 export_from_block=held // self.spec.engine.block_size,
+                prefix_from=task.prefix_from,
             )
             async with contextlib.aclosing(source.prefill_stream(prefill)) as events:
                 try:
@@ -434,7 +435,15 @@ class DecodeWorker:
         handoff = handoff or result.handoff
         kv_bytes = handoff.num_bytes if handoff is not None else 0
         at = exported_at if handoff is not None else None
-        prefilled = Prefilled(result.worker_id, result.scheduled_at, at, streamed, kv_bytes)
+        prefilled = Prefilled(
+            result.worker_id,
+            result.scheduled_at,
+            at,
+            streamed,
+            kv_bytes,
+            result.pulled_tokens,
+            result.pulled_from,
+        )
         n = len(result.output_token_ids)
         req.outbox.put(
             TokenBatch(

@@ -131,14 +131,21 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids that hold a prefix of ``seq``'s tokens (no references taken)."""
+    def reusable_blocks(self, seq: Sequence, whole: bool = False) -> int:
+        """How many of ``seq``'s leading full blocks a cache may give it: those before
+        the block of its last token (whose logits it must compute), or with ``whole``
+        every full block (a prefix lent or borrowed as KV, computing nothing)."""
+        return (seq.num_tokens if whole else seq.num_tokens - 1) // self.block_size
+
+    def find_cached_prefix(self, seq: Sequence, whole: bool = False) -> list[int]:
+        """Block ids that hold a prefix of ``seq``'s tokens (no references taken), at
+        most ``reusable_blocks(seq, whole)``."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         found: list[int] = []
         parent = None
         bs = self.block_size
-        for i in range((seq.num_tokens - 1) // bs):
+        for i in range(self.reusable_blocks(seq, whole)):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)
             block = self.hash_to_block.get(h)
@@ -150,14 +157,15 @@ class BlockManager:
             parent = h
         return found
 
-    def tier_prefix(self, seq: Sequence, cached: list[int]) -> int:
+    def tier_prefix(self, seq: Sequence, cached: list[int], whole: bool = False) -> int:
         """How many full blocks of ``seq``'s prompt right after ``cached`` (what
-        ``find_cached_prefix`` found) the tier holds; 0 without a tier."""
+        ``find_cached_prefix`` found) the tier holds, up to ``reusable_blocks(seq,
+        whole)``; 0 without a tier."""
         if self.tier is None or seq.params.prompt_logprobs is not None:  # a tier implies prefix caching
             return 0
         parent = self.block_hashes[cached[-1]] if cached else None
         bs, n = self.block_size, 0
-        for i in range(len(cached), (seq.num_tokens - 1) // bs):
+        for i in range(len(cached), self.reusable_blocks(seq, whole)):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             parent = block_hash(parent, tokens)
             if not self.tier.holds(parent, tokens):
@@ -176,8 +184,9 @@ class BlockManager:
         return need + taken_from_free <= len(free)
 
     # ---- actions -----------------------------------------------------------
-    def take_cached_prefix(self, seq: Sequence, cached: list[int]) -> None:
-        """Give a fresh sequence references to ``cached`` and count them computed."""
+    def take_cached_prefix(self, seq: Sequence, cached: list[int], count: bool = True) -> None:
+        """Give a fresh sequence references to ``cached`` and count them computed (and,
+        with ``count``, as prompt tokens reused: ``prefix_hits``)."""
         if seq.block_table or seq.num_computed_tokens:
             raise ValueError("prefix can only be taken by a sequence holding no blocks")
         parent = None
@@ -189,15 +198,16 @@ class BlockManager:
         seq.block_table = list(cached)
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
-        self.prefix_hits += seq.num_computed_tokens
+        if count:
+            self.prefix_hits += seq.num_computed_tokens
         self._seq_hashes[seq.seq_no] = hashes
 
-    def reload(self, seq: Sequence, count: int) -> int:
+    def reload(self, seq: Sequence, count: int, reused: bool = True) -> int:
         """Give ``seq`` (holding only its cached prefix, all computed) fresh blocks for
         its next ``count`` full blocks and load them from the tier, registering each.
         Stops at the first block the tier cannot give (dropped, or its checksum failed:
-        then computed as usual). Returns the blocks loaded. Check ``can_allocate`` for
-        ``count`` blocks' tokens first."""
+        then computed as usual). Returns the blocks loaded, counted in ``tier_hits``
+        when ``reused``. Check ``can_allocate`` for ``count`` blocks' tokens first."""
         bs, free = self.block_size, self._free[0]
         hashes = self._seq_hashes.setdefault(seq.seq_no, [])
         parent = hashes[-1] if hashes else None
@@ -222,7 +232,8 @@ class BlockManager:
             loaded += 1
         seq.num_computed_tokens += loaded * bs
         seq.num_cached_tokens += loaded * bs
-        self.tier_hits += loaded * bs
+        if reused:
+            self.tier_hits += loaded * bs
         return loaded
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:

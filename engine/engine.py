@@ -103,6 +103,8 @@ class Engine:
         self._expert_load = ExpertLoad(moe.num_experts) if moe is not None else None
         # prompt tokens of imported requests: held here already (hold_prefix), moved in
         self.import_held_tokens = self.import_moved_tokens = 0
+        # prompt-prefix tokens lent to other workers (lend_prefix) and copied in from them
+        self.lent_tokens = self.pulled_tokens = 0
         # told as each layer of a completing prefill-only prompt is written (driver rank only)
         self.layer_observer: LayerObserver | None = None
 
@@ -199,6 +201,8 @@ class Engine:
             tier_hit_tokens=bm.tier_hits,
             import_held_tokens=self.import_held_tokens,
             import_moved_tokens=self.import_moved_tokens,
+            prefix_lent_tokens=self.lent_tokens,
+            prefix_pulled_tokens=self.pulled_tokens,
             host_tier=self.host_tier.counters() if self.host_tier is not None else TierCounters(),
         )
 
@@ -339,6 +343,64 @@ class Engine:
         """Free a PREFILLED request's blocks (its KV has been delivered or given up)."""
         self._finish(self._get(request_id, SequenceStatus.PREFILLED), FinishReason.PREFILL_DONE)
 
+    # ---- prefixes lent and borrowed between workers ---------------------------
+    def lend_prefix(self, request_id: str, token_ids: list[int], from_block: int) -> PrefilledRequest | None:
+        """Hold the leading full blocks of ``token_ids`` this engine has (its cache, then
+        its host tier) for request ``request_id``, PREFILLED from here on, naming those
+        from ``from_block`` on (``prefilled``) for another worker to copy; ``release``
+        (or ``abort``) lets them go. None, holding nothing, when it has no more than
+        ``from_block`` of them. Lending computes nothing and counts as no reuse here."""
+        request_id = self._new_id(request_id)
+        ids = self.validate_request(list(token_ids), SamplingParams(max_tokens=1))
+        seq = self._sequence(request_id, ids, SamplingParams(max_tokens=1), prefill_only=True)
+        if self._hold(seq, whole=True, reused=False) <= from_block:
+            self.block_manager.free(seq)
+            return None
+        seq.export_from_block = from_block
+        self.requests[request_id] = state = RequestState(seq, self.tokenizer, seq.num_tokens)
+        self._park_prefilled(state)
+        lent = self.prefilled(request_id)
+        self.lent_tokens += lent.num_kv_tokens
+        return lent
+
+    def reserve_prefix(self, request_id: str, token_ids: list[int]) -> tuple[int, list[int]]:
+        """Before copying the KV of ``token_ids`` (whole blocks, a prompt's prefix) from
+        another worker: hold its leading blocks this engine has (cache, host tier) and
+        allocate the others, for request ``request_id`` (IMPORTING: never scheduled,
+        its blocks never evicted). Returns (blocks held, the ids of the others, to
+        fill in order). Then ``adopt_prefix``, or ``abort`` to free them all. Raises
+        ``Overloaded`` (holding nothing) when the cache has no room now."""
+        request_id = self._new_id(request_id)
+        ids = self.validate_request(list(token_ids), SamplingParams(max_tokens=1))
+        if len(ids) % self.block_manager.block_size:
+            raise InvalidRequest(f"a prefix of {len(ids)} tokens is not a whole number of blocks")
+        seq = self._sequence(request_id, ids, SamplingParams(max_tokens=1))
+        held = self._hold(seq, whole=True, reused=False)  # the prompt added next counts them
+        missing = len(ids) - seq.num_computed_tokens
+        if not self.block_manager.can_allocate(seq, missing):
+            self.block_manager.free(seq)
+            raise Overloaded(f"not enough free KV blocks for a {missing}-token prefix")
+        self.block_manager.allocate(seq, missing)
+        seq.status = SequenceStatus.IMPORTING
+        self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
+        return held, list(seq.block_table[held:])
+
+    def adopt_prefix(self, request_id: str, num_blocks: int) -> int:
+        """The first ``num_blocks`` blocks of a prefix ``reserve_prefix`` made hold their
+        KV now (held here, or copied in and verified): they join the prefix cache (a
+        prompt starting with them, added next, takes them), and the request ends,
+        freeing its blocks. Returns the tokens copied in (those not held before)."""
+        state = self._get(request_id, SequenceStatus.IMPORTING)
+        seq, bs = state.seq, self.block_manager.block_size
+        if not 0 <= num_blocks <= len(seq.block_table):
+            raise InvalidRequest(f"{request_id} reserved {len(seq.block_table)} blocks, not {num_blocks}")
+        copied = max(0, num_blocks * bs - seq.num_computed_tokens)
+        seq.num_computed_tokens = num_blocks * bs
+        self.block_manager.commit_computed(seq)
+        self.pulled_tokens += copied
+        self._finish(state, FinishReason.ABORT)
+        return copied
+
     # ---- decode half -------------------------------------------------------
     def hold_prefix(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Before asking for the KV of ``prompt_token_ids`` from elsewhere: take the
@@ -350,21 +412,27 @@ class Engine:
         request_id = self._new_id(request_id)
         prompt_ids = self.validate_request(list(prompt_token_ids), params)
         seq = self._sequence(request_id, prompt_ids, params)
-        bm = self.block_manager
-        cached = bm.find_cached_prefix(seq)
-        tiered = bm.tier_prefix(seq, cached)
-        if not bm.can_allocate(seq, tiered * bm.block_size, cached):
-            tiered = 0  # the reloads need free blocks; the cached ones do not
-        if not cached and not tiered:
+        if not self._hold(seq):
             return 0
-        if cached:
-            bm.take_cached_prefix(seq, cached)
-        bm.reload(seq, tiered)
-        if not seq.block_table:
-            return 0  # nothing reloaded after all
         seq.status = SequenceStatus.IMPORTING
         self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
         return seq.num_computed_tokens
+
+    def _hold(self, seq: Sequence, whole: bool = False, reused: bool = True) -> int:
+        """Give the fresh ``seq`` the leading blocks of its tokens this engine holds:
+        its cache's, then its host tier's (reloaded now, where free blocks allow), up to
+        ``BlockManager.reusable_blocks(seq, whole)``. Returns the blocks it holds;
+        ``reused``: they count as prompt tokens reused (``stats``)."""
+        bm = self.block_manager
+        cached = bm.find_cached_prefix(seq, whole)
+        tiered = bm.tier_prefix(seq, cached, whole)
+        if not bm.can_allocate(seq, tiered * bm.block_size, cached):
+            tiered = 0  # the reloads need free blocks; the cached ones do not
+        if cached:
+            bm.take_cached_prefix(seq, cached, reused)
+        if tiered:
+            bm.reload(seq, tiered, reused)
+        return len(seq.block_table)
 
     def import_request(
         self,

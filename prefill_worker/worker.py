@@ -61,6 +61,7 @@ from splitserve.engine.parallel.worker_group import Heartbeats
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.layerwise import LayerExporter
 from splitserve.kv_transfer.tp_mapping import readers_of
+from splitserve.prefill_worker.borrow import Borrowed, PrefixBorrower
 from splitserve.prefill_worker.tp import (
     ConfirmShard,
     ExportShard,
@@ -84,6 +85,7 @@ from splitserve.wire.prefill import (
     PrefillTask,
     PrefillWorkerInfo,
     PrefillWorkerSpec,
+    PrefixLoan,
 )
 from splitserve.wire.prefix import PrefixCursor
 from splitserve.wire.sampling import FinishReason
@@ -100,6 +102,7 @@ class _Waiter:
     streamed: asyncio.Future | None = None  # the KVHandoff, once its export streams (prefill_stream)
     deadline: float | None = None  # loop.time() past which the call gives up
     readers: tuple[int, ...] = (1,)  # per TP rank here: the decode ranks that read its export
+    borrowed: Borrowed | None = None  # its prompt's prefix, pulled from another prefill worker
 
     def resolve(self, result: PrefillResult | None = None, error: BaseException | None = None) -> None:
         def _set() -> None:
@@ -160,8 +163,13 @@ class PrefillWorker:
             on_stream=self._on_stream,
             readers=self._stream_readers,
         )
+        self.borrower: PrefixBorrower | None = None  # pulls prefixes from other prefill workers
         if self.tp.size == 1:
             self.engine.layer_observer = self.exporter
+            sink = backend.sink(f"{spec.worker_id}/borrow", self.engine.kv_cache.tensor, compat)
+            call = lambda fn: asyncio.wrap_future(self.loop.call(fn))  # noqa: E731
+            timeout = spec.transfer_timeout_s or spec.lease_s
+            self.borrower = PrefixBorrower(spec.worker_id, sink, spec.engine.block_size, call, timeout)
         self._ended: queue.SimpleQueue[LeaseEnd] = queue.SimpleQueue()  # poller -> engine thread
         self._stopping = threading.Event()
         self.loop.start()
@@ -217,6 +225,8 @@ class PrefillWorker:
         waiter = _Waiter(loop, loop.create_future(), streamed, deadline, readers)
 
         def add(engine: Engine) -> str:  # raises InvalidRequest, e.g. for an id still held here
+            if waiter.borrowed is not None:  # in the same call: the prompt finds them cached
+                engine.adopt_prefix(waiter.borrowed.loan_id, waiter.borrowed.num_blocks)
             return engine.add_request(
                 task.prompt_token_ids,
                 task.params,
@@ -227,7 +237,14 @@ class PrefillWorker:
 
         self._waiters[rid] = waiter  # before the engine sees the request: no output is missed
         try:
-            await asyncio.wrap_future(self.loop.call(add))
+            if task.prefix_from is not None and self.borrower is not None:
+                waiter.borrowed = await self.borrower.borrow(task)
+            try:
+                await asyncio.wrap_future(self.loop.call(add))
+            except BaseException:
+                if waiter.borrowed is not None:  # not adopted if add never ran (idempotent)
+                    self.loop.call(lambda e: e.abort(waiter.borrowed.loan_id))
+                raise
             try:
                 yield waiter
             except BaseException:  # deadline, cancel, or the caller left: it will not take the KV
@@ -273,6 +290,30 @@ class PrefillWorker:
         and waiting for a decode worker (its lease is released). Idempotent."""
         return await asyncio.wrap_future(self.loop.call(lambda e: self._abort(request_id)))
 
+    async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
+        """Export the cached blocks of ``loan`` this worker holds from ``loan.from_block``
+        on (``Engine.lend_prefix``), under a lease like a prefill's: the borrower's
+        confirmation, ``abort(loan.request_id)`` or the lease's end frees them. None
+        when it holds none of them, or is a TP group (whose ranks would each lend a
+        shard; not done)."""
+        if self.tp.size > 1:
+            return None
+
+        def lend(engine: Engine) -> KVHandoff | None:
+            lent = engine.lend_prefix(loan.request_id, loan.token_ids, loan.from_block)
+            if lent is None:
+                return None
+            try:
+                with self._source_lock:
+                    desc = self.source.export(loan.request_id, lent.block_ids, lent.num_kv_tokens)
+            except BaseException:
+                engine.release(loan.request_id)
+                raise
+            self._exports[loan.request_id] = desc.transfer_id
+            return KVHandoff(self.worker_id, (desc,))
+
+        return await asyncio.wrap_future(self.loop.call(lend))
+
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
         """A decode worker holds verified copies of these transfers (for backends that
         confirm through the control plane): end their leases. Unknown or ended
@@ -299,6 +340,8 @@ class PrefillWorker:
                 leases_expired=ends[TransferState.EXPIRED],
                 leases_released=ends[TransferState.RELEASED],
                 prefix=engine.prefix_update(prefix_since),
+                prefix_pulls=self.borrower.pulls if self.borrower is not None else 0,
+                prefix_pull_failures=self.borrower.failures if self.borrower is not None else 0,
             )
 
         return await asyncio.wrap_future(self.loop.call(snapshot))
@@ -311,6 +354,8 @@ class PrefillWorker:
             self.engine.stop_followers()
         with self._source_lock:
             self.source.close()
+        if self.borrower is not None:
+            self.borrower.close()
         self.tp.destroy()
 
     # ---- the poller thread ----------------------------------------------------------
@@ -366,7 +411,7 @@ class PrefillWorker:
                     self.engine.release(rid)
                 continue
             try:
-                waiter.resolve(self._result(out, waiter.readers))
+                waiter.resolve(self._result(out, waiter))
             except Exception as e:  # export failed: give the blocks back, tell the caller
                 log.exception("exporting the KV of %s failed", rid)
                 self.exporter.discard(rid)  # what it hashed (or began streaming) for it
@@ -374,7 +419,8 @@ class PrefillWorker:
                     self.engine.release(rid)
                 waiter.resolve(error=e)
 
-    def _result(self, out: RequestOutput, readers: tuple[int, ...]) -> PrefillResult:
+    def _result(self, out: RequestOutput, waiter: _Waiter) -> PrefillResult:
+        readers, borrowed = waiter.readers, waiter.borrowed
         now = time.time()
         handoff = None
         finish = None if out.finish_reason == FinishReason.PREFILL_DONE else out.finish_reason
@@ -399,6 +445,8 @@ class PrefillWorker:
             num_cached_tokens=out.num_cached_tokens,
             handoff=handoff,
             scheduled_at=out.scheduled_at,
+            pulled_tokens=borrowed.pulled_tokens if borrowed is not None else 0,
+            pulled_from=borrowed.holder_id if borrowed is not None and borrowed.pulled_tokens else "",
         )
 
     def _export_shards(

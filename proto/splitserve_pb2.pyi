@@ -360,7 +360,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_exports_held: _Optional[int] = ..., error: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for_blocks: _Optional[int] = ..., pulling: _Optional[int] = ..., router_active: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_blocks: _Optional[int] = ..., node_id: _Optional[str] = ..., node_type: _Optional[str] = ..., waiting_for_node: _Optional[bool] = ..., preemptions: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrency: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., expert_window_s: _Optional[float] = ..., expert_ranks: _Optional[int] = ..., prefix_reuse: _Optional[_Union[PrefixReuse, _Mapping]] = ...) -> None: ...
 
 class PrefixReuse(_message.Message):
-    __slots__ = ("device_tokens", "host_tokens", "import_held_tokens", "import_moved_tokens", "host_capacity_blocks", "host_held_blocks", "host_saved_blocks", "host_reloaded_blocks", "host_dropped_blocks", "host_corrupt_blocks")
+    __slots__ = ("device_tokens", "host_tokens", "import_held_tokens", "import_moved_tokens", "host_capacity_blocks", "host_held_blocks", "host_saved_blocks", "host_reloaded_blocks", "host_dropped_blocks", "host_corrupt_blocks", "pulled_tokens", "lent_tokens", "pulls", "pull_failures")
     DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMPORT_HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +371,10 @@ class PrefixReuse(_message.Message):
     HOST_RELOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    PULL_FAILURES_FIELD_NUMBER: _ClassVar[int]
     device_tokens: int
     host_tokens: int
     import_held_tokens: int
@@ -381,7 +385,11 @@ class PrefixReuse(_message.Message):
     host_reloaded_blocks: int
     host_dropped_blocks: int
     host_corrupt_blocks: int
-    def __init__(self, device_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ..., import_held_tokens: _Optional[int] = ..., import_moved_tokens: _Optional[int] = ..., host_capacity_blocks: _Optional[int] = ..., host_held_blocks: _Optional[int] = ..., host_saved_blocks: _Optional[int] = ..., host_reloaded_blocks: _Optional[int] = ..., host_dropped_blocks: _Optional[int] = ..., host_corrupt_blocks: _Optional[int] = ...) -> None: ...
+    pulled_tokens: int
+    lent_tokens: int
+    pulls: int
+    pull_failures: int
+    def __init__(self, device_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ..., import_held_tokens: _Optional[int] = ..., import_moved_tokens: _Optional[int] = ..., host_capacity_blocks: _Optional[int] = ..., host_held_blocks: _Optional[int] = ..., host_saved_blocks: _Optional[int] = ..., host_reloaded_blocks: _Optional[int] = ..., host_dropped_blocks: _Optional[int] = ..., host_corrupt_blocks: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., lent_tokens: _Optional[int] = ..., pulls: _Optional[int] = ..., pull_failures: _Optional[int] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("role", "replicas", "workers")
@@ -416,7 +424,7 @@ class ClusterStatusResponse(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., inflight_requests: _Optional[int] = ..., placements: _Optional[_Iterable[_Union[PlacementCount, _Mapping]]] = ..., handover_ms: _Optional[float] = ..., given_up: _Optional[_Iterable[_Union[GivenUpWorker, _Mapping]]] = ..., traces: _Optional[_Iterable[_Union[RequestTrace, _Mapping]]] = ..., transfer_failures: _Optional[_Iterable[_Union[TransferFailureCount, _Mapping]]] = ...) -> None: ...
 
 class RequestTrace(_message.Message):
-    __slots__ = ("request_id", "outcome", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "prefill_worker", "decode_worker", "kv_bytes", "kv_pull_ms", "spans", "marks")
+    __slots__ = ("request_id", "outcome", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "prefill_worker", "decode_worker", "kv_bytes", "kv_pull_ms", "spans", "marks", "prefix_pulled_tokens", "prefix_pulled_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -428,6 +436,8 @@ class RequestTrace(_message.Message):
     KV_PULL_MS_FIELD_NUMBER: _ClassVar[int]
     SPANS_FIELD_NUMBER: _ClassVar[int]
     MARKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULLED_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     outcome: str
     prompt_tokens: int
@@ -439,7 +449,9 @@ class RequestTrace(_message.Message):
     kv_pull_ms: float
     spans: _containers.RepeatedCompositeFieldContainer[TraceSpan]
     marks: _containers.RepeatedCompositeFieldContainer[TraceMark]
-    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kv_pull_ms: _Optional[float] = ..., spans: _Optional[_Iterable[_Union[TraceSpan, _Mapping]]] = ..., marks: _Optional[_Iterable[_Union[TraceMark, _Mapping]]] = ...) -> None: ...
+    prefix_pulled_tokens: int
+    prefix_pulled_from: str
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kv_pull_ms: _Optional[float] = ..., spans: _Optional[_Iterable[_Union[TraceSpan, _Mapping]]] = ..., marks: _Optional[_Iterable[_Union[TraceMark, _Mapping]]] = ..., prefix_pulled_tokens: _Optional[int] = ..., prefix_pulled_from: _Optional[str] = ...) -> None: ...
 
 class TraceSpan(_message.Message):
     __slots__ = ("name", "start", "duration_ms", "worker")

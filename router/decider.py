@@ -39,6 +39,18 @@ to a queued prefill pool rather than hold up D's batch for seconds. Counted in
 decode steps, the budget follows the machine: where prefill and decode are both
 twice as fast, it admits the same prompts.
 
+The same figures decide whether the chosen prefill worker P copies the prompt's
+cached prefix from another prefill worker H that holds more of it (``pull_source``),
+rather than compute it::
+
+    compute = (cached on H - cached on P) / rate     (P's rate, else H's)
+    copy    = handover
+
+A copy moves a prefix's KV as a handover moves a prompt's (a loan call, then a pull
+over the same backend); ``handover`` is the measured cost of one, so a prefix whose
+compute time is below it is computed. Not before a rate is measured. H is the worker
+holding the most of the prompt.
+
 Fixed rules come first: colocated clusters (no prefill pool) are
 LOCAL; ``local_prefill_below_tokens`` is a floor under which a prompt is always
 LOCAL; a pool with no routable prefill worker (all lost or restarting) means
@@ -120,6 +132,23 @@ class Decider:
         decision = Decision(Placement.LOCAL, Reason.NO_PREFILL_WORKER)
         self.counts[decision.placement, decision.reason] += 1
         return decision
+
+    def pull_source(
+        self, prompt: Prompt, prefill: WorkerRecord, holders: list[WorkerRecord]
+    ) -> WorkerRecord | None:
+        """The worker among ``holders`` that ``prefill`` should copy ``prompt``'s cached
+        prefix from (the one holding the most of it, where copying the tokens it has
+        beyond ``prefill``'s beats computing them), or None. Reads the records only."""
+        if not holders:
+            return None
+        holder = max(holders, key=prompt.cached_on)
+        rate = prefill.prefill_tokens_per_s or holder.prefill_tokens_per_s  # the same model
+        extra = prompt.cached_on(holder) - prompt.cached_on(prefill)
+        if rate <= 0:
+            return None
+        if extra <= 0 or extra / rate <= self.handover_s:
+            return None
+        return holder
 
     def _decide(
         self,

@@ -66,11 +66,12 @@ from splitserve.router.errors import code_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.lifecycle import Phase, RequestLifecycle
 from splitserve.router.policy import LimitsSpec, PolicySpec
-from splitserve.router.registry import WorkerRecord, WorkerRegistry
+from splitserve.router.registry import Membership, WorkerRecord, WorkerRegistry
 from splitserve.router.roles import Role
 from splitserve.router.trace import RequestTrace, TraceLog, TraceSink
 from splitserve.wire.decode import DecodeTask
 from splitserve.wire.errors import InvalidRequest, KVTransferError, Overloaded, PrefillLost, WorkerLost
+from splitserve.wire.prefill import PrefixPull
 from splitserve.wire.sampling import SamplingParams
 from splitserve.wire.validation import RequestValidator
 
@@ -216,9 +217,27 @@ class Dispatcher:
         if not self.colocated:
             pw = pick_prefill(self.registry.routable(Role.PREFILL), prompt, self.policy.prefix_affinity)
         decision = self.decider.decide(self.policy, prompt, dw, pw, self.colocated)
-        source = self._admit_prefill(pw, n) if decision.placement == Placement.REMOTE else None
-        async for event in self._follow(life, life.place(dw, source), prompt):
+        source = pull = None
+        if decision.placement == Placement.REMOTE:
+            source, pull = self._admit_prefill(pw, n), self._prefix_pull(prompt, pw)
+        async for event in self._follow(life, life.place(dw, source, pull), prompt):
             yield event
+
+    def _prefix_pull(self, prompt: Prompt, pw: WorkerRecord) -> PrefixPull | None:
+        """Where ``pw`` may copy ``prompt``'s prefix from: another live prefill worker
+        (draining ones too: their caches still serve) that holds more of it, where the
+        decider judges the copy cheaper than computing it (``policy.prefix_pulls``)."""
+        if not self.policy.prefix_pulls:
+            return None
+        holders = [
+            w
+            for w in self.registry.workers(Role.PREFILL)
+            if w is not pw and w.alive and w.state != Membership.STARTING
+        ]
+        holder = self.decider.pull_source(prompt, pw, holders)
+        if holder is None:
+            return None
+        return PrefixPull(holder.client, holder.worker_id, prompt.cached_on(holder) // pw.block_size)
 
     async def _fork(
         self, life: RequestLifecycle, params: SamplingParams

@@ -35,6 +35,7 @@ from splitserve.router.registry import WorkerRecord
 from splitserve.router.trace import Mark, RequestTrace
 from splitserve.wire.decode import DecodeTask, TokenBatch
 from splitserve.wire.errors import DeadlineExceeded
+from splitserve.wire.prefill import PrefixPull
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
 
@@ -60,6 +61,7 @@ class RequestLifecycle:
         self._phase = Phase.ADMITTED
         self._decode: WorkerRecord | None = None  # the decode worker the task is with
         self._source: WorkerRecord | None = None  # the prefill worker it prefills on, if any
+        self._pull: PrefixPull | None = None  # where a source may copy the prompt's prefix from
         self._sent: list[int] = []  # token ids passed on so far
         self._prompt_logprobs_sent = False  # the prompt's logprobs passed on (a resume sends them again)
         self._token_times: list[float] = []  # when each was sampled (worker clocks)
@@ -72,6 +74,8 @@ class RequestLifecycle:
         self._ended_in_prefill = False  # it finished at the first token of its source
         self._kv_pull_s = 0.0
         self._cached = 0
+        self._prefix_pulled = 0  # prompt tokens its prefill worker copied from another
+        self._prefix_pulled_from = ""
 
     # ---- reads -----------------------------------------------------------------------------
     @property
@@ -125,10 +129,14 @@ class RequestLifecycle:
         other._deadline = self._deadline
         return other
 
-    def place(self, decode: WorkerRecord, source: WorkerRecord | None) -> DecodeTask:
-        """ADMITTED -> PREFILLING on ``decode``, prefilled on ``source`` (None: ``decode``)."""
+    def place(
+        self, decode: WorkerRecord, source: WorkerRecord | None, pull: PrefixPull | None = None
+    ) -> DecodeTask:
+        """ADMITTED -> PREFILLING on ``decode``, prefilled on ``source`` (None: ``decode``),
+        which may copy the prompt's prefix as ``pull`` says (here and on a retry, unless
+        the source is the holder itself)."""
         self._expect(Phase.ADMITTED)
-        self._decode, self._phase = decode, Phase.PREFILLING
+        self._decode, self._phase, self._pull = decode, Phase.PREFILLING, pull
         return self._prefill_on(source)
 
     def retry_prefill(self, source: WorkerRecord | None) -> DecodeTask:
@@ -160,6 +168,7 @@ class RequestLifecycle:
         if p is not None:
             self._prefill_worker = p.worker_id
             self._kv_streamed, self._handoff_bytes = p.streamed, p.kv_bytes
+            self._prefix_pulled, self._prefix_pulled_from = p.pulled_tokens, p.pulled_from
             if p.scheduled_at is not None:
                 self._mark("prefill_started", p.scheduled_at, p.worker_id)
             if p.exported_at is not None:
@@ -210,6 +219,8 @@ class RequestLifecycle:
             marks=(*self._marks, *finished),
             token_times=tuple(self._token_times),
             kv_streamed=self._kv_streamed,
+            prefix_pulled_tokens=self._prefix_pulled,
+            prefix_pulled_from=self._prefix_pulled_from,
         )
 
     # ---- internals ---------------------------------------------------------------------------
@@ -219,18 +230,23 @@ class RequestLifecycle:
 
     def _prefill_on(self, source: WorkerRecord | None) -> DecodeTask:
         self._source = source
+        pull = self._pull
+        if source is None or (pull is not None and pull.holder_id == source.worker_id):
+            pull = None
         return DecodeTask(
             self.request_id,
             self.prompt_ids,
             self.params,
             self.remaining(),
             source=source.client if source is not None else None,
+            prefix_from=pull,
         )
 
     def _continue_on(self, decode: WorkerRecord) -> DecodeTask:
         self._decode, self._source, self._phase = decode, None, Phase.PREFILLING
         if not self._sent:  # nothing passed on yet: a fresh local prefill
             self._prefill_worker = ""
+            self._prefix_pulled, self._prefix_pulled_from = 0, ""
         return DecodeTask(self.request_id, self.prompt_ids, self.params, self.remaining(), list(self._sent))
 
     def _now(self) -> float:

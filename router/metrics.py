@@ -46,7 +46,14 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
                                                        device (its KV cache), host (its host tier),
                                                        held (decode: the part of handed-over
                                                        prompts it held, so their KV did not move;
-                                                       also counted as device or host)
+                                                       also counted as device or host), pulled
+                                                       (prefill: copied in from another prefill
+                                                       worker; also counted as device)
+    splitserve:prefix_lent_tokens_total{pool,worker}   prefill: prompt-prefix tokens another
+                                                       prefill worker copied from it
+    splitserve:prefix_pulls_total{pool,worker,outcome} prefill: pulls of a prefix from another
+                                                       prefill worker; outcome pulled, or failed
+                                                       (moved nothing: the prefix was computed)
     splitserve:kv_imported_tokens_total{pool,worker}   decode: prompt tokens whose KV moved in
     splitserve:kv_tier_blocks_total{pool,worker,event} its host tier: saved, reloaded, dropped, corrupt
     splitserve:kv_tier_blocks_held{pool,worker}        blocks its host tier holds now
@@ -69,6 +76,7 @@ from prometheus_client.registry import Collector
 from splitserve.router.registry import Membership, WorkerRegistry
 from splitserve.router.trace import RequestTrace
 from splitserve.wire.outputs import rank_loads
+from splitserve.wire.prefill import PrefillStats
 
 __all__ = ["CONTENT_TYPE_LATEST", "PoolSize", "RequestMetrics", "RouterMetrics"]
 
@@ -196,8 +204,20 @@ class _ClusterCollector(Collector):
         reused = CounterMetricFamily(
             "splitserve:prefix_reused_tokens",
             "Prompt tokens not computed: from the KV cache (device), the host tier (host); held: those of "
-            "handed-over prompts a decode worker had (their KV did not move; also in device or host).",
+            "handed-over prompts a decode worker had (their KV did not move; also in device or host); "
+            "pulled: copied in from another prefill worker (also in device).",
             labels=[*labels, "source"],
+        )
+        lent = CounterMetricFamily(
+            "splitserve:prefix_lent_tokens",
+            "Prompt-prefix tokens other prefill workers copied from this one.",
+            labels=labels,
+        )
+        pulls = CounterMetricFamily(
+            "splitserve:prefix_pulls",
+            "Pulls of a prompt prefix from another prefill worker: pulled, or failed (the prefix was "
+            "computed instead).",
+            labels=[*labels, "outcome"],
         )
         imported = CounterMetricFamily(
             "splitserve:kv_imported_tokens",
@@ -228,8 +248,13 @@ class _ClusterCollector(Collector):
                 ("device", e.prefix_hit_tokens),
                 ("host", e.tier_hit_tokens),
                 ("held", e.import_held_tokens),
+                ("pulled", e.prefix_pulled_tokens),
             ):
                 reused.add_metric([*key, source], n)
+            if isinstance(w.stats, PrefillStats):
+                lent.add_metric(key, e.prefix_lent_tokens)
+                pulls.add_metric([*key, "pulled"], w.stats.prefix_pulls)
+                pulls.add_metric([*key, "failed"], w.stats.prefix_pull_failures)
             imported.add_metric(key, e.import_moved_tokens)
             t = e.host_tier
             if t.capacity_blocks:
@@ -287,6 +312,8 @@ class _ClusterCollector(Collector):
             preemptions,
             experts,
             reused,
+            lent,
+            pulls,
             imported,
             tier,
             tier_held,

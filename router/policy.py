@@ -106,6 +106,13 @@ class PolicySpec(StrictModel):
         "worker reports it cached (workers that report a cached prefix are preferred anyway)",
     )
 
+    prefix_pulls: bool = Field(
+        True,
+        description="a prefill worker copies a prompt's cached prefix from another prefill worker that holds "
+        "more of it (over the KV transfer backend, verified) when the decider's cost model says copying "
+        "beats computing (router.decider); a pull that fails is computed instead",
+    )
+
     def stall_budget_s(self, decode_step_s: float) -> float:
         """The longest, in seconds, the prefills waiting on a decode worker (a new one's
         included) may hold up its batch, for a worker whose recent decode step took

@@ -288,6 +288,8 @@ def _trace_proto(t: RequestTrace) -> pb.RequestTrace:
         decode_worker=t.decode_worker,
         kv_bytes=t.kv_bytes,
         kv_pull_ms=t.kv_pull_s * 1000,
+        prefix_pulled_tokens=t.prefix_pulled_tokens,
+        prefix_pulled_from=t.prefix_pulled_from,
         spans=[
             pb.TraceSpan(name=s.name, start=s.start, duration_ms=s.seconds * 1000, worker=s.worker)
             for s in t.spans
@@ -337,10 +339,13 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
                 host_reloaded_blocks=t.reloaded,
                 host_dropped_blocks=t.dropped,
                 host_corrupt_blocks=t.corrupt,
+                pulled_tokens=e.prefix_pulled_tokens,
+                lent_tokens=e.prefix_lent_tokens,
             )
         )
     if isinstance(s, PrefillStats):
         out.kv_exports_held = len(s.exports)
+        out.prefix_reuse.pulls, out.prefix_reuse.pull_failures = s.prefix_pulls, s.prefix_pull_failures
     if isinstance(s, DecodeStats):
         out.waiting_for_blocks, out.pulling = s.num_waiting_for_blocks, s.num_pulling
     return out

@@ -79,6 +79,8 @@ class RequestTrace:
     marks: tuple[Mark, ...]
     token_times: tuple[float, ...]  # when each output token was sampled (worker clocks)
     kv_streamed: bool = False  # its KV was pulled layer by layer while prefill computed it
+    prefix_pulled_tokens: int = 0  # prompt tokens its prefill worker copied from another
+    prefix_pulled_from: str = ""  # that other prefill worker
 
     def at(self, name: str) -> float | None:
         """The first mark of that name, if there is one."""

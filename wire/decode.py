@@ -10,7 +10,7 @@ from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import SplitserveError
 from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor
 from splitserve.wire.outputs import EngineStats, PromptLogprob, TopLogprobs
-from splitserve.wire.prefill import PrefillPeer
+from splitserve.wire.prefill import PrefillPeer, PrefixPull
 from splitserve.wire.prefix import PrefixUpdate
 from splitserve.wire.sampling import FinishReason, SamplingParams
 from splitserve.wire.tp import TPInit
@@ -80,6 +80,7 @@ class DecodeTask:
     timeout_s: float | None = None  # past it the worker aborts the request (DeadlineExceeded)
     output_token_ids: list[int] = field(default_factory=list)  # only without a source
     source: PrefillPeer | None = None
+    prefix_from: PrefixPull | None = None  # with a source: passed on to it (PrefillTask.prefix_from)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,8 @@ class Prefilled:
     exported_at: float | None  # time.time() when its handoff reached the decode worker (None: no KV)
     streamed: bool  # the KV streamed layer by layer while the prompt's last step ran
     kv_bytes: int  # the handoff's size (0: the request ended at its first token)
+    pulled_tokens: int = 0  # prompt tokens whose KV the prefill worker pulled from another
+    pulled_from: str = ""  # that other prefill worker
 
 
 @dataclass(frozen=True)

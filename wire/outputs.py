@@ -111,6 +111,10 @@ class EngineStats:
     # whose KV moved in, since it started
     import_held_tokens: int = 0
     import_moved_tokens: int = 0
+    # prompt-prefix tokens whose KV it lent to other workers, and copied in from them
+    # (prefill workers pulling prefixes from each other), since it started
+    prefix_lent_tokens: int = 0
+    prefix_pulled_tokens: int = 0
 
     @property
     def num_used_blocks(self) -> int:

@@ -30,6 +30,9 @@ class PrefillWorkerSpec:
     # hand a prompt's KV over layer by layer while its last prefill step computes it
     # (``PrefillWorker.prefill_stream``), where the backend can (KVSource.streams) and TP=1
     stream_kv: bool = False
+    # bound on copying one prefix from another prefill worker (PrefillTask.prefix_from);
+    # None: lease_s
+    transfer_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,34 @@ class PrefillTask:
     # the reader holds the prompt's first this many full blocks already (its own prefix
     # cache): only the blocks after them are exported, checksummed and moved
     export_from_block: int = 0
+    # another prefill worker holds the prompt's leading blocks: take them from it rather
+    # than compute them (the router judged the pull cheaper; ``PrefixPull``)
+    prefix_from: PrefixPull | None = None
+
+
+@dataclass(frozen=True)
+class PrefixPull:
+    """Where a prefill worker may take a prompt's leading full blocks from instead of
+    computing them: ``holder``, another prefill worker whose prefix cache held the
+    first ``num_blocks`` of them when the router last polled it. The borrower asks it
+    for the blocks it lacks itself (``PrefillPeer.lend_prefix``), pulls them over the
+    transfer backend and verifies them; whatever fails on the way (the holder evicted
+    them, died, or the pull failed) it computes them instead, and the request goes on."""
+
+    holder: PrefillPeer
+    holder_id: str
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class PrefixLoan:
+    """A borrower asks a holder for its cached blocks ``from_block``.. of ``token_ids``
+    (whole blocks: the prefix the borrower wants), exported under ``request_id`` and a
+    lease until the borrower confirms them or ``abort(request_id)`` releases them."""
+
+    request_id: str
+    token_ids: list[int]
+    from_block: int
 
 
 @dataclass(frozen=True)
@@ -76,6 +107,10 @@ class PrefillResult:
     scheduled_at: float | None = None  # time.time() when its engine began the prompt (queue time ends)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob] | None = None  # when asked
+    # prompt tokens whose KV it pulled from another prefill worker (task.prefix_from),
+    # and from which; 0 and "" when it pulled none
+    pulled_tokens: int = 0
+    pulled_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -97,6 +132,10 @@ class PrefillStats:
     leases_expired: int  # exports whose lease ran out unconfirmed
     leases_released: int  # exports given up (request cancelled or failed)
     prefix: PrefixUpdate | None = None  # its prefix cache's changes since the caller's cursor
+    # prefixes pulled from other prefill workers (task.prefix_from): pulls that moved KV,
+    # and those that failed or found nothing to take (the prompt was computed instead)
+    prefix_pulls: int = 0
+    prefix_pull_failures: int = 0
 
 
 class PrefillPeer(Protocol):
@@ -118,4 +157,10 @@ class PrefillPeer(Protocol):
 
     async def abort(self, request_id: str) -> bool:
         """Stop the request wherever it is on the worker (its export's lease is released)."""
+        ...
+
+    async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
+        """Export the cached blocks ``loan`` asks for that the worker still holds, under a
+        lease (the borrower confirms them, or ``abort(loan.request_id)`` lets them go);
+        None when it holds none of them now."""
         ...

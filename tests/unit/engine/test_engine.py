@@ -207,6 +207,47 @@ def test_a_decode_engine_holding_a_prefix_imports_only_the_tail(checkpoint):
         prefill.add_request(prompt[:65], GREEDY, prefill_only=True, export_from_block=9)
 
 
+def test_a_prefix_lent_by_one_engine_is_adopted_by_another_and_not_computed_again(checkpoint):
+    """Engine A computed a 64-token prefix; B holds its first 3 blocks already, reserves
+    the other 5, copies A's lent blocks in, adopts them, and then prefills a prompt
+    starting with the prefix computing only the tail: output equals a whole engine's.
+    A lends nothing it does not hold; B adopting fewer blocks than it reserved keeps only
+    those; an aborted reservation frees everything."""
+    cfg = dict(model=str(checkpoint), dtype="float32", block_size=8, max_num_batched_tokens=32)
+    a, b, mono = (Engine(EngineConfig(**cfg)) for _ in range(3))
+    prefix = random_prompts([64], 512, seed=15)[0]
+    prompt = prefix + random_prompts([13], 512, seed=16)[0]
+    expected = mono.generate([prompt], GREEDY)[0].token_ids
+    a.generate([prefix + [1, 2]], GREEDY)  # A's cache holds the prefix's 8 blocks
+    b.generate([prefix[:24] + [3]], GREEDY)  # B's holds the first 3
+
+    held, blocks = b.reserve_prefix("p", prefix)
+    assert (held, len(blocks)) == (3, 5)
+    lent = a.lend_prefix("p", prefix, from_block=held)
+    assert lent is not None and len(lent.block_ids) == 5 and lent.num_kv_tokens == 40
+    assert a.stats().prefix_lent_tokens == 40 and a.stats().prefix_hit_tokens == 0
+    b.kv_cache.write_blocks(blocks, a.kv_cache.read_blocks(lent.block_ids))
+    a.release("p")
+    assert a.block_manager.num_used_blocks == 0
+    assert b.adopt_prefix("p", 8) == 40 and "p" not in b.requests
+    before = b.stats().prefix_hit_tokens
+    out = b.generate([prompt], GREEDY)[0]
+    assert out.token_ids == expected and out.num_cached_tokens == 64
+    assert b.stats().prefix_pulled_tokens == 40 and b.stats().prefix_hit_tokens - before == 64
+
+    assert a.lend_prefix("q", random_prompts([32], 512, seed=17)[0], 0) is None and not a.requests
+    assert a.lend_prefix("r", prefix, from_block=8) is None and a.block_manager.num_used_blocks == 0
+    other = random_prompts([32], 512, seed=18)[0]
+    held, blocks = b.reserve_prefix("s", other)
+    assert (held, len(blocks)) == (0, 4)
+    assert b.adopt_prefix("s", 0) == 0  # the copy failed: nothing joins the cache
+    assert b.block_manager.find_cached_prefix(b._sequence("t", other + [1], GREEDY)) == []
+    b.reserve_prefix("u", other)
+    assert b.abort("u") and b.block_manager.num_used_blocks == 0
+    with pytest.raises(InvalidRequest, match="whole number of blocks"):
+        b.reserve_prefix("v", prefix[:20])
+
+
 def test_import_two_phase_and_abort_before_activate(engine):
     blocks = engine.import_request("x", list(range(20)), [5], GREEDY)
     assert len(blocks) == 3 and engine.block_manager.num_used_blocks == 3

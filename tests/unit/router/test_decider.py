@@ -154,3 +154,24 @@ def test_the_handover_estimate_follows_measurements():
     for _ in range(30):
         decider.observe_handover(0.02)
     assert decider.handover_s == pytest.approx(0.02, rel=0.05)
+
+
+def _holding(wid: str, prompt: Prompt, blocks: int, rate: float = 0.0):
+    w = record(wid, "prefill", prefill_rate=rate)
+    held = prompt.block_hashes[:blocks]
+    w.prefix.apply(PrefixUpdate("e", len(held), tuple((h, True) for h in held), snapshot=True))
+    return w
+
+
+def test_a_prefill_worker_copies_a_prefix_only_where_computing_it_costs_more_than_a_handover():
+    prompt = _prompt(1030)  # 64 full blocks
+    p = _holding("p", prompt, 4)  # no rate measured yet: the holder's is used
+    h1, h2 = _holding("h1", prompt, 40, rate=RATE), _holding("h2", prompt, 60, rate=RATE)
+    # h2 holds 896 tokens more than p: 0.9 s to compute against a 50 ms handover
+    assert _decider().pull_source(prompt, p, [h1, h2]) is h2
+    # a handover of a second: computing 0.9 s is cheaper
+    assert _decider(handover_s=1.0).pull_source(prompt, p, [h1, h2]) is None
+    # nobody holds more than p, or no rate is known anywhere
+    assert _decider().pull_source(prompt, _holding("p", prompt, 60), [h1, h2]) is None
+    assert _decider().pull_source(prompt, p, [_holding("h", prompt, 60)]) is None
+    assert _decider().pull_source(prompt, p, []) is None

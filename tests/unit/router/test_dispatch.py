@@ -23,8 +23,10 @@ from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import WorkerRegistry
 from splitserve.wire.errors import InvalidRequest, LeaseExpired, Overloaded, PeerLost, WorkerLost
+from splitserve.wire.prefill import PrefillStats
+from splitserve.wire.prefix import PrefixUpdate, prompt_block_hashes
 from splitserve.wire.sampling import SamplingParams
-from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill, expected_tokens
+from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill, engine_stats, expected_tokens
 
 
 def _cluster(prefills, decodes, **limits) -> Dispatcher:
@@ -371,3 +373,32 @@ def test_a_streamed_request_that_ends_at_its_first_token_ends_on_the_decode_work
     assert tokens == expected_tokens(prompt, 1) and final.completion_tokens == 1
     assert [t.source for t in d0.calls] == [p0] and (final.prefill_worker, final.decode_worker) == ("p0", "")
     assert d0.aborted == [] and p0.aborted == [d0.calls[0].request_id]  # the streamed export is released
+
+
+def test_a_prefill_worker_is_told_to_copy_the_prefix_another_prefill_worker_holds():
+    """p0 holds the prompt's first 4 blocks but has a queue; the prompt goes to p1, whose
+    task names p0 as where to copy them from; a retry on p0 itself copies nothing; with
+    policy.prefix_pulls off nothing is copied."""
+    p0, p1, d0 = FakePrefill("p0"), FakePrefill("p1", fail=_lost), FakeDecode("d0")
+    d = _cluster([p0, p1], [d0])
+    prompt = list(range(100, 180))  # 5 full blocks of 16
+    hashes = prompt_block_hashes(prompt, 16)[:4]
+    holder = d.registry.get("p0")
+    holder.prefix.apply(PrefixUpdate("e", 4, tuple((h, True) for h in hashes), snapshot=True))
+    holder.stats = PrefillStats("p0", engine_stats(prefill_rate=1000.0), (), 0, 0, 0)
+
+    async def run(policy: PolicySpec) -> list[int]:
+        d.policy = policy
+        with d.registry.prefilling(holder, "queued", 500):
+            tokens, _ = await _collect(d, prompt)
+        return tokens
+
+    assert asyncio.run(run(PolicySpec())) == expected_tokens(prompt, 8)
+    first, retry = d0.calls
+    assert first.source is p1 and first.prefix_from.holder is p0
+    assert (first.prefix_from.holder_id, first.prefix_from.num_blocks) == ("p0", 4)
+    assert retry.source is p0 and retry.prefix_from is None  # p1 was lost; p0 holds it itself
+    d0.calls.clear()
+    p1.fail = None
+    asyncio.run(run(PolicySpec(prefix_pulls=False)))
+    assert d0.calls[0].source is p1 and d0.calls[0].prefix_from is None

@@ -1,0 +1,153 @@
+"""Prefixes a prefill worker takes from another prefill worker instead of computing them.
+
+When the router knows that another prefill worker (the holder) caches a prompt's
+leading blocks that this one lacks, and judged copying them cheaper than computing
+them (``router.decider``), the task names it (``PrefillTask.prefix_from``). Before
+the prompt enters the engine, ``PrefixBorrower.borrow``::
+
+    engine.reserve_prefix   hold the prefix blocks this engine has, allocate the rest
+    holder.lend_prefix      the holder exports the blocks after those (a lease)
+    link                    the holder's handshake, once per holder incarnation
+    sink.pull               the bytes over the transfer backend, verified per layer;
+                            confirmed to the holder (by the backend, or by confirm)
+    -> Borrowed             the caller adopts the blocks (engine.adopt_prefix) and adds
+                            the prompt in the same engine call: the prompt finds them cached
+
+Whatever fails on the way (no room, the holder evicted them or is gone, the pull
+failed, timed out or was corrupt) is logged and counted, the blocks are freed here and
+released there, and ``borrow`` returns None: the prompt is computed as if no pull had
+been planned. No request fails for a pull. A borrow the caller cancels frees its blocks
+only once the pull in flight ended (bytes may still be landing in them).
+
+One worker of TP=1 (its engine's group of one) on each side; the holder refuses a loan
+otherwise (it returns None).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.engine.background import Background
+from splitserve.kv_transfer.sink import KVSink
+from splitserve.wire.errors import Overloaded, PeerLost, SplitserveError
+from splitserve.wire.kv import KVHandoff
+from splitserve.wire.prefill import PrefillTask, PrefixLoan, PrefixPull
+
+log = logging.getLogger(__name__)
+
+EngineCall = Callable[[Callable[[Any], Any]], Awaitable[Any]]  # runs fn(engine) on the engine thread
+
+
+@dataclass(frozen=True)
+class Borrowed:
+    """A prefix reserved under ``loan_id`` whose first ``num_blocks`` hold their KV now;
+    ``pulled_tokens`` of them came from ``holder_id``."""
+
+    loan_id: str
+    num_blocks: int
+    pulled_tokens: int
+    holder_id: str
+
+
+class PrefixBorrower:
+    """Pulls prefixes into one engine's cache. Used from the worker's asyncio loop;
+    ``sink`` is driven by one thread of its own."""
+
+    def __init__(self, worker_id: str, sink: KVSink, block_size: int, call: EngineCall, timeout_s: float):
+        """``timeout_s`` bounds one borrow (the loan, the link and the pull; a task's own
+        ``timeout_s``, if shorter)."""
+        self.worker_id = worker_id
+        self.sink = sink
+        self.block_size = block_size
+        self.timeout_s = timeout_s
+        self._call = call
+        self._transfer = ThreadPoolExecutor(1, thread_name_prefix=f"{worker_id}-borrow")
+        self._peers: dict[str, tuple[str, ...]] = {}  # holder id -> incarnations the sink is linked to
+        self._background = Background()  # confirmations and releases to holders, not awaited
+        self.pulls = 0  # borrows that moved KV in
+        self.failures = 0  # borrows that moved nothing (the prompt computed it)
+
+    async def borrow(self, task: PrefillTask) -> Borrowed | None:
+        """Take ``task.prefix_from``'s blocks of ``task``'s prompt into the engine (see
+        the module docstring); None when nothing is to be adopted."""
+        pull = task.prefix_from
+        prompt, bs = task.prompt_token_ids, self.block_size
+        num_blocks = min(pull.num_blocks, (len(prompt) - 1) // bs)  # the last token's block computes
+        if num_blocks <= 0:
+            return None
+        loan_id, prefix = f"{task.request_id}/prefix", prompt[: num_blocks * bs]
+        try:
+            held, blocks = await self._call(lambda e: e.reserve_prefix(loan_id, prefix))
+        except Overloaded as e:
+            return self._failed(task, pull, e)
+        if not blocks:  # it holds them all already
+            return Borrowed(loan_id, held, 0, "")
+        loaned = moving = None
+        limit = self.timeout_s if task.timeout_s is None else min(self.timeout_s, task.timeout_s)
+        try:
+            async with asyncio.timeout(limit):
+                loaned = await pull.holder.lend_prefix(PrefixLoan(loan_id, prefix, held))
+                if loaned is None:
+                    raise PeerLost(f"{pull.holder_id} holds none of the blocks it was asked for")
+                (desc,) = loaned.descriptors
+                got = blocks[: len(desc.block_ids)]
+                await self._link(pull, loaned)
+                timeout = max(0.001, min(limit, desc.remaining_lease()))
+                moving = asyncio.get_running_loop().run_in_executor(
+                    self._transfer, self.sink.pull, desc, got, timeout
+                )
+                confirmation = await asyncio.shield(moving)
+        except asyncio.CancelledError:
+            await self._give_up(loan_id, pull, loaned, moving)
+            raise
+        except (SplitserveError, TimeoutError) as e:
+            await self._give_up(loan_id, pull, loaned, moving)
+            return self._failed(task, pull, e)
+        if not confirmation.delivered:
+            self._background.run(pull.holder.confirm((confirmation,)))
+        self.pulls += 1
+        return Borrowed(loan_id, held + len(got), len(got) * bs, pull.holder_id)
+
+    def close(self) -> None:
+        self._transfer.shutdown(wait=True)
+        self.sink.close()
+
+    # ---- internals ---------------------------------------------------------------
+    async def _link(self, pull: PrefixPull, loaned: KVHandoff) -> None:
+        """Hold the handshake of the holder's incarnation that lent ``loaned``."""
+        if self._peers.get(pull.holder_id) == loaned.incarnations:
+            return
+        info = await pull.holder.info()
+        if tuple(hs.incarnation for hs in info.handshakes) != loaned.incarnations:
+            raise PeerLost(f"prefill worker {pull.holder_id} restarted since it lent the prefix")
+        loop = asyncio.get_running_loop()
+        for hs in info.handshakes:
+            await loop.run_in_executor(self._transfer, self.sink.connect, hs)
+        self._peers[pull.holder_id] = loaned.incarnations
+
+    async def _give_up(self, loan_id: str, pull: PrefixPull, loaned: KVHandoff | None, moving) -> None:
+        """Free the reserved blocks here once no pull writes into them; release the loan."""
+        if moving is not None:
+            with contextlib.suppress(BaseException):
+                await moving
+        if loaned is not None:
+            self._background.run(pull.holder.abort(loan_id))
+        await self._call(lambda e: e.abort(loan_id))
+
+    def _failed(self, task: PrefillTask, pull: PrefixPull, error: BaseException) -> None:
+        self.failures += 1
+        why = f"{error.__class__.__name__}: {error}" if str(error) else error.__class__.__name__
+        log.warning(
+            "%s: pulling %s's prefix of %s failed (%s); computing it",
+            self.worker_id,
+            pull.holder_id,
+            task.request_id,
+            why,
+        )
+        return None
