@@ -207,6 +207,7 @@ async def run_rates(args: argparse.Namespace, address: str) -> list[RunResult]:
     for i, rate in enumerate(args.request_rate):
         # Fresh prompts per rate (seed + i): a rerun of the same prompts would hit the prefix cache.
         seeded = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
+        before = await server_counters(address)
         if args.dataset == "multi-turn":
             conversations = build_conversations(seeded, *limits)
             arrivals = workloads.arrival_times(len(conversations), rate, args.burstiness, args.seed + i)
@@ -223,6 +224,9 @@ async def run_rates(args: argparse.Namespace, address: str) -> list[RunResult]:
                 address, requests, arrivals, args.max_concurrency, progress=True
             )
         metrics = compute_metrics(records, duration, slos)
+        await asyncio.sleep(1.0)  # the router polls its workers' counters twice a second
+        after = await server_counters(address)
+        metrics |= {key: after[key] - before.get(key, 0) for key in after}
         metrics |= {
             "request_rate": rate,
             "burstiness": args.burstiness,
@@ -230,6 +234,37 @@ async def run_rates(args: argparse.Namespace, address: str) -> list[RunResult]:
         }
         results.append(RunResult(rate, metrics, records))
     return results
+
+
+SERVER_COUNTERS = {
+    "prefilled_local": "prompts prefilled on their decode worker",
+    "prefilled_remote": "prompts prefilled on a prefill worker",
+    "reused_device_tokens": "prompt tokens taken from a KV cache",
+    "reused_host_tokens": "prompt tokens reloaded from a host tier",
+    "pulled_tokens": "prompt tokens copied from another prefill worker",
+    "held_tokens": "handed-over prompt tokens a decode worker held already",
+    "moved_tokens": "handed-over prompt tokens whose KV moved",
+}
+
+
+async def server_counters(address: str) -> dict[str, float]:
+    """The server's own counters now (``SERVER_COUNTERS``, summed over workers), from its
+    status; a run's figures are the difference over the run."""
+    async with AsyncClient(address, retries=2, timeout=30) as client:
+        st = await client.cluster_status()
+    placed = {p.placement: 0 for p in st.placements}
+    for p in st.placements:
+        placed[p.placement] += p.count
+    reuse = [w.prefix_reuse for pool in st.pools for w in pool.workers]
+    return {
+        "prefilled_local": placed.get("local", 0),
+        "prefilled_remote": placed.get("remote", 0),
+        "reused_device_tokens": sum(r.device_tokens for r in reuse),
+        "reused_host_tokens": sum(r.host_tokens for r in reuse),
+        "pulled_tokens": sum(r.pulled_tokens for r in reuse),
+        "held_tokens": sum(r.import_held_tokens for r in reuse),
+        "moved_tokens": sum(r.import_moved_tokens for r in reuse),
+    }
 
 
 def print_summary(label: str, m: dict) -> None:
@@ -247,6 +282,9 @@ def print_summary(label: str, m: dict) -> None:
         )
     if "request_goodput" in m:
         print(f"  goodput {m['request_goodput']:.2f} req/s, SLO attainment {m['slo_attainment']:.1%}")
+    server = [f"{what} {m[key]:,.0f}" for key, what in SERVER_COUNTERS.items() if m.get(key)]
+    if server:
+        print("  server: " + "; ".join(server))
 
 
 def write_json(path: str, payload: object) -> None:
