@@ -7,6 +7,7 @@ the ratios.
     splitserve bench compare --splits 1:1 2:1 1:2 ...     # pool ratios, same cores
     splitserve bench compare --disaggregated a.yaml b.yaml ...  # several against colocated
     splitserve bench compare --engine kv_cache_memory_mib=128 ...  # set in every setup's pools
+    splitserve bench compare --policy local_prefill_max_stall_ms=2000 ...  # every setup's router policy
 
 Each setup is a real ``splitserve serve`` process (its own Ray instance,
 router and workers), started from a config, warmed up, measured at every
@@ -175,7 +176,7 @@ def print_ratios(label: str, rows: list[dict], disagg: list, coloc: list) -> Non
 
 def setups(args: argparse.Namespace, out: Path) -> dict[str, str]:
     """Label -> config of every setup, the colocated baseline first (each with the
-    ``--engine`` options set in all its pools)."""
+    ``--engine`` options set in all its pools and the ``--policy`` ones in its policy)."""
     found = {"colocated": args.colocated}
     configs = args.disaggregated
     if not args.splits:
@@ -188,18 +189,25 @@ def setups(args: argparse.Namespace, out: Path) -> dict[str, str]:
     else:
         for p, d in args.splits:
             found[f"{p}P:{d}D"] = str(split_config(configs[0], p, d, args.cores, out))
-    options = {k: v for item in args.engine for k, v in item.items()}
-    if options:
-        found = {label: str(engine_config(config, options, out, label)) for label, config in found.items()}
+    engine = {k: v for item in args.engine for k, v in item.items()}
+    policy = {k: v for item in args.policy for k, v in item.items()}
+    if engine or policy:
+        found = {
+            label: str(engine_config(config, engine, out, label, policy)) for label, config in found.items()
+        }
     return found
 
 
-def engine_config(base: str, options: dict[str, object], out: Path, label: str) -> Path:
-    """``base`` with ``options`` set in the ``engine`` section of every pool it runs."""
+def engine_config(
+    base: str, options: dict[str, object], out: Path, label: str, policy: dict[str, object] | None = None
+) -> Path:
+    """``base`` with ``options`` set in the ``engine`` section of every pool it runs, and
+    ``policy`` in its ``policy`` section."""
     data = yaml.safe_load(Path(base).read_text())
     roles = ("colocated",) if data.get("mode") == "colocated" else ("prefill", "decode")
     for role in roles:
         data.setdefault(role, {}).setdefault("engine", {}).update(options)
+    data.setdefault("policy", {}).update(policy or {})
     path = out / f"{label.replace(':', '')}_engine.yaml"
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -207,12 +215,13 @@ def engine_config(base: str, options: dict[str, object], out: Path, label: str) 
 
 
 def parse_engine_options(items: list[str]) -> dict[str, object]:
-    """``["host_kv_tier_mib=1024"]`` -> ``{"host_kv_tier_mib": 1024}`` (values read as YAML)."""
+    """``["host_kv_tier_mib=1024"]`` -> ``{"host_kv_tier_mib": 1024}`` (values read as YAML;
+    the same for ``--policy``)."""
     options = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--engine takes KEY=VALUE, got {item!r}")
+            raise ValueError(f"--engine and --policy take KEY=VALUE, got {item!r}")
         options[key] = yaml.safe_load(value)
     return options
 
@@ -281,6 +290,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="engine options set in every setup's pools, e.g. kv_cache_memory_mib=128",
+    )
+    p.add_argument(
+        "--policy",
+        nargs="+",
+        type=lambda t: parse_engine_options([t]),
+        default=[],
+        metavar="KEY=VALUE",
+        help="router policy options set in every setup, e.g. local_prefill_max_stall_ms=2000",
     )
     p.add_argument("--warmup", type=int, default=3, help="requests sent to each setup before measuring")
     p.add_argument("--out-dir", default="bench-results", help="JSON, plots and server logs go here")

@@ -51,6 +51,7 @@ def test_engine_options_reach_every_pool_of_every_setup(tmp_path):
         splits=[],
         cores=None,
         engine=[options],
+        policy=[parse_engine_options(["local_prefill_max_stall_ms=2000"])],
     )
     found = setups(args, tmp_path)
     assert list(found) == ["colocated", "bench_disaggregated", "bench_disaggregated_tier"]
@@ -59,6 +60,7 @@ def test_engine_options_reach_every_pool_of_every_setup(tmp_path):
         for role in cfg.pools():
             engine = cfg.engine_config(role)
             assert (engine.kv_cache_memory_mib, engine.host_kv_tier_mib) == (128, 1024), (label, role)
+        assert cfg.policy.local_prefill_max_stall_ms == 2000, label
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_engine_options(["host_kv_tier_mib"])
     tier = ClusterConfig.load(CONFIG_DIR / "bench_colocated_tier.yaml").engine_config("colocated")
