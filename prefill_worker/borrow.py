@@ -88,10 +88,12 @@ class PrefixBorrower:
             return self._failed(task, pull, e)
         if not blocks:  # it holds them all already
             return Borrowed(loan_id, held, 0, "")
-        loaned = moving = None
+        asked = False
+        moving = None
         limit = self.timeout_s if task.timeout_s is None else min(self.timeout_s, task.timeout_s)
         try:
             async with asyncio.timeout(limit):
+                asked = True
                 loaned = await pull.holder.lend_prefix(PrefixLoan(loan_id, prefix, held))
                 if loaned is None:
                     raise PeerLost(f"{pull.holder_id} holds none of the blocks it was asked for")
@@ -104,10 +106,10 @@ class PrefixBorrower:
                 )
                 confirmation = await asyncio.shield(moving)
         except asyncio.CancelledError:
-            await self._give_up(loan_id, pull, loaned, moving)
+            await self._give_up(loan_id, pull, asked, moving)
             raise
-        except (SplitserveError, TimeoutError) as e:
-            await self._give_up(loan_id, pull, loaned, moving)
+        except Exception as e:  # whatever it was, the prompt is computed instead
+            await self._give_up(loan_id, pull, asked, moving)
             return self._failed(task, pull, e)
         if not confirmation.delivered:
             self._background.run(pull.holder.confirm((confirmation,)))
@@ -131,23 +133,26 @@ class PrefixBorrower:
             await loop.run_in_executor(self._transfer, self.sink.connect, hs)
         self._peers[pull.holder_id] = loaned.incarnations
 
-    async def _give_up(self, loan_id: str, pull: PrefixPull, loaned: KVHandoff | None, moving) -> None:
-        """Free the reserved blocks here once no pull writes into them; release the loan."""
+    async def _give_up(self, loan_id: str, pull: PrefixPull, asked: bool, moving) -> None:
+        """Free the reserved blocks here once no pull writes into them; release the loan
+        if the holder was asked for one (it may have lent it after this side gave up)."""
         if moving is not None:
             with contextlib.suppress(BaseException):
                 await moving
-        if loaned is not None:
+        if asked:
             self._background.run(pull.holder.abort(loan_id))
         await self._call(lambda e: e.abort(loan_id))
 
-    def _failed(self, task: PrefillTask, pull: PrefixPull, error: BaseException) -> None:
+    def _failed(self, task: PrefillTask, pull: PrefixPull, error: Exception) -> None:
         self.failures += 1
         why = f"{error.__class__.__name__}: {error}" if str(error) else error.__class__.__name__
+        expected = isinstance(error, SplitserveError | TimeoutError)  # others: with their traceback
         log.warning(
             "%s: pulling %s's prefix of %s failed (%s); computing it",
             self.worker_id,
             pull.holder_id,
             task.request_id,
             why,
+            exc_info=None if expected else error,
         )
         return None
