@@ -21,7 +21,8 @@ The two halves disaggregated serving needs:
   ``abort(id)`` to give the blocks back.
   When the KV moves before prefill ends, the first token comes with ``activate``.
 
-Building the parts (model, KV cache, scheduler, runner) is ``engine.build``;
+Those methods, and the prefix loans between engines, are in ``engine.kv_requests``
+(``Engine`` inherits them). Building the parts (model, KV cache, scheduler, runner) is ``engine.build``;
 this module is the request lifecycle. Every public method validates first
 (``validate_request`` is the one place requests are checked) and raises
 ``InvalidRequest`` (a ``ValueError``) before touching any state, so bad input
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from splitserve.engine.build import build_engine
+from splitserve.engine.kv_requests import KVRequests
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.scheduler import ScheduledSeq
@@ -44,13 +46,12 @@ from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.step_rates import DecodeSteps, ExpertLoad, PrefillRate
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.wire.config import EngineConfig
-from splitserve.wire.errors import InvalidRequest, Overloaded, UnknownRequest
+from splitserve.wire.errors import InvalidRequest, UnknownRequest
 from splitserve.wire.outputs import (
     CompletionOutput,
     EngineStats,
     FinishingPrefill,
     LayerObserver,
-    PrefilledRequest,
     RequestOutput,
     TierCounters,
 )
@@ -58,7 +59,7 @@ from splitserve.wire.prefix import PrefixCursor, PrefixUpdate
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
 
-class Engine:
+class Engine(KVRequests):
     def __init__(
         self,
         config: EngineConfig,
@@ -323,176 +324,6 @@ class Engine:
     def stop_followers(self) -> None:
         """Driver: end the other ranks' ``follow()`` (a no-op without tensor parallelism)."""
         self.runner.stop_followers()
-
-    # ---- prefill half ------------------------------------------------------
-    def prefilled(self, request_id: str) -> PrefilledRequest:
-        """A PREFILLED request's KV to export: its blocks after the ``export_from_block``
-        its reader holds, and the tokens in them."""
-        seq = self._get(request_id, SequenceStatus.PREFILLED).seq
-        skip = seq.export_from_block
-        return PrefilledRequest(
-            request_id,
-            list(seq.prompt_token_ids),
-            seq.output_token_ids,
-            list(seq.block_table[skip:]),
-            seq.num_computed_tokens - skip * self.block_manager.block_size,
-            seq.num_cached_tokens,
-        )
-
-    def release(self, request_id: str) -> None:
-        """Free a PREFILLED request's blocks (its KV has been delivered or given up)."""
-        self._finish(self._get(request_id, SequenceStatus.PREFILLED), FinishReason.PREFILL_DONE)
-
-    # ---- prefixes lent and borrowed between workers ---------------------------
-    def lend_prefix(self, request_id: str, token_ids: list[int], from_block: int) -> PrefilledRequest | None:
-        """Hold the leading full blocks of ``token_ids`` this engine has (its cache, then
-        its host tier) for request ``request_id``, PREFILLED from here on, naming those
-        from ``from_block`` on (``prefilled``) for another worker to copy; ``release``
-        (or ``abort``) lets them go. None, holding nothing, when it has no more than
-        ``from_block`` of them. Lending computes nothing and counts as no reuse here."""
-        request_id = self._new_id(request_id)
-        ids = self.validate_request(list(token_ids), SamplingParams(max_tokens=1))
-        seq = self._sequence(request_id, ids, SamplingParams(max_tokens=1), prefill_only=True)
-        if self._hold(seq, whole=True, reused=False) <= from_block:
-            self.block_manager.free(seq)
-            return None
-        seq.export_from_block = from_block
-        self.requests[request_id] = state = RequestState(seq, self.tokenizer, seq.num_tokens)
-        self._park_prefilled(state)
-        lent = self.prefilled(request_id)
-        self.lent_tokens += lent.num_kv_tokens
-        return lent
-
-    def reserve_prefix(self, request_id: str, token_ids: list[int]) -> tuple[int, list[int]]:
-        """Before copying the KV of ``token_ids`` (whole blocks, a prompt's prefix) from
-        another worker: hold its leading blocks this engine has (cache, host tier) and
-        allocate the others, for request ``request_id`` (IMPORTING: never scheduled,
-        its blocks never evicted). Returns (blocks held, the ids of the others, to
-        fill in order). Then ``adopt_prefix``, or ``abort`` to free them all. Raises
-        ``Overloaded`` (holding nothing) when the cache has no room now."""
-        request_id = self._new_id(request_id)
-        ids = self.validate_request(list(token_ids), SamplingParams(max_tokens=1))
-        if len(ids) % self.block_manager.block_size:
-            raise InvalidRequest(f"a prefix of {len(ids)} tokens is not a whole number of blocks")
-        seq = self._sequence(request_id, ids, SamplingParams(max_tokens=1))
-        held = self._hold(seq, whole=True, reused=False)  # the prompt added next counts them
-        missing = len(ids) - seq.num_computed_tokens
-        if not self.block_manager.can_allocate(seq, missing):
-            self.block_manager.free(seq)
-            raise Overloaded(f"not enough free KV blocks for a {missing}-token prefix")
-        self.block_manager.allocate(seq, missing)
-        seq.status = SequenceStatus.IMPORTING
-        self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
-        return held, list(seq.block_table[held:])
-
-    def adopt_prefix(self, request_id: str, num_blocks: int) -> int:
-        """The first ``num_blocks`` blocks of a prefix ``reserve_prefix`` made hold their
-        KV now (held here, or copied in and verified): they join the prefix cache (a
-        prompt starting with them, added next, takes them), and the request ends,
-        freeing its blocks. Returns the tokens copied in (those not held before)."""
-        state = self._get(request_id, SequenceStatus.IMPORTING)
-        seq, bs = state.seq, self.block_manager.block_size
-        if not 0 <= num_blocks <= len(seq.block_table):
-            raise InvalidRequest(f"{request_id} reserved {len(seq.block_table)} blocks, not {num_blocks}")
-        copied = max(0, num_blocks * bs - seq.num_computed_tokens)
-        seq.num_computed_tokens = num_blocks * bs
-        self.block_manager.commit_computed(seq)
-        self.pulled_tokens += copied
-        self._finish(state, FinishReason.ABORT)
-        return copied
-
-    # ---- decode half -------------------------------------------------------
-    def hold_prefix(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Before asking for the KV of ``prompt_token_ids`` from elsewhere: take the
-        prompt's leading full blocks this engine holds (its cache, then its host tier,
-        reloaded now) for request ``request_id``, which is IMPORTING from here on, holding
-        them (never evicted) until ``import_request`` adds the rest, or ``abort``. Returns
-        the tokens held, a whole number of blocks (0: none; no request is made). Never
-        the block of the prompt's last token: its KV always comes from the prefill."""
-        request_id = self._new_id(request_id)
-        prompt_ids = self.validate_request(list(prompt_token_ids), params)
-        seq = self._sequence(request_id, prompt_ids, params)
-        if not self._hold(seq):
-            return 0
-        seq.status = SequenceStatus.IMPORTING
-        self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
-        return seq.num_computed_tokens
-
-    def _hold(self, seq: Sequence, whole: bool = False, reused: bool = True) -> int:
-        """Give the fresh ``seq`` the leading blocks of its tokens this engine holds:
-        its cache's, then its host tier's (reloaded now, where free blocks allow), up to
-        ``BlockManager.reusable_blocks(seq, whole)``. Returns the blocks it holds;
-        ``reused``: they count as prompt tokens reused (``stats``)."""
-        bm = self.block_manager
-        cached = bm.find_cached_prefix(seq, whole)
-        tiered = bm.tier_prefix(seq, cached, whole)
-        if not bm.can_allocate(seq, tiered * bm.block_size, cached):
-            tiered = 0  # the reloads need free blocks; the cached ones do not
-        if cached:
-            bm.take_cached_prefix(seq, cached, reused)
-        if tiered:
-            bm.reload(seq, tiered, reused)
-        return len(seq.block_table)
-
-    def import_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        output_token_ids: list[int],
-        params: SamplingParams,
-    ) -> list[int]:
-        """Allocate blocks for the KV of ``prompt_token_ids`` computed elsewhere (after
-        those ``hold_prefix`` holds for it, if it held any).
-
-        Returns the block ids to fill (in order; the last may be partial): after the
-        held ones. A request ``hold_prefix`` made keeps the sequence (and ``params``)
-        it was held with; ``prompt_token_ids`` must be the same prompt. Raises
-        ``Overloaded`` if the cache has no room now (what was held stays held). The
-        request stays IMPORTING until ``activate`` (or ``abort``, which frees the
-        blocks). ``output_token_ids`` is the first token the prefill side sampled; it
-        may be empty when the KV starts moving before prefill ends (layer-wise
-        streaming), and then comes with ``activate``."""
-        held = self.requests.get(request_id)
-        if (
-            held is not None
-            and held.seq.status == SequenceStatus.IMPORTING
-            and held.seq.num_computed_tokens < held.seq.num_prompt_tokens
-        ):
-            seq = held.seq
-            if list(prompt_token_ids) != seq.prompt_token_ids:
-                raise InvalidRequest(f"request {request_id} holds a prefix of another prompt")
-        else:
-            request_id = self._new_id(request_id)
-            prompt_ids = self.validate_request(list(prompt_token_ids), params)
-            seq = self._sequence(request_id, prompt_ids, params)
-        have, total = seq.num_computed_tokens, seq.num_prompt_tokens
-        if not self.block_manager.can_allocate(seq, total - have):
-            raise Overloaded(f"not enough free KV blocks for {total - have} tokens")
-        self.block_manager.allocate(seq, total - have)
-        for t in output_token_ids:
-            seq.append_token(t)
-        seq.num_computed_tokens = total
-        seq.status = SequenceStatus.IMPORTING
-        self.import_held_tokens += have
-        self.import_moved_tokens += total - have
-        self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
-        return list(seq.block_table[have // self.block_manager.block_size :])
-
-    def activate(self, request_id: str, output_token_ids: list[int] | None = None) -> None:
-        """The KV of an IMPORTING request is in place: start decoding it. The first
-        sampled token comes here if ``import_request`` did not have it."""
-        state = self._get(request_id, SequenceStatus.IMPORTING)
-        seq = state.seq
-        if output_token_ids:
-            if seq.num_output_tokens:
-                raise InvalidRequest(f"request {request_id} already has its first token")
-            for t in output_token_ids:
-                seq.append_token(t)
-            self.requests[request_id] = state = RequestState(seq, self.tokenizer, seq.num_tokens)
-        if not seq.num_output_tokens:
-            raise InvalidRequest("an imported request needs its first sampled token")
-        self.block_manager.commit_computed(state.seq)
-        self.scheduler.add_running(state.seq)
 
     def _sequence(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False
