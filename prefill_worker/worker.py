@@ -35,6 +35,13 @@ next tick. The source is shared by two threads under ``_source_lock``. A
 cancelled or timed-out ``prefill`` aborts its request, so no path leaves
 blocks behind.
 
+Prefixes between prefill workers (TP=1): a task whose ``prefix_from`` names
+another prefill worker first copies the prompt's leading blocks from it
+(``prefill_worker.borrow``: a sink of its own on the same cache, one more NIXL
+agent) and computes only the rest, or everything if the copy fails;
+``lend_prefix`` is the other side, an export of cached blocks under a lease,
+ended like any export's.
+
 With ``spec.tp`` set the worker is rank 0 of a tensor-parallel group whose
 other ranks are ``PrefillRank``s (``splitserve.prefill_worker.tp`` describes
 the protocol); each request's result then also carries every other rank's KV
