@@ -144,9 +144,7 @@ class Decider:
         holder = max(holders, key=prompt.cached_on)
         rate = prefill.prefill_tokens_per_s or holder.prefill_tokens_per_s  # the same model
         extra = prompt.cached_on(holder) - prompt.cached_on(prefill)
-        if rate <= 0:
-            return None
-        if extra <= 0 or extra / rate <= self.handover_s:
+        if rate <= 0 or extra <= 0 or extra / rate <= self.handover_s:
             return None
         return holder
 
