@@ -33,8 +33,9 @@ PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)
 
 
 @dataclasses.dataclass
-class _InProcess:
-    """A prefill worker in this process as its peers call it (``PrefillPeer``)."""
+class InProcessPeer:
+    """A prefill worker in this process as its peers call it (``PrefillPeer``): what a
+    ``RayPrefillWorker`` is across processes, for a borrower in the same process."""
 
     worker: PrefillWorker
 
@@ -62,7 +63,7 @@ async def _prefill(worker: PrefillWorker, rid: str, prompt: list[int], pull: Pre
 
 async def _measure(holder, borrower, lengths, repeats, vocab) -> list[dict]:
     g = torch.Generator().manual_seed(0)
-    peer = _InProcess(holder)
+    peer = InProcessPeer(holder)
     rows = []
     for n in lengths:
         compute, copy, pulled = [], [], []

@@ -11,9 +11,10 @@ import dataclasses
 
 import pytest
 
+from splitserve.bench.prefix_pull import InProcessPeer
 from splitserve.prefill_worker.worker import PrefillWorker
 from splitserve.wire.config import EngineConfig
-from splitserve.wire.kv import Confirmation, KVHandoff
+from splitserve.wire.kv import KVHandoff
 from splitserve.wire.prefill import PrefillTask, PrefillWorkerSpec, PrefixLoan, PrefixPull
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
@@ -23,28 +24,17 @@ PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
 @dataclasses.dataclass
-class InProcess:
-    """A prefill worker in this process as its peers hold it (``PrefillPeer``); with
-    ``die_after_lending`` it shuts down right after it lends (the pull then meets a
-    holder that is gone)."""
+class InProcess(InProcessPeer):
+    """The holder as its peers call it; with ``die_after_lending`` it shuts down right
+    after it lends (the pull then meets a holder that is gone)."""
 
-    worker: PrefillWorker
     die_after_lending: bool = False
-
-    async def info(self):
-        return await self.worker.info()
 
     async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
         lent = await self.worker.lend_prefix(loan)
         if self.die_after_lending:
             self.worker.shutdown()
         return lent
-
-    async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
-        await self.worker.confirm(confirmations)
-
-    async def abort(self, request_id: str) -> bool:
-        return await self.worker.abort(request_id)
 
 
 @pytest.fixture(scope="module")
