@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import sys
@@ -252,13 +253,13 @@ async def server_counters(address: str) -> dict[str, float]:
     status; a run's figures are the difference over the run."""
     async with AsyncClient(address, retries=2, timeout=30) as client:
         st = await client.cluster_status()
-    placed = {p.placement: 0 for p in st.placements}
-    for p in st.placements:
+    placed = collections.Counter()
+    for p in st.placements:  # one count per (placement, reason)
         placed[p.placement] += p.count
     reuse = [w.prefix_reuse for pool in st.pools for w in pool.workers]
     return {
-        "prefilled_local": placed.get("local", 0),
-        "prefilled_remote": placed.get("remote", 0),
+        "prefilled_local": placed["local"],
+        "prefilled_remote": placed["remote"],
         "reused_device_tokens": sum(r.device_tokens for r in reuse),
         "reused_host_tokens": sum(r.host_tokens for r in reuse),
         "pulled_tokens": sum(r.pulled_tokens for r in reuse),
