@@ -567,4 +567,5 @@ def _batch(out: RequestOutput, now: float) -> TokenBatch:
         finish_reason=out.finish_reason if out.finished else None,
         num_cached_tokens=out.num_cached_tokens,
         started_at=out.scheduled_at,
+        error=out.error,
     )

@@ -32,12 +32,15 @@ Not thread-safe: one thread drives an engine.
 
 from __future__ import annotations
 
+import collections
+import logging
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from splitserve.engine.build import build_engine
+from splitserve.engine.containment import Containment, Ran, contained
 from splitserve.engine.kv_requests import KVRequests
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.request_state import RequestState
@@ -46,7 +49,7 @@ from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.step_rates import DecodeSteps, ExpertLoad, PrefillRate
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.wire.config import EngineConfig
-from splitserve.wire.errors import InvalidRequest, UnknownRequest
+from splitserve.wire.errors import InvalidRequest, SequenceFailed, UnknownRequest
 from splitserve.wire.outputs import (
     CompletionOutput,
     EngineStats,
@@ -57,6 +60,8 @@ from splitserve.wire.outputs import (
 )
 from splitserve.wire.prefix import PrefixCursor, PrefixUpdate
 from splitserve.wire.sampling import FinishReason, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class Engine(KVRequests):
@@ -108,6 +113,9 @@ class Engine(KVRequests):
         self.lent_tokens = self.pulled_tokens = 0
         # told as each layer of a completing prefill-only prompt is written (driver rank only)
         self.layer_observer: LayerObserver | None = None
+        # requests that failed alone (SequenceFailed), by kind, since it started
+        self.sequence_errors: collections.Counter[str] = collections.Counter()
+        self.containment = Containment(self.runner, self.tp.size, lambda: self.layer_observer)
 
     # ---- requests ----------------------------------------------------------
     def add_request(
@@ -204,6 +212,8 @@ class Engine(KVRequests):
             import_moved_tokens=self.import_moved_tokens,
             prefix_lent_tokens=self.lent_tokens,
             prefix_pulled_tokens=self.pulled_tokens,
+            sequence_errors=tuple(sorted(self.sequence_errors.items())),
+            steps_retried=self.containment.retried,
             host_tier=self.host_tier.counters() if self.host_tier is not None else TierCounters(),
         )
 
@@ -214,7 +224,13 @@ class Engine(KVRequests):
     # ---- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; return what changed per request.
-        Driver rank only under tensor parallelism."""
+        Driver rank only under tensor parallelism.
+
+        A request can only fail itself (``engine.containment``): a sequence whose
+        sampling, grammar, detokenisation or stop check raises ends alone, its last
+        output carrying a ``SequenceFailed``; a model step that raises is run again
+        (no new admissions) and then sequence by sequence, and those that still fail
+        end alone. ``step`` raises only for a failure no sequence can be blamed for."""
         if not self.tp.is_driver:
             raise RuntimeError("only TP rank 0 steps the engine; the other ranks call follow()")
         sched = self.scheduler.schedule()
@@ -225,41 +241,62 @@ class Engine(KVRequests):
             outputs.append(state.output([]))
         if not sched.scheduled:
             return outputs
-        sampling = {id(s.seq) for s in sched.scheduled if s.samples}  # before counts change
         prompt_tokens = sum(
             min(s.num_new_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens)
             for s in sched.scheduled
             if s.seq.num_computed_tokens < s.seq.num_prompt_tokens
         )
         started = time.perf_counter()
-        ordered, result, prompt_logprobs = self.runner.execute(
-            sched.scheduled, self._layer_hook(sched.scheduled)
-        )
+        ran = self.containment.run(sched.scheduled, self._layer_hook)
         if prompt_tokens:
             self._prefill_rate.add(prompt_tokens, time.perf_counter() - started)
         else:
             self._decode_steps.add(len(sched.scheduled), time.perf_counter() - started)
-        k = 0
-        for s in ordered:
-            seq = s.seq
-            seq.prompt_logprobs.extend(prompt_logprobs.get(seq.request_id, ()))
-            seq.num_computed_tokens += s.num_new_tokens
+        for r in ran:
+            out = self._advance(r) if r.error is None else None
+            if out is None and r.error is not None:
+                out = self._fail(self.requests[r.entry.seq.request_id], r.error)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _advance(self, r: Ran) -> RequestOutput | None:
+        """Apply one sequence's share of a step: its KV computed, its token appended (and
+        its text, stop check, output); None when it sampled nothing. A part that raises
+        sets ``r.error`` (kind: where) and the sequence is failed by the caller."""
+        seq = r.entry.seq
+        state = self.requests[seq.request_id]
+        part = "logprobs"
+        try:
+            seq.prompt_logprobs.extend(r.prompt_logprobs)
+            seq.num_computed_tokens += r.entry.num_new_tokens
             self.block_manager.commit_computed(seq)
-            if id(seq) not in sampling:
-                continue
-            token, logprob, top = result.token_ids[k], result.logprobs[k], result.top_logprobs[k]
-            k += 1
-            seq.append_token(token, logprob, top)
-            state = self.requests[seq.request_id]
+            if r.token is None:
+                return None
+            part = "grammar"
+            seq.append_token(r.token, r.logprob, r.top)
+            part = "detokenization"
             reason = state.update_text_and_check_stop(self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 self._finish(state, reason)
             elif seq.prefill_only:
                 self._park_prefilled(state)
-            outputs.append(
-                state.output([token], [] if logprob is None else [logprob], [] if top is None else [top])
+            return state.output(
+                [r.token], [] if r.logprob is None else [r.logprob], [] if r.top is None else [r.top]
             )
-        return outputs
+        except Exception as e:
+            r.error = contained(part, e)
+            return None
+
+    def _fail(self, state: RequestState, error: SequenceFailed) -> RequestOutput:
+        """End a request whose own step failed: its blocks freed, its last output says why."""
+        self.sequence_errors[error.kind] += 1
+        log.warning("request %s failed alone (%s): %s", state.seq.request_id, error.kind, error)
+        self._finish(state, None)
+        state.error = error
+        out = state.output([])
+        out.error = error
+        return out
 
     def _layer_hook(self, scheduled: list[ScheduledSeq]) -> Callable[[int], None] | None:
         """Tell the layer observer which prefill-only prompts complete in this step and
@@ -354,7 +391,7 @@ class Engine(KVRequests):
         state.seq.status = SequenceStatus.PREFILLED
         state.seq.finish_reason = FinishReason.PREFILL_DONE
 
-    def _finish(self, state: RequestState, reason: FinishReason) -> None:
+    def _finish(self, state: RequestState, reason: FinishReason | None) -> None:
         seq = state.seq
         self.scheduler.remove(seq)
         self.block_manager.free(seq)

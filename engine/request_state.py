@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from splitserve.wire.errors import SequenceFailed
 from splitserve.wire.outputs import CompletionOutput, PromptLogprob, RequestOutput, TopLogprobs
 from splitserve.wire.sampling import FinishReason
 
@@ -25,6 +26,7 @@ class RequestState:
         self._sent_prompt_logprobs = False
         stops = seq.params.stop
         self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.error: SequenceFailed | None = None  # it failed alone (``Engine._fail``)
 
     def update_text_and_check_stop(self, eos_token_ids: set[int], max_model_len: int) -> FinishReason | None:
         """Account for the token just appended; return why the request ends, if it does."""
@@ -100,4 +102,5 @@ class RequestState:
             list(seq.logprobs),
             list(seq.top_logprobs),
             list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+            self.error,
         )

@@ -1,29 +1,43 @@
 """Token sampling for a batch of rows with per-row parameters.
 
-Rows that ask for logits processing (``SamplingParams.processes_logits``: allowed
-tokens, ``min_tokens``, ``logit_bias``, repetition / frequency / presence
-penalties) get it first, greedy rows too, in ``SamplingParams``' documented
-order; each row's inputs are its own tokens, so a row's result never depends on
-the batch. Then greedy rows take the argmax. Other rows: logits / temperature,
-then top-k, top-p and min-p filters, then one draw by the exponential-race trick
-(argmax of p / E with E ~ Exp(1)), which equals sampling from p. Seeded rows
-draw their noise from a generator seeded with ``(seed, index of the token being
-generated)``, so a seeded request reproduces exactly whatever else is in the
-batch and whichever worker samples each token. Logprobs (the chosen token's, and
-the top-N's) are under the unmodified distribution (log_softmax of the raw logits).
+Per row, in ``SamplingParams``' documented order: logits processing for rows that
+ask for it (allowed tokens, bad words, ``min_tokens``, ``logit_bias``, repetition /
+frequency / presence penalties), greedy rows too; each row's inputs are its own
+tokens, so a row's result never depends on the batch. Sampled rows are divided by
+their temperature (at least ``MIN_TEMPERATURE``). Then every processed row is made
+safe: NaN logits masked, infinite ones made finite, and last of all its grammar's
+mask applied (structured output), so nothing before can bring back a token the
+grammar forbids. Greedy rows take the argmax; the others go through top-k, top-p
+and min-p, then one draw by the exponential-race trick (argmax of p / E with
+E ~ Exp(1)), which equals sampling from p. Seeded rows draw their noise from a
+generator seeded with ``(seed, index of the token being generated)``, so a seeded
+request reproduces exactly whatever else is in the batch and whichever worker
+samples each token. Logprobs (the chosen token's, and the top-N's) are under the
+unmodified distribution (log_softmax of the raw logits).
+
+A row that cannot be sampled fails alone (``SampleResult.failed``): left with no
+token to pick (``Unsampleable``: its own constraints exclude everything), or
+raising while it is sampled (``SequenceFailed``: the batch is sampled again row
+by row to find which). The other rows' tokens are what they would have been.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from splitserve.engine.structured import Grammar
 from splitserve.engine.structured_masks import allowed_tokens, allows
+from splitserve.wire.errors import SequenceFailed, Unsampleable
 from splitserve.wire.outputs import TopLogprobs
-from splitserve.wire.sampling import SamplingParams
+from splitserve.wire.sampling import MIN_TEMPERATURE, SamplingParams
+
+log = logging.getLogger(__name__)
+# what an infinite logit becomes: finite, and far above any real one
+_FINITE = 1e30
 
 
 @dataclass(frozen=True)
@@ -37,9 +51,10 @@ class SampleRequest:
 
 @dataclass
 class SampleResult:
-    token_ids: list[int]
+    token_ids: list[int]  # -1 for a failed row
     logprobs: list[float | None]
     top_logprobs: list[TopLogprobs | None]  # for rows with params.top_logprobs
+    failed: dict[int, SequenceFailed] = field(default_factory=dict)  # row -> why it has no token
 
 
 class Sampler:
@@ -60,7 +75,26 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
         """``logits``: [len(rows), vocab] in any float dtype, on any device. Greedy rows
         without processing take the argmax of them as they are (a bf16 value's float32
-        twin orders the same); other rows are upcast to float32 first."""
+        twin orders the same); other rows are upcast to float32 first. Never raises for
+        a row's sake: a row that fails is in ``failed`` (see the module docstring)."""
+        try:
+            return self._sample_batch(logits, rows)
+        except Exception as e:  # one row's parameters or grammar: find it, sample the rest alone
+            if len(rows) == 1:
+                log.warning("sampling a row failed: %r", e)
+                return SampleResult([-1], [None], [None], {0: _failure(e)})
+            log.warning("sampling a batch of %d failed (%r); sampling its rows one by one", len(rows), e)
+        out = SampleResult([], [], [], {})
+        for i, row in enumerate(rows):
+            one = self(logits[i : i + 1], [row])
+            out.token_ids += one.token_ids
+            out.logprobs += one.logprobs
+            out.top_logprobs += one.top_logprobs
+            if 0 in one.failed:
+                out.failed[i] = one.failed[0]
+        return out
+
+    def _sample_batch(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
         tokens = self.argmax(logits)
         special = [i for i, r in enumerate(rows) if not r.params.greedy or r.params.transforms_logits]
         # A greedy row whose only processing is a grammar keeps its argmax when the grammar
@@ -74,12 +108,16 @@ class Sampler:
         if guided:
             ok = allows([rows[i].grammar for i in guided], tokens.index_select(0, _index(guided, tokens)))
             special = sorted(special + [i for i, fine in zip(guided, ok) if not fine])
+        failed: dict[int, SequenceFailed] = {}
         if len(special) == len(rows):  # every row: one float32 copy of them all (never the model's own)
-            tokens = self._pick(self.process(logits.to(torch.float32, copy=True), rows), rows)
+            tokens, failed = self._pick(logits.to(torch.float32, copy=True), rows)
         elif special:
             idx = _index(special, logits)
-            picked = [rows[i] for i in special]
-            tokens[idx] = self._pick(self.process(logits.index_select(0, idx).float(), picked), picked)
+            picked, empty = self._pick(logits.index_select(0, idx).float(), [rows[i] for i in special])
+            tokens[idx] = picked
+            failed = {special[j]: e for j, e in empty.items()}
+        for i in failed:
+            tokens[i] = 0  # a placeholder for the logprobs below; the row's token is -1
         token_list = tokens.tolist()
         logprobs: list[float | None] = [None] * len(rows)
         top: list[TopLogprobs | None] = [None] * len(rows)
@@ -95,20 +133,14 @@ class Sampler:
                 if k := rows[i].params.top_logprobs:
                     ids, values = best.indices[j, :k].tolist(), best.values[j, :k].tolist()
                     top[i] = tuple(zip(ids, values))
-        return SampleResult(token_list, logprobs, top)
+        for i in failed:
+            token_list[i], logprobs[i], top[i] = -1, None, None
+        return SampleResult(token_list, logprobs, top, failed)
 
     def process(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-        """``logits`` (float32, one row per request) after each row's processing, in
+        """``logits`` (float32, one row per request) after each row's logits processing
+        (allowed tokens to penalties, not the grammar: ``_pick`` masks it last), in
         place; rows without any are left as they are."""
-        structured = [i for i, r in enumerate(rows) if r.grammar is not None]
-        if structured:
-            refused = allowed_tokens([rows[i].grammar for i in structured], logits.shape[1], logits.device)
-            refused.logical_not_()
-            if len(structured) == len(rows):
-                logits.masked_fill_(refused, float("-inf"))
-            else:
-                idx = torch.tensor(structured, device=logits.device)
-                logits[idx] = logits.index_select(0, idx).masked_fill_(refused, float("-inf"))
         for i, r in enumerate(rows):
             p = r.params
             if not p.transforms_logits:
@@ -150,32 +182,64 @@ class Sampler:
             counts = torch.bincount(torch.tensor(output, device=device), minlength=row.shape[0]).to(row.dtype)
             row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
 
-    def _pick(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-        """Each row's token from its processed float32 logits: the argmax for greedy rows,
-        a draw for the others."""
-        tokens = logits.argmax(dim=-1)
+    def _pick(
+        self, logits: torch.Tensor, rows: list[SampleRequest]
+    ) -> tuple[torch.Tensor, dict[int, SequenceFailed]]:
+        """Each row's token from its float32 logits (changed in place): processed, divided
+        by the temperature (sampled rows), made safe (NaN masked, infinities finite),
+        masked by its grammar last, then the argmax for greedy rows and a draw for the
+        others. Rows left with no token to pick are returned as failed (token 0)."""
+        raw_nan = torch.isnan(logits).all(dim=-1)
+        self.process(logits, rows)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             idx = torch.tensor(sampled, device=logits.device)
+            temps = torch.tensor(
+                [max(rows[i].params.temperature, MIN_TEMPERATURE) for i in sampled], device=logits.device
+            )
+            logits[idx] = logits.index_select(0, idx) / temps[:, None]
+        torch.nan_to_num_(logits, nan=float("-inf"), posinf=_FINITE, neginf=float("-inf"))
+        self._mask_grammars(logits, rows)
+        empty = (logits == float("-inf")).all(dim=-1)
+        failed = {i: _unsampleable(rows[i], bool(raw_nan[i])) for i in empty.nonzero().flatten().tolist()}
+        if failed:
+            logits[empty] = 0.0  # any token: the row's is dropped
+        tokens = logits.argmax(dim=-1)
+        if sampled:
             tokens[idx] = self._sample(logits.index_select(0, idx), [rows[i] for i in sampled])
-        return tokens
+        return tokens, failed
+
+    @staticmethod
+    def _mask_grammars(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
+        """Mask, in place, the tokens each row's grammar does not allow next."""
+        structured = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not structured:
+            return
+        refused = allowed_tokens([rows[i].grammar for i in structured], logits.shape[1], logits.device)
+        refused.logical_not_()
+        if len(structured) == len(rows):
+            logits.masked_fill_(refused, float("-inf"))
+        else:
+            idx = torch.tensor(structured, device=logits.device)
+            logits[idx] = logits.index_select(0, idx).masked_fill_(refused, float("-inf"))
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
-        logits = logits / temps[:, None]
+        """A draw per row from logits already divided by the temperature and masked."""
+        vocab = logits.shape[1]
         top_ks = [r.params.top_k for r in rows]
         if any(top_ks):
-            vocab = logits.shape[1]
-            k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=vocab - 1)[:, None])
+            k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=logits.device)
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         top_ps = [r.params.top_p for r in rows]
         if any(p < 1.0 for p in top_ps):
             p = torch.tensor(top_ps, device=logits.device)
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             probs = sorted_logits.softmax(dim=-1)
-            # Drop a token when the mass before it already reaches top_p (the first always stays).
+            # Drop a token when the mass before it already reaches top_p; the first always
+            # stays (a top_p below float32's smallest value is 0 on the device).
             drop = (probs.cumsum(dim=-1) - probs) >= p[:, None]
+            drop[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
@@ -192,6 +256,22 @@ class Sampler:
                 g = torch.Generator(device=probs.device).manual_seed(_row_seed(r.params.seed, r.output_index))
                 noise[i].exponential_(generator=g)
         return (probs / noise).argmax(dim=-1)
+
+
+def _unsampleable(row: SampleRequest, nan: bool) -> Unsampleable:
+    if nan:
+        return Unsampleable("the model's scores for this request's next token were not numbers")
+    what = "its structured output's grammar, " if row.grammar is not None else ""
+    return Unsampleable(
+        f"no token can be sampled after {row.output_index} generated: the request's constraints "
+        f"({what}allowed tokens, bad words, min_tokens, logit_bias, penalties) exclude every token"
+    )
+
+
+def _failure(error: Exception) -> SequenceFailed:
+    if isinstance(error, SequenceFailed):
+        return error
+    return SequenceFailed("sampling", f"sampling this request's next token failed ({type(error).__name__})")
 
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:

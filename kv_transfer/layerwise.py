@@ -16,6 +16,8 @@ computes::
                     with the checksums already taken
     a prompt that will not be exported (finished at its first token, failed):
                     discard(request) releases its export
+    a step that failed part way (the engine runs it again without the observer):
+                    step_failed() releases its streamed exports
 
 A cache on a GPU is hashed per layer only when streaming: hashing copies the
 layer's blocks to the host, and doing that inside the forward pass would stall
@@ -87,6 +89,16 @@ class LayerExporter(LayerObserver):
         streamed = [p.streamed for p in self._step if p.streamed is not None]
         if streamed and self._on_stream is not None:
             self._on_stream(streamed)
+
+    def step_failed(self) -> None:
+        """The step failed part way: its prompts' streamed exports are released (a reader
+        learns at once; its request is prefilled again) and their hashes dropped; they
+        are exported whole after the step that completes them."""
+        step, self._step = self._step, []
+        with self._lock:
+            for pending in step:
+                if pending.streamed is not None:
+                    self.source.release(pending.streamed.transfer_id)
 
     def layer_done(self, layer: int) -> None:
         cache = self.source.cache

@@ -417,6 +417,9 @@ class PrefillWorker:
                 if out.finish_reason == FinishReason.PREFILL_DONE:
                     self.engine.release(rid)
                 continue
+            if out.error is not None:  # it failed alone in the engine (which freed its blocks)
+                waiter.resolve(error=out.error)
+                continue
             try:
                 waiter.resolve(self._result(out, waiter))
             except Exception as e:  # export failed: give the blocks back, tell the caller
@@ -479,6 +482,9 @@ class PrefillWorker:
             ends.append(self._ended.get_nowait())
         for end in ends:
             self._lease_ends[end.state] += 1
+            held = self._exports.get(end.request_id)
+            if held is not None and held != end.transfer_id:
+                continue  # an export given up and replaced (a streamed one of a failed step)
             self._exports.pop(end.request_id, None)
             if end.state != TransferState.CONFIRMED and self._open_shards.get(end.request_id):
                 # rank 0's lease expired or was released: the other ranks' go too

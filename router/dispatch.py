@@ -28,7 +28,12 @@ deadline:
   "fail"`` ends the request instead); ``transfer_failures`` counts both;
 - the decode worker is lost (``WorkerLost``): ``resume`` once on another decode
   worker, which prefills the prompt plus the tokens already sent and generates
-  the rest (greedy and seeded output is unchanged; nothing is sent twice).
+  the rest (greedy and seeded output is unchanged; nothing is sent twice);
+- a request present at ``MAX_WORKER_LOSSES`` worker losses (prefill or decode,
+  in any order) is ended with ``RequestCrashesWorkers`` (``INTERNAL``) and its
+  fingerprint logged, instead of being tried again: a request that takes down
+  every worker it reaches must not walk through the pool (Dynamo's migration
+  limit, vLLM's retries are bounded the same way).
 
 A request with ``n`` > 1 is its first sequence, served as above, and ``n - 1``
 forks that start on its decode worker once that worker holds the KV, prefilled
@@ -54,6 +59,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -70,12 +76,22 @@ from splitserve.router.registry import Membership, WorkerRecord, WorkerRegistry
 from splitserve.router.roles import Role
 from splitserve.router.trace import RequestTrace, TraceLog, TraceSink
 from splitserve.wire.decode import DecodeTask
-from splitserve.wire.errors import InvalidRequest, KVTransferError, Overloaded, PrefillLost, WorkerLost
+from splitserve.wire.errors import (
+    InvalidRequest,
+    KVTransferError,
+    Overloaded,
+    PrefillLost,
+    RequestCrashesWorkers,
+    WorkerLost,
+)
 from splitserve.wire.prefill import PrefixPull
 from splitserve.wire.sampling import SamplingParams
 from splitserve.wire.validation import RequestValidator
 
 log = logging.getLogger(__name__)
+
+# worker losses (prefill or decode) one request may be present at; at this many it is ended
+MAX_WORKER_LOSSES = 2
 
 __all__ = ["Dispatcher", "FinalEvent", "GenerateInput", "TokenEvent"]
 
@@ -299,25 +315,17 @@ class Dispatcher:
         n = len(life.prompt_ids)
         source = life.source
         tried = {source.worker_id} if source is not None else set()
-        resumed = False
+        losses = 0
         while True:
             try:
                 async for event in self._stream(life, task):
                     yield event
                 return
-            except PrefillLost as e:  # nothing of it is held: another prefill worker, or dw itself
-                candidates = [w for w in self.registry.routable(Role.PREFILL) if w.worker_id not in tried]
-                source = pick_prefill(candidates, prompt, self.policy.prefix_affinity)
-                if source is None:
-                    self.decider.fallback()
-                    log.warning(
-                        "%s; no prefill worker is left, %s prefills it", e, life.decode_worker.worker_id
-                    )
-                else:
-                    log.warning("%s; retrying on %s", e, source.worker_id)
-                    self._admit_prefill(source, n)
-                    tried.add(source.worker_id)
-                task = life.retry_prefill(source)
+            except (PrefillLost, WorkerLost) as e:
+                losses += 1
+                if losses >= MAX_WORKER_LOSSES:
+                    raise self._crashes_workers(life, e) from e
+                lost = e
             except KVTransferError as e:
                 if life.source is None:
                     raise
@@ -332,17 +340,51 @@ class Dispatcher:
                     life.decode_worker.worker_id,
                 )
                 task = life.recompute()
-            except WorkerLost:
-                lost, source = life.decode_worker, life.source
-                candidates = [w for w in self.registry.routable(self.decode_role) if w is not lost]
-                dw = pick_decode(candidates, prompt, n + 1) if not resumed else None
+                continue
+            if isinstance(lost, PrefillLost):  # nothing of it is held: another prefill worker, or dw
+                candidates = [w for w in self.registry.routable(Role.PREFILL) if w.worker_id not in tried]
+                source = pick_prefill(candidates, prompt, self.policy.prefix_affinity)
+                if source is None:
+                    self.decider.fallback()
+                    log.warning(
+                        "%s; no prefill worker is left, %s prefills it", lost, life.decode_worker.worker_id
+                    )
+                else:
+                    log.warning("%s; retrying on %s", lost, source.worker_id)
+                    self._admit_prefill(source, n)
+                    tried.add(source.worker_id)
+                task = life.retry_prefill(source)
+            else:  # the decode worker
+                gone, source = life.decode_worker, life.source
+                candidates = [w for w in self.registry.routable(self.decode_role) if w is not gone]
+                dw = pick_decode(candidates, prompt, n + 1)
                 if dw is None:
-                    raise
-                resumed = True
+                    raise lost
                 log.warning("decode worker lost during %s; continuing on %s", life.request_id, dw.worker_id)
                 if source is not None:  # its export, if it still holds one, is of no use now
                     self._background.run(source.client.abort(life.request_id))
                 task = life.resume(dw)
+
+    @staticmethod
+    def _crashes_workers(life: RequestLifecycle, last: Exception) -> RequestCrashesWorkers:
+        """The error that ends a request present at ``MAX_WORKER_LOSSES`` worker losses; its
+        fingerprint (a hash of its prompt and parameters, which a client can recompute) is
+        logged so that an operator can find it again."""
+        digest = hashlib.sha256(repr((life.prompt_ids, life.params)).encode()).hexdigest()[:16]
+        log.error(
+            "request %s was present at %d worker losses (the last: %s); ended, not retried. "
+            "fingerprint %s: %d prompt tokens, %r",
+            life.request_id,
+            MAX_WORKER_LOSSES,
+            last,
+            digest,
+            len(life.prompt_ids),
+            life.params,
+        )
+        return RequestCrashesWorkers(
+            f"the request was on {MAX_WORKER_LOSSES} workers that were lost while they ran it, so it is "
+            f"not tried on another (fingerprint {digest}); if it fails again, report it with that fingerprint"
+        )
 
     def _admit_prefill(self, pw: WorkerRecord, prompt_tokens: int) -> WorkerRecord:
         """``pw`` takes the prompt unless its queue is full (``Overloaded``); an idle worker

@@ -18,6 +18,8 @@ from splitserve.wire.errors import (
     KVTransferError,
     Overloaded,
     PrefillLost,
+    RequestCrashesWorkers,
+    SequenceFailed,
     UnknownRequest,
     WorkerLost,
 )
@@ -42,10 +44,14 @@ def code_for(exc: BaseException) -> grpc.StatusCode:
     return next((code for cls, code in _CODES if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
 
 
+# INTERNAL, and still said in words: the request's own failure, not a bug's traceback
+_SAID = (SequenceFailed, RequestCrashesWorkers)
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and message a client gets for ``exc``."""
     code = code_for(exc)
-    if code != grpc.StatusCode.INTERNAL:
+    if code != grpc.StatusCode.INTERNAL or isinstance(exc, _SAID):
         return code, str(exc)
     log.error("internal error", exc_info=exc)
     return code, f"internal error ({exc.__class__.__name__}); see the server log"

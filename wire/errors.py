@@ -7,6 +7,12 @@ router maps them to gRPC status codes in one place.
 - ``SplitserveError``: base of everything splitserve raises on purpose.
 - ``InvalidRequest`` (also a ``ValueError``): the caller's input is wrong; the
   message is a sentence a user can act on. Raising it never leaves state behind.
+- ``SequenceFailed``: one sequence's own step failed inside a running engine (its
+  grammar, sampling, detokenisation, ...); it ended alone, everything else goes
+  on. ``Unsampleable``, one of them and an ``InvalidRequest`` too: the request's
+  constraints left no token to sample.
+- ``RequestCrashesWorkers``: a request was on two workers that died; it is ended
+  rather than tried on a third.
 - ``ModelLoadError``: weights or a config could not be loaded or are unsupported.
 - ``Overloaded``: a resource is exhausted right now (KV blocks, queue space).
 - ``UnknownRequest``: an operation named a request the engine does not hold.
@@ -29,6 +35,40 @@ class SplitserveError(Exception):
 
 class InvalidRequest(SplitserveError, ValueError):
     """A request (prompt, sampling parameters, ...) is malformed or out of range."""
+
+
+class SequenceFailed(SplitserveError):
+    """One sequence failed inside a running engine and ended alone with this error; the
+    engine and every other sequence in its batch went on, their tokens unchanged.
+    ``kind`` names the part that failed (``SEQUENCE_ERROR_KINDS``); the message is a
+    sentence for the user. Tokens sent before it stand."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(kind, message)  # both in args: the error pickles across processes
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return str(self.args[1])
+
+
+# what ``SequenceFailed.kind`` may be: where in a step the sequence failed
+SEQUENCE_ERROR_KINDS = ("sampling", "unsampleable", "grammar", "detokenization", "logprobs", "forward")
+
+
+class Unsampleable(SequenceFailed, InvalidRequest):
+    """The request's constraints (its grammar, allowed tokens, bad words, bias, filters)
+    left no token that may be sampled: the request, not the engine, is at fault."""
+
+    def __init__(self, message: str):
+        super().__init__("unsampleable", message)
+
+    def __reduce__(self):
+        return (type(self), (self.args[1],))
+
+
+class RequestCrashesWorkers(SplitserveError):
+    """A request was held by two workers that were lost while it ran: it is ended instead
+    of being tried on a third (each retry could take another worker down)."""
 
 
 class ModelLoadError(SplitserveError):

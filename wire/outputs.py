@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from splitserve.wire.errors import SequenceFailed
 from splitserve.wire.sampling import FinishReason
 
 TopLogprobs = tuple[tuple[int, float], ...]  # one step's most likely (token id, logprob), best first
@@ -30,6 +31,8 @@ class RequestOutput:
     # prompt tokens 1.. (the first has none), on the output with the first token, when asked
     prompt_logprobs: list[PromptLogprob] | None = None
     scheduled_at: float | None = None  # time.time() when the engine first scheduled (or imported) it
+    # finished with this error instead of a finish_reason: the request failed alone
+    error: SequenceFailed | None = None
 
 
 @dataclass
@@ -45,6 +48,7 @@ class CompletionOutput:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob] | None = None  # prompt tokens 1.., when asked
+    error: SequenceFailed | None = None  # it failed alone (finish_reason None; tokens before it stand)
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,10 @@ class EngineStats:
     # (prefill workers pulling prefixes from each other), since it started
     prefix_lent_tokens: int = 0
     prefix_pulled_tokens: int = 0
+    # requests that failed alone (``SequenceFailed``), as (kind, count) since it started; and
+    # model steps that failed and were run again (all of them narrowed, some one by one)
+    sequence_errors: tuple[tuple[str, int], ...] = ()
+    steps_retried: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -148,9 +156,16 @@ class LayerObserver:
     one prefill-only prompt completes, with those prompts; ``layer_done(i)`` after
     layer ``i`` wrote its KV, for ``i = 0 .. num_layers - 1`` in order. Both run on
     the engine's thread, inside ``Engine.step``: keep them short, never step the
-    engine from them. An exception raised here fails the step."""
+    engine from them. An exception raised here fails the step.
+
+    ``step_failed`` is called when a step that began failed before its last layer:
+    the engine runs it again without the observer (``engine.containment``), so
+    the layers it was told of are not final and no more will come for that step."""
 
     def step_begins(self, finishing: list[FinishingPrefill]) -> None:
+        pass
+
+    def step_failed(self) -> None:
         pass
 
     def layer_done(self, layer: int) -> None:

@@ -4,6 +4,7 @@ why an output ended."""
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 
 from splitserve.wire.errors import InvalidRequest
@@ -11,6 +12,14 @@ from splitserve.wire.errors import InvalidRequest
 DEFAULT_MAX_TOKENS = 16  # a request that does not say how many tokens gets these
 MAX_TOP_LOGPROBS = 20  # as OpenAI (and vLLM's default max_logprobs)
 MAX_N = 64  # sequences per request (``n``): each is a decode slot of its own
+# Temperature's range (docs/api.md says why): wider than OpenAI's [0, 2], which would refuse
+# what vLLM clients send; past 100 the distribution of any model's logits is as flat as
+# float32 can tell, so a larger value means nothing more. Below MIN_TEMPERATURE (but > 0)
+# the sampler divides by MIN_TEMPERATURE instead, as vLLM does: logits / 1e-300 overflow.
+MAX_TEMPERATURE = 100.0
+MIN_TEMPERATURE = 0.01
+MAX_TOP_K = 2**31 - 1  # top_k past the vocabulary keeps every token (the sampler clamps it)
+MAX_SEED = 2**64 - 1  # as protobuf's uint64
 
 
 class FinishReason(str, enum.Enum):
@@ -53,7 +62,6 @@ class SamplingParams:
     ``top_logprobs`` for that many most likely tokens' at each step as well.
 
     Before a token is picked (greedy rows too), per row and in this order:
-    ``structured`` (tokens its grammar does not allow next are masked),
     ``allowed_token_ids`` (every other token is masked), ``bad_words_ids`` (a
     sequence's last token masked when the output ends with the rest of it, as
     transformers' ``NoBadWordsLogitsProcessor``), ``min_tokens`` (EOS and
@@ -61,9 +69,14 @@ class SamplingParams:
     ``ignore_eos``), ``logit_bias`` (added), ``repetition_penalty`` (over prompt and
     output tokens: a positive logit divided by it, a negative one multiplied, as
     vLLM and transformers), ``frequency_penalty`` / ``presence_penalty`` (over
-    output tokens: minus count x frequency, minus presence if present, as OpenAI).
-    Then sampled rows: temperature, top-k, top-p, ``min_p`` (tokens below ``min_p``
-    x the top token's probability dropped). Every input of these is in the
+    output tokens: minus count x frequency, minus presence if present, as OpenAI);
+    then sampled rows divide by the temperature (at least ``MIN_TEMPERATURE``);
+    then NaN logits are masked and infinite ones made finite, and last of all
+    ``structured`` masks the tokens its grammar does not allow next, so no
+    transform can bring a forbidden token back. Then sampled rows: top-k, top-p
+    (the most likely token always stays), ``min_p`` (tokens below ``min_p`` x the
+    top token's probability dropped). A row left with no token to pick ends its
+    request with ``Unsampleable``. Every input of these is in the
     sequence's tokens (the grammar's state too: it is rebuilt from them), so they
     hold across a handoff and a failover unchanged.
 
@@ -110,7 +123,11 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
         object.__setattr__(self, "bad_words_ids", tuple(tuple(w) for w in self.bad_words_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in bias)))
+        try:
+            bias = tuple(sorted((int(k), float(v)) for k, v in bias))
+        except (TypeError, ValueError, OverflowError):
+            raise InvalidRequest("logit_bias maps token ids (>= 0) to values in [-100, 100]") from None
+        object.__setattr__(self, "logit_bias", bias)
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self.validate()
@@ -159,14 +176,22 @@ class SamplingParams:
         """Raise ``InvalidRequest`` with a readable sentence if a value is out of range."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequest(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        for name in _FLOATS:  # NaN and infinities fail every range check below, but say so
+            value = getattr(self, name)
+            if not _is_number(value) or not _finite(value):
+                raise InvalidRequest(f"{name} must be a finite number, got {value!r}")
+        if not (0.0 <= self.temperature <= MAX_TEMPERATURE):
+            raise InvalidRequest(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {self.temperature!r}"
+            )
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidRequest(
+                f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k!r}"
+            )
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequest(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidRequest(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty strings")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
@@ -205,3 +230,19 @@ class SamplingParams:
             raise InvalidRequest("allowed_token_ids must be a non-empty list of token ids")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise InvalidRequest(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+
+
+# the float fields, each checked finite before its range
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _finite(value: int | float) -> bool:
+    return isinstance(value, int) or math.isfinite(value)  # math.isfinite(10**400) overflows
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
