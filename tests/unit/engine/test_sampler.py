@@ -238,3 +238,70 @@ def test_bad_words_ids_equal_transformers_no_bad_words_processor():
         want = NoBadWordsLogitsProcessor([list(w) for w in bad])(torch.tensor([h]), logits[i : i + 1].clone())
         assert torch.equal(got[i], want[0]), i
     assert torch.isinf(got[1, 30]) and not torch.isinf(got[0, 30])  # (4, 9, 30) only after 4, 9
+
+
+# ---- nothing unsampleable gets in, and nothing the sampler does makes a token up ------------
+@pytest.mark.parametrize(
+    "field", ["temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"]
+)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_every_float_field_refuses_nan_and_infinities(field, value):
+    with pytest.raises(InvalidRequest, match=f"{field} must be a finite number"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"temperature": 1e308}, "temperature must be in"),
+        ({"temperature": 100.01}, "temperature must be in"),
+        ({"top_k": 10**30}, "top_k must be an integer in"),
+        ({"seed": 2**64}, "seed must be an integer in"),
+        ({"logit_bias": {1: math.nan}}, "logit_bias maps"),
+        ({"logit_bias": {1: 10**400}}, "logit_bias maps"),
+    ],
+)
+def test_extreme_values_are_refused_with_a_sentence(kwargs, needle):
+    with pytest.raises(InvalidRequest, match=needle):
+        SamplingParams(**kwargs)
+
+
+def test_the_smallest_temperature_top_p_and_largest_top_k_still_sample_the_best_token():
+    """A temperature that is 0 in float32 (divided by 0.01 instead), a top_p below float32's
+    smallest value (the best token always stays) and a top_k past the vocabulary (every
+    token) draw from real tokens: the argmax, for the first two."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(9))
+    params = [
+        SamplingParams(temperature=5e-324, seed=1),
+        SamplingParams(temperature=1.0, top_p=5e-324, seed=2),
+        SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=3),
+    ]
+    out = Sampler()(logits, [SampleRequest(p, 0, [1], 1) for p in params])
+    assert out.failed == {}
+    assert out.token_ids[:2] == logits[:2].argmax(-1).tolist()
+    assert 0 <= out.token_ids[2] < 50
+
+
+def test_a_row_left_with_no_token_fails_alone_and_the_others_keep_their_tokens():
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(10))
+    fine = SamplingParams(temperature=0.7, seed=5)
+    # every allowed token banned as a bad word: nothing is left
+    empty = SamplingParams(temperature=0.7, allowed_token_ids=[3], bad_words_ids=[[3]])
+    greedy = SampleRequest(SamplingParams(), 0)
+    rows = [SampleRequest(fine, 0, [1], 1), SampleRequest(empty, 0, [1], 1), greedy]
+    out = Sampler()(logits, rows)
+    alone = Sampler()(logits[[0]], rows[:1]).token_ids[0]
+    assert set(out.failed) == {1} and "exclude every token" in str(out.failed[1])
+    assert out.token_ids == [alone, -1, int(logits[2].argmax())]
+
+
+def test_a_row_whose_sampling_raises_fails_alone():
+    """A row that raises while the batch is sampled (here a logit bias naming a token past
+    this vocabulary) is found by sampling row by row; the others' tokens stand."""
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(11))
+    bad = SamplingParams(temperature=1.0, logit_bias={50: 1.0})  # the validator would refuse it
+    greedy = SampleRequest(SamplingParams(), 0)
+    rows = [greedy, SampleRequest(bad, 0, [1], 1), greedy]
+    out = Sampler()(logits, rows)
+    assert set(out.failed) == {1} and out.failed[1].kind == "sampling"
+    assert [out.token_ids[0], out.token_ids[2]] == logits[[0, 2]].argmax(-1).tolist()
