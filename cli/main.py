@@ -205,17 +205,20 @@ def _status(args: argparse.Namespace) -> int:
         return 1
     print(f"{st.model} ({st.mode}), {st.inflight_requests} request(s) in flight")
     head = ("worker", "role", "state", "alive", "running", "waiting", "queued tok", "KV used", "admission")
+    head += ("restarts", "failed alone")
     print(
         f"{head[0]:<14} {head[1]:<10} {head[2]:<9} {head[3]:<6} {head[4]:>7} {head[5]:>7} {head[6]:>10} "
-        f"{head[7]:>13} {head[8]:>9}  node (type)"
+        f"{head[7]:>13} {head[8]:>9} {head[9]:>8} {head[10]:>12}  node (type)"
     )
     for pool in st.pools:
         for w in pool.workers:
             kv = f"{w.kv_blocks_used}/{w.kv_blocks_total}"
             node = "waiting for a node" if w.waiting_for_node else f"{w.node_id[:12]} ({w.node_type or '-'})"
+            failed = sum(w.sequence_errors.values())  # requests its engine failed alone
             print(
                 f"{w.worker_id:<14} {w.role:<10} {w.state:<9} {'yes' if w.alive else 'NO':<6} {w.running:>7} "
-                f"{w.waiting:>7} {w.queued_prompt_tokens:>10} {kv:>13} {w.waiting_for_blocks:>9}  {node}"
+                f"{w.waiting:>7} {w.queued_prompt_tokens:>10} {kv:>13} {w.waiting_for_blocks:>9} "
+                f"{w.restarts:>8} {failed:>12}  {node}"
                 + (f"  {w.error}" if w.error else "")
             )
     _print_capacity(st)

@@ -241,7 +241,7 @@ class ServingCluster:
                 desired = self.autoscalers[role].desired
             elif self.planner is not None and self.planner.desired(role) is not None:
                 desired = self.planner.desired(role)
-            sizes.append(PoolSize(role, desired, pool.replaced))
+            sizes.append(PoolSize(role, desired, pool.replaced, pool.engine_failures))
         return sizes
 
     async def _tick_progress(self, every_s: float = 10.0) -> None:

@@ -149,6 +149,7 @@ class WorkerPool:
         self._members: dict[str, _Member] = {}
         self._next_index = 0
         self.replaced = 0  # workers replaced by ``keep`` after Ray gave them up
+        self.engine_failures = 0  # of those, workers whose engine loop stopped (the process lived)
 
     @property
     def workers(self) -> list[WorkerRecord]:
@@ -233,6 +234,8 @@ class WorkerPool:
         states = await asyncio.to_thread(read)
         for wid, (first, *_) in states.items():
             record = self.registry.get(wid)
+            if record is not None and record.restarts != first.restarts:
+                self.registry.restarted(wid, first.restarts)
             moved = record is not None and record.node is not None and record.node.node_id != first.node_id
             if first.state == "ALIVE" and first.node_id and moved:
                 log.info("%s was restarted on node %s", wid, first.node_id)
@@ -276,6 +279,7 @@ class WorkerPool:
                         log.warning("%s is lost for good; starting a worker in its place", worker_id)
                         self._kill(self._members[worker_id])
                         self.replaced += 1
+                        self.engine_failures += record.stopped
                         owed += 1
                 if time.monotonic() >= next_try:
                     for _ in range(owed - len(starting)):

@@ -33,6 +33,13 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
     splitserve:prefill_placement_total{placement,reason} (the decider's choices)
     splitserve:kv_transfer_failures_total{error,action} (action: recompute or fail)
     splitserve:worker_replacements_total{pool}          (workers Ray gave up, replaced by the pool)
+    splitserve:engine_loop_failures_total{pool}         (of those, workers whose engine loop stopped:
+                                                       a fault no request could be blamed for)
+    splitserve:worker_restarts_total{pool,worker}       its process restarted by Ray (it crashed)
+    splitserve:sequence_errors_total{pool,worker,kind} requests that failed alone in its engine
+                                                       (kind: sampling, unsampleable, grammar,
+                                                       detokenization, logprobs, forward)
+    splitserve:model_steps_retried_total{pool,worker}  model steps that failed and were run again
     splitserve:ignored_fields_total                     unknown request fields ignored
                                                        (router.openai.ignore_unknown_fields)
     gauges
@@ -94,6 +101,7 @@ class PoolSize:
     pool: str
     desired: int  # what the pool is being scaled to (its configured size without autoscaling)
     replaced: int = 0  # workers started in place of ones Ray would not bring back
+    engine_failures: int = 0  # of those, workers whose engine loop had stopped
 
 
 class RequestMetrics:
@@ -233,11 +241,28 @@ class _ClusterCollector(Collector):
         tier_held = GaugeMetricFamily(
             "splitserve:kv_tier_blocks_held", "Blocks a worker's host KV tier holds.", labels=labels
         )
+        restarts = CounterMetricFamily(
+            "splitserve:worker_restarts", "Times Ray restarted a worker's process.", labels=labels
+        )
+        seq_errors = CounterMetricFamily(
+            "splitserve:sequence_errors",
+            "Requests that failed alone in a worker's engine (the others in its batch went on), by kind.",
+            labels=[*labels, "kind"],
+        )
+        retried = CounterMetricFamily(
+            "splitserve:model_steps_retried", "Model steps that failed and were run again.", labels=labels
+        )
         for w in self.registry.workers():
-            if w.stats is None or w.state == Membership.STARTING:
+            if w.state == Membership.STARTING:
+                continue
+            restarts.add_metric([w.role, w.worker_id], w.restarts)
+            if w.stats is None:
                 continue
             e = w.stats.engine
             key = [w.role, w.worker_id]
+            for kind, n in e.sequence_errors:
+                seq_errors.add_metric([*key, kind], n)
+            retried.add_metric(key, e.steps_retried)
             running.add_metric(key, e.num_running)
             waiting.add_metric(key, e.num_waiting)
             kv.add_metric(key, e.num_used_blocks / e.num_blocks if e.num_blocks else 0.0)
@@ -274,6 +299,11 @@ class _ClusterCollector(Collector):
             "Workers started in place of ones Ray would not bring back.",
             labels=["pool"],
         )
+        engine_failures = CounterMetricFamily(
+            "splitserve:engine_loop_failures",
+            "Workers replaced because their engine loop stopped (a fault no request could be blamed for).",
+            labels=["pool"],
+        )
         for size in self.pool_sizes():
             workers = self.registry.workers(size.pool)
             replicas.add_metric([size.pool, "current"], sum(w.routable for w in workers))
@@ -281,6 +311,7 @@ class _ClusterCollector(Collector):
             replicas.add_metric([size.pool, "draining"], sum(w.state == Membership.DRAINING for w in workers))
             replicas.add_metric([size.pool, "desired"], size.desired)
             replacements.add_metric([size.pool], size.replaced)
+            engine_failures.add_metric([size.pool], size.engine_failures)
         placement = CounterMetricFamily(
             "splitserve:prefill_placement",
             "Where prompts were prefilled, and why.",
@@ -317,8 +348,12 @@ class _ClusterCollector(Collector):
             imported,
             tier,
             tier_held,
+            restarts,
+            seq_errors,
+            retried,
             replicas,
             replacements,
+            engine_failures,
             placement,
             failures,
             inflight,

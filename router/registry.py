@@ -8,6 +8,7 @@ through a registry method::
     ---------------------------------   -------------------------------------------
     state (membership)                  the pools: add, activate, drain, remove
     node (where Ray placed it)          the pools: placed
+    restarts (Ray's restarts of it)     the pools: restarted
     given_up (registry, not a record)   the pools: give_up
     alive, stopped, stats, error, prefix poll() (the router's poller, status calls)
     steps (a decode worker's step times) poll()
@@ -97,6 +98,7 @@ class WorkerRecord:
     prefix: PrefixIndex = field(default_factory=PrefixIndex)  # its prefix cache, as last polled
     steps: StepTimes = field(default_factory=StepTimes)  # its decode step times, as polled
     node: NodePlacement | None = None  # None while STARTING: waiting for Ray to place it
+    restarts: int = 0  # how often Ray restarted its process (it crashed), as the pools last read it
 
     @property
     def waiting_for_node(self) -> bool:
@@ -199,6 +201,10 @@ class WorkerRegistry:
     def placed(self, worker_id: str, node: NodePlacement) -> None:
         """Ray placed the worker on ``node`` (a worker without one is waiting for a node)."""
         self._workers[worker_id].node = node
+
+    def restarted(self, worker_id: str, restarts: int) -> None:
+        """Ray has restarted the worker's process ``restarts`` times since it joined."""
+        self._workers[worker_id].restarts = restarts
 
     def give_up(self, worker_id: str, role: Role, reason: str) -> None:
         """A starting worker is abandoned (``reason`` says why): it leaves the registry

@@ -309,6 +309,7 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
         prefill_tokens_per_s=w.prefill_tokens_per_s,
         prefix_blocks=len(w.prefix.hashes),
         waiting_for_node=w.waiting_for_node,
+        restarts=w.restarts,
     )
     if w.node is not None:
         out.node_id, out.node_type = w.node.node_id, w.node.node_type
@@ -324,6 +325,7 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
         out.queued_prompt_tokens = e.num_pending_prompt_tokens
         out.kv_blocks_total, out.kv_blocks_used = e.num_blocks, e.num_used_blocks
         out.preemptions = e.num_preemptions
+        out.sequence_errors.update(dict(e.sequence_errors))
         out.expert_tokens.extend(e.expert_tokens_recent)
         out.expert_window_s, out.expert_ranks = e.expert_window_s, e.expert_ranks
         t = e.host_tier
