@@ -15,14 +15,23 @@ from __future__ import annotations
 import asyncio
 import random
 
+import grpc
 import pytest
 
 from splitserve.router.decider import Placement, Reason
-from splitserve.router.dispatch import Dispatcher
+from splitserve.router.dispatch import MAX_WORKER_LOSSES, Dispatcher
+from splitserve.router.errors import status_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import WorkerRegistry
-from splitserve.wire.errors import InvalidRequest, LeaseExpired, Overloaded, PeerLost, WorkerLost
+from splitserve.wire.errors import (
+    InvalidRequest,
+    LeaseExpired,
+    Overloaded,
+    PeerLost,
+    RequestCrashesWorkers,
+    WorkerLost,
+)
 from splitserve.wire.prefill import PrefillStats
 from splitserve.wire.prefix import PrefixUpdate, prompt_block_hashes
 from splitserve.wire.sampling import SamplingParams
@@ -402,3 +411,39 @@ def test_a_prefill_worker_is_told_to_copy_the_prefix_another_prefill_worker_hold
     p1.fail = None
     asyncio.run(run(PolicySpec(prefix_pulls=False)))
     assert d0.calls[0].source is p1 and d0.calls[0].prefix_from is None
+
+
+POISON = [9, 9, 9, 9]
+
+
+def _crash_on_poison(task):
+    if task.prompt_token_ids == POISON:
+        raise WorkerLost("the actor died")
+
+
+async def _poison_and_a_good_one(d: Dispatcher):
+    good = asyncio.ensure_future(_collect(d, [1, 2, 3]))
+    with pytest.raises(RequestCrashesWorkers) as caught:
+        await _collect(d, POISON)
+    return caught.value, await good
+
+
+def test_a_request_present_at_two_worker_losses_ends_with_internal_and_is_not_tried_on_a_third():
+    decodes = [FakeDecode(f"d{i}", fail=_crash_on_poison) for i in range(3)]
+    d = _cluster([FakePrefill("p0")], decodes)
+    error, (tokens, final) = asyncio.run(_poison_and_a_good_one(d))
+    assert sum(POISON == t.prompt_token_ids for dw in decodes for t in dw.calls) == MAX_WORKER_LOSSES
+    assert tokens == expected_tokens([1, 2, 3], 8) and final.finish_reason.value == "length"
+    code, message = status_for(error)
+    assert code == grpc.StatusCode.INTERNAL and "fingerprint" in message and "2 workers" in message
+    for w in d.registry.workers():  # nothing stays held for either request
+        assert (w.prefilling, w.decoding) == ({}, {})
+    assert d.num_inflight == 0
+
+
+def test_prefill_and_decode_losses_count_together():
+    prefills = [FakePrefill(f"p{i}", fail=_lost) for i in range(3)]
+    d = _cluster(prefills, [FakeDecode("d0")])
+    with pytest.raises(RequestCrashesWorkers):
+        asyncio.run(_collect(d, [4, 5]))
+    assert sum(len(p.calls) for p in prefills) == MAX_WORKER_LOSSES  # the third never saw it
