@@ -218,8 +218,7 @@ def _status(args: argparse.Namespace) -> int:
             print(
                 f"{w.worker_id:<14} {w.role:<10} {w.state:<9} {'yes' if w.alive else 'NO':<6} {w.running:>7} "
                 f"{w.waiting:>7} {w.queued_prompt_tokens:>10} {kv:>13} {w.waiting_for_blocks:>9} "
-                f"{w.restarts:>8} {failed:>12}  {node}"
-                + (f"  {w.error}" if w.error else "")
+                f"{w.restarts:>8} {failed:>12}  {node}" + (f"  {w.error}" if w.error else "")
             )
     _print_capacity(st)
     _print_expert_load(st)

@@ -91,11 +91,12 @@ def _message(m: dict[str, Any]) -> pb.ChatMessage:
 
 
 def collect(request_id: str, items, n: int) -> list[Completion]:
-    """A stream's items as ``n`` completions, by their ``index``."""
-    out = [Completion(request_id=request_id, index=i) for i in range(n)]
+    """A stream's items as ``n`` completions, by their ``index``. Nothing is allocated per
+    sequence before the server answers: an ``n`` it refuses (at most 64) costs nothing."""
+    out: dict[int, Completion] = {}
     for item in items:
-        out[item.index].add(item)
-    return out
+        out.setdefault(item.index, Completion(request_id=request_id, index=item.index)).add(item)
+    return [out.get(i) or Completion(request_id=request_id, index=i) for i in range(n)]
 
 
 def item_of(resp: pb.GenerateResponse) -> Chunk | Final:

@@ -103,10 +103,22 @@ FIELDS: tuple[ApiField, ...] = (
     _h("stop_token_ids", BOTH, "the output ends after any of these tokens", "vLLM"),
     _h("ignore_eos", BOTH, "generate past the end-of-sequence token until `max_tokens`", "vLLM"),
     # ---- sampling -------------------------------------------------------------------------
-    _h("temperature", BOTH, "0 is greedy; unset: the model's `generation_config.json`, else 1.0"),
+    _h(
+        "temperature",
+        BOTH,
+        "in [0, 100], 0 is greedy (wider than OpenAI's [0, 2], which would refuse vLLM clients' values; past "
+        "100 any model's distribution is as flat as float32 tells); under 0.01 sampled as 0.01 (vLLM's "
+        "floor); unset: the model's `generation_config.json`, else 1.0",
+    ),
     _h("top_p", BOTH, "unset: the model's `generation_config.json`, else 1.0 (off)"),
-    _h("top_k", BOTH, "unset: the model's `generation_config.json`, else 0 (off)", "vLLM"),
-    _h("seed", BOTH, "reproducible sampling: the same output whatever else is in the batch"),
+    _h(
+        "top_k",
+        BOTH,
+        "an integer < 2^31, past the vocabulary: all; unset: the model's `generation_config.json`, "
+        "else 0 (off)",
+        "vLLM",
+    ),
+    _h("seed", BOTH, "in [0, 2^64): reproducible sampling, the same output whatever else is in the batch"),
     _h(
         "n",
         BOTH,

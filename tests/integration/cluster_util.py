@@ -122,6 +122,21 @@ def _options(p: SamplingParams) -> dict:
     )
 
 
+def assert_kv_moved(finals, client: Client) -> None:
+    """Each request's prompt KV moved from a prefill worker to its decode worker. Equal
+    tokens alone do not show it: a failed transfer is recomputed on the decode worker
+    (``transfer.on_failure: recompute``) with the same tokens. So: no transfer failed
+    (the router's count, since the cluster started), and every request that went past
+    its first token reports a pull (``kv_pull_ms`` is set only by a pull that landed)."""
+    failed = [(f.error, f.action, f.count) for f in client.cluster_status().transfer_failures]
+    assert failed == [], f"KV transfers failed and were recomputed: {failed}"
+    for f in finals:
+        assert f.prefill_worker.startswith("prefill"), f"prefilled on {f.decode_worker}, not handed over"
+        assert f.completion_tokens <= 1 or f.kv_pull_ms > 0, (
+            f"no KV pulled for a {f.completion_tokens}-token run"
+        )
+
+
 def wait_until(condition, what: str, timeout: float = 120.0) -> None:
     """Poll ``condition`` until it holds; past ``timeout``, fail saying ``what`` did not happen."""
     deadline = time.monotonic() + timeout

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.client import Client
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
-from tests.integration.cluster_util import live_cluster, stream_all, tiny_config
+from tests.integration.cluster_util import assert_kv_moved, live_cluster, stream_all, tiny_config
 
 ENGINE = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}
 MAX_TOKENS = 8
@@ -36,7 +37,7 @@ def test_cluster_greedy_equals_transformers(tmp_path, kind, kv_heads, prefill_tp
         decode={"num_cpus": 0.5, "tp_size": decode_tp, "engine": ENGINE},
     )
     params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * len(prompts)
-    with live_cluster(config) as cluster:
+    with live_cluster(config) as cluster, Client(cluster.address, timeout=60) as client:
         results = stream_all(cluster.address, prompts, params)
+        assert_kv_moved([out.final for out, _ in results], client)  # every KV handed over
     assert [out.token_ids for out, _ in results] == expected
-    assert all(out.final.prefill_worker == "prefill-0" for out, _ in results)  # every KV handed over

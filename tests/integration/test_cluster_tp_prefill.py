@@ -22,6 +22,7 @@ from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
+    assert_kv_moved,
     cancel_mid_stream,
     live_cluster,
     mixed_workload,
@@ -51,7 +52,7 @@ def test_tp2_prefill_group_serves_tp1_decode_exactly(cluster, reference, client)
     assert [out.token_ids for out, _ in results] == expected
     finals = [out.final for out, _ in results]
     assert len({f.prefill_worker for f in finals}) == 1  # the one TP group
-    assert any(f.kv_pull_ms > 0 for f in finals)  # KV pulled from both ranks
+    assert_kv_moved(finals, client)  # KV pulled from both ranks
     assert idle(wait_kv_free(client))  # every shard's lease ended; blocks released
 
 

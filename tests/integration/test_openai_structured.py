@@ -8,20 +8,29 @@ float32: one prefill worker, two decode workers, KV over NIXL), driven by the
   grammar rebuilt from the tokens already sent): the output still validates and
   equals the undisturbed run;
 - chat ``logprobs`` with ``top_logprobs: 5``: equal to transformers' log_softmax of
-  the float32 model within 1e-4.
+  the float32 model within 1e-4;
+- a request can only fail itself: every sampling field at its extremes (NaN and
+  infinities included), with each structured-output kind, logprobs and ``n``,
+  through both front doors: 200 or 400 only, no worker restarts, and greedy
+  streams running meanwhile unchanged.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
 
+from splitserve.client import Client, InvalidArgument
 from splitserve.cluster.config import ClusterConfig
 from tests.conftest import HAS_SMOLLM2
-from tests.integration.cluster_util import kv_used, live_cluster, wait_kv_free, wait_until
+from tests.integration.cluster_util import kv_used, live_cluster, scrape, total, wait_kv_free, wait_until
 from tests.unit.engine.test_structured import NAME, SCHEMAS
 
 pytestmark = [
@@ -193,3 +202,114 @@ def test_chat_logprobs_equal_transformers(api, smollm2):
             names = [tok.convert_tokens_to_string([tok.convert_ids_to_tokens(int(i))]) for i in best.indices]
             assert [t.token for t in entry.top_logprobs] == names
             ids.append(chosen)
+
+
+# ---- a request can only fail itself: every sampling field at its extremes ------------------------
+BIG = 1.7976931348623157e308  # the largest finite float
+FLOATS = {
+    "temperature": [0.0, 5e-324, 1.5, BIG, math.nan, math.inf],
+    "top_p": [0.0, 5e-324, 1.0, BIG, math.nan],
+    "min_p": [0.0, 5e-324, 1.0, BIG, math.nan],
+    "repetition_penalty": [0.0, 5e-324, BIG, math.nan, -math.inf],
+    "frequency_penalty": [0.0, 5e-324, 2.0, -BIG, math.nan],
+    "presence_penalty": [-2.0, 5e-324, BIG, math.inf],
+}
+INTS = {
+    "max_tokens": [0, 1, 2**32 - 1],
+    "top_k": [0, 1, 2**32 - 1],
+    "seed": [0, 2**64 - 1],
+    "n": [0, 3, 2**32 - 1],
+}
+INTS |= {"min_tokens": [0, 4, 2**32 - 1], "top_logprobs": [0, 20, 2**32 - 1]}
+STRUCTURED = [None, ("json_schema", '{"type": "object"}'), ("regex", "[a-z]+"), ("choice", '["yes", "no"]')]
+STRUCTURED += [("json_schema", json.dumps(_object(answer={"enum": ["yes", "no"]})))]
+
+
+def _extremes():
+    """(index, field, value) of every extreme, each one combined (by its index) with a
+    structured-output kind, logprobs on or off, and n of 1 or 2."""
+    cases = [(f, v) for f, vs in FLOATS.items() for v in vs] + [(f, v) for f, vs in INTS.items() for v in vs]
+    return [(i, f, v) for i, (f, v) in enumerate(cases)]
+
+
+def _http_body(i: int, field: str, value) -> dict:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4}
+    body |= {"n": 1 + (i % 3 == 0), "logprobs": i % 2 == 0, "temperature": 0.7, "seed": i}
+    kind = STRUCTURED[i % len(STRUCTURED)]
+    if kind is not None and kind[0] == "json_schema":
+        schema = json.loads(kind[1])
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    elif kind is not None:
+        body["structured_outputs"] = {kind[0]: json.loads(kind[1]) if kind[0] == "choice" else kind[1]}
+    if field == "top_logprobs":
+        body["logprobs"] = True
+    body[field] = value
+    return body
+
+
+def _http(base: str, body: dict) -> int:
+    request = urllib.request.Request(
+        f"{base}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            json.loads(r.read())
+            return r.status
+    except urllib.error.HTTPError as e:
+        assert json.loads(e.read())["error"]["message"], "an error without a sentence"
+        return e.code
+
+
+def _grpc(address: str, i: int, field: str, value) -> str:
+    options = dict(max_tokens=4, n=1 + (i % 3 == 0), logprobs=i % 2 == 0, temperature=0.7, seed=i)
+    kind = STRUCTURED[i % len(STRUCTURED)]
+    if kind is not None:
+        options["structured"] = kind
+    if field == "top_logprobs":
+        options["logprobs"] = True
+    options[field] = value
+    with Client(address, retries=0, timeout=120) as c:
+        try:
+            c.generate_n(messages=[{"role": "user", "content": QUESTION}], **options)
+        except InvalidArgument as e:
+            assert str(e), "an error without a sentence"
+            return "INVALID_ARGUMENT"
+        except (ValueError, TypeError, OverflowError):
+            return "not carried"  # protobuf cannot hold the value: it never reaches the server
+    return "OK"
+
+
+def test_every_sampling_field_at_its_extremes_fails_only_itself(cluster, client):
+    """Through both front doors: each float field at 0, the smallest positive, the largest
+    finite, NaN and infinities, each integer at 0, small and its wire type's largest, each
+    combined with a structured-output kind, logprobs and n. Every answer is 200/OK or a
+    400/INVALID_ARGUMENT with a sentence; no worker restarts or is replaced; greedy streams
+    running meanwhile equal their undisturbed output."""
+    before = {w.worker_id: w.restarts for p in client.cluster_status().pools for w in p.workers}
+    failures_before = total(scrape(cluster), "splitserve:engine_loop_failures_total")
+    prompts = [f"Tell me about the number {k}." for k in range(3)]
+    good = dict(max_tokens=48, temperature=0, ignore_eos=True)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    undisturbed = [client.generate(messages=m, **good).token_ids for m in chats]
+    meanwhile: list = [None] * len(prompts)
+
+    def stream(k: int) -> None:
+        with Client(cluster.address, timeout=300) as c:
+            meanwhile[k] = c.generate(messages=chats[k], **good).token_ids
+
+    streams = [threading.Thread(target=stream, args=(k,)) for k in range(len(prompts))]
+    for t in streams:
+        t.start()
+    base = f"http://{cluster.http_address}"
+    with ThreadPoolExecutor(4) as pool:
+        http = list(pool.map(lambda c: (c, _http(base, _http_body(*c))), _extremes()))
+        grpc_ = list(pool.map(lambda c: (c, _grpc(cluster.address, *c)), _extremes()))
+    for t in streams:
+        t.join()
+    assert [c for c, code in http if code not in (200, 400)] == []
+    assert [c for c, code in grpc_ if code not in ("OK", "INVALID_ARGUMENT", "not carried")] == []
+    assert sum(code == 200 for _, code in http) > 10 and sum(code == 400 for _, code in http) > 10
+    assert meanwhile == undisturbed
+    after = {w.worker_id: w.restarts for p in client.cluster_status().pools for w in p.workers}
+    assert after == before  # the same workers, none restarted
+    assert total(scrape(cluster), "splitserve:engine_loop_failures_total") == failures_before
