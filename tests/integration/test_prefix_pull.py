@@ -1,8 +1,9 @@
 """Prefill workers copying a prompt's prefix from each other (issue 37), without Ray:
 two ``PrefillWorker``s in this process, NIXL between them. The borrower takes the
-blocks the holder computed instead of computing them, and its first token equals
-transformers' ``generate``; when the holder is gone after lending, or has evicted
-the prefix, the borrower computes it and the request still succeeds."""
+blocks the holder computed instead of computing them (the copied KV equals the
+holder's bit for bit), and its first token equals transformers' ``generate``;
+when the holder is gone after lending, or has evicted the prefix, the borrower
+computes it and the request still succeeds."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import asyncio
 import dataclasses
 
 import pytest
+import torch
 
 from splitserve.bench.prefix_pull import InProcessPeer
+from splitserve.engine.sequence import Sequence
 from splitserve.prefill_worker.worker import PrefillWorker
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.kv import KVHandoff
@@ -55,6 +58,19 @@ async def prefill(worker: PrefillWorker, rid: str, prompt: list[int], pull: Pref
     return result
 
 
+def cached_kv(worker: PrefillWorker, tokens: list[int]) -> torch.Tensor:
+    """The KV the worker's prefix cache holds for ``tokens`` (every one of its full blocks),
+    read on its engine's thread."""
+
+    def read(engine):
+        probe = Sequence("probe", list(tokens), SamplingParams())
+        blocks = engine.block_manager.find_cached_prefix(probe, whole=True)
+        assert len(blocks) == len(tokens) // BLOCK, "the prefix is not cached whole"
+        return engine.kv_cache.read_blocks(blocks).clone()
+
+    return worker.loop.call(read).result(timeout=60)
+
+
 async def wait_free(worker: PrefillWorker) -> None:
     """Until the worker holds no KV block (its exports' and loans' leases all ended)."""
     async with asyncio.timeout(60):
@@ -82,6 +98,11 @@ def test_a_prefill_worker_copies_a_prefix_another_computed_and_computes_it_when_
         s = await borrower.stats()
         assert (s.prefix_pulls, s.prefix_pull_failures, s.engine.prefix_pulled_tokens) == (1, 0, 72)
         assert (await holder.stats()).engine.prefix_lent_tokens == 72
+        # one token says little: the 9 blocks the borrower copied are the holder's, bit for bit
+        # (its own first 3, computed in another batch shape, equal them to float32 rounding)
+        mine, theirs = cached_kv(borrower, prefix), cached_kv(holder, prefix)
+        assert torch.equal(mine[:, :, 3:], theirs[:, :, 3:])
+        assert torch.allclose(mine[:, :, :3], theirs[:, :, :3], atol=1e-5)
         await wait_free(holder)  # the loan's lease ended with the borrower's confirmation
 
         # A holder that lends nothing (it has no such prefix): computed, counted as failed.

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import re
 
+import jsonschema
 import pytest
 
 from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.sampling import FinishReason, SamplingParams, StructuredOutput
-
-jsonschema = pytest.importorskip("jsonschema")
 
 NAME = {"type": "string", "maxLength": 12}
 SCHEMAS = [

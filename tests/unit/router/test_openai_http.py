@@ -280,7 +280,7 @@ HONOURED_BY = {
     "request_id": [None, "test_honoured_fields_reach_the_workers_as_sent"],
     "max_tokens": [None, "test_chat_without_max_tokens_gets_the_rest_of_the_context"],
     "max_completion_tokens": [None, "test_max_completion_tokens_wins"],
-    "stop": [None, "test_stop_is_a_string_or_a_list_and_reaches_the_engine"],
+    "stop": [None, "test_stop_is_a_string_or_a_list_of_strings_in_the_params"],
     "stop_token_ids": [None, "test_honoured_fields_reach_the_workers_as_sent"],
     "ignore_eos": [None, "test_honoured_fields_reach_the_workers_as_sent"],
     "temperature": [defaults_tests, "test_the_router_applies_the_models_defaults_to_unset_fields_only"],
@@ -318,7 +318,7 @@ HONOURED_BY = {
 }
 
 
-def test_stop_is_a_string_or_a_list_and_reaches_the_engine():
+def test_stop_is_a_string_or_a_list_of_strings_in_the_params():
     """(The engine's stop-string tests: ``tests/unit/engine/test_engine.py``.)"""
     assert CompletionRequest(prompt=[1], stop="zz").params().stop == ("zz",)
     assert CompletionRequest(prompt=[1], stop=["a", "b"]).params().stop == ("a", "b")
