@@ -149,9 +149,9 @@ def generate_requests(draw) -> pb.GenerateRequest:
     return req
 
 
-def check_generate(doors: Doors, data: bytes) -> None:
-    """Send raw request bytes to Generate; the answer is a whole valid stream, or
-    INVALID_ARGUMENT with a sentence."""
+def check_generate(doors: Doors, data: bytes) -> str:
+    """Send raw request bytes to Generate; the answer is a whole valid stream ("ok"), or
+    INVALID_ARGUMENT with a sentence ("invalid")."""
     call = doors.channel.unary_stream(
         "/splitserve.v1.Splitserve/Generate",
         request_serializer=lambda b: b,
@@ -164,11 +164,12 @@ def check_generate(doors: Doors, data: bytes) -> None:
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
         assert len(e.details()) > 10 and not responses, e.details()
-        return
+        return "invalid"
     kinds = [r.WhichOneof("kind") for r in responses]
     assert kinds.count("final") == 1 and kinds[-1] == "final", kinds
     sent = sum(len(r.token.token_ids) for r in responses[:-1])
     assert responses[-1].final.usage.completion_tokens == sent
+    return "ok"
 
 
 @FUZZ
