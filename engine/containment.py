@@ -56,6 +56,7 @@ _PARTS = {
     "grammar": "its structured output's grammar refused the token chosen for it",
     "detokenization": "turning its tokens into text (or checking its stop strings) failed",
     "logprobs": "computing its logprobs failed",
+    "kv_cache": "recording its computed KV in the cache failed",
     "sampling": "sampling its next token failed",
     "forward": "the model failed on this request",
 }

@@ -253,22 +253,23 @@ class Engine(KVRequests):
         else:
             self._decode_steps.add(len(sched.scheduled), time.perf_counter() - started)
         for r in ran:
-            out = self._advance(r) if r.error is None else None
-            if out is None and r.error is not None:
-                out = self._fail(self.requests[r.entry.seq.request_id], r.error)
+            state = self.requests[r.entry.seq.request_id]  # before _advance may finish it
+            out = self._advance(r, state) if r.error is None else None
+            if r.error is not None:
+                out = self._fail(state, r.error)
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def _advance(self, r: Ran) -> RequestOutput | None:
+    def _advance(self, r: Ran, state: RequestState) -> RequestOutput | None:
         """Apply one sequence's share of a step: its KV computed, its token appended (and
         its text, stop check, output); None when it sampled nothing. A part that raises
         sets ``r.error`` (kind: where) and the sequence is failed by the caller."""
         seq = r.entry.seq
-        state = self.requests[seq.request_id]
         part = "logprobs"
         try:
             seq.prompt_logprobs.extend(r.prompt_logprobs)
+            part = "kv_cache"
             seq.num_computed_tokens += r.entry.num_new_tokens
             self.block_manager.commit_computed(seq)
             if r.token is None:

@@ -37,8 +37,9 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
                                                        a fault no request could be blamed for)
     splitserve:worker_restarts_total{pool,worker}       its process restarted by Ray (it crashed)
     splitserve:sequence_errors_total{pool,worker,kind} requests that failed alone in its engine
-                                                       (kind: sampling, unsampleable, grammar,
-                                                       detokenization, logprobs, forward)
+                                                       (kind: wire.errors.SEQUENCE_ERROR_KINDS:
+                                                       sampling, unsampleable, grammar,
+                                                       detokenization, logprobs, kv_cache, forward)
     splitserve:model_steps_retried_total{pool,worker}  model steps that failed and were run again
     splitserve:ignored_fields_total                     unknown request fields ignored
                                                        (router.openai.ignore_unknown_fields)

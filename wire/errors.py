@@ -44,6 +44,8 @@ class SequenceFailed(SplitserveError):
     sentence for the user. Tokens sent before it stand."""
 
     def __init__(self, kind: str, message: str):
+        if kind not in SEQUENCE_ERROR_KINDS:
+            raise ValueError(f"unknown sequence error kind {kind!r}")
         super().__init__(kind, message)  # both in args: the error pickles across processes
         self.kind = kind
 
@@ -52,7 +54,15 @@ class SequenceFailed(SplitserveError):
 
 
 # what ``SequenceFailed.kind`` may be: where in a step the sequence failed
-SEQUENCE_ERROR_KINDS = ("sampling", "unsampleable", "grammar", "detokenization", "logprobs", "forward")
+SEQUENCE_ERROR_KINDS = (
+    "sampling",
+    "unsampleable",
+    "grammar",
+    "detokenization",
+    "logprobs",
+    "kv_cache",
+    "forward",
+)
 
 
 class Unsampleable(SequenceFailed, InvalidRequest):
