@@ -1,8 +1,10 @@
 """The chaos harness (``splitserve.bench.chaos``) at CI size: a cluster of two
 TP=2 prefill groups and two decode workers under continuous concurrent load
 while prefill workers, decode workers and TP ranks are killed; every completed
-output must equal the monolithic engine's greedy tokens, no call may hang, and
-no KV may stay held. The same on three Ray nodes on localhost, killing whole
+output must equal the monolithic engine's greedy tokens, at least 99 % must
+complete (the rest fail with UNAVAILABLE or DEADLINE_EXCEEDED and a sentence, or
+INTERNAL for a request that was on two of the killed workers), no call may hang,
+and no KV may stay held. The same on three Ray nodes on localhost, killing whole
 nodes (each followed by a fresh node, as Ray's autoscaler would add). The large
 runs (100+ kills) are the same harness by hand:
 ``python -m splitserve.bench.chaos --kills 100 [--nodes 3]``."""
@@ -28,7 +30,7 @@ KILLS = int(os.environ.get("SPLITSERVE_CHAOS_KILLS", "3"))
 NODE_KILLS = int(os.environ.get("SPLITSERVE_CHAOS_NODE_KILLS", "2"))
 
 
-def test_kills_under_load_lose_no_request_and_corrupt_no_output(checkpoint):
+def test_kills_under_load_complete_99_percent_and_corrupt_no_output(checkpoint):
     config = chaos_config(checkpoint, prefill=2, decode=2, tp=2)
     prompts, params = mixed_prompts(24, VOCAB, seed=1, max_len=200)
     reference = [c.token_ids for c in Engine(config.engine_config("decode")).generate(prompts, params)]
@@ -43,7 +45,7 @@ def test_kills_under_load_lose_no_request_and_corrupt_no_output(checkpoint):
     assert len(report.outcomes) > 2 * KILLS
 
 
-def test_node_kills_under_load_lose_no_request_and_corrupt_no_output(checkpoint):
+def test_node_kills_under_load_complete_99_percent_and_corrupt_no_output(checkpoint):
     nodes, config = local_nodes(3, chaos_config(checkpoint, prefill=2, decode=2, tp=2))
     prompts, params = mixed_prompts(24, VOCAB, seed=2, max_len=200)
     reference = [c.token_ids for c in Engine(config.engine_config("decode")).generate(prompts, params)]
