@@ -33,7 +33,9 @@ deadline:
   in any order) is ended with ``RequestCrashesWorkers`` (``INTERNAL``) and its
   fingerprint logged, instead of being tried again: a request that takes down
   every worker it reaches must not walk through the pool (Dynamo's migration
-  limit, vLLM's retries are bounded the same way).
+  limit, vLLM's retries are bounded the same way). One node's failure counts
+  once: the loss of a decode worker that had just reported its prefill worker
+  lost (``PrefillLost``), both on that node, is the same loss (``_Losses``).
 
 A request with ``n`` > 1 is its first sequence, served as above, and ``n - 1``
 forks that start on its decode worker once that worker holds the KV, prefilled
@@ -315,15 +317,14 @@ class Dispatcher:
         n = len(life.prompt_ids)
         source = life.source
         tried = {source.worker_id} if source is not None else set()
-        losses = 0
+        losses = _Losses()
         while True:
             try:
                 async for event in self._stream(life, task):
                     yield event
                 return
             except (PrefillLost, WorkerLost) as e:
-                losses += 1
-                if losses >= MAX_WORKER_LOSSES:
+                if losses.add(e, life) >= MAX_WORKER_LOSSES:
                     raise self._crashes_workers(life, e) from e
                 lost = e
             except KVTransferError as e:
@@ -419,3 +420,26 @@ class Dispatcher:
                         yield event
                         if isinstance(event, FinalEvent):
                             return
+
+
+class _Losses:
+    """The worker losses one request was present at, one node's failure counted once."""
+
+    def __init__(self):
+        self.count = 0
+        # after a PrefillLost: (the decode worker that reported it, the lost worker's node)
+        self._prefill_lost_on: tuple[str, str] | None = None
+
+    def add(self, error: PrefillLost | WorkerLost, life: RequestLifecycle) -> int:
+        """Count ``error`` (``life``'s source or decode worker was lost); the count so far."""
+        decode = life.decode_worker
+        if isinstance(error, PrefillLost):
+            node = life.source.node.node_id if life.source is not None and life.source.node else ""
+            self._prefill_lost_on = (decode.worker_id, node) if node else None
+            self.count += 1
+            return self.count
+        node = decode.node.node_id if decode.node is not None else ""
+        if not node or self._prefill_lost_on != (decode.worker_id, node):
+            self.count += 1  # not the node whose failure was just counted
+        self._prefill_lost_on = None
+        return self.count

@@ -23,7 +23,7 @@ from splitserve.router.dispatch import MAX_WORKER_LOSSES, Dispatcher
 from splitserve.router.errors import status_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.policy import LimitsSpec, PolicySpec
-from splitserve.router.registry import WorkerRegistry
+from splitserve.router.registry import NodePlacement, WorkerRegistry
 from splitserve.wire.errors import (
     InvalidRequest,
     LeaseExpired,
@@ -457,3 +457,30 @@ def test_prefill_and_decode_losses_count_together():
     with pytest.raises(RequestCrashesWorkers):
         asyncio.run(_collect(d, [4, 5]))
     assert sum(len(p.calls) for p in prefills) == MAX_WORKER_LOSSES  # the third never saw it
+
+
+@pytest.mark.parametrize("same_node", [True, False])
+def test_one_nodes_failure_counts_as_one_loss(same_node):
+    """p0 is lost (d0 reports PrefillLost), then d0 itself: on one node that is one
+    failure, and the request resumes on d1; on two nodes, two losses end it."""
+    reported = []
+
+    def lost_on_its_second_task(task):
+        reported.append(task)
+        if len(reported) == 2:
+            raise WorkerLost("the node died")
+
+    p0, p1 = FakePrefill("p0", fail=_lost), FakePrefill("p1")
+    d0, d1 = FakeDecode("d0", fail=lost_on_its_second_task), FakeDecode("d1")
+    d = _cluster([p0, p1], [d0, d1])
+    d.registry.get("d1").decoding["other"] = 10**6  # d0 looks emptier: it is chosen first
+    d.registry.get("d1").unpolled.add("other")
+    d.registry.placed("p0", NodePlacement("node-a", "cpu"))
+    d.registry.placed("d0", NodePlacement("node-a" if same_node else "node-b", "cpu"))
+    if same_node:
+        tokens, final = asyncio.run(_collect(d, [7, 8, 9]))
+        assert tokens == expected_tokens([7, 8, 9], 8) and final.decode_worker == "d1"
+    else:
+        with pytest.raises(RequestCrashesWorkers):
+            asyncio.run(_collect(d, [7, 8, 9]))
+        assert d1.calls == []
