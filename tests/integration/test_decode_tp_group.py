@@ -29,22 +29,32 @@ TIMEOUT_S = 6.0  # the group's collective timeout: an unheard-from rank fails af
 
 async def _run(worker: DecodeWorker, tasks: list[DecodeTask]) -> dict[str, list[int]]:
     """Start ``tasks`` on one outbox and read it until each has ended; tokens by request."""
+    tokens, errors = await _run_all(worker, tasks)
+    assert not errors, errors
+    return tokens
+
+
+async def _run_all(worker: DecodeWorker, tasks: list[DecodeTask]) -> tuple[dict, dict]:
+    """As ``_run``, but a request may end with an error: (tokens, errors) by request."""
     tokens: dict[str, list[int]] = {t.request_id: [] for t in tasks}
+    errors = {}
     for task in tasks:
         await worker.start("test", task)
     left = set(tokens)
     stream = worker.stream("test")
     while left:
         for batch in await anext(stream):
-            assert batch.error is None, batch.error
             tokens[batch.request_id] += batch.token_ids
-            if batch.finish_reason is not None:
+            if batch.error is not None:
+                errors[batch.request_id] = batch.error
+            if batch.finish_reason is not None or batch.error is not None:
                 left.discard(batch.request_id)
     await stream.aclose()
-    return tokens
+    return tokens, errors
 
 
-def test_a_colocated_tp2_group_decodes_resumes_and_idles_like_tp1(tmp_path):
+def _group(tmp_path) -> tuple[EngineConfig, DecodeWorkerSpec, mp.Process]:
+    """A tiny model's TP=2 engine config, rank 0's worker spec, and rank 1 started."""
     make_hf_checkpoint("llama", tmp_path)
     engine = EngineConfig(model=str(tmp_path), dtype="float32", tp_size=2, num_kv_blocks=128)
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -53,6 +63,11 @@ def test_a_colocated_tp2_group_decodes_resumes_and_idles_like_tp1(tmp_path):
         target=decode_rank_main, args=(dataclasses.replace(spec, tp=TPInit(1, 2, address, TIMEOUT_S)),)
     )
     rank1.start()
+    return engine, spec, rank1
+
+
+def test_a_colocated_tp2_group_decodes_resumes_and_idles_like_tp1(tmp_path):
+    engine, spec, rank1 = _group(tmp_path)
     reference = Engine(dataclasses.replace(engine, tp_size=1))
     prompts = random_prompts([5, 40, 90], 512, seed=3)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 7, 20)]
@@ -77,14 +92,7 @@ def test_a_tp2_group_fails_one_sequence_on_both_ranks_and_goes_on(tmp_path):
     """Rank 0's sampler raises for one request mid-batch: that request ends with its
     error, the others' tokens equal TP=1's, and the group (rank 1 following rank 0's
     steps, in which the failed sequence no longer appears) serves the next request."""
-    make_hf_checkpoint("llama", tmp_path)
-    engine = EngineConfig(model=str(tmp_path), dtype="float32", tp_size=2, num_kv_blocks=128)
-    address = f"tcp://127.0.0.1:{free_port()}"
-    spec = DecodeWorkerSpec("c", engine, None, 10.0, 8, torch_threads=1, tp=TPInit(0, 2, address, TIMEOUT_S))
-    rank1 = mp.get_context("spawn").Process(
-        target=decode_rank_main, args=(dataclasses.replace(spec, tp=TPInit(1, 2, address, TIMEOUT_S)),)
-    )
-    rank1.start()
+    engine, spec, rank1 = _group(tmp_path)
     reference = Engine(dataclasses.replace(engine, tp_size=1))
     prompts = random_prompts([5, 40, 90], 512, seed=4)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -104,22 +112,3 @@ def test_a_tp2_group_fails_one_sequence_on_both_ranks_and_goes_on(tmp_path):
         worker.shutdown()
         rank1.join(30)
     assert rank1.exitcode == 0
-
-
-async def _run_all(worker: DecodeWorker, tasks: list[DecodeTask]) -> tuple[dict, dict]:
-    """As ``_run``, but a request may end with an error: (tokens, errors) by request."""
-    tokens: dict[str, list[int]] = {t.request_id: [] for t in tasks}
-    errors = {}
-    for task in tasks:
-        await worker.start("test", task)
-    left = set(tokens)
-    stream = worker.stream("test")
-    while left:
-        for batch in await anext(stream):
-            tokens[batch.request_id] += batch.token_ids
-            if batch.error is not None:
-                errors[batch.request_id] = batch.error
-            if batch.finish_reason is not None or batch.error is not None:
-                left.discard(batch.request_id)
-    await stream.aclose()
-    return tokens, errors
