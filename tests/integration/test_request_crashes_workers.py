@@ -13,9 +13,8 @@ itself is covered in CI by ``tests/unit/router/test_dispatch.py``."""
 
 from __future__ import annotations
 
-import threading
-
 import os
+import threading
 
 import grpc
 import pytest
