@@ -30,8 +30,10 @@ on one rank: only the driver samples, and a sequence it fails is gone from the
 next step it broadcasts, so the ranks never disagree.
 
 A layer observer (a prefill worker streaming KV layer by layer) saw the failed
-step begin: it is told ``step_failed`` and the retries run without it (the KV
-is exported whole after the step instead).
+step begin: it is told ``step_failed`` (``LayerExporter`` releases that step's
+streamed exports, so a reader already pulling one fails fast and its router
+recomputes the request) and the retries run without it; a prompt completed by
+the retry is exported whole after the step.
 
 No torch here: the runner does the work.
 """

