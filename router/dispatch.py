@@ -325,7 +325,7 @@ class Dispatcher:
                 return
             except (PrefillLost, WorkerLost) as e:
                 if losses.add(e, life) >= MAX_WORKER_LOSSES:
-                    raise self._crashes_workers(life, e) from e
+                    raise self._crashes_workers(life, losses.workers, e) from e
                 lost = e
             except KVTransferError as e:
                 if life.source is None:
@@ -367,24 +367,28 @@ class Dispatcher:
                 task = life.resume(dw)
 
     @staticmethod
-    def _crashes_workers(life: RequestLifecycle, last: Exception) -> RequestCrashesWorkers:
-        """The error that ends a request present at ``MAX_WORKER_LOSSES`` worker losses; its
-        fingerprint (a hash of its prompt and parameters, which a client can recompute) is
-        logged so that an operator can find it again."""
+    def _crashes_workers(life: RequestLifecycle, lost: list[str], last: Exception) -> RequestCrashesWorkers:
+        """The error that ends a request present at ``MAX_WORKER_LOSSES`` worker losses
+        (``lost``: the workers, in order); its fingerprint (a hash of its prompt and
+        parameters, which a client can recompute) is logged so that an operator can find
+        it again."""
         digest = hashlib.sha256(repr((life.prompt_ids, life.params)).encode()).hexdigest()[:16]
+        workers = ", ".join(lost)
         log.error(
-            "request %s was present at %d worker losses (the last: %s); ended, not retried. "
+            "request %s was present at %d worker losses (%s; the last: %s); ended, not retried. "
             "fingerprint %s: %d prompt tokens, %r",
             life.request_id,
-            MAX_WORKER_LOSSES,
+            len(lost),
+            workers,
             last,
             digest,
             len(life.prompt_ids),
             life.params,
         )
         return RequestCrashesWorkers(
-            f"the request was on {MAX_WORKER_LOSSES} workers that were lost while they ran it, so it is "
-            f"not tried on another (fingerprint {digest}); if it fails again, report it with that fingerprint"
+            f"the request was on {len(lost)} workers that were lost while they ran it ({workers}), so it "
+            f"is not tried on another (fingerprint {digest}); if it fails again, report it with that "
+            "fingerprint"
         )
 
     def _admit_prefill(self, pw: WorkerRecord, prompt_tokens: int) -> WorkerRecord:
@@ -426,20 +430,20 @@ class _Losses:
     """The worker losses one request was present at, one node's failure counted once."""
 
     def __init__(self):
-        self.count = 0
+        self.workers: list[str] = []  # each loss counted: the worker lost
         # after a PrefillLost: (the decode worker that reported it, the lost worker's node)
         self._prefill_lost_on: tuple[str, str] | None = None
 
     def add(self, error: PrefillLost | WorkerLost, life: RequestLifecycle) -> int:
         """Count ``error`` (``life``'s source or decode worker was lost); the count so far."""
-        decode = life.decode_worker
+        decode, source = life.decode_worker, life.source
         if isinstance(error, PrefillLost):
-            node = life.source.node.node_id if life.source is not None and life.source.node else ""
+            node = source.node.node_id if source is not None and source.node else ""
             self._prefill_lost_on = (decode.worker_id, node) if node else None
-            self.count += 1
-            return self.count
+            self.workers.append(source.worker_id if source is not None else "a prefill worker")
+            return len(self.workers)
         node = decode.node.node_id if decode.node is not None else ""
         if not node or self._prefill_lost_on != (decode.worker_id, node):
-            self.count += 1  # not the node whose failure was just counted
+            self.workers.append(decode.worker_id)  # not the node whose failure was just counted
         self._prefill_lost_on = None
-        return self.count
+        return len(self.workers)

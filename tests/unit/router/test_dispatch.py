@@ -446,6 +446,8 @@ def test_a_request_present_at_two_worker_losses_ends_with_internal_and_is_not_tr
     assert tokens == expected_tokens([1, 2, 3], 8) and final.finish_reason.value == "length"
     code, message = status_for(error)
     assert code == grpc.StatusCode.INTERNAL and "fingerprint" in message and "2 workers" in message
+    crashed = [dw.worker_id for dw in decodes if any(POISON == t.prompt_token_ids for t in dw.calls)]
+    assert f"({', '.join(crashed)})" in message  # the sentence names the workers lost
     for w in d.registry.workers():  # nothing stays held for either request
         assert (w.prefilling, w.decoding) == ({}, {})
     assert d.num_inflight == 0
