@@ -152,8 +152,8 @@ class ChaosReport:
         if self.completed < 0.99:
             out.append(f"only {self.completed:.1%} of requests completed (goal 99 %)")
         if unexplained := self.unexplained_two_losses():
-            e = unexplained[0]
-            out.append(f"{len(unexplained)} request(s) ended at two losses that no two kills explain: {e.message}")
+            n, e = len(unexplained), unexplained[0]
+            out.append(f"{n} request(s) ended at two losses that no two kills explain: {e.message}")
         bad = [
             o
             for o in self.outcomes

@@ -10,7 +10,7 @@ KILLS = [Kill(1.0, "decode", ("decode-0",)), Kill(2.0, "node", ("prefill-1", "de
 
 
 def _twice(workers: str) -> tuple[str, str]:
-    return "INTERNAL", f"the request was on 2 {TWO_LOSSES} ({workers}), so it is not tried again (fingerprint ab)"
+    return "INTERNAL", f"the request was on 2 {TWO_LOSSES} ({workers}), so it is not tried again (fp ab)"
 
 
 def _report(codes: list[tuple[str, str]]) -> ChaosReport:
