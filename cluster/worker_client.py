@@ -10,6 +10,10 @@ A ``RayPrefillWorker`` holds nothing but the handle: the router puts it into a
 ``DecodeTask`` (``source``) and the decode worker, in its own process, calls the
 prefill worker through it directly (prefill, handshakes, confirmations).
 
+A ``RayDecodeWorker`` starts requests through Ray but reads their tokens over a
+gRPC stream the worker serves (``wire.token_stream``): one per worker and
+consumer, the one path where Ray's cost per message would be paid every step.
+
 ``REMOTE_CALLS`` counts the Ray calls each process made through these clients, by
 method name (``remote_calls`` reads it, here or in an actor's process: the tests
 and ``bench/request_path`` count the calls one request costs with it).
@@ -24,10 +28,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import ray
 import ray.exceptions
 
 from splitserve.engine.background import Background
+from splitserve.wire import token_stream as ts
 from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
 from splitserve.wire.errors import EngineStopped, WorkerLost, WorkerStopped
 from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor, KVHandoff
@@ -146,7 +152,7 @@ class RayDecodeRank:
 
 
 class RayDecodeWorker(_EveryWorker):
-    """A decode (or colocated) worker's actor. Its requests' batches come over one Ray
+    """A decode (or colocated) worker's actor. Its requests' batches come over one gRPC
     stream per client (``_Inbox``), opened by the first ``generate``."""
 
     def __init__(self, actor: Any):
@@ -189,15 +195,17 @@ class RayDecodeWorker(_EveryWorker):
 
 
 class _Inbox:
-    """One Ray stream from a decode worker, read by one task that hands each
+    """One token stream from a decode worker (``DecodeWorker.stream``, read over gRPC at
+    its ``token_address``: ``wire.token_stream``), read by one task that hands each
     request's batches to its queue. A failed stream fails every request open on it
-    (``WorkerLost`` for a dead worker); the next request opens a new inbox."""
+    (``WorkerLost``); the next request opens a new inbox (and asks the address again:
+    a restarted worker serves on another port)."""
 
     def __init__(self, actor: Any):
         self.inbox_id = uuid.uuid4().hex
         self.closed = False
         self._queues: dict[str, asyncio.Queue] = {}
-        self._reader = asyncio.ensure_future(self._read(_remote(actor, "stream", self.inbox_id)))
+        self._reader = asyncio.ensure_future(self._read(actor))
 
     def open(self, request_id: str) -> asyncio.Queue:
         queue = self._queues[request_id] = asyncio.Queue()
@@ -210,21 +218,35 @@ class _Inbox:
         self._reader.cancel()
         await asyncio.wait([self._reader])
 
-    async def _read(self, stream) -> None:
+    async def _read(self, actor: Any) -> None:
         error: BaseException = WorkerLost("a decode worker ended its token stream")
         try:
-            async for ref in stream:
-                for batch in await ref:
-                    queue = self._queues.get(batch.request_id)
-                    if queue is not None:
-                        queue.put_nowait(batch)
-        except _RAY_ERRORS as e:
-            error = unwrap(e)
-        except asyncio.CancelledError:
-            error = WorkerLost("the router stopped reading a decode worker's tokens")
-            ray.cancel(stream)  # the worker's stream ends, aborting what it still runs for us
-            raise
+            address = await _call(actor, "token_address")
+            async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+                read = channel.unary_stream(
+                    ts.METHOD, request_serializer=ts.encode_outbox, response_deserializer=ts.decode_item
+                )
+                async for item in read(self.inbox_id):
+                    for batch in item:
+                        queue = self._queues.get(batch.request_id)
+                        if queue is not None:
+                            queue.put_nowait(batch)
+        except grpc.aio.AioRpcError as e:
+            error = WorkerLost(f"a decode worker's token stream broke ({e.code().name}: {e.details()})")
+        except (WorkerLost, WorkerStopped) as e:  # asking for the address
+            error = e
+        except asyncio.CancelledError:  # the call is cancelled with the channel: the worker's
+            error = WorkerLost("the router stopped reading a decode worker's tokens")  # stream
+            raise  # ends there, aborting what it still runs for us
         finally:
             self.closed = True
             for queue in self._queues.values():
                 queue.put_nowait(error)
+
+
+_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", ts.KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", ts.KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", ts.MAX_MESSAGE_BYTES),
+]

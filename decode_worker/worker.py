@@ -4,7 +4,9 @@ streams their tokens.
 
 A consumer (the router) reads one ``stream(outbox_id)`` per worker and starts
 requests on it with ``start(outbox_id, task)``; every engine step's tokens of
-all its requests come back as one item (``decode_worker.outbox``).
+all its requests come back as one item (``decode_worker.outbox``). Across
+processes the stream is read over gRPC at ``token_address()``
+(``decode_worker.token_server``), not through Ray: it is the hot path.
 
 A request's life here (the queues SGLang's decode side names)::
 
@@ -66,6 +68,7 @@ from dataclasses import dataclass
 
 from splitserve.decode_worker.admission import AdmissionQueue, AdmissionState
 from splitserve.decode_worker.outbox import Outbox
+from splitserve.decode_worker.token_server import TokenServer
 from splitserve.decode_worker.tp import join_decode_group, rank_sink
 from splitserve.engine.background import Background
 from splitserve.engine.engine import Engine
@@ -152,6 +155,7 @@ class DecodeWorker:
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.worker_id}-kv")
         self._outboxes: dict[str, Outbox] = {}  # by outbox id (one per consumer)
         self._requests: dict[str, _Request] = {}  # started and not yet ended
+        self._tokens: TokenServer | None = None  # serves stream() over gRPC, from token_address()
         self.loop.start()
         if self.sink is not None:  # before any request (its outputs reach no outbox)
             self.loop.call(lambda e: e.measure_rates(RATE_PROBE_TOKENS)).result()
@@ -165,6 +169,15 @@ class DecodeWorker:
             engine=self.engine.summary,
             kv_bytes_per_token=self.engine.capacity.bytes_per_token,
         )
+
+    async def token_address(self) -> str:
+        """Where ``stream`` is served over gRPC (``wire.token_stream``), started on the first
+        call, on this actor's loop: a router reads its tokens there rather than through Ray."""
+        if self._tokens is None:
+            tokens = TokenServer(self.stream)
+            await tokens.start()
+            self._tokens = tokens
+        return self._tokens.address
 
     async def stream(self, outbox_id: str) -> AsyncIterator[tuple[TokenBatch, ...]]:
         """The batches of the requests started on ``outbox_id``, every step's as one item
