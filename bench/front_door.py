@@ -294,12 +294,10 @@ def measure(server: str, path: str, address: str, conn, args) -> Measured:
     """Load ``address`` over ``path`` and read the server's CPU around the window."""
     ctx = multiprocessing.get_context("spawn")
     counting, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
-    per = [args.streams // args.client_procs + (i < args.streams % args.client_procs) for i in range(args.client_procs)]
-    procs = [
-        ctx.Process(target=client_process, args=(path, address, n, args.tokens, counting, stop, out), daemon=True)
-        for n in per
-        if n
-    ]
+    k = args.client_procs
+    per = [args.streams // k + (i < args.streams % k) for i in range(k)]
+    load = [(path, address, n, args.tokens, counting, stop, out) for n in per if n]
+    procs = [ctx.Process(target=client_process, args=a, daemon=True) for a in load]
     for p in procs:
         p.start()
     time.sleep(args.warmup)
@@ -318,7 +316,7 @@ def measure(server: str, path: str, address: str, conn, args) -> Measured:
         p.join(60)
     tokens, messages, errors = (round(sum(r[i] for r in results)) for i in range(3))
     if not tokens:
-        raise RuntimeError(f"no {path} tokens reached the clients from the {server} ({errors} failed streams)")
+        raise RuntimeError(f"no {path} tokens reached the clients from the {server} ({errors} streams failed)")
     cpu = [b - a for a, b in zip(before, after, strict=True)]
     return Measured(server, path, tokens, messages, errors, seconds, cpu)
 

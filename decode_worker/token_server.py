@@ -54,7 +54,8 @@ class TokenServer:
         handler = grpc.unary_stream_rpc_method_handler(
             self._serve, request_deserializer=ts.decode_outbox, response_serializer=ts.encode_item
         )
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ts.SERVICE, {"Stream": handler}),))
+        service = grpc.method_handlers_generic_handler(ts.SERVICE, {"Stream": handler})
+        server.add_generic_rpc_handlers((service,))
         port = server.add_insecure_port(f"{host}:0")
         await server.start()
         self._server, self.address = server, f"{host}:{port}"
