@@ -316,7 +316,7 @@ def measure(server: str, path: str, address: str, conn, args) -> Measured:
         p.join(60)
     tokens, messages, errors = (round(sum(r[i] for r in results)) for i in range(3))
     if not tokens:
-        raise RuntimeError(f"no {path} tokens reached the clients from the {server} ({errors} streams failed)")
+        raise RuntimeError(f"no {path} tokens reached the clients from the {server}: {errors} streams failed")
     cpu = [b - a for a, b in zip(before, after, strict=True)]
     return Measured(server, path, tokens, messages, errors, seconds, cpu)
 

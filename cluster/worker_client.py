@@ -34,7 +34,7 @@ import ray.exceptions
 
 from splitserve.engine.background import Background
 from splitserve.wire import token_stream as ts
-from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
+from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch, merge
 from splitserve.wire.errors import EngineStopped, WorkerLost, WorkerStopped
 from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor, KVHandoff
 from splitserve.wire.prefill import (
@@ -162,20 +162,24 @@ class RayDecodeWorker(_EveryWorker):
 
     async def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
         """The request's batches, up to the one with ``finish_reason``; a batch's
-        ``error`` is raised (after its tokens). Leaving early aborts the request on
-        the worker, which lets go of whatever it holds elsewhere for it."""
+        ``error`` is raised (after its tokens). Batches that arrived while the caller was
+        busy come as one (``merge``): a slow consumer pays per message, not per token.
+        Leaving early aborts the request on the worker, which lets go of whatever it
+        holds elsewhere for it."""
         if self._inbox is None or self._inbox.closed:
             self._inbox = _Inbox(self.actor)
         inbox, rid = self._inbox, task.request_id
         queue = inbox.open(rid)
         started = finished = False
+        failed: BaseException | None = None  # the stream's failure, queued behind batches
         try:
             await _call(self.actor, "start", inbox.inbox_id, task)
             started = True  # a start that raised holds nothing there
             while not finished:
-                item = await queue.get()
+                item = failed if failed is not None else await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                item, failed = _ready(item, queue)
                 if item.error is not None:
                     if item.token_ids or item.prefilled is not None:
                         yield dataclasses.replace(item, error=None)
@@ -192,6 +196,17 @@ class RayDecodeWorker(_EveryWorker):
         """Stop reading the worker's tokens (its requests from here are aborted there)."""
         if self._inbox is not None:
             await self._inbox.close_all()
+
+
+def _ready(first: TokenBatch, queue: asyncio.Queue) -> tuple[TokenBatch, BaseException | None]:
+    """``first`` and the batches queued behind it, as one; a failure queued after them, apart."""
+    batches: list[TokenBatch] = [first]
+    while not queue.empty():
+        item = queue.get_nowait()
+        if isinstance(item, BaseException):
+            return merge(batches), item
+        batches.append(item)
+    return merge(batches), None
 
 
 class _Inbox:

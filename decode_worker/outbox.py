@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 
-from splitserve.wire.decode import TokenBatch
+from splitserve.wire.decode import TokenBatch, merge
 
 
 class Outbox:
@@ -47,27 +47,3 @@ class Outbox:
             await self._wakeup.wait()
         ready, self._ready = self._ready, {}
         return tuple(merge(batches) for batches in ready.values())
-
-
-def merge(batches: list[TokenBatch]) -> TokenBatch:
-    """Consecutive batches of one request as one (tokens in order; the last word on how
-    it ended; the pull's figures from whichever batch carried them)."""
-    if len(batches) == 1:
-        return batches[0]
-    last = batches[-1]
-    transfer = [b for b in batches if b.transfer_s is not None]
-    return TokenBatch(
-        request_id=last.request_id,
-        token_ids=[t for b in batches for t in b.token_ids],
-        text="".join(b.text for b in batches),
-        logprobs=[x for b in batches for x in b.logprobs],
-        top_logprobs=[x for b in batches for x in b.top_logprobs],
-        prompt_logprobs=next((b.prompt_logprobs for b in batches if b.prompt_logprobs is not None), None),
-        token_times=[t for b in batches for t in b.token_times],
-        finish_reason=last.finish_reason,
-        num_cached_tokens=max(b.num_cached_tokens for b in batches),
-        transfer_s=transfer[0].transfer_s if transfer else None,
-        prefilled=next((b.prefilled for b in batches if b.prefilled is not None), None),
-        error=last.error,
-        started_at=next((b.started_at for b in batches if b.started_at is not None), None),
-    )

@@ -66,6 +66,7 @@ class RequestLifecycle:
         self._prompt_logprobs_sent = False  # the prompt's logprobs passed on (a resume sends them again)
         self._token_times: list[float] = []  # when each was sampled (worker clocks)
         self._marks: list[Mark] = [Mark("admitted", self.accepted)]
+        self._first_marked: dict[str, float] = {"admitted": self.accepted}  # name -> its first mark's time
         self._first_passed_at: float | None = None  # time.monotonic() when the first token went out
         self._prefill_worker = ""  # the prefill worker that made the first token
         self._handoff_bytes = 0  # the source's KV, pulled once the pull is reported
@@ -101,7 +102,7 @@ class RequestLifecycle:
         return len(self._sent)
 
     def marked(self, name: str) -> float | None:
-        return next((m.at for m in self._marks if m.name == name), None)
+        return self._first_marked.get(name)
 
     def remaining(self) -> float | None:
         """Seconds left before the deadline (at least 1 ms), or None without one."""
@@ -255,7 +256,9 @@ class RequestLifecycle:
         return self.accepted + (time.monotonic() - self._accepted_mono)
 
     def _mark(self, name: str, at: float | None = None, worker: str = "") -> None:
-        self._marks.append(Mark(name, self._now() if at is None else at, worker))
+        mark = Mark(name, self._now() if at is None else at, worker)
+        self._marks.append(mark)
+        self._first_marked.setdefault(name, mark.at)
 
     def _tokens(self, batch: TokenBatch) -> TokenEvent:
         self._sent.extend(batch.token_ids)

@@ -99,11 +99,15 @@ class Responses:
         async def send(obj: dict) -> None:
             await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
-        def chunk(choice: dict, prompt_tokens: int) -> dict:
-            out = env | {"choices": [choice]}
+        head = json.dumps(env)[:-1]  # the envelope, serialised once: '{"id": ..., "model": ...'
+
+        async def send_chunk(choice: dict, prompt_tokens: int) -> None:
+            """``send(env | {"choices": [choice]} (| {"usage": ...}))``, the same bytes at
+            the cost of serialising ``choice`` alone: this runs once per token."""
+            usage = ""
             if options.continuous_usage_stats:
-                out["usage"] = _counts(prompt_tokens, completion_tokens)
-            return out
+                usage = f', "usage": {json.dumps(_counts(prompt_tokens, completion_tokens))}'
+            await resp.write(f'data: {head}, "choices": [{json.dumps(choice)}]{usage}}}\n\n'.encode())
 
         try:
             if chat:
@@ -130,10 +134,10 @@ class Responses:
                             deltas = [{"content": ""}]
                         for k, delta in enumerate(deltas):  # the logprobs go with the first
                             choice = {"index": i, "delta": delta, "logprobs": None if k else lp}
-                            await send(chunk(choice | {"finish_reason": None}, ev.prompt_tokens))
+                            await send_chunk(choice | {"finish_reason": None}, ev.prompt_tokens)
                     elif text or options.continuous_usage_stats or writer is not None:
                         choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": None}
-                        await send(chunk(choice, ev.prompt_tokens))
+                        await send_chunk(choice, ev.prompt_tokens)
                 else:  # a FinalEvent
                     finals.append(ev)
                     reason = ev.finish_reason.value
@@ -141,11 +145,11 @@ class Responses:
                         rest, called = outputs[i].finish()
                         for delta in rest:
                             choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-                            await send(chunk(choice, ev.prompt_tokens))
+                            await send_chunk(choice, ev.prompt_tokens)
                         reason = _calls_reason(reason, fmt) if called else reason
                     choice = {"index": i, "finish_reason": reason}
                     choice |= {"delta": {}} if chat else {"text": "", "logprobs": None}
-                    await send(chunk(choice, ev.prompt_tokens))
+                    await send_chunk(choice, ev.prompt_tokens)
                     if len(finals) == n:
                         if options.include_usage:
                             await send(env | {"choices": [], "usage": usage(finals)})

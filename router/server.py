@@ -22,7 +22,7 @@ from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
 from splitserve.router.auth import ApiKeys, GrpcAuthInterceptor
 from splitserve.router.dispatch import Dispatcher
-from splitserve.router.service import SplitserveService
+from splitserve.router.service import MALFORMED, SplitserveService, malformed
 from splitserve.router.tools import ToolParser
 
 log = logging.getLogger(__name__)
@@ -30,42 +30,34 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Splitserve"].full_name
 
 
-_MALFORMED = object()  # what a request's bytes decode to when they are not its message
-
-
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """A call to the Splitserve service whose bytes are not the method's message (bad
     wire format, invalid UTF-8 in a string field) ends with ``INVALID_ARGUMENT`` and
-    a sentence, where gRPC alone would answer ``INTERNAL``."""
+    a sentence, where gRPC alone would answer ``INTERNAL``. Its request decodes to
+    ``MALFORMED``: unary calls are refused here; ``Generate`` refuses it itself, so
+    that no wrapper sits between its stream and gRPC (one more hop per token)."""
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/") or handler.request_streaming:
             return handler
         decode, method = handler.request_deserializer, details.method.rsplit("/", 1)[-1]
-        sentence = f"the request is not a valid splitserve.v1.{method}Request message (protobuf wire format)"
 
         def lenient(data: bytes):
             try:
                 return decode(data)
             except Exception:
-                return _MALFORMED
+                return MALFORMED
 
         if handler.unary_stream is not None:
-            behaviour = handler.unary_stream
-
-            async def stream(request, context):
-                if request is _MALFORMED:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, sentence)
-                async for item in behaviour(request, context):
-                    yield item
-
-            return grpc.unary_stream_rpc_method_handler(stream, lenient, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                handler.unary_stream, lenient, handler.response_serializer
+            )
         behaviour = handler.unary_unary
 
         async def unary(request, context):
-            if request is _MALFORMED:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, sentence)
+            if request is MALFORMED:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed(method))
             return await behaviour(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary, lenient, handler.response_serializer)

@@ -13,6 +13,8 @@ import logging
 import uuid
 from typing import Any
 
+import grpc
+
 from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
 from splitserve.router.dispatch import Dispatcher
@@ -39,6 +41,15 @@ from splitserve.wire.prefill import PrefillStats
 from splitserve.wire.sampling import FinishReason, SamplingParams, StructuredOutput
 
 log = logging.getLogger(__name__)
+
+# what a request's bytes decode to when they are not its message (router.server's
+# MalformedRequestInterceptor decodes them so; Generate refuses it itself)
+MALFORMED = object()
+
+
+def malformed(method: str) -> str:
+    return f"the request is not a valid splitserve.v1.{method}Request message (protobuf wire format)"
+
 
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
 
@@ -200,6 +211,8 @@ class SplitserveService(pb_grpc.SplitserveServicer):
     async def Generate(self, request, context):
         """The request's tokens; a request with tools gets the calls read from each
         sequence's whole text in its ``Final`` (the text streams as it comes)."""
+        if request is MALFORMED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed("Generate"))
         rid = request.request_id or uuid.uuid4().hex
         try:
             inp, choice = generate_input(request, context.time_remaining())
@@ -208,7 +221,8 @@ class SplitserveService(pb_grpc.SplitserveServicer):
             texts: collections.defaultdict[int, list[str]] = collections.defaultdict(list)
             async for event in self.dispatcher.generate(inp):
                 if isinstance(event, TokenEvent):
-                    texts[event.index].append(event.text)
+                    if fmt is not None:  # the calls are read from the whole text at the end
+                        texts[event.index].append(event.text)
                     yield pb.GenerateResponse(request_id=rid, token=_token_proto(event))
                 else:
                     final = _final_proto(event)
