@@ -411,19 +411,20 @@ class Dispatcher:
         reserve = len(task.prompt_token_ids) + task.params.max_tokens
         with self.registry.decoding(dw, rid, reserve), self.registry.prefilling(prefiller, rid, to_prefill):
             async with contextlib.aclosing(dw.client.generate(task)) as stream:
-                while True:
-                    batch = await life.within(anext(stream, None))
-                    if batch is None:
-                        raise WorkerLost(f"decode worker {dw.worker_id} ended the stream early")
-                    handover = life.handover_s(batch)
-                    if handover is not None:
-                        self.decider.observe_handover(handover)
-                    for event in life.on_batch(batch):
-                        if isinstance(event, TokenEvent):
-                            self.registry.prefill_done(prefiller, rid)
-                        yield event
-                        if isinstance(event, FinalEvent):
-                            return
+                with life.watch() as deadline:
+                    while True:
+                        batch = await deadline.wait(anext(stream, None))
+                        if batch is None:
+                            raise WorkerLost(f"decode worker {dw.worker_id} ended the stream early")
+                        handover = life.handover_s(batch)
+                        if handover is not None:
+                            self.decider.observe_handover(handover)
+                        for event in life.on_batch(batch):
+                            if isinstance(event, TokenEvent):
+                                self.registry.prefill_done(prefiller, rid)
+                            yield event
+                            if isinstance(event, FinalEvent):
+                                return
 
 
 class _Losses:

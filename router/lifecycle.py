@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 import time
 
 from splitserve.router.events import FinalEvent, TokenEvent
@@ -108,19 +109,10 @@ class RequestLifecycle:
         """Seconds left before the deadline (at least 1 ms), or None without one."""
         return None if self._deadline is None else max(0.001, self._deadline - time.monotonic())
 
-    async def within(self, awaitable):
-        """Await a worker call; past the deadline, ``DeadlineExceeded`` (the call is cancelled)."""
-        if self._deadline is None:
-            return await awaitable
-        # A timeout scope in this task, not ``wait_for``: in 3.11 that wraps every awaitable
-        # in a task of its own, and this runs once per token batch of every stream.
-        try:
-            async with asyncio.timeout(self._deadline - time.monotonic()):
-                return await awaitable
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"request {self.request_id} did not finish within {self.timeout_s:.3g} s"
-            ) from None
+    def watch(self) -> DeadlineWatch:
+        """What bounds this request's waits on a worker by its deadline (``DeadlineWatch``)."""
+        sentence = f"request {self.request_id} did not finish within {self.timeout_s or 0:.3g} s"
+        return DeadlineWatch(self._deadline, sentence)
 
     # ---- transitions -------------------------------------------------------------------------
     def fork(self, request_id: str, params: SamplingParams) -> RequestLifecycle:
@@ -298,3 +290,46 @@ class RequestLifecycle:
             prefill_worker=self._prefill_worker,
             decode_worker=trace.decode_worker,
         )
+
+
+class DeadlineWatch:
+    """Bounds one task's waits (``wait``) by a deadline (``time.monotonic()``; None: no
+    bound) with one timer for all of them: ``asyncio.timeout`` per wait would cost a
+    timer per token batch of every stream. Past the deadline a wait ends with
+    ``DeadlineExceeded`` (the awaited call is cancelled), and so does any wait after it.
+    Use as a context manager in the task that waits; leaving it drops the timer."""
+
+    def __init__(self, deadline: float | None, sentence: str):
+        self._sentence = sentence
+        self._task = asyncio.current_task()
+        self._waiting = self._expired = False
+        self._timer = None
+        if deadline is not None:  # the loop's clock is time.monotonic()
+            self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+
+    def __enter__(self) -> DeadlineWatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _expire(self) -> None:
+        self._expired = True
+        if self._waiting:  # else the next wait raises
+            self._task.cancel()
+
+    async def wait(self, awaitable):
+        if self._expired:
+            if inspect.iscoroutine(awaitable):
+                awaitable.close()  # never awaited: no warning
+            raise DeadlineExceeded(self._sentence)
+        self._waiting = True
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if self._expired and self._task.uncancel() == 0:  # ours, not the caller's
+                raise DeadlineExceeded(self._sentence) from None
+            raise
+        finally:
+            self._waiting = False

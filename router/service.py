@@ -166,17 +166,24 @@ def _top_proto(best: TopLogprobs) -> pb.TopLogprobs:
     return pb.TopLogprobs(token_ids=[t for t, _ in best], logprobs=[lp for _, lp in best])
 
 
-def _token_proto(e: TokenEvent) -> pb.Token:
-    prompt = [pb.PromptLogprob(logprob=lp, top=_top_proto(best)) for lp, best in e.prompt_logprobs or ()]
-    return pb.Token(
-        token_ids=e.token_ids,
-        text=e.text,
-        logprobs=e.logprobs,
-        times_ms=e.times_ms,
-        top_logprobs=[_top_proto(best) for best in e.top_logprobs],
-        index=e.index,
-        prompt_logprobs=prompt,
-    )
+def _token_response(request_id: str, e: TokenEvent) -> pb.GenerateResponse:
+    """``e`` as the message a client gets; built in place, the optional parts only when
+    present (this runs once per token batch of every stream)."""
+    out = pb.GenerateResponse(request_id=request_id)
+    t = out.token
+    t.token_ids.extend(e.token_ids)
+    t.text = e.text
+    t.times_ms.extend(e.times_ms)
+    t.index = e.index
+    if e.logprobs:
+        t.logprobs.extend(e.logprobs)
+    if e.top_logprobs:
+        t.top_logprobs.extend(_top_proto(best) for best in e.top_logprobs)
+    if e.prompt_logprobs:
+        t.prompt_logprobs.extend(
+            pb.PromptLogprob(logprob=lp, top=_top_proto(best)) for lp, best in e.prompt_logprobs
+        )
+    return out
 
 
 def _final_proto(e: FinalEvent) -> pb.Final:
@@ -223,7 +230,7 @@ class SplitserveService(pb_grpc.SplitserveServicer):
                 if isinstance(event, TokenEvent):
                     if fmt is not None:  # the calls are read from the whole text at the end
                         texts[event.index].append(event.text)
-                    yield pb.GenerateResponse(request_id=rid, token=_token_proto(event))
+                    yield _token_response(rid, event)
                 else:
                     final = _final_proto(event)
                     if fmt is not None:

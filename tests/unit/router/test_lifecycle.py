@@ -1,5 +1,5 @@
 """``RequestLifecycle``: its phases and named transitions, what each batch makes of
-it (events, marks, the trace), and ``within``, the router's per-request deadline
+it (events, marks, the trace), and ``watch``, the router's per-request deadline
 around each worker call."""
 
 from __future__ import annotations
@@ -85,21 +85,20 @@ def test_the_transitions_give_the_task_to_send_next_and_keep_what_was_sent():
     assert names.count("kv_recompute") == 1 and names.count("resumed") == 1
 
 
-def test_within_returns_what_the_call_returns_before_the_deadline():
-    async def main():
-        return await _state(60).within(asyncio.sleep(0, result="tokens"))
-
-    assert asyncio.run(main()) == "tokens"
+async def _within(life, awaitable):
+    with life.watch() as deadline:
+        return await deadline.wait(awaitable)
 
 
-def test_within_without_a_deadline_awaits_as_is():
-    async def main():
-        return await _state(None).within(asyncio.sleep(0.01, result=7))
-
-    assert asyncio.run(main()) == 7
+def test_a_wait_returns_what_the_call_returns_before_the_deadline():
+    assert asyncio.run(_within(_state(60), asyncio.sleep(0, result="tokens"))) == "tokens"
 
 
-def test_within_past_the_deadline_cancels_the_call_and_says_so():
+def test_a_wait_without_a_deadline_awaits_as_is():
+    assert asyncio.run(_within(_state(None), asyncio.sleep(0.01, result=7))) == 7
+
+
+def test_a_wait_past_the_deadline_cancels_the_call_and_says_so():
     cancelled = asyncio.Event()
 
     async def worker_call():
@@ -111,13 +110,13 @@ def test_within_past_the_deadline_cancels_the_call_and_says_so():
 
     async def main():
         with pytest.raises(DeadlineExceeded, match="did not finish within"):
-            await _state(0.05).within(worker_call())
+            await _within(_state(0.05), worker_call())
         assert cancelled.is_set()
 
     asyncio.run(main())
 
 
-def test_within_a_stream_takes_items_until_the_deadline_then_closes_it():
+def test_one_watch_bounds_a_stream_until_the_deadline_then_closes_it():
     """One deadline over many ``anext`` calls on the same stream, as ``_stream`` uses it."""
     closed = asyncio.Event()
 
@@ -130,13 +129,28 @@ def test_within_a_stream_takes_items_until_the_deadline_then_closes_it():
             closed.set()
 
     async def main():
-        req, items = _state(0.2), []
+        items = []
         it = stream()
-        with pytest.raises(DeadlineExceeded):
+        with _state(0.2).watch() as deadline, pytest.raises(DeadlineExceeded):
             while True:
-                items.append(await req.within(anext(it)))
+                items.append(await deadline.wait(anext(it)))
         assert items == [0, 1, 2]
+        await it.aclose()
         assert closed.is_set()
+
+    asyncio.run(main())
+
+
+def test_a_deadline_passing_between_waits_fails_the_next_wait_and_cancels_nothing_else():
+    """The caller's own work between two waits (a gRPC write) is never cancelled by the
+    deadline; the next wait raises at once."""
+
+    async def main():
+        with _state(0.05).watch() as deadline:
+            assert await deadline.wait(asyncio.sleep(0, result=1)) == 1
+            await asyncio.sleep(0.2)  # the caller's own work, past the deadline: not cancelled
+            with pytest.raises(DeadlineExceeded):
+                await deadline.wait(asyncio.sleep(0, result=2))
 
     asyncio.run(main())
 
@@ -150,7 +164,7 @@ def test_a_cancelled_caller_is_cancelled_not_timed_out():
 
         async def handler():
             started.set()
-            await _state(60).within(asyncio.Event().wait())
+            await _within(_state(60), asyncio.Event().wait())
 
         task = asyncio.ensure_future(handler())
         await started.wait()
