@@ -1,6 +1,6 @@
 """What the router adds per token: delivery lag through router + gRPC against
-taking the decode worker's tokens directly over Ray (the router's own
-``RayDecodeWorker``, in this process), in the same run.
+taking the decode worker's tokens directly (the router's own
+``RayDecodeWorker``, in this process: its token stream), in the same run.
 
     python -m splitserve.bench.router_overhead [--model smollm2] [--requests 20] [--tokens 64]
 

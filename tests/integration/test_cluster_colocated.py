@@ -4,10 +4,12 @@ disaggregated cluster. One Ray instance and one cluster for the module."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import ray
 
 from splitserve.client import DeadlineExceeded
+from splitserve.wire import token_stream
 from splitserve.wire.decode import DecodeTask
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
@@ -53,15 +55,22 @@ def test_cancel_and_deadline_free_every_block(client):
 
 
 def test_requests_on_a_token_stream_its_reader_left_are_aborted(cluster, client):
-    """A worker's tokens reach a router over one stream; when the router stops
-    reading it (closes it, or dies), the worker aborts every request started on it."""
+    """A worker's tokens reach a router over one gRPC stream (at its ``token_address``);
+    when the router stops reading it (cancels it, or dies), the worker aborts every
+    request started on it."""
     actor = cluster.registry.workers("colocated")[0].client.actor
     prompt = random_prompts([200], VOCAB, seed=5)[0]
     task = DecodeTask("left-behind", prompt, SamplingParams(max_tokens=800, ignore_eos=True))
-    stream = actor.stream.remote("reader-1")
-    ray.get(actor.start.remote("reader-1", task))
-    first = ray.get(next(stream))
-    assert [b.request_id for b in first] == ["left-behind"] and first[0].token_ids
-    assert sum(kv_used(client).values()) > 0
-    ray.cancel(stream)
+    with grpc.insecure_channel(ray.get(actor.token_address.remote())) as channel:
+        read = channel.unary_stream(
+            token_stream.METHOD,
+            request_serializer=token_stream.encode_outbox,
+            response_deserializer=token_stream.decode_item,
+        )
+        stream = read("reader-1")
+        ray.get(actor.start.remote("reader-1", task))
+        first = next(stream)
+        assert [b.request_id for b in first] == ["left-behind"] and first[0].token_ids
+        assert sum(kv_used(client).values()) > 0
+        stream.cancel()
     assert wait_kv_free(client) == IDLE
