@@ -71,6 +71,12 @@ class _Attempts:
         return wait
 
 
+# Each client holds a connection of its own (gRPC would share one between every channel to
+# the same address in a process): several clients then spread over the routers that
+# serve one port (router.replicas), as clients in several processes do.
+CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
+
+
 def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
     if not tls and root_certificates is None:
         return None
@@ -106,7 +112,9 @@ class Client:
     ):
         creds = _credentials(tls, root_certificates)
         self._channel = (
-            grpc.secure_channel(target, creds) if creds is not None else grpc.insecure_channel(target)
+            grpc.secure_channel(target, creds, CHANNEL_OPTIONS)
+            if creds is not None
+            else grpc.insecure_channel(target, CHANNEL_OPTIONS)
         )
         self._metadata = _auth_metadata(api_key)
         self._stub = pb_grpc.SplitserveStub(self._channel)
@@ -227,7 +235,9 @@ class AsyncClient:
     ):
         creds = _credentials(tls, root_certificates)
         self._channel = (
-            grpc.aio.secure_channel(target, creds) if creds is not None else grpc.aio.insecure_channel(target)
+            grpc.aio.secure_channel(target, creds, CHANNEL_OPTIONS)
+            if creds is not None
+            else grpc.aio.insecure_channel(target, CHANNEL_OPTIONS)
         )
         self._metadata = _auth_metadata(api_key)
         self._stub = pb_grpc.SplitserveStub(self._channel)

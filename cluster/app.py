@@ -17,13 +17,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import grpc
 import ray
 
 from splitserve.cluster.autoscale import Autoscaler
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.planner import Planner
 from splitserve.cluster.pools import WorkerPool
+from splitserve.cluster.replicas import Ports, Replicas, grpc_credentials
 from splitserve.cluster.slo_autoscale import PlannerLoop
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_hf_config, resolve_source
@@ -110,6 +110,7 @@ class ServingCluster:
         self.api_keys: ApiKeys | None = None
         self.autoscalers: dict[str, Autoscaler] = {}
         self.planner: PlannerLoop | None = None
+        self.replicas: Replicas | None = None  # router.replicas > 1: the other routers on this node
         self._tasks: list[asyncio.Task] = []
         self._started_ray = False
 
@@ -175,7 +176,12 @@ class ServingCluster:
                 dispatcher.sinks.append(self.otel)
             r = cfg.router
             self.server = RouterServer(
-                dispatcher, cfg.mode, r.host, r.port, credentials=_credentials(cfg), api_keys=self.api_keys
+                dispatcher,
+                cfg.mode,
+                r.host,
+                r.port,
+                credentials=grpc_credentials(cfg),
+                api_keys=self.api_keys,
             )
             await self.server.start()
             if self.api_keys is not None:
@@ -209,11 +215,18 @@ class ServingCluster:
                     ignore_unknown_fields=r.openai.ignore_unknown_fields,
                     tool_parser=r.openai.tool_call_parser,
                     reasoning_parser=r.openai.reasoning_parser,
+                    reuse_port=r.replicas > 1,
                 )
                 await self.http.start()
             if r.metrics_port is not None:
                 self.metrics_server = MetricsServer(self.metrics, r.host, r.metrics_port)
                 await self.metrics_server.start()
+            if r.replicas > 1:
+                ports = Ports(self.server.port, self.http.port if self.http is not None else None)
+                self.replicas = Replicas(cfg, self.registry, validator, ports)
+                self.progress(f"starting {r.replicas - 1} more router(s) on the same ports ...")
+                await self.replicas.start()
+                self._tasks.append(asyncio.create_task(self.replicas.keep()))
         except BaseException:
             await self.stop()
             raise
@@ -259,6 +272,9 @@ class ServingCluster:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self.replicas is not None:
+            await self.replicas.stop()
+            self.replicas = None
         if self.http is not None:
             await self.http.stop()
         if self.metrics_server is not None:
@@ -275,14 +291,6 @@ class ServingCluster:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
-
-
-def _credentials(config: ClusterConfig) -> grpc.ServerCredentials | None:
-    r = config.router
-    if r.tls_cert is None:
-        return None
-    pair = (Path(r.tls_key).read_bytes(), Path(r.tls_cert).read_bytes())
-    return grpc.ssl_server_credentials([pair])
 
 
 class BackgroundCluster:

@@ -271,6 +271,15 @@ class OpenAISpec(_Strict):
 
 class RouterSpec(_Strict):
     host: str = Field("127.0.0.1", description="address the gRPC router listens on")
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="router processes serving the same gRPC and HTTP ports on this node (SO_REUSEPORT: "
+        "the kernel spreads connections over them): splitserve serve itself and replicas - 1 Ray actors "
+        "beside it, replaced when they die. Admission limits are split between them "
+        "(docs/cluster.md); with metrics_port set, replica i serves /metrics on metrics_port + i",
+    )
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
     http_port: int | None = Field(
         8000, ge=0, le=65535, description="OpenAI-compatible HTTP port on the same host (0: any; null: off)"

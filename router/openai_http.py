@@ -74,8 +74,10 @@ class OpenAIServer:
         ignore_unknown_fields: bool = False,
         tool_parser: ToolParser = "hermes",
         reasoning_parser: ReasoningParser | None = None,
+        reuse_port: bool = False,
     ):
         self.dispatcher = dispatcher
+        self.reuse_port = reuse_port  # other routers listen on this port too (router.replicas)
         self.responses = Responses(dispatcher)
         self.ignore_unknown_fields = ignore_unknown_fields
         self.tool_parser = tool_parser  # how "auto" tool calls are read from chat output
@@ -102,7 +104,13 @@ class OpenAIServer:
             add_metrics_route(app, self.metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
+        site = web.TCPSite(
+            self._runner,
+            self.host,
+            self.port,
+            ssl_context=self.ssl_context,
+            reuse_port=self.reuse_port or None,
+        )
         await site.start()
         self.port = self._runner.addresses[0][1]  # the bound port, also when 0 was asked for
         return self.port
