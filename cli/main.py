@@ -57,6 +57,7 @@ def serve_config(args: argparse.Namespace, config):
     if args.model is not None and args.served_model_name is None:
         data["model"]["served_name"] = args.model  # clients name the model as the user did
     router = {"host": args.host, "port": args.port, "http_port": args.http_port}
+    router["replicas"] = args.router_replicas
     data["router"].update({k: v for k, v in router.items() if v is not None})
     if args.address:
         data["ray"]["address"] = args.address
@@ -366,6 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=None, help="gRPC port (overrides the config)")
     srv.add_argument(
         "--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (overrides the config)"
+    )
+    srv.add_argument(
+        "--router-replicas",
+        type=int,
+        default=None,
+        help="router processes on the same ports (router.replicas; the kernel spreads connections)",
     )
     srv.add_argument(
         "--tensor-parallel-size",

@@ -79,3 +79,9 @@ def test_expert_parallel_size_sets_decode_and_colocated_pools_only():
         _config("--expert-parallel-size", "2", "--tensor-parallel-size", "2")
     with pytest.raises(ValueError, match="prefill.ep_size must be 1"):
         ClusterConfig.model_validate(ClusterConfig.load().model_dump() | {"prefill": {"ep_size": 2}})
+
+
+def test_router_replicas_flag_sets_the_count_and_a_bad_one_is_refused():
+    assert _config("--router-replicas", "3").router.replicas == 3
+    with pytest.raises(ValueError, match="replicas"):
+        _config("--router-replicas", "0")
