@@ -16,14 +16,20 @@ is the call's deadline, retries included: each attempt gets what is left of it,
 and no retry starts after it. ``api_key`` (default: the ``SPLITSERVE_API_KEY``
 environment variable) is sent as ``authorization: Bearer KEY`` on every call;
 a server that wants one and does not get it raises ``Unauthenticated``.
+
+``target`` may name several routers (``Client(["10.0.0.1:50051", "10.0.0.2:50051"])``,
+or a DNS name with several addresses, ``"dns:///routers.example:50051"``): calls go
+round-robin over those that are up (gRPC's own ``round_robin`` policy), and the
+retry of a call that failed before its first response goes to the next one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,10 +77,45 @@ class _Attempts:
         return wait
 
 
-# Each client holds a connection of its own (gRPC would share one between every channel to
+# Each client holds connections of its own (gRPC would share one between every channel to
 # the same address in a process): several clients then spread over the routers that
-# serve one port (router.replicas), as clients in several processes do.
-CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
+# serve one port (router.replicas), as clients in several processes do. Calls go
+# round-robin over the addresses the target resolves to.
+CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.lb_policy_name", "round_robin")]
+
+
+def _resolve(host: str, port: int) -> tuple:
+    """``host``'s first address, IPv4 if it has one (getaddrinfo's own order varies)."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            return socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)[0]
+        except socket.gaierror:
+            continue
+    raise ValueError(f"cannot resolve the router address {host!r}")
+
+
+def channel_target(target: str | Sequence[str]) -> str:
+    """One gRPC target for ``target``: as it is if a string; several ``host:port`` as one
+    static list (``ipv4:``/``ipv6:``, host names resolved now)."""
+    if isinstance(target, str):
+        return target
+    if not target:
+        raise ValueError("the client needs at least one router address")
+    resolved = []
+    for address in target:
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"{address!r} is not host:port")
+        host = host.strip("[]")
+        family, *_, sockaddr = _resolve(host, int(port))
+        resolved.append(
+            (family, f"[{sockaddr[0]}]:{port}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{port}")
+        )
+    families = {f for f, _ in resolved}
+    if len(families) > 1:
+        raise ValueError("the router addresses mix IPv4 and IPv6: give one kind")
+    scheme = "ipv6" if families == {socket.AF_INET6} else "ipv4"
+    return f"{scheme}:" + ",".join(a for _, a in resolved)
 
 
 def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
@@ -101,7 +142,7 @@ def _tokenize_request(prompt: str | None, messages: list[dict[str, str]] | None,
 class Client:
     def __init__(
         self,
-        target: str = DEFAULT_TARGET,
+        target: str | Sequence[str] = DEFAULT_TARGET,
         *,
         tls: bool = False,
         root_certificates: bytes | None = None,
@@ -112,9 +153,9 @@ class Client:
     ):
         creds = _credentials(tls, root_certificates)
         self._channel = (
-            grpc.secure_channel(target, creds, CHANNEL_OPTIONS)
+            grpc.secure_channel(channel_target(target), creds, CHANNEL_OPTIONS)
             if creds is not None
-            else grpc.insecure_channel(target, CHANNEL_OPTIONS)
+            else grpc.insecure_channel(channel_target(target), CHANNEL_OPTIONS)
         )
         self._metadata = _auth_metadata(api_key)
         self._stub = pb_grpc.SplitserveStub(self._channel)
@@ -224,7 +265,7 @@ class AsyncClient:
 
     def __init__(
         self,
-        target: str = DEFAULT_TARGET,
+        target: str | Sequence[str] = DEFAULT_TARGET,
         *,
         tls: bool = False,
         root_certificates: bytes | None = None,
@@ -235,9 +276,9 @@ class AsyncClient:
     ):
         creds = _credentials(tls, root_certificates)
         self._channel = (
-            grpc.aio.secure_channel(target, creds, CHANNEL_OPTIONS)
+            grpc.aio.secure_channel(channel_target(target), creds, CHANNEL_OPTIONS)
             if creds is not None
-            else grpc.aio.insecure_channel(target, CHANNEL_OPTIONS)
+            else grpc.aio.insecure_channel(channel_target(target), CHANNEL_OPTIONS)
         )
         self._metadata = _auth_metadata(api_key)
         self._stub = pb_grpc.SplitserveStub(self._channel)
