@@ -23,7 +23,8 @@ count what they receive; CPU per token = CPU seconds / tokens received.
   ``interval`` is the router run's own per-stream token interval, so both
   stream at the same pace.
 
-gRPC clients are the SDK's ``AsyncClient``; SSE clients read
+gRPC clients are the SDK's ``AsyncClient``, one per stream (a connection each, so
+that the kernel spreads them over replicas); SSE clients read
 ``/v1/completions`` with ``stream: true`` over aiohttp and count tokens from the
 final chunk's usage (``stream_options.include_usage``), pro rata to the chunks
 received in the window.
@@ -111,13 +112,9 @@ def router_process(model: str, replicas: int, conn) -> None:
     with BackgroundCluster(config) as cluster:
         conn.send((cluster.address, f"http://{cluster.http_address}"))
         while conn.recv() is not None:
-            conn.send([time.process_time()])
-
-
-@dataclass
-class _Open:
-    queue: asyncio.Queue
-    left: int
+            replicas = cluster.cluster.replicas
+            others = cluster.run(replicas.cpu_seconds(), timeout=60) if replicas is not None else []
+            conn.send([time.process_time(), *others])
 
 
 def floor_process(interval_s: float, conn) -> None:
@@ -207,9 +204,13 @@ def client_process(path: str, address: str, streams: int, tokens: int, counting,
     messages, errors) on ``out`` at the end."""
     counts = [0, 0, 0]
 
-    async def grpc_stream(client) -> None:
-        from splitserve.client import Chunk
+    async def grpc_stream() -> None:
+        from splitserve.client import AsyncClient, Chunk
 
+        async with AsyncClient(address, timeout=600) as client:  # a connection of its own
+            await stream_on(client, Chunk)
+
+    async def stream_on(client, Chunk) -> None:
         while not stop.is_set():
             try:
                 async for item in client.stream(PROMPT, max_tokens=tokens, ignore_eos=True, temperature=0):
@@ -253,10 +254,7 @@ def client_process(path: str, address: str, streams: int, tokens: int, counting,
 
     async def main() -> None:
         if path == "grpc":
-            from splitserve.client import AsyncClient
-
-            async with AsyncClient(address, timeout=600) as client:
-                await asyncio.gather(*(grpc_stream(client) for _ in range(streams)))
+            await asyncio.gather(*(grpc_stream() for _ in range(streams)))
         else:
             import aiohttp
 

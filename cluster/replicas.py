@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,6 +210,10 @@ class RouterReplica:
         """Requests this replica has admitted since it started."""
         return self.dispatcher.admitted
 
+    async def cpu_seconds(self) -> float:
+        """CPU time this replica's process has used (every thread): ``bench/front_door``."""
+        return time.process_time()
+
     async def stop(self) -> None:
         if self.http is not None:
             await self.http.stop()
@@ -245,6 +250,10 @@ class Replicas:
         """Requests each replica admitted (0 for one that does not answer)."""
         counts = await asyncio.gather(*(a.admitted.remote() for a in self.actors), return_exceptions=True)
         return [c if isinstance(c, int) else 0 for c in counts]
+
+    async def cpu_seconds(self) -> list[float]:
+        """Each replica's process CPU time so far."""
+        return list(await asyncio.gather(*(a.cpu_seconds.remote() for a in self.actors)))
 
     async def stop(self) -> None:
         await asyncio.gather(*(a.stop.remote() for a in self.actors if a is not None), return_exceptions=True)
