@@ -23,7 +23,7 @@ from splitserve.cluster.autoscale import Autoscaler
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.planner import Planner
 from splitserve.cluster.pools import WorkerPool
-from splitserve.cluster.replicas import Ports, Replicas, grpc_credentials
+from splitserve.cluster.replicas import Ports, Replicas, grpc_credentials, share
 from splitserve.cluster.slo_autoscale import PlannerLoop
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_hf_config, resolve_source
@@ -152,7 +152,7 @@ class ServingCluster:
                 validator,
                 cfg.model.public_name,
                 colocated=cfg.mode == "colocated",
-                limits=cfg.limits,
+                limits=share(cfg.limits, cfg.router.replicas),  # this router's part of them
                 policy=cfg.policy,
                 traces_kept=cfg.router.traces_kept,
                 on_transfer_failure=cfg.transfer.on_failure,

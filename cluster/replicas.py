@@ -214,6 +214,10 @@ class RouterReplica:
         """CPU time this replica's process has used (every thread): ``bench/front_door``."""
         return time.process_time()
 
+    async def inflight(self) -> int:
+        """Requests this replica holds now."""
+        return self.dispatcher.num_inflight
+
     async def stop(self) -> None:
         if self.http is not None:
             await self.http.stop()
@@ -250,6 +254,10 @@ class Replicas:
         """Requests each replica admitted (0 for one that does not answer)."""
         counts = await asyncio.gather(*(a.admitted.remote() for a in self.actors), return_exceptions=True)
         return [c if isinstance(c, int) else 0 for c in counts]
+
+    async def inflight(self) -> list[int]:
+        """Requests each replica holds now."""
+        return list(await asyncio.gather(*(a.inflight.remote() for a in self.actors)))
 
     async def cpu_seconds(self) -> list[float]:
         """Each replica's process CPU time so far."""

@@ -6,20 +6,26 @@ engine's greedy output. A killed replica is replaced, and the new one serves."""
 from __future__ import annotations
 
 import json
+import threading
 import urllib.request
 
 import pytest
 import ray
 
+from splitserve.client import Chunk, Client, Unavailable
 from splitserve.cluster.replicas import share
 from splitserve.engine.engine import Engine
 from splitserve.router.policy import LimitsSpec
+from splitserve.wire.sampling import SamplingParams
+from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
+    VOCAB,
     live_cluster,
     mixed_workload,
     reference_tokens,
     stream_all,
     tiny_config,
+    wait_kv_free,
     wait_until,
 )
 
@@ -80,12 +86,55 @@ def test_the_http_port_is_shared_too(cluster, workload):
     assert sum(_admitted(cluster)) - sum(before) == 8
 
 
-def test_a_killed_replica_is_replaced_and_the_new_one_serves(cluster, workload):
+def test_a_replica_killed_under_load_ends_its_streams_and_is_replaced(cluster, config, workload):
+    """Streams on connections of their own, all past their first token, when one router's
+    process is killed: each either completes with the engine's tokens (it was on the
+    other router) or ends with UNAVAILABLE (none hangs), no KV stays held, and a new
+    replica takes the dead one's place and serves."""
+    prompts = random_prompts([40] * 12, VOCAB, seed=41)
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    reference = reference_tokens(Engine(config.engine_config("decode")), prompts, [params] * len(prompts))
+    outcomes: list[tuple[str, list[int]] | None] = [None] * len(prompts)
+    streaming = [threading.Event() for _ in prompts]
+
+    def one(i: int) -> None:
+        tokens: list[int] = []
+        try:
+            with Client(cluster.address, timeout=120) as c:
+                for item in c.stream(prompts[i], temperature=0, max_tokens=400, ignore_eos=True):
+                    if isinstance(item, Chunk):
+                        tokens.extend(item.token_ids)
+                        streaming[i].set()
+            outcomes[i] = ("OK", tokens)
+        except Unavailable:
+            outcomes[i] = ("UNAVAILABLE", tokens)
+        except Exception as e:  # reported by the assertion below
+            outcomes[i] = (f"{type(e).__name__}: {e}", tokens)
+        finally:
+            streaming[i].set()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for e in streaming:
+        assert e.wait(120), "a stream got no token"
     replicas = cluster.cluster.replicas
     (old,) = replicas.actors
     ray.kill(old)
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads), "a stream hung after its router was killed"
+    for (code, tokens), expected in zip(outcomes, reference, strict=True):
+        assert code in ("OK", "UNAVAILABLE"), code
+        assert tokens == (expected if code == "OK" else expected[: len(tokens)])
+    with Client(cluster.address, timeout=60) as c:
+        assert not any(wait_kv_free(c, timeout=60).values()), "KV stayed held"
     wait_until(lambda: replicas.replaced == 1 and replicas.actors[0] is not old, "no replica replaced it")
-    wait_until(lambda: _serve_and_check(cluster, workload)[1] > 0, "the new replica got no connection", 300)
+    wait_until(
+        lambda: _serve_and_check(cluster, workload)[1] > 0,
+        "the new replica got no connection",
+        300,
+    )
 
 
 def test_admission_limits_are_split_between_routers():
