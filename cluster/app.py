@@ -19,11 +19,12 @@ from pathlib import Path
 
 import ray
 
+from splitserve.cluster import router_parts as parts
 from splitserve.cluster.autoscale import Autoscaler
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.planner import Planner
 from splitserve.cluster.pools import WorkerPool
-from splitserve.cluster.replicas import Ports, Replicas, grpc_credentials, share
+from splitserve.cluster.replicas import Ports, Replicas, share
 from splitserve.cluster.slo_autoscale import PlannerLoop
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_hf_config, resolve_source
@@ -33,7 +34,7 @@ from splitserve.router.auth import ApiKeys
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.metrics import PoolSize, RouterMetrics
 from splitserve.router.metrics_server import MetricsServer
-from splitserve.router.openai_http import OpenAIServer, server_ssl_context
+from splitserve.router.openai_http import OpenAIServer
 from splitserve.router.otel import OtelSink, otlp_exporter
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
@@ -147,26 +148,9 @@ class ServingCluster:
             if cfg.router.chat_template is not None:
                 template = Path(cfg.router.chat_template).read_text()
                 validator = dataclasses.replace(validator, chat_template=template)
-            dispatcher = Dispatcher(
-                self.registry,
-                validator,
-                cfg.model.public_name,
-                colocated=cfg.mode == "colocated",
-                limits=share(cfg.limits, cfg.router.replicas),  # this router's part of them
-                policy=cfg.policy,
-                traces_kept=cfg.router.traces_kept,
-                on_transfer_failure=cfg.transfer.on_failure,
-            )
-            self.metrics = RouterMetrics(
-                cfg.model.public_name,
-                self.registry,
-                self._pool_sizes,
-                lambda: dispatcher.num_inflight,
-                lambda: {(p.value, r.value): n for (p, r), n in dispatcher.decider.counts.items()},
-                lambda: dict(dispatcher.transfer_failures),
-                dispatcher.batch_caps,
-            )
-            dispatcher.sinks.append(self.metrics)
+            limits = share(cfg.limits, cfg.router.replicas)  # this router's part of them
+            dispatcher = parts.dispatcher(cfg, self.registry, validator, limits)
+            self.metrics = parts.metrics(cfg, self.registry, dispatcher, self._pool_sizes)
             if cfg.router.otel_endpoint:
                 self.otel = OtelSink(
                     otlp_exporter(cfg.router.otel_endpoint),
@@ -180,7 +164,7 @@ class ServingCluster:
                 cfg.mode,
                 r.host,
                 r.port,
-                credentials=grpc_credentials(cfg),
+                credentials=parts.grpc_credentials(cfg),
                 api_keys=self.api_keys,
             )
             await self.server.start()
@@ -205,18 +189,7 @@ class ServingCluster:
                     f"SLO planner on: TTFT {cfg.planner.ttft_ms:g} ms, TPOT {cfg.planner.tpot_ms:g} ms"
                 )
             if r.http_port is not None:
-                self.http = OpenAIServer(
-                    dispatcher,
-                    r.host,
-                    r.http_port,
-                    self.metrics,
-                    self.api_keys,
-                    server_ssl_context(r.tls_cert, r.tls_key) if r.tls_cert else None,
-                    ignore_unknown_fields=r.openai.ignore_unknown_fields,
-                    tool_parser=r.openai.tool_call_parser,
-                    reasoning_parser=r.openai.reasoning_parser,
-                    reuse_port=r.replicas > 1,
-                )
+                self.http = parts.http_server(cfg, dispatcher, self.metrics, self.api_keys, r.http_port)
                 await self.http.start()
             if r.metrics_port is not None:
                 self.metrics_server = MetricsServer(self.metrics, r.host, r.metrics_port)

@@ -45,20 +45,18 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import grpc
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from splitserve.cluster import router_parts as parts
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.worker_client import RayDecodeWorker, RayPrefillWorker
 from splitserve.router.auth import ApiKeys
-from splitserve.router.dispatch import Dispatcher
-from splitserve.router.metrics import PoolSize, RouterMetrics
+from splitserve.router.metrics import PoolSize
 from splitserve.router.metrics_server import MetricsServer
-from splitserve.router.openai_http import OpenAIServer, server_ssl_context
+from splitserve.router.openai_http import OpenAIServer
 from splitserve.router.policy import LimitsSpec
 from splitserve.router.registry import Membership, NodePlacement, WorkerRegistry
 from splitserve.router.roles import Role
@@ -120,27 +118,8 @@ class RouterReplica:
         cfg, r = config, config.router
         self.config, self.index, self.ports = config, index, ports
         self.registry = WorkerRegistry()
-        self.dispatcher = Dispatcher(
-            self.registry,
-            validator,
-            cfg.model.public_name,
-            colocated=cfg.mode == "colocated",
-            limits=share(cfg.limits, r.replicas),
-            policy=cfg.policy,
-            traces_kept=r.traces_kept,
-            on_transfer_failure=cfg.transfer.on_failure,
-        )
-        d = self.dispatcher
-        self.metrics = RouterMetrics(
-            cfg.model.public_name,
-            self.registry,
-            self._pool_sizes,
-            lambda: d.num_inflight,
-            lambda: {(p.value, why.value): n for (p, why), n in d.decider.counts.items()},
-            lambda: dict(d.transfer_failures),
-            d.batch_caps,
-        )
-        d.sinks.append(self.metrics)
+        self.dispatcher = parts.dispatcher(cfg, self.registry, validator, share(cfg.limits, r.replicas))
+        self.metrics = parts.metrics(cfg, self.registry, self.dispatcher, self._pool_sizes)
         self.api_keys = ApiKeys(r.api_keys_file) if r.api_keys_file is not None else None
         self.server: RouterServer | None = None
         self.http: OpenAIServer | None = None
@@ -174,7 +153,7 @@ class RouterReplica:
     async def start(self) -> str:
         """Listen on the primary's ports; returns the gRPC address."""
         cfg, r = self.config, self.config.router
-        credentials = grpc_credentials(cfg)
+        credentials = parts.grpc_credentials(cfg)
         self.server = RouterServer(
             self.dispatcher,
             cfg.mode,
@@ -185,18 +164,7 @@ class RouterReplica:
         )
         await self.server.start()
         if self.ports.http is not None:
-            self.http = OpenAIServer(
-                self.dispatcher,
-                r.host,
-                self.ports.http,
-                self.metrics,
-                self.api_keys,
-                server_ssl_context(r.tls_cert, r.tls_key) if r.tls_cert else None,
-                ignore_unknown_fields=r.openai.ignore_unknown_fields,
-                tool_parser=r.openai.tool_call_parser,
-                reasoning_parser=r.openai.reasoning_parser,
-                reuse_port=True,
-            )
+            self.http = parts.http_server(cfg, self.dispatcher, self.metrics, self.api_keys, self.ports.http)
             await self.http.start()
         if r.metrics_port is not None:  # a port of its own: a scrape of each sums correctly
             port = r.metrics_port + self.index if r.metrics_port else 0
@@ -290,12 +258,3 @@ class Replicas:
         await actor.sync.remote(members(self.registry))
         await actor.start.remote()
         self.actors[i] = actor
-
-
-def grpc_credentials(config: ClusterConfig) -> grpc.ServerCredentials | None:
-    """The gRPC port's TLS credentials from ``router.tls_cert``/``tls_key`` (None: plaintext)."""
-    r = config.router
-    if r.tls_cert is None:
-        return None
-    pair = (Path(r.tls_key).read_bytes(), Path(r.tls_cert).read_bytes())
-    return grpc.ssl_server_credentials([pair])

@@ -8,7 +8,6 @@ outbox, as when a Ray stream's reader went.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -16,19 +15,9 @@ import grpc
 from splitserve.wire import token_stream as ts
 from splitserve.wire.decode import TokenBatch
 from splitserve.wire.errors import InvalidRequest
+from splitserve.wire.net import default_route_ip
 
 Stream = Callable[[str], AsyncIterator[tuple[TokenBatch, ...]]]
-
-
-def node_ip() -> str:
-    """This machine's address as other machines reach it (the interface of the default
-    route; no packet is sent), or 127.0.0.1 without a network."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
 
 
 class TokenServer:
@@ -41,7 +30,7 @@ class TokenServer:
 
     async def start(self, host: str | None = None) -> str:
         """Listen on ``host`` (this machine's address by default), any free port; the address."""
-        host = host or node_ip()
+        host = host or default_route_ip()
         server = grpc.aio.server(
             options=[
                 ("grpc.keepalive_time_ms", ts.KEEPALIVE_MS),

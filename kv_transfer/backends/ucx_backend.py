@@ -71,6 +71,7 @@ from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
 from splitserve.wire.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
 from splitserve.wire.kv import DEFAULT_LEASE_S, CompatInfo, Handshake, KVDescriptor
+from splitserve.wire.net import default_route_ip
 
 
 def _import_ucxx():
@@ -112,17 +113,6 @@ class UcxPeerInfo:
 @dataclass(frozen=True)
 class UcxTicket:
     seq: int  # the source's number for this transfer, carried in PULL and CONFIRM
-
-
-def _default_host() -> str:
-    """This machine's address on its default route (what a sink on another node can
-    reach), or loopback where there is none. Connecting a UDP socket sends nothing."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.254.254.254", 1))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
 
 
 def _worker() -> ucx_api.UCXWorker:
@@ -209,7 +199,7 @@ class UcxSource(KVSource):
         self._worker = _worker()
         self._accepted: list[ucx_api.UCXEndpoint] = []
         self._listener = ucx_api.UCXListener.create(worker=self._worker, port=0, cb_func=self._accept)
-        self.host = host or _default_host()
+        self.host = host or default_route_ip()
         # Python's sockets are not inherited by child processes (PEP 446), UCX's are: a
         # child that outlives this process keeps UCX's sockets open, never this one.
         self._probe = socket.create_server(("", 0))
