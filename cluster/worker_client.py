@@ -10,9 +10,10 @@ A ``RayPrefillWorker`` holds nothing but the handle: the router puts it into a
 ``DecodeTask`` (``source``) and the decode worker, in its own process, calls the
 prefill worker through it directly (prefill, handshakes, confirmations).
 
-A ``RayDecodeWorker`` starts requests through Ray but reads their tokens over a
-gRPC stream the worker serves (``wire.token_stream``): one per worker and
-consumer, the one path where Ray's cost per message would be paid every step.
+A ``RayDecodeWorker`` starts requests and reads their tokens over a gRPC
+connection to the worker (``wire.token_stream``): one per worker and consumer,
+on the path where Ray's cost per message would be paid per request and every
+step. Its aborts, stats and info go through Ray.
 
 ``REMOTE_CALLS`` counts the Ray calls each process made through these clients, by
 method name (``remote_calls`` reads it, here or in an actor's process: the tests
@@ -173,7 +174,7 @@ class RayDecodeWorker(_EveryWorker):
         started = finished = False
         failed: BaseException | None = None  # the stream's failure, queued behind batches
         try:
-            await _call(self.actor, "start", inbox.inbox_id, task)
+            await inbox.start(task)
             started = True  # a start that raised holds nothing there
             while not finished:
                 item = failed if failed is not None else await queue.get()
@@ -210,17 +211,19 @@ def _ready(first: TokenBatch, queue: asyncio.Queue) -> tuple[TokenBatch, BaseExc
 
 
 class _Inbox:
-    """One token stream from a decode worker (``DecodeWorker.stream``, read over gRPC at
-    its ``token_address``: ``wire.token_stream``), read by one task that hands each
-    request's batches to its queue. A failed stream fails every request open on it
-    (``WorkerLost``); the next request opens a new inbox (and asks the address again:
-    a restarted worker serves on another port)."""
+    """One connection to a decode worker's token server (``wire.token_stream``, at its
+    ``token_address``): requests start over it (``start``) and their tokens come back on
+    one stream, read by one task that hands each request's batches to its queue. A
+    failed stream fails every request open on it (``WorkerLost``); the next request
+    opens a new inbox (and asks the address again: a restarted worker serves on another
+    port)."""
 
     def __init__(self, actor: Any):
         self.inbox_id = uuid.uuid4().hex
         self.closed = False
         self._queues: dict[str, asyncio.Queue] = {}
-        self._reader = asyncio.ensure_future(self._read(actor))
+        self._channel: asyncio.Future = asyncio.ensure_future(self._connect(actor))
+        self._reader = asyncio.ensure_future(self._read())
 
     def open(self, request_id: str) -> asyncio.Queue:
         queue = self._queues[request_id] = asyncio.Queue()
@@ -229,23 +232,40 @@ class _Inbox:
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
+    async def start(self, task: DecodeTask) -> None:
+        """``DecodeWorker.start`` over the connection; raises what it raised (``WorkerLost``
+        if the worker cannot be reached, ``WorkerStopped`` if its engine stopped)."""
+        channel = await asyncio.shield(self._channel)
+        call = channel.unary_unary(ts.START, request_serializer=ts.encode, response_deserializer=ts.decode)
+        try:
+            error = await call((self.inbox_id, task))
+        except grpc.aio.AioRpcError as e:
+            raise WorkerLost(
+                f"a decode worker could not be reached ({e.code().name}: {e.details()})"
+            ) from None
+        if error is not None:
+            raise WorkerStopped(str(error)) if isinstance(error, EngineStopped) else error
+
     async def close_all(self) -> None:
         self._reader.cancel()
         await asyncio.wait([self._reader])
 
-    async def _read(self, actor: Any) -> None:
+    async def _connect(self, actor: Any) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(await _call(actor, "token_address"), options=_CHANNEL_OPTIONS)
+
+    async def _read(self) -> None:
         error: BaseException = WorkerLost("a decode worker ended its token stream")
+        channel = None
         try:
-            address = await _call(actor, "token_address")
-            async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
-                read = channel.unary_stream(
-                    ts.METHOD, request_serializer=ts.encode_outbox, response_deserializer=ts.decode_item
-                )
-                async for item in read(self.inbox_id):
-                    for batch in item:
-                        queue = self._queues.get(batch.request_id)
-                        if queue is not None:
-                            queue.put_nowait(batch)
+            channel = await self._channel
+            read = channel.unary_stream(
+                ts.METHOD, request_serializer=ts.encode_outbox, response_deserializer=ts.decode_item
+            )
+            async for item in read(self.inbox_id):
+                for batch in item:
+                    queue = self._queues.get(batch.request_id)
+                    if queue is not None:
+                        queue.put_nowait(batch)
         except grpc.aio.AioRpcError as e:
             error = WorkerLost(f"a decode worker's token stream broke ({e.code().name}: {e.details()})")
         except (WorkerLost, WorkerStopped) as e:  # asking for the address
@@ -257,6 +277,10 @@ class _Inbox:
             self.closed = True
             for queue in self._queues.values():
                 queue.put_nowait(error)
+            if channel is not None:
+                await channel.close()
+            else:
+                self._channel.cancel()
 
 
 _CHANNEL_OPTIONS = [

@@ -1,5 +1,5 @@
-"""Serves a decode worker's ``stream`` over gRPC (``wire.token_stream`` says why
-and how), on the worker's event loop, on a port of its own chosen at start.
+"""Serves a decode worker's ``stream`` and ``start`` over gRPC (``wire.token_stream``
+says why and how), on the worker's event loop, on a port of its own chosen at start.
 
 A consumer that goes (cancels the call, or its connection drops) ends the
 handler's iteration of ``stream``, whose clean-up aborts every request of that
@@ -8,23 +8,25 @@ outbox, as when a Ray stream's reader went.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from splitserve.wire import token_stream as ts
-from splitserve.wire.decode import TokenBatch
-from splitserve.wire.errors import InvalidRequest
+from splitserve.wire.decode import DecodeTask, TokenBatch
+from splitserve.wire.errors import InvalidRequest, SplitserveError
 from splitserve.wire.net import default_route_ip
 
 Stream = Callable[[str], AsyncIterator[tuple[TokenBatch, ...]]]
+Start = Callable[[str, DecodeTask], Awaitable[None]]
 
 
 class TokenServer:
-    """``stream(outbox_id)``'s items to whoever calls ``wire.token_stream.METHOD``."""
+    """``stream(outbox_id)``'s items to whoever calls ``wire.token_stream.METHOD``, and
+    ``start(outbox_id, task)`` for whoever calls ``START``."""
 
-    def __init__(self, stream: Stream):
-        self._stream = stream
+    def __init__(self, stream: Stream, start: Start):
+        self._stream, self._start = stream, start
         self._server: grpc.aio.Server | None = None
         self.address = ""
 
@@ -43,7 +45,10 @@ class TokenServer:
         handler = grpc.unary_stream_rpc_method_handler(
             self._serve, request_deserializer=ts.decode_outbox, response_serializer=ts.encode_item
         )
-        service = grpc.method_handlers_generic_handler(ts.SERVICE, {"Stream": handler})
+        start = grpc.unary_unary_rpc_method_handler(
+            self._serve_start, request_deserializer=ts.decode, response_serializer=ts.encode
+        )
+        service = grpc.method_handlers_generic_handler(ts.SERVICE, {"Stream": handler, "Start": start})
         server.add_generic_rpc_handlers((service,))
         port = server.add_insecure_port(f"{host}:0")
         await server.start()
@@ -54,6 +59,14 @@ class TokenServer:
         if self._server is not None:
             await self._server.stop(0)
             self._server = None
+
+    async def _serve_start(self, request: tuple[str, DecodeTask], context) -> SplitserveError | None:
+        """None once started; the error ``start`` raised (it holds nothing then), as the answer."""
+        try:
+            await self._start(*request)
+        except SplitserveError as e:
+            return e
+        return None
 
     async def _serve(self, outbox_id: str, context: grpc.aio.ServicerContext):
         try:

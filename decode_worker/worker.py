@@ -171,10 +171,11 @@ class DecodeWorker:
         )
 
     async def token_address(self) -> str:
-        """Where ``stream`` is served over gRPC (``wire.token_stream``), started on the first
-        call, on this actor's loop: a router reads its tokens there rather than through Ray."""
+        """Where ``stream`` and ``start`` are served over gRPC (``wire.token_stream``),
+        started on the first call, on this actor's loop: a router starts its requests and
+        reads their tokens there rather than through Ray."""
         if self._tokens is None:
-            tokens = TokenServer(self.stream)
+            tokens = TokenServer(self.stream, self.start)
             await tokens.start()
             self._tokens = tokens
         return self._tokens.address

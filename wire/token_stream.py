@@ -5,14 +5,20 @@ engine step's batches of the requests it started there, as one item). Those
 items are the cluster's hottest traffic: one per step, every step, on every
 decode worker. They go over a plain gRPC stream that the worker serves
 (``decode_worker.token_server``), not through Ray: a Ray call or streamed item
-costs the receiving process about 1.5 ms of CPU on these machines, a gRPC
-message a tenth of that (``bench/front_door`` measures the router's share).
-Everything else (``start``, ``abort``, stats) still goes through Ray.
+costs the receiving process about 1.5 ms of CPU on these machines
+(``bench/ray_item_cost``), a gRPC message a tenth of that. So does each request's
+``start``, the one call a router makes per request. The rest (``abort``, stats,
+``info``) still goes through Ray.
 
-The wire: one unary-stream method; the request is the outbox id (UTF-8), each
-response one item, a tuple of ``TokenBatch`` pickled, as Ray would have pickled
-it: the records are the same typed dataclasses, and the two ends are processes of
-one cluster that already trust each other's pickles (Ray's own calls are pickles).
+The wire, two methods on one connection per worker and router:
+
+    Stream(outbox id, UTF-8) -> stream of items: a tuple of ``TokenBatch`` each
+    Start((outbox id, DecodeTask)) -> None, or the error ``start`` raised (it holds
+                                      nothing then)
+
+Messages are pickled, as Ray pickles its calls: the records are the same typed
+dataclasses (a task's ``source`` is a Ray actor handle, which pickles), and the two
+ends are processes of one cluster that already trust each other's pickles.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from splitserve.wire.decode import TokenBatch
 
 SERVICE = "splitserve.internal.v1.DecodeTokens"
 METHOD = f"/{SERVICE}/Stream"
+START = f"/{SERVICE}/Start"
 # HTTP/2 keepalive both ends agree on: a consumer notices a worker whose machine went
 # silent (no FIN, no RST) within about 15 s, as Ray would notice the node.
 KEEPALIVE_MS = 10_000
@@ -43,4 +50,13 @@ def encode_item(batches: tuple[TokenBatch, ...]) -> bytes:
 
 
 def decode_item(data: bytes) -> tuple[TokenBatch, ...]:
+    return pickle.loads(data)
+
+
+def encode(value: object) -> bytes:
+    """A ``Start`` request ((outbox id, task)) or answer (None or an exception)."""
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> object:
     return pickle.loads(data)
