@@ -156,9 +156,9 @@ class RequestMetrics:
             self.ttft.labels(m).observe(ttft)
             if trace.ok and trace.output_tokens > 1:
                 self.tpot.labels(m).observe((trace.e2e_s - ttft) / (trace.output_tokens - 1))
-        times = trace.token_times
+        times, itl = trace.token_times, self.itl.labels(m)  # one label lookup, not one per token
         for a, b in zip(times, times[1:]):
-            self.itl.labels(m).observe(max(0.0, b - a))
+            itl.observe(max(0.0, b - a))
         phases = {s.name: s.seconds for s in trace.spans}
         for name, hist in (
             ("queue", self.queue),
