@@ -124,6 +124,7 @@ class RouterReplica:
         self.server: RouterServer | None = None
         self.http: OpenAIServer | None = None
         self.metrics_server: MetricsServer | None = None
+        self._watching: asyncio.Future | None = None  # the API keys file, reread when it changes
 
     async def sync(self, workers: list[Member]) -> None:
         """Make this registry's membership the primary's: add (and activate) the new
@@ -171,7 +172,7 @@ class RouterReplica:
             self.metrics_server = MetricsServer(self.metrics, r.host, port)
             await self.metrics_server.start()
         if self.api_keys is not None:
-            asyncio.ensure_future(self.api_keys.watch())
+            self._watching = asyncio.ensure_future(self.api_keys.watch())
         return self.server.address
 
     async def admitted(self) -> int:
@@ -187,6 +188,8 @@ class RouterReplica:
         return self.dispatcher.num_inflight
 
     async def stop(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
         if self.http is not None:
             await self.http.stop()
         if self.metrics_server is not None:
@@ -244,8 +247,12 @@ class Replicas:
             log.warning("router replica %d is lost (%s); starting another", i + 1, e)
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(self.actors[i])
+            try:
+                await self._launch(i)
+            except Exception as e:  # the slot keeps the dead actor: the next round tries again
+                log.warning("router replica %d could not be started again (%s); retrying", i + 1, e)
+                return
             self.replaced += 1
-            await self._launch(i)
 
     async def _launch(self, i: int) -> None:
         """A new replica in slot ``i``: on this node, synced, then listening."""
@@ -255,6 +262,10 @@ class Replicas:
             .options(num_cpus=0, scheduling_strategy=here, name=None, max_restarts=0)
             .remote(self.config, i + 1, self.validator, self.ports)
         )
-        await actor.sync.remote(members(self.registry))
-        await actor.start.remote()
+        try:
+            await actor.sync.remote(members(self.registry))
+            await actor.start.remote()
+        except BaseException:
+            ray.kill(actor)  # a replica half started holds a port share it cannot serve
+            raise
         self.actors[i] = actor
