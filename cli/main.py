@@ -205,6 +205,7 @@ def _status(args: argparse.Namespace) -> int:
         _err(f"{args.server}: {e}")
         return 1
     print(f"{st.model} ({st.mode}), {st.inflight_requests} request(s) in flight")
+    _print_routers(st)
     head = ("worker", "role", "state", "alive", "running", "waiting", "queued tok", "KV used", "admission")
     head += ("restarts", "failed alone")
     print(
@@ -235,6 +236,20 @@ def _status(args: argparse.Namespace) -> int:
     for t in st.traces:
         _print_trace(t)
     return 0
+
+
+def _print_routers(st) -> None:
+    """Every router (asked of router 0), or the one that answered."""
+    if len(st.routers) > 1 or st.answered_by:
+        print(f"answered by router {st.answered_by}")
+    if len(st.routers) > 1:
+        for r in st.routers:
+            alive = "" if r.alive else "  NOT ANSWERING (being replaced)"
+            http = f", HTTP {r.http_address}" if r.http_address else ""
+            print(
+                f"router {r.index}: {r.address}{http} on node {r.node_id[:12]}: {r.inflight_requests} in "
+                f"flight (its share {r.max_inflight_requests}), {r.admitted} admitted{alive}"
+            )
 
 
 def _print_capacity(st) -> None:

@@ -38,6 +38,7 @@ from splitserve.router.openai_http import OpenAIServer
 from splitserve.router.otel import OtelSink, otlp_exporter
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
+from splitserve.wire.routers import RouterInfo
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ class ServingCluster:
                 r.port,
                 credentials=parts.grpc_credentials(cfg),
                 api_keys=self.api_keys,
+                routers=self.routers,
             )
             await self.server.start()
             if self.api_keys is not None:
@@ -189,16 +191,21 @@ class ServingCluster:
                     f"SLO planner on: TTFT {cfg.planner.ttft_ms:g} ms, TPOT {cfg.planner.tpot_ms:g} ms"
                 )
             if r.http_port is not None:
-                self.http = parts.http_server(cfg, dispatcher, self.metrics, self.api_keys, r.http_port)
+                self.http = parts.http_server(
+                    cfg, dispatcher, self.metrics, self.api_keys, r.http_port, reuse_port=r.replicas > 1
+                )
                 await self.http.start()
             if r.metrics_port is not None:
                 self.metrics_server = MetricsServer(self.metrics, r.host, r.metrics_port)
                 await self.metrics_server.start()
-            if r.replicas > 1:
+            if r.replicas > 1 or (r.node_resource is not None and cfg.ray.address):
                 ports = Ports(self.server.port, self.http.port if self.http is not None else None)
-                self.replicas = Replicas(cfg, self.registry, validator, ports)
-                self.progress(f"starting {r.replicas - 1} more router(s) on the same ports ...")
+                self.replicas = Replicas(cfg, self.registry, validator, ports, dispatcher)
                 await self.replicas.start()
+                for info in await self.replicas.infos():
+                    here = info.node_id == self.replicas.node_id
+                    where = "on this node" if here else f"on node {info.node_id[:12]}"
+                    self.progress(f"router {info.index} {where}: {info.address}")
                 self._tasks.append(asyncio.create_task(self.replicas.keep()))
         except BaseException:
             await self.stop()
@@ -211,6 +218,20 @@ class ServingCluster:
             http += " (metrics at /metrics)"
         self.progress(f"serving {cfg.model.public_name} ({cfg.mode}) on {self.address} (gRPC){http}")
         return self.address
+
+    async def routers(self) -> list[RouterInfo]:
+        """Every router of the cluster: this one (index 0), then its replicas and node routers."""
+        d = self.server.dispatcher
+        me = RouterInfo(
+            index=0,
+            node_id=ray.get_runtime_context().get_node_id(),
+            address=self.address,
+            http_address=self.http_address,
+            inflight=d.num_inflight,
+            admitted=d.admitted,
+            max_inflight=d.limits.max_inflight_requests,
+        )
+        return [me, *(await self.replicas.infos() if self.replicas is not None else [])]
 
     def reload_api_keys(self) -> None:
         """Read ``router.api_keys_file`` again now (SIGHUP), if there is one."""

@@ -280,6 +280,13 @@ class RouterSpec(_Strict):
         "beside it, replaced when they die. Admission limits are split between them "
         "(docs/cluster.md); with metrics_port set, replica i serves /metrics on metrics_port + i",
     )
+    node_resource: str | None = Field(
+        "splitserve_router",
+        description="in a Ray cluster, every other node whose resources include this one (1 or more) "
+        "runs a router of its own (a Ray actor, restarted when it dies) on the same host and ports, "
+        "so a load balancer or DNS can front every node; set it in a node type's resources in the "
+        "ray up YAML. Admission limits are split between all routers (null: no node routers)",
+    )
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
     http_port: int | None = Field(
         8000, ge=0, le=65535, description="OpenAI-compatible HTTP port on the same host (0: any; null: off)"

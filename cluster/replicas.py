@@ -1,46 +1,61 @@
-"""Router replicas: more router processes on this node's gRPC and HTTP ports.
+"""Router replicas and node routers: more router processes, on this node's ports and
+on other nodes.
 
 One Python router relays every token of the requests it serves, at a fixed cost
 in CPU per token (``bench/front_door``), so one process caps the tokens a node's
-front door can carry. With ``router.replicas`` = N, ``splitserve serve`` (the
-primary: it owns the pools, the autoscalers and the planner) starts N - 1
-``RouterReplica`` actors on its own node. Each binds the same gRPC and HTTP ports
-(``SO_REUSEPORT``: gRPC sets it on every server; the HTTP servers ask for it), so
-the kernel spreads new connections over the N processes. A replica is a whole
-router of its own: its ``WorkerRegistry``, polled from the workers themselves
-(stats, prefix logs: prefix-aware routing needs nothing from another router),
-its ``Dispatcher``, its own token stream from each decode worker (one per
-worker and router, never one per request), its metrics.
+front door can carry. ``splitserve serve`` (the primary: it owns the pools, the
+autoscalers and the planner) keeps more routers, each a ``RouterReplica`` actor:
 
-What the replicas share, and how:
+- **replicas**: with ``router.replicas`` = N, N - 1 on its own node. Each binds
+  the primary's gRPC and HTTP ports (``SO_REUSEPORT``: gRPC sets it on every
+  server; the HTTP servers ask for it), so the kernel spreads new connections
+  over the N processes.
+- **node routers**: one on every other node of the Ray cluster whose resources
+  include ``router.node_resource`` (``splitserve_router`` in the ``ray up``
+  YAMLs' node types), on ``router.host`` and the configured ports there (0: any
+  free port, then the same one again for its replacement), so a cloud load
+  balancer or DNS can front every node. A node that joins gets one within
+  ``NODES_S``; a node that leaves takes its router with it.
+
+A router is a whole router of its own: its ``WorkerRegistry``, polled from the
+workers themselves (stats, prefix logs: prefix-aware routing needs nothing from
+another router), its ``Dispatcher``, its own token stream from each decode worker
+(one per worker and router, never one per request), its metrics (its requests'
+series, labelled ``replica``; the workers' and pools' series are the primary's
+alone, so a scrape of every router sums correctly).
+
+What the routers share, and how:
 
 - **Membership** comes from the primary, whose pools add, drain and remove
-  workers: every ``SYNC_S`` it sends each replica the list of workers past
-  STARTING (``Member``), and the replica adds, drains and removes to match
+  workers: every ``SYNC_S`` it sends each router the list of workers past
+  STARTING (``Member``), and the router adds, drains and removes to match
   (``sync``). A worker the primary drains stops getting new requests from every
-  replica within ``SYNC_S``.
+  router within ``SYNC_S``.
 - **Admission limits** are split, not counted in one place: each of N routers
   admits ``ceil(limit / N)`` requests in flight and queues ``ceil(limit / N)``
-  prompt tokens per prefill worker (``share``). No request waits on a shared
-  counter, and a replica that dies takes its share with it. The price: the kernel
-  spreads connections, not requests, so a client that sends everything over one
-  long-lived connection meets one router's share.
+  prompt tokens per prefill worker (``share``; N counts the node routers of the
+  moment, and each sync carries the share). No request waits on a shared
+  counter, and a router that dies takes its share with it. The price: the kernel
+  (or the load balancer) spreads connections, not requests, so a client that
+  sends everything over one long-lived connection meets one router's share.
 - **Config, API keys, the served model and its validator** are the primary's:
-  a replica gets the config and the validator the primary built at start, and
-  reads the same API keys file.
+  a router gets the config and the validator the primary built at start, and
+  reads the same API keys file (on its own node: the same path).
 
-The primary keeps the replicas (``Replicas.keep``): a replica whose sync fails
-(its process died) is replaced by a new actor, synced first, then started, so it
-never answers a request before it knows the workers. Streams that a dead replica
+The primary keeps the routers (``Replicas.keep``): one whose sync fails (its
+process died) is replaced by a new actor, synced first, then started, so it
+never answers a request before it knows the workers. Streams that a dead router
 carried end with ``UNAVAILABLE`` at their clients (the SDK retries a call that
-failed before its first token); the workers abort what it had started there when
-its token streams close.
+failed before its first token on another router); the workers abort what it had
+started there when its token streams close. ``ClusterStatus`` on the primary
+lists every router (``RouterInfo``); on another router, that router.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -54,18 +69,20 @@ from splitserve.cluster import router_parts as parts
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.worker_client import RayDecodeWorker, RayPrefillWorker
 from splitserve.router.auth import ApiKeys
-from splitserve.router.metrics import PoolSize
+from splitserve.router.dispatch import Dispatcher
 from splitserve.router.metrics_server import MetricsServer
 from splitserve.router.openai_http import OpenAIServer
 from splitserve.router.policy import LimitsSpec
 from splitserve.router.registry import Membership, NodePlacement, WorkerRegistry
 from splitserve.router.roles import Role
 from splitserve.router.server import RouterServer
+from splitserve.wire.routers import RouterInfo
 from splitserve.wire.validation import RequestValidator
 
 log = logging.getLogger(__name__)
 
-SYNC_S = 1.0  # how often the primary sends each replica the membership
+SYNC_S = 1.0  # how often the primary sends each router the membership
+NODES_S = 5.0  # how often it looks for nodes that want a router, and nodes gone
 
 
 @dataclass(frozen=True)
@@ -92,43 +109,56 @@ def members(registry: WorkerRegistry) -> list[Member]:
 
 
 def share(limits: LimitsSpec, routers: int) -> LimitsSpec:
-    """One router's part of the cluster's admission limits, of ``routers`` in all."""
+    """One router's part of the cluster's admission limits, of ``routers`` in all (a
+    decode batch cap from ``decode_tpot_ms`` is each router's whole: a router counts
+    only its own requests on a worker, so N routers may give a worker up to N times it)."""
+
+    def part(n: int | None) -> int | None:
+        return None if n is None else math.ceil(n / routers)
+
     return limits.model_copy(
         update={
-            "max_inflight_requests": math.ceil(limits.max_inflight_requests / routers),
-            "max_queued_prompt_tokens": math.ceil(limits.max_queued_prompt_tokens / routers),
+            "max_inflight_requests": part(limits.max_inflight_requests),
+            "max_queued_prompt_tokens": part(limits.max_queued_prompt_tokens),
+            "max_decode_batch": part(limits.max_decode_batch),
         }
     )
 
 
 @dataclass(frozen=True)
 class Ports:
-    """Where the primary listens: a replica binds the same (the bound ports, also when
-    the config asked for any free one)."""
+    """What a router binds: the primary's bound ports for a replica on its node (also when
+    the config asked for any free one), the configured ones for a node router (0: any
+    free port, then the ones it bound, so that a replacement binds them again)."""
 
     grpc: int
     http: int | None
 
 
 class RouterReplica:
-    """One router besides the primary (a Ray actor on the primary's node; see the module
-    docstring). ``sync`` it first, then ``start`` it."""
+    """One router besides the primary (a Ray actor; see the module docstring). ``sync``
+    it first, then ``start`` it."""
 
-    def __init__(self, config: ClusterConfig, index: int, validator: RequestValidator, ports: Ports):
+    def __init__(
+        self, config: ClusterConfig, index: int, validator: RequestValidator, ports: Ports, limits: LimitsSpec
+    ):
         cfg, r = config, config.router
         self.config, self.index, self.ports = config, index, ports
         self.registry = WorkerRegistry()
-        self.dispatcher = parts.dispatcher(cfg, self.registry, validator, share(cfg.limits, r.replicas))
-        self.metrics = parts.metrics(cfg, self.registry, self.dispatcher, self._pool_sizes)
+        self.dispatcher = parts.dispatcher(cfg, self.registry, validator, limits)
+        # the workers' figures are the primary's to export: a scrape of every router sums
+        self.metrics = parts.metrics(cfg, self.registry, self.dispatcher, list, replica=index, workers=False)
         self.api_keys = ApiKeys(r.api_keys_file) if r.api_keys_file is not None else None
         self.server: RouterServer | None = None
         self.http: OpenAIServer | None = None
         self.metrics_server: MetricsServer | None = None
         self._watching: asyncio.Future | None = None  # the API keys file, reread when it changes
 
-    async def sync(self, workers: list[Member]) -> None:
+    async def sync(self, workers: list[Member], limits: LimitsSpec) -> None:
         """Make this registry's membership the primary's: add (and activate) the new
-        workers, drain the draining, remove the gone (closing their token streams)."""
+        workers, drain the draining, remove the gone (closing their token streams); admit
+        within ``limits`` (this router's share) from now on."""
+        self.dispatcher.limits = limits
         clients = {Role.PREFILL.value: RayPrefillWorker}
         known = {w.worker_id for w in self.registry.workers()}
         for m in workers:
@@ -140,7 +170,7 @@ class RouterReplica:
                 try:
                     await self.registry.activate(m.worker_id)
                 except Exception as e:  # lost meanwhile: the next sync tries again
-                    log.warning("replica %d could not add %s: %s", self.index, m.worker_id, e)
+                    log.warning("router %d could not add %s: %s", self.index, m.worker_id, e)
                     self.registry.remove(m.worker_id)
                     continue
             if m.draining and self.registry.get(m.worker_id).state != Membership.DRAINING:
@@ -151,8 +181,8 @@ class RouterReplica:
                 self.registry.remove(w.worker_id)
                 await w.client.close()
 
-    async def start(self) -> str:
-        """Listen on the primary's ports; returns the gRPC address."""
+    async def start(self) -> RouterInfo:
+        """Listen on ``ports``; what it serves on."""
         cfg, r = self.config, self.config.router
         credentials = parts.grpc_credentials(cfg)
         self.server = RouterServer(
@@ -162,10 +192,13 @@ class RouterReplica:
             self.ports.grpc,
             credentials=credentials,
             api_keys=self.api_keys,
+            routers=self._me,
         )
         await self.server.start()
         if self.ports.http is not None:
-            self.http = parts.http_server(cfg, self.dispatcher, self.metrics, self.api_keys, self.ports.http)
+            self.http = parts.http_server(
+                cfg, self.dispatcher, self.metrics, self.api_keys, self.ports.http, reuse_port=True
+            )
             await self.http.start()
         if r.metrics_port is not None:  # a port of its own: a scrape of each sums correctly
             port = r.metrics_port + self.index if r.metrics_port else 0
@@ -173,19 +206,24 @@ class RouterReplica:
             await self.metrics_server.start()
         if self.api_keys is not None:
             self._watching = asyncio.ensure_future(self.api_keys.watch())
-        return self.server.address
+        return await self.info()
 
-    async def admitted(self) -> int:
-        """Requests this replica has admitted since it started."""
-        return self.dispatcher.admitted
+    async def info(self) -> RouterInfo:
+        """This router as ``ClusterStatus`` reports it."""
+        d = self.dispatcher
+        return RouterInfo(
+            index=self.index,
+            node_id=ray.get_runtime_context().get_node_id(),
+            address=self.server.address if self.server is not None else "",
+            http_address=f"{self.http.host}:{self.http.port}" if self.http is not None else "",
+            inflight=d.num_inflight,
+            admitted=d.admitted,
+            max_inflight=d.limits.max_inflight_requests,
+        )
 
     async def cpu_seconds(self) -> float:
         """CPU time this replica's process has used (every thread): ``bench/front_door``."""
         return time.process_time()
-
-    async def inflight(self) -> int:
-        """Requests this replica holds now."""
-        return self.dispatcher.num_inflight
 
     async def stop(self) -> None:
         if self._watching is not None:
@@ -198,74 +236,151 @@ class RouterReplica:
             await self.server.stop(self.config.router.shutdown_grace_s)
         await asyncio.gather(*(w.client.close() for w in self.registry.workers()), return_exceptions=True)
 
-    def _pool_sizes(self) -> list[PoolSize]:
-        """The pools as this replica sees them (sizes are the primary's to state)."""
-        roles = sorted({w.role for w in self.registry.workers()}, key=lambda r: r.value)
-        return [PoolSize(role, len(self.registry.workers(role)), 0, 0) for role in roles]
+    async def _me(self) -> list[RouterInfo]:
+        return [await self.info()]
+
+
+@dataclass
+class _Slot:
+    """One router the primary keeps: where it runs and what it binds."""
+
+    index: int  # 1 and up (the primary is 0): its metrics port offset and its replica label
+    node_id: str
+    ports: Ports
+    resource: str | None  # the node resource a node router holds (None: a replica on the primary's node)
+    actor: Any = None  # None until launched (or while a relaunch fails)
+    info: RouterInfo | None = None  # as it last answered
 
 
 class Replicas:
-    """The primary's N - 1 replicas: started, synced every ``SYNC_S``, replaced when they die."""
+    """The routers besides the primary: its ``router.replicas`` - 1 replicas on its node,
+    and a node router on every other node offering ``router.node_resource``. Every
+    ``SYNC_S`` (``keep``) it starts node routers on new nodes and drops those of nodes
+    gone, splits the admission limits between all routers (``share``: ``limits`` is the
+    primary's part, which its dispatcher admits within), sends each the membership,
+    and replaces one that does not answer."""
 
-    def __init__(self, config: ClusterConfig, registry: WorkerRegistry, validator, ports: Ports):
-        self.config, self.registry, self.validator, self.ports = config, registry, validator, ports
-        self.actors: list[Any] = [None] * (config.router.replicas - 1)
-        self.replaced = 0  # replicas started in place of dead ones
+    def __init__(
+        self,
+        config: ClusterConfig,
+        registry: WorkerRegistry,
+        validator: RequestValidator,
+        ports: Ports,
+        dispatcher: Dispatcher,
+    ):
+        self.config, self.registry, self.validator = config, registry, validator
+        self.dispatcher = dispatcher  # the primary's: it admits within its share too
+        self.node_id = ray.get_runtime_context().get_node_id()  # the primary's
+        self.slots = [_Slot(i, self.node_id, ports, None) for i in range(1, config.router.replicas)]
+        self.limits = self.dispatcher.limits
+        self.replaced = 0  # routers started in place of dead ones
+        self._nodes_read = -math.inf  # time.monotonic() of the last look at Ray's nodes
+
+    @property
+    def actors(self) -> list[Any]:
+        """Each router's actor, in slot order (None: not running now)."""
+        return [s.actor for s in self.slots]
 
     async def start(self) -> None:
-        await asyncio.gather(*(self._launch(i) for i in range(len(self.actors))))
+        await self._place_node_routers()
+        await asyncio.gather(*(self._launch(s) for s in self.slots))
 
     async def keep(self) -> None:
-        """Every ``SYNC_S``: send each replica the membership; replace one that does not answer."""
+        """Every ``SYNC_S``: place node routers (every ``NODES_S``), sync or replace each."""
         while True:
             await asyncio.sleep(SYNC_S)
-            await asyncio.gather(*(self._sync_or_replace(i) for i in range(len(self.actors))))
+            if time.monotonic() - self._nodes_read >= NODES_S:
+                await self._place_node_routers()
+            await asyncio.gather(*(self._sync_or_replace(s) for s in list(self.slots)))
 
-    async def admitted(self) -> list[int]:
-        """Requests each replica admitted (0 for one that does not answer)."""
-        counts = await asyncio.gather(*(a.admitted.remote() for a in self.actors), return_exceptions=True)
-        return [c if isinstance(c, int) else 0 for c in counts]
+    async def infos(self) -> list[RouterInfo]:
+        """Each router as it answers now (one that does not, as it last answered, not alive)."""
 
-    async def inflight(self) -> list[int]:
-        """Requests each replica holds now."""
-        return list(await asyncio.gather(*(a.inflight.remote() for a in self.actors)))
+        async def ask(s: _Slot) -> RouterInfo:
+            try:
+                s.info = await s.actor.info.remote()
+                return s.info
+            except Exception:
+                last = s.info or RouterInfo(s.index, s.node_id, "", "", 0, 0, 0)
+                return dataclasses.replace(last, inflight=0, alive=False)
+
+        return list(await asyncio.gather(*(ask(s) for s in self.slots)))
 
     async def cpu_seconds(self) -> list[float]:
-        """Each replica's process CPU time so far."""
-        return list(await asyncio.gather(*(a.cpu_seconds.remote() for a in self.actors)))
+        """Each router's process CPU time so far."""
+        return list(await asyncio.gather(*(s.actor.cpu_seconds.remote() for s in self.slots)))
 
     async def stop(self) -> None:
-        await asyncio.gather(*(a.stop.remote() for a in self.actors if a is not None), return_exceptions=True)
-        for a in self.actors:
-            if a is not None:
-                ray.kill(a)
+        await asyncio.gather(
+            *(s.actor.stop.remote() for s in self.slots if s.actor is not None), return_exceptions=True
+        )
+        for s in self.slots:
+            if s.actor is not None:
+                ray.kill(s.actor)
 
-    async def _sync_or_replace(self, i: int) -> None:
-        try:
-            await self.actors[i].sync.remote(members(self.registry))
-        except Exception as e:
-            log.warning("router replica %d is lost (%s); starting another", i + 1, e)
-            with contextlib.suppress(Exception):  # already gone
-                ray.kill(self.actors[i])
+    async def _place_node_routers(self) -> None:
+        """A slot for every live node offering ``router.node_resource`` (but the
+        primary's); the slots of nodes no longer alive dropped."""
+        resource = self.config.router.node_resource
+        if resource is not None:
+            self._nodes_read = time.monotonic()
+            self._place_on(await asyncio.to_thread(ray.nodes), resource)
+        self.limits = share(self.config.limits, 1 + len(self.slots))
+        self.dispatcher.limits = self.limits
+
+    def _place_on(self, nodes: list[dict], resource: str) -> None:
+        offering = {
+            n["NodeID"]
+            for n in nodes
+            if n["Alive"] and n.get("Resources", {}).get(resource, 0) >= 1 and n["NodeID"] != self.node_id
+        }
+        for s in [s for s in self.slots if s.resource is not None and s.node_id not in offering]:
+            log.warning("node %s is gone; so is its router %d", s.node_id[:12], s.index)
+            if s.actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(s.actor)
+            self.slots.remove(s)
+        placed = {s.node_id for s in self.slots if s.resource is not None}
+        r = self.config.router
+        for node in sorted(offering - placed):
+            index = min(set(range(1, len(self.slots) + 2)) - {s.index for s in self.slots})
+            self.slots.append(_Slot(index, node, Ports(r.port, r.http_port), resource))
+            log.info("node %s offers %s: router %d will serve there", node[:12], resource, index)
+
+    async def _sync_or_replace(self, s: _Slot) -> None:
+        if s.actor is not None:
             try:
-                await self._launch(i)
-            except Exception as e:  # the slot keeps the dead actor: the next round tries again
-                log.warning("router replica %d could not be started again (%s); retrying", i + 1, e)
+                await s.actor.sync.remote(members(self.registry), self.limits)
                 return
-            self.replaced += 1
+            except Exception as e:
+                log.warning("router %d is lost (%s); starting another", s.index, e)
+                with contextlib.suppress(Exception):  # already gone
+                    ray.kill(s.actor)
+                s.actor = None
+        again = s.info is not None  # it had served: a replacement
+        try:
+            await self._launch(s)
+        except Exception as e:  # the next round tries again
+            log.warning("router %d could not be started (%s); retrying", s.index, e)
+            return
+        self.replaced += again
 
-    async def _launch(self, i: int) -> None:
-        """A new replica in slot ``i``: on this node, synced, then listening."""
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    async def _launch(self, s: _Slot) -> None:
+        """A new router in slot ``s``: on its node, synced, then listening."""
+        where = NodeAffinitySchedulingStrategy(s.node_id, soft=False)
+        resources = {s.resource: 1} if s.resource is not None else {}
         actor = (
             ray.remote(RouterReplica)
-            .options(num_cpus=0, scheduling_strategy=here, name=None, max_restarts=0)
-            .remote(self.config, i + 1, self.validator, self.ports)
+            .options(num_cpus=0, resources=resources, scheduling_strategy=where, max_restarts=0)
+            .remote(self.config, s.index, self.validator, s.ports, self.limits)
         )
         try:
-            await actor.sync.remote(members(self.registry))
-            await actor.start.remote()
+            await actor.sync.remote(members(self.registry), self.limits)
+            s.info = await actor.start.remote()
         except BaseException:
-            ray.kill(actor)  # a replica half started holds a port share it cannot serve
+            ray.kill(actor)  # a router half started holds a port share it cannot serve
             raise
-        self.actors[i] = actor
+        s.actor = actor
+        if s.resource is not None:  # a replacement binds what this one bound
+            host_port = s.info.http_address.rpartition(":")[2]
+            s.ports = Ports(int(s.info.address.rpartition(":")[2]), int(host_port) if host_port else None)

@@ -36,9 +36,15 @@ def dispatcher(
 
 
 def metrics(
-    config: ClusterConfig, registry: WorkerRegistry, d: Dispatcher, pool_sizes: Callable[[], list[PoolSize]]
+    config: ClusterConfig,
+    registry: WorkerRegistry,
+    d: Dispatcher,
+    pool_sizes: Callable[[], list[PoolSize]],
+    replica: int = 0,
+    workers: bool = True,
 ) -> RouterMetrics:
-    """The router's ``/metrics``, fed by ``d`` (added to its sinks)."""
+    """The router's ``/metrics``, fed by ``d`` (added to its sinks); every series labelled
+    ``replica``, the workers' and pools' only where ``workers`` (the primary's)."""
     out = RouterMetrics(
         config.model.public_name,
         registry,
@@ -47,16 +53,23 @@ def metrics(
         lambda: {(p.value, why.value): n for (p, why), n in d.decider.counts.items()},
         lambda: dict(d.transfer_failures),
         d.batch_caps,
+        replica=replica,
+        workers=workers,
     )
     d.sinks.append(out)
     return out
 
 
 def http_server(
-    config: ClusterConfig, d: Dispatcher, m: RouterMetrics, api_keys: ApiKeys | None, port: int
+    config: ClusterConfig,
+    d: Dispatcher,
+    m: RouterMetrics,
+    api_keys: ApiKeys | None,
+    port: int,
+    reuse_port: bool,
 ) -> OpenAIServer:
-    """The OpenAI-compatible HTTP server on ``port`` (shared with the other routers when
-    ``router.replicas`` > 1)."""
+    """The OpenAI-compatible HTTP server on ``port`` (shared with other routers on this
+    machine where ``reuse_port``)."""
     r = config.router
     return OpenAIServer(
         d,
@@ -68,7 +81,7 @@ def http_server(
         ignore_unknown_fields=r.openai.ignore_unknown_fields,
         tool_parser=r.openai.tool_call_parser,
         reasoning_parser=r.openai.reasoning_parser,
-        reuse_port=r.replicas > 1,
+        reuse_port=reuse_port,
     )
 
 

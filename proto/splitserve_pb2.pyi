@@ -413,7 +413,7 @@ class PoolStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., replicas: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("mode", "model", "pools", "inflight_requests", "placements", "handover_ms", "given_up", "traces", "transfer_failures")
+    __slots__ = ("mode", "model", "pools", "inflight_requests", "placements", "handover_ms", "given_up", "traces", "transfer_failures", "routers", "answered_by")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
@@ -423,6 +423,8 @@ class ClusterStatusResponse(_message.Message):
     GIVEN_UP_FIELD_NUMBER: _ClassVar[int]
     TRACES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    ROUTERS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_BY_FIELD_NUMBER: _ClassVar[int]
     mode: str
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
@@ -432,7 +434,29 @@ class ClusterStatusResponse(_message.Message):
     given_up: _containers.RepeatedCompositeFieldContainer[GivenUpWorker]
     traces: _containers.RepeatedCompositeFieldContainer[RequestTrace]
     transfer_failures: _containers.RepeatedCompositeFieldContainer[TransferFailureCount]
-    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., inflight_requests: _Optional[int] = ..., placements: _Optional[_Iterable[_Union[PlacementCount, _Mapping]]] = ..., handover_ms: _Optional[float] = ..., given_up: _Optional[_Iterable[_Union[GivenUpWorker, _Mapping]]] = ..., traces: _Optional[_Iterable[_Union[RequestTrace, _Mapping]]] = ..., transfer_failures: _Optional[_Iterable[_Union[TransferFailureCount, _Mapping]]] = ...) -> None: ...
+    routers: _containers.RepeatedCompositeFieldContainer[RouterStatus]
+    answered_by: int
+    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., inflight_requests: _Optional[int] = ..., placements: _Optional[_Iterable[_Union[PlacementCount, _Mapping]]] = ..., handover_ms: _Optional[float] = ..., given_up: _Optional[_Iterable[_Union[GivenUpWorker, _Mapping]]] = ..., traces: _Optional[_Iterable[_Union[RequestTrace, _Mapping]]] = ..., transfer_failures: _Optional[_Iterable[_Union[TransferFailureCount, _Mapping]]] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ..., answered_by: _Optional[int] = ...) -> None: ...
+
+class RouterStatus(_message.Message):
+    __slots__ = ("index", "node_id", "address", "http_address", "alive", "inflight_requests", "admitted", "max_inflight_requests")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    node_id: str
+    address: str
+    http_address: str
+    alive: bool
+    inflight_requests: int
+    admitted: int
+    max_inflight_requests: int
+    def __init__(self, index: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., http_address: _Optional[str] = ..., alive: _Optional[bool] = ..., inflight_requests: _Optional[int] = ..., admitted: _Optional[int] = ..., max_inflight_requests: _Optional[int] = ...) -> None: ...
 
 class RequestTrace(_message.Message):
     __slots__ = ("request_id", "outcome", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "prefill_worker", "decode_worker", "kv_bytes", "kv_pull_ms", "spans", "marks", "prefix_pulled_tokens", "prefix_pulled_from")

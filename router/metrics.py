@@ -69,7 +69,12 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
                                                        (starting), draining, desired
     splitserve:num_requests_inflight                    admitted by the router, unfinished
 
-Request metrics carry ``model_name``, as vLLM's do.
+Request metrics carry ``model_name``, as vLLM's do. Every series carries
+``replica``: 0 for ``splitserve serve``, i for its router i (``cluster.replicas``),
+each of which serves its own ``/metrics`` with its requests' series and its own
+figures (placements, transfer failures, in flight, batch caps) but not the workers'
+and pools' (the ones above from ``num_requests_running`` to ``pool_replicas``),
+which only router 0 exports: a scrape of every router sums correctly.
 """
 
 from __future__ import annotations
@@ -175,7 +180,8 @@ class RequestMetrics:
 
 
 class _ClusterCollector(Collector):
-    """Workers' and pools' gauges, read from their owners at each scrape."""
+    """Workers' and pools' gauges (where ``workers``), and the router's own figures, read
+    from their owners at each scrape."""
 
     def __init__(
         self,
@@ -185,7 +191,9 @@ class _ClusterCollector(Collector):
         placements: Callable[[], dict[tuple[str, str], int]],
         transfer_failures: Callable[[], dict[tuple[str, str], int]],
         batch_caps: Callable[[], dict[str, int]],
+        workers: bool,
     ):
+        self.workers = workers
         self.registry = registry
         self.pool_sizes = pool_sizes
         self.inflight = inflight
@@ -194,6 +202,12 @@ class _ClusterCollector(Collector):
         self.batch_caps = batch_caps
 
     def collect(self) -> Iterator[Metric]:
+        if self.workers:
+            yield from self._workers()
+        yield from self._router()
+
+    def _workers(self) -> Iterator[Metric]:
+        """The workers' and pools' figures (the primary's: one copy in the cluster)."""
         labels = ["pool", "worker"]
         running = GaugeMetricFamily(
             "splitserve:num_requests_running", "Requests in the running batch.", labels=labels
@@ -313,6 +327,28 @@ class _ClusterCollector(Collector):
             replicas.add_metric([size.pool, "desired"], size.desired)
             replacements.add_metric([size.pool], size.replaced)
             engine_failures.add_metric([size.pool], size.engine_failures)
+        yield from (
+            running,
+            waiting,
+            kv,
+            preemptions,
+            experts,
+            reused,
+            lent,
+            pulls,
+            imported,
+            tier,
+            tier_held,
+            restarts,
+            seq_errors,
+            retried,
+            replicas,
+            replacements,
+            engine_failures,
+        )
+
+    def _router(self) -> Iterator[Metric]:
+        """This router's own figures (each router's count of what it did)."""
         placement = CounterMetricFamily(
             "splitserve:prefill_placement",
             "Where prompts were prefilled, and why.",
@@ -337,29 +373,7 @@ class _ClusterCollector(Collector):
         )
         for worker_id, cap in sorted(self.batch_caps().items()):
             caps.add_metric([worker_id], cap)
-        yield from (
-            running,
-            waiting,
-            kv,
-            preemptions,
-            experts,
-            reused,
-            lent,
-            pulls,
-            imported,
-            tier,
-            tier_held,
-            restarts,
-            seq_errors,
-            retried,
-            replicas,
-            replacements,
-            engine_failures,
-            placement,
-            failures,
-            inflight,
-            caps,
-        )
+        yield from (placement, failures, inflight, caps)
 
 
 class RouterMetrics:
@@ -376,8 +390,10 @@ class RouterMetrics:
         placements: Callable[[], dict[tuple[str, str], int]],
         transfer_failures: Callable[[], dict[tuple[str, str], int]] = dict,
         batch_caps: Callable[[], dict[str, int]] = dict,
+        replica: int = 0,
+        workers: bool = True,
     ):
-        self.prom = CollectorRegistry(auto_describe=True)
+        self.prom = CollectorRegistry(auto_describe=True)  # unlabelled (the SLO planner reads it)
         self.requests = RequestMetrics(self.prom, model_name)
         self.ignored_fields = Counter(
             "splitserve:ignored_fields",
@@ -385,12 +401,30 @@ class RouterMetrics:
             registry=self.prom,
         )
         self.prom.register(
-            _ClusterCollector(registry, pool_sizes, inflight, placements, transfer_failures, batch_caps)
+            _ClusterCollector(
+                registry, pool_sizes, inflight, placements, transfer_failures, batch_caps, workers
+            )
         )
+        self._exposed = CollectorRegistry(auto_describe=False)
+        self._exposed.register(_Labelled(self.prom, {"replica": str(replica)}))
 
     def record(self, trace: RequestTrace) -> None:
         self.requests.record(trace)
 
     def render(self) -> bytes:
-        """The exposition, Prometheus' text format (``CONTENT_TYPE_LATEST``)."""
-        return generate_latest(self.prom)
+        """The exposition, Prometheus' text format (``CONTENT_TYPE_LATEST``): every series
+        labelled ``replica``."""
+        return generate_latest(self._exposed)
+
+
+class _Labelled(Collector):
+    """``inner``'s metrics, every sample with ``labels`` added."""
+
+    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]):
+        self.inner, self.labels = inner, labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**s.labels, **self.labels}) for s in family.samples]
+            yield out

@@ -22,7 +22,7 @@ from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
 from splitserve.router.auth import ApiKeys, GrpcAuthInterceptor
 from splitserve.router.dispatch import Dispatcher
-from splitserve.router.service import MALFORMED, SplitserveService, malformed
+from splitserve.router.service import MALFORMED, Routers, SplitserveService, malformed
 from splitserve.router.tools import ToolParser
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,10 @@ class RouterServer:
         credentials: grpc.ServerCredentials | None = None,
         api_keys: ApiKeys | None = None,
         tool_parser: ToolParser = "hermes",
+        routers: Routers | None = None,
     ):
         self.dispatcher = dispatcher
+        self.routers = routers  # what ClusterStatus lists under routers (None: none)
         self.mode = mode
         self.host, self.port = host, port
         self.stats_interval_s = stats_interval_s
@@ -99,7 +101,7 @@ class RouterServer:
         if self.api_keys is not None:
             interceptors.insert(0, GrpcAuthInterceptor(self.api_keys))
         server = grpc.aio.server(interceptors=interceptors)
-        service = SplitserveService(self.dispatcher, self.mode, self.tool_parser)
+        service = SplitserveService(self.dispatcher, self.mode, self.tool_parser, self.routers)
         pb_grpc.add_SplitserveServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -38,6 +39,7 @@ from splitserve.wire.defaults import DEFAULTED
 from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.outputs import TopLogprobs
 from splitserve.wire.prefill import PrefillStats
+from splitserve.wire.routers import RouterInfo
 from splitserve.wire.sampling import FinishReason, SamplingParams, StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -209,11 +211,21 @@ def _final_proto(e: FinalEvent) -> pb.Final:
     )
 
 
+Routers = Callable[[], Awaitable[list[RouterInfo]]]
+
+
 class SplitserveService(pb_grpc.SplitserveServicer):
-    def __init__(self, dispatcher: Dispatcher, mode: str, tool_parser: ToolParser = "hermes"):
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        mode: str,
+        tool_parser: ToolParser = "hermes",
+        routers: Routers | None = None,
+    ):
         self.dispatcher = dispatcher
         self.mode = mode
         self.tool_parser = tool_parser  # how "auto" tool calls are read from the output
+        self.routers = routers  # the cluster's routers, this one first, for ClusterStatus
 
     async def Generate(self, request, context):
         """The request's tokens; a request with tools gets the calls read from each
@@ -279,7 +291,10 @@ class SplitserveService(pb_grpc.SplitserveServicer):
             pb.PlacementCount(placement=placement.value, reason=reason.value, count=n)
             for (placement, reason), n in sorted(d.decider.counts.items(), key=lambda kv: -kv[1])
         ]
+        routers = await self.routers() if self.routers is not None else []
         return pb.ClusterStatusResponse(
+            routers=[_router_status(r) for r in routers],
+            answered_by=routers[0].index if routers else 0,
             mode=self.mode,
             model=d.served_model,
             pools=pools,
@@ -296,6 +311,19 @@ class SplitserveService(pb_grpc.SplitserveServicer):
                 for (error, action), n in sorted(d.transfer_failures.items())
             ],
         )
+
+
+def _router_status(r: RouterInfo) -> pb.RouterStatus:
+    return pb.RouterStatus(
+        index=r.index,
+        node_id=r.node_id,
+        address=r.address,
+        http_address=r.http_address,
+        alive=r.alive,
+        inflight_requests=r.inflight,
+        admitted=r.admitted,
+        max_inflight_requests=r.max_inflight,
+    )
 
 
 def _trace_proto(t: RequestTrace) -> pb.RequestTrace:

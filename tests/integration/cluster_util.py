@@ -91,8 +91,11 @@ def reference_tokens(engine: Engine, prompts, params) -> list[list[int]]:
     return [c.token_ids for c in engine.generate(prompts, params)]
 
 
-def stream_all(address: str, prompts, params, timeout: float = 120) -> list[tuple[Completion, int]]:
-    """Stream every request at once, one thread each; returns (completion, number of chunks)."""
+def stream_all(
+    address: str | list[str], prompts, params, timeout: float = 120
+) -> list[tuple[Completion, int]]:
+    """Stream every request at once, one thread each (a client of ``address``: one router,
+    or several); returns (completion, number of chunks)."""
 
     def one(i):
         out, chunks = Completion(), 0

@@ -50,7 +50,7 @@ def workload(config):
 
 def _admitted(cluster) -> list[int]:
     """Requests admitted by the primary, then by each replica."""
-    return [cluster.dispatcher.admitted, *cluster.run(cluster.cluster.replicas.admitted(), timeout=60)]
+    return [r.admitted for r in cluster.run(cluster.cluster.routers(), timeout=60)]
 
 
 def _serve_and_check(cluster, workload) -> list[int]:
@@ -138,5 +138,7 @@ def test_a_replica_killed_under_load_ends_its_streams_and_is_replaced(cluster, c
 
 
 def test_admission_limits_are_split_between_routers():
-    limits = share(LimitsSpec(max_inflight_requests=9, max_queued_prompt_tokens=1001), 2)
+    limits = share(LimitsSpec(max_inflight_requests=9, max_queued_prompt_tokens=1001, max_decode_batch=3), 2)
     assert (limits.max_inflight_requests, limits.max_queued_prompt_tokens) == (5, 501)
+    assert limits.max_decode_batch == 2
+    assert share(LimitsSpec(), 3).max_decode_batch is None

@@ -25,9 +25,7 @@ def test_ten_times_the_limit_over_two_routers_holds_each_routers_share(checkpoin
 
         def sample() -> None:  # what each router holds, until the load ends
             while not done.is_set():
-                inflight = [cluster.dispatcher.num_inflight]
-                inflight += cluster.run(cluster.cluster.replicas.inflight(), timeout=60)
-                held.append(inflight)
+                held.append([r.inflight for r in cluster.run(cluster.cluster.routers(), timeout=60)])
 
         def one(prompt) -> None:
             try:

@@ -59,12 +59,18 @@ def test_ray_validates_the_cluster_yaml(name):
 @pytest.mark.parametrize("name", ["aws.yaml", "gcp.yaml"])
 def test_node_types_advertise_what_the_pools_ask_for(name):
     cluster = load(RAY_DIR / name)
+    serving = ClusterConfig.load(CONFIG_DIR / PAIRS[name])
+    router = serving.router.node_resource
     advertised: dict[str, float] = {}
+    routers = 0  # node types that run a router of their own
     for node_type in cluster["available_node_types"].values():
         for res, units in node_type["resources"].items():
-            if res.startswith(PHASE_PREFIX):
+            if res == router:
+                routers += units >= 1
+            elif res.startswith(PHASE_PREFIX):
                 advertised[res] = max(advertised.get(res, 0.0), units)
-    demands = pool_demands(ClusterConfig.load(CONFIG_DIR / PAIRS[name]))
+    assert routers, f"{name}: no node type runs a router ({router})"
+    demands = pool_demands(serving)
     assert advertised.keys() == demands.keys()
     for res, need in demands.items():
         assert advertised[res] >= need, f"{name}: no node type holds one worker asking {need} {res}"
@@ -85,16 +91,20 @@ def test_kuberay_worker_groups_advertise_what_the_pools_ask_for():
     assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayCluster")
     spec = manifest["spec"]
     assert spec["enableInTreeAutoscaling"] is True
+    serving = ClusterConfig.load(CONFIG_DIR / PAIRS["kuberay.yaml"])
     advertised: dict[str, float] = {}
+    routers = 0  # groups whose pods run a router of their own
     for group in spec["workerGroupSpecs"]:
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
         resources = json.loads(json.loads(group["rayStartParams"]["resources"]))
         gpus = int(group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+        routers += resources.pop(serving.router.node_resource, 0) >= 1
         for res, units in resources.items():
             assert res.startswith(PHASE_PREFIX)
             assert units == gpus, f"group {group['groupName']}: one {res} unit per GPU"
             advertised[res] = units
-    demands = pool_demands(ClusterConfig.load(CONFIG_DIR / PAIRS["kuberay.yaml"]))
+    assert routers, "no worker group runs a router"
+    demands = pool_demands(serving)
     assert advertised.keys() == demands.keys()
     assert all(advertised[r] >= need for r, need in demands.items())
 

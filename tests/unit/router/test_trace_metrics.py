@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.router.metrics import PoolSize, RouterMetrics
 from splitserve.router.metrics_server import MetricsServer
-from splitserve.router.registry import WorkerRegistry
+from splitserve.router.registry import Membership, WorkerRegistry
 from splitserve.router.trace import Mark, RequestTrace, TraceLog
 from splitserve.wire.outputs import EngineStats
 from splitserve.wire.prefill import PrefillStats
@@ -167,8 +167,6 @@ def test_worker_gauges_come_from_the_registrys_last_poll():
     w = registry.add("prefill-0", "prefill", _NoClient(), 16)
     registry.add("prefill-1", "prefill", _NoClient(), 16)  # STARTING: no figures, counted as warming
     w.stats = PrefillStats("prefill-0", EngineStats(3, 2, 100, 40, 30, num_preemptions=5), (), 0, 0, 0)
-    from splitserve.router.registry import Membership
-
     w.state = Membership.ACTIVE
     metrics = RouterMetrics("m", registry, lambda: [PoolSize("prefill", 2, replaced=4)], lambda: 0, dict)
     v = samples(metrics.render().decode())
@@ -180,6 +178,32 @@ def test_worker_gauges_come_from_the_registrys_last_poll():
     assert one(v, "splitserve:pool_replicas", pool="prefill", state="warming") == 1
     assert one(v, "splitserve:num_preemptions_total", worker="prefill-0") == 5
     assert one(v, "splitserve:worker_replacements_total", pool="prefill") == 4
+
+
+def test_a_replica_labels_its_series_and_leaves_the_workers_to_router_0():
+    """Two routers over the same workers, each recording its own request: summed over
+    both scrapes, requests count once each and each worker's gauges once."""
+    registry = WorkerRegistry()
+    w = registry.add("decode-0", "decode", _NoClient(), 16)
+    w.stats = PrefillStats("decode-0", EngineStats(3, 2, 100, 40, 30), (), 0, 0, 0)
+    w.state = Membership.ACTIVE
+    sizes = lambda: [PoolSize("decode", 1)]  # noqa: E731
+    scrapes = []
+    for index, workers in ((0, True), (1, False)):
+        m = RouterMetrics("m", registry, sizes, lambda: 1, dict, replica=index, workers=workers)
+        m.record(trace(REMOTE, prefill="p0"))
+        scrapes.append(samples(m.render().decode()))
+    for index, v in enumerate(scrapes):
+        assert all(("replica", str(index)) in labels for _, labels in v), "a series with no replica"
+    both = {}
+    for v in scrapes:
+        for (name, labels), value in v.items():
+            key = (name, tuple(kv for kv in labels if kv[0] != "replica"))
+            both[key] = both.get(key, 0) + value
+    assert one(both, "splitserve:request_success_total") == 2
+    assert one(both, "splitserve:num_requests_inflight") == 2
+    assert one(both, "splitserve:num_requests_running", worker="decode-0") == 3
+    assert one(both, "splitserve:pool_replicas", pool="decode", state="desired") == 1
 
 
 def test_the_metrics_port_serves_the_text_format():

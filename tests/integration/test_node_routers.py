@@ -1,0 +1,174 @@
+"""A router on every node: a real three-node Ray cluster on localhost
+(``ray.cluster_utils.Cluster``), every node offering ``splitserve_router``.
+``splitserve serve`` (router 0) runs on the node this process joined and starts a
+node router on each other node (``router.node_resource``), each on a port of its
+own (the config asks for any free one). Then:
+
+- ``ClusterStatus`` on router 0 lists three routers on three nodes, and requests
+  sent to each router's port are served by that router with the engine's tokens;
+- a follow-up sent to another router than its prompt's first request finds the
+  decode worker holding the prefix (that router polled the workers' prefix logs
+  itself) and reuses it;
+- a node router killed under load: the streams it carried end with
+  ``UNAVAILABLE`` or complete (none hangs), requests sent meanwhile through the
+  SDK with every router's address all complete (a request refused before its
+  first token is retried on another router), no KV stays held, and the router
+  comes back on its port and serves.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from splitserve.client import Chunk, Client, Unavailable
+from splitserve.cluster.app import BackgroundCluster
+from splitserve.engine.engine import Engine
+from splitserve.wire.sampling import SamplingParams
+from tests.conftest import random_prompts
+from tests.integration.cluster_util import (
+    VOCAB,
+    mixed_workload,
+    reference_tokens,
+    stream_all,
+    tiny_config,
+    wait_kv_free,
+    wait_until,
+)
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    """A head with the workers' CPUs and two nodes with none; all three offer a router."""
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"splitserve_router": 1}}
+    )
+    for _ in range(2):
+        cluster.add_node(num_cpus=0, resources={"splitserve_router": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def config(three_nodes, checkpoint):
+    return tiny_config(checkpoint, "colocated", ray={"address": three_nodes.address})
+
+
+@pytest.fixture(scope="module")
+def serving(config):
+    with BackgroundCluster(config) as c:
+        yield c
+
+
+def _routers(serving):
+    """``ClusterStatus`` of router 0: every router, itself first."""
+    with Client(serving.address, timeout=60) as c:
+        return c.cluster_status().routers
+
+
+def test_each_node_runs_a_router_and_each_serves_its_port(serving, config):
+    routers = _routers(serving)
+    assert [r.index for r in routers] == [0, 1, 2]
+    assert len({r.node_id for r in routers}) == 3, "two routers share a node"
+    assert all(r.alive for r in routers)
+    assert len({r.address for r in routers}) == 3
+    # each router admits a third of the limit (rounded up)
+    assert {r.max_inflight_requests for r in routers} == {-(-config.limits.max_inflight_requests // 3)}
+    prompts, params = mixed_workload(6, seed=61)
+    reference = reference_tokens(Engine(config.engine_config("colocated")), prompts, params)
+    for r in routers:
+        results = stream_all(r.address, prompts, params)
+        assert [out.token_ids for out, _ in results] == reference
+    admitted = {r.index: r.admitted for r in _routers(serving)}
+    assert all(n >= len(prompts) for n in admitted.values()), admitted
+
+
+def test_a_follow_up_on_another_router_finds_the_prefix(serving):
+    """Three prompts (so that a router blind to prefixes would pick the holder of all
+    three by chance one time in eight, of two idle workers)."""
+    r0, r1, _ = _routers(serving)
+    for prompt in random_prompts([96] * 3, VOCAB, seed=62):
+        with Client(r0.address, timeout=120) as c:
+            holder = c.generate(prompt, temperature=0, max_tokens=4, ignore_eos=True).final.decode_worker
+
+        def known_on_r1() -> bool:  # router 1 polls the workers' prefix logs itself
+            with Client(r1.address, timeout=60) as c:
+                status = c.cluster_status()
+            assert status.answered_by == 1
+            blocks = {w.worker_id: w.prefix_blocks for p in status.pools for w in p.workers}
+            return blocks.get(holder, 0) >= 96 // 16  # noqa: B023 (called at once)
+
+        wait_until(known_on_r1, "router 1 never learned the prefix")
+        with Client(r1.address, timeout=120) as c:
+            follow = c.generate(prompt + [7, 8, 9], temperature=0, max_tokens=4, ignore_eos=True).final
+        assert follow.decode_worker == holder
+        assert follow.cached_prompt_tokens >= 64
+
+
+def test_a_node_router_killed_under_load_is_replaced_and_loses_nothing(serving, config):
+    routers = _routers(serving)
+    victim = routers[1]
+    prompts = random_prompts([40] * 6, VOCAB, seed=63)
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+    engine = Engine(config.engine_config("colocated"))
+    reference = reference_tokens(engine, prompts, [params] * len(prompts))
+    outcomes: list[tuple[str, list[int]] | None] = [None] * len(prompts)
+    streaming = [threading.Event() for _ in prompts]
+
+    def one(i: int) -> None:  # on the victim's port
+        tokens: list[int] = []
+        try:
+            with Client(victim.address, timeout=120, retries=0) as c:
+                for item in c.stream(prompts[i], temperature=0, max_tokens=300, ignore_eos=True):
+                    if isinstance(item, Chunk):
+                        tokens.extend(item.token_ids)
+                        streaming[i].set()
+            outcomes[i] = ("OK", tokens)
+        except Unavailable:
+            outcomes[i] = ("UNAVAILABLE", tokens)
+        except Exception as e:  # reported by the assertion below
+            outcomes[i] = (f"{type(e).__name__}: {e}", tokens)
+        finally:
+            streaming[i].set()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for e in streaming:
+        assert e.wait(120), "a stream got no token"
+    slots = serving.cluster.replicas.slots
+    (slot,) = [s for s in slots if s.index == victim.index]
+    old = slot.actor
+    ray.kill(old)
+    # new requests meanwhile, through the SDK with every router's address
+    fresh = random_prompts([24] * 6, VOCAB, seed=64)
+    fresh_params = [SamplingParams(max_tokens=8, ignore_eos=True)] * len(fresh)
+    results = stream_all([r.address for r in routers], fresh, fresh_params)
+    assert [out.token_ids for out, _ in results] == reference_tokens(engine, fresh, fresh_params)
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads), "a stream hung after its router was killed"
+    for (code, tokens), expected in zip(outcomes, reference, strict=True):
+        assert code in ("OK", "UNAVAILABLE"), code
+        assert tokens == (expected if code == "OK" else expected[: len(tokens)])
+    assert any(code == "UNAVAILABLE" for code, _ in outcomes), "no stream was on the killed router"
+    with Client(serving.address, timeout=60) as c:
+        assert not any(wait_kv_free(c, timeout=60).values()), "KV stayed held"
+    wait_until(
+        lambda: slot.actor not in (None, old) and all(r.alive for r in _routers(serving)),
+        "the killed router was not replaced",
+        120,
+    )
+    back = _routers(serving)[1]
+    assert (back.address, back.node_id) == (victim.address, victim.node_id)
+    with Client(back.address, timeout=120) as c:
+        out = c.generate(fresh[0], temperature=0, max_tokens=8, ignore_eos=True)
+    assert out.token_ids == results[0][0].token_ids
