@@ -24,7 +24,7 @@ from splitserve.cluster.autoscale import Autoscaler
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.planner import Planner
 from splitserve.cluster.pools import WorkerPool
-from splitserve.cluster.replicas import Ports, Replicas, share
+from splitserve.cluster.replicas import Ports, Replicas, reachable, share
 from splitserve.cluster.slo_autoscale import PlannerLoop
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_hf_config, resolve_source
@@ -225,8 +225,8 @@ class ServingCluster:
         me = RouterInfo(
             index=0,
             node_id=ray.get_runtime_context().get_node_id(),
-            address=self.address,
-            http_address=self.http_address,
+            address=reachable(self.server.host, self.server.port),
+            http_address=reachable(self.http.host, self.http.port) if self.http is not None else "",
             inflight=d.num_inflight,
             admitted=d.admitted,
             max_inflight=d.limits.max_inflight_requests,

@@ -125,6 +125,14 @@ def share(limits: LimitsSpec, routers: int) -> LimitsSpec:
     )
 
 
+def reachable(host: str, port: int) -> str:
+    """``host:port`` as another machine dials it: a wildcard host (0.0.0.0, ::) becomes
+    this node's address."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = ray.util.get_node_ip_address()
+    return f"{host}:{port}"
+
+
 @dataclass(frozen=True)
 class Ports:
     """What a router binds: the primary's bound ports for a replica on its node (also when
@@ -214,8 +222,8 @@ class RouterReplica:
         return RouterInfo(
             index=self.index,
             node_id=ray.get_runtime_context().get_node_id(),
-            address=self.server.address if self.server is not None else "",
-            http_address=f"{self.http.host}:{self.http.port}" if self.http is not None else "",
+            address=reachable(self.server.host, self.server.port) if self.server is not None else "",
+            http_address=reachable(self.http.host, self.http.port) if self.http is not None else "",
             inflight=d.num_inflight,
             admitted=d.admitted,
             max_inflight=d.limits.max_inflight_requests,

@@ -13,7 +13,9 @@ own (the config asks for any free one). Then:
   ``UNAVAILABLE`` or complete (none hangs), requests sent meanwhile through the
   SDK with every router's address all complete (a request refused before its
   first token is retried on another router), no KV stays held, and the router
-  comes back on its port and serves.
+  comes back on its port and serves;
+- a node that leaves the cluster takes its router with it, and the other
+  routers' shares of the limits grow to match.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from splitserve.cli.main import main
 from splitserve.client import Chunk, Client, Unavailable
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.engine.engine import Engine
@@ -89,6 +92,13 @@ def test_each_node_runs_a_router_and_each_serves_its_port(serving, config):
         assert [out.token_ids for out, _ in results] == reference
     admitted = {r.index: r.admitted for r in _routers(serving)}
     assert all(n >= len(prompts) for n in admitted.values()), admitted
+
+
+def test_status_lists_every_router(serving, capsys):
+    assert main(["status", "--server", serving.address]) == 0
+    out = capsys.readouterr().out
+    for r in _routers(serving):
+        assert f"router {r.index}: {r.address}" in out and f"on node {r.node_id[:12]}" in out
 
 
 def test_a_follow_up_on_another_router_finds_the_prefix(serving):
@@ -172,3 +182,18 @@ def test_a_node_router_killed_under_load_is_replaced_and_loses_nothing(serving, 
     with Client(back.address, timeout=120) as c:
         out = c.generate(fresh[0], temperature=0, max_tokens=8, ignore_eos=True)
     assert out.token_ids == results[0][0].token_ids
+
+
+def test_a_node_that_leaves_takes_its_router_and_the_shares_grow(serving, three_nodes, config):
+    routers = _routers(serving)
+    (node,) = [n for n in three_nodes.worker_nodes if n.node_id == routers[2].node_id]
+    three_nodes.remove_node(node)
+    limit = config.limits.max_inflight_requests
+
+    def two_left() -> bool:
+        left = _routers(serving)
+        return [r.index for r in left] == [0, 1] and all(r.max_inflight_requests == limit // 2 for r in left)
+
+    wait_until(two_left, "the leaving node's router was not dropped, or the shares did not grow", 180)
+    with Client([r.address for r in routers[:2]], timeout=120) as c:
+        assert c.generate([5, 6, 7, 8], temperature=0, max_tokens=4, ignore_eos=True).final is not None
