@@ -282,10 +282,11 @@ class RouterSpec(_Strict):
     )
     node_resource: str | None = Field(
         "splitserve_router",
-        description="in a Ray cluster, every other node whose resources include this one (1 or more) "
-        "runs a router of its own (a Ray actor, restarted when it dies) on the same host and ports, "
-        "so a load balancer or DNS can front every node; set it in a node type's resources in the "
-        "ray up YAML. Admission limits are split between all routers (null: no node routers)",
+        description="in a Ray cluster, every other node runs a router of its own (a Ray actor, "
+        "restarted when it dies) per whole unit of this resource it offers, on the same host and "
+        "ports (several on one node share them, as replicas do), so a load balancer or DNS can front "
+        "every node; set it in a node type's resources in the ray up YAML. Admission limits are "
+        "split between all routers (null: no node routers)",
     )
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
     http_port: int | None = Field(

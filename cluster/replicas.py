@@ -10,11 +10,12 @@ autoscalers and the planner) keeps more routers, each a ``RouterReplica`` actor:
   the primary's gRPC and HTTP ports (``SO_REUSEPORT``: gRPC sets it on every
   server; the HTTP servers ask for it), so the kernel spreads new connections
   over the N processes.
-- **node routers**: one on every other node of the Ray cluster whose resources
-  include ``router.node_resource`` (``splitserve_router`` in the ``ray up``
-  YAMLs' node types), on ``router.host`` and the configured ports there (0: any
-  free port, then the same one again for its replacement), so a cloud load
-  balancer or DNS can front every node. A node that joins gets one within
+- **node routers**: on every other node of the Ray cluster, one per unit of
+  ``router.node_resource`` it offers (``splitserve_router`` in the ``ray up``
+  YAMLs' node types; 2 units: two routers sharing its ports, as replicas do), on
+  ``router.host`` and the configured ports there (0: any free port each, then
+  the same one again for its replacement), so a cloud load balancer or DNS can
+  front every node. A node that joins gets one within
   ``NODES_S``; a node that leaves takes its router with it.
 
 A router is a whole router of its own: its ``WorkerRegistry``, polled from the
@@ -337,23 +338,28 @@ class Replicas:
         self.dispatcher.limits = self.limits
 
     def _place_on(self, nodes: list[dict], resource: str) -> None:
-        offering = {
-            n["NodeID"]
+        """As many node routers on each live node (but the primary's) as it offers whole
+        units of ``resource``; the slots of nodes gone (or of units withdrawn) dropped."""
+        wanted = {
+            n["NodeID"]: int(n.get("Resources", {}).get(resource, 0))
             for n in nodes
-            if n["Alive"] and n.get("Resources", {}).get(resource, 0) >= 1 and n["NodeID"] != self.node_id
+            if n["Alive"] and n["NodeID"] != self.node_id
         }
-        for s in [s for s in self.slots if s.resource is not None and s.node_id not in offering]:
+        for s in [s for s in self.slots if s.resource is not None]:
+            if wanted.get(s.node_id, 0) > 0:
+                wanted[s.node_id] -= 1  # this slot is one of them
+                continue
             log.warning("node %s is gone; so is its router %d", s.node_id[:12], s.index)
             if s.actor is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(s.actor)
             self.slots.remove(s)
-        placed = {s.node_id for s in self.slots if s.resource is not None}
         r = self.config.router
-        for node in sorted(offering - placed):
-            index = min(set(range(1, len(self.slots) + 2)) - {s.index for s in self.slots})
-            self.slots.append(_Slot(index, node, Ports(r.port, r.http_port), resource))
-            log.info("node %s offers %s: router %d will serve there", node[:12], resource, index)
+        for node, more in sorted(wanted.items()):
+            for _ in range(more):
+                index = min(set(range(1, len(self.slots) + 2)) - {s.index for s in self.slots})
+                self.slots.append(_Slot(index, node, Ports(r.port, r.http_port), resource))
+                log.info("node %s offers %s: router %d will serve there", node[:12], resource, index)
 
     async def _sync_or_replace(self, s: _Slot) -> None:
         if s.actor is not None:

@@ -1,11 +1,13 @@
 """A router on every node: a real three-node Ray cluster on localhost
-(``ray.cluster_utils.Cluster``), every node offering ``splitserve_router``.
-``splitserve serve`` (router 0) runs on the node this process joined and starts a
-node router on each other node (``router.node_resource``), each on a port of its
-own (the config asks for any free one). Then:
+(``ray.cluster_utils.Cluster``), every node offering ``splitserve_router`` (one
+of them 2 units). ``splitserve serve`` (router 0) runs on the node this process
+joined and starts node routers on each other node, one per unit
+(``router.node_resource``), each on a port of its own (the config asks for any
+free one). Then:
 
-- ``ClusterStatus`` on router 0 lists three routers on three nodes, and requests
-  sent to each router's port are served by that router with the engine's tokens;
+- ``ClusterStatus`` on router 0 lists every router, as many on each node as it
+  offers (router 0 alone on its own), and requests sent to each router's port
+  are served by that router with the engine's tokens;
 - a follow-up sent to another router than its prompt's first request finds the
   decode worker holding the prefix (that router polled the workers' prefix logs
   itself) and reuses it;
@@ -14,12 +16,13 @@ own (the config asks for any free one). Then:
   SDK with every router's address all complete (a request refused before its
   first token is retried on another router), no KV stays held, and the router
   comes back on its port and serves;
-- a node that leaves the cluster takes its router with it, and the other
+- a node that leaves the cluster takes its routers with it, and the other
   routers' shares of the limits grow to match.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import pytest
@@ -42,15 +45,17 @@ from tests.integration.cluster_util import (
     wait_until,
 )
 
+UNITS = (1, 2, 1)  # splitserve_router on the head and on each other node
+
 
 @pytest.fixture(scope="module")
 def three_nodes():
-    """A head with the workers' CPUs and two nodes with none; all three offer a router."""
+    """A head with the workers' CPUs and two nodes with none; all three offer routers."""
     cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"splitserve_router": 1}}
+        initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"splitserve_router": UNITS[0]}}
     )
-    for _ in range(2):
-        cluster.add_node(num_cpus=0, resources={"splitserve_router": 1})
+    for units in UNITS[1:]:
+        cluster.add_node(num_cpus=0, resources={"splitserve_router": units})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
@@ -77,14 +82,23 @@ def _routers(serving):
         return c.cluster_status().routers
 
 
-def test_each_node_runs_a_router_and_each_serves_its_port(serving, config):
+def _offered() -> dict[str, int]:
+    """Routers each node should run: its units, but 1 on router 0's (this process's) node."""
+    here = ray.get_runtime_context().get_node_id()
+    units = {n["NodeID"]: int(n["Resources"].get("splitserve_router", 0)) for n in ray.nodes() if n["Alive"]}
+    return units | {here: 1}
+
+
+def test_each_node_runs_its_routers_and_each_serves_its_port(serving, config):
     routers = _routers(serving)
-    assert [r.index for r in routers] == [0, 1, 2]
-    assert len({r.node_id for r in routers}) == 3, "two routers share a node"
+    offered = _offered()
+    assert [r.index for r in routers] == list(range(sum(offered.values())))
+    assert collections.Counter(r.node_id for r in routers) == offered
     assert all(r.alive for r in routers)
-    assert len({r.address for r in routers}) == 3
-    # each router admits a third of the limit (rounded up)
-    assert {r.max_inflight_requests for r in routers} == {-(-config.limits.max_inflight_requests // 3)}
+    assert len({r.address for r in routers}) == len(routers)
+    # each router admits its part of the limit (rounded up)
+    share = -(-config.limits.max_inflight_requests // len(routers))
+    assert {r.max_inflight_requests for r in routers} == {share}
     prompts, params = mixed_workload(6, seed=61)
     reference = reference_tokens(Engine(config.engine_config("colocated")), prompts, params)
     for r in routers:
@@ -104,7 +118,7 @@ def test_status_lists_every_router(serving, capsys):
 def test_a_follow_up_on_another_router_finds_the_prefix(serving):
     """Three prompts (so that a router blind to prefixes would pick the holder of all
     three by chance one time in eight, of two idle workers)."""
-    r0, r1, _ = _routers(serving)
+    r0, r1 = _routers(serving)[:2]
     for prompt in random_prompts([96] * 3, VOCAB, seed=62):
         with Client(r0.address, timeout=120) as c:
             holder = c.generate(prompt, temperature=0, max_tokens=4, ignore_eos=True).final.decode_worker
@@ -184,16 +198,18 @@ def test_a_node_router_killed_under_load_is_replaced_and_loses_nothing(serving, 
     assert out.token_ids == results[0][0].token_ids
 
 
-def test_a_node_that_leaves_takes_its_router_and_the_shares_grow(serving, three_nodes, config):
+def test_a_node_that_leaves_takes_its_routers_and_the_shares_grow(serving, three_nodes, config):
     routers = _routers(serving)
-    (node,) = [n for n in three_nodes.worker_nodes if n.node_id == routers[2].node_id]
+    gone = routers[-1].node_id
+    (node,) = [n for n in three_nodes.worker_nodes if n.node_id == gone]
     three_nodes.remove_node(node)
-    limit = config.limits.max_inflight_requests
+    kept = [r.index for r in routers if r.node_id != gone]
+    share = -(-config.limits.max_inflight_requests // len(kept))
 
-    def two_left() -> bool:
+    def dropped() -> bool:
         left = _routers(serving)
-        return [r.index for r in left] == [0, 1] and all(r.max_inflight_requests == limit // 2 for r in left)
+        return [r.index for r in left] == kept and all(r.max_inflight_requests == share for r in left)
 
-    wait_until(two_left, "the leaving node's router was not dropped, or the shares did not grow", 180)
-    with Client([r.address for r in routers[:2]], timeout=120) as c:
+    wait_until(dropped, "the leaving node's routers were not dropped, or the shares did not grow", 180)
+    with Client([r.address for r in routers if r.node_id != gone], timeout=120) as c:
         assert c.generate([5, 6, 7, 8], temperature=0, max_tokens=4, ignore_eos=True).final is not None
