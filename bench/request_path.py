@@ -27,6 +27,7 @@ from splitserve.client import Chunk, Client, Final
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.worker_client import remote_calls
+from splitserve.kv_transfer import CLUSTER_BACKENDS
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3
 
@@ -34,7 +35,7 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--backend", default="nixl", choices=["nixl", "torch_dist", "ray", "ucx"])
+    ap.add_argument("--backend", default="nixl", choices=CLUSTER_BACKENDS)
     ap.add_argument("--requests", type=int, default=20)
     args = ap.parse_args(argv)
     config = ClusterConfig.model_validate(

@@ -23,7 +23,7 @@ from splitserve.cluster import router_parts as parts
 from splitserve.cluster.autoscale import Autoscaler
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.planner import Planner
-from splitserve.cluster.pools import WorkerPool
+from splitserve.cluster.pools import START_TIMEOUT_S, WorkerPool
 from splitserve.cluster.replicas import Ports, Replicas, reachable, share
 from splitserve.cluster.slo_autoscale import PlannerLoop
 from splitserve.engine.model.config import ModelConfig
@@ -294,7 +294,7 @@ class BackgroundCluster:
         Client(c.address).generate(...)
     """
 
-    def __init__(self, config: ClusterConfig, start_timeout_s: float = 900.0):
+    def __init__(self, config: ClusterConfig, start_timeout_s: float = START_TIMEOUT_S):
         self.cluster = ServingCluster(config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="splitserve-router", daemon=True)

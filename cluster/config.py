@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from splitserve.cluster.planner import PlannerSpec
+from splitserve.kv_transfer import CLUSTER_BACKENDS
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.policy import StrictModel as _Strict
 from splitserve.router.roles import Role
@@ -229,7 +230,7 @@ class PoolSpec(_Strict):
 
 
 class TransferSpec(_Strict):
-    backend: Literal["nixl", "torch_dist", "ray", "ucx"] = Field("nixl", description="KV transfer backend")
+    backend: Literal[CLUSTER_BACKENDS] = Field("nixl", description="KV transfer backend")
     lease_s: float = Field(
         DEFAULT_LEASE_S, gt=0, description="how long exported KV waits for a decode worker"
     )

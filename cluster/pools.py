@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 MAX_RESTARTS = 3  # Ray's restarts of one actor; past them the pool replaces the worker (``keep``)
 KEEP_INTERVAL_S = 1.0  # how often ``keep`` looks for lost workers
 KEEP_BACKOFF_MAX_S = 60.0  # the longest wait between failed replacements (doubling from 1 s)
+START_TIMEOUT_S = 900.0  # a worker's start, loading included (a first start compiles the CPU kernels)
 
 
 @dataclass
@@ -177,7 +178,7 @@ class WorkerPool:
         queue = self.config.limits.max_admission_queue
         return DecodeWorkerSpec(worker_id, eng, backend, t.timeout_s, queue, threads, cpus)
 
-    async def add(self, n: int, timeout_s: float = 900.0) -> list[WorkerRecord]:
+    async def add(self, n: int, timeout_s: float = START_TIMEOUT_S) -> list[WorkerRecord]:
         """Start ``n`` workers (STARTING in the registry), wait until each has loaded its
         model, then activate them (routed to from then on). If any fails, all are removed."""
         deadline = time.monotonic() + timeout_s
@@ -193,9 +194,10 @@ class WorkerPool:
                 self._kill(m)
             raise
 
-    async def remove(self, worker_id: str, drain_timeout_s: float = 60.0) -> None:
+    async def remove(self, worker_id: str, drain_timeout_s: float) -> None:
         """Drain ``worker_id`` (no new requests; in-flight ones finish, and a prefill
-        worker's exports are pulled), then kill it."""
+        worker's exports are pulled, for ``drain_timeout_s`` at most: the autoscaling
+        config's), then kill it."""
         record = self.registry.get(worker_id)
         self.registry.drain(worker_id)
         deadline = time.monotonic() + drain_timeout_s

@@ -50,15 +50,16 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# the backends that move KV between processes: what a cluster's transfer.backend may
+# name (the config, the benches and the tests take this list); "local" is in-process only
+CLUSTER_BACKENDS: tuple[str, ...] = ("nixl", "torch_dist", "ray", "ucx")
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
     source: type[KVSource]
     sink: type[KVSink]
-
-
-def backend_names() -> list[str]:
-    return list(_BACKENDS)
 
 
 def get_backend(name: str) -> Backend:
@@ -71,4 +72,4 @@ def get_backend(name: str) -> Backend:
     return Backend(name, getattr(mod, source), getattr(mod, sink))
 
 
-__all__ = ["Backend", "backend_names", "get_backend"]
+__all__ = ["CLUSTER_BACKENDS", "Backend", "get_backend"]

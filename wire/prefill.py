@@ -22,7 +22,7 @@ class PrefillWorkerSpec:
 
     worker_id: str
     engine: EngineConfig
-    backend: str  # KV transfer backend name (splitserve.kv_transfer.backend_names())
+    backend: str  # KV transfer backend name (splitserve.kv_transfer.CLUSTER_BACKENDS)
     lease_s: float  # how long exported KV waits for a decode worker to take it
     torch_threads: int | None = None  # torch intra-op threads; None: torch's default
     cpu_ids: tuple[int, ...] | None = None  # pin the worker's process to these cores (Linux)

@@ -19,6 +19,9 @@ from splitserve.cluster.config import ClusterConfig
 from splitserve.engine.engine import Engine
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
+from tests.waiting import wait_until
+
+__all__ = ["wait_until"]  # re-exported: the integration tests take it from here
 
 VOCAB = 512
 
@@ -138,15 +141,6 @@ def assert_kv_moved(finals, client: Client) -> None:
         assert f.completion_tokens <= 1 or f.kv_pull_ms > 0, (
             f"no KV pulled for a {f.completion_tokens}-token run"
         )
-
-
-def wait_until(condition, what: str, timeout: float = 120.0) -> None:
-    """Poll ``condition`` until it holds; past ``timeout``, fail saying ``what`` did not happen."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} (within {timeout:g} s)")
-        time.sleep(0.2)
 
 
 def kv_used(client: Client) -> dict[str, int]:

@@ -18,6 +18,7 @@ import ray
 
 from splitserve.client import Chunk, DeadlineExceeded, Unavailable
 from splitserve.cluster.worker_client import remote_calls
+from splitserve.kv_transfer import CLUSTER_BACKENDS
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
@@ -36,7 +37,7 @@ from tests.integration.cluster_util import (
 IDLE = {"prefill-0": 0, "decode-0": 0}
 
 
-@pytest.fixture(scope="module", params=["nixl", "torch_dist", "ray", "ucx"])
+@pytest.fixture(scope="module", params=CLUSTER_BACKENDS)
 def cluster(request, checkpoint):
     # A long lease: a KV export that is freed during the stream was freed by the pull's
     # confirmation, never by the lease running out.

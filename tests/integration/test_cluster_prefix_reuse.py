@@ -7,7 +7,6 @@ request counted by the router, the copy in the request's trace and the counters.
 from __future__ import annotations
 
 import contextlib
-import time
 
 import pytest
 
@@ -15,7 +14,7 @@ from splitserve.client import Client
 from splitserve.wire.prefix import prompt_block_hashes
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
-from tests.integration.cluster_util import live_cluster, scrape, stream_all, tiny_config, total
+from tests.integration.cluster_util import live_cluster, scrape, stream_all, tiny_config, total, wait_until
 
 BLOCK = 8
 ENGINE = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256, "block_size": BLOCK}
@@ -65,7 +64,10 @@ def test_a_1024_token_prefix_is_imported_only_as_its_tail_and_copied_between_pre
         # 1024 tokens from prefill-0. The handover cost is pinned at 0 so the decider's
         # cost model (tests/unit/router/test_decider.py) surely chooses the copy.
         holder = cluster.registry.get("prefill-0")
-        wait_until(lambda: holder.prefix.cached_blocks(prompt_block_hashes(prefix, BLOCK)) == 128)
+        wait_until(
+            lambda: holder.prefix.cached_blocks(prompt_block_hashes(prefix, BLOCK)) == 128,
+            "the router never learned the holder's prefix",
+        )
         with busy(cluster, holder):
             cluster.dispatcher.decider.handover_s = 0.0
             ((out, _),) = stream_all(cluster.address, [third], [PARAMS])
@@ -79,13 +81,6 @@ def test_a_1024_token_prefix_is_imported_only_as_its_tail_and_copied_between_pre
         metrics = scrape(cluster)
         assert total(metrics, "splitserve:prefix_pulls_total", outcome="pulled") == 1
         assert total(metrics, "splitserve:prefix_pulls_total", outcome="failed") == 0
-
-
-def wait_until(condition, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the condition never held"
-        time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from splitserve.bench.kv_peers import (
 )
 from splitserve.cluster.app import start_local_ray
 from splitserve.engine.engine import Engine
-from splitserve.kv_transfer import get_backend
+from splitserve.kv_transfer import CLUSTER_BACKENDS, get_backend
 from splitserve.kv_transfer.integrity import layer_checksums
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import (
@@ -51,7 +51,7 @@ from splitserve.wire.kv_layout import KVLayout
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import HAS_SMOLLM2
 
-BACKENDS = ["nixl", "torch_dist", "ray", "ucx"]
+BACKENDS = list(CLUSTER_BACKENDS)
 CFG = EngineConfig(model="smollm2", dtype="float32", kv_cache_memory_mib=128)
 PARAMS = SamplingParams(max_tokens=20)
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]

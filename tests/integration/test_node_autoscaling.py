@@ -34,7 +34,7 @@ from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
-from tests.integration.cluster_util import VOCAB, tiny_config
+from tests.integration.cluster_util import VOCAB, tiny_config, wait_until
 
 MAX_TOKENS = 6
 POOL = {"num_cpus": 1, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
@@ -116,13 +116,6 @@ def autoscaling_ray(tmp_path_factory):
 
 def phase_nodes(resource: str) -> list[str]:
     return [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(resource)]
-
-
-def wait_for(condition, what: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
 
 
 class Load:
@@ -225,11 +218,11 @@ def test_a_step_of_load_brings_a_prefill_node_and_its_end_gives_it_back(autoscal
         load = Load(c.address, prompts, references, concurrency=12)
         try:
             mark("load on", c)
-            wait_for(lambda: len(c.registry.routable("prefill")) == 2, "the prefill pool to grow")
+            wait_until(lambda: len(c.registry.routable("prefill")) == 2, "the prefill pool to grow", 180)
             mark("pool grew", c)
             assert len(phase_nodes("splitserve_prefill")) == 2  # Ray launched a node for it
             assert prefill.node_of("prefill-1") != prefill.node_of("prefill-0")
-            wait_for(lambda: load.served.get("prefill-1", 0) >= 3, "the new worker to take requests")
+            wait_until(lambda: load.served.get("prefill-1", 0) >= 3, "the new worker to take requests", 180)
             mark("new worker serving", c)
         finally:
             load.join()
@@ -237,10 +230,10 @@ def test_a_step_of_load_brings_a_prefill_node_and_its_end_gives_it_back(autoscal
             watcher.join(30)
         mark(f"load off ({load.sent} requests)", c)
         assert "prefill-1" in waiting_seen  # status showed it waiting while Ray launched its node
-        wait_for(lambda: len(c.registry.routable("prefill")) == 1, "the prefill pool to shrink")
+        wait_until(lambda: len(c.registry.routable("prefill")) == 1, "the prefill pool to shrink", 180)
         mark("pool shrank", c)
-        wait_for(
-            lambda: len(phase_nodes("splitserve_prefill")) == 1, "the idle prefill node to be terminated"
+        wait_until(
+            lambda: len(phase_nodes("splitserve_prefill")) == 1, "the idle prefill node to be terminated", 180
         )
         mark("idle node terminated", c)
         survivor = c.registry.routable("prefill")[0].worker_id

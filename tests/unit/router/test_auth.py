@@ -9,7 +9,6 @@ import asyncio
 import json
 import logging
 import ssl
-import time
 import urllib.error
 import urllib.request
 
@@ -21,6 +20,7 @@ from splitserve.client import Client, Unauthenticated, Unavailable
 from splitserve.router.auth import ApiKeys, bearer_token, read_keys
 from splitserve.router.openai_http import OpenAIServer, server_ssl_context
 from tests.unit.router.test_server import _server, self_signed
+from tests.waiting import wait_until
 
 KEY, OTHER = "sk-test-4f9a1c", "sk-test-other-77"
 
@@ -34,13 +34,6 @@ def keys_file(tmp_path, *lines: str):
     path = tmp_path / "keys"
     path.write_text("".join(f"{line}\n" for line in lines))
     return path
-
-
-def wait_for(condition, deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < end, "the condition did not hold before the deadline"
-        time.sleep(0.05)
 
 
 def test_the_keys_file(tmp_path):
@@ -138,7 +131,7 @@ def test_a_key_rotated_in_the_file_takes_effect_without_a_restart(tmp_path):
 
         assert accepted(KEY) and not accepted(OTHER)
         path.write_text(f"{OTHER}\n")
-        wait_for(lambda: accepted(OTHER))
+        wait_until(lambda: accepted(OTHER), "the new key was never accepted", 30)
         assert not accepted(KEY)
     finally:
         watcher.cancel()

@@ -36,6 +36,7 @@ from splitserve.wire.prefill import PrefillStats
 from splitserve.wire.prefix import PrefixUpdate, prompt_block_hashes
 from splitserve.wire.sampling import SamplingParams
 from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill, engine_stats, expected_tokens
+from tests.waiting import until
 
 
 def _cluster(prefills, decodes, **limits) -> Dispatcher:
@@ -60,14 +61,6 @@ async def _collect(d: Dispatcher, prompt, max_tokens=8, **kw) -> tuple[list[int]
         else:
             final = event
     return tokens, final
-
-
-async def _until(condition, timeout_s: float = 60.0) -> None:
-    """Wait (polling, on the caller's loop) until ``condition()`` holds; fail past the deadline."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "the condition did not come true in time"
-        await asyncio.sleep(0.001)
 
 
 def _lost(task):
@@ -140,7 +133,7 @@ def test_admission_limits():
 
     async def run():
         first = [asyncio.ensure_future(_collect(d, [i, 1])) for i in range(2)]
-        await _until(lambda: d.num_inflight == 2)  # both admitted, prefilling
+        await until(lambda: d.num_inflight == 2, "both requests admitted")  # prefilling
         with pytest.raises(Overloaded, match="capacity"):
             await _collect(d, [9, 9])
         await asyncio.gather(*first)
@@ -151,7 +144,7 @@ def test_admission_limits():
 
     async def queued():
         busy = asyncio.ensure_future(_collect(d, list(range(80))))
-        await _until(lambda: d.registry.get("p0").queued_prompt_tokens == 80)
+        await until(lambda: d.registry.get("p0").queued_prompt_tokens == 80, "the prompt queued on p0")
         with pytest.raises(Overloaded, match="prefill queues are full"):
             await _collect(d, list(range(30)))
         await busy
@@ -166,13 +159,9 @@ def test_a_request_is_refused_at_once_when_every_decode_worker_has_its_batch():
     d = _cluster([FakePrefill("p0", delay_s=0.05)], decodes, max_decode_batch=1)
     workers = d.registry.workers("decode")
 
-    async def picked():  # both requests picked their decode worker
-        while sum(len(w.decoding) for w in workers) < 2:
-            await asyncio.sleep(0.001)
-
     async def run():
         busy = [asyncio.ensure_future(_collect(d, [i, 1])) for i in range(2)]
-        await asyncio.wait_for(picked(), 60)
+        await until(lambda: sum(len(w.decoding) for w in workers) == 2, "both requests picked a worker")
         assert [len(w.decoding) for w in workers] == [1, 1]  # one each, counted from the pick
         assert all(w.queued_prompt_tokens == 0 for w in workers)  # still prefilling elsewhere
         with pytest.raises(Overloaded, match="max_decode_batch"):
@@ -193,10 +182,6 @@ def test_admission_by_tpot_caps_each_decode_worker_at_the_batch_its_step_times_a
     d = _cluster([FakePrefill("p0", delay_s=0.05)], [d0, d1], decode_tpot_ms=14.5)
     w0, w1 = d.registry.workers("decode")
 
-    async def picked(n):
-        while len(w0.decoding) + len(w1.decoding) < n:
-            await asyncio.sleep(0.001)
-
     async def run():
         await d.registry.poll()
         await d.registry.poll()
@@ -204,7 +189,7 @@ def test_admission_by_tpot_caps_each_decode_worker_at_the_batch_its_step_times_a
         assert d.batch_caps() == {"d0": 2}  # what /metrics shows
         d.registry.drain("d1")  # d0 alone: its cap decides
         busy = [asyncio.ensure_future(_collect(d, [i, 1])) for i in range(2)]
-        await asyncio.wait_for(picked(2), 60)
+        await until(lambda: len(w0.decoding) + len(w1.decoding) == 2, "both requests picked a worker")
         with pytest.raises(Overloaded, match="decode_tpot_ms 14.5"):
             await _collect(d, [9, 9])
         await asyncio.gather(*busy)
@@ -281,8 +266,9 @@ def test_reservations_return_to_zero_after_1000_requests_with_cancels_and_errors
             if start % 200 == 0:
                 await d.registry.poll()  # polls interleave with requests in flight
         # background aborts and confirmations finish
-        await _until(
-            lambda: d.num_inflight == 0 and not any(w.prefilling or w.decoding for w in d.registry.workers())
+        await until(
+            lambda: d.num_inflight == 0 and not any(w.prefilling or w.decoding for w in d.registry.workers()),
+            "every request ended and let go of its workers",
         )
 
     asyncio.run(run())

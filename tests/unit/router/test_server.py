@@ -7,7 +7,6 @@ import asyncio
 import shutil
 import subprocess
 import threading
-import time
 
 import grpc
 import pytest
@@ -18,6 +17,7 @@ from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
 from splitserve.wire.validation import RequestValidator
 from tests.unit.router.fakes import FakeDecode, FakePrefill
+from tests.waiting import wait_until
 
 
 class _Loop:
@@ -81,13 +81,6 @@ def test_unary_calls_and_errors_without_workers(plain):
 
 async def _call(fn, *args):
     return fn(*args)
-
-
-def wait_until(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def test_health_follows_the_pools_and_turns_not_serving_on_stop():
