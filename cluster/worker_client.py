@@ -33,8 +33,8 @@ import grpc
 import ray
 import ray.exceptions
 
-from splitserve.engine.background import Background
 from splitserve.wire import token_stream as ts
+from splitserve.wire.background import Background
 from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch, merge
 from splitserve.wire.errors import EngineStopped, WorkerLost, WorkerStopped
 from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor, KVHandoff

@@ -70,10 +70,10 @@ from splitserve.decode_worker.admission import AdmissionQueue, AdmissionState
 from splitserve.decode_worker.outbox import Outbox
 from splitserve.decode_worker.token_server import TokenServer
 from splitserve.decode_worker.tp import join_decode_group, rank_sink
-from splitserve.engine.background import Background
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.parallel.worker_group import Heartbeats
+from splitserve.wire.background import Background
 from splitserve.wire.decode import (
     DecodeRankPeer,
     DecodeStats,

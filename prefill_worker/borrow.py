@@ -33,8 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.engine.background import Background
 from splitserve.kv_transfer.sink import KVSink
+from splitserve.wire.background import Background
 from splitserve.wire.errors import Overloaded, PeerLost, SplitserveError
 from splitserve.wire.kv import KVHandoff
 from splitserve.wire.prefill import PrefillTask, PrefixLoan, PrefixPull

@@ -67,7 +67,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from splitserve.engine.background import Background
 from splitserve.router.balancer import Prompt, pick_decode, pick_prefill
 from splitserve.router.decider import Decider, Placement
 from splitserve.router.errors import code_for
@@ -77,6 +76,7 @@ from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import Membership, WorkerRecord, WorkerRegistry
 from splitserve.router.roles import Role
 from splitserve.router.trace import RequestTrace, TraceLog, TraceSink
+from splitserve.wire.background import Background
 from splitserve.wire.decode import DecodeTask
 from splitserve.wire.errors import (
     InvalidRequest,

@@ -1,6 +1,7 @@
 """The router process loads neither torch nor Ray nor any worker implementation: it
-imports only plain-data records (and unpickles what workers send it). And no two
-top-level packages import each other: dependencies go one way."""
+imports only plain-data records (and unpickles what workers send it), and its
+package imports none of the engine's or the workers'. And no two top-level
+packages import each other: dependencies go one way."""
 
 from __future__ import annotations
 
@@ -67,9 +68,19 @@ def _package_imports() -> dict[tuple[str, str], list[str]]:
 
 def test_no_two_packages_import_each_other():
     edges = _package_imports()
-    assert ("router", "engine") in edges  # the walk sees imports (it would pass on nothing)
+    assert ("cluster", "router") in edges  # the walk sees imports (it would pass on nothing)
     cycles = {(a, b): (edges[(a, b)], edges[(b, a)]) for a, b in edges if (b, a) in edges and a < b}
     assert cycles == {}, cycles
+
+
+def test_the_router_imports_no_engine_or_worker_package():
+    """The request core stands on ``wire`` alone: not even a plain-asyncio helper of the
+    engine's (``Background`` lives in ``wire``)."""
+    edges = _package_imports()
+    assert ("router", "wire") in edges
+    imported = {b: files for (a, b), files in edges.items() if a == "router"}
+    for pkg in ("engine", "prefill_worker", "decode_worker", "kv_transfer", "cluster", "bench"):
+        assert pkg not in imported, (pkg, imported.get(pkg))
 
 
 def test_wire_imports_only_the_standard_library_and_itself():
