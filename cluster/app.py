@@ -28,8 +28,7 @@ from splitserve.cluster.replicas import Ports, Replicas, reachable, share
 from splitserve.cluster.slo_autoscale import PlannerLoop
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_hf_config, resolve_source
-from splitserve.engine.parallel.expert_parallel import check_ep_compatible
-from splitserve.engine.parallel.layers import check_tp_compatible
+from splitserve.engine.model.parallel_fit import check_ep_compatible, check_tp_compatible
 from splitserve.router.auth import ApiKeys
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.metrics import PoolSize, RouterMetrics

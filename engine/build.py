@@ -30,10 +30,9 @@ from splitserve.engine.kv_tier import HostKVTier
 from splitserve.engine.model.checkpoint import checkpoint_bytes, safetensors_tensors
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import build_model, load_hf_config, resolve_source
+from splitserve.engine.model.parallel_fit import check_ep_compatible, check_tp_compatible
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.parallel.expert_parallel import check_ep_compatible
 from splitserve.engine.parallel.group import TPGroup
-from splitserve.engine.parallel.layers import check_tp_compatible
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.tokenizer import Tokenizer

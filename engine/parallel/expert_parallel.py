@@ -24,25 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.parallel.group import TPGroup
-
-
-def check_ep_compatible(cfg: ModelConfig, ep_size: int, kv_cache_dtype: str = "auto") -> None:
-    """Raise ``ValueError`` with a sentence naming why ``cfg`` cannot run on ``ep_size``
-    expert-parallel ranks (nothing for 1)."""
-    if ep_size == 1:
-        return
-    if cfg.moe is None:
-        raise ValueError(
-            f"ep_size {ep_size} needs a mixture-of-experts model; {cfg.model_type} has no experts"
-        )
-    if cfg.moe.num_experts % ep_size:
-        raise ValueError(
-            f"ep_size {ep_size} does not divide the model's {cfg.moe.num_experts} routed experts"
-        )
-    if kv_cache_dtype == "fp8":
-        raise ValueError("kv_cache_dtype fp8 does not run with expert parallelism (ep_size > 1) yet")
 
 
 @dataclass(frozen=True)

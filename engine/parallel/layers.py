@@ -24,30 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.wire.kv_layout import kv_head_range as layout_head_range
-
-
-def check_tp_compatible(cfg: ModelConfig, tp_size: int) -> None:
-    """Raise ``ValueError`` naming the dimension that does not split over ``tp_size`` ranks."""
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    sizes = [("attention heads", cfg.num_heads), ("MLP intermediate size", cfg.intermediate_size)]
-    if cfg.moe is not None:
-        sizes.append(("expert intermediate size", cfg.moe.intermediate_size))
-        sizes.append(("shared experts' intermediate size", cfg.moe.shared_intermediate_size))
-    for what, n in sizes:
-        if n % tp_size:
-            raise ValueError(
-                f"tensor parallelism of {tp_size} needs the model's {what} ({n}) to divide by {tp_size}"
-            )
-    kv = cfg.num_kv_heads
-    if kv % tp_size and tp_size % kv:
-        raise ValueError(
-            f"tensor parallelism of {tp_size} needs the model's KV heads ({kv}) to divide by {tp_size} "
-            f"(split) or {tp_size} to divide by them (replicated)"
-        )
 
 
 def kv_head_range(num_kv_heads: int, group: TPGroup) -> tuple[int, int]:

@@ -73,6 +73,27 @@ def test_no_two_packages_import_each_other():
     assert cycles == {}, cycles
 
 
+def test_no_two_engine_subpackages_import_each_other():
+    """Inside ``engine/``, at folder level: model builds on parallel, attention and
+    kernels, never the other way (compatibility checks over the model's shapes live
+    with the model: ``engine.model.parallel_fit``)."""
+    folders = {p.name for p in (ROOT / "engine").iterdir() if (p / "__init__.py").exists()}
+    edges: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+    for folder in folders:
+        for path in (ROOT / "engine" / folder).rglob("*.py"):
+            for name in _imported(path):
+                parts = name.split(".")
+                if (
+                    parts[:2] == ["splitserve", "engine"]
+                    and len(parts) > 2
+                    and parts[2] in folders - {folder}
+                ):
+                    edges[(folder, parts[2])].append(str(path.relative_to(ROOT)))
+    assert ("model", "parallel") in edges
+    cycles = {(a, b): (edges[(a, b)], edges[(b, a)]) for a, b in edges if (b, a) in edges and a < b}
+    assert cycles == {}, cycles
+
+
 def test_the_router_imports_no_engine_or_worker_package():
     """The request core stands on ``wire`` alone: not even a plain-asyncio helper of the
     engine's (``Background`` lives in ``wire``)."""

@@ -11,8 +11,8 @@ import pytest
 from splitserve.engine.attention import SeqSpan
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.parallel_fit import check_ep_compatible
 from splitserve.engine.model_runner import StepInputs
-from splitserve.engine.parallel.expert_parallel import check_ep_compatible
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_rates import ExpertLoad
