@@ -9,9 +9,8 @@ chunks long ones)::
         --decode worker confirms | lease expires | abort()--> blocks released
 
 A decode worker confirms through the backend's own channel (nixl,
-torch_dist), or, for a backend without one (ray), through ``confirm``, which
-the router calls with the confirmations the decode worker returned right
-after its pull; either way the blocks are freed at the pull.
+torch_dist, ucx), or, for a backend without one (ray), by calling ``confirm``
+itself right after its pull; either way the blocks are freed at the pull.
 
 Each layer of a prompt is hashed right after the forward pass writes it (the
 engine's ``LayerObserver`` is a ``kv_transfer.layerwise.LayerExporter``), so

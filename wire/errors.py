@@ -153,8 +153,3 @@ class IntegrityError(KVTransferError):
 
 class LeaseExpired(KVTransferError):
     """The source's lease on the blocks ran out, so it may have reused them."""
-
-
-class HandshakeRequired(KVTransferError):
-    """The sink holds no handshake for the source incarnation a handoff names (a new
-    peer, or either side restarted): send the source's handshakes, then retry."""

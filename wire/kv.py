@@ -1,7 +1,8 @@
 """The KV transfer contract: what crosses between a prefill and a decode worker.
 
 Roles (as vLLM's KVConnector splits scheduler and worker): the *control plane*
-(the workers and the router, through Ray calls) moves small typed records —
+(the two workers, calling each other through Ray; the router only names the
+source in the decode worker's task) moves small typed records —
 ``Handshake`` once per peer pair (cached by the source's incarnation),
 ``KVHandoff`` (the descriptors of one request) once per request,
 ``Confirmation`` back — and decides what moves where. The *data plane* is a
@@ -39,11 +40,11 @@ Who frees what, when:
 - Confirmation: ``pull`` confirms through the backend's own channel when it
   has one (``Confirmation.delivered`` is then True: nixl, torch_dist, local);
   otherwise (ray) the caller delivers the ``Confirmation`` through the
-  control plane to ``KVSource.confirm``. In the cluster the decode worker
-  returns every undelivered confirmation in the first item of the request's
-  stream, right after the pull, and the router, which holds both workers'
-  handles, forwards it to the prefill worker's ``confirm``: the prefill blocks
-  are freed at the pull for every backend, not at the end of the request.
+  control plane to ``KVSource.confirm``. In the cluster the decode worker does
+  so itself, right after the pull: it calls the prefill worker's ``confirm``
+  through the handle its task carries (``DecodeTask.source``), without waiting
+  for the answer, so the prefill blocks are freed at the pull for every
+  backend, not at the end of the request.
   Confirming an ended lease is a no-op. An export made
   with ``readers=n`` (decode ranks of a larger TP group each taking some of
   its heads) stays leased until it has been confirmed n times, so each reader
@@ -79,11 +80,12 @@ Compatibility: ``Handshake`` carries ``PROTOCOL_VERSION`` and a compatibility
 hash over (model, dtype, block size, layers, KV heads, head dim, TP size and
 rank); a sink refuses a mismatch at handshake with ``IncompatiblePeer``, naming
 the field. Handshakes cross once per (source incarnation, sink) pair: a decode
-worker keeps the handshakes it was given by the source's worker id and
-incarnation, and a ``KVHandoff`` from an incarnation it holds no handshake for
-is refused with ``HandshakeRequired`` before any block is allocated (the
-router then sends the current handshakes and retries); a descriptor from an
-incarnation older than the handshake held fails with ``PeerLost``.
+worker keeps the handshakes it holds by the source's worker id and
+incarnations, and before it pulls a ``KVHandoff`` from incarnations it holds
+none for, it fetches them from the source itself (``PrefillPeer.info``) and
+connects its sink (and its other TP ranks') to them; a source that restarted
+since it exported (its incarnations no longer those of the handoff) or is gone
+fails the handoff with ``PeerLost``.
 
 Workers of different TP sizes meet through ``tp_mapping``, which pulls each
 source shard into a staging cache of exactly that shard's layout.
@@ -221,8 +223,8 @@ class KVHandoff:
     order (just one for TP=1); rank r's carries that rank's KV heads of the same
     blocks. ``incarnations`` names the exact source processes: a decode worker
     pulls only from sources whose handshakes it holds for exactly those
-    incarnations, and raises ``HandshakeRequired`` otherwise, so handshakes
-    cross once per peer pair (and again after a restart), never per request."""
+    incarnations, fetching them first otherwise, so handshakes cross once per
+    peer pair (and again after a restart), never per request."""
 
     source_worker: str  # the prefill worker (rank 0's id)
     descriptors: tuple[KVDescriptor, ...]
