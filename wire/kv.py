@@ -39,8 +39,9 @@ Who frees what, when:
   yields tokens.
 - Confirmation: ``pull`` confirms through the backend's own channel when it
   has one (``Confirmation.delivered`` is then True: nixl, torch_dist, ucx,
-  local); otherwise (ray, or a ucx message that failed) the caller delivers the ``Confirmation`` through the
-  control plane to ``KVSource.confirm``. In the cluster the decode worker does
+  local); otherwise (ray, or a ucx message that failed) the caller delivers
+  the ``Confirmation`` through the control plane to ``KVSource.confirm``. In
+  the cluster the decode worker does
   so itself, right after the pull: it calls the prefill worker's ``confirm``
   through the handle its task carries (``DecodeTask.source``), without waiting
   for the answer, so the prefill blocks are freed at the pull for every
