@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.client import Chunk, Client, Completion
+from splitserve.client import Chunk, Client, Completion, Unavailable
 from splitserve.cluster.app import BackgroundCluster, start_local_ray
 from splitserve.cluster.config import ClusterConfig
 from splitserve.engine.engine import Engine
@@ -186,3 +187,45 @@ def total(values: dict, name: str, **labels) -> float:
     """The sum of a metric's samples that carry these labels (0 when it has none yet)."""
     want = set(labels.items())
     return sum(v for (n, ls), v in values.items() if n == name and want <= ls)
+
+
+def streams_through_a_fault(
+    address: str, prompts, max_tokens: int, retries: int = 0
+) -> Callable[[float], list[tuple[str, list[int]]]]:
+    """Greedy streams of ``prompts`` (``ignore_eos``), one thread and one connection each,
+    running once this returns (each has had a token). Break something, then call the
+    returned function: it waits for every stream (failing if one hangs past its
+    timeout) and gives each one's outcome, "OK", "UNAVAILABLE" or the error, and the
+    tokens it received."""
+    outcomes: list[tuple[str, list[int]]] = [("NOT RUN", [])] * len(prompts)
+    streaming = [threading.Event() for _ in prompts]
+
+    def one(i: int) -> None:
+        tokens: list[int] = []
+        try:
+            with Client(address, timeout=120, retries=retries) as c:
+                for item in c.stream(prompts[i], temperature=0, max_tokens=max_tokens, ignore_eos=True):
+                    if isinstance(item, Chunk):
+                        tokens.extend(item.token_ids)
+                        streaming[i].set()
+            outcomes[i] = ("OK", tokens)
+        except Unavailable:
+            outcomes[i] = ("UNAVAILABLE", tokens)
+        except Exception as e:  # reported by the caller's assertions
+            outcomes[i] = (f"{type(e).__name__}: {e}", tokens)
+        finally:
+            streaming[i].set()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for e in streaming:
+        assert e.wait(120), "a stream got no token"
+
+    def finish(timeout: float) -> list[tuple[str, list[int]]]:
+        for t in threads:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in threads), "a stream hung"
+        return outcomes
+
+    return finish

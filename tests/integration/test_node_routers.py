@@ -23,14 +23,13 @@ free one). Then:
 from __future__ import annotations
 
 import collections
-import threading
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
 from splitserve.cli.main import main
-from splitserve.client import Chunk, Client, Unavailable
+from splitserve.client import Client
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.engine.engine import Engine
 from splitserve.wire.sampling import SamplingParams
@@ -40,6 +39,7 @@ from tests.integration.cluster_util import (
     mixed_workload,
     reference_tokens,
     stream_all,
+    streams_through_a_fault,
     tiny_config,
     wait_kv_free,
     wait_until,
@@ -144,30 +144,7 @@ def test_a_node_router_killed_under_load_is_replaced_and_loses_nothing(serving, 
     params = SamplingParams(max_tokens=300, ignore_eos=True)
     engine = Engine(config.engine_config("colocated"))
     reference = reference_tokens(engine, prompts, [params] * len(prompts))
-    outcomes: list[tuple[str, list[int]] | None] = [None] * len(prompts)
-    streaming = [threading.Event() for _ in prompts]
-
-    def one(i: int) -> None:  # on the victim's port
-        tokens: list[int] = []
-        try:
-            with Client(victim.address, timeout=120, retries=0) as c:
-                for item in c.stream(prompts[i], temperature=0, max_tokens=300, ignore_eos=True):
-                    if isinstance(item, Chunk):
-                        tokens.extend(item.token_ids)
-                        streaming[i].set()
-            outcomes[i] = ("OK", tokens)
-        except Unavailable:
-            outcomes[i] = ("UNAVAILABLE", tokens)
-        except Exception as e:  # reported by the assertion below
-            outcomes[i] = (f"{type(e).__name__}: {e}", tokens)
-        finally:
-            streaming[i].set()
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for e in streaming:
-        assert e.wait(120), "a stream got no token"
+    finish = streams_through_a_fault(victim.address, prompts, 300)  # on the victim's port
     slots = serving.cluster.replicas.slots
     (slot,) = [s for s in slots if s.index == victim.index]
     old = slot.actor
@@ -177,9 +154,7 @@ def test_a_node_router_killed_under_load_is_replaced_and_loses_nothing(serving, 
     fresh_params = [SamplingParams(max_tokens=8, ignore_eos=True)] * len(fresh)
     results = stream_all([r.address for r in routers], fresh, fresh_params)
     assert [out.token_ids for out, _ in results] == reference_tokens(engine, fresh, fresh_params)
-    for t in threads:
-        t.join(180)
-    assert not any(t.is_alive() for t in threads), "a stream hung after its router was killed"
+    outcomes = finish(180)
     for (code, tokens), expected in zip(outcomes, reference, strict=True):
         assert code in ("OK", "UNAVAILABLE"), code
         assert tokens == (expected if code == "OK" else expected[: len(tokens)])

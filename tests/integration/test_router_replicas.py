@@ -6,13 +6,12 @@ engine's greedy output. A killed replica is replaced, and the new one serves."""
 from __future__ import annotations
 
 import json
-import threading
 import urllib.request
 
 import pytest
 import ray
 
-from splitserve.client import Chunk, Client, Unavailable
+from splitserve.client import Client
 from splitserve.cluster.replicas import share
 from splitserve.engine.engine import Engine
 from splitserve.router.policy import LimitsSpec
@@ -24,6 +23,7 @@ from tests.integration.cluster_util import (
     mixed_workload,
     reference_tokens,
     stream_all,
+    streams_through_a_fault,
     tiny_config,
     wait_kv_free,
     wait_until,
@@ -94,36 +94,11 @@ def test_a_replica_killed_under_load_ends_its_streams_and_is_replaced(cluster, c
     prompts = random_prompts([40] * 12, VOCAB, seed=41)
     params = SamplingParams(max_tokens=400, ignore_eos=True)
     reference = reference_tokens(Engine(config.engine_config("decode")), prompts, [params] * len(prompts))
-    outcomes: list[tuple[str, list[int]] | None] = [None] * len(prompts)
-    streaming = [threading.Event() for _ in prompts]
-
-    def one(i: int) -> None:
-        tokens: list[int] = []
-        try:
-            with Client(cluster.address, timeout=120) as c:
-                for item in c.stream(prompts[i], temperature=0, max_tokens=400, ignore_eos=True):
-                    if isinstance(item, Chunk):
-                        tokens.extend(item.token_ids)
-                        streaming[i].set()
-            outcomes[i] = ("OK", tokens)
-        except Unavailable:
-            outcomes[i] = ("UNAVAILABLE", tokens)
-        except Exception as e:  # reported by the assertion below
-            outcomes[i] = (f"{type(e).__name__}: {e}", tokens)
-        finally:
-            streaming[i].set()
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for e in streaming:
-        assert e.wait(120), "a stream got no token"
+    finish = streams_through_a_fault(cluster.address, prompts, 400, retries=3)
     replicas = cluster.cluster.replicas
     (old,) = replicas.actors
     ray.kill(old)
-    for t in threads:
-        t.join(180)
-    assert not any(t.is_alive() for t in threads), "a stream hung after its router was killed"
+    outcomes = finish(180)
     for (code, tokens), expected in zip(outcomes, reference, strict=True):
         assert code in ("OK", "UNAVAILABLE"), code
         assert tokens == (expected if code == "OK" else expected[: len(tokens)])
