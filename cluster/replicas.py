@@ -190,8 +190,9 @@ class RouterReplica:
                 self.registry.remove(w.worker_id)
                 await w.client.close()
 
-    async def start(self) -> RouterInfo:
-        """Listen on ``ports``; what it serves on."""
+    async def start(self) -> Ports:
+        """Listen on ``ports``; the ports it bound (a node router's replacement binds
+        the same ones again)."""
         cfg, r = self.config, self.config.router
         credentials = parts.grpc_credentials(cfg)
         self.server = RouterServer(
@@ -215,7 +216,7 @@ class RouterReplica:
             await self.metrics_server.start()
         if self.api_keys is not None:
             self._watching = asyncio.ensure_future(self.api_keys.watch())
-        return await self.info()
+        return Ports(self.server.port, self.http.port if self.http is not None else None)
 
     async def info(self) -> RouterInfo:
         """This router as ``ClusterStatus`` reports it."""
@@ -258,7 +259,8 @@ class _Slot:
     ports: Ports
     resource: str | None  # the node resource a node router holds (None: a replica on the primary's node)
     actor: Any = None  # None until launched (or while a relaunch fails)
-    info: RouterInfo | None = None  # as it last answered
+    launched: int = 0  # routers started in this slot so far
+    info: RouterInfo | None = None  # as it last answered ``infos``
 
 
 class Replicas:
@@ -362,6 +364,9 @@ class Replicas:
                 log.info("node %s offers %s: router %d will serve there", node[:12], resource, index)
 
     async def _sync_or_replace(self, s: _Slot) -> None:
+        """Send ``s``'s router the membership and its share; one that does not answer
+        (its process died) is killed and a new one launched (retried next round if that
+        fails). Its streams end at their clients; the workers abort what it started."""
         if s.actor is not None:
             try:
                 await s.actor.sync.remote(members(self.registry), self.limits)
@@ -371,7 +376,7 @@ class Replicas:
                 with contextlib.suppress(Exception):  # already gone
                     ray.kill(s.actor)
                 s.actor = None
-        again = s.info is not None  # it had served: a replacement
+        again = s.launched > 0  # one had served here: this is a replacement
         try:
             await self._launch(s)
         except Exception as e:  # the next round tries again
@@ -390,11 +395,10 @@ class Replicas:
         )
         try:
             await actor.sync.remote(members(self.registry), self.limits)
-            s.info = await actor.start.remote()
+            bound = await actor.start.remote()
         except BaseException:
             ray.kill(actor)  # a router half started holds a port share it cannot serve
             raise
-        s.actor = actor
+        s.actor, s.launched = actor, s.launched + 1
         if s.resource is not None:  # a replacement binds what this one bound
-            host_port = s.info.http_address.rpartition(":")[2]
-            s.ports = Ports(int(s.info.address.rpartition(":")[2]), int(host_port) if host_port else None)
+            s.ports = bound
