@@ -68,6 +68,7 @@ from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.layerwise import LayerExporter
 from splitserve.kv_transfer.tp_mapping import readers_of
 from splitserve.prefill_worker.borrow import Borrowed, PrefixBorrower
+from splitserve.prefill_worker.exports import ExportLedger
 from splitserve.prefill_worker.tp import (
     ConfirmShard,
     ExportShard,
@@ -152,11 +153,7 @@ class PrefillWorker:
         self.handshakes = tuple(self.tp.gather_object(self.source.handshake()))  # every rank's
         self._readers_by_tp: dict[int, tuple[int, ...]] = {}  # see _readers
         self._waiters: dict[str, _Waiter] = {}  # requests whose prefill() is awaiting
-        self._exports: dict[str, str] = {}  # request id -> transfer id, lease open (loop thread only)
-        self._open_shards: dict[str, set[int]] = {}  # request id -> TP ranks > 0 whose lease is open
-        self._lease_ends = {
-            state: 0 for state in (TransferState.CONFIRMED, TransferState.EXPIRED, TransferState.RELEASED)
-        }
+        self.ledger = ExportLedger()  # what is held under a lease (engine thread only)
         self._heartbeats = Heartbeats(self.tp, spec.tp)
         self._source_lock = threading.Lock()
         # hashes each layer as prefill writes it, so exporting hashes nothing (TP=1: the
@@ -315,7 +312,7 @@ class PrefillWorker:
             except BaseException:
                 engine.release(loan.request_id)
                 raise
-            self._exports[loan.request_id] = desc.transfer_id
+            self.ledger.opened(loan.request_id, desc.transfer_id)
             return KVHandoff(self.worker_id, (desc,))
 
         return await asyncio.wrap_future(self.loop.call(lend))
@@ -337,11 +334,11 @@ class PrefillWorker:
         """Load and lease figures, and the prefix cache's changes since ``prefix_since``."""
 
         def snapshot(engine: Engine) -> PrefillStats:
-            ends = self._lease_ends
+            ends = self.ledger.lease_ends
             return PrefillStats(
                 self.worker_id,
                 engine.stats(),
-                tuple(sorted(self._exports.keys() | self._open_shards.keys())),
+                tuple(sorted(self.ledger.held())),
                 leases_confirmed=ends[TransferState.CONFIRMED],
                 leases_expired=ends[TransferState.EXPIRED],
                 leases_released=ends[TransferState.RELEASED],
@@ -387,7 +384,7 @@ class PrefillWorker:
             waiter.resolve(error=EngineStopped(f"prefill worker {self.worker_id} stopped: {error}"))
 
     def _abort(self, request_id: str) -> bool:
-        transfer_id = self._exports.get(request_id)
+        transfer_id = self.ledger.transfer(request_id)
         if transfer_id is not None:
             with self._source_lock:
                 self.source.release(transfer_id)  # the lease end frees the blocks on a later tick
@@ -399,7 +396,7 @@ class PrefillWorker:
         stream (before the pass): abort releases them from now on, and a
         ``prefill_stream`` caller gets its handoff."""
         for desc in descriptors:
-            self._exports[desc.request_id] = desc.transfer_id
+            self.ledger.opened(desc.request_id, desc.transfer_id)
             waiter = self._waiters.get(desc.request_id)
             if waiter is not None:
                 waiter.announce(KVHandoff(self.worker_id, (desc,)))
@@ -436,7 +433,7 @@ class PrefillWorker:
         if finish is None:
             pre = self.engine.prefilled(out.request_id)
             descriptor = self.exporter.export(out.request_id, pre.block_ids, pre.num_kv_tokens, readers[0])
-            self._exports[out.request_id] = descriptor.transfer_id
+            self.ledger.opened(out.request_id, descriptor.transfer_id)
             shards: tuple[KVDescriptor, ...] = ()
             if self.tp.size > 1:
                 shards = self._export_shards(out.request_id, pre.block_ids, pre.num_kv_tokens, readers)
@@ -471,40 +468,23 @@ class PrefillWorker:
             self.tp.broadcast_object(ReleaseShard(request_id))
             self._abort(request_id)  # rank 0's own export
             raise KVTransferError(str(failed))
-        self._open_shards[request_id] = set(range(1, self.tp.size))
+        self.ledger.shards_opened(request_id, range(1, self.tp.size))
         return tuple(replies[1:])
 
     def _on_tick(self) -> None:
+        """Lease ends (the poller's, and the other ranks') into the ledger; the blocks of
+        every request whose leases have all ended go back to the engine."""
         self._heartbeats.tick()  # idle ranks must hear from rank 0 within the group's timeout
-        ends = []
         while not self._ended.empty():
-            ends.append(self._ended.get_nowait())
-        for end in ends:
-            self._lease_ends[end.state] += 1
-            held = self._exports.get(end.request_id)
-            if held is not None and held != end.transfer_id:
-                continue  # an export given up and replaced (a streamed one of a failed step)
-            self._exports.pop(end.request_id, None)
-            if end.state != TransferState.CONFIRMED and self._open_shards.get(end.request_id):
-                # rank 0's lease expired or was released: the other ranks' go too
+            end = self._ended.get_nowait()
+            if self.ledger.ended(end):  # rank 0's lease expired or was released: the others' go too
                 self.tp.broadcast_object(ReleaseShard(end.request_id))
-                self._open_shards[end.request_id].clear()
-        if self._open_shards:
+        if self.ledger.shards_open:
             self.tp.broadcast_object(PollShards())
             for rank, ended in enumerate(self.tp.gather_object(None)):
-                for request_id in ended or ():
-                    self._open_shards.get(request_id, set()).discard(rank)
-        for end in ends:
-            self._release_when_all_ended(end.request_id)
-        for request_id in [r for r, ranks in self._open_shards.items() if not ranks]:
-            self._release_when_all_ended(request_id)
-
-    def _release_when_all_ended(self, request_id: str) -> None:
-        """Free the request's blocks once rank 0's lease and every shard's have ended."""
-        if request_id in self._exports or self._open_shards.get(request_id):
-            return
-        self._open_shards.pop(request_id, None)
-        try:
-            self.engine.release(request_id)
-        except UnknownRequest:  # already aborted, or already released
-            pass
+                self.ledger.shards_ended(rank, ended or ())
+        for request_id in self.ledger.take_released():
+            try:
+                self.engine.release(request_id)
+            except UnknownRequest:  # already aborted, or already released
+                pass
