@@ -115,6 +115,7 @@ class _Request:
     outbox: Outbox
     deadline: asyncio.TimerHandle | None = None  # ends it with DeadlineExceeded
     importing: asyncio.Task | None = None  # prefill on the source, admission, pull
+    state: AdmissionState | None = None  # an imported request's, from the admission queue on
 
 
 class DecodeWorker:
@@ -148,7 +149,6 @@ class DecodeWorker:
         self._peers: dict[str, tuple[str, ...]] = {}
         self._linking: dict[str, asyncio.Lock] = {}  # by prefill worker id: one link at a time
         self._background = Background()  # confirmations and releases to sources, not awaited
-        self._states: dict[str, AdmissionState] = {}  # imported requests, until they run
         self._admission: AdmissionQueue | None = None  # made on the actor's loop
         self._aloop: asyncio.AbstractEventLoop | None = None  # the actor's loop, once a request came
         # One thread drives the sink (it is not thread-safe); pulls overlap decode steps.
@@ -245,7 +245,7 @@ class DecodeWorker:
     async def stats(self, prefix_since: PrefixCursor | None = None) -> DecodeStats:
         """Load figures, and the prefix cache's changes since ``prefix_since``."""
         engine, prefix = await self._call(lambda e: (e.stats(), e.prefix_update(prefix_since)))
-        states = list(self._states.values())
+        states = [r.state for r in self._requests.values()]
         return DecodeStats(
             self.worker_id,
             engine,
@@ -282,7 +282,6 @@ class DecodeWorker:
         if req is None:
             return False
         req.outbox.requests.discard(rid)
-        self._states.pop(rid, None)
         if req.deadline is not None:
             req.deadline.cancel()
         importing = req.importing
@@ -362,9 +361,9 @@ class DecodeWorker:
                         except Overloaded:
                             return None
 
-                    self._states[rid] = AdmissionState.WAITING_FOR_BLOCKS
+                    req.state = AdmissionState.WAITING_FOR_BLOCKS
                     blocks = await self._admission.admit(rid, allocate, deadline, handoff.remaining_lease())
-                    self._states[rid] = AdmissionState.PULLING
+                    req.state = AdmissionState.PULLING
                     t0 = time.perf_counter()
                     timeout = self.spec.transfer_timeout_s
                     if deadline is not None:
@@ -396,7 +395,7 @@ class DecodeWorker:
             # Reported before activation, so that it reaches the consumer before any token.
             req.outbox.put(TokenBatch(rid, [], "", [], [], None, 0, pulled, started_at=time.time()))
             await self._call(lambda e: e.activate(rid, result.output_token_ids))
-            self._states[rid] = AdmissionState.RUNNING
+            req.state = AdmissionState.RUNNING
         except asyncio.CancelledError:  # ended by abort or deadline
             if pull is not None:
                 with contextlib.suppress(BaseException):
