@@ -23,6 +23,7 @@ from tests.conftest import random_prompts
 from tests.faults import Injected
 
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+DEADLINE_S = 300  # a broken hook must fail the test, not hang it
 
 
 def test_a_sequence_failing_alone_leaves_a_streamed_import_in_flight_whole(checkpoint):
@@ -38,10 +39,14 @@ def test_a_sequence_failing_alone_leaves_a_streamed_import_in_flight_whole(check
     sampler = decode.engine.runner.sampler
     sample_batch = sampler._sample_batch
 
+    def state() -> AdmissionState | None:
+        req = decode._requests.get("imported")
+        return req.state if req is not None else None
+
     def failing(logits, rows):
-        in_flight = decode._states.get("imported") == AdmissionState.PULLING
+        in_flight = state() == AdmissionState.PULLING
         if in_flight and any(r.token_ids[: len(prompts[0])] == prompts[0] for r in rows if r.token_ids):
-            seen_in_flight.append(decode._states.get("imported"))
+            seen_in_flight.append(state())
             raise Injected("sampling broke")
         return sample_batch(logits, rows)
 
@@ -75,7 +80,7 @@ def test_a_sequence_failing_alone_leaves_a_streamed_import_in_flight_whole(check
         return got
 
     try:
-        got = asyncio.run(run())
+        got = asyncio.run(asyncio.wait_for(run(), DEADLINE_S))
         assert seen_in_flight, "the fault never met an import in flight"
         print(f"the import was {seen_in_flight[0]} when the other request failed")
         local = got["local"]
