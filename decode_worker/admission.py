@@ -1,10 +1,8 @@
 """Decode admission: imported requests wait here, in arrival order, for KV blocks.
 
-A request with a ``KVHandoff`` goes through three states (``AdmissionState``)::
-
-    WAITING_FOR_BLOCKS  in this queue; only its head is offered blocks
-      -> PULLING        blocks allocated; the KV moves in (the worker's transfer thread)
-      -> RUNNING        in the engine's decode batch
+A request with a ``KVHandoff`` waits here in its handover's WAITING_FOR_BLOCKS
+phase (``decode_worker.handover``); only the queue's head is offered blocks, and
+once they are allocated it leaves the queue to pull its KV into them.
 
 Only the head is tried, so under block pressure requests are admitted in the
 order they arrived: a small request never overtakes a large one queued before
@@ -26,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -35,12 +32,6 @@ from dataclasses import dataclass, field
 from splitserve.wire.errors import DeadlineExceeded, LeaseExpired, Overloaded
 
 Allocate = Callable[[], Awaitable[list[int] | None]]  # the blocks, or None while the cache is full
-
-
-class AdmissionState(enum.Enum):
-    WAITING_FOR_BLOCKS = "waiting_for_blocks"
-    PULLING = "pulling"
-    RUNNING = "running"
 
 
 @dataclass(eq=False)

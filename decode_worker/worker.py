@@ -8,26 +8,14 @@ all its requests come back as one item (``decode_worker.outbox``). Across
 processes the stream is read over gRPC at ``token_address()``
 (``decode_worker.token_server``), not through Ray: it is the hot path.
 
-A request's life here (the queues SGLang's decode side names)::
+A request's life here::
 
-    start(outbox, task) with a source (a prefill worker, task.source):
-        -> hold_prefix: the prompt's leading full blocks this engine holds (its cache,
-           its host tier) are taken for it; the source exports only the blocks
-           after them (PrefillTask.export_from_block)
-        -> PREFILLING: source.prefill_stream(prompt); lost before any KV came:
-           PrefillLost (nothing is held anywhere; the router may try another)
-        -> the handoff (KVStreaming as the prompt's last step begins, where the
-           source streams; else with the result)
-        -> linked: the source's handshakes, fetched once per source incarnation
-           (source.info); a source that restarted since it exported: PeerLost
-        -> WAITING_FOR_BLOCKS: the FIFO AdmissionQueue (decode_worker.admission)
-        -> PULLING: import_request (the rest's blocks allocated) + a RankSink pull on the
-           transfer thread of every TP rank here (verified; from a source group of
-           another TP size, heads mapped by HeadMappingSink), confirmed to the
-           source where the backend cannot confirm by itself (source.confirm)
-        meanwhile the first token (the PrefillResult) goes out at once, as a
-        TokenBatch with ``prefilled``; then a batch with the pull's transfer_s
-        -> activate --RUNNING in the batch-- tokens --> finished
+    start(outbox, task) with a source (a prefill worker, task.source): a Handover
+        (decode_worker.handover, its phases as SGLang's decode side names its queues)
+        prefills it there, passes the first token on at once, links, waits in the
+        admission queue (decode_worker.admission) for blocks, pulls the KV on every
+        rank (decode_worker.pulls), confirms it, and activates it --RUNNING-- tokens
+        --> finished
     start(outbox, task) without one (colocated, a short prompt by policy, a request
     resumed or recomputed):
         add_request (InvalidRequest raised by start) --WAITING/RUNNING-- tokens --> finished
@@ -36,11 +24,10 @@ A request's life here (the queues SGLang's decode side names)::
 outbox, as tokens and a last batch with ``finish_reason`` or with ``error``
 (``PrefillLost``, ``Overloaded``, ``KVTransferError``, ``DeadlineExceeded``
 past ``task.timeout_s``, or what the prefill worker raised). ``abort`` ends a
-request early and frees its blocks; a pull in flight is first allowed to end (it
-is bounded by ``transfer_timeout_s``), because its bytes are still landing in
-those blocks. A request that ends before its transfer was confirmed releases
-the source's export (``source.abort``). When a stream's consumer goes (closes
-it, or dies), every request of its outbox is aborted.
+request early; a handover in flight frees what its phase holds (a pull in flight
+is first allowed to end, its bytes still landing in the blocks; an export not
+confirmed is released on the source). When a stream's consumer goes (closes it,
+or dies), every request of its outbox is aborted.
 
 With ``spec.tp`` set the worker is rank 0 of a tensor-parallel group whose other
 ranks are ``DecodeRank``s (``splitserve.decode_worker.tp`` describes the
@@ -48,8 +35,8 @@ protocol): its steps drive theirs, each pull runs on every rank at once (each
 pulling its own KV heads into the same blocks), and if the group breaks every
 request ends with ``WorkerLost``. An expert-parallel group (``engine.ep_size``) is
 the same group, but each rank caches its own sequences (attention data-parallel):
-a request's pull runs on the one rank whose share of the blocks holds it
-(``_holders``), into its own block ids.
+a request's pull runs on the one rank whose share of the blocks holds it, into
+its own block ids.
 
 The class imports no Ray: ``cluster`` wraps it with ``ray.remote``, the source is
 whatever client the router put in the task, and the other ranks whatever
@@ -59,15 +46,15 @@ clients the pool gave the constructor.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 
-from splitserve.decode_worker.admission import AdmissionQueue, AdmissionState
+from splitserve.decode_worker.admission import AdmissionQueue
+from splitserve.decode_worker.handover import Handover, Phase
 from splitserve.decode_worker.outbox import Outbox
+from splitserve.decode_worker.pulls import KVPuller
 from splitserve.decode_worker.token_server import TokenServer
 from splitserve.decode_worker.tp import join_decode_group, rank_sink
 from splitserve.engine.engine import Engine
@@ -80,21 +67,12 @@ from splitserve.wire.decode import (
     DecodeTask,
     DecodeWorkerInfo,
     DecodeWorkerSpec,
-    Prefilled,
     TokenBatch,
 )
-from splitserve.wire.errors import (
-    DeadlineExceeded,
-    InvalidRequest,
-    LeaseExpired,
-    Overloaded,
-    PeerLost,
-    PrefillLost,
-    WorkerLost,
-)
+from splitserve.wire.errors import DeadlineExceeded, InvalidRequest, Overloaded, WorkerLost
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.outputs import RequestOutput
-from splitserve.wire.prefill import KVStreaming, PrefillPeer, PrefillResult, PrefillTask
+from splitserve.wire.prefill import PrefillPeer
 from splitserve.wire.prefix import PrefixCursor
 
 log = logging.getLogger(__name__)
@@ -114,8 +92,8 @@ class _Request:
     request_id: str
     outbox: Outbox
     deadline: asyncio.TimerHandle | None = None  # ends it with DeadlineExceeded
-    importing: asyncio.Task | None = None  # prefill on the source, admission, pull
-    state: AdmissionState | None = None  # an imported request's, from the admission queue on
+    handover: Handover | None = None  # an imported request's way in (decode_worker.handover)
+    importing: asyncio.Task | None = None  # runs the handover
 
 
 class DecodeWorker:
@@ -142,22 +120,20 @@ class DecodeWorker:
         )
         self.engine = self.loop.build()
         # Pulls this rank's KV heads from any source group (its staging caches for sources of
-        # another TP size hold one request of max_model_len per source rank, for good).
-        self.sink = rank_sink(spec.worker_id, spec, self.engine)
-        # prefill worker id -> the source incarnations (one per TP rank) whose handshakes every
-        # rank's sink holds. Written on the actor's event loop after the link finished.
-        self._peers: dict[str, tuple[str, ...]] = {}
-        self._linking: dict[str, asyncio.Lock] = {}  # by prefill worker id: one link at a time
+        # another TP size hold one request of max_model_len per source rank, for good), and
+        # has the other ranks pull theirs. None: colocated, it takes no KV from elsewhere.
+        sink = rank_sink(spec.worker_id, spec, self.engine)
+        locate = self.engine.block_manager.locate if spec.engine.ep_size > 1 else None
+        self.puller = None if sink is None else KVPuller(spec.worker_id, sink, self.ranks, locate)
+        self._side = _Side(self)  # what its handovers ask of it
         self._background = Background()  # confirmations and releases to sources, not awaited
         self._admission: AdmissionQueue | None = None  # made on the actor's loop
         self._aloop: asyncio.AbstractEventLoop | None = None  # the actor's loop, once a request came
-        # One thread drives the sink (it is not thread-safe); pulls overlap decode steps.
-        self._transfer = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.worker_id}-kv")
         self._outboxes: dict[str, Outbox] = {}  # by outbox id (one per consumer)
         self._requests: dict[str, _Request] = {}  # started and not yet ended
         self._tokens: TokenServer | None = None  # serves stream() over gRPC, from token_address()
         self.loop.start()
-        if self.sink is not None:  # before any request (its outputs reach no outbox)
+        if self.puller is not None:  # before any request (its outputs reach no outbox)
             self.loop.call(lambda e: e.measure_rates(RATE_PROBE_TOKENS)).result()
 
     # ---- called by the router (asyncio) ------------------------------------------
@@ -165,7 +141,7 @@ class DecodeWorker:
         return DecodeWorkerInfo(
             self.worker_id,
             self.engine.validator,
-            colocated=self.sink is None,
+            colocated=self.puller is None,
             engine=self.engine.summary,
             kv_bytes_per_token=self.engine.capacity.bytes_per_token,
         )
@@ -216,7 +192,8 @@ class DecodeWorker:
             error = DeadlineExceeded(f"request {rid} ran past its {task.timeout_s:.3g} s")
             req.deadline = loop.call_at(loop.time() + task.timeout_s, self._fail, rid, error)
         if task.source is not None:
-            req.importing = asyncio.ensure_future(self._take_over(task, deadline, req))
+            req.handover = Handover(task, deadline, outbox, self._side)
+            req.importing = asyncio.ensure_future(self._import(req))
             return
         try:
             await self._call(
@@ -245,23 +222,22 @@ class DecodeWorker:
     async def stats(self, prefix_since: PrefixCursor | None = None) -> DecodeStats:
         """Load figures, and the prefix cache's changes since ``prefix_since``."""
         engine, prefix = await self._call(lambda e: (e.stats(), e.prefix_update(prefix_since)))
-        states = [r.state for r in self._requests.values()]
+        phases = [r.handover.phase for r in self._requests.values() if r.handover is not None]
         return DecodeStats(
             self.worker_id,
             engine,
-            num_waiting_for_blocks=states.count(AdmissionState.WAITING_FOR_BLOCKS),
-            num_pulling=states.count(AdmissionState.PULLING),
+            num_waiting_for_blocks=phases.count(Phase.WAITING_FOR_BLOCKS),
+            num_pulling=phases.count(Phase.PULLING),
             prefix=prefix,
-            peers=dict(self._peers),
+            peers=self.puller.peers if self.puller is not None else {},
         )
 
     def shutdown(self) -> None:
         self.loop.stop()
         if self.loop.error is None:
             self.engine.stop_followers()
-        self._transfer.shutdown(wait=True)
-        if self.sink is not None:
-            self.sink.close()
+        if self.puller is not None:
+            self.puller.close()
         self.tp.destroy()
 
     # ---- internals ------------------------------------------------------------
@@ -291,15 +267,15 @@ class DecodeWorker:
             self._abort_in_engine(rid)
         return True
 
-    def _fail(self, rid: str, error: Exception) -> None:
+    def _fail(self, rid: str, error: Exception, abort: bool = True) -> None:
         """End ``rid`` with ``error``, the last batch its consumer gets."""
         req = self._requests.get(rid)
         if req is not None:
             req.outbox.put(TokenBatch(rid, [], "", [], [], None, 0, error=error))
-            self._end(rid)
+            self._end(rid, abort)
 
     def _require_sink(self) -> None:
-        if self.sink is None:
+        if self.puller is None:
             raise InvalidRequest(f"worker {self.worker_id} is colocated and takes no KV from elsewhere")
 
     def _abort_in_engine(self, request_id: str):
@@ -310,214 +286,16 @@ class DecodeWorker:
             future.add_done_callback(lambda _: self._admission.wake_threadsafe())
         return future
 
-    async def _take_over(self, task: DecodeTask, deadline: float | None, req: _Request) -> None:
-        """Prefill ``task`` on its source, pass the first token on, link, wait in the
-        admission queue for blocks, pull and verify the KV, confirm it, activate (a task
-        of its own). A failure ends the request with its error; cancelled (abort,
-        deadline), it frees the blocks once the pull is over. Either way, an export not
-        yet confirmed is released on the source."""
-        rid, source = task.request_id, task.source
-        left = None if deadline is None else max(0.001, deadline - time.monotonic())
-        pull = first_token = None
-        exported = confirmed = ended = False
-        try:
-            # the prompt's leading blocks this worker holds stay held; only the rest moves
-            held = await self._call(lambda e: e.hold_prefix(rid, task.prompt_token_ids, task.params))
-            # the source maps KV heads to a group of tp_size readers (under EP one rank reads it all)
-            prefill = PrefillTask(
-                rid,
-                task.prompt_token_ids,
-                task.params,
-                left,
-                reader_tp=self.spec.engine.tp_size,
-                export_from_block=held // self.spec.engine.block_size,
-                prefix_from=task.prefix_from,
-            )
-            async with contextlib.aclosing(source.prefill_stream(prefill)) as events:
-                try:
-                    first = await self._prefill_event(events, rid, kv_began=False)
-                    exported, handoff, exported_at = True, first.handoff, time.time()
-                    if isinstance(first, PrefillResult):
-                        self._pass_on(req, first, exported_at, streamed=False)
-                        first_token = asyncio.get_running_loop().create_future()
-                        first_token.set_result(first)
-                    else:
-                        first_token = asyncio.ensure_future(
-                            self._first_token(events, req, handoff, exported_at)
-                        )
-                    if handoff is None:  # it ended at its first token: nothing to take
-                        confirmed = True
-                        self._end(rid)  # what it held here
-                        return
-                    await self._link(source, handoff)
-                    if self._admission is None:
-                        self._admission = AdmissionQueue(self.worker_id, self.spec.max_admission_queue)
-
-                    async def allocate() -> list[int] | None:
-                        try:
-                            return await self._call(
-                                lambda e: e.import_request(rid, task.prompt_token_ids, [], task.params)
-                            )
-                        except Overloaded:
-                            return None
-
-                    req.state = AdmissionState.WAITING_FOR_BLOCKS
-                    blocks = await self._admission.admit(rid, allocate, deadline, handoff.remaining_lease())
-                    req.state = AdmissionState.PULLING
-                    t0 = time.perf_counter()
-                    timeout = self.spec.transfer_timeout_s
-                    if deadline is not None:
-                        timeout = max(0.001, min(timeout, deadline - time.monotonic()))
-                    pull = asyncio.ensure_future(self._pull(handoff, blocks, timeout))
-                    confirmations, waited = await asyncio.shield(pull)
-                    pulled = time.perf_counter() - t0 - waited  # not the time the source took to compute
-                    if handoff.remaining_lease() <= 0:
-                        raise LeaseExpired(f"the KV lease of request {rid} ran out")
-                    undelivered = tuple(c for c in confirmations if not c.delivered)
-                    if undelivered:
-                        self._background.run(source.confirm(undelivered))
-                    confirmed = True
-                    result = await first_token
-                except Exception:
-                    if first_token is not None and not first_token.done():
-                        # the handover failed: the source's first token, when it comes, still
-                        # goes out first (the request is recomputed after it)
-                        await asyncio.wait([first_token])
-                    raise
-                finally:
-                    if first_token is not None and not first_token.done():
-                        first_token.cancel()  # before the stream it reads closes
-                        await asyncio.wait([first_token])
-                    ended = _ended_at_first_token(first_token)
-            if result.finish_reason is not None:  # it ended at its first token, after all
-                self._end(rid)
-                return
-            # Reported before activation, so that it reaches the consumer before any token.
-            req.outbox.put(TokenBatch(rid, [], "", [], [], None, 0, pulled, started_at=time.time()))
-            await self._call(lambda e: e.activate(rid, result.output_token_ids))
-            req.state = AdmissionState.RUNNING
-        except asyncio.CancelledError:  # ended by abort or deadline
-            if pull is not None:
-                with contextlib.suppress(BaseException):
-                    await pull  # bytes may still be landing in the blocks: free them only after
-            self._abort_in_engine(rid)
-            if exported and not confirmed:
-                self._background.run(source.abort(rid))
-            raise
-        except Exception as e:
-            if exported and not confirmed:
-                self._background.run(source.abort(rid))
-            if ended:  # the consumer has its end already: this request only frees its blocks
-                self._end(rid)
-            else:
-                self._fail(rid, e)
-
-    @staticmethod
-    async def _prefill_event(events, rid: str, kv_began: bool) -> KVStreaming | PrefillResult:
-        """The source's next event. Lost (or its stream ended early) before any KV came,
-        ``PrefillLost``; after, ``PeerLost`` (the KV will not be whole)."""
-        try:
-            item = await anext(events, None)
-        except WorkerLost as e:
-            item, why = None, str(e)
-        else:
-            why = "it ended its stream without a result"
-        if item is None or (kv_began and not isinstance(item, PrefillResult)):
-            if kv_began:
-                raise PeerLost(f"the prefill worker of request {rid} was lost while its KV streamed: {why}")
-            raise PrefillLost(f"the prefill worker of request {rid} was lost before its KV came: {why}")
-        return item
-
-    async def _first_token(
-        self, events, req: _Request, handoff: KVHandoff, exported_at: float
-    ) -> PrefillResult:
-        """A streaming source's result, after its handoff: its first token goes out now."""
-        result = await self._prefill_event(events, req.request_id, kv_began=True)
-        self._pass_on(req, result, exported_at, streamed=True, handoff=handoff)
-        return result
-
-    def _pass_on(
-        self,
-        req: _Request,
-        result: PrefillResult,
-        exported_at: float,
-        streamed: bool,
-        handoff: KVHandoff | None = None,
-    ) -> None:
-        """The source's first token (and the end, if the request ended at it), to the consumer now."""
-        handoff = handoff or result.handoff
-        kv_bytes = handoff.num_bytes if handoff is not None else 0
-        at = exported_at if handoff is not None else None
-        prefilled = Prefilled(
-            result.worker_id,
-            result.scheduled_at,
-            at,
-            streamed,
-            kv_bytes,
-            result.pulled_tokens,
-            result.pulled_from,
-        )
-        n = len(result.output_token_ids)
-        req.outbox.put(
-            TokenBatch(
-                req.request_id,
-                list(result.output_token_ids),
-                result.text,
-                list(result.logprobs),
-                [result.token_time] * n,
-                result.finish_reason,
-                result.num_cached_tokens,
-                prefilled=prefilled,
-                top_logprobs=list(result.top_logprobs),
-                prompt_logprobs=result.prompt_logprobs,
-            )
-        )
-
-    async def _link(self, source: PrefillPeer, handoff: KVHandoff) -> None:
-        """Hold the handshakes of ``handoff``'s source incarnations, fetching them from the
-        source once per incarnation. ``PeerLost`` if it is gone or restarted since."""
-        key = handoff.source_worker
-        if self._peers.get(key) == handoff.incarnations:
+    async def _import(self, req: _Request) -> None:
+        """Run ``req``'s handover; once it ended before RUNNING, end the request as it says
+        (its blocks are free already)."""
+        ending = await req.handover.run()
+        if ending is None:
             return
-        async with self._linking.setdefault(key, asyncio.Lock()):
-            if self._peers.get(key) == handoff.incarnations:
-                return
-            try:
-                info = await source.info()
-            except WorkerLost as e:
-                raise PeerLost(f"prefill worker {key} is gone with this KV: {e}") from None
-            handshakes = info.handshakes
-            if tuple(hs.incarnation for hs in handshakes) != handoff.incarnations:
-                raise PeerLost(f"prefill worker {key} restarted since it exported this KV")
-            loop = asyncio.get_running_loop()
-            own = loop.run_in_executor(self._transfer, self.sink.connect, list(handshakes))
-            await _all_of(own, *(rank.link(handshakes) for rank in self.ranks))
-            self._peers[key] = handoff.incarnations
-
-    async def _pull(
-        self, handoff: KVHandoff, blocks: list[int], timeout: float
-    ) -> tuple[list[Confirmation], float]:
-        """Under TP every rank pulls its KV heads of ``handoff`` into ``blocks`` at once;
-        under EP the one rank whose share of the cache holds ``blocks`` pulls all the KV
-        into its own block ids. Returns once all have ended (bytes may be landing in the
-        blocks until then): every confirmation, and the seconds waited for a streamed
-        source's layers. The first rank's error, if any, is raised after all have ended."""
-        descs, loop = handoff.descriptors, asyncio.get_running_loop()
-        pulls = [
-            loop.run_in_executor(self._transfer, self.sink.pull, descs, ids, timeout)
-            if rank == 0
-            else self.ranks[rank - 1].pull(descs, ids, timeout)
-            for rank, ids in self._holders(blocks)
-        ]
-        (confirmations, waited), *others = await _all_of(*pulls)
-        return [c for cs, _ in ((confirmations, waited), *others) for c in cs], waited
-
-    def _holders(self, blocks: list[int]) -> list[tuple[int, list[int]]]:
-        """(rank, its block ids) of every rank that takes KV into ``blocks``: all of them,
-        with the same ids, under TP; under EP the one rank holding them (its own ids)."""
-        if self.spec.engine.ep_size == 1:
-            return [(r, blocks) for r in range(1 + len(self.ranks))]
-        return [self.engine.block_manager.locate(blocks)]  # any thread may call locate
+        if ending.error is None:  # the consumer has its end already
+            self._end(req.request_id, abort=False)
+        else:
+            self._fail(req.request_id, ending.error, abort=False)
 
     def _on_error(self, error: BaseException) -> None:  # engine thread
         """The engine loop died (a bug, or a lost TP rank): every request ends with
@@ -549,25 +327,6 @@ class DecodeWorker:
             self._admission.wake()  # blocks were freed
 
 
-async def _all_of(*awaitables):
-    """The results of ``awaitables`` once every one has ended, or else the first error
-    among them once every one has ended: a failure does not leave the others running
-    unwatched. Cancelling the caller cancels none of them (they run to their end)."""
-    results = await asyncio.shield(asyncio.gather(*awaitables, return_exceptions=True))
-    error = next((r for r in results if isinstance(r, BaseException)), None)
-    if error is not None:
-        raise error
-    return results
-
-
-def _ended_at_first_token(first_token: asyncio.Future | None) -> bool:
-    """Whether the source's result came and ended the request (its exception, if any,
-    is retrieved here)."""
-    if first_token is None or first_token.cancelled() or first_token.exception() is not None:
-        return False
-    return first_token.result().finish_reason is not None
-
-
 def _batch(out: RequestOutput, now: float) -> TokenBatch:
     return TokenBatch(
         request_id=out.request_id,
@@ -582,3 +341,47 @@ def _batch(out: RequestOutput, now: float) -> TokenBatch:
         started_at=out.scheduled_at,
         error=out.error,
     )
+
+
+class _Side:
+    """The worker as its handovers see it (``handover.DecodeSide``): engine calls on the
+    engine's thread, the admission queue, the KV puller, calls left running."""
+
+    def __init__(self, worker: DecodeWorker):
+        self._worker = worker
+        self.spec = worker.spec
+
+    async def hold_prefix(self, task: DecodeTask) -> int:
+        rid, prompt, params = task.request_id, task.prompt_token_ids, task.params
+        return await self._worker._call(lambda e: e.hold_prefix(rid, prompt, params))
+
+    async def admit(self, task: DecodeTask, deadline: float | None, lease_s: float) -> list[int]:
+        worker = self._worker
+        if worker._admission is None:
+            worker._admission = AdmissionQueue(worker.worker_id, self.spec.max_admission_queue)
+        rid, prompt, params = task.request_id, task.prompt_token_ids, task.params
+
+        async def allocate() -> list[int] | None:
+            try:
+                return await worker._call(lambda e: e.import_request(rid, prompt, [], params))
+            except Overloaded:
+                return None
+
+        return await worker._admission.admit(rid, allocate, deadline, lease_s)
+
+    async def link(self, source: PrefillPeer, handoff: KVHandoff) -> None:
+        await self._worker.puller.link(source, handoff)
+
+    async def pull(
+        self, handoff: KVHandoff, blocks: list[int], timeout: float
+    ) -> tuple[list[Confirmation], float]:
+        return await self._worker.puller.pull(handoff, blocks, timeout)
+
+    async def activate(self, request_id: str, output_token_ids: list[int]) -> None:
+        await self._worker._call(lambda e: e.activate(request_id, output_token_ids))
+
+    def free(self, request_id: str) -> None:
+        self._worker._abort_in_engine(request_id)
+
+    def background(self, call: Coroutine) -> None:
+        self._worker._background.run(call)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from splitserve.decode_worker.admission import AdmissionState
+from splitserve.decode_worker.handover import Phase
 from splitserve.decode_worker.worker import DecodeWorker
 from splitserve.engine.engine import Engine
 from splitserve.prefill_worker.worker import PrefillWorker
@@ -39,12 +39,12 @@ def test_a_sequence_failing_alone_leaves_a_streamed_import_in_flight_whole(check
     sampler = decode.engine.runner.sampler
     sample_batch = sampler._sample_batch
 
-    def state() -> AdmissionState | None:
+    def state() -> Phase | None:
         req = decode._requests.get("imported")
-        return req.state if req is not None else None
+        return req.handover.phase if req is not None else None
 
     def failing(logits, rows):
-        in_flight = state() == AdmissionState.PULLING
+        in_flight = state() == Phase.PULLING
         if in_flight and any(r.token_ids[: len(prompts[0])] == prompts[0] for r in rows if r.token_ids):
             seen_in_flight.append(state())
             raise Injected("sampling broke")

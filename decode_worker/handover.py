@@ -1,0 +1,332 @@
+"""One imported request's way into a decode worker's batch, as a state machine.
+
+A decode worker runs one ``Handover`` per request whose task names a source (a
+prefill worker), as a task of its own: the request is prefilled on the source,
+its first token passed on to the consumer at once, the source's handshakes
+linked, blocks found in the admission queue, the KV pulled and verified, the
+transfer confirmed, and the request activated in the engine's batch. The phases,
+and what each holds (``Phase``)::
+
+    phase               entered when                              holds here           on the source
+    HOLDING             the handover starts                       (taking the cached   -
+                                                                  leading blocks)
+    PREFILLING          the prompt's cached leading blocks are    the cached blocks    the prefill
+                        held (hold_prefix)
+    LINKING             the source's first event came with a      the cached blocks    the export,
+                        handoff (KVStreaming, or a PrefillResult)                      unconfirmed
+    WAITING_FOR_BLOCKS  this worker holds the source's handshakes the cached blocks    the export
+    PULLING             the admission queue allocated the rest's  all the blocks;      the export
+                        blocks; the pull began                    bytes landing
+    ACTIVATING          the pull ended whole within the lease;    all the blocks       nothing
+                        the confirmations are sent                                     (confirmed)
+    RUNNING             the source's result came; the engine      (the engine's        nothing
+                        activated the request                     request)
+    ENDED               any end before RUNNING                    nothing              nothing
+
+The transitions (``_NEXT``; any other raises, being a bug)::
+
+    HOLDING -> PREFILLING -> LINKING -> WAITING_FOR_BLOCKS -> PULLING -> ACTIVATING -> RUNNING
+    any phase but RUNNING -> ENDED
+
+An end before RUNNING, whatever caused it (an error in a phase; the request
+cancelled by an abort or its deadline; the request ended at its first token),
+frees what the phase held, in this order, and nobody else frees it:
+
+1. a pull in flight is awaited (its bytes are still landing in the blocks; it is
+   bounded by the worker's ``transfer_timeout_s``);
+2. the engine frees the request's blocks, the cached ones and the allocated ones
+   (``DecodeSide.free``);
+3. an export not confirmed (LINKING to PULLING) is released on the source
+   (``source.abort``, not awaited): no KV block stays held there.
+
+The consumer always gets the source's first token first, once the source sends
+it: a failure after the handoff waits for it before the request ends. ``run``
+returns what the request ends with, for the worker to pass on (``Ending``).
+
+The failure paths, each with its phase and the error the consumer gets (under
+``transfer.on_failure: recompute`` the router recomputes after a transfer error):
+
+- the source is lost before any KV came (PREFILLING): ``PrefillLost``;
+- the source is lost while its KV streams (LINKING to PULLING): ``PeerLost``;
+- the source is gone, or restarted since it exported (LINKING): ``PeerLost``;
+- the admission queue is full, no blocks came within the lease, the lease had
+  ended, or the deadline came (WAITING_FOR_BLOCKS): ``Overloaded``,
+  ``LeaseExpired``, ``DeadlineExceeded``;
+- the pull fails (corrupt bytes, a timeout, the source gone) (PULLING):
+  ``KVTransferError``; the lease ended during the pull: ``LeaseExpired``;
+- the request is aborted, or its deadline passes, in any phase: cancelled.
+
+Lives on the worker's event loop; imports no Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Protocol
+
+from splitserve.decode_worker.outbox import Outbox
+from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec, Prefilled, TokenBatch
+from splitserve.wire.errors import LeaseExpired, PeerLost, PrefillLost, WorkerLost
+from splitserve.wire.kv import Confirmation, KVHandoff
+from splitserve.wire.prefill import KVStreaming, PrefillPeer, PrefillResult, PrefillTask
+
+
+class Phase(enum.Enum):
+    HOLDING = "holding"
+    PREFILLING = "prefilling"
+    LINKING = "linking"
+    WAITING_FOR_BLOCKS = "waiting_for_blocks"
+    PULLING = "pulling"
+    ACTIVATING = "activating"
+    RUNNING = "running"
+    ENDED = "ended"
+
+
+_ORDER = (
+    Phase.HOLDING,
+    Phase.PREFILLING,
+    Phase.LINKING,
+    Phase.WAITING_FOR_BLOCKS,
+    Phase.PULLING,
+    Phase.ACTIVATING,
+    Phase.RUNNING,
+)
+_NEXT: dict[Phase, frozenset[Phase]] = {
+    **{a: frozenset({b, Phase.ENDED}) for a, b in zip(_ORDER, _ORDER[1:], strict=False)},
+    Phase.RUNNING: frozenset(),
+    Phase.ENDED: frozenset(),
+}
+_EXPORT_UNCONFIRMED = frozenset({Phase.LINKING, Phase.WAITING_FOR_BLOCKS, Phase.PULLING})
+
+
+class DecodeSide(Protocol):
+    """What a handover asks of the decode worker it runs on (``DecodeWorker``'s, or a
+    fake in tests). Every call is made on the worker's event loop."""
+
+    spec: DecodeWorkerSpec
+
+    async def hold_prefix(self, task: DecodeTask) -> int:
+        """Hold the prompt's leading full blocks the engine has cached; the tokens held."""
+
+    async def admit(self, task: DecodeTask, deadline: float | None, lease_s: float) -> list[int]:
+        """Wait in the admission queue for the rest's blocks (allocated to the request)."""
+
+    async def link(self, source: PrefillPeer, handoff: KVHandoff) -> None:
+        """Hold the handshakes of ``handoff``'s source incarnations; ``PeerLost`` if gone."""
+
+    async def pull(
+        self, handoff: KVHandoff, blocks: list[int], timeout: float
+    ) -> tuple[list[Confirmation], float]:
+        """Pull and verify the KV into ``blocks``: the confirmations, and the seconds waited
+        for a streamed source's layers. Returns or raises only once no byte is landing."""
+
+    async def activate(self, request_id: str, output_token_ids: list[int]) -> None:
+        """Put the request, its KV in place, into the engine's decode batch."""
+
+    def free(self, request_id: str) -> None:
+        """Free the request's blocks in the engine (not awaited; idempotent)."""
+
+    def background(self, call: Coroutine) -> None:
+        """Run a call to a source without awaiting it (its failure is logged)."""
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a handover that did not reach RUNNING ends its request: with ``error``, or,
+    when None, as the consumer already knows (the request ended at its first token)."""
+
+    error: Exception | None
+
+
+class Handover:
+    """One imported request from its start to RUNNING or ENDED. The worker makes it when
+    it accepts the task and runs ``run`` as a task; cancelling that task (abort,
+    deadline) ends the handover, freeing what its phase held."""
+
+    def __init__(self, task: DecodeTask, deadline: float | None, outbox: Outbox, side: DecodeSide):
+        """``deadline``: the request's, in ``time.monotonic()``, or None."""
+        if task.source is None:
+            raise ValueError("a handover takes a request from a source")
+        self.task = task
+        self.request_id = task.request_id
+        self._deadline = deadline
+        self._outbox = outbox
+        self._side = side
+        self._phase = Phase.HOLDING
+        self._first: asyncio.Future[PrefillResult] | None = None  # the source's result, once on its way
+        self._pull: asyncio.Future | None = None  # the pull, from PULLING on
+        self._pulled_s = 0.0  # the pull's own time, once it ended
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    async def run(self) -> Ending | None:
+        """Take the request over: None once it is RUNNING; else, ENDED, how it ends (its
+        blocks freed and its export released already). Cancelled, it ends the handover
+        and raises ``CancelledError``."""
+        try:
+            result = await self._take_over()
+            if result is not None and result.finish_reason is None:
+                await self._activate(result)
+                return None
+            ending = Ending(None)  # it ended at its first token: the consumer has that end
+        except asyncio.CancelledError:
+            await self._end()
+            raise
+        except Exception as e:
+            ending = Ending(None if _ended_at_first_token(self._first) else e)
+        await self._end()
+        return ending
+
+    # ---- the phases ------------------------------------------------------------
+    async def _take_over(self) -> PrefillResult | None:
+        """HOLDING to ACTIVATING: the source's result once the KV is here and confirmed;
+        or None, the request having ended at its first token with nothing exported."""
+        task, side = self.task, self._side
+        held = await side.hold_prefix(task)
+        self._to(Phase.PREFILLING)
+        left = None if self._deadline is None else max(0.001, self._deadline - time.monotonic())
+        prefill = PrefillTask(
+            self.request_id,
+            task.prompt_token_ids,
+            task.params,
+            left,
+            # the source maps KV heads to a group of tp_size readers (under EP one rank reads it all)
+            reader_tp=side.spec.engine.tp_size,
+            export_from_block=held // side.spec.engine.block_size,  # the cached blocks stay held here
+            prefix_from=task.prefix_from,
+        )
+        async with contextlib.aclosing(task.source.prefill_stream(prefill)) as events:
+            try:
+                return await self._hand_over(events)
+            except Exception:
+                if self._first is not None:  # its first token, when it comes, goes out first
+                    await asyncio.wait([self._first])
+                raise
+            finally:
+                if self._first is not None and not self._first.done():
+                    self._first.cancel()  # before the stream it reads closes
+                    await asyncio.wait([self._first])
+
+    async def _hand_over(self, events) -> PrefillResult | None:
+        first = await _prefill_event(events, self.request_id, kv_began=False)
+        handoff, exported_at = first.handoff, time.time()
+        if isinstance(first, PrefillResult):
+            self._pass_on(first, exported_at, streamed=False)
+            self._first = asyncio.get_running_loop().create_future()
+            self._first.set_result(first)
+        else:
+            self._first = asyncio.ensure_future(self._first_token(events, handoff, exported_at))
+        if handoff is None:  # it ended at its first token: nothing was exported
+            return None
+        self._to(Phase.LINKING)
+        await self._side.link(self.task.source, handoff)
+        self._to(Phase.WAITING_FOR_BLOCKS)
+        blocks = await self._side.admit(self.task, self._deadline, handoff.remaining_lease())
+        self._to(Phase.PULLING)
+        timeout = self._side.spec.transfer_timeout_s
+        if self._deadline is not None:
+            timeout = max(0.001, min(timeout, self._deadline - time.monotonic()))
+        t0 = time.perf_counter()
+        self._pull = asyncio.ensure_future(self._side.pull(handoff, blocks, timeout))
+        confirmations, waited = await asyncio.shield(self._pull)
+        self._pulled_s = time.perf_counter() - t0 - waited  # not the time the source took to compute
+        if handoff.remaining_lease() <= 0:
+            raise LeaseExpired(f"the KV lease of request {self.request_id} ran out")
+        undelivered = tuple(c for c in confirmations if not c.delivered)
+        if undelivered:
+            self._side.background(self.task.source.confirm(undelivered))
+        self._to(Phase.ACTIVATING)
+        return await self._first
+
+    async def _activate(self, result: PrefillResult) -> None:
+        # Reported before activation, so that it reaches the consumer before any token.
+        self._outbox.put(
+            TokenBatch(self.request_id, [], "", [], [], None, 0, self._pulled_s, started_at=time.time())
+        )
+        await self._side.activate(self.request_id, result.output_token_ids)
+        self._to(Phase.RUNNING)
+
+    async def _end(self) -> None:
+        """ENDED, freeing what the phase held (the module docstring's order)."""
+        if self._pull is not None:
+            with contextlib.suppress(BaseException):
+                await self._pull  # bytes may still be landing in the blocks: free them only after
+        self._side.free(self.request_id)
+        if self._phase in _EXPORT_UNCONFIRMED:
+            self._side.background(self.task.source.abort(self.request_id))
+        self._to(Phase.ENDED)
+
+    def _to(self, phase: Phase) -> None:
+        if phase not in _NEXT[self._phase]:
+            raise RuntimeError(
+                f"handover of {self.request_id}: no transition {self._phase.name} -> {phase.name}"
+            )
+        self._phase = phase
+
+    # ---- the source's first token --------------------------------------------------
+    async def _first_token(self, events, handoff: KVHandoff, exported_at: float) -> PrefillResult:
+        """A streaming source's result, after its handoff: its first token goes out now."""
+        result = await _prefill_event(events, self.request_id, kv_began=True)
+        self._pass_on(result, exported_at, streamed=True, handoff=handoff)
+        return result
+
+    def _pass_on(
+        self, result: PrefillResult, exported_at: float, streamed: bool, handoff: KVHandoff | None = None
+    ) -> None:
+        """The source's first token (and the end, if the request ended at it), to the consumer now."""
+        handoff = handoff or result.handoff
+        prefilled = Prefilled(
+            result.worker_id,
+            result.scheduled_at,
+            exported_at if handoff is not None else None,
+            streamed,
+            handoff.num_bytes if handoff is not None else 0,
+            result.pulled_tokens,
+            result.pulled_from,
+        )
+        n = len(result.output_token_ids)
+        self._outbox.put(
+            TokenBatch(
+                self.request_id,
+                list(result.output_token_ids),
+                result.text,
+                list(result.logprobs),
+                [result.token_time] * n,
+                result.finish_reason,
+                result.num_cached_tokens,
+                prefilled=prefilled,
+                top_logprobs=list(result.top_logprobs),
+                prompt_logprobs=result.prompt_logprobs,
+            )
+        )
+
+
+async def _prefill_event(events, rid: str, kv_began: bool) -> KVStreaming | PrefillResult:
+    """The source's next event. Lost (or its stream ended early) before any KV came,
+    ``PrefillLost``; after, ``PeerLost`` (the KV will not be whole)."""
+    try:
+        item = await anext(events, None)
+    except WorkerLost as e:
+        item, why = None, str(e)
+    else:
+        why = "it ended its stream without a result"
+    if item is None or (kv_began and not isinstance(item, PrefillResult)):
+        if kv_began:
+            raise PeerLost(f"the prefill worker of request {rid} was lost while its KV streamed: {why}")
+        raise PrefillLost(f"the prefill worker of request {rid} was lost before its KV came: {why}")
+    return item
+
+
+def _ended_at_first_token(first: asyncio.Future | None) -> bool:
+    """Whether the source's result came and ended the request (its exception, if any,
+    is retrieved here)."""
+    if first is None or not first.done() or first.cancelled() or first.exception() is not None:
+        return False
+    return first.result().finish_reason is not None
