@@ -26,7 +26,6 @@ class Outbox:
 
     def __init__(self, outbox_id: str):
         self.outbox_id = outbox_id
-        self.requests: set[str] = set()  # started here and not yet ended
         self.reading = False  # a stream() is taking from it
         self._ready: dict[str, list[TokenBatch]] = {}
         self._wakeup = asyncio.Event()
@@ -37,7 +36,6 @@ class Outbox:
 
     def drop(self, request_id: str) -> None:
         """Forget a request's batches not taken yet (its consumer stopped reading it)."""
-        self.requests.discard(request_id)
         self._ready.pop(request_id, None)
 
     async def take(self) -> tuple[TokenBatch, ...]:

@@ -168,7 +168,7 @@ class DecodeWorker:
             while True:
                 yield await outbox.take()
         finally:
-            for rid in list(outbox.requests):
+            for rid in [rid for rid, req in self._requests.items() if req.outbox is outbox]:
                 self._end(rid)
             self._outboxes.pop(outbox_id, None)
 
@@ -185,7 +185,6 @@ class DecodeWorker:
         self._aloop = loop = asyncio.get_running_loop()
         outbox = self._outbox(outbox_id)
         req = self._requests[rid] = _Request(rid, outbox)
-        outbox.requests.add(rid)
         deadline = None
         if task.timeout_s is not None:
             deadline = time.monotonic() + task.timeout_s
@@ -257,7 +256,6 @@ class DecodeWorker:
         req = self._requests.pop(rid, None)
         if req is None:
             return False
-        req.outbox.requests.discard(rid)
         if req.deadline is not None:
             req.deadline.cancel()
         importing = req.importing
@@ -271,7 +269,7 @@ class DecodeWorker:
         """End ``rid`` with ``error``, the last batch its consumer gets."""
         req = self._requests.get(rid)
         if req is not None:
-            req.outbox.put(TokenBatch(rid, [], "", [], [], None, 0, error=error))
+            req.outbox.put(TokenBatch.failure(rid, error))
             self._end(rid, abort)
 
     def _require_sink(self) -> None:
@@ -319,28 +317,12 @@ class DecodeWorker:
             req = self._requests.get(out.request_id)
             if req is None:
                 continue
-            req.outbox.put(_batch(out, now))
+            req.outbox.put(TokenBatch.of_output(out, now))
             if out.finished:
                 finished = True
                 self._end(out.request_id, abort=False)
         if finished and self._admission is not None:
             self._admission.wake()  # blocks were freed
-
-
-def _batch(out: RequestOutput, now: float) -> TokenBatch:
-    return TokenBatch(
-        request_id=out.request_id,
-        token_ids=list(out.new_token_ids),
-        text=out.text,
-        logprobs=list(out.new_logprobs),
-        top_logprobs=list(out.new_top_logprobs),
-        prompt_logprobs=out.prompt_logprobs,
-        token_times=[now] * len(out.new_token_ids),
-        finish_reason=out.finish_reason if out.finished else None,
-        num_cached_tokens=out.num_cached_tokens,
-        started_at=out.scheduled_at,
-        error=out.error,
-    )
 
 
 class _Side:

@@ -83,6 +83,15 @@ def readers_of(src_rank: int, src_tp: int, dst_tp: int, total_kv_heads: int) -> 
     return sum(any(c.src_rank == src_rank for c in plan) for plan in plans)
 
 
+def readers_per_rank(src_tp: int, dst_tp: int, total_kv_heads: int) -> tuple[int, ...]:
+    """``readers_of`` for every rank of a source group of ``src_tp``: each KV head is read
+    once per destination rank holding it, from the lowest source rank that holds it.
+    ``ValueError`` for a size the heads do not split over or replicate across."""
+    if dst_tp < 1:
+        raise ValueError(f"a reader TP size must be >= 1, got {dst_tp}")
+    return tuple(readers_of(r, src_tp, dst_tp, total_kv_heads) for r in range(src_tp))
+
+
 def _plan(src_tp: int, total: int, dst_tp: int, dst_rank: int) -> list[HeadCopy]:
     """``plan_head_copies`` for rank ``dst_rank`` of a destination group of ``dst_tp``."""
     if src_tp < 1:

@@ -45,6 +45,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.worker_group import Heartbeat, RankFollower, join_group
 from splitserve.kv_transfer import get_backend
+from splitserve.prefill_worker.exports import ExportLedger
 from splitserve.wire.errors import KVTransferError
 from splitserve.wire.kv import CompatInfo, Handshake, KVDescriptor
 from splitserve.wire.prefill import PrefillWorkerSpec
@@ -73,6 +74,49 @@ class ConfirmShard:
 @dataclass(frozen=True)
 class PollShards:
     pass
+
+
+class OtherRanks:
+    """Rank 0's side of the other ranks' KV shards (the messages above), keeping the
+    ``ExportLedger`` in step with them. Engine thread only. In a group of one, every
+    call does nothing."""
+
+    def __init__(self, group: TPGroup, ledger: ExportLedger):
+        self.group = group
+        self.ledger = ledger
+
+    def export(
+        self, request_id: str, block_ids: list[int], num_tokens: int, readers: tuple[int, ...]
+    ) -> tuple[KVDescriptor, ...]:
+        """Every other rank exports its heads of the same blocks (``readers[r]``: the decode
+        ranks that read rank r's); their descriptors in rank order. If one fails, every
+        shard is released and ``KVTransferError`` raised (rank 0's own export is the
+        caller's to release)."""
+        if self.group.size == 1:
+            return ()
+        self.group.broadcast_object(ExportShard(request_id, block_ids, num_tokens, readers))
+        replies = self.group.gather_object(None)
+        failed = next((d for d in replies[1:] if isinstance(d, Exception)), None)
+        if failed is not None:
+            self.group.broadcast_object(ReleaseShard(request_id))
+            raise KVTransferError(str(failed))
+        self.ledger.shards_opened(request_id, range(1, self.group.size))
+        return tuple(replies[1:])
+
+    def confirm(self, transfer_ids: tuple[str, ...]) -> None:
+        self.group.broadcast_object(ConfirmShard(transfer_ids))
+
+    def release(self, request_id: str) -> None:
+        """Rank 0's lease of ``request_id`` ended unconfirmed: the others release theirs."""
+        if self.group.size > 1:
+            self.group.broadcast_object(ReleaseShard(request_id))
+
+    def poll(self) -> None:
+        """The other ranks' lease ends since the last poll, into the ledger."""
+        if self.ledger.shards_open:
+            self.group.broadcast_object(PollShards())
+            for rank, ended in enumerate(self.group.gather_object(None)):
+                self.ledger.shards_ended(rank, ended or ())
 
 
 def join_prefill_group(spec: PrefillWorkerSpec) -> TPGroup:

@@ -5,49 +5,34 @@ A request's life here (the engine batches prompts up to its token budget and
 chunks long ones)::
 
     prefill(task) --add_request(prefill_only)--> WAITING/RUNNING in the engine
-        --first token sampled--> PREFILLED --source.export--> EXPORTED (lease)
+        --first token sampled--> PREFILLED --export--> EXPORTED (a lease; ExportLedger)
         --decode worker confirms | lease expires | abort()--> blocks released
 
-A decode worker confirms through the backend's own channel (nixl,
-torch_dist, ucx), or, for a backend without one (ray), by calling ``confirm``
-itself right after its pull; either way the blocks are freed at the pull.
+A decode worker confirms through the backend's own channel (nixl, torch_dist,
+ucx), or by calling ``confirm`` itself right after its pull (ray); either way the
+blocks are freed at the pull: the source reports the lease's end (a thread polls
+it, ``prefill_worker.polling``), the ledger says every rank's lease ended
+(``prefill_worker.exports``), and the engine thread releases the blocks on its
+next tick. A cancelled or timed-out ``prefill`` aborts its request, so no path
+leaves blocks behind.
 
-Each layer of a prompt is hashed right after the forward pass writes it (the
-engine's ``LayerObserver`` is a ``kv_transfer.layerwise.LayerExporter``), so
-the export after the step only publishes. With ``spec.stream_kv`` (and a
-backend that streams, TP=1), the export opens when the prompt's last prefill
-step begins and each layer is announced as it is written; ``prefill_stream``
-then yields the handoff at once (``KVStreaming``), so the decode worker pulls
-layer k while layer k+1 computes, and the ``PrefillResult`` (the first token)
-follows::
+Each layer is hashed as the forward pass writes it (``LayerExporter``), so the
+export only publishes. With ``spec.stream_kv`` (a backend that streams, TP=1) the
+export opens as the prompt's last step begins, and ``prefill_stream`` yields its
+handoff at once, so the decode worker pulls layer k while layer k+1 computes::
 
     prefill_stream(task) -> KVStreaming(handoff)   the last step's forward pass begins
                          -> PrefillResult           first token sampled (same handoff)
 
-``prefill`` returns once the first token is sampled and the KV is exported;
-the blocks stay held until ``KVSource.poll`` reports the lease's end. A
-poller thread calls ``poll`` every millisecond, because a NIXL source only
-makes progress when polled, and a decode worker's pull must not wait for a
-prefill step (a 512-token chunk takes over a second on one CPU core) to end;
-lease ends are handed to the engine thread, which releases the blocks on its
-next tick. The source is shared by two threads under ``_source_lock``. A
-cancelled or timed-out ``prefill`` aborts its request, so no path leaves
-blocks behind.
-
 Prefixes between prefill workers (TP=1): a task whose ``prefix_from`` names
 another prefill worker first copies the prompt's leading blocks from it
-(``prefill_worker.borrow``: a sink of its own on the same cache, one more NIXL
-agent) and computes only the rest, or everything if the copy fails;
-``lend_prefix`` is the other side, an export of cached blocks under a lease,
-ended like any export's.
+(``prefill_worker.borrow``) and computes only the rest, or everything if the copy
+fails; ``lend_prefix`` is the other side, an export of cached blocks under a lease.
 
-With ``spec.tp`` set the worker is rank 0 of a tensor-parallel group whose
-other ranks are ``PrefillRank``s (``splitserve.prefill_worker.tp`` describes
-the protocol); each request's result then also carries every other rank's KV
-shard, and its blocks are released once every rank's lease ended.
-
-The class imports no Ray: ``cluster`` wraps it with ``ray.remote`` (it is an
-asyncio actor), and tests can drive it with plain asyncio.
+With ``spec.tp`` set the worker is rank 0 of a tensor-parallel group of
+``PrefillRank``s (``prefill_worker.tp``); each result also carries every other
+rank's KV shard. The class imports no Ray: ``cluster`` wraps it with
+``ray.remote`` (an asyncio actor); tests drive it with plain asyncio.
 """
 
 from __future__ import annotations
@@ -55,35 +40,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import queue
 import threading
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.parallel.worker_group import Heartbeats
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.layerwise import LayerExporter
-from splitserve.kv_transfer.tp_mapping import readers_of
-from splitserve.prefill_worker.borrow import Borrowed, PrefixBorrower
+from splitserve.kv_transfer.tp_mapping import readers_per_rank
+from splitserve.prefill_worker.borrow import PrefixBorrower
 from splitserve.prefill_worker.exports import ExportLedger
-from splitserve.prefill_worker.tp import (
-    ConfirmShard,
-    ExportShard,
-    PollShards,
-    ReleaseShard,
-    join_prefill_group,
-)
-from splitserve.wire.errors import (
-    DeadlineExceeded,
-    EngineStopped,
-    InvalidRequest,
-    KVTransferError,
-    UnknownRequest,
-)
-from splitserve.wire.kv import CompatInfo, Confirmation, KVDescriptor, KVHandoff, LeaseEnd, TransferState
+from splitserve.prefill_worker.polling import SourcePoller
+from splitserve.prefill_worker.tp import OtherRanks, join_prefill_group
+from splitserve.prefill_worker.waiter import Waiter
+from splitserve.wire.errors import EngineStopped, InvalidRequest, KVTransferError, UnknownRequest
+from splitserve.wire.kv import CompatInfo, Confirmation, KVDescriptor, KVHandoff, TransferState
 from splitserve.wire.outputs import RequestOutput
 from splitserve.wire.prefill import (
     KVStreaming,
@@ -98,36 +70,6 @@ from splitserve.wire.prefix import PrefixCursor
 from splitserve.wire.sampling import FinishReason
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Waiter:
-    """A ``prefill`` call awaiting its request. Resolved from the engine thread."""
-
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future  # the PrefillResult
-    streamed: asyncio.Future | None = None  # the KVHandoff, once its export streams (prefill_stream)
-    deadline: float | None = None  # loop.time() past which the call gives up
-    readers: tuple[int, ...] = (1,)  # per TP rank here: the decode ranks that read its export
-    borrowed: Borrowed | None = None  # its prompt's prefix, pulled from another prefill worker
-
-    def resolve(self, result: PrefillResult | None = None, error: BaseException | None = None) -> None:
-        def _set() -> None:
-            if self.future.done():
-                return
-            if error is not None:
-                self.future.set_exception(error)
-            else:
-                self.future.set_result(result)
-
-        self.loop.call_soon_threadsafe(_set)
-
-    def announce(self, handoff: KVHandoff) -> None:
-        def _set() -> None:
-            if self.streamed is not None and not self.streamed.done():
-                self.streamed.set_result(handoff)
-
-        self.loop.call_soon_threadsafe(_set)
 
 
 class PrefillWorker:
@@ -152,8 +94,9 @@ class PrefillWorker:
         self.source = backend.source(spec.worker_id, self.engine.kv_cache.tensor, compat, spec.lease_s)
         self.handshakes = tuple(self.tp.gather_object(self.source.handshake()))  # every rank's
         self._readers_by_tp: dict[int, tuple[int, ...]] = {}  # see _readers
-        self._waiters: dict[str, _Waiter] = {}  # requests whose prefill() is awaiting
+        self._waiters: dict[str, Waiter] = {}  # requests whose prefill() is awaiting
         self.ledger = ExportLedger()  # what is held under a lease (engine thread only)
+        self.shards = OtherRanks(self.tp, self.ledger)  # the other TP ranks' exports
         self._heartbeats = Heartbeats(self.tp, spec.tp)
         self._source_lock = threading.Lock()
         # hashes each layer as prefill writes it, so exporting hashes nothing (TP=1: the
@@ -173,13 +116,8 @@ class PrefillWorker:
             call = lambda fn: asyncio.wrap_future(self.loop.call(fn))  # noqa: E731
             timeout = spec.transfer_timeout_s or spec.lease_s
             self.borrower = PrefixBorrower(spec.worker_id, sink, spec.engine.block_size, call, timeout)
-        self._ended: queue.SimpleQueue[LeaseEnd] = queue.SimpleQueue()  # poller -> engine thread
-        self._stopping = threading.Event()
         self.loop.start()
-        self._poller = threading.Thread(
-            target=self._poll_source, name=f"{spec.worker_id}-kv-poll", daemon=True
-        )
-        self._poller.start()
+        self._poller = SourcePoller(self.source, self._source_lock, f"{spec.worker_id}-kv-poll")
 
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> PrefillWorkerInfo:
@@ -196,7 +134,7 @@ class PrefillWorker:
         """Prefill ``task`` and export its KV. Raises ``InvalidRequest`` for bad
         input, ``DeadlineExceeded`` past ``task.timeout_s``."""
         async with self._prefilling(task, stream=False) as waiter:
-            return await self._within(task, waiter.future, waiter.deadline)
+            return await waiter.within(task, waiter.future)
 
     async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
         """As ``prefill``, yielding the ``PrefillResult`` last; before it, where this worker
@@ -208,14 +146,14 @@ class PrefillWorker:
         async with self._prefilling(task, stream=self.streams_kv) as waiter:
             if waiter.streamed is not None:
                 either = asyncio.wait([waiter.streamed, waiter.future], return_when=asyncio.FIRST_COMPLETED)
-                await self._within(task, either, waiter.deadline)
+                await waiter.within(task, either)
                 if waiter.streamed.done() and not waiter.future.done():
                     yield KVStreaming(task.request_id, waiter.streamed.result())
-            result = await self._within(task, waiter.future, waiter.deadline)
+            result = await waiter.within(task, waiter.future)
         yield result  # outside: a caller that leaves now must not release what it was handed
 
     @contextlib.asynccontextmanager
-    async def _prefilling(self, task: PrefillTask, stream: bool) -> AsyncIterator[_Waiter]:
+    async def _prefilling(self, task: PrefillTask, stream: bool) -> AsyncIterator[Waiter]:
         """Add ``task`` to the engine and wait for it inside; leaving early (an error, a
         cancel, the deadline) aborts it here, with whatever it holds."""
         rid = task.request_id
@@ -225,7 +163,7 @@ class PrefillWorker:
         deadline = None if task.timeout_s is None else loop.time() + task.timeout_s
         readers = self._readers(task.reader_tp)
         streamed = loop.create_future() if stream else None
-        waiter = _Waiter(loop, loop.create_future(), streamed, deadline, readers)
+        waiter = Waiter(loop, loop.create_future(), streamed, deadline, readers)
 
         def add(engine: Engine) -> str:  # raises InvalidRequest, e.g. for an id still held here
             if waiter.borrowed is not None:  # in the same call: the prompt finds them cached
@@ -257,17 +195,14 @@ class PrefillWorker:
             self._waiters.pop(rid, None)
 
     def _readers(self, reader_tp: int) -> tuple[int, ...]:
-        """Per rank here, how many ranks of a decode group of ``reader_tp`` read its export:
-        each KV head is read once per decode rank holding it, from the lowest rank here
-        that holds it (a replica no one reads: 0). ``InvalidRequest`` for a size the
-        model's KV heads do not split over or replicate across."""
+        """Per rank here, how many ranks of a decode group of ``reader_tp`` read its export
+        (``readers_per_rank``). ``InvalidRequest`` for a size the model's KV heads do not
+        split over or replicate across."""
         readers = self._readers_by_tp.get(reader_tp)
         if readers is None:
-            if reader_tp < 1:
-                raise InvalidRequest(f"reader_tp must be >= 1, got {reader_tp}")
             heads = self.engine.model_config.num_kv_heads
             try:
-                readers = tuple(readers_of(r, self.tp.size, reader_tp, heads) for r in range(self.tp.size))
+                readers = readers_per_rank(self.tp.size, reader_tp, heads)
             except ValueError as e:
                 raise InvalidRequest(f"no decode group of TP={reader_tp} can take this KV: {e}") from None
             self._readers_by_tp[reader_tp] = readers
@@ -277,16 +212,6 @@ class PrefillWorker:
         """The readers of a streamed export (TP=1 here: rank 0's count)."""
         waiter = self._waiters.get(request_id)
         return waiter.readers[0] if waiter is not None else 1
-
-    @staticmethod
-    async def _within(task: PrefillTask, awaitable, deadline: float | None):
-        try:
-            async with asyncio.timeout_at(deadline):
-                return await awaitable
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"request {task.request_id} was not prefilled within {task.timeout_s:.3g} s"
-            ) from None
 
     async def abort(self, request_id: str) -> bool:
         """Stop ``request_id`` wherever it is here: queued, prefilling, or exported
@@ -328,7 +253,7 @@ class PrefillWorker:
                     self.source.confirm(transfer_id)  # the poller reports the lease end
         shards = tuple(c.transfer_id for c in confirmations if c.source_worker != self.worker_id)
         if shards:
-            self.loop.call(lambda e: self.tp.broadcast_object(ConfirmShard(shards)))
+            self.loop.call(lambda e: self.shards.confirm(shards))
 
     async def stats(self, prefix_since: PrefixCursor | None = None) -> PrefillStats:
         """Load and lease figures, and the prefix cache's changes since ``prefix_since``."""
@@ -350,8 +275,7 @@ class PrefillWorker:
         return await asyncio.wrap_future(self.loop.call(snapshot))
 
     def shutdown(self) -> None:
-        self._stopping.set()
-        self._poller.join(5)
+        self._poller.stop()
         self.loop.stop()
         if self.loop.error is None:
             self.engine.stop_followers()
@@ -360,19 +284,6 @@ class PrefillWorker:
         if self.borrower is not None:
             self.borrower.close()
         self.tp.destroy()
-
-    # ---- the poller thread ----------------------------------------------------------
-    def _poll_source(self, interval_s: float = 0.001) -> None:
-        while not self._stopping.is_set():
-            try:
-                with self._source_lock:
-                    ended = self.source.poll()
-            except Exception:  # keep polling: a stuck source would stall every pull
-                log.exception("polling the KV source failed")
-                ended = []
-            for end in ended:
-                self._ended.put(end)
-            time.sleep(interval_s)
 
     # ---- the engine loop thread ----------------------------------------------------
     def _abort_later(self, request_id: str) -> None:
@@ -417,7 +328,12 @@ class PrefillWorker:
                 waiter.resolve(error=out.error)
                 continue
             try:
-                waiter.resolve(self._result(out, waiter))
+                handoff = (
+                    None
+                    if out.finish_reason != FinishReason.PREFILL_DONE
+                    else self._export(out, waiter.readers)
+                )
+                waiter.resolve(waiter.result(out, self.worker_id, handoff))
             except Exception as e:  # export failed: give the blocks back, tell the caller
                 log.exception("exporting the KV of %s failed", rid)
                 self.exporter.discard(rid)  # what it hashed (or began streaming) for it
@@ -425,64 +341,28 @@ class PrefillWorker:
                     self.engine.release(rid)
                 waiter.resolve(error=e)
 
-    def _result(self, out: RequestOutput, waiter: _Waiter) -> PrefillResult:
-        readers, borrowed = waiter.readers, waiter.borrowed
-        now = time.time()
-        handoff = None
-        finish = None if out.finish_reason == FinishReason.PREFILL_DONE else out.finish_reason
-        if finish is None:
-            pre = self.engine.prefilled(out.request_id)
-            descriptor = self.exporter.export(out.request_id, pre.block_ids, pre.num_kv_tokens, readers[0])
-            self.ledger.opened(out.request_id, descriptor.transfer_id)
-            shards: tuple[KVDescriptor, ...] = ()
-            if self.tp.size > 1:
-                shards = self._export_shards(out.request_id, pre.block_ids, pre.num_kv_tokens, readers)
-            handoff = KVHandoff(self.worker_id, (descriptor, *shards))
-        return PrefillResult(
-            request_id=out.request_id,
-            worker_id=self.worker_id,
-            output_token_ids=list(out.new_token_ids),
-            text=out.text,
-            logprobs=list(out.new_logprobs),
-            top_logprobs=list(out.new_top_logprobs),
-            prompt_logprobs=out.prompt_logprobs,
-            token_time=now,
-            finish_reason=finish,
-            num_cached_tokens=out.num_cached_tokens,
-            handoff=handoff,
-            scheduled_at=out.scheduled_at,
-            pulled_tokens=borrowed.pulled_tokens if borrowed is not None else 0,
-            pulled_from=borrowed.holder_id if borrowed is not None and borrowed.pulled_tokens else "",
-        )
-
-    def _export_shards(
-        self, request_id: str, block_ids: list[int], num_tokens: int, readers: tuple[int, ...]
-    ) -> tuple[KVDescriptor, ...]:
-        """Every other TP rank exports its heads of the same blocks (``readers[r]``: the
-        decode ranks that read rank r's). If one fails, all shards and rank 0's own
-        export are released and the error is raised."""
-        self.tp.broadcast_object(ExportShard(request_id, block_ids, num_tokens, readers))
-        replies = self.tp.gather_object(None)
-        failed = next((d for d in replies[1:] if isinstance(d, Exception)), None)
-        if failed is not None:
-            self.tp.broadcast_object(ReleaseShard(request_id))
-            self._abort(request_id)  # rank 0's own export
-            raise KVTransferError(str(failed))
-        self.ledger.shards_opened(request_id, range(1, self.tp.size))
-        return tuple(replies[1:])
+    def _export(self, out: RequestOutput, readers: tuple[int, ...]) -> KVHandoff:
+        """Export a prefilled request's KV: rank 0's, and in a TP group every other rank's
+        shard of the heads (``readers[r]``: the decode ranks that read rank r's). If a
+        shard fails, every export of the request is released and the error raised."""
+        rid, pre = out.request_id, self.engine.prefilled(out.request_id)
+        descriptor = self.exporter.export(rid, pre.block_ids, pre.num_kv_tokens, readers[0])
+        self.ledger.opened(rid, descriptor.transfer_id)
+        try:
+            shards = self.shards.export(rid, pre.block_ids, pre.num_kv_tokens, readers)
+        except KVTransferError:
+            self._abort(rid)  # rank 0's own export
+            raise
+        return KVHandoff(self.worker_id, (descriptor, *shards))
 
     def _on_tick(self) -> None:
         """Lease ends (the poller's, and the other ranks') into the ledger; the blocks of
         every request whose leases have all ended go back to the engine."""
         self._heartbeats.tick()  # idle ranks must hear from rank 0 within the group's timeout
-        while not self._ended.empty():
-            end = self._ended.get_nowait()
+        for end in self._poller.ended():
             if self.ledger.ended(end):  # rank 0's lease expired or was released: the others' go too
-                self.tp.broadcast_object(ReleaseShard(end.request_id))
-        if self.ledger.shards_open:
-            self.tp.broadcast_object(PollShards())
-            for rank, ended in enumerate(self.tp.gather_object(None)):
-                self.ledger.shards_ended(rank, ended or ())
+                self.shards.release(end.request_id)
+        self.shards.poll()
         for request_id in self.ledger.take_released():
             try:
                 self.engine.release(request_id)

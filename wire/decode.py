@@ -9,7 +9,7 @@ from typing import Protocol
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import SplitserveError
 from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor
-from splitserve.wire.outputs import EngineStats, PromptLogprob, TopLogprobs
+from splitserve.wire.outputs import EngineStats, PromptLogprob, RequestOutput, TopLogprobs
 from splitserve.wire.prefill import PrefillPeer, PrefixPull
 from splitserve.wire.prefix import PrefixUpdate
 from splitserve.wire.sampling import FinishReason, SamplingParams
@@ -123,6 +123,28 @@ class TokenBatch:
     started_at: float | None = None
     top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per token, when asked
     prompt_logprobs: list[PromptLogprob] | None = None  # on the batch with the first token, when asked
+
+    @classmethod
+    def of_output(cls, out: RequestOutput, now: float) -> TokenBatch:
+        """An engine step's news of one request, sampled at ``now`` (``time.time()``)."""
+        return cls(
+            request_id=out.request_id,
+            token_ids=list(out.new_token_ids),
+            text=out.text,
+            logprobs=list(out.new_logprobs),
+            top_logprobs=list(out.new_top_logprobs),
+            prompt_logprobs=out.prompt_logprobs,
+            token_times=[now] * len(out.new_token_ids),
+            finish_reason=out.finish_reason if out.finished else None,
+            num_cached_tokens=out.num_cached_tokens,
+            started_at=out.scheduled_at,
+            error=out.error,
+        )
+
+    @classmethod
+    def failure(cls, request_id: str, error: SplitserveError) -> TokenBatch:
+        """The last batch of a request that ended here with ``error``."""
+        return cls(request_id, [], "", [], [], None, 0, error=error)
 
 
 @dataclass(frozen=True)
