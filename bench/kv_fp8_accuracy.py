@@ -67,7 +67,7 @@ def handoff_bytes(engine: Engine, prompt: list[int]) -> int:
     seq = engine.requests[rid].seq
     kv = engine.kv_cache
     source = LocalSource(
-        "bench", kv.tensor, CompatInfo("bench", kv.layout, kv.scale_values()), hub=LocalHub()
+        "bench", kv.tensor, CompatInfo("bench", kv.layout, kv.scale_values()), 30.0, hub=LocalHub()
     )
     desc = source.export(rid, list(seq.block_table), len(prompt))
     engine.abort(rid)

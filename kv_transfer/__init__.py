@@ -7,7 +7,7 @@ sides every backend implements are ``source.KVSource`` (prefill) and
 name and imported only when chosen::
 
     backend = get_backend("nixl")
-    source = backend.source("prefill-0", engine.kv_cache.tensor, compat)   # prefill worker
+    source = backend.source("prefill-0", engine.kv_cache.tensor, compat, lease_s)  # prefill worker
     sink = backend.sink("decode-0", engine.kv_cache.tensor, compat)        # decode worker
     sink.connect(source.handshake())                                       # once per peer
     desc = source.export(req_id, block_ids, num_tokens)                    # per request

@@ -17,7 +17,6 @@ from splitserve.engine.kv_quant import as_bytes
 from splitserve.kv_transfer import integrity
 from splitserve.kv_transfer.progress import ProgressBoard
 from splitserve.wire.kv import (
-    DEFAULT_LEASE_S,
     PROTOCOL_VERSION,
     CompatInfo,
     Handshake,
@@ -50,9 +49,7 @@ class KVSource:
     streams = False  # whether sinks of this backend can follow a streamed export
     STREAM_SLOTS = 256  # streamed exports open at once; past it, stream nothing new
 
-    def __init__(
-        self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = DEFAULT_LEASE_S
-    ):
+    def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float):
         integrity.check_cache(cache, compat)
         if lease_s <= 0:
             raise ValueError("lease_s must be positive")

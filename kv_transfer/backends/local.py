@@ -19,7 +19,7 @@ from splitserve.kv_transfer.progress import parse_row
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
 from splitserve.wire.errors import LeaseExpired, PeerLost, TransferTimeout
-from splitserve.wire.kv import DEFAULT_LEASE_S, CompatInfo, Handshake, KVDescriptor, LayerProgress
+from splitserve.wire.kv import CompatInfo, Handshake, KVDescriptor, LayerProgress
 
 
 class LocalHub:
@@ -38,7 +38,7 @@ class LocalSource(KVSource):
         worker_id: str,
         cache: torch.Tensor,
         compat: CompatInfo,
-        lease_s: float = DEFAULT_LEASE_S,
+        lease_s: float,
         *,
         hub: LocalHub,
     ):

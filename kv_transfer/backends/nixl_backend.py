@@ -36,7 +36,7 @@ from splitserve.kv_transfer.progress import parse_row
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
 from splitserve.wire.errors import KVTransferError, PeerLost, TransferTimeout
-from splitserve.wire.kv import DEFAULT_LEASE_S, CompatInfo, Handshake, KVDescriptor, LayerProgress
+from splitserve.wire.kv import CompatInfo, Handshake, KVDescriptor, LayerProgress
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,7 @@ class NixlSource(KVSource):
     backend = "nixl"
     streams = True
 
-    def __init__(
-        self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = DEFAULT_LEASE_S
-    ):
+    def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float):
         super().__init__(worker_id, cache, compat, lease_s)
         self.agent, self._reg = _make_agent(f"{worker_id}/{self.incarnation}", cache, self.board.tensor)
 

@@ -20,15 +20,13 @@ import torch
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
 from splitserve.wire.errors import PeerLost, TransferTimeout
-from splitserve.wire.kv import DEFAULT_LEASE_S, CompatInfo, KVDescriptor
+from splitserve.wire.kv import CompatInfo, KVDescriptor
 
 
 class RaySource(KVSource):
     backend = "ray"
 
-    def __init__(
-        self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float = DEFAULT_LEASE_S
-    ):
+    def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, lease_s: float):
         super().__init__(worker_id, cache, compat, lease_s)
         self._refs: dict[str, object] = {}  # transfer id -> ObjectRef, dropped when the lease ends
 

@@ -35,7 +35,7 @@ from splitserve.kv_transfer.backends.two_sided import TransferNumbers, accepts_c
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
 from splitserve.wire.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
-from splitserve.wire.kv import DEFAULT_LEASE_S, CompatInfo, Handshake, KVDescriptor
+from splitserve.wire.kv import CompatInfo, Handshake, KVDescriptor
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class TorchDistSource(KVSource):
         worker_id: str,
         cache: torch.Tensor,
         compat: CompatInfo,
-        lease_s: float = DEFAULT_LEASE_S,
+        lease_s: float,
         *,
         host: str = "127.0.0.1",
         connect_timeout_s: float = 30.0,

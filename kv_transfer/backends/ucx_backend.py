@@ -70,7 +70,7 @@ from splitserve.kv_transfer.backends.two_sided import TransferNumbers, accepts_c
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
 from splitserve.wire.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
-from splitserve.wire.kv import DEFAULT_LEASE_S, CompatInfo, Handshake, KVDescriptor
+from splitserve.wire.kv import CompatInfo, Handshake, KVDescriptor
 from splitserve.wire.net import default_route_ip
 
 
@@ -189,7 +189,7 @@ class UcxSource(KVSource):
         worker_id: str,
         cache: torch.Tensor,
         compat: CompatInfo,
-        lease_s: float = DEFAULT_LEASE_S,
+        lease_s: float,
         *,
         host: str | None = None,
     ):

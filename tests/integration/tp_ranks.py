@@ -139,7 +139,10 @@ def prefill_export_rank(job: RankJob, backend: str, out, done, reader_tp: int = 
 
     group, engine = _join(job)
     source = get_backend(backend).source(
-        f"prefill-tp{job.rank}", engine.kv_cache.tensor, CompatInfo(job.config.model, engine.kv_cache.layout)
+        f"prefill-tp{job.rank}",
+        engine.kv_cache.tensor,
+        CompatInfo(job.config.model, engine.kv_cache.layout),
+        30.0,
     )
     try:
         if group.is_driver:

@@ -194,7 +194,9 @@ def test_descriptor_from_a_restarted_source_is_refused(pair, checkpoint):
     (p,) = prefill(pre, random_prompts([12], 512, seed=6))
     desc = source.export(p.request_id, p.block_ids, p.num_kv_tokens)
     source.close()
-    restarted = get_backend("local").source("prefill-0", pre.kv_cache.tensor, compat(pre), hub=source.hub)
+    restarted = get_backend("local").source(
+        "prefill-0", pre.kv_cache.tensor, compat(pre), 30.0, hub=source.hub
+    )
     sink.connect(restarted.handshake())  # the new incarnation replaces the old link
     blocks = dec.import_request(p.request_id, p.prompt_token_ids, p.output_token_ids, PARAMS)
     with pytest.raises(PeerLost, match="restarted"):
@@ -207,7 +209,9 @@ def test_a_backend_failing_to_link_a_peer_is_a_lost_peer(pair, checkpoint, monke
     after, not an unknown error that reaches the client as INTERNAL."""
     pre, dec, source, sink = pair
     source.close()
-    restarted = get_backend("local").source("prefill-0", pre.kv_cache.tensor, compat(pre), hub=source.hub)
+    restarted = get_backend("local").source(
+        "prefill-0", pre.kv_cache.tensor, compat(pre), 30.0, hub=source.hub
+    )
 
     def refuse(hs, replacing):
         raise RuntimeError("remote agent metadata is stale")

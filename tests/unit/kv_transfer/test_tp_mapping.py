@@ -76,7 +76,7 @@ def test_rank_sinks_rebuild_every_destination_shard(heads, src_tp, dst_tp):
         lay = shard_layout(model, src_tp, r, model.num_blocks)
         h0, h1 = lay.kv_head_range
         cache = full[..., h0:h1, :].contiguous()
-        sources.append(LocalSource(f"p{r}", cache, CompatInfo("m", lay), hub=hub))
+        sources.append(LocalSource(f"p{r}", cache, CompatInfo("m", lay), 30.0, hub=hub))
         readers = readers_of(r, src_tp, dst_tp, heads)
         descs.append(sources[r].export("req", src_blocks, num_tokens=10, readers=readers))
     unread = {r for r in range(src_tp) if readers_of(r, src_tp, dst_tp, heads) == 0}
@@ -115,11 +115,11 @@ def test_mapping_sink_refuses_another_model_and_incomplete_groups():
     hub = LocalHub()
     src_lay = shard_layout(FULL, 2, 0, FULL.num_blocks)
     other = dataclasses.replace(FULL, head_dim=16)
-    src = LocalSource("p0", _cache(other), CompatInfo("m", other), hub=hub)
+    src = LocalSource("p0", _cache(other), CompatInfo("m", other), 30.0, hub=hub)
     sink = HeadMappingSink("d", _cache(FULL), CompatInfo("m", FULL), functools.partial(LocalSink, hub=hub), 4)
     with pytest.raises(IncompatiblePeer, match="head_dim"):
         sink.connect([src.handshake()])
-    half = LocalSource("p1", _cache(src_lay), CompatInfo("m", src_lay), hub=hub)
+    half = LocalSource("p1", _cache(src_lay), CompatInfo("m", src_lay), 30.0, hub=hub)
     with pytest.raises(IncompatiblePeer, match="one TP group"):
         sink.connect([half.handshake()])  # rank 0 of 2 alone
 
@@ -129,7 +129,9 @@ def test_corrupted_shard_fails_the_pull():
     sources = []
     for r in range(2):
         lay = shard_layout(FULL, 2, r, FULL.num_blocks)
-        sources.append(LocalSource(f"p{r}", torch.randn(_cache(lay).shape), CompatInfo("m", lay), hub=hub))
+        sources.append(
+            LocalSource(f"p{r}", torch.randn(_cache(lay).shape), CompatInfo("m", lay), 30.0, hub=hub)
+        )
     descs = [s.export("req", [1, 2], num_tokens=8) for s in sources]
     sources[1].cache[0, 0, 2, 0, 0, 0] += 1.0  # after the checksum was taken
     sink = HeadMappingSink("d", _cache(FULL), CompatInfo("m", FULL), functools.partial(LocalSink, hub=hub), 4)
@@ -155,7 +157,7 @@ def test_fp8_kv_is_rescaled_into_the_sinks_own_scales(src_tp, dst_tp):
         own = src_scales[:, :, h0:h1]
         cache = (full[..., h0:h1, :] / own[:, :, None, None, :, None]).to(FP8)
         compat = CompatInfo("m", lay, tuple(own.flatten().tolist()))
-        sources.append(LocalSource(f"p{r}", cache, compat, hub=hub))
+        sources.append(LocalSource(f"p{r}", cache, compat, 30.0, hub=hub))
         descs.append(
             sources[r].export("req", [7, 2, 9], num_tokens=10, readers=readers_of(r, src_tp, dst_tp, 8))
         )
@@ -180,7 +182,7 @@ def test_an_fp8_sink_refuses_a_bf16_source_at_handshake():
     hub = LocalHub()
     bf16 = dataclasses.replace(FULL, dtype="bfloat16")
     src = LocalSource(
-        "p0", torch.zeros(_cache(bf16).shape, dtype=torch.bfloat16), CompatInfo("m", bf16), hub=hub
+        "p0", torch.zeros(_cache(bf16).shape, dtype=torch.bfloat16), CompatInfo("m", bf16), 30.0, hub=hub
     )
     fp8 = dataclasses.replace(FULL, dtype="float8_e4m3fn", kv_scales=SCHEME)
     scales = tuple([1.0] * (2 * 2 * 8))

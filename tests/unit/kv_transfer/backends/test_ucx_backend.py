@@ -33,7 +33,7 @@ class PolledSource:
     """A ucx source with a thread calling ``poll`` every millisecond; lease ends collected."""
 
     def __init__(self):
-        self.source = get_backend("ucx").source("prefill-0", _cache(fill=True), COMPAT)
+        self.source = get_backend("ucx").source("prefill-0", _cache(fill=True), COMPAT, 30.0)
         self.lock = threading.Lock()
         self.ended = []
         self._stop = threading.Event()
