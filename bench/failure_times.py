@@ -30,10 +30,10 @@ import time
 import ray
 
 from splitserve.bench.chaos import kv_held
-from splitserve.bench.workloads import random_requests
 from splitserve.client import Chunk, Client, DeadlineExceeded
 from splitserve.cluster.app import BackgroundCluster, start_local_ray
 from splitserve.cluster.config import ClusterConfig
+from splitserve.loadgen.workloads import random_requests
 
 
 def log(msg: str) -> None:

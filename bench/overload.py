@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import ray
 
 from splitserve.bench.soak import rss_mib
-from splitserve.bench.workloads import arrival_times, random_requests
 from splitserve.client import AsyncClient, Chunk, Client, SplitserveClientError
 from splitserve.cluster.app import BackgroundCluster, start_local_ray
 from splitserve.cluster.config import ClusterConfig
+from splitserve.loadgen.workloads import arrival_times, random_requests
 
 
 def log(msg: str) -> None:

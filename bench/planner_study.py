@@ -173,7 +173,7 @@ def _windows(row: Row, study: Study, width_s: float) -> tuple[list[float], list[
 
 
 def plot(rows: dict[str, Row | None], study: Study, path: str) -> None:
-    from splitserve.bench.plots import _plt
+    from splitserve.loadgen.plots import _plt
 
     plt = _plt()
     fig, (ax_load, ax_rep, ax_att) = plt.subplots(3, 1, figsize=(9, 9), sharex=True)

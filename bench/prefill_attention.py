@@ -77,8 +77,8 @@ def kernel_part() -> None:
 
 
 def engine_part(model: str, repeats: int) -> None:
-    from splitserve.bench.workloads import random_requests
     from splitserve.engine.engine import Engine
+    from splitserve.loadgen.workloads import random_requests
     from splitserve.wire.config import EngineConfig
     from splitserve.wire.sampling import SamplingParams
 

@@ -39,12 +39,12 @@ from dataclasses import dataclass
 
 import ray
 
-from splitserve.bench.workloads import random_requests
 from splitserve.client import AsyncClient, Chunk
 from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.model.loader import load_hf_config, resolve_source
+from splitserve.loadgen.workloads import random_requests
 from splitserve.wire.sampling import SamplingParams
 
 

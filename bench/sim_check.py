@@ -1,7 +1,7 @@
 """Does the cluster simulator predict the real cluster? The same trace (arrival
 times, prompt and output lengths) is sent to a real cluster through the SDK and
 run through ``cluster.simulator`` with the cluster's measured profile
-(``bench.cluster_profile``); the p50 and p90 TTFT and TPOT of each are printed
+(``loadgen.profiling``); the p50 and p90 TTFT and TPOT of each are printed
 side by side, at each request rate, with their ratio::
 
     python -m splitserve.bench.sim_check --config cluster_configs/sim_check.yaml \\
@@ -22,14 +22,14 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from splitserve.bench import cluster_profile, workloads
-from splitserve.bench.compare import Server
-from splitserve.bench.serve_bench import run_load
 from splitserve.client import Client
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.planner import percentile
 from splitserve.cluster.sim_trace import SimRequest
 from splitserve.cluster.simulator import PoolLimits, SimProfile, Simulation
+from splitserve.loadgen import profiling, workloads
+from splitserve.loadgen.compare import Server
+from splitserve.loadgen.serve import run_load
 
 GOAL = 0.25  # the issue's bound on |simulated / measured - 1|
 
@@ -136,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
         if args.profile:
             profile = SimProfile.from_json(Path(args.profile).read_text())
         else:
-            profile, _ = cluster_profile.profile(address, cluster_profile.plan_for(config))
+            profile, _ = profiling.profile(address, profiling.plan_for(config))
         print(f"profile: {profile}")
         rows = check(
             address,

@@ -40,7 +40,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.bench.workloads import random_requests
+from splitserve.loadgen.workloads import random_requests
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "cluster_configs"
 VLLM_PORT = 8011

@@ -339,8 +339,8 @@ def _print_trace(t) -> None:
 
 # ---- bench -------------------------------------------------------------------------------
 def _add_bench_arguments(serve: argparse.ArgumentParser, compare: argparse.ArgumentParser) -> None:
-    from splitserve.bench import compare as compare_mod
-    from splitserve.bench import serve_bench
+    from splitserve.loadgen import compare as compare_mod
+    from splitserve.loadgen import serve as serve_bench
 
     serve_bench.add_arguments(serve)
     serve.set_defaults(func=lambda a: _run_bench(serve_bench.main, a))

@@ -10,12 +10,12 @@ import dataclasses
 import math
 from pathlib import Path
 
-from splitserve.bench import cluster_profile
-from splitserve.bench.cluster_profile import ProfilePlan
 from splitserve.cluster.config import CONFIG_DIR, AutoscalingSpec, ClusterConfig
 from splitserve.cluster.planner import PlannerSpec, percentile
 from splitserve.cluster.sim_trace import bursty_trace
 from splitserve.cluster.simulator import PoolLimits, SimProfile, SimResult, Simulation
+from splitserve.loadgen import profiling
+from splitserve.loadgen.profiling import ProfilePlan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -160,10 +160,10 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main_profile(args: argparse.Namespace) -> int:
-    from splitserve.bench.compare import Server
+    from splitserve.loadgen.compare import Server
 
     config = ClusterConfig.load(args.config)
-    plan = cluster_profile.plan_for(
+    plan = profiling.plan_for(
         config,
         prompt_lens=tuple(args.prompt_lens),
         prefill_repeats=args.repeats,
@@ -178,7 +178,7 @@ def main_profile(args: argparse.Namespace) -> int:
             args.config or str(CONFIG_DIR / "local.yaml"), Path(args.out).with_suffix(".serve.log")
         )
     try:
-        profile, m = cluster_profile.profile(args.server or server.address, plan)
+        profile, m = profiling.profile(args.server or server.address, plan)
     finally:
         if server is not None:
             server.stop()

@@ -332,9 +332,9 @@ def test_bench_load_generator_against_the_live_cluster(cluster, client):
     asked output length, and the metrics see every token."""
     import asyncio
 
-    from splitserve.bench import workloads
-    from splitserve.bench.metrics import compute_metrics
-    from splitserve.bench.serve_bench import run_load
+    from splitserve.loadgen import workloads
+    from splitserve.loadgen.metrics import compute_metrics
+    from splitserve.loadgen.serve import run_load
 
     reqs = workloads.random_requests(8, 40, 12, vocab_size=VOCAB, seed=3, range_ratio=0.5)
     arrivals = workloads.arrival_times(len(reqs), rate=20.0, seed=3)
@@ -357,8 +357,8 @@ def test_bench_multi_turn_conversations_resend_what_the_server_answered(cluster,
     bench's own reading of the server's counters shows)."""
     import asyncio
 
-    from splitserve.bench import workloads
-    from splitserve.bench.serve_bench import run_conversations, server_counters
+    from splitserve.loadgen import workloads
+    from splitserve.loadgen.serve import run_conversations, server_counters
 
     def counters() -> dict[str, float]:
         return asyncio.run(server_counters(cluster.address))

@@ -13,12 +13,13 @@ import argparse
 
 import pytest
 
-from splitserve.bench import cluster_profile, sim_check
+from splitserve.bench import sim_check
 from splitserve.cli.plan import add_profile_arguments, main_profile
 from splitserve.cluster.simulator import SimProfile
+from splitserve.loadgen import profiling
 from tests.integration.cluster_util import live_cluster, tiny_config
 
-PLAN = cluster_profile.ProfilePlan(
+PLAN = profiling.ProfilePlan(
     prompt_lens=(16, 64, 128, 200),
     prefill_repeats=3,
     batches=(1, 4),
@@ -34,7 +35,7 @@ def cluster(checkpoint):
 
 
 def test_a_profile_is_measured_and_written(cluster, tmp_path):
-    profile, m = cluster_profile.profile(cluster.address, PLAN)
+    profile, m = profiling.profile(cluster.address, PLAN)
     assert len(m.prefill) == len(PLAN.prompt_lens) * PLAN.prefill_repeats
     assert [b for b, _ in m.decode] == list(PLAN.batches) * PLAN.decode_repeats
     assert profile.prefill_tokens_per_s > 0 and sum(profile.decode_step_s) > 0
@@ -47,7 +48,7 @@ def test_a_profile_is_measured_and_written(cluster, tmp_path):
 
 
 def test_the_simulator_predicts_the_cluster_within_a_factor_of_two(cluster):
-    profile, _ = cluster_profile.profile(cluster.address, PLAN)
+    profile, _ = profiling.profile(cluster.address, PLAN)
     rows = sim_check.check(
         cluster.address,
         profile,

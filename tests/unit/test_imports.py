@@ -118,3 +118,12 @@ def test_wire_imports_only_the_standard_library_and_itself():
             foreign.append(f"{path.name}: {name}")
     assert len(list((ROOT / "wire").glob("*.py"))) > 5
     assert foreign == []
+
+
+def test_no_package_imports_the_studies():
+    """``bench`` holds studies run by hand; nothing shipped depends on them (the
+    user-facing benchmark, ``splitserve bench serve|compare``, is ``loadgen``)."""
+    edges = _package_imports()
+    assert ("bench", "loadgen") in edges and ("cli", "loadgen") in edges
+    importers = {a: files for (a, b), files in edges.items() if b == "bench"}
+    assert importers == {}, importers

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from splitserve.bench import workloads
-from splitserve.bench.serve_bench import parse_goodput
+from splitserve.loadgen import workloads
+from splitserve.loadgen.serve import parse_goodput
 
 
 def test_gamma_arrivals_have_the_asked_rate_and_burstiness():

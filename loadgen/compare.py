@@ -42,9 +42,9 @@ from pathlib import Path
 
 import yaml
 
-from splitserve.bench import serve_bench
 from splitserve.client import Client
 from splitserve.cluster.config import CONFIG_DIR
+from splitserve.loadgen import serve
 
 RATIO_KEYS = (
     "median_handover_ms",
@@ -227,7 +227,7 @@ def parse_engine_options(items: list[str]) -> dict[str, object]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from splitserve.bench import plots
+    from splitserve.loadgen import plots
 
     out = Path(args.out_dir)
     runs = {}
@@ -236,24 +236,24 @@ def main(args: argparse.Namespace) -> int:
         server = Server(config, out / f"{label.replace(':', '')}.log")
         try:
             warm_up(server.address, args.warmup)
-            runs[label] = asyncio.run(serve_bench.run_rates(args, server.address))
+            runs[label] = asyncio.run(serve.run_rates(args, server.address))
         finally:
             server.stop()
         for r in runs[label]:
-            serve_bench.print_summary(label, r.metrics)
+            serve.print_summary(label, r.metrics)
     coloc = runs["colocated"]
     table = {}
     for label, results in runs.items():
         if label != "colocated":
             table[label] = ratios(results, coloc)
             print_ratios(label, table[label], results, coloc)
-    serve_bench.write_json(
+    serve.write_json(
         str(out / "compare.json"),
         {"args": {k: v for k, v in vars(args).items() if k != "func"}, "ratios": table}
         | {label: [r.metrics for r in results] for label, results in runs.items()},
     )
     if plots.available():
-        plots.write_all(str(out), runs, serve_bench.parse_goodput(args.goodput))
+        plots.write_all(str(out), runs, serve.parse_goodput(args.goodput))
         print(f"\nwrote {out / 'compare.json'} and plots in {out}/", file=sys.stderr)
     else:
         print(f"\nwrote {out / 'compare.json'} (no plots: pip install matplotlib)", file=sys.stderr)
@@ -261,7 +261,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    serve_bench.add_arguments(p)
+    serve.add_arguments(p)
     p.add_argument(
         "--disaggregated",
         nargs="+",

@@ -35,12 +35,12 @@ import dataclasses
 import statistics
 from dataclasses import dataclass
 
-from splitserve.bench import workloads
-from splitserve.bench.metrics import RequestRecord
-from splitserve.bench.serve_bench import run_load
 from splitserve.client import AsyncClient
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.simulator import SimProfile
+from splitserve.loadgen import workloads
+from splitserve.loadgen.metrics import RequestRecord
+from splitserve.loadgen.serve import run_load
 from splitserve.router.step_time import fit_line
 
 

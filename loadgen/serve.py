@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.bench import workloads
-from splitserve.bench.metrics import RequestRecord, compute_metrics
 from splitserve.client import AsyncClient, Chunk, Final, ResourceExhausted, SplitserveClientError
+from splitserve.loadgen import workloads
+from splitserve.loadgen.metrics import RequestRecord, compute_metrics
 
 
 @dataclass
@@ -342,7 +342,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from splitserve.bench import plots
+    from splitserve.loadgen import plots
 
     results = asyncio.run(run_rates(args, args.server))
     for r in results:

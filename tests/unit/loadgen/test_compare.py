@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from splitserve.bench.compare import parse_split, split_config
 from splitserve.cluster.config import CONFIG_DIR, ClusterConfig
+from splitserve.loadgen.compare import parse_split, split_config
 
 BASE = str(CONFIG_DIR / "bench_disaggregated.yaml")
 
@@ -41,7 +41,7 @@ def test_splits_are_parsed_and_bad_ones_refused_clearly(tmp_path):
 
 
 def test_engine_options_reach_every_pool_of_every_setup(tmp_path):
-    from splitserve.bench.compare import parse_engine_options, setups
+    from splitserve.loadgen.compare import parse_engine_options, setups
 
     options = parse_engine_options(["kv_cache_memory_mib=128", "host_kv_tier_mib=1024"])
     assert options == {"kv_cache_memory_mib": 128, "host_kv_tier_mib": 1024}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from splitserve.bench.metrics import RequestRecord, compute_metrics, meets_slos
+from splitserve.loadgen.metrics import RequestRecord, compute_metrics, meets_slos
 
 
 def rec(chunks, tokens=None, prompt_len=10, success=True, rejected=False):
