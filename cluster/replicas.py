@@ -72,7 +72,7 @@ from splitserve.cluster.worker_client import RayDecodeWorker, RayPrefillWorker
 from splitserve.router.auth import ApiKeys
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.metrics_server import MetricsServer
-from splitserve.router.openai_http import OpenAIServer
+from splitserve.router.openai.server import OpenAIServer
 from splitserve.router.policy import LimitsSpec
 from splitserve.router.registry import Membership, NodePlacement, WorkerRegistry
 from splitserve.router.roles import Role

@@ -13,7 +13,7 @@ from splitserve.cluster.config import ClusterConfig
 from splitserve.router.auth import ApiKeys
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.metrics import PoolSize, RouterMetrics
-from splitserve.router.openai_http import OpenAIServer, server_ssl_context
+from splitserve.router.openai.server import OpenAIServer, server_ssl_context
 from splitserve.router.policy import LimitsSpec
 from splitserve.router.registry import WorkerRegistry
 from splitserve.wire.validation import RequestValidator

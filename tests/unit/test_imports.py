@@ -15,8 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import importlib, pathlib, pickle, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("*.py")):
-    importlib.import_module("splitserve.router." + path.stem)
+root = pathlib.Path(sys.argv[1])
+for path in sorted(root.rglob("*.py")):
+    importlib.import_module(".".join(["splitserve.router", *path.relative_to(root).with_suffix("").parts]))
 from splitserve.wire.decode import TokenBatch
 from splitserve.wire.sampling import FinishReason, SamplingParams
 from splitserve.wire.validation import RequestValidator
@@ -127,3 +128,20 @@ def test_no_package_imports_the_studies():
     assert ("bench", "loadgen") in edges and ("cli", "loadgen") in edges
     importers = {a: files for (a, b), files in edges.items() if b == "bench"}
     assert importers == {}, importers
+
+
+def test_the_request_core_imports_no_front_door():
+    """The OpenAI layer (``router/openai/``) stands on the request core, never the
+    other way: dispatch, lifecycle, registry, balancer and decider import neither it
+    nor the gRPC service."""
+    core = ("dispatch", "lifecycle", "registry", "balancer", "decider")
+    found = {
+        f"{m}.py": name
+        for m in core
+        for name in _imported(ROOT / "router" / f"{m}.py")
+        if name.startswith(
+            ("splitserve.router.openai", "splitserve.router.service", "splitserve.router.server")
+        )
+    }
+    assert found == {}
+    assert any(n.startswith("splitserve.router.") for n in _imported(ROOT / "router" / "dispatch.py"))

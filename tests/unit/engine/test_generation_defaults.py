@@ -14,7 +14,7 @@ from splitserve.engine.engine import Engine
 from splitserve.proto import splitserve_pb2 as pb
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.events import GenerateInput
-from splitserve.router.openai_requests import ChatRequest
+from splitserve.router.openai.protocol import ChatRequest
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.service import generate_input
 from splitserve.wire.config import EngineConfig

@@ -7,7 +7,7 @@ import jinja2
 import pytest
 
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.router.openai_requests import ChatRequest
+from splitserve.router.openai.protocol import ChatRequest
 from splitserve.wire.chat import ChatTemplating
 from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.validation import RequestValidator

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import Client, Unauthenticated, Unavailable
 from splitserve.router.auth import ApiKeys, bearer_token, read_keys
-from splitserve.router.openai_http import OpenAIServer, server_ssl_context
+from splitserve.router.openai.server import OpenAIServer, server_ssl_context
 from tests.unit.router.test_server import _server, self_signed
 from tests.waiting import wait_until
 

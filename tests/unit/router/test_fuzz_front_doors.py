@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 from splitserve.client import Client
 from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
-from splitserve.router import api_schema
 from splitserve.router.dispatch import Dispatcher
-from splitserve.router.openai_http import OpenAIServer
+from splitserve.router.openai import schema as api_schema
+from splitserve.router.openai.server import OpenAIServer
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
 from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill, expected_tokens
@@ -199,7 +199,7 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(texts, inner, max_size=5),
     max_leaves=20,
 )
-# every field OpenAI or vLLM defines (router.api_schema), the tokenize endpoints' and two unknown
+# every field OpenAI or vLLM defines (router.openai.schema), the tokenize endpoints' and two unknown
 FIELD_NAMES = sorted({f.name for f in api_schema.FIELDS} | {"tokens", "temprature", "frobnicate"})
 fields = st.sampled_from(FIELD_NAMES)
 plausible = st.fixed_dictionaries(

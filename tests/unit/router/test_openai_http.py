@@ -1,4 +1,4 @@
-"""The OpenAI front door's request schema (``router.api_schema``) on the real HTTP
+"""The OpenAI front door's request schema (``router.openai.schema``) on the real HTTP
 server over fake workers: every refused field is a 400 naming it (its neutral
 values pass), unknown fields are a 400 listing them unless ignored (then
 counted), honoured fields reach the workers as sent, ``docs/api.md`` is the
@@ -27,13 +27,13 @@ import tests.unit.engine.test_tokenizer as tokenizer_tests
 import tests.unit.router.test_fuzz_front_doors as fuzz_tests
 import tests.unit.router.test_server as server_tests
 import tests.unit.router.test_tools as tools_tests
-from splitserve.router import api_schema
-from splitserve.router.api_schema import Endpoint, Status
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.openai_http import OpenAIServer
-from splitserve.router.openai_logprobs import LogprobsWriter
-from splitserve.router.openai_requests import ChatRequest, CompletionRequest
+from splitserve.router.openai import schema as api_schema
+from splitserve.router.openai.logprobs import LogprobsWriter
+from splitserve.router.openai.protocol import ChatRequest, CompletionRequest
+from splitserve.router.openai.schema import Endpoint, Status
+from splitserve.router.openai.server import OpenAIServer
 from splitserve.router.registry import WorkerRegistry
 from splitserve.wire.sampling import SamplingParams, StructuredOutput
 from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill

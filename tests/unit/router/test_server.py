@@ -154,7 +154,7 @@ def test_openai_http_errors_without_workers():
     import urllib.error
     import urllib.request
 
-    from splitserve.router.openai_http import OpenAIServer
+    from splitserve.router.openai.server import OpenAIServer
 
     loop, server = _server()
     http = OpenAIServer(server.dispatcher, "127.0.0.1", 0)

@@ -9,7 +9,7 @@ import pytest
 from splitserve.client import InvalidArgument
 from splitserve.client.types import build_request
 from splitserve.proto import splitserve_pb2 as pb
-from splitserve.router.openai_requests import ChatRequest, CompletionRequest
+from splitserve.router.openai.protocol import ChatRequest, CompletionRequest
 from splitserve.router.service import generate_input
 
 FIELDS = dict(

@@ -1,7 +1,7 @@
 """A request's answer in OpenAI's shapes: its choices whole (``Responses.choices``),
 or as server-sent chunks while it runs (``Responses.stream``). Chat output is read
 as content, reasoning and tool calls (``router.tools``); completions' ``echo``
-puts the prompt first; logprobs take OpenAI's shapes (``router.openai_logprobs``)
+puts the prompt first; logprobs take OpenAI's shapes (``router.openai.logprobs``)
 and vLLM's ``prompt_logprobs`` its own."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from aiohttp import web
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import http_status_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
-from splitserve.router.openai_logprobs import LogprobsWriter, vllm_prompt_logprobs
-from splitserve.router.openai_requests import OpenAIRequest, StreamOptions
+from splitserve.router.openai.logprobs import LogprobsWriter, vllm_prompt_logprobs
+from splitserve.router.openai.protocol import OpenAIRequest, StreamOptions
 from splitserve.router.tools import OutputFormat, OutputStream, parse
 
 

@@ -1,7 +1,7 @@
 """Every request field OpenAI or vLLM defines for ``/v1/chat/completions`` and
 ``/v1/completions``, and what splitserve does with it: the one table the HTTP
 front door checks requests against and ``docs/api.md`` is generated from
-(``python -m splitserve.router.api_schema > docs/api.md``).
+(``python -m splitserve.router.openai.schema > docs/api.md``).
 
 A field is
 
@@ -298,7 +298,7 @@ def markdown() -> str:
     out = [
         "# The OpenAI-compatible API: every field",
         "",
-        "Generated from `router/api_schema.py` (`python -m splitserve.router.api_schema > docs/api.md`);",
+        "Generated from `router/openai/schema.py` (`python -m splitserve.router.openai.schema > docs/api.md`);",
         "a test fails when the two differ. **honoured**: does what OpenAI / vLLM document. **metadata**:",
         "accepted, no effect on the output. **refused**: a request setting it to anything but a neutral",
         "value (listed) gets HTTP 400 naming the field. A field in neither table gets a 400 listing it,",

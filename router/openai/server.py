@@ -15,9 +15,9 @@ Requests take the same path as gRPC ``Generate`` (same validation, defaults,
 admission, cancellation: a client that disconnects aborts its request on every
 worker). Errors use OpenAI's shape, ``{"error": {"message", "type", "code"}}``,
 with the HTTP status from ``router.errors.http_status_for``. Every field of a
-body is checked against ``api_schema`` (the request models are in
-``openai_requests``): what splitserve does not honour is refused with a 400
-naming it, never silently ignored. The answers' shapes are ``openai_responses``'.
+body is checked against ``openai.schema`` (the request models are in
+``openai.protocol``): what splitserve does not honour is refused with a 400
+naming it, never silently ignored. The answers' shapes are ``openai.responses``'.
 """
 
 from __future__ import annotations
@@ -31,14 +31,13 @@ from importlib.metadata import version
 
 from aiohttp import web
 
-from splitserve.router.api_schema import check, refusal
 from splitserve.router.auth import ApiKeys, http_auth_middleware
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import http_status_for
 from splitserve.router.events import GenerateInput
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.metrics_server import add_metrics_route
-from splitserve.router.openai_requests import (
+from splitserve.router.openai.protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -48,7 +47,8 @@ from splitserve.router.openai_requests import (
     text_of,
     validated,
 )
-from splitserve.router.openai_responses import Responses, usage
+from splitserve.router.openai.responses import Responses, usage
+from splitserve.router.openai.schema import check, refusal
 from splitserve.router.tools import (
     ReasoningParser,
     ToolParser,

@@ -1,5 +1,5 @@
 """The OpenAI-compatible endpoint's request bodies: the fields each front door
-reads (``api_schema``: the honoured ones) as pydantic models, and how they become
+reads (``openai.schema``: the honoured ones) as pydantic models, and how they become
 ``SamplingParams`` (what the client left unset is named by ``unset()``; the
 dispatcher fills it, the same for gRPC)."""
 
@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from splitserve.router.api_schema import Endpoint
+from splitserve.router.openai.schema import Endpoint
 from splitserve.router.tools import (
     OutputFormat,
     ReasoningParser,
@@ -100,8 +100,8 @@ def _structured(fmt: ResponseFormat | None, outputs: StructuredOutputs | None) -
 
 
 class OpenAIRequest(BaseModel):
-    """The fields a front door reads (``api_schema``: honoured); every other field of
-    the body is checked against ``api_schema.FIELDS``."""
+    """The fields a front door reads (``openai.schema``: honoured); every other field of
+    the body is checked against ``schema.FIELDS``."""
 
     model_config = ConfigDict(extra="allow")
     ENDPOINT: ClassVar[Endpoint]
