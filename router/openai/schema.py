@@ -298,8 +298,9 @@ def markdown() -> str:
     out = [
         "# The OpenAI-compatible API: every field",
         "",
-        "Generated from `router/openai/schema.py` (`python -m splitserve.router.openai.schema > docs/api.md`);",
-        "a test fails when the two differ. **honoured**: does what OpenAI / vLLM document. **metadata**:",
+        "Generated from `router/openai/schema.py`",
+        "(`python -m splitserve.router.openai.schema > docs/api.md`); a test fails when the two",
+        "differ. **honoured**: does what OpenAI / vLLM document. **metadata**:",
         "accepted, no effect on the output. **refused**: a request setting it to anything but a neutral",
         "value (listed) gets HTTP 400 naming the field. A field in neither table gets a 400 listing it,",
         "unless the router runs with `router.openai.ignore_unknown_fields: true` (then a warning per",
