@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -150,12 +149,15 @@ def kv_used(client: Client) -> dict[str, int]:
 
 
 def wait_kv_free(client: Client, timeout: float = 10.0) -> dict[str, int]:
-    """Poll the status service until no worker holds KV; returns the last reading."""
-    deadline = time.monotonic() + timeout
-    used = kv_used(client)
-    while any(used.values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        used = kv_used(client)
+    """Poll the status service until no worker holds KV; returns that reading (KV
+    blocks used per worker: every one 0)."""
+    used: dict[str, int] = {}
+
+    def free() -> bool:
+        used.update(kv_used(client))
+        return not any(used.values())
+
+    wait_until(free, "no worker holds KV", timeout, 0.1)
     return used
 
 

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 
 import jsonschema
@@ -23,6 +22,7 @@ import pytest
 
 from splitserve.engine.device import cpu_has_native_bf16
 from tests.conftest import HAS_SMOLLM2
+from tests.waiting import wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -177,11 +177,13 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
         [*CLI, "serve", "--port", str(port), "--http-port", str(http_port)], stdout=log, stderr=log, env=env
     )
     try:
-        deadline = time.monotonic() + 600
-        while "Ctrl-C stops" not in (tmp_path / "serve.log").read_text():
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.5)
+
+        def ready() -> bool:
+            text = (tmp_path / "serve.log").read_text()
+            assert server.poll() is None, text[-3000:]
+            return "Ctrl-C stops" in text
+
+        wait_until(ready, "the server ready", 600, 0.5)
         _check_openai_chat(f"127.0.0.1:{http_port}")
         _check_tool_conversation(f"127.0.0.1:{http_port}")
         address = f"127.0.0.1:{port}"

@@ -5,7 +5,6 @@ it streams drops nothing (drain, then kill). One Ray instance for the module."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import ray
@@ -14,6 +13,7 @@ from splitserve.client import Client
 from splitserve.cluster.autoscale import ScaleDecision
 from tests.conftest import random_prompts, tiny_checkpoint
 from tests.integration.cluster_util import VOCAB, live_cluster, tiny_config, wait_kv_free
+from tests.waiting import wait_until
 
 LONG = 700  # output tokens of the load requests
 
@@ -75,11 +75,8 @@ def sampled(seed: int) -> dict:
     return dict(max_tokens=LONG, ignore_eos=True, temperature=1.0, seed=seed)
 
 
-def _wait(cond, what: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+def _wait(cond, what: str) -> None:
+    wait_until(cond, what, timeout=180, every=0.05)
 
 
 def test_decode_pool_grows_under_load_and_drains_without_dropping(cluster):

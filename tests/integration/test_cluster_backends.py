@@ -33,6 +33,7 @@ from tests.integration.cluster_util import (
     total,
     wait_kv_free,
 )
+from tests.waiting import wait_until
 
 IDLE = {"prefill-0": 0, "decode-0": 0}
 
@@ -113,10 +114,8 @@ def test_prefill_kv_is_freed_at_the_pull_not_at_the_end(cluster, client):
     first = [next(stream) for _ in range(2)]  # the prefill token, then the decode worker's first
     assert all(isinstance(c, Chunk) for c in first)
     pulled_at = time.monotonic()
-    deadline = pulled_at + 60
-    while "long-1" in (st := _prefill_stats(cluster)).exports:
-        assert time.monotonic() < deadline, "the prefill worker still holds the export"
-        time.sleep(0.01)
+    wait_until(lambda: "long-1" not in _prefill_stats(cluster).exports, "the export freed", 60, 0.01)
+    st = _prefill_stats(cluster)
     freed_after_s = time.monotonic() - pulled_at
     item = next(stream)  # the stream is still running after the export was freed
     assert isinstance(item, Chunk)
@@ -178,18 +177,16 @@ def test_a_restarted_prefill_worker_is_used_again(cluster, reference, client):
     ray.kill(pw.client.actor, no_restart=False)
     prompt = random_prompts([40], VOCAB, seed=9)[0]
     (want,) = reference_tokens(reference, [prompt], [SamplingParams(max_tokens=6)])
-    deadline = time.monotonic() + 120
-    while True:
+
+    def prefilled_there() -> bool:
         try:
             got = client.generate(prompt, temperature=0, max_tokens=6, timeout=30)
-            # Meanwhile, with no prefill worker left, the decode worker prefills it.
-            assert got.token_ids == want
-            if got.final.prefill_worker == "prefill-0":
-                break
         except Unavailable:
-            pass
-        assert time.monotonic() < deadline, "the prefill worker never came back"
-        time.sleep(0.5)
+            return False
+        assert got.token_ids == want  # meanwhile, with no prefill worker left, the decode worker prefills it
+        return got.final.prefill_worker == "prefill-0"
+
+    wait_until(prefilled_there, "the prefill worker back, prefilling", 120, 0.5)
     new = tuple(hs.incarnation for hs in ray.get(pw.client.actor.info.remote()).handshakes)
     assert new != old and _decode_peers(cluster)["prefill-0"] == new
     assert wait_kv_free(client) == IDLE

@@ -8,7 +8,6 @@ One Ray instance and one cluster for the whole module."""
 from __future__ import annotations
 
 import threading
-import time
 
 import openai
 import pytest
@@ -166,13 +165,16 @@ def test_the_decider_prefills_a_prefix_the_decode_worker_holds_there(cluster, re
     a = client.generate(first, temperature=0, max_tokens=8)  # the decider is still off: handed over
     assert a.final.prefill_worker == "prefill-0"
     decode = d.registry.get("decode-0")
-    deadline = time.monotonic() + 30
-    # Wait until a poll has brought the decode worker's cache and the measured rates.
-    while decode.cached_tokens(Prompt.of(second, decode.block_size).block_hashes, len(second)) < 160 or not (
-        decode.prefill_tokens_per_s or d.registry.get("prefill-0").prefill_tokens_per_s
-    ):
-        assert time.monotonic() < deadline, "the router never learned the decode worker's cache"
-        time.sleep(0.05)
+    hashes = Prompt.of(second, decode.block_size).block_hashes
+    wait_until(  # a poll brings the decode worker's cache and the measured rates
+        lambda: (
+            decode.cached_tokens(hashes, len(second)) >= 160
+            and (decode.prefill_tokens_per_s or d.registry.get("prefill-0").prefill_tokens_per_s)
+        ),
+        "the router learned the decode worker's cache and rates",
+        30,
+        0.05,
+    )
     counts = dict(d.decider.counts)
     cluster.run(_set(d, policy=policy))
     try:

@@ -13,8 +13,6 @@ of both shards as it pulls them over NIXL. One Ray instance for the module.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
 
@@ -31,6 +29,7 @@ from tests.integration.cluster_util import (
     tiny_config,
     wait_kv_free,
 )
+from tests.waiting import wait_until
 
 
 def idle(used: dict[str, int]) -> bool:
@@ -75,10 +74,12 @@ def test_a_lost_rank_is_served_around_and_the_pool_replaces_the_group(cluster, r
     assert out.token_ids == expected and out.final.prefill_worker == ""
     # The pool sees the group is lost for good (Ray never restarts a TP group) and starts
     # a new one in its place: the cluster serves again without anyone stepping in.
-    deadline = time.monotonic() + 600
-    while not any(w.routable and w.worker_id != broken.worker_id for w in pool.workers):
-        assert time.monotonic() < deadline, "the broken group was never replaced"
-        time.sleep(0.1)
+    wait_until(
+        lambda: any(w.routable and w.worker_id != broken.worker_id for w in pool.workers),
+        "the broken group replaced",
+        600,
+        0.1,
+    )
     (new,) = pool.workers
     assert new.worker_id != broken.worker_id and pool.replaced == 1
     assert len(client.generate(prompt, temperature=0, max_tokens=5, ignore_eos=True).token_ids) == 5
@@ -89,10 +90,12 @@ def test_a_worker_whose_engine_stopped_is_replaced(cluster, client):
     pool = cluster.cluster.pools["decode"]
     (stopped,) = pool.workers
     ray.get(pool.actors(stopped.worker_id)[0].shutdown.remote())  # the loop ends; the actor lives
-    deadline = time.monotonic() + 600
-    while not any(w.routable and w.worker_id != stopped.worker_id for w in pool.workers):
-        assert time.monotonic() < deadline, "the stopped worker was never replaced"
-        time.sleep(0.1)
+    wait_until(
+        lambda: any(w.routable and w.worker_id != stopped.worker_id for w in pool.workers),
+        "the stopped worker replaced",
+        600,
+        0.1,
+    )
     assert pool.replaced == 1 and stopped.worker_id not in [w.worker_id for w in pool.workers]
     prompt = random_prompts([50], VOCAB, seed=10)[0]
     assert len(client.generate(prompt, temperature=0, max_tokens=5, ignore_eos=True).token_ids) == 5

@@ -50,6 +50,7 @@ from splitserve.wire.kv import CompatInfo
 from splitserve.wire.kv_layout import KVLayout
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import HAS_SMOLLM2
+from tests.waiting import wait_until
 
 BACKENDS = list(CLUSTER_BACKENDS)
 CFG = EngineConfig(model="smollm2", dtype="float32", kv_cache_memory_mib=128)
@@ -97,13 +98,15 @@ def sink_for(backend: str, engine: Engine):
 
 
 def wait_released(src, request_ids, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = src.call(Status())
-        if set(request_ids) <= set(status.released):
-            return status
-        time.sleep(0.05)
-    raise AssertionError(f"leases of {request_ids} did not end: {status}")
+    """The source's status once the leases of ``request_ids`` have all ended."""
+    status = []
+
+    def released() -> bool:
+        status[:] = [src.call(Status())]
+        return set(request_ids) <= set(status[0].released)
+
+    wait_until(released, f"the leases of {request_ids} ended", timeout, 0.05)
+    return status[0]
 
 
 def assert_decodes_like(engine: Engine, exported, reference) -> None:

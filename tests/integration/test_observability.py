@@ -19,6 +19,7 @@ from splitserve.cli.main import main as cli_main
 from splitserve.client import AsyncClient, Client, Completion, InvalidArgument
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import VOCAB, live_cluster, mixed_workload, scrape, tiny_config, total
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +141,8 @@ def test_metrics_agree_with_what_the_clients_saw(cluster, client):
     assert total(after, "splitserve:pool_replicas", pool="decode", state="current") == 1
     assert total(after, "splitserve:pool_replicas", pool="prefill", state="desired") == 1
 
-    deadline = time.monotonic() + 120  # the KV gauge returns to zero once the next polls see the load gone
-    while total(scrape(cluster), "splitserve:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert total(scrape(cluster), "splitserve:kv_cache_usage_perc") == 0
+    # the KV gauge returns to zero once the next polls see the load gone
+    wait_until(lambda: total(scrape(cluster), "splitserve:kv_cache_usage_perc") == 0, "the KV gauge at 0")
     assert total(scrape(cluster), "splitserve:num_requests_inflight") == 0
 
 

@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import ray
@@ -37,6 +36,7 @@ from tests.integration.cluster_util import (
     stream_all,
     tiny_config,
 )
+from tests.waiting import wait_until
 
 POOL = {"num_cpus": 1, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
 
@@ -92,11 +92,12 @@ def test_served_with_address_each_pool_lands_on_its_phase_node_and_serves_32_str
     )
     address = f"127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while not Client(address, retries=0).health(timeout=1.0):
+
+        def up() -> bool:
             assert server.poll() is None, (tmp_path / "serve.log").read_text()
-            assert time.monotonic() < deadline, "splitserve serve --address did not come up"
-            time.sleep(0.5)
+            return Client(address, retries=0).health(timeout=1.0)
+
+        wait_until(up, "splitserve serve --address up", 300, 0.5)
         with Client(address) as client:  # what `splitserve status` prints
             shown = {w.worker_id: w for pool in client.cluster_status().pools for w in pool.workers}
         assert {k: (w.node_id, w.node_type, w.waiting_for_node) for k, w in shown.items()} == {
@@ -137,7 +138,9 @@ def test_a_pool_no_node_can_hold_is_given_up_with_a_clear_error(three_nodes, che
     ):
         BackgroundCluster(config)
     # nothing is left behind: the decode worker started meanwhile is gone with its placement group
-    deadline = time.monotonic() + 60
-    while ray.available_resources().get("splitserve_decode") != 1:
-        assert time.monotonic() < deadline, "the decode worker's placement group was not removed"
-        time.sleep(0.1)
+    wait_until(
+        lambda: ray.available_resources().get("splitserve_decode") == 1,
+        "the decode worker's placement group removed",
+        60,
+        0.1,
+    )

@@ -22,6 +22,7 @@ from splitserve.wire.sampling import SamplingParams
 from splitserve.wire.tp import TPInit
 from tests.conftest import make_hf_checkpoint, random_prompts
 from tests.integration.tp_ranks import free_port, prefill_rank_main
+from tests.waiting import wait_until
 
 TIMEOUT_S = 8.0  # the group's collective timeout: an unheard-from rank fails after it
 
@@ -48,10 +49,9 @@ def test_idle_group_survives_its_timeout_and_exports_every_shard(tmp_path):
         assert asyncio.run(worker.stats()).exports == ("r1",)
         confirmations = tuple(Confirmation(d.transfer_id, d.source_worker, False) for d in (own, shard))
         asyncio.run(worker.confirm(confirmations))
-        deadline = time.monotonic() + 60
-        while (stats := asyncio.run(worker.stats())).exports:  # both ranks' leases must end
-            assert time.monotonic() < deadline, "the confirmed exports were never released"
-            time.sleep(0.01)
+        # both ranks' leases must end
+        wait_until(lambda: not asyncio.run(worker.stats()).exports, "the exports released", 60, 0.01)
+        stats = asyncio.run(worker.stats())
         assert (stats.leases_confirmed, stats.leases_expired, stats.leases_released) == (1, 0, 0)
         assert stats.engine.num_free_blocks == stats.engine.num_blocks
         # a decode group whose size the model's 2 KV heads do not split over is refused

@@ -73,7 +73,7 @@ def cached_kv(worker: PrefillWorker, tokens: list[int]) -> torch.Tensor:
 
 async def wait_free(worker: PrefillWorker) -> None:
     """Until the worker holds no KV block (its exports' and loans' leases all ended)."""
-    async with asyncio.timeout(60):
+    async with asyncio.timeout(60):  # the condition is a call on the worker's loop: polled here
         while (stats := await worker.stats()).engine.num_free_blocks != stats.engine.num_blocks:
             await asyncio.sleep(0.01)
 

@@ -12,13 +12,13 @@ output token (no TPOT), the output-heavy one sends 8-token prompts."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from splitserve.client import Client
 from tests.conftest import random_prompts, tiny_checkpoint
 from tests.integration.cluster_util import VOCAB, live_cluster, tiny_config
+from tests.waiting import wait_until
 
 AUTOSCALING = {"policy": "slo", "min_replicas": 1, "max_replicas": 2, "drain_timeout_s": 120}
 PLANNER = {
@@ -79,10 +79,7 @@ async def _count(cluster, role: str) -> int:
 
 
 def wait_for(cluster, role: str, n: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while routable(cluster, role) != n and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert routable(cluster, role) == n, f"the {role} pool did not reach {n} workers"
+    wait_until(lambda: routable(cluster, role) == n, f"the {role} pool reaches {n} workers", timeout)
 
 
 def targets(cluster, role: str, since: int) -> list[int]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -34,6 +33,7 @@ from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
 from tests.unit.router.fakes import VALIDATOR, FakeDecode, FakePrefill, expected_tokens
 from tests.unit.router.test_server import _Loop
+from tests.waiting import wait_until
 
 EXAMPLES = int(os.environ.get("SPLITSERVE_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(
@@ -259,7 +259,5 @@ def test_the_doors_still_serve_after_the_fuzzing(doors):
         assert c.generate([5, 6, 7], temperature=0, max_tokens=4).token_ids == expected_tokens([5, 6, 7], 4)
     status, raw = post(doors, "/v1/completions", json.dumps({"prompt": [5, 6, 7], "max_tokens": 4}).encode())
     assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4
-    deadline = time.monotonic() + 30  # the fuzzed requests' ends are being recorded
-    while doors.dispatcher.num_inflight and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert doors.dispatcher.num_inflight == 0
+    # the fuzzed requests' ends are being recorded
+    wait_until(lambda: doors.dispatcher.num_inflight == 0, "every fuzzed request ended", 30, 0.05)

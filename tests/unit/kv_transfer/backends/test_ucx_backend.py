@@ -19,6 +19,7 @@ from splitserve.kv_transfer.integrity import layer_checksums
 from splitserve.wire.errors import LeaseExpired
 from splitserve.wire.kv import CompatInfo, TransferState
 from splitserve.wire.kv_layout import KVLayout
+from tests.waiting import wait_until
 
 LAYOUT = KVLayout(num_layers=6, num_blocks=24, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
 COMPAT = CompatInfo(model="random", layout=LAYOUT)
@@ -47,14 +48,12 @@ class PolledSource:
             time.sleep(0.001)
 
     def ended_for(self, transfer_id: str, timeout: float = 30.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def found() -> list:
             with self.lock:
-                found = [e for e in self.ended if e.transfer_id == transfer_id]
-            if found:
-                return found[0]
-            time.sleep(0.01)
-        raise AssertionError(f"the lease of {transfer_id} did not end")
+                return [e for e in self.ended if e.transfer_id == transfer_id]
+
+        wait_until(found, f"the lease of {transfer_id} ended", timeout, 0.01)
+        return found()[0]
 
     def close(self):
         self._stop.set()
