@@ -100,58 +100,14 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         progress_bytes=progress,
         ep=ep,
     )
-    if tokenizer is None and config.tokenizer:
-        tokenizer = Tokenizer.from_source(config.tokenizer)
-    elif tokenizer is None and source is not None and source.has_tokenizer:
-        tokenizer = Tokenizer.from_source(str(source.directory))
-    defaults = GenerationDefaults()
-    if config.generation_config and source is not None:
-        defaults = GenerationDefaults.read(source.directory)
-    eos_token_ids = set(mc.eos_token_ids) | set(defaults.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos_token_ids.add(tokenizer.eos_token_id)
-
+    tokenizer, defaults, eos_token_ids = _tokenizer_and_defaults(config, source, mc, tokenizer)
     fp8_kv = config.kv_cache_dtype == "fp8"
-    kv_dtype = kv_quant.FP8 if fp8_kv else dtype
-    k0, k1 = kv_head_range(mc.num_kv_heads, layer_tp.size, layer_tp.rank)
-    layout = KVLayout(
-        mc.num_layers,
-        0,
-        config.block_size,
-        k1 - k0,
-        mc.head_dim,
-        str(kv_dtype).removeprefix("torch."),
-        tp_size=layer_tp.size,
-        tp_rank=layer_tp.rank,
-        model_kv_heads=mc.num_kv_heads,
-        kv_scales=kv_quant.SCHEME if fp8_kv else "none",
-        planes=mc.kv_planes,
-    )
+    layout = _kv_layout(config, mc, layer_tp, kv_quant.FP8 if fp8_kv else dtype)
     per_token = layout.bytes_per_token
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     num_blocks = blocks_for(config, kv_budget_bytes(config, device.type, free), per_token)
     num_blocks = tp.min_int(num_blocks)  # every rank the same block ids
-    if mc.mla is not None and fp8_kv:
-        raise ValueError(f"{mc.model_type} (MLA) does not run with kv_cache_dtype fp8 yet")
-    sparse = mc.mla is not None or mc.moe is not None  # kernels that read sizes on the host
-    if sparse and config.cuda_graphs:
-        raise ValueError(f"{mc.model_type} (MoE / MLA) does not run with cuda_graphs yet")
-    attention = "sdpa" if fp8_kv and config.attention_backend == "auto" else config.attention_backend
-    if mc.mla is not None:
-        backend: AttentionBackend = MlaBackend(mc.mla.kv_lora_rank)
-    else:
-        backend = get_backend(attention, device, config.native_kernels)
-    if fp8_kv and not backend.reads_fp8_kv:
-        raise ValueError(
-            f"kv_cache_dtype fp8 runs on the sdpa attention backend; {backend.name} cannot read it"
-        )
-    if fp8_kv and config.cuda_graphs:
-        raise ValueError("kv_cache_dtype fp8 does not run with cuda_graphs")
-    use_graphs = config.cuda_graphs
-    if use_graphs is None:
-        use_graphs = (
-            device.type == "cuda" and backend.name == "triton" and tp.size == 1 and not fp8_kv and not sparse
-        )
+    backend, use_graphs = _attention(config, mc, device, tp.size)
     # a CUDA graph's padding rows write to the last block: requests get the others
     usable = num_blocks - 1 if use_graphs else num_blocks
     capacity = size_kv_cache(config, usable, per_token, context)
@@ -192,17 +148,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         tokenizer=tokenizer,
         defaults=defaults,
     )
-    threads = f"{torch.get_num_threads()} torch threads" if device.type == "cpu" else str(device)
-    summary = (
-        f"{mc.model_type}, {str(dtype).removeprefix('torch.')}"
-        f"{', fp8 KV cache' if fp8_kv else ''}"
-        f"{'' if config.quantization == 'none' else f' with {config.quantization} linears'} on {threads}"
-        f"{f' (TP {tp.size})' if tp.size > 1 and ep is None else ''}"
-        f"{f' (EP {tp.size}: {mc.moe.num_experts // tp.size} experts per rank)' if ep is not None else ''}"
-        f", attention {runner.backend.name}{' data-parallel' if ep is not None else ''}, "
-        f"up to {config.max_num_seqs} sequences; {capacity.describe()}"
-        f"{f'; host KV tier of {tier.capacity} blocks' if tier is not None else ''}"
-    )
+    summary = _summary(config, mc, dtype, device, tp, ep is not None, runner.backend.name, capacity, tier)
     log.info("engine ready (TP rank %d): %s", tp.rank, summary)
     return EngineParts(
         summary=summary,
@@ -220,6 +166,98 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         scheduler=scheduler,
         runner=runner,
         validator=validator,
+    )
+
+
+def _tokenizer_and_defaults(
+    config: EngineConfig, source, mc: ModelConfig, tokenizer: Tokenizer | None
+) -> tuple[Tokenizer | None, GenerationDefaults, set[int]]:
+    """The tokenizer (the one given, the config's, or the checkpoint's), the checkpoint's
+    generation defaults (when asked), and every token id that ends a sequence."""
+    if tokenizer is None and config.tokenizer:
+        tokenizer = Tokenizer.from_source(config.tokenizer)
+    elif tokenizer is None and source is not None and source.has_tokenizer:
+        tokenizer = Tokenizer.from_source(str(source.directory))
+    defaults = GenerationDefaults()
+    if config.generation_config and source is not None:
+        defaults = GenerationDefaults.read(source.directory)
+    eos_token_ids = set(mc.eos_token_ids) | set(defaults.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos_token_ids.add(tokenizer.eos_token_id)
+    return tokenizer, defaults, eos_token_ids
+
+
+def _kv_layout(config: EngineConfig, mc: ModelConfig, layer_tp: TPGroup, kv_dtype: torch.dtype) -> KVLayout:
+    """This rank's KV cache layout (its KV heads; the block count is set once sized)."""
+    k0, k1 = kv_head_range(mc.num_kv_heads, layer_tp.size, layer_tp.rank)
+    return KVLayout(
+        mc.num_layers,
+        0,
+        config.block_size,
+        k1 - k0,
+        mc.head_dim,
+        str(kv_dtype).removeprefix("torch."),
+        tp_size=layer_tp.size,
+        tp_rank=layer_tp.rank,
+        model_kv_heads=mc.num_kv_heads,
+        kv_scales=kv_quant.SCHEME if config.kv_cache_dtype == "fp8" else "none",
+        planes=mc.kv_planes,
+    )
+
+
+def _attention(
+    config: EngineConfig, mc: ModelConfig, device: torch.device, tp_size: int
+) -> tuple[AttentionBackend, bool]:
+    """The attention backend, and whether decode runs in CUDA graphs; ``ValueError`` for
+    a combination that does not run (MLA or MoE with CUDA graphs, an FP8 KV cache on a
+    backend that cannot read it or with CUDA graphs, MLA with an FP8 KV cache)."""
+    fp8_kv = config.kv_cache_dtype == "fp8"
+    if mc.mla is not None and fp8_kv:
+        raise ValueError(f"{mc.model_type} (MLA) does not run with kv_cache_dtype fp8 yet")
+    sparse = mc.mla is not None or mc.moe is not None  # kernels that read sizes on the host
+    if sparse and config.cuda_graphs:
+        raise ValueError(f"{mc.model_type} (MoE / MLA) does not run with cuda_graphs yet")
+    attention = "sdpa" if fp8_kv and config.attention_backend == "auto" else config.attention_backend
+    if mc.mla is not None:
+        backend: AttentionBackend = MlaBackend(mc.mla.kv_lora_rank)
+    else:
+        backend = get_backend(attention, device, config.native_kernels)
+    if fp8_kv and not backend.reads_fp8_kv:
+        raise ValueError(
+            f"kv_cache_dtype fp8 runs on the sdpa attention backend; {backend.name} cannot read it"
+        )
+    if fp8_kv and config.cuda_graphs:
+        raise ValueError("kv_cache_dtype fp8 does not run with cuda_graphs")
+    use_graphs = config.cuda_graphs
+    if use_graphs is None:
+        use_graphs = (
+            device.type == "cuda" and backend.name == "triton" and tp_size == 1 and not fp8_kv and not sparse
+        )
+    return backend, use_graphs
+
+
+def _summary(
+    config: EngineConfig,
+    mc: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup,
+    ep: bool,
+    attention: str,
+    capacity: KVCapacity,
+    tier: HostKVTier | None,
+) -> str:
+    """What was chosen (dtype, threads or device, attention, KV), for logs and status."""
+    threads = f"{torch.get_num_threads()} torch threads" if device.type == "cpu" else str(device)
+    return (
+        f"{mc.model_type}, {str(dtype).removeprefix('torch.')}"
+        f"{', fp8 KV cache' if config.kv_cache_dtype == 'fp8' else ''}"
+        f"{'' if config.quantization == 'none' else f' with {config.quantization} linears'} on {threads}"
+        f"{f' (TP {tp.size})' if tp.size > 1 and not ep else ''}"
+        f"{f' (EP {tp.size}: {mc.moe.num_experts // tp.size} experts per rank)' if ep else ''}"
+        f", attention {attention}{' data-parallel' if ep else ''}, "
+        f"up to {config.max_num_seqs} sequences; {capacity.describe()}"
+        f"{f'; host KV tier of {tier.capacity} blocks' if tier is not None else ''}"
     )
 
 

@@ -204,10 +204,11 @@ class _ClusterCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         if self.workers:
             yield from self._workers()
+            yield from self._pools()
         yield from self._router()
 
     def _workers(self) -> Iterator[Metric]:
-        """The workers' and pools' figures (the primary's: one copy in the cluster)."""
+        """Each worker's figures (the primary's: one copy in the cluster)."""
         labels = ["pool", "worker"]
         running = GaugeMetricFamily(
             "splitserve:num_requests_running", "Requests in the running batch.", labels=labels
@@ -306,6 +307,25 @@ class _ClusterCollector(Collector):
                 ):
                     tier.add_metric([*key, event], n)
                 tier_held.add_metric(key, t.held_blocks)
+        yield from (
+            running,
+            waiting,
+            kv,
+            preemptions,
+            experts,
+            reused,
+            lent,
+            pulls,
+            imported,
+            tier,
+            tier_held,
+            restarts,
+            seq_errors,
+            retried,
+        )
+
+    def _pools(self) -> Iterator[Metric]:
+        """Each pool's workers by state, and its replacements (the primary's)."""
         replicas = GaugeMetricFamily(
             "splitserve:pool_replicas", "Workers per pool and state.", labels=["pool", "state"]
         )
@@ -327,25 +347,7 @@ class _ClusterCollector(Collector):
             replicas.add_metric([size.pool, "desired"], size.desired)
             replacements.add_metric([size.pool], size.replaced)
             engine_failures.add_metric([size.pool], size.engine_failures)
-        yield from (
-            running,
-            waiting,
-            kv,
-            preemptions,
-            experts,
-            reused,
-            lent,
-            pulls,
-            imported,
-            tier,
-            tier_held,
-            restarts,
-            seq_errors,
-            retried,
-            replicas,
-            replacements,
-            engine_failures,
-        )
+        yield from (replicas, replacements, engine_failures)
 
     def _router(self) -> Iterator[Metric]:
         """This router's own figures (each router's count of what it did)."""
