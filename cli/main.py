@@ -361,7 +361,35 @@ def _run_bench(fn, args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(sub)
+    _add_generate_parser(sub)
+    bench = sub.add_parser("bench", help="serving benchmarks (the field's metrics)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bs = bench_sub.add_parser("serve", help="open-loop load against a running server")
+    bs.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
+    bc = bench_sub.add_parser("compare", help="the same load against disaggregated and colocated clusters")
+    _add_bench_arguments(bs, bc)
 
+    st = sub.add_parser("status", help="pools, workers, queues and KV occupancy of a running server")
+    st.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
+    st.add_argument("--traces", type=int, default=0, metavar="N", help="also the last N requests' traces")
+    _add_api_key_argument(st)
+    st.set_defaults(func=_status)
+
+    from splitserve.cli import plan as plan_cli
+
+    plan = sub.add_parser("plan", help="capacity planning offline (the cluster simulator)")
+    plan_sub = plan.add_subparsers(dest="plan_command", required=True)
+    sim = plan_sub.add_parser("simulate", help="a bursty trace under each autoscaling policy, simulated")
+    plan_cli.add_arguments(sim)
+    sim.set_defaults(func=lambda a: _run_bench(plan_cli.main, a))
+    prof = plan_sub.add_parser("profile", help="measure a cluster's workers, for the simulator (--profile)")
+    plan_cli.add_profile_arguments(prof)
+    prof.set_defaults(func=lambda a: _run_bench(plan_cli.main_profile, a))
+    return parser
+
+
+def _add_serve_parser(sub) -> None:
     srv = sub.add_parser(
         "serve",
         help="start the cluster (Ray, workers, gRPC router) and serve until Ctrl-C",
@@ -442,6 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--help-config", action="store_true", help="list every config field and exit")
     srv.set_defaults(func=_serve)
 
+
+def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt", help="the user's message (or raw text with --raw)")
     gen.add_argument(
@@ -467,31 +497,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", help="in-process only: auto, float32, bfloat16 or float16")
     _add_api_key_argument(gen)
     gen.set_defaults(func=_generate)
-
-    bench = sub.add_parser("bench", help="serving benchmarks (the field's metrics)")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    bs = bench_sub.add_parser("serve", help="open-loop load against a running server")
-    bs.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
-    bc = bench_sub.add_parser("compare", help="the same load against disaggregated and colocated clusters")
-    _add_bench_arguments(bs, bc)
-
-    st = sub.add_parser("status", help="pools, workers, queues and KV occupancy of a running server")
-    st.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
-    st.add_argument("--traces", type=int, default=0, metavar="N", help="also the last N requests' traces")
-    _add_api_key_argument(st)
-    st.set_defaults(func=_status)
-
-    from splitserve.cli import plan as plan_cli
-
-    plan = sub.add_parser("plan", help="capacity planning offline (the cluster simulator)")
-    plan_sub = plan.add_subparsers(dest="plan_command", required=True)
-    sim = plan_sub.add_parser("simulate", help="a bursty trace under each autoscaling policy, simulated")
-    plan_cli.add_arguments(sim)
-    sim.set_defaults(func=lambda a: _run_bench(plan_cli.main, a))
-    prof = plan_sub.add_parser("profile", help="measure a cluster's workers, for the simulator (--profile)")
-    plan_cli.add_profile_arguments(prof)
-    prof.set_defaults(func=lambda a: _run_bench(plan_cli.main_profile, a))
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
