@@ -29,9 +29,10 @@ import time
 
 import ray
 
+from splitserve.bench import harness
 from splitserve.bench.chaos import kv_held
 from splitserve.client import Chunk, Client, DeadlineExceeded
-from splitserve.cluster.app import BackgroundCluster, start_local_ray
+from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.loadgen.workloads import random_requests
 
@@ -141,19 +142,15 @@ def main(argv: list[str] | None = None) -> int:
             "router": {"port": 0, "http_port": None},
         }
     )
-    start_local_ray(log_to_driver=False)
-    try:
-        with BackgroundCluster(config) as cluster:
-            with Client(cluster.address, timeout=60) as c:
-                vocab = c.list_models()[0].vocab_size
-            log("deadline ...")
-            overshoot = deadline_overshoot(cluster.address, _prompts(args.n, vocab, 1), args.deadline_ms)
-            log("cancel ...")
-            freed = cancel_to_free(cluster.address, _prompts(args.n, vocab, 2))
-            log("decode worker lost ...")
-            pauses, gap, victim = resume_pause(cluster, _prompts(args.n, vocab, 3))
-    finally:
-        ray.shutdown()
+    with harness.served(config, num_cpus=None) as cluster:
+        with Client(cluster.address, timeout=60) as c:
+            vocab = c.list_models()[0].vocab_size
+        log("deadline ...")
+        overshoot = deadline_overshoot(cluster.address, _prompts(args.n, vocab, 1), args.deadline_ms)
+        log("cancel ...")
+        freed = cancel_to_free(cluster.address, _prompts(args.n, vocab, 2))
+        log("decode worker lost ...")
+        pauses, gap, victim = resume_pause(cluster, _prompts(args.n, vocab, 3))
     print(f"model {args.model}: 1 prefill + 2 decode workers")
     print(_row(f"deadline ({args.deadline_ms} ms) -> client", overshoot, "after the deadline"))
     print(_row("cancel -> no KV held anywhere", freed))

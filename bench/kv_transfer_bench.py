@@ -35,6 +35,7 @@ KV arrived before the step finished sampling.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -46,6 +47,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from splitserve.bench import harness
 from splitserve.bench.kv_peers import Confirm, ExportRandom, Prefill, SourceProcess, SourceSpec, start_source
 from splitserve.engine.kv_cache import allocate_zeros
 from splitserve.kv_transfer import get_backend
@@ -223,10 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     backends = args.backends.split(",")
     sizes = [1024, 8192] if args.quick else [int(t) for t in args.tokens.split(",")]
-    if "ray" in backends:
-        import ray
+    ray_instance = harness.local_ray() if "ray" in backends else contextlib.nullcontext()
+    with ray_instance:
+        return _table(args, backends, sizes)
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+def _table(args, backends: list[str], sizes: list[int]) -> int:
     print(
         "| layout | tokens | MB | backend | GB/s | memcpy GB/s | of memcpy | raw ms | transfer ms "
         "| export ms | hashed in prefill ms | verify ms | handover ms | handover / raw |"

@@ -32,11 +32,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-import ray
-
+from splitserve.bench import harness
 from splitserve.bench.soak import rss_mib
 from splitserve.client import AsyncClient, Chunk, Client, SplitserveClientError
-from splitserve.cluster.app import BackgroundCluster, start_local_ray
+from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.loadgen.workloads import arrival_times, random_requests
 
@@ -173,16 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     limits = {k: v for k, v in limits.items() if v is not None}
     config = config.model_copy(update={"limits": config.limits.model_copy(update=limits)})
-    start_local_ray(log_to_driver=False)  # its own, whatever runs
-    try:
-        with BackgroundCluster(config) as cluster:
-            with Client(cluster.address, timeout=60) as c:
-                vocab = c.list_models()[0].vocab_size
-            phases = run_overload(
-                cluster, vocab, args.rate, args.requests, args.input_len, args.output_len, seed=args.seed
-            )
-    finally:
-        ray.shutdown()
+    with harness.served(config, num_cpus=None) as cluster:
+        with Client(cluster.address, timeout=60) as c:
+            vocab = c.list_models()[0].vocab_size
+        phases = run_overload(
+            cluster, vocab, args.rate, args.requests, args.input_len, args.output_len, seed=args.seed
+        )
     print(
         f"model {config.model.name}, {config.mode}, {args.input_len}/{args.output_len} tokens, "
         f"max_inflight_requests {config.limits.max_inflight_requests}, "

@@ -17,6 +17,7 @@ import time
 
 import ray
 
+from splitserve.bench import harness
 from splitserve.wire.decode import TokenBatch
 
 
@@ -63,11 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=75.0, help="items per second")
     ap.add_argument("--batches", type=int, default=32, help="TokenBatches per item")
     args = ap.parse_args(argv)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with harness.local_ray():
         cpu = asyncio.run(measure(args.items, args.rate, args.batches))
-    finally:
-        ray.shutdown()
     idle = cpu["idle"]
     print(
         f"{args.items} items of {args.batches} batches at {args.rate:g}/s; an idle driver: {idle:.3f} s CPU"

@@ -21,10 +21,8 @@ import statistics
 import sys
 import time
 
-import ray
-
+from splitserve.bench import harness
 from splitserve.client import Chunk, Client, Final
-from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.worker_client import remote_calls
 from splitserve.kv_transfer import CLUSTER_BACKENDS
@@ -49,30 +47,26 @@ def main(argv: list[str] | None = None) -> int:
             "router": {"port": 0, "http_port": None},
         }
     )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        with BackgroundCluster(config) as cluster, Client(cluster.address, timeout=120) as client:
-            ids = client.tokenize(PROMPT)
-            (dw,) = cluster.registry.workers("decode")
-            for _ in range(3):
-                list(client.stream(ids, temperature=0, max_tokens=8, ignore_eos=True))
-            remote_calls(reset=True)
-            remote_calls(dw.client.actor, reset=True)
+    with harness.served(config) as cluster, Client(cluster.address, timeout=120) as client:
+        ids = client.tokenize(PROMPT)
+        (dw,) = cluster.registry.workers("decode")
+        for _ in range(3):
             list(client.stream(ids, temperature=0, max_tokens=8, ignore_eos=True))
-            router = {m: n for m, n in remote_calls().items() if m != "stats"}
-            decode = remote_calls(dw.client.actor)
-            ttfts, router_ttfts = [], []
-            for _ in range(args.requests):
-                t0 = time.perf_counter()
-                first = None
-                for item in client.stream(ids, temperature=0, max_tokens=4, ignore_eos=True):
-                    if isinstance(item, Chunk) and first is None:
-                        first = time.perf_counter() - t0
-                    if isinstance(item, Final):
-                        router_ttfts.append(item.ttft_ms / 1000)
-                ttfts.append(first)
-    finally:
-        ray.shutdown()
+        remote_calls(reset=True)
+        remote_calls(dw.client.actor, reset=True)
+        list(client.stream(ids, temperature=0, max_tokens=8, ignore_eos=True))
+        router = {m: n for m, n in remote_calls().items() if m != "stats"}
+        decode = remote_calls(dw.client.actor)
+        ttfts, router_ttfts = [], []
+        for _ in range(args.requests):
+            t0 = time.perf_counter()
+            first = None
+            for item in client.stream(ids, temperature=0, max_tokens=4, ignore_eos=True):
+                if isinstance(item, Chunk) and first is None:
+                    first = time.perf_counter() - t0
+                if isinstance(item, Final):
+                    router_ttfts.append(item.ttft_ms / 1000)
+            ttfts.append(first)
     ms = 1000
     print(f"model {args.model}, backend {args.backend}, prompt {len(ids)} tokens")
     print(f"calls per request: router -> worker {sum(router.values())} {router}")

@@ -39,10 +39,9 @@ import time
 from collections.abc import Iterator
 
 import grpc
-import ray
 
+from splitserve.bench import harness
 from splitserve.client import Chunk, Client
-from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.worker_client import RayDecodeWorker
 from splitserve.proto import splitserve_pb2 as pb
@@ -173,56 +172,50 @@ def main(argv: list[str] | None = None) -> int:
             "router": {"port": 0},
         }
     )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        with BackgroundCluster(config) as cluster, Client(cluster.address, timeout=120) as client:
-            worker = RayDecodeWorker(cluster.registry.workers("colocated")[0].client.actor)
-            accepted = record_acceptance(cluster.dispatcher)
-            # One loop for every direct request: the worker's inbox lives on it.
-            loop = asyncio.new_event_loop()
-            prompt_ids = client.tokenize(messages=[{"role": "user", "content": PROMPT}])
-            params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-            _, warm_e2e = loop.run_until_complete(direct(worker, prompt_ids, params, "warmup"))
-            bare = BareStream(gap_s=warm_e2e / args.tokens)  # the decode path's pace
-            conn, child_conn = multiprocessing.Pipe()
-            child = multiprocessing.get_context("spawn").Process(
-                target=client_process, args=(cluster.address, child_conn), daemon=True
-            )
-            child.start()
-            child_conn.close()  # a child that dies then ends our recv() with EOFError, not a hang
+    with harness.served(config) as cluster, Client(cluster.address, timeout=120) as client:
+        worker = RayDecodeWorker(cluster.registry.workers("colocated")[0].client.actor)
+        accepted = record_acceptance(cluster.dispatcher)
+        # One loop for every direct request: the worker's inbox lives on it.
+        loop = asyncio.new_event_loop()
+        prompt_ids = client.tokenize(messages=[{"role": "user", "content": PROMPT}])
+        params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+        _, warm_e2e = loop.run_until_complete(direct(worker, prompt_ids, params, "warmup"))
+        bare = BareStream(gap_s=warm_e2e / args.tokens)  # the decode path's pace
+        conn, child_conn = multiprocessing.Pipe()
+        child = multiprocessing.get_context("spawn").Process(
+            target=client_process, args=(cluster.address, child_conn), daemon=True
+        )
+        child.start()
+        child_conn.close()  # a child that dies then ends our recv() with EOFError, not a hang
 
-            def in_child(
-                target: str, rid: str, accepted: dict[str, float]
-            ) -> tuple[list[float], float, float]:
-                """(per-token lags, seconds end to end, the request's trip to the server)."""
-                conn.send((target, prompt_ids, params, rid))
-                sent, got, e2e = conn.recv()
-                start = accepted.pop(rid)
-                return [now - (start + ms / 1000) for now, ms in got], e2e, start - sent
+        def in_child(target: str, rid: str, accepted: dict[str, float]) -> tuple[list[float], float, float]:
+            """(per-token lags, seconds end to end, the request's trip to the server)."""
+            conn.send((target, prompt_ids, params, rid))
+            sent, got, e2e = conn.recv()
+            start = accepted.pop(rid)
+            return [now - (start + ms / 1000) for now, ms in got], e2e, start - sent
 
-            lags = {"direct": [], "routed": [], "bare": []}
-            e2es = {"direct": [], "routed": [], "bare": []}
-            trips = []
-            with bare_server(bare) as bare_address:
-                in_child(cluster.address, "routed-warmup", accepted)
-                in_child(bare_address, "bare-warmup", bare.accepted)
-                for i in range(args.requests):
-                    lag, e2e = loop.run_until_complete(direct(worker, prompt_ids, params, f"direct-{i}"))
-                    lags["direct"] += lag
-                    e2es["direct"].append(e2e)
-                    lag, e2e, trip = in_child(cluster.address, f"routed-{i}", accepted)
-                    trips.append(trip)
-                    lags["routed"] += lag
-                    e2es["routed"].append(e2e)
-                    lag, e2e, _ = in_child(bare_address, f"bare-{i}", bare.accepted)
-                    lags["bare"] += lag
-                    e2es["bare"].append(e2e)
-                conn.send(None)  # the child closes its clients before the bare server stops
-                rtts = conn.recv()
-                child.join(30)
-            loop.run_until_complete(worker.close())
-    finally:
-        ray.shutdown()
+        lags = {"direct": [], "routed": [], "bare": []}
+        e2es = {"direct": [], "routed": [], "bare": []}
+        trips = []
+        with bare_server(bare) as bare_address:
+            in_child(cluster.address, "routed-warmup", accepted)
+            in_child(bare_address, "bare-warmup", bare.accepted)
+            for i in range(args.requests):
+                lag, e2e = loop.run_until_complete(direct(worker, prompt_ids, params, f"direct-{i}"))
+                lags["direct"] += lag
+                e2es["direct"].append(e2e)
+                lag, e2e, trip = in_child(cluster.address, f"routed-{i}", accepted)
+                trips.append(trip)
+                lags["routed"] += lag
+                e2es["routed"].append(e2e)
+                lag, e2e, _ = in_child(bare_address, f"bare-{i}", bare.accepted)
+                lags["bare"] += lag
+                e2es["bare"].append(e2e)
+            conn.send(None)  # the child closes its clients before the bare server stops
+            rtts = conn.recv()
+            child.join(30)
+        loop.run_until_complete(worker.close())
     ms = 1000
     print(f"model {args.model}, {args.requests} requests x {args.tokens} tokens per path, one at a time")
     print(f"{'path':<8} {'lag p50 ms':>10} {'lag p90 ms':>10} {'e2e median ms':>14}")

@@ -37,10 +37,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-import ray
-
+from splitserve.bench import harness
 from splitserve.client import AsyncClient, Chunk
-from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.model.loader import load_hf_config, resolve_source
@@ -84,17 +82,13 @@ def served(
 ) -> tuple[float, HalfRate]:
     """Output tokens/s of the whole batch through router, Ray and the worker; then
     ``fresh`` as a Poisson stream at half the request rate that batch achieved."""
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-    try:
-        with BackgroundCluster(config) as cluster:
-            asyncio.run(_generate(cluster.address, prompts[:2], 8))  # warm-up
-            t0 = time.perf_counter()
-            tokens = asyncio.run(_generate(cluster.address, prompts, output_len))
-            elapsed = time.perf_counter() - t0
-            rate = len(prompts) / elapsed / 2
-            half = asyncio.run(_poisson(cluster.address, fresh, output_len, rate, seed))
-    finally:
-        ray.shutdown()
+    with harness.served(config, cpus) as cluster:
+        asyncio.run(_generate(cluster.address, prompts[:2], 8))  # warm-up
+        t0 = time.perf_counter()
+        tokens = asyncio.run(_generate(cluster.address, prompts, output_len))
+        elapsed = time.perf_counter() - t0
+        rate = len(prompts) / elapsed / 2
+        half = asyncio.run(_poisson(cluster.address, fresh, output_len, rate, seed))
     if tokens != len(prompts) * output_len:
         raise RuntimeError(f"expected {len(prompts) * output_len} output tokens, got {tokens}")
     return tokens / elapsed, half
@@ -189,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    harness.add_json_argument(ap)
     args = ap.parse_args(argv)
     if args.output_len < 2:
         ap.error("--output-len must be at least 2 (TPOT needs two tokens)")
@@ -234,10 +229,18 @@ def main(argv: list[str] | None = None) -> int:
         f"model {args.model}, {args.requests} requests x {args.input_len}/{args.output_len} tokens, "
         f"{cpus} CPUs, max_num_seqs {engine_cfg.max_num_seqs}"
     )
-    print(f"{'path':<8} {'output tok/s':>12}")
-    print(f"{'offline':<8} {offline_tps:>12.1f}")
-    print(f"{'served':<8} {served_tps:>12.1f}")
-    print(f"served / offline = {served_tps / offline_tps:.3f}x")
+    print(harness.table(["path", "output tok/s"], [["offline", offline_tps], ["served", served_tps]]))
+    harness.report(
+        "served / offline",
+        served_tps / offline_tps,
+        args.json,
+        model=args.model,
+        offline_tps=offline_tps,
+        served_tps=served_tps,
+        tpot_p50_ms=half.tpot_p50_ms,
+        step_ms=step_ms,
+        replayed_tpot_p50_ms=replay_ms,
+    )
     print(f"(offline: the mean of {before:.1f} before serving and {after:.1f} after)")
     print(
         f"at half that rate ({half.rate:.2f} req/s, Poisson; mean concurrency {half.concurrency:.1f}): "

@@ -36,11 +36,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-import ray
-
+from splitserve.bench import harness
 from splitserve.bench.chaos import kv_held
 from splitserve.client import AsyncClient, Chunk, Client, SplitserveClientError
-from splitserve.cluster.app import BackgroundCluster, start_local_ray
+from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.config import ClusterConfig
 from splitserve.engine.engine import Engine
 from splitserve.wire.sampling import SamplingParams
@@ -346,24 +345,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     config = soak_config(args.model, args.kv_mib, args.dtype)
-    start_local_ray(log_to_driver=False)  # its own, whatever runs
-    try:
-        with BackgroundCluster(config) as cluster:
-            with Client(cluster.address, timeout=60) as c:
-                vocab = c.list_models()[0].vocab_size
-            a = args
-            prompts, params = shared_prefix_prompts(
-                a.prompts, vocab, a.seed, a.prefixes, a.prefix_len, a.max_suffix, a.max_output
-            )
-            log(f"reference: {len(prompts)} prompts through the monolithic engine ...")
-            engine = Engine(config.engine_config("decode"))
-            reference = [c.token_ids for c in engine.generate(prompts, params)]
-            del engine
-            spec = SoakSpec(args.requests, args.concurrency, args.cancel, seed=args.seed)
-            log(f"soak: {spec.requests} requests, {spec.concurrency} at a time ...")
-            report = run_soak(cluster, prompts, params, reference, spec)
-    finally:
-        ray.shutdown()
+    with harness.served(config, num_cpus=None) as cluster:
+        with Client(cluster.address, timeout=60) as c:
+            vocab = c.list_models()[0].vocab_size
+        a = args
+        prompts, params = shared_prefix_prompts(
+            a.prompts, vocab, a.seed, a.prefixes, a.prefix_len, a.max_suffix, a.max_output
+        )
+        log(f"reference: {len(prompts)} prompts through the monolithic engine ...")
+        engine = Engine(config.engine_config("decode"))
+        reference = [c.token_ids for c in engine.generate(prompts, params)]
+        del engine
+        spec = SoakSpec(args.requests, args.concurrency, args.cancel, seed=args.seed)
+        log(f"soak: {spec.requests} requests, {spec.concurrency} at a time ...")
+        report = run_soak(cluster, prompts, params, reference, spec)
     print(report.summary())
     problems = report.problems(args.max_growth)
     print("every goal met" if not problems else "NOT MET: " + "; ".join(problems))

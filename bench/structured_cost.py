@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
+from splitserve.bench import harness
 from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.sampling import SamplingParams, StructuredOutput
@@ -67,14 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'batch':>5} {'free tok/s':>11} {'schema tok/s':>13} {'ratio':>6}"
     print(f"{header}  (median of {args.rounds} paired rounds)")
     for batch in (int(b) for b in args.batches.split(",")):
-        pairs = []
-        for _ in range(args.rounds):  # interleaved, so a slow spell of the machine hits both
-            free = run(engine, batch, args.tokens, False)[0]
+
+        def constrained(batch=batch) -> float:
             rate, n = run(engine, batch, args.tokens, True)
             assert n == batch * args.tokens, (n, batch * args.tokens)
-            pairs.append((rate / free, free, rate))
-        ratio, free, rate = sorted(pairs)[len(pairs) // 2]
-        print(f"{batch:>5} {free:>11.1f} {rate:>13.1f} {ratio:>5.2f}x")
+            return rate
+
+        pair = harness.paired(
+            lambda batch=batch: run(engine, batch, args.tokens, False)[0], constrained, args.rounds, 0
+        )
+        free, rate = statistics.median(pair.baseline), statistics.median(pair.candidate)
+        print(f"{batch:>5} {free:>11.1f} {rate:>13.1f} {pair.ratio:>5.2f}x")
     return 0
 
 

@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--check", action="store_true", help="compare every stream with a TP=1 engine's")
     args = ap.parse_args(argv)
 
+    from splitserve.bench import harness
     from splitserve.client import Client
-    from splitserve.cluster.app import BackgroundCluster, start_local_ray
     from splitserve.cluster.config import ClusterConfig
     from splitserve.engine.engine import Engine
     from splitserve.wire.config import EngineConfig
@@ -80,9 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 30000) for _ in range(16 + 24 * i)] for i in range(args.requests)]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    start_local_ray(ncpu, object_store_memory=300 * 2**20, log_to_driver=False)
     t0 = time.perf_counter()
-    with BackgroundCluster(config) as cluster:
+    with harness.served(config, ncpu, object_store_memory=300 * 2**20) as cluster:
         print(f"cluster up in {time.perf_counter() - t0:.0f} s", flush=True)
         with Client(cluster.address, timeout=600) as client:
             outs = [
