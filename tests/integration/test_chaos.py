@@ -21,7 +21,7 @@ from splitserve.cluster.app import BackgroundCluster
 from splitserve.cluster.pools import actor_state
 from splitserve.engine.engine import Engine
 from splitserve.router.registry import NodePlacement
-from tests.integration.cluster_util import VOCAB, live_cluster, wait_until
+from tests.integration.cluster_util import VOCAB, live_cluster, own_ray, wait_until
 
 # 3 in CI (each kind once: the kinds come in turn; 6 until the suite neared 20 minutes; node
 # kills 2, 3 until session 24); more
@@ -46,6 +46,7 @@ def test_kills_under_load_complete_99_percent_and_corrupt_no_output(checkpoint):
 
 
 def test_node_kills_under_load_complete_99_percent_and_corrupt_no_output(checkpoint):
+    own_ray()  # several nodes of its own
     nodes, config = local_nodes(3, chaos_config(checkpoint, prefill=2, decode=2, tp=2))
     prompts, params = mixed_prompts(24, VOCAB, seed=2, max_len=200)
     reference = [c.token_ids for c in Engine(config.engine_config("decode")).generate(prompts, params)]

@@ -5,9 +5,12 @@ prefix cache:
 
 | family      | attention | MoE                                      | prefill TP | decode          |
 |-------------|-----------|------------------------------------------|------------|-----------------|
-| mixtral     | GQA       | 4 experts, softmax top 2                 | 2          | TP 1, EP 2      |
+| mixtral     | GQA       | 4 experts, softmax top 2                 | 2          | EP 2            |
 | qwen3_moe   | GQA, norm | 8 experts, layer 0 dense                 | 1          | EP 2            |
-| deepseek_v3 | MLA       | sigmoid, grouped, bias, shared, 0 dense  | 2          | TP 2, EP 2      |
+| deepseek_v3 | MLA       | sigmoid, grouped, bias, shared, 0 dense  | 2          | TP 2            |
+
+(DeepSeek-V3 under EP is the rank-loss test's case below, equal to transformers too;
+a TP=1 decode worker is every dense cluster test's.)
 
 With MLA every rank holds the same latent rows (one plane, one "head"); a decode
 rank reads them from one source rank. Under EP (experts split over the decode
@@ -42,14 +45,11 @@ MAX_TOKENS = 8
 @pytest.mark.parametrize(
     "kind, prefill_tp, decode",
     [
-        ("mixtral", 2, {"tp_size": 1}),
         ("deepseek_v3", 2, {"tp_size": 2}),
         ("mixtral", 2, {"ep_size": 2}),
         ("qwen3_moe", 1, {"ep_size": 2}),
-        ("deepseek_v3", 2, {"ep_size": 2}),
     ],
-    ids=["mixtral-tp2-tp1", "deepseek_v3-tp2-tp2"]
-    + ["mixtral-tp2-ep2", "qwen3_moe-tp1-ep2", "deepseek_v3-tp2-ep2"],
+    ids=["deepseek_v3-tp2-tp2", "mixtral-tp2-ep2", "qwen3_moe-tp1-ep2"],
 )
 def test_moe_and_mla_through_the_cluster_equal_transformers(tmp_path, kind, prefill_tp, decode):
     model = make_hf_checkpoint(kind, tmp_path)

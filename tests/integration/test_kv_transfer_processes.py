@@ -33,7 +33,6 @@ from splitserve.bench.kv_peers import (
     compat_of,
     start_source,
 )
-from splitserve.cluster.app import start_local_ray
 from splitserve.engine.engine import Engine
 from splitserve.kv_transfer import CLUSTER_BACKENDS, get_backend
 from splitserve.kv_transfer.integrity import layer_checksums
@@ -50,6 +49,7 @@ from splitserve.wire.kv import CompatInfo
 from splitserve.wire.kv_layout import KVLayout
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import HAS_SMOLLM2
+from tests.integration.cluster_util import shared_ray
 from tests.waiting import wait_until
 
 BACKENDS = list(CLUSTER_BACKENDS)
@@ -61,11 +61,7 @@ SMALL = KVLayout(num_layers=2, num_blocks=32, block_size=16, num_kv_heads=2, hea
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_instance():
-    import ray
-
-    start_local_ray(2, object_store_memory=300 * 2**20, log_to_driver=False)
-    yield
-    ray.shutdown()
+    shared_ray()  # for the ray backend's source actor
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
-from tests.integration.cluster_util import VOCAB, tiny_config, wait_until
+from tests.integration.cluster_util import VOCAB, own_ray, tiny_config, wait_until
 
 MAX_TOKENS = 6
 POOL = {"num_cpus": 1, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
@@ -87,6 +87,7 @@ def autoscaling_ray(tmp_path_factory):
     """A head node (1 CPU, no phase) started with Ray's autoscaler on the fake provider,
     as ``ray.cluster_utils.AutoscalingCluster`` does; ``ray stop --force`` at the end,
     which also stops the nodes the autoscaler launched."""
+    own_ray()  # `ray stop --force` would take the shared one down anyway
     ray_cli = str(Path(sys.executable).with_name("ray"))
     config = tmp_path_factory.mktemp("fake") / "autoscaling.json"
     config.write_text(json.dumps(fake_cluster_config()))

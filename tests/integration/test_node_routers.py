@@ -37,6 +37,7 @@ from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
     mixed_workload,
+    own_ray,
     reference_tokens,
     stream_all,
     streams_through_a_fault,
@@ -51,6 +52,7 @@ UNITS = (1, 2, 1)  # splitserve_router on the head and on each other node
 @pytest.fixture(scope="module")
 def three_nodes():
     """A head with the workers' CPUs and two nodes with none; all three offer routers."""
+    own_ray()
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"splitserve_router": UNITS[0]}}
     )

@@ -32,6 +32,7 @@ from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
 from tests.integration.cluster_util import (
     mixed_workload,
+    own_ray,
     reference_tokens,
     stream_all,
     tiny_config,
@@ -45,6 +46,7 @@ POOL = {"num_cpus": 1, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_to
 def three_nodes():
     """(cluster, prefill node, decode node); the head has one CPU and no phase. This
     process joins it too (to read Ray's node table)."""
+    own_ray()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     prefill = cluster.add_node(num_cpus=1, resources={"splitserve_prefill": 1})
     decode = cluster.add_node(num_cpus=1, resources={"splitserve_decode": 1})
