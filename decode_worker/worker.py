@@ -212,7 +212,7 @@ class DecodeWorker:
             req.outbox.drop(request_id)
             importing = req.importing
             if importing is not None and not importing.done():
-                self._end(request_id)  # the import frees the blocks once its pull is over
+                self._end(request_id)  # its handover frees what its phase held (after a pull)
                 await asyncio.wait([importing])
                 return True
             self._end(request_id, abort=False)
