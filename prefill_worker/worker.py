@@ -116,8 +116,9 @@ class PrefillWorker:
             call = lambda fn: asyncio.wrap_future(self.loop.call(fn))  # noqa: E731
             timeout = spec.transfer_timeout_s or spec.lease_s
             self.borrower = PrefixBorrower(spec.worker_id, sink, spec.engine.block_size, call, timeout)
-        self.loop.start()
+        # before the loop starts: its first tick takes the lease ends the poller reported
         self._poller = SourcePoller(self.source, self._source_lock, f"{spec.worker_id}-kv-poll")
+        self.loop.start()
 
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> PrefillWorkerInfo:
