@@ -47,7 +47,9 @@ The failure paths, each with its phase and the error the consumer gets (under
 ``transfer.on_failure: recompute`` the router recomputes after a transfer error):
 
 - the source is lost before any KV came (PREFILLING): ``PrefillLost``;
-- the source is lost while its KV streams (LINKING to PULLING): ``PeerLost``;
+- the source is lost while its KV streams: its pull fails (PULLING,
+  ``KVTransferError``), or, every layer pulled, its result never comes
+  (ACTIVATING, ``PeerLost``);
 - the source is gone, or restarted since it exported (LINKING): ``PeerLost``;
 - the admission queue is full, no blocks came within the lease, the lease had
   ended, or the deadline came (WAITING_FOR_BLOCKS): ``Overloaded``,
