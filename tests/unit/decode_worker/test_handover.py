@@ -238,6 +238,16 @@ def test_a_source_lost_while_its_kv_streams_ends_the_request_after_the_pull_and_
     assert batches == []  # the source never sent a first token
 
 
+def test_a_source_lost_after_every_layer_was_pulled_ends_the_request_with_peer_lost():
+    """The pull had the whole KV (confirmed: the export is not released), but the
+    source's result never comes: ACTIVATING ends with ``PeerLost``, blocks freed."""
+    source, side = FakePrefill("prefill-0", streams=True, fail=_lost), FakeSide()
+    ending, phase, batches = asyncio.run(_run(side, source))
+    assert isinstance(ending.error, PeerLost) and phase is Phase.ENDED
+    assert side.held == {} and side.activated == [] and batches == []
+    assert source.aborted == [] and len(source.confirmed) == 1
+
+
 def test_a_lease_that_ends_during_the_pull_fails_it_as_expired():
     source, side = ShortLease("prefill-0", lease_s=0.3), FakeSide(outlast_lease=True)
     ending, phase, _ = asyncio.run(_run(side, source))
