@@ -1,0 +1,190 @@
+"""The prepared check for a GPU machine, in one command from the repo root:
+
+    python -m splitserve.bench.device_check --out DIR
+
+Stages, each in a process of its own under a time bound (a hang costs that
+stage, not the lease), each result in ``DIR/<stage>.json``; then
+``DIR/device_check.json`` and ``DIR/device_check.md`` (a table for
+``docs/gpu.md``):
+
+| stage          | what                                                                  | bound |
+|----------------|-----------------------------------------------------------------------|-------|
+| environment    | GPU, driver, torch, Triton, NIXL and the plugins it loads             | 60 s  |
+| gpu_tests      | ``pytest tests/gpu``                                                  | 150 s |
+| disaggregated  | ``bench.disagg_check``: prefill process → NIXL → decode, tokens equal | 150 s |
+| gpu_bench      | ``bench.gpu_bench`` quick: decode B = 1, 16, 64; prefill 2k, 8k       | 150 s |
+
+Without CUDA the same command runs what the CPU can (environment, disaggregated
+over host memory) and marks the rest skipped; the suite runs it that way
+(``tests/integration/test_device_check.py``), so it cannot rot between GPU runs.
+``--stages`` picks some.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    timeout_s: float
+    needs_cuda: bool
+    run: Callable[[Path], dict]  # in the stage's own process: its result (JSON-able)
+
+
+def _environment(out: Path) -> dict:
+    import torch
+
+    info: dict = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
+    for dist in ("triton", "nixl", "nixl-cu12", "nixl-cu13", "transformers"):
+        try:
+            info[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = props.name
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
+        info["driver"] = smi.stdout.strip() if smi.returncode == 0 else "unknown"
+    try:
+        from splitserve.kv_transfer.backends.nixl_backend import _nixl_api
+
+        api = _nixl_api()
+        agent = api.nixl_agent("device-check", api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        info["nixl_plugins"] = sorted(agent.get_plugin_list())
+    except Exception as e:  # reported, not fatal: the disaggregated stage says what it means
+        info["nixl_plugins"] = f"unavailable: {type(e).__name__}: {e}"
+    return info
+
+
+def _gpu_tests(out: Path) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"],
+        capture_output=True,
+        text=True,
+    )
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if proc.returncode not in (0, 5):  # 5: nothing collected
+        raise RuntimeError(f"pytest tests/gpu: {last}\n{proc.stdout[-3000:]}")
+    return {"summary": last}
+
+
+def _disaggregated(out: Path) -> dict:
+    from splitserve.bench import disagg_check
+
+    path = out / "disaggregated_rows.json"
+    code = disagg_check.main(["--json", str(path)])
+    rows = json.loads(path.read_text())
+    if code != 0:
+        raise RuntimeError(f"tokens differ or a row failed: {[r for r in rows if not r['equal']]}")
+    return {"rows": rows}
+
+
+def _gpu_bench(out: Path) -> dict:
+    from splitserve.bench import gpu_bench
+
+    path = out / "gpu_bench.json"
+    gpu_bench.main(
+        ["--batch", "1", "16", "64", "--prefill-tokens", "2048", "8192", "--result-json", str(path)]
+    )
+    return json.loads(path.read_text())
+
+
+STAGES = (
+    Stage("environment", 60, False, _environment),
+    Stage("gpu_tests", 150, True, _gpu_tests),
+    Stage("disaggregated", 150, False, _disaggregated),
+    Stage("gpu_bench", 150, True, _gpu_bench),
+)
+
+
+def run_stage(stage: Stage, out: Path, cuda: bool) -> dict:
+    """Run ``stage`` in a child process within its bound; its record (status passed,
+    failed, timed out or skipped; seconds; result or error)."""
+    if stage.needs_cuda and not cuda:
+        return {"stage": stage.name, "status": "skipped", "seconds": 0.0, "error": "needs CUDA"}
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "splitserve.bench.device_check", "--out", str(out), "--in-stage", stage.name]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=stage.timeout_s)
+    except subprocess.TimeoutExpired:
+        record = {"status": "timed out", "error": f"past its {stage.timeout_s:g} s bound"}
+    else:
+        path = out / f"{stage.name}.json"
+        if proc.returncode == 0 and path.exists():
+            record = {"status": "passed", "result": json.loads(path.read_text())}
+        else:
+            record = {"status": "failed", "error": (proc.stderr or proc.stdout)[-3000:]}
+    return {"stage": stage.name, "seconds": round(time.perf_counter() - t0, 1), **record}
+
+
+def markdown(records: list[dict]) -> str:
+    """The table for ``docs/gpu.md``: a line per stage, the environment, the rows."""
+    lines = ["| stage | status | s | detail |", "|---|---|---|---|"]
+    for r in records:
+        detail = r.get("error", "").strip().splitlines()[-1:] if r["status"] != "passed" else []
+        lines.append(f"| {r['stage']} | {r['status']} | {r['seconds']} | {' '.join(detail)} |")
+    env = next((r.get("result") for r in records if r["stage"] == "environment"), None)
+    if env:
+        lines += ["", "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items())]
+    disagg = next((r.get("result") for r in records if r["stage"] == "disaggregated"), None)
+    if disagg:
+        lines += [
+            "",
+            "| model | KV | device | tokens equal | streamed | KV MB | s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row in disagg["rows"]:
+            lines.append(
+                f"| {row['model']} | {row['kv_cache_dtype']} | {row['device']} | {row['equal']} "
+                f"| {row['streamed']} | {row['kv_bytes'] / 1e6:.2f} | {row['seconds']:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, type=Path, help="where the JSON and the table go")
+    ap.add_argument("--stages", nargs="+", default=[s.name for s in STAGES], choices=[s.name for s in STAGES])
+    ap.add_argument("--in-stage", default=None, help=argparse.SUPPRESS)  # the child's side
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    by_name = {s.name: s for s in STAGES}
+    if args.in_stage is not None:
+        result = by_name[args.in_stage].run(args.out)
+        (args.out / f"{args.in_stage}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        return 0
+    import torch
+
+    cuda = torch.cuda.is_available()
+    records = []
+    for name in args.stages:
+        record = run_stage(by_name[name], args.out, cuda)
+        print(f"{name}: {record['status']} ({record['seconds']} s)", flush=True)
+        records.append(record)
+    (args.out / "device_check.json").write_text(json.dumps(records, indent=2, default=str) + "\n")
+    table = markdown(records)
+    (args.out / "device_check.md").write_text(table)
+    print(table)
+    return 0 if all(r["status"] in ("passed", "skipped") for r in records) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
