@@ -210,14 +210,18 @@ def _attention(
 ) -> tuple[AttentionBackend, bool]:
     """The attention backend, and whether decode runs in CUDA graphs; ``ValueError`` for
     a combination that does not run (MLA or MoE with CUDA graphs, an FP8 KV cache on a
-    backend that cannot read it or with CUDA graphs, MLA with an FP8 KV cache)."""
+    backend that cannot read it, MLA with an FP8 KV cache). ``auto`` with an FP8 cache
+    is the Triton kernel on CUDA (it reads e4m3 in place; graphs capture it) and SDPA
+    on CPU."""
     fp8_kv = config.kv_cache_dtype == "fp8"
     if mc.mla is not None and fp8_kv:
         raise ValueError(f"{mc.model_type} (MLA) does not run with kv_cache_dtype fp8 yet")
     sparse = mc.mla is not None or mc.moe is not None  # kernels that read sizes on the host
     if sparse and config.cuda_graphs:
         raise ValueError(f"{mc.model_type} (MoE / MLA) does not run with cuda_graphs yet")
-    attention = "sdpa" if fp8_kv and config.attention_backend == "auto" else config.attention_backend
+    attention = config.attention_backend
+    if fp8_kv and attention == "auto":
+        attention = "triton" if device.type == "cuda" else "sdpa"
     if mc.mla is not None:
         backend: AttentionBackend = MlaBackend(mc.mla.kv_lora_rank)
     else:
@@ -226,13 +230,9 @@ def _attention(
         raise ValueError(
             f"kv_cache_dtype fp8 runs on the sdpa attention backend; {backend.name} cannot read it"
         )
-    if fp8_kv and config.cuda_graphs:
-        raise ValueError("kv_cache_dtype fp8 does not run with cuda_graphs")
     use_graphs = config.cuda_graphs
     if use_graphs is None:
-        use_graphs = (
-            device.type == "cuda" and backend.name == "triton" and tp_size == 1 and not fp8_kv and not sparse
-        )
+        use_graphs = device.type == "cuda" and backend.name == "triton" and tp_size == 1 and not sparse
     return backend, use_graphs
 
 

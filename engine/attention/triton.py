@@ -1,9 +1,10 @@
 """GPU attention with a Triton paged-decode kernel (``triton_decode``), which reads
 K/V in place through the block tables instead of gathering them (the SDPA
 backend's decode copies every block of every sequence first); prefill as in the
-SDPA backend. The CUDA default (``attention_backend: auto``) unless flash-attn
-imports; tested against SDPA under Triton's CPU interpreter in CI, and compiled
-on an H100 (``tests/gpu``).
+SDPA backend. It reads an FP8 cache in place too (e4m3 with per-head scales), where
+the SDPA backend dequantizes what it gathers. The CUDA default (``attention_backend:
+auto``) unless flash-attn imports, and with an FP8 cache always; tested against SDPA
+under Triton's CPU interpreter in CI, and compiled on an H100 (``tests/gpu``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class TritonMetadata:
 
 class TritonBackend(SdpaBackend):
     name = "triton"
+    reads_fp8_kv = True  # decode in the kernel, prefill through SDPA's dequantizing gathers
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -50,14 +52,15 @@ class TritonBackend(SdpaBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float, kv_scales=None):
         nd = meta.num_decodes
         if nd == 0:
-            return super().forward(q, k, v, k_cache, v_cache, meta.sdpa, scale)
+            return super().forward(q, k, v, k_cache, v_cache, meta.sdpa, scale, kv_scales)
         tables = meta.block_tables
         splits = self._kernel.choose_splits(nd, k_cache.shape[2], tables.shape[1], self._num_sms)
+        lens = meta.context_lens
         decoded = self._kernel.paged_decode(
-            q[:nd].contiguous(), k_cache, v_cache, tables, meta.context_lens, scale, splits
+            q[:nd].contiguous(), k_cache, v_cache, tables, lens, scale, splits, kv_scales=kv_scales
         )
         if nd == q.shape[0]:
             return decoded
-        out = super().forward(q, k, v, k_cache, v_cache, meta.sdpa, scale)
+        out = super().forward(q, k, v, k_cache, v_cache, meta.sdpa, scale, kv_scales)
         out[:nd] = decoded
         return out

@@ -8,8 +8,15 @@ context is split across programs so a batch of one still fills the GPU.
                        with an online softmax; writes partial (max, sum, acc)
     combine (torch):   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
 
+An FP8 cache (``engine.kv_quant``: e4m3 values, one float32 scale per KV head)
+is read as it is stored, one byte per value: the program widens each tile in
+registers and applies its head's scales to the scores (K) and to the weighted
+sum (V), so FP8 KV moves half the bytes of bf16 KV and gathers nothing.
+The scales are powers of two, so this is exact against dequantizing first.
+
 Every shape the kernel sees is fixed for a given batch size and table width, so
-a decode step that uses it can be captured in a CUDA graph. With
+a decode step that uses it can be captured in a CUDA graph (an FP8 cache's
+scales are a fixed tensor too). With
 ``TRITON_INTERPRET=1`` Triton runs the kernel on CPU tensors (how the tests
 check it against SDPA without a GPU).
 """
@@ -28,6 +35,8 @@ def _paged_decode_partial(
     q_ptr,  # [B, H, D]
     k_ptr,  # [num_blocks, BLOCK, KVH, D]
     v_ptr,
+    ks_ptr,  # [KVH] float32: an FP8 cache's K scales (KV_FP8), else unused
+    vs_ptr,  # [KVH] float32: its V scales
     tables_ptr,  # [B, max_blocks] int32
     lens_ptr,  # [B] int32
     m_ptr,  # [B, H, S] float32
@@ -48,6 +57,7 @@ def _paged_decode_partial(
     BLOCK: tl.constexpr,
     TILE_BLOCKS: tl.constexpr,  # KV blocks per iteration: TILE_BLOCKS * BLOCK keys at a time
     SPLITS: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache holds e4m3 values with per-head scales
     FP32_DOT: tl.constexpr,  # dots in full float32 (float32 caches; the interpreter, whose bf16 dot is wrong)
 ):
     b = tl.program_id(0)
@@ -69,6 +79,8 @@ def _paged_decode_partial(
     if FP32_DOT:
         q = q.to(tl.float32)
     ctx = tl.load(lens_ptr + b)
+    if KV_FP8:  # K's scale folds into the score scale; V's multiplies the sum at the end
+        scale = scale * tl.load(ks_ptr + kvh)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(ctx, BLOCK))
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -82,6 +94,10 @@ def _paged_decode_partial(
         offs = block[:, None] * stride_kb + t_slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]
         kv_mask = s_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)  # [TILE, D]
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+        if KV_FP8 and not FP32_DOT:  # e4m3 widens exactly to the query's dtype
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if FP32_DOT:
             k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, TILE], float32
@@ -91,7 +107,6 @@ def _paged_decode_partial(
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
         if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -99,6 +114,8 @@ def _paged_decode_partial(
         acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(vs_ptr + kvh)
     row = (b * (GROUP * tl.num_programs(1)) + heads) * SPLITS + split  # index into [B, H, S]
     tl.store(m_ptr + row, m_i, mask=g_ok)
     tl.store(l_ptr + row, l_i, mask=g_ok)
@@ -122,8 +139,13 @@ def paged_decode(
     scale: float,
     num_splits: int,
     tile_keys: int = TILE_KEYS,
+    kv_scales: torch.Tensor | None = None,  # [2, KVH] float32 with an FP8 (e4m3) cache
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged K/V; returns [B, H, D]."""
+    """Attention of one query token per sequence over its paged K/V; returns [B, H, D].
+    An FP8 cache comes with its K and V scales per KV head (``engine.kv_quant``)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 != (kv_scales is not None):
+        raise ValueError("an FP8 KV cache needs its kv_scales, and only an FP8 cache takes them")
     batch, heads, dim = q.shape
     num_blocks_max = block_tables.shape[1]
     kv_heads, block = k_cache.shape[2], k_cache.shape[1]
@@ -136,6 +158,8 @@ def paged_decode(
         q,
         k_cache,
         v_cache,
+        kv_scales[0] if fp8 else context_lens,  # (a placeholder pointer, never read)
+        kv_scales[1] if fp8 else context_lens,
         block_tables,
         context_lens,
         m,
@@ -156,7 +180,8 @@ def paged_decode(
         BLOCK=block,
         TILE_BLOCKS=max(1, tile_keys // block),
         SPLITS=num_splits,
-        FP32_DOT=k_cache.dtype == torch.float32 or _INTERPRETED,
+        KV_FP8=fp8,
+        FP32_DOT=q.dtype == torch.float32 or _INTERPRETED,
     )
     out = torch.empty_like(q)
     _combine_splits[(batch * heads,)](

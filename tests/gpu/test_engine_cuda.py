@@ -61,3 +61,30 @@ def test_moe_and_mla_on_cuda_match_hf(tmp_path, kind):
     assert all(m.grouped_kernel is not None for m in engine.model.moe_layers())
     out = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in out] == expected
+
+
+def test_an_fp8_cache_on_cuda_reads_in_the_kernel_and_its_graphs_as_sdpa_does(tmp_path):
+    """FP8 KV on CUDA: ``auto`` picks the Triton kernel, which reads e4m3 in place and
+    is captured in CUDA graphs; the same tokens as the SDPA backend's dequantizing
+    gathers on the same calibrated cache."""
+    make_hf_checkpoint("llama", tmp_path)
+    prompts = random_prompts([5, 40, 77, 130, 9], 512)
+    outs = {}
+    for name in ("sdpa", "auto"):
+        engine = Engine(
+            EngineConfig(
+                model=str(tmp_path),
+                dtype="float32",
+                device="cuda",
+                attention_backend=name,
+                kv_cache_dtype="fp8",
+                max_num_seqs=8,
+                max_model_len=512,
+                num_kv_blocks=128,
+            )
+        )
+        chosen = (engine.runner.backend.name, engine.runner.graphs is not None)
+        assert chosen == (("sdpa", False) if name == "sdpa" else ("triton", True))
+        out = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+        outs[name] = [o.token_ids for o in out]
+    assert outs["auto"] == outs["sdpa"]

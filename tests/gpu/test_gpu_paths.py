@@ -45,6 +45,24 @@ def test_fp8_row_quantization_kernel_matches_torch():
     assert (q.float() == q_ref.float()).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("kv_heads", [8, 2, 1])  # GQA groups 1, 4, 8
+def test_paged_decode_reads_a_bf16_query_over_an_fp8_cache(kv_heads):
+    """The compiled kernel's e4m3 path (widened to bf16 in registers, tensor-core dots)
+    against SDPA's dequantizing gathers of the same cache."""
+    from splitserve.engine.attention import get_backend
+    from tests.unit.engine.attention.test_triton_decode import fp8_case
+
+    case, scales = fp8_case([1, 17, 300, 2000], 8, kv_heads, 128)
+    q, k, v, k8, v8, spans = (t.to(CUDA) if isinstance(t, torch.Tensor) else t for t in case)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    scales = scales.to(CUDA)
+    got, want = (
+        b.forward(q, k, v, k8, v8, b.prepare(spans, len(spans), 16, CUDA), 128**-0.5, scales).float()
+        for b in (get_backend("triton", CUDA), get_backend("sdpa", CUDA))
+    )
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 def test_int8_linear_on_cuda():
     torch.manual_seed(0)
     lin = nn.Linear(512, 256, bias=False, device=CUDA, dtype=torch.bfloat16)

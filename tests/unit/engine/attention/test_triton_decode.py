@@ -84,6 +84,101 @@ def test_every_split_count_gives_the_same_attention(splits):
     torch.testing.assert_close(paged_decode(q, k_cache, v_cache, tables, lens, 0.125, splits), one)
 
 
+def fp8_case(ctx_lens, heads, kv_heads, dim, seed=0, q_lens=None):
+    """``paged_case`` with its caches in e4m3 and power-of-two scales per KV head (as the
+    engine calibrates them); the fresh K/V as the cache holds them."""
+    from splitserve.engine.kv_quant import calibrated_scales, dequantize, quantize
+
+    q, k, v, k_cache, v_cache, spans = paged_case(ctx_lens, heads, kv_heads, dim, q_lens=q_lens, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    k_cache = k_cache * torch.rand(kv_heads, 1, generator=g) * 8  # heads of different ranges
+    scales = calibrated_scales(k_cache.flatten(0, 1), v_cache.flatten(0, 1))
+    k8 = quantize(k_cache.flatten(0, 1), scales[0]).view(k_cache.shape)
+    v8 = quantize(v_cache.flatten(0, 1), scales[1]).view(v_cache.shape)
+    k, v = (dequantize(quantize(t, s), s, t.dtype) for t, s in ((k, scales[0]), (v, scales[1])))
+    return (q, k, v, k8, v8, spans), scales
+
+
+@pytest.mark.parametrize(
+    "ctx_lens, heads, kv_heads",
+    [
+        ([1, 17, 300, 64], 8, 8),  # GQA group 1
+        ([40, 5, 129], 8, 2),  # group 4
+        ([33, 250], 16, 2),  # group 8
+    ],
+)
+def test_paged_decode_reads_an_fp8_cache_as_sdpa_dequantizes_it(ctx_lens, heads, kv_heads):
+    from splitserve.engine.attention import get_backend
+
+    (q, k, v, k8, v8, spans), scales = fp8_case(ctx_lens, heads, kv_heads, 64)
+    assert k8.dtype == torch.float8_e4m3fn
+    got, want = (
+        backend.forward(q, k, v, k8, v8, backend.prepare(spans, len(spans), 16, CPU), 0.125, scales)
+        for backend in (get_backend("triton", CPU), get_backend("sdpa", CPU))
+    )
+    torch.testing.assert_close(got, want)
+    # the scales are applied: the same bytes read as if every scale were 1 differ
+    ones = torch.ones_like(scales)
+    meta = get_backend("sdpa", CPU).prepare(spans, len(spans), 16, CPU)
+    unscaled = get_backend("sdpa", CPU).forward(q, k, v, k8, v8, meta, 0.125, ones)
+    assert not torch.allclose(unscaled, want, atol=1e-2)
+
+
+@pytest.mark.parametrize("splits", [1, 5, 40])
+def test_fp8_decode_gives_the_same_attention_for_every_split_count(splits):
+    """Splits past a short sequence's end (40 for a 1-token context) see no keys."""
+    from splitserve.engine.attention.triton_decode import paged_decode
+
+    (q, _, _, k8, v8, spans), scales = fp8_case([1, 70, 250], 8, 2, 64)
+    width = max(len(s.block_table) for s in spans)
+    tables = torch.tensor(
+        [s.block_table + [0] * (width - len(s.block_table)) for s in spans], dtype=torch.int32
+    )
+    lens = torch.tensor([s.ctx_len for s in spans], dtype=torch.int32)
+    one = paged_decode(q, k8, v8, tables, lens, 0.125, 1, kv_scales=scales)
+    got = paged_decode(q, k8, v8, tables, lens, 0.125, splits, kv_scales=scales)
+    torch.testing.assert_close(got, one)
+    with pytest.raises(ValueError, match="FP8 KV cache needs its kv_scales"):
+        paged_decode(q, k8, v8, tables, lens, 0.125, splits)
+
+
+def test_fp8_mixed_batch_decodes_and_prefills():
+    from splitserve.engine.attention import get_backend
+
+    (q, k, v, k8, v8, spans), scales = fp8_case([50, 120, 30, 90], 8, 2, 64, q_lens=[1, 1, 30, 20])
+    got, want = (
+        backend.forward(q, k, v, k8, v8, backend.prepare(spans, 2, 16, CPU), 0.125, scales)
+        for backend in (get_backend("triton", CPU), get_backend("sdpa", CPU))
+    )
+    torch.testing.assert_close(got, want)
+
+
+def test_engine_with_an_fp8_cache_on_the_triton_backend_equals_sdpa(tmp_path):
+    """Same greedy tokens as the SDPA backend reading the same FP8 cache."""
+    from splitserve.engine.engine import Engine
+    from splitserve.wire.config import EngineConfig
+    from splitserve.wire.sampling import SamplingParams
+    from tests.conftest import make_hf_checkpoint, random_prompts
+
+    make_hf_checkpoint("llama", tmp_path)
+    prompts = random_prompts([5, 40, 77], 512)
+    outs = {}
+    for name in ("sdpa", "triton"):
+        engine = Engine(
+            EngineConfig(
+                model=str(tmp_path),
+                dtype="float32",
+                attention_backend=name,
+                num_kv_blocks=64,
+                kv_cache_dtype="fp8",
+            )
+        )
+        assert engine.runner.backend.name == name and engine.kv_cache.scales is not None
+        out = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+        outs[name] = [o.token_ids for o in out]
+    assert outs["triton"] == outs["sdpa"]
+
+
 def test_mixed_batch_decodes_and_prefills():
     case = paged_case([50, 120, 30, 90], 8, 2, 64, q_lens=[1, 1, 30, 20])  # 2 decodes, a prompt, a chunk
     torch.testing.assert_close(run("triton", case, 2), run("sdpa", case, 2))
