@@ -228,7 +228,8 @@ def _attention(
         backend = get_backend(attention, device, config.native_kernels)
     if fp8_kv and not backend.reads_fp8_kv:
         raise ValueError(
-            f"kv_cache_dtype fp8 runs on the sdpa attention backend; {backend.name} cannot read it"
+            f"kv_cache_dtype fp8 runs on the sdpa and triton attention backends; {backend.name} cannot"
+            " read it"
         )
     use_graphs = config.cuda_graphs
     if use_graphs is None:

@@ -127,7 +127,7 @@ def test_a_checkpoints_kv_scales_are_used(tmp_path):
 def test_unsupported_combinations_are_refused(tiny):
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto or fp8"):
         EngineConfig(model=tiny, kv_cache_dtype="int4")
-    with pytest.raises(ValueError, match="fp8 runs on the sdpa attention backend; cpu cannot read it"):
+    with pytest.raises(ValueError, match="fp8 runs on the sdpa and triton attention backends; cpu cannot"):
         Engine(
             EngineConfig(
                 model=tiny, dtype="float32", num_kv_blocks=8, kv_cache_dtype="fp8", attention_backend="cpu"
