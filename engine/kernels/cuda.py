@@ -1,8 +1,9 @@
 """Triton kernels for CUDA: the fused residual-add + RMSNorm (the same contract and
 rounding points as the native CPU kernel, so ``RMSNorm`` uses either through
 ``DecoderModel.use_kernels``), the weight-only int8 matmul of ``Int8Linear`` and
-the per-token FP8 quantization of ``Fp8Linear``'s activations; and, from
-``triton_moe``, the routed experts' grouped GEMMs.
+the per-token FP8 quantization of ``Fp8Linear``'s activations; from ``fp8``,
+the norm and SiLU·up emitting FP8 activations and the block-scaled FP8 GEMM;
+and, from ``triton_moe``, the routed experts' grouped GEMMs.
 
 Each replaces a chain of small torch kernels whose launches, not their bytes,
 bound a decode step: a norm in torch is eight kernels, this is one. With
@@ -16,6 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.kernels.fp8 import (  # noqa: F401  (part of the set)
+    add_rms_norm_fp8,
+    block_fp8_mm,
+    quantize_fp8_groups,
+    silu_mul_fp8,
+)
 from splitserve.engine.kernels.triton_moe import grouped_experts_gemm  # noqa: F401  (part of the set)
 
 

@@ -101,12 +101,33 @@ class DecoderModel(nn.Module):
         """Route the norms through a fused add+RMSNorm kernel (``add_rms_norm``), and
         GQA attention and dense MLPs through ``rope_and_cache`` / ``silu_mul``, and the
         routed experts through ``grouped_experts_gemm``, where ``kernels`` has them (not
-        None: the Triton set on CUDA; the C++ set on CPU for bf16)."""
+        None: the Triton set on CUDA; the C++ set on CPU for bf16); with the Triton set,
+        FP8 activations straight from the norms and SiLU·up (``_fp8_activations``)."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.kernels = kernels
             elif isinstance(m, SparseMoE):
                 m.grouped_kernel = getattr(kernels, "grouped_experts_gemm", None)
+        if hasattr(kernels, "add_rms_norm_fp8"):
+            self._fp8_activations()
+
+    def _fp8_activations(self) -> None:
+        """Where an FP8 linear takes its input quantized (``fp8_input_group``), have the
+        norm or SiLU·up before it emit FP8 in that grouping: a layer's input norm for
+        ``qkv_proj``, its post-attention norm for a dense MLP's ``gate_up_proj``, and
+        every MLP (shared experts too) for its ``down_proj``."""
+
+        def group(linear: nn.Module) -> int | None:
+            return getattr(linear, "fp8_input_group", None)
+
+        for layer in self.layers:
+            if isinstance(layer.self_attn, Attention):
+                layer.input_layernorm.fp8_group = group(layer.self_attn.qkv_proj)
+            if isinstance(layer.mlp, MLP):
+                layer.post_attention_layernorm.fp8_group = group(layer.mlp.gate_up_proj)
+        for m in self.modules():
+            if isinstance(m, MLP):
+                m.fp8_group = group(m.down_proj.linear)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch import nn
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.kv_quant import as_bytes, calibrated_scales, quantize
 from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.quant import _EPS, FP8_MAX, Fp8Rows
 from splitserve.engine.model.rope import apply_rotary
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.layers import RowParallelLinear, kv_head_range
@@ -27,16 +28,24 @@ class RMSNorm(nn.Module):
 
     ``forward(x, delta)`` first adds ``delta`` into ``x`` **in place** (the residual
     stream) and normalises the sum, so each layer reads the stream once. With
-    ``kernels`` set (C++ on CPU, Triton on CUDA) 2-D inputs take the fused kernel."""
+    ``kernels`` set (C++ on CPU, Triton on CUDA) 2-D inputs take the fused kernel,
+    which with ``fp8_group`` (the FP8 linear it feeds takes ``Fp8Rows`` in groups of
+    that many columns) returns ``Fp8Rows``."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.kernels: Any = None
+        self.fp8_group: int | None = None
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor | Fp8Rows:
         if self.kernels is not None and x.dim() == 2 and x.is_contiguous():
+            if self.fp8_group is not None:
+                q, scale = self.kernels.add_rms_norm_fp8(
+                    x, delta, self.weight, self.eps, self.fp8_group, FP8_MAX, _EPS
+                )
+                return Fp8Rows(q, scale, x.dtype)
             return self.kernels.add_rms_norm(x, delta, self.weight, self.eps)
         if delta is not None:
             x.add_(delta)
@@ -65,9 +74,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, ctx: StepContext, kv_scales=None) -> torch.Tensor:
         """``kv_scales``: an FP8 cache's [2, kv_heads] K and V scales of this layer
-        (``engine.kv_quant``), which ``ctx.calibrate_kv`` sets from this step's K and V."""
-        T = x.shape[0]
+        (``engine.kv_quant``), which ``ctx.calibrate_kv`` sets from this step's K and V.
+        ``x`` may come quantized (``Fp8Rows``) for an FP8 ``qkv_proj``."""
         qkv = self.qkv_proj(x)
+        T = qkv.shape[0]
         fused = getattr(self.kernels, "rope_and_cache", None)
         if fused is not None and self.q_norm is None and k_cache.is_contiguous() and kv_scales is None:
             heads = (self.num_heads, self.num_kv_heads)
@@ -117,11 +127,15 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, False, tp)
         self.kernels: Any = None  # with ``silu_mul``: the activation in one kernel
+        self.fp8_group: int | None = None  # with it: the activation in FP8 for down_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         fused = getattr(self.kernels, "silu_mul", None)
         if fused is not None and gate_up.is_contiguous():
+            if self.fp8_group is not None:
+                q, scale = self.kernels.silu_mul_fp8(gate_up, self.fp8_group, FP8_MAX, _EPS)
+                return self.down_proj(Fp8Rows(q, scale, gate_up.dtype))
             return self.down_proj(fused(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)

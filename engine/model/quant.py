@@ -21,11 +21,17 @@ runs there but measured 30-200x slower than bf16 on an H100); on CPU
 ``torch._weight_int8pack_mm`` where it runs, else it dequantizes on the fly.
 
 Embeddings, norms and the LM head stay unquantized (as in vLLM's FP8 checkpoints).
+
+On CUDA an FP8 linear's input may arrive already quantized (``Fp8Rows``): the
+fused norm or SiLU·up before it emits e4m3 and scales in the grouping the linear
+names (``fp8_input_group``), so no quantization pass runs between them
+(``DecoderModel.use_kernels`` wires it).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +68,20 @@ def quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t32 / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations already in FP8: ``q`` e4m3 [T, K] and ``scale`` float32 [T, K / group]
+    (``kernels.fp8``), and the dtype the linear returns its output in."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
 class Fp8Linear(nn.Module):
-    """W8A8 FP8 replacement for an ``nn.Linear`` (2-D input, inference only)."""
+    """W8A8 FP8 replacement for an ``nn.Linear`` (2-D input, inference only). On FP8
+    tensor cores it also takes ``Fp8Rows`` quantized per token (``fp8_input_group``
+    is then its input width; None where it takes only the model's dtype)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -83,10 +101,11 @@ class Fp8Linear(nn.Module):
             if triton_set is None
             else functools.partial(triton_set.quantize_fp8_rows, fp8_max=FP8_MAX, eps=_EPS)
         )
+        self.fp8_input_group = self.in_features if triton_set is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if self.use_scaled_mm:
-            x_q, x_scale = self.quantize_input(x)
+            x_q, x_scale = (x.q, x.scale) if isinstance(x, Fp8Rows) else self.quantize_input(x)
             y = torch._scaled_mm(
                 x_q,
                 self.weight.t(),
@@ -108,9 +127,12 @@ class Fp8CheckpointLinear(nn.Module):
     """A linear whose FP8 weights come from a pre-quantized checkpoint
     (``checkpoint_quant``): ``weight`` float8_e4m3fn [out, in] and ``weight_scale``
     float32 [out, in_blocks], ``W[n, k] = weight[n, k] * weight_scale[n, k // block]``.
-    Built empty (the loader fills both). With one scale per row on a GPU with FP8
-    tensor cores it runs as ``Fp8Linear`` (row-wise ``_scaled_mm``, activations
-    quantized per token); otherwise it dequantizes the weight for each call (the
+    Built empty (the loader fills both). On a GPU with FP8 tensor cores: with one
+    scale per row it runs as ``Fp8Linear`` (row-wise ``_scaled_mm``, activations
+    quantized per token); with blocks (a power of two >= 16 columns) through the
+    block-scaled Triton GEMM (``kernels.fp8.block_fp8_mm``, activations quantized
+    per token and block). Either way it takes ``Fp8Rows`` in that grouping
+    (``fp8_input_group``). Otherwise it dequantizes the weight for each call (the
     weight stays FP8 in memory). On CPU the loader replaces it by a float linear
     with the dequantized weight (``dequantized_linear``)."""
 
@@ -122,17 +144,26 @@ class Fp8CheckpointLinear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE))
         self.register_buffer("weight_scale", torch.empty(out_features, in_blocks, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.use_scaled_mm = False  # set by ready(), once the weights are on their device
+        # set by ready(), once the weights are on their device
+        self.use_scaled_mm = False
+        self.block_kernel = None  # kernels.fp8.block_fp8_mm's set
+        self.fp8_input_group: int | None = None
 
     def ready(self) -> None:
         """Choose the kernel once the weights are in place."""
         dev = self.weight.device
+        tensor_cores = fp8_gemm_supported(dev)
+        rows = self.weight_scale.shape[1] == 1
         self.use_scaled_mm = (
-            self.weight_scale.shape[1] == 1
-            and fp8_gemm_supported(dev)
-            and self.in_features % 16 == 0
-            and self.out_features % 16 == 0
+            rows and tensor_cores and self.in_features % 16 == 0 and self.out_features % 16 == 0
         )
+        blocks_fit = self.block >= 16 and not self.block & (self.block - 1)
+        if not rows and tensor_cores and blocks_fit:
+            self.block_kernel = kernels.load_cuda()
+        if self.use_scaled_mm:
+            self.fp8_input_group = self.in_features
+        elif self.block_kernel is not None:
+            self.fp8_input_group = self.block
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.weight.shape
@@ -140,9 +171,13 @@ class Fp8CheckpointLinear(nn.Module):
         w = self.weight.float().view(n, blocks, k // blocks) * self.weight_scale[:, :, None]
         return w.view(n, k).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_scaled_mm:
-            x_q, x_scale = quantize_fp8(x)
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if self.block_kernel is not None:
+            if not isinstance(x, Fp8Rows):
+                x = Fp8Rows(*self.block_kernel.quantize_fp8_groups(x, self.block, FP8_MAX, _EPS), x.dtype)
+            y = self.block_kernel.block_fp8_mm(x.q, x.scale, self.weight, self.weight_scale, x.dtype)
+        elif self.use_scaled_mm:
+            x_q, x_scale = (x.q, x.scale) if isinstance(x, Fp8Rows) else quantize_fp8(x)
             y = torch._scaled_mm(
                 x_q,
                 self.weight.t(),

@@ -63,6 +63,49 @@ def test_paged_decode_reads_a_bf16_query_over_an_fp8_cache(kv_heads):
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("group", [128, 4096])
+def test_fp8_activation_kernels_match_torch_compiled(group):
+    """The norm and SiLU·up emitting FP8, compiled: the scales torch computes from the
+    bf16 kernels' outputs, values within one e4m3 step (the GPU's float32 division
+    is not torch's to the last bit)."""
+    from splitserve.engine.kernels import cuda
+    from splitserve.engine.model.quant import _EPS, FP8_MAX
+    from tests.unit.engine.test_fp8_kernels import grouped_reference
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 4096, device=CUDA, dtype=torch.bfloat16)
+    delta = torch.randn_like(x)
+    weight = torch.randn(4096, device=CUDA, dtype=torch.bfloat16)
+    gate_up = torch.randn(37, 2 * 4096, device=CUDA, dtype=torch.bfloat16) * 2
+    x_ref = x.clone()
+    cases = [
+        (
+            cuda.add_rms_norm_fp8(x, delta, weight, 1e-5, group, FP8_MAX, _EPS),
+            cuda.add_rms_norm(x_ref, delta, weight, 1e-5),
+        ),
+        (cuda.silu_mul_fp8(gate_up, group, FP8_MAX, _EPS), cuda.silu_mul(gate_up)),
+    ]
+    for (q, scale), plain in cases:
+        q_ref, scale_ref = grouped_reference(plain.float(), group)
+        torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
+        torch.testing.assert_close(q.float(), q_ref.float(), rtol=0.07, atol=2e-3)
+        assert (q.float() == q_ref.float()).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("rows", [1, 16, 100, 2048])
+def test_block_fp8_gemm_compiled_matches_the_dequantized_product(rows):
+    from splitserve.engine.kernels import cuda
+    from splitserve.engine.model.quant import _EPS, FP8_MAX
+    from tests.unit.engine.test_fp8_kernels import dequantized, grouped_reference
+
+    torch.manual_seed(rows)
+    w_q, w_scale = grouped_reference(torch.randn(1000, 1024, device=CUDA), 128)
+    x_q, x_scale = cuda.quantize_fp8_groups(torch.randn(rows, 1024, device=CUDA), 128, FP8_MAX, _EPS)
+    got = cuda.block_fp8_mm(x_q, x_scale, w_q, w_scale, torch.bfloat16).float()
+    want = torch.nn.functional.linear(dequantized(x_q, x_scale), dequantized(w_q, w_scale))
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 def test_int8_linear_on_cuda():
     torch.manual_seed(0)
     lin = nn.Linear(512, 256, bias=False, device=CUDA, dtype=torch.bfloat16)
@@ -166,7 +209,13 @@ def test_an_fp8_checkpoint_stays_fp8_on_the_gpu_and_matches_its_dequantized_mode
     )
     layers = [m for m in fp8.model.modules() if isinstance(m, Fp8CheckpointLinear)]
     assert len(layers) == 2 * 4 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
-    assert all(m.use_scaled_mm == (fmt == "channel" and fp8_gemm_supported(CUDA)) for m in layers)
+    tensor_cores = fp8_gemm_supported(CUDA)
+    assert all(m.use_scaled_mm == (fmt == "channel" and tensor_cores) for m in layers)
+    assert all((m.block_kernel is not None) == (fmt == "block" and tensor_cores) for m in layers)
+    if tensor_cores:  # the norms hand the linears FP8 activations in their grouping
+        layer = fp8.model.layers[0]
+        want_group = 32 if fmt == "block" else 64
+        assert layer.input_layernorm.fp8_group == layer.post_attention_layernorm.fp8_group == want_group
     p = random_prompts([40], 512, seed=1)[0]
     got, want = prompt_logits(fp8, p), prompt_logits(deq, p)
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).mean() > 0.99
