@@ -7,15 +7,18 @@ stage, not the lease), each result in ``DIR/<stage>.json``; then
 ``DIR/device_check.json`` and ``DIR/device_check.md`` (a table for
 ``docs/gpu.md``):
 
-| stage          | what                                                                  | bound |
-|----------------|-----------------------------------------------------------------------|-------|
-| environment    | GPU, driver, torch, Triton, NIXL and the plugins it loads             | 60 s  |
-| gpu_tests      | ``pytest tests/gpu``                                                  | 150 s |
-| disaggregated  | ``bench.disagg_check``: prefill process → NIXL → decode, tokens equal | 150 s |
-| gpu_bench      | ``bench.gpu_bench`` quick: decode B = 1, 16, 64; prefill 2k, 8k       | 150 s |
+| stage          | what                                                                   | bound |
+|----------------|------------------------------------------------------------------------|-------|
+| environment    | GPU, driver, torch, Triton, NIXL and the plugins it loads              | 45 s  |
+| gpu_tests      | ``pytest tests/gpu``                                                   | 150 s |
+| disaggregated  | ``bench.disagg_check``: prefill process → NIXL → decode, tokens equal  | 120 s |
+| handoff        | ``bench.handoff_check``: GB/s GPU → GPU vs a device copy, 4k/32k tokens | 60 s  |
+| gpu_bench      | ``bench.gpu_bench`` quick: decode B = 1, 16, 64 (bf16, int8, FP8 weights; | 180 s |
+|                | bf16 and FP8 KV at 4k context; MoE); prefill 2k, 8k                    |       |
 
 Without CUDA the same command runs what the CPU can (environment, disaggregated
-over host memory) and marks the rest skipped; the suite runs it that way
+and handoff over host memory, the handoff at 256 tokens) and marks the rest
+skipped; the suite runs it that way
 (``tests/integration/test_device_check.py``), so it cannot rot between GPU runs.
 ``--stages`` picks some.
 """
@@ -96,21 +99,36 @@ def _disaggregated(out: Path) -> dict:
     return {"rows": rows}
 
 
+def _handoff(out: Path) -> dict:
+    import torch
+
+    from splitserve.bench import handoff_check
+
+    path = out / "handoff_rows.json"
+    tokens = ["4096", "32768"] if torch.cuda.is_available() else ["256"]
+    handoff_check.main(["--tokens", *tokens, "--json", str(path)])
+    return {"rows": json.loads(path.read_text())}
+
+
 def _gpu_bench(out: Path) -> dict:
     from splitserve.bench import gpu_bench
 
     path = out / "gpu_bench.json"
     gpu_bench.main(
-        ["--batch", "1", "16", "64", "--prefill-tokens", "2048", "8192", "--result-json", str(path)]
+        [
+            *("--batch", "1", "16", "64", "--prefill-tokens", "2048", "8192", "--attention", "triton"),
+            *("--kv-context", "4096", "--moe", "--result-json", str(path)),
+        ]
     )
     return json.loads(path.read_text())
 
 
 STAGES = (
-    Stage("environment", 60, False, _environment),
+    Stage("environment", 45, False, _environment),
     Stage("gpu_tests", 150, True, _gpu_tests),
-    Stage("disaggregated", 150, False, _disaggregated),
-    Stage("gpu_bench", 150, True, _gpu_bench),
+    Stage("disaggregated", 120, False, _disaggregated),
+    Stage("handoff", 60, False, _handoff),
+    Stage("gpu_bench", 180, True, _gpu_bench),
 )
 
 
@@ -155,7 +173,37 @@ def markdown(records: list[dict]) -> str:
                 f"| {row['model']} | {row['kv_cache_dtype']} | {row['device']} | {row['equal']} "
                 f"| {row['streamed']} | {row['kv_bytes'] / 1e6:.2f} | {row['seconds']:.1f} |"
             )
+    handoff = next((r.get("result") for r in records if r["stage"] == "handoff"), None)
+    if handoff:
+        from splitserve.bench import handoff_check
+
+        rows = [handoff_check.Row(**row) for row in handoff["rows"]]
+        lines += ["", handoff_check.markdown(rows).rstrip()]
+    bench = next((r.get("result") for r in records if r["stage"] == "gpu_bench"), None)
+    if bench:
+        lines += ["", *_bench_lines(bench)]
     return "\n".join(lines) + "\n"
+
+
+def _bench_lines(bench: dict) -> list[str]:
+    """gpu_bench's rows and goals as tables."""
+    lines = [
+        "| decode | weights | KV | B | ctx | eager ms | graph ms | roofline ms | of roofline |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in bench["decode"]:
+        lines.append(
+            f"| {r['model']} | {r['quantization']} | {r['kv_dtype']} | {r['batch']} | {r['context']} "
+            f"| {r['eager_ms']:.2f} | {r['graph_ms']:.2f} | {r['roofline_ms']:.2f} | {r['fraction']:.2f} |"
+        )
+    lines += ["", "| prefill | tokens | ms | TFLOP/s | of peak |", "|---|---|---|---|---|"]
+    for r in bench["prefill"]:
+        figures = f"{r['ms']:.1f} | {r['tflops']:.0f} | {r['fraction']:.2f}"
+        lines.append(f"| {r['quantization']} | {r['tokens']} | {figures} |")
+    lines += ["", "| goal | measured | goal | met |", "|---|---|---|---|"]
+    for name, g in bench["goals"].items():
+        lines.append(f"| {name} | {g['measured']:.2f} | {g['goal']} | {g['met']} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

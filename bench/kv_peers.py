@@ -40,6 +40,7 @@ class SourceSpec:
     worker_id: str = "prefill-0"
     engine: EngineConfig | None = None  # a real prefill engine, or
     layout: KVLayout | None = None  # a bare KV pool of this layout (random contents)
+    device: str = "cpu"  # where the bare pool lives
     model: str = "random"  # compatibility identity of the bare pool
     lease_s: float = DEFAULT_LEASE_S
 
@@ -161,7 +162,7 @@ class SourceServer:
         else:
             lay = spec.layout
             shape = (lay.num_layers, 2, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
-            cache = allocate_zeros(shape, getattr(torch, lay.dtype))
+            cache = allocate_zeros(shape, getattr(torch, lay.dtype), spec.device)
             cache.view(torch.uint8).random_()  # arbitrary bytes: only moved and hashed
             compat = CompatInfo(model=spec.model, layout=lay)
         self.source = get_backend(spec.backend).source(spec.worker_id, cache, compat, spec.lease_s)

@@ -170,11 +170,17 @@ def test_triton_paged_decode_compiled_matches_sdpa(splits):
 
 
 def test_benchmark_end_to_end_on_a_tiny_shape(tmp_path):
-    report = gb.run("tiny", [1, 4], 64, [256], ["none", "int8", "fp8"], log=lambda s: None)
+    report = gb.run(
+        "tiny", [1, 4], 64, [256], ["none", "int8", "fp8"], log=lambda s: None, kv_context=256, moe=True
+    )
     quants = {"none", "int8"} | ({"fp8"} if fp8_gemm_supported(CUDA) else set())
     assert {r.quantization for r in report.decode} == quants
-    assert len(report.decode) == 2 * 2 * len(quants) and len(report.prefill) == len(quants)
-    assert {r.attention for r in report.decode} == {"sdpa", "triton"}
+    dense = [r for r in report.decode if r.model == "dense" and r.context == 64]
+    assert len(dense) == 2 * 2 * len(quants) and len(report.prefill) == len(quants)
+    assert {r.attention for r in dense} == {"sdpa", "triton"}
+    long = [(r.kv_dtype, r.batch) for r in report.decode if r.context == 256]
+    assert long == [("bf16", 1), ("bf16", 4), ("fp8", 1), ("fp8", 4)]
+    assert [r.batch for r in report.decode if r.model == "moe"] == [1, 4]
     assert report.hbm_gb_s > 100 and report.gemm_tflops["bf16"] > 1
     for r in report.decode:
         assert 0 < r.fraction and r.graph_ms > 0

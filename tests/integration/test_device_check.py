@@ -32,6 +32,7 @@ def test_the_device_check_passes_in_its_cpu_mode(tmp_path):
         "environment": "passed",
         "gpu_tests": "skipped",
         "disaggregated": "passed",
+        "handoff": "passed",
         "gpu_bench": "skipped",
     }
     assert records["environment"]["result"]["torch"] == torch.__version__
@@ -44,5 +45,30 @@ def test_the_device_check_passes_in_its_cpu_mode(tmp_path):
         ("deepseek_v3", "auto"),
     }
     assert all(r["equal"] and r["streamed"] and r["kv_bytes"] > 0 for r in rows), rows
+    (handoff,) = records["handoff"]["result"]["rows"]
+    assert handoff["tokens"] == 256 and handoff["mbytes"] == 256 * 128 * 1024 / 1e6  # Llama-3-8B's KV
+    assert 0 < handoff["transfer_gbps"] and 0 < handoff["of_copy"]
     table = (tmp_path / "device_check.md").read_text()
     assert "| disaggregated | passed |" in table and "| deepseek_v3 | auto | cpu | True | True |" in table
+    assert "| 256 | cpu | 34 |" in table
+
+
+def test_the_table_reads_gpu_benchs_report():
+    """The markdown of a gpu_bench stage, from the report's own JSON (``Report.to_json``)."""
+    from splitserve.bench import gpu_bench as gb
+    from splitserve.bench.device_check import markdown
+
+    decode = [
+        gb.DecodeRow("none", "triton", 64, 4096, 20.0, 18.0, 16 * 10**9, 32 * 10**9, 16.0, kv_dtype)
+        for kv_dtype in ("bf16", "fp8")
+    ]
+    decode[1].graph_ms = 12.0
+    prefill = [gb.PrefillRow("fp8", 8192, 150.0, 140.0, 1979.0)]
+    report = gb.Report(
+        "H100", "llama3-8b", 3000.0, {"bf16": 700.0}, {"bf16": 989.0}, "data sheet", decode, prefill
+    )
+    record = {"stage": "gpu_bench", "status": "passed", "seconds": 100.0, "result": report.to_json()}
+    table = markdown([record])
+    assert "| dense | none | fp8 | 64 | 4096 | 20.00 | 12.00 | 16.00 | 1.33 |" in table
+    assert "| decode B=64 ctx=4096, fp8 KV / bf16 KV step | 0.67 | 0.8 | True |" in table
+    assert "| fp8 | 8192 | 150.0 | 933 | 0.47 |" in table

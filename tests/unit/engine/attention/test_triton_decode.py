@@ -209,18 +209,20 @@ def test_refused_without_cuda_or_the_interpreter(monkeypatch):
         get_backend("triton", CPU)
 
 
-def test_gpu_bench_decode_step_runs_the_kernel(monkeypatch):
-    """The benchmark's decode step with the Triton backend (a wall-clock timer stands in
-    for CUDA events): the same logits as with SDPA."""
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_gpu_bench_decode_step_runs_the_kernel(kv_dtype):
+    """The benchmark's decode step with the Triton backend, over its bf16 and its FP8
+    cache: the same logits as with SDPA."""
     from splitserve.bench import gpu_bench as gb
 
     cfg = gb.model_config("tiny")
     model = gb.build(cfg, "none", CPU)
     logits = {}
     for attention in ("sdpa", "triton"):
-        cache = gb._kv_cache(cfg, 8, CPU)
         torch.manual_seed(0)
-        cache.tensor.normal_()
+        cache = gb._kv_cache(cfg, 8, CPU, kv_dtype)
+        assert (cache.scales is not None) == (kv_dtype == "fp8")
+        assert not cache.tensor.float().isnan().any()
         spans = [gb.SeqSpan(0, 1, 40, [0, 1, 2]), gb.SeqSpan(1, 1, 17, [5, 6])]
         step = gb._step(model, cache, spans, 2, [3, 4], [39, 16], [2 * 16 + 7, 6 * 16], attention)
         logits[attention] = step().float()
