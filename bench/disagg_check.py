@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from splitserve.bench.kv_peers import Prefill, SourceProcess, SourceSpec, Streaming, compat_of
+from splitserve.bench.kv_peers import Prefill, SourceProcess, SourceSpec, Streaming
 from splitserve.bench.tiny_models import make_hf_checkpoint
 from splitserve.engine.engine import Engine
 from splitserve.kv_transfer import get_backend
@@ -91,7 +91,7 @@ def _disaggregated(config: EngineConfig, prompts, params, model: str, stack: con
     decode = Engine(config)
     source = SourceProcess(SourceSpec("nixl", worker_id=f"prefill-{model}", engine=config))
     stack.callback(source.stop)
-    sink = get_backend("nixl").sink("decode-0", decode.kv_cache.tensor, compat_of(decode, config.model))
+    sink = get_backend("nixl").sink("decode-0", decode.kv_cache.tensor, decode.kv_compat())
     stack.callback(sink.close)
     sink.connect(source.handshake)
     source.send(Prefill(prompts, params, stream=True))

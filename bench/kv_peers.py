@@ -133,10 +133,6 @@ class Stop:
     pass
 
 
-def compat_of(engine: Engine, model: str) -> CompatInfo:
-    return CompatInfo(model, engine.kv_cache.layout, engine.kv_cache.scale_values())
-
-
 def _inheritable_socket(fd: int) -> bool:
     """A socket without close-on-exec (gloo's are; Python's and TCPStore's are not)."""
     try:
@@ -158,7 +154,7 @@ class SourceServer:
         self.engine = None
         if spec.engine is not None:
             self.engine = Engine(spec.engine)
-            cache, compat = self.engine.kv_cache.tensor, compat_of(self.engine, spec.engine.model)
+            cache, compat = self.engine.kv_cache.tensor, self.engine.kv_compat()
         else:
             lay = spec.layout
             shape = (lay.num_layers, 2, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)

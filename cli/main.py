@@ -207,10 +207,10 @@ def _status(args: argparse.Namespace) -> int:
     print(f"{st.model} ({st.mode}), {st.inflight_requests} request(s) in flight")
     _print_routers(st)
     head = ("worker", "role", "state", "alive", "running", "waiting", "queued tok", "KV used", "admission")
-    head += ("restarts", "failed alone")
+    head += ("restarts", "failed alone", "revision")
     print(
         f"{head[0]:<14} {head[1]:<10} {head[2]:<9} {head[3]:<6} {head[4]:>7} {head[5]:>7} {head[6]:>10} "
-        f"{head[7]:>13} {head[8]:>9} {head[9]:>8} {head[10]:>12}  node (type)"
+        f"{head[7]:>13} {head[8]:>9} {head[9]:>8} {head[10]:>12}  {head[11]:<17} node (type)"
     )
     for pool in st.pools:
         for w in pool.workers:
@@ -220,7 +220,8 @@ def _status(args: argparse.Namespace) -> int:
             print(
                 f"{w.worker_id:<14} {w.role:<10} {w.state:<9} {'yes' if w.alive else 'NO':<6} {w.running:>7} "
                 f"{w.waiting:>7} {w.queued_prompt_tokens:>10} {kv:>13} {w.waiting_for_blocks:>9} "
-                f"{w.restarts:>8} {failed:>12}  {node}" + (f"  {w.error}" if w.error else "")
+                f"{w.restarts:>8} {failed:>12}  {w.revision or '-':<17} {node}"
+                + (f"  {w.error}" if w.error else "")
             )
     _print_capacity(st)
     _print_expert_load(st)
@@ -328,6 +329,9 @@ def _print_trace(t) -> None:
     kv = f", KV {t.kv_bytes / 2**20:.1f} MiB pulled in {t.kv_pull_ms:.1f} ms" if t.kv_bytes else ""
     if t.prefix_pulled_tokens:
         kv += f", {t.prefix_pulled_tokens} prefix tokens copied from {t.prefix_pulled_from}"
+    revisions = dict.fromkeys(r for r in (t.prefill_revision, t.decode_revision) if r)  # in order, once
+    if revisions:
+        kv += f", revision {' then '.join(revisions)}"
     print(
         f"\n{t.request_id}  {t.outcome}  {total:.1f} ms  "
         f"{t.prompt_tokens} prompt tokens{cached} -> {t.output_tokens} output tokens{kv}"

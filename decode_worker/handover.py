@@ -292,6 +292,7 @@ class Handover:
             handoff.num_bytes if handoff is not None else 0,
             result.pulled_tokens,
             result.pulled_from,
+            result.revision,
         )
         n = len(result.output_token_ids)
         self._outbox.put(

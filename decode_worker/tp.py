@@ -44,7 +44,7 @@ from splitserve.engine.parallel.worker_group import Heartbeat, RankFollower, joi
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.tp_mapping import RankSink
 from splitserve.wire.decode import DecodeWorkerSpec
-from splitserve.wire.kv import CompatInfo, Confirmation, Handshake, KVDescriptor
+from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor
 
 
 def join_decode_group(spec: DecodeWorkerSpec) -> TPGroup:
@@ -57,7 +57,7 @@ def rank_sink(worker_id: str, spec: DecodeWorkerSpec, engine: Engine) -> RankSin
     """The sink a rank of a decode worker pulls its KV heads with (None: colocated)."""
     if spec.backend is None:
         return None
-    compat = CompatInfo(spec.engine.model, engine.kv_cache.layout, engine.kv_cache.scale_values())
+    compat = engine.kv_compat()
     max_blocks = -(-engine.max_model_len // engine.config.block_size)
     return RankSink(worker_id, engine.kv_cache.tensor, compat, get_backend(spec.backend).sink, max_blocks)
 

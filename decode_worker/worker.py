@@ -144,6 +144,7 @@ class DecodeWorker:
             colocated=self.puller is None,
             engine=self.engine.summary,
             kv_bytes_per_token=self.engine.capacity.bytes_per_token,
+            revision=self.engine.revision,
         )
 
     async def token_address(self) -> str:

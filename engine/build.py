@@ -31,6 +31,7 @@ from splitserve.engine.model.checkpoint import checkpoint_bytes, safetensors_ten
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import build_model, load_hf_config, resolve_source
 from splitserve.engine.model.parallel_fit import check_ep_compatible, check_tp_compatible
+from splitserve.engine.model.revision import checkpoint_revision, random_revision, with_quantization
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.sampler import Sampler
@@ -63,6 +64,7 @@ class EngineParts:
     runner: ModelRunner
     validator: RequestValidator
     summary: str  # what was chosen (dtype, threads or device, attention, KV), for logs and status
+    revision: str  # which weights it serves (engine.model.revision): part of the KV compatibility hash
 
 
 def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, tp: TPGroup) -> EngineParts:
@@ -87,6 +89,10 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         weights = safetensors_tensors(source.directory)
         size = checkpoint_bytes(source.directory)
         progress = size if size >= PROGRESS_BAR_BYTES else 0
+        revision = checkpoint_revision(source.directory)
+    else:
+        revision = random_revision(hf_config.to_json_string(), config.seed)
+    revision = with_quantization(revision, config.quantization)
     model = build_model(
         mc,
         dtype,
@@ -149,9 +155,10 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         defaults=defaults,
     )
     summary = _summary(config, mc, dtype, device, tp, ep is not None, runner.backend.name, capacity, tier)
-    log.info("engine ready (TP rank %d): %s", tp.rank, summary)
+    log.info("engine ready (TP rank %d), revision %s: %s", tp.rank, revision, summary)
     return EngineParts(
         summary=summary,
+        revision=revision,
         device=device,
         dtype=dtype,
         model_config=mc,

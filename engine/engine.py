@@ -50,6 +50,7 @@ from splitserve.engine.step_rates import DecodeSteps, ExpertLoad, PrefillRate
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import InvalidRequest, SequenceFailed, UnknownRequest
+from splitserve.wire.kv import CompatInfo
 from splitserve.wire.outputs import (
     CompletionOutput,
     EngineStats,
@@ -102,6 +103,7 @@ class Engine(KVRequests):
         self.runner = parts.runner
         self.validator = parts.validator
         self.summary = parts.summary  # one line: dtype, threads or device, attention backend, KV blocks
+        self.revision = parts.revision  # which weights (engine.model.revision): in the KV compat hash
         self.requests: dict[str, RequestState] = {}
         self._prefill_rate = PrefillRate()
         self._decode_steps = DecodeSteps()
@@ -118,6 +120,13 @@ class Engine(KVRequests):
         self.containment = Containment(self.runner, self.tp.size, lambda: self.layer_observer)
 
     # ---- requests ----------------------------------------------------------
+    def kv_compat(self) -> CompatInfo:
+        """What a peer's KV cache must agree with for KV to move between the two (the
+        KV transfer handshake's compatibility hash): the model, its revision, the layout;
+        with an FP8 cache its scales."""
+        kv = self.kv_cache
+        return CompatInfo(self.config.model, kv.layout, kv.scale_values(), self.revision)
+
     def add_request(
         self,
         prompt: str | list[int] | None = None,

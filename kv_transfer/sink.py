@@ -69,6 +69,13 @@ class KVSink:
             raise IncompatiblePeer(
                 f"worker {hs.worker_id} uses backend {hs.backend!r}, this one {self.backend!r}"
             )
+        if (hs.compat.revision or self.compat.revision) and hs.compat.revision != self.compat.revision:
+            raise IncompatiblePeer(
+                f"worker {hs.worker_id} serves revision {hs.compat.revision or '(none)'} of "
+                f"{hs.compat.model}, this one revision {self.compat.revision or '(none)'} of "
+                f"{self.compat.model}: KV computed by one revision's weights means nothing to the "
+                "other's, so they never exchange it"
+            )
         if hs.compat.hash != self.compat.hash:
             mine, theirs = self.compat.fields(), hs.compat.fields()
             diff = ", ".join(

@@ -47,7 +47,7 @@ from splitserve.engine.parallel.worker_group import Heartbeat, RankFollower, joi
 from splitserve.kv_transfer import get_backend
 from splitserve.prefill_worker.exports import ExportLedger
 from splitserve.wire.errors import KVTransferError
-from splitserve.wire.kv import CompatInfo, Handshake, KVDescriptor
+from splitserve.wire.kv import Handshake, KVDescriptor
 from splitserve.wire.prefill import PrefillWorkerSpec
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,7 @@ class PrefillRank:
             name=f"{spec.worker_id}/tp{spec.tp.rank}-follow",
         )
         self.engine = self._follower.engine
-        kv = self.engine.kv_cache
-        compat = CompatInfo(spec.engine.model, kv.layout, kv.scale_values())
+        compat = self.engine.kv_compat()
         name = f"{spec.worker_id}/tp{spec.tp.rank}"
         self.source = get_backend(spec.backend).source(
             name, self.engine.kv_cache.tensor, compat, spec.lease_s

@@ -58,13 +58,16 @@ class Waiter:
                 f"request {task.request_id} was not prefilled within {task.timeout_s:.3g} s"
             ) from None
 
-    def result(self, out: RequestOutput, worker_id: str, handoff: KVHandoff | None) -> PrefillResult:
+    def result(
+        self, out: RequestOutput, worker_id: str, revision: str, handoff: KVHandoff | None
+    ) -> PrefillResult:
         """The call's answer for its prefilled request ``out`` (exported as ``handoff``,
-        None when it ended at its first token)."""
+        None when it ended at its first token), from ``worker_id`` serving ``revision``."""
         borrowed = self.borrowed
         return PrefillResult(
             request_id=out.request_id,
             worker_id=worker_id,
+            revision=revision,
             output_token_ids=list(out.new_token_ids),
             text=out.text,
             logprobs=list(out.new_logprobs),

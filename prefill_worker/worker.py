@@ -55,7 +55,7 @@ from splitserve.prefill_worker.polling import SourcePoller
 from splitserve.prefill_worker.tp import OtherRanks, join_prefill_group
 from splitserve.prefill_worker.waiter import Waiter
 from splitserve.wire.errors import EngineStopped, InvalidRequest, KVTransferError, UnknownRequest
-from splitserve.wire.kv import CompatInfo, Confirmation, KVDescriptor, KVHandoff, TransferState
+from splitserve.wire.kv import Confirmation, KVDescriptor, KVHandoff, TransferState
 from splitserve.wire.outputs import RequestOutput
 from splitserve.wire.prefill import (
     KVStreaming,
@@ -88,8 +88,7 @@ class PrefillWorker:
             on_error=self._on_error,
         )
         self.engine = self.loop.build()
-        kv = self.engine.kv_cache
-        compat = CompatInfo(spec.engine.model, kv.layout, kv.scale_values())
+        compat = self.engine.kv_compat()
         backend = get_backend(spec.backend)
         self.source = backend.source(spec.worker_id, self.engine.kv_cache.tensor, compat, spec.lease_s)
         self.handshakes = tuple(self.tp.gather_object(self.source.handshake()))  # every rank's
@@ -129,6 +128,7 @@ class PrefillWorker:
             self.engine.summary,
             self.streams_kv,
             self.engine.capacity.bytes_per_token,
+            self.engine.revision,
         )
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
@@ -334,7 +334,7 @@ class PrefillWorker:
                     if out.finish_reason != FinishReason.PREFILL_DONE
                     else self._export(out, waiter.readers)
                 )
-                waiter.resolve(waiter.result(out, self.worker_id, handoff))
+                waiter.resolve(waiter.result(out, self.worker_id, self.engine.revision, handoff))
             except Exception as e:  # export failed: give the blocks back, tell the caller
                 log.exception("exporting the KV of %s failed", rid)
                 self.exporter.discard(rid)  # what it hashed (or began streaming) for it

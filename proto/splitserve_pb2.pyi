@@ -300,7 +300,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self, traces: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "alive", "running", "waiting", "queued_prompt_tokens", "kv_blocks_total", "kv_blocks_used", "kv_exports_held", "error", "state", "waiting_for_blocks", "pulling", "router_active", "prefill_tokens_per_s", "prefix_blocks", "node_id", "node_type", "waiting_for_node", "preemptions", "kv_cache_tokens", "max_model_len", "max_concurrency", "kv_bytes_per_token", "expert_tokens", "expert_window_s", "expert_ranks", "prefix_reuse", "restarts", "sequence_errors")
+    __slots__ = ("worker_id", "role", "alive", "running", "waiting", "queued_prompt_tokens", "kv_blocks_total", "kv_blocks_used", "kv_exports_held", "error", "state", "waiting_for_blocks", "pulling", "router_active", "prefill_tokens_per_s", "prefix_blocks", "node_id", "node_type", "waiting_for_node", "preemptions", "kv_cache_tokens", "max_model_len", "max_concurrency", "kv_bytes_per_token", "expert_tokens", "expert_window_s", "expert_ranks", "prefix_reuse", "restarts", "sequence_errors", "revision")
     class SequenceErrorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +338,7 @@ class WorkerStatus(_message.Message):
     PREFIX_REUSE_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     alive: bool
@@ -368,7 +369,8 @@ class WorkerStatus(_message.Message):
     prefix_reuse: PrefixReuse
     restarts: int
     sequence_errors: _containers.ScalarMap[str, int]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_exports_held: _Optional[int] = ..., error: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for_blocks: _Optional[int] = ..., pulling: _Optional[int] = ..., router_active: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_blocks: _Optional[int] = ..., node_id: _Optional[str] = ..., node_type: _Optional[str] = ..., waiting_for_node: _Optional[bool] = ..., preemptions: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrency: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., expert_window_s: _Optional[float] = ..., expert_ranks: _Optional[int] = ..., prefix_reuse: _Optional[_Union[PrefixReuse, _Mapping]] = ..., restarts: _Optional[int] = ..., sequence_errors: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    revision: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_exports_held: _Optional[int] = ..., error: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for_blocks: _Optional[int] = ..., pulling: _Optional[int] = ..., router_active: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_blocks: _Optional[int] = ..., node_id: _Optional[str] = ..., node_type: _Optional[str] = ..., waiting_for_node: _Optional[bool] = ..., preemptions: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrency: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., expert_window_s: _Optional[float] = ..., expert_ranks: _Optional[int] = ..., prefix_reuse: _Optional[_Union[PrefixReuse, _Mapping]] = ..., restarts: _Optional[int] = ..., sequence_errors: _Optional[_Mapping[str, int]] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class PrefixReuse(_message.Message):
     __slots__ = ("device_tokens", "host_tokens", "import_held_tokens", "import_moved_tokens", "host_capacity_blocks", "host_held_blocks", "host_saved_blocks", "host_reloaded_blocks", "host_dropped_blocks", "host_corrupt_blocks", "pulled_tokens", "lent_tokens", "pulls", "pull_failures")
@@ -459,7 +461,7 @@ class RouterStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., http_address: _Optional[str] = ..., alive: _Optional[bool] = ..., inflight_requests: _Optional[int] = ..., admitted: _Optional[int] = ..., max_inflight_requests: _Optional[int] = ...) -> None: ...
 
 class RequestTrace(_message.Message):
-    __slots__ = ("request_id", "outcome", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "prefill_worker", "decode_worker", "kv_bytes", "kv_pull_ms", "spans", "marks", "prefix_pulled_tokens", "prefix_pulled_from")
+    __slots__ = ("request_id", "outcome", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "prefill_worker", "decode_worker", "kv_bytes", "kv_pull_ms", "spans", "marks", "prefix_pulled_tokens", "prefix_pulled_from", "prefill_revision", "decode_revision")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -473,6 +475,8 @@ class RequestTrace(_message.Message):
     MARKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PULLED_FROM_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    DECODE_REVISION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     outcome: str
     prompt_tokens: int
@@ -486,7 +490,9 @@ class RequestTrace(_message.Message):
     marks: _containers.RepeatedCompositeFieldContainer[TraceMark]
     prefix_pulled_tokens: int
     prefix_pulled_from: str
-    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kv_pull_ms: _Optional[float] = ..., spans: _Optional[_Iterable[_Union[TraceSpan, _Mapping]]] = ..., marks: _Optional[_Iterable[_Union[TraceMark, _Mapping]]] = ..., prefix_pulled_tokens: _Optional[int] = ..., prefix_pulled_from: _Optional[str] = ...) -> None: ...
+    prefill_revision: str
+    decode_revision: str
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kv_pull_ms: _Optional[float] = ..., spans: _Optional[_Iterable[_Union[TraceSpan, _Mapping]]] = ..., marks: _Optional[_Iterable[_Union[TraceMark, _Mapping]]] = ..., prefix_pulled_tokens: _Optional[int] = ..., prefix_pulled_from: _Optional[str] = ..., prefill_revision: _Optional[str] = ..., decode_revision: _Optional[str] = ...) -> None: ...
 
 class TraceSpan(_message.Message):
     __slots__ = ("name", "start", "duration_ms", "worker")

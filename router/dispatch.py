@@ -50,6 +50,13 @@ Each request's moments are marked as they happen, and its trace
 (``router.trace``) goes to every sink in ``sinks`` when it ends, however it ends
 (the trace log behind ``status --traces``, the metrics, the SLO planner).
 
+Workers of one revision only work together (``WorkerRecord.revision``: the
+weights each serves; the KV handshake refuses any other pair): the prefill
+worker, a prefix's holder and a retry's prefill worker are of the decode
+worker's revision, and a lost decode worker's request resumes on one of its
+revision where one is left (else on another, which prefills it all again).
+During a rolling upgrade each revision serves its requests whole.
+
 Workers come from the ``WorkerRegistry``; the load the router puts on each
 (prompt tokens queued, requests active, KV reserved) is recorded there for
 exactly as long as the stream that causes it lasts.
@@ -233,7 +240,8 @@ class Dispatcher:
         dw = pick_decode(decoders, prompt, n + 1)
         pw = None
         if not self.colocated:
-            pw = pick_prefill(self.registry.routable(Role.PREFILL), prompt, self.policy.prefix_affinity)
+            prefillers = _of_revision(self.registry.routable(Role.PREFILL), dw.revision)
+            pw = pick_prefill(prefillers, prompt, self.policy.prefix_affinity)
         decision = self.decider.decide(self.policy, prompt, dw, pw, self.colocated)
         source = pull = None
         if decision.placement == Placement.REMOTE:
@@ -250,7 +258,7 @@ class Dispatcher:
         holders = [
             w
             for w in self.registry.workers(Role.PREFILL)
-            if w is not pw and w.alive and w.state != Membership.STARTING
+            if w is not pw and w.alive and w.state != Membership.STARTING and w.revision == pw.revision
         ]
         holder = self.decider.pull_source(prompt, pw, holders)
         if holder is None:
@@ -343,7 +351,11 @@ class Dispatcher:
                 task = life.recompute()
                 continue
             if isinstance(lost, PrefillLost):  # nothing of it is held: another prefill worker, or dw
-                candidates = [w for w in self.registry.routable(Role.PREFILL) if w.worker_id not in tried]
+                candidates = [
+                    w
+                    for w in _of_revision(self.registry.routable(Role.PREFILL), life.decode_worker.revision)
+                    if w.worker_id not in tried
+                ]
                 source = pick_prefill(candidates, prompt, self.policy.prefix_affinity)
                 if source is None:
                     self.decider.fallback()
@@ -358,7 +370,7 @@ class Dispatcher:
             else:  # the decode worker
                 gone, source = life.decode_worker, life.source
                 candidates = [w for w in self.registry.routable(self.decode_role) if w is not gone]
-                dw = pick_decode(candidates, prompt, n + 1)
+                dw = pick_decode(_of_revision(candidates, gone.revision) or candidates, prompt, n + 1)
                 if dw is None:
                     raise lost
                 log.warning("decode worker lost during %s; continuing on %s", life.request_id, dw.worker_id)
@@ -425,6 +437,11 @@ class Dispatcher:
                             yield event
                             if isinstance(event, FinalEvent):
                                 return
+
+
+def _of_revision(workers: list[WorkerRecord], revision: str) -> list[WorkerRecord]:
+    """Those of ``workers`` that serve ``revision``."""
+    return [w for w in workers if w.revision == revision]
 
 
 class _Losses:

@@ -78,6 +78,7 @@ class RequestLifecycle:
         self._cached = 0
         self._prefix_pulled = 0  # prompt tokens its prefill worker copied from another
         self._prefix_pulled_from = ""
+        self._prefill_revision = ""  # the revision of the prefill worker that made the first token
 
     # ---- reads -----------------------------------------------------------------------------
     @property
@@ -159,7 +160,7 @@ class RequestLifecycle:
         events: list[TokenEvent | FinalEvent] = []
         p = batch.prefilled
         if p is not None:
-            self._prefill_worker = p.worker_id
+            self._prefill_worker, self._prefill_revision = p.worker_id, p.revision
             self._kv_streamed, self._handoff_bytes = p.streamed, p.kv_bytes
             self._prefix_pulled, self._prefix_pulled_from = p.pulled_tokens, p.pulled_from
             if p.scheduled_at is not None:
@@ -198,6 +199,7 @@ class RequestLifecycle:
     def trace(self, outcome: str, ok: bool) -> RequestTrace:
         """The request's trace, as it ends now with ``outcome``."""
         finished = () if self.marked("finished") else (Mark("finished", self._now()),)
+        decoded = self._decode is not None and not self._ended_in_prefill
         return RequestTrace(
             request_id=self.request_id,
             outcome=outcome,
@@ -206,7 +208,7 @@ class RequestLifecycle:
             cached_prompt_tokens=self._cached,
             output_tokens=len(self._sent),
             prefill_worker=self._prefill_worker,
-            decode_worker=self._decode.worker_id if self._decode and not self._ended_in_prefill else "",
+            decode_worker=self._decode.worker_id if decoded else "",
             kv_bytes=self._kv_bytes,
             kv_pull_s=self._kv_pull_s,
             marks=(*self._marks, *finished),
@@ -214,6 +216,8 @@ class RequestLifecycle:
             kv_streamed=self._kv_streamed,
             prefix_pulled_tokens=self._prefix_pulled,
             prefix_pulled_from=self._prefix_pulled_from,
+            prefill_revision=self._prefill_revision,
+            decode_revision=self._decode.revision if decoded else "",
         )
 
     # ---- internals ---------------------------------------------------------------------------
@@ -238,7 +242,7 @@ class RequestLifecycle:
     def _continue_on(self, decode: WorkerRecord) -> DecodeTask:
         self._decode, self._source, self._phase = decode, None, Phase.PREFILLING
         if not self._sent:  # nothing passed on yet: a fresh local prefill
-            self._prefill_worker = ""
+            self._prefill_worker, self._prefill_revision = "", ""
             self._prefix_pulled, self._prefix_pulled_from = 0, ""
         return DecodeTask(self.request_id, self.prompt_ids, self.params, self.remaining(), list(self._sent))
 

@@ -268,10 +268,18 @@ class _ClusterCollector(Collector):
         retried = CounterMetricFamily(
             "splitserve:model_steps_retried", "Model steps that failed and were run again.", labels=labels
         )
+        info = GaugeMetricFamily(
+            "splitserve:worker_info",
+            "1 for each worker that joined, labelled with the revision of the weights it serves "
+            "(workers pair only within one).",
+            labels=[*labels, "revision"],
+        )
         for w in self.registry.workers():
             if w.state == Membership.STARTING:
                 continue
             restarts.add_metric([w.role, w.worker_id], w.restarts)
+            if w.info is not None:
+                info.add_metric([w.role, w.worker_id, w.revision], 1)
             if w.stats is None:
                 continue
             e = w.stats.engine
@@ -322,6 +330,7 @@ class _ClusterCollector(Collector):
             restarts,
             seq_errors,
             retried,
+            info,
         )
 
     def _pools(self) -> Iterator[Metric]:

@@ -109,6 +109,12 @@ class WorkerRecord:
         return self.state == Membership.ACTIVE and self.alive
 
     @property
+    def revision(self) -> str:
+        """Which weights it serves ("" before it joined): KV moves only between workers
+        of one revision (``wire.kv.CompatInfo``)."""
+        return self.info.revision if self.info is not None else ""
+
+    @property
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens sent to this worker for prefill and not yet back."""
         return sum(self.prefilling.values())

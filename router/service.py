@@ -339,6 +339,8 @@ def _trace_proto(t: RequestTrace) -> pb.RequestTrace:
         kv_pull_ms=t.kv_pull_s * 1000,
         prefix_pulled_tokens=t.prefix_pulled_tokens,
         prefix_pulled_from=t.prefix_pulled_from,
+        prefill_revision=t.prefill_revision,
+        decode_revision=t.decode_revision,
         spans=[
             pb.TraceSpan(name=s.name, start=s.start, duration_ms=s.seconds * 1000, worker=s.worker)
             for s in t.spans
@@ -367,6 +369,7 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
         out.kv_cache_tokens, out.max_model_len = v.max_kv_tokens, v.max_model_len
         out.max_concurrency = v.max_kv_tokens / v.max_model_len
         out.kv_bytes_per_token = w.info.kv_bytes_per_token
+        out.revision = w.revision
     s = w.stats
     if s is not None:
         e = s.engine

@@ -81,6 +81,8 @@ class RequestTrace:
     kv_streamed: bool = False  # its KV was pulled layer by layer while prefill computed it
     prefix_pulled_tokens: int = 0  # prompt tokens its prefill worker copied from another
     prefix_pulled_from: str = ""  # that other prefill worker
+    prefill_revision: str = ""  # the weights that prefilled it, as its prefill worker said ("" locally)
+    decode_revision: str = ""  # those of its (last) decode worker
 
     def at(self, name: str) -> float | None:
         """The first mark of that name, if there is one."""

@@ -58,6 +58,7 @@ class DecodeWorkerInfo:
     colocated: bool  # prefills every request itself (no KV transfer backend)
     engine: str = ""  # what its engine chose (Engine.summary)
     kv_bytes_per_token: int = 0  # one token's KV in one rank's cache, all layers (docs/models.md)
+    revision: str = ""  # which weights it serves (Engine.revision): KV moves only within one
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class Prefilled:
     kv_bytes: int  # the handoff's size (0: the request ended at its first token)
     pulled_tokens: int = 0  # prompt tokens whose KV the prefill worker pulled from another
     pulled_from: str = ""  # that other prefill worker
+    revision: str = ""  # the weights that prefilled it (its Engine.revision)
 
 
 @dataclass(frozen=True)

@@ -78,9 +78,10 @@ failed, lease expired) changes its row's serial, and the sink fails with
 deadline (``TransferTimeout``). Never a hang, never unverified tokens.
 
 Compatibility: ``Handshake`` carries ``PROTOCOL_VERSION`` and a compatibility
-hash over (model, dtype, block size, layers, KV heads, head dim, TP size and
-rank); a sink refuses a mismatch at handshake with ``IncompatiblePeer``, naming
-the field. Handshakes cross once per (source incarnation, sink) pair: a decode
+hash over (the weights' revision, dtype, block size, layers, KV heads, head
+dim, TP size and rank: not the model's path, which may differ by node); a
+sink refuses a mismatch at handshake with ``IncompatiblePeer``, naming the
+field (both revisions, for a revision). Handshakes cross once per (source incarnation, sink) pair: a decode
 worker keeps the handshakes it holds by the source's worker id and
 incarnations, and before it pulls a ``KVHandoff`` from incarnations it holds
 none for, it fetches them from the source itself (``PrefillPeer.info``) and
@@ -139,17 +140,22 @@ def check_transition(old: TransferState | None, new: TransferState) -> TransferS
 class CompatInfo:
     """What two workers must agree on for one's KV bytes to mean the same to the other."""
 
-    model: str  # model identity, e.g. a checkpoint path/name plus revision
+    model: str  # the model as configured (a name or a checkpoint path: it may differ by node)
     layout: KVLayout  # num_blocks is excluded from the hash: pools may differ in size
     # An FP8 cache's scales (layout.kv_scales names the scheme), flattened
     # [num_layers, 2 (K, V), num_kv_heads]: not part of the hash (each worker calibrates its
     # own); a sink rescales what it pulls from the source's into its own
     kv_scales: tuple[float, ...] = ()
+    # which weights (engine.model.revision: a fingerprint of the checkpoint's files, and
+    # the quantization applied at load); "" for a bare pool of bytes (tests, benchmarks)
+    revision: str = ""
 
     def fields(self) -> dict[str, object]:
+        """What the hash covers: the weights (their revision; a bare pool's model name,
+        which has none) and the layout but its size."""
         layout = dataclasses.asdict(self.layout)
         layout.pop("num_blocks")
-        return {"model": self.model, **layout}
+        return {"weights": self.revision or self.model, **layout}
 
     @property
     def hash(self) -> str:

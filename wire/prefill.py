@@ -45,6 +45,7 @@ class PrefillWorkerInfo:
     engine: str = ""  # what its engine chose (Engine.summary)
     streams_kv: bool = False  # prefill_stream hands KV over before prefill ends (layer-wise)
     kv_bytes_per_token: int = 0  # one token's KV in one rank's cache, all layers (docs/models.md)
+    revision: str = ""  # which weights it serves (Engine.revision): KV moves only within one
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class PrefillResult:
     # and from which; 0 and "" when it pulled none
     pulled_tokens: int = 0
     pulled_from: str = ""
+    revision: str = ""  # the weights that prefilled it (Engine.revision)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from splitserve.bench.kv_peers import (
     SpawnChild,
     Status,
     Streaming,
-    compat_of,
     start_source,
 )
 from splitserve.engine.engine import Engine
@@ -90,7 +89,7 @@ def prefill_source(request, decode_engine):
 
 
 def sink_for(backend: str, engine: Engine):
-    return get_backend(backend).sink("decode-0", engine.kv_cache.tensor, compat_of(engine, CFG.model))
+    return get_backend(backend).sink("decode-0", engine.kv_cache.tensor, engine.kv_compat())
 
 
 def wait_released(src, request_ids, timeout=10.0):
@@ -317,9 +316,7 @@ def test_layerwise_streaming_over_nixl_equals_monolithic(streaming_source, decod
 def test_a_corrupted_layer_of_a_stream_is_detected_and_yields_no_tokens(
     streaming_source, decode_engine, chats
 ):
-    sink = get_backend("nixl").sink(
-        "decode-c", decode_engine.kv_cache.tensor, compat_of(decode_engine, CFG.model)
-    )
+    sink = get_backend("nixl").sink("decode-c", decode_engine.kv_cache.tensor, decode_engine.kv_compat())
     sink.connect(streaming_source.handshake)
     used = decode_engine.block_manager.num_used_blocks
     exported, errors = pull_streamed(streaming_source, sink, decode_engine, chats[:1], faulty_layer=5)

@@ -157,7 +157,7 @@ def test_corrupted_bytes_fail_the_transfer_and_yield_no_tokens(pair):
 @pytest.mark.parametrize(
     "change, field",
     [
-        (dict(model="another-model"), "model"),
+        (dict(model="another-model"), "weights"),
         (dict(dtype="bfloat16"), "dtype"),
         (dict(block_size=16), "block_size"),
         (dict(tp_size=2), "tp_size"),

@@ -1,11 +1,13 @@
 """Shared factories for the router's tests without Ray: worker records with given
 load, and fake worker clients (``WorkerClient``) that script what a prefill or
-decode worker answers. The fakes stand in for workers only in tests of the
-router's own logic (registry, balancer, dispatcher, autoscaling policy)."""
+decode worker answers (each of the weights' ``revision`` it is given). The fakes
+stand in for workers only in tests of the router's own logic (registry, balancer,
+dispatcher, autoscaling policy)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -95,11 +97,13 @@ class FakePrefill:
         fail: Callable[[PrefillTask], None] | None = None,
         delay_s: float = 0.0,
         streams: bool = False,
+        revision: str = "",
     ):
         self.worker_id = worker_id
         self.fail = fail
         self.delay_s = delay_s
         self.streams = streams
+        self.revision = revision
         self.incarnation = uuid.uuid4().hex
         self.calls: list[PrefillTask] = []
         self.aborted: list[str] = []
@@ -110,11 +114,14 @@ class FakePrefill:
         self.incarnation = uuid.uuid4().hex
 
     def handshake(self) -> Handshake:
-        return Handshake(PROTOCOL_VERSION, "fake", self.worker_id, self.incarnation, COMPAT)
+        compat = dataclasses.replace(COMPAT, revision=self.revision)
+        return Handshake(PROTOCOL_VERSION, "fake", self.worker_id, self.incarnation, compat)
 
     async def info(self) -> PrefillWorkerInfo:
         self.info_calls += 1
-        return PrefillWorkerInfo(self.worker_id, VALIDATOR, (self.handshake(),), streams_kv=self.streams)
+        return PrefillWorkerInfo(
+            self.worker_id, VALIDATOR, (self.handshake(),), streams_kv=self.streams, revision=self.revision
+        )
 
     async def stats(self, prefix_since=None) -> PrefillStats:
         return PrefillStats(self.worker_id, engine_stats(), (), 0, 0, 0)
@@ -165,7 +172,9 @@ class FakePrefill:
         first = expected_tokens(task.prompt_token_ids, 1)
         finish = FinishReason.LENGTH if task.params.max_tokens == 1 else None
         handoff = None if finish is not None else handoff
-        return PrefillResult(task.request_id, self.worker_id, first, "", [0.0], 0.0, finish, 0, handoff)
+        return PrefillResult(
+            task.request_id, self.worker_id, first, "", [0.0], 0.0, finish, 0, handoff, revision=self.revision
+        )
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
         self.confirmed.extend(confirmations)
@@ -191,8 +200,10 @@ class FakeDecode:
         step_s: float = 0.0,
         decode_steps: Sequence[tuple[float, float]] = (),
         pull_fails: Callable[[KVHandoff], None] | None = None,
+        revision: str = "",
     ):
         self.worker_id = worker_id
+        self.revision = revision
         self.batch = batch
         self.lose_after = lose_after
         self.fail = fail
@@ -208,7 +219,7 @@ class FakeDecode:
         self.linked.clear()
 
     async def info(self) -> DecodeWorkerInfo:
-        return DecodeWorkerInfo(self.worker_id, VALIDATOR, colocated=False)
+        return DecodeWorkerInfo(self.worker_id, VALIDATOR, colocated=False, revision=self.revision)
 
     async def stats(self, prefix_since=None) -> DecodeStats:
         steps = self.decode_steps
@@ -284,9 +295,9 @@ class FakeDecode:
                 except WorkerLost as e:
                     raise PeerLost(str(e)) from None
             n = len(result.output_token_ids)
-            prefilled = Prefilled(
-                result.worker_id, 0.0, None if handoff is None else 0.0, isinstance(first, KVStreaming), 64
-            )
+            streamed = isinstance(first, KVStreaming)
+            exported = None if handoff is None else 0.0
+            prefilled = Prefilled(result.worker_id, 0.0, exported, streamed, 64, revision=result.revision)
             yield TokenBatch(
                 rid,
                 result.output_token_ids,

@@ -472,3 +472,31 @@ def test_one_nodes_failure_counts_as_one_loss(same_node):
         with pytest.raises(RequestCrashesWorkers):
             asyncio.run(_collect(d, [7, 8, 9]))
         assert d1.calls == []
+
+
+def test_workers_of_two_revisions_are_never_paired():
+    """Prefill and decode workers of revisions A and B, 60 requests: each is prefilled
+    by a worker of its decode worker's revision (or by the decode worker itself, for
+    revision C, which has no prefill worker), and its trace says so."""
+    pa, pb = FakePrefill("p-a", revision="A"), FakePrefill("p-b", revision="B")
+    decodes = [FakeDecode(f"d-{r}", revision=r) for r in ("A", "B", "C")]
+    d = _cluster([pa, pb], decodes)
+    d.policy = PolicySpec(conditional_disaggregation=False)  # always remote where one is of its revision
+
+    async def run_all():
+        prompts = [[i % 7 + 1, i % 5 + 2, i % 3 + 3] for i in range(60)]
+        return await asyncio.gather(*(_collect(d, p, max_tokens=4) for p in prompts)), prompts
+
+    results, prompts = asyncio.run(run_all())
+    for (tokens, _), prompt in zip(results, prompts):
+        assert tokens == expected_tokens(prompt, 4)
+    served = {dw.revision: [t.source for t in dw.calls] for dw in decodes}
+    assert all(served.values())  # every decode worker took some
+    assert {s.worker_id for s in served["A"]} == {"p-a"} and {s.worker_id for s in served["B"]} == {"p-b"}
+    assert served["C"] == [None] * len(served["C"])  # prefilled on d-C itself
+    assert len(pa.calls) + len(pb.calls) == len(served["A"]) + len(served["B"])
+    traces = d.traces.latest(60)
+    assert len(traces) == 60
+    for t in traces:
+        assert t.decode_revision == t.decode_worker[-1]
+        assert t.prefill_revision == (t.decode_revision if t.prefill_worker else "")
