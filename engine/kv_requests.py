@@ -8,7 +8,11 @@ defines).
 - prefixes lent and borrowed between workers: ``lend_prefix`` (the holder),
   ``reserve_prefix`` then ``adopt_prefix`` (the borrower);
 - the decode half: ``hold_prefix`` (what the decode side has already),
-  ``import_request`` (blocks for the rest), ``activate``.
+  ``import_request`` (blocks for the rest), ``activate``;
+- a running request moving to another engine (live migration): ``suspend`` here
+  (its KV then exported as a prefill's is: ``prefilled``, ``release``), and on
+  the other engine ``import_request`` with every token it generated, then
+  ``activate``: it decodes on from there as if it had never moved.
 
 Every method validates first and raises ``InvalidRequest`` before touching state.
 """
@@ -43,6 +47,27 @@ class KVRequests:
     def release(self, request_id: str) -> None:
         """Free a PREFILLED request's blocks (its KV has been delivered or given up)."""
         self._finish(self._get(request_id, SequenceStatus.PREFILLED), FinishReason.PREFILL_DONE)
+
+    # ---- a running request moving to another engine -----------------------------
+    def suspend(self, request_id: str, from_block: int = 0) -> PrefilledRequest:
+        """Stop decoding RUNNING request ``request_id`` and hold its KV for another
+        engine: it is PREFILLED from here on, ``prefilled`` names its blocks from
+        ``from_block`` on (the reader holds those before), and ``release`` (or
+        ``abort``) frees them. Its KV covers every token but the last one sampled (the
+        next step would have computed that one's); the reader imports the request with
+        all its output tokens (``import_request``) and samples the next token as this
+        engine would have. Raises ``UnknownRequest`` unless it is RUNNING, and
+        ``InvalidRequest`` while its prompt is still being prefilled."""
+        state = self._get(request_id, SequenceStatus.RUNNING)
+        seq = state.seq
+        if not seq.num_output_tokens or seq.num_computed_tokens != seq.num_tokens - 1:
+            raise InvalidRequest(f"request {request_id} is still being prefilled: it cannot move yet")
+        most = seq.num_computed_tokens // self.block_manager.block_size
+        if not 0 <= from_block <= most:
+            raise InvalidRequest(f"a reader can hold at most its {most} full blocks, not {from_block}")
+        seq.export_from_block = from_block
+        self._park_prefilled(state)
+        return self.prefilled(request_id)
 
     # ---- prefixes lent and borrowed between workers ---------------------------
     def lend_prefix(self, request_id: str, token_ids: list[int], from_block: int) -> PrefilledRequest | None:
@@ -142,17 +167,21 @@ class KVRequests:
         output_token_ids: list[int],
         params: SamplingParams,
     ) -> list[int]:
-        """Allocate blocks for the KV of ``prompt_token_ids`` computed elsewhere (after
-        those ``hold_prefix`` holds for it, if it held any).
+        """Allocate blocks for KV computed elsewhere: of ``prompt_token_ids`` and of
+        every token of ``output_token_ids`` but the last (after the blocks
+        ``hold_prefix`` holds for it, if it held any).
 
         Returns the block ids to fill (in order; the last may be partial): after the
         held ones. A request ``hold_prefix`` made keeps the sequence (and ``params``)
         it was held with; ``prompt_token_ids`` must be the same prompt. Raises
         ``Overloaded`` if the cache has no room now (what was held stays held). The
         request stays IMPORTING until ``activate`` (or ``abort``, which frees the
-        blocks). ``output_token_ids`` is the first token the prefill side sampled; it
-        may be empty when the KV starts moving before prefill ends (layer-wise
-        streaming), and then comes with ``activate``."""
+        blocks). ``output_token_ids`` is the first token the prefill side sampled (a
+        handoff; it may be empty when the KV starts moving before prefill ends, and
+        then comes with ``activate``), or every token a running request generated on
+        the engine it moves from (``suspend``): they count toward ``max_tokens``, the
+        stop checks and the grammar, are never emitted again, and seeded sampling
+        goes on after them."""
         held = self.requests.get(request_id)
         if (
             held is not None
@@ -166,11 +195,21 @@ class KVRequests:
             request_id = self._new_id(request_id)
             prompt_ids = self.validate_request(list(prompt_token_ids), params)
             seq = self._sequence(request_id, prompt_ids, params)
-        have, total = seq.num_computed_tokens, seq.num_prompt_tokens
+        outputs = list(output_token_ids)
+        if len(outputs) >= seq.params.max_tokens:
+            raise InvalidRequest(
+                f"{len(outputs)} tokens already generated; max_tokens is {seq.params.max_tokens}"
+            )
+        if seq.num_prompt_tokens + len(outputs) >= self.max_model_len:
+            raise InvalidRequest(
+                f"{seq.num_prompt_tokens} prompt and {len(outputs)} generated tokens leave no room in "
+                f"{self.max_model_len}"
+            )
+        have, total = seq.num_computed_tokens, seq.num_prompt_tokens + max(0, len(outputs) - 1)
         if not self.block_manager.can_allocate(seq, total - have):
             raise Overloaded(f"not enough free KV blocks for {total - have} tokens")
         self.block_manager.allocate(seq, total - have)
-        for t in output_token_ids:
+        for t in outputs:
             seq.append_token(t)
         seq.num_computed_tokens = total
         seq.status = SequenceStatus.IMPORTING

@@ -1,0 +1,106 @@
+"""A running request moved between two engines (live migration, engine level):
+``suspend`` on the engine it runs on, its KV exported and pulled over a real
+transfer backend (``local``: the same source and sink code as NIXL's, in one
+process), ``import_request`` with every token it generated on the other engine,
+``activate``; then it decodes on there. Its tokens and text, across both
+engines, equal an undisturbed run's for greedy, seeded and JSON-schema requests
+(SmolLM2, the real model); nothing is emitted twice; the KV moved (the
+importing engine computed no prompt token)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splitserve.engine.engine import Engine
+from splitserve.kv_transfer import get_backend
+from splitserve.kv_transfer.backends.local import LocalHub
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import InvalidRequest, UnknownRequest
+from splitserve.wire.sampling import SamplingParams, StructuredOutput
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+PARAMS = {
+    "greedy": SamplingParams(max_tokens=24, ignore_eos=True),
+    "seeded": SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True),
+    "penalized": SamplingParams(
+        max_tokens=24, temperature=0.7, seed=3, repetition_penalty=1.3, ignore_eos=True
+    ),
+    "json": SamplingParams(max_tokens=60, structured=StructuredOutput("json_schema", json.dumps(SCHEMA))),
+}
+MESSAGES = [{"role": "user", "content": "Describe a person as JSON, then tell me about them."}]
+
+
+def _engine() -> Engine:
+    return Engine(EngineConfig(model="smollm2", dtype="float32", block_size=16, num_kv_blocks=96))
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2):
+    return _engine(), _engine()
+
+
+def _add_all(engine: Engine) -> dict[str, str]:
+    return {name: engine.add_request(messages=MESSAGES, params=p) for name, p in PARAMS.items()}
+
+
+def _run(engine: Engine, ids: dict[str, str], until=None) -> dict[str, tuple[list[int], str]]:
+    """Step ``engine`` until ``until()`` (default: nothing left); each request's emitted
+    tokens and text."""
+    got = {rid: ([], "") for rid in ids.values()}
+    while engine.has_unfinished() and not (until and until()):
+        for out in engine.step():
+            if out.request_id in got:
+                tokens, text = got[out.request_id]
+                got[out.request_id] = (tokens + out.new_token_ids, text + out.text)
+    return {name: got[rid] for name, rid in ids.items()}
+
+
+def test_a_running_request_moves_with_its_kv_and_decodes_on_as_if_undisturbed(engines):
+    a, b = engines
+    reference = _run(a, _add_all(a))
+    ids = _add_all(a)
+    before = _run(a, ids, until=lambda: all(a.requests[r].seq.num_output_tokens >= 6 for r in ids.values()))
+    hub, backend = LocalHub(), get_backend("local")
+    source = backend.source("decode-a", a.kv_cache.tensor, a.kv_compat(), lease_s=30.0, hub=hub)
+    sink = backend.sink("decode-b", b.kv_cache.tensor, b.kv_compat(), hub=hub)
+    sink.connect(source.handshake())
+    moved_before, kv_tokens = b.stats().import_moved_tokens, 0
+    for name, rid in ids.items():
+        moved = a.suspend(rid)
+        assert moved.output_token_ids == before[name][0]  # everything it emitted, nothing held back
+        assert moved.num_kv_tokens == len(moved.prompt_token_ids) + len(moved.output_token_ids) - 1
+        kv_tokens += moved.num_kv_tokens
+        desc = source.export(rid, moved.block_ids, moved.num_kv_tokens)
+        blocks = b.import_request(rid, moved.prompt_token_ids, moved.output_token_ids, PARAMS[name])
+        assert sink.pull(desc, blocks, timeout=30.0).transfer_id == desc.transfer_id
+        a.release(rid)
+        b.activate(rid)
+    assert not a.has_unfinished() and a.block_manager.num_used_blocks == 0
+    assert b.stats().import_moved_tokens - moved_before == kv_tokens  # pulled, not computed
+    after = _run(b, ids)
+    for name in PARAMS:
+        tokens, text = before[name][0] + after[name][0], before[name][1] + after[name][1]
+        assert (tokens, text) == reference[name], name
+    assert json.loads(reference["json"][1]).keys() == {"name", "age"}  # it moved mid-object
+
+
+def test_only_a_decoding_request_can_be_suspended(engines):
+    a, _ = engines
+    rid = a.add_request([5, 6, 7] * 30, SamplingParams(max_tokens=4))
+    with pytest.raises(UnknownRequest, match="no running request"):
+        a.suspend(rid)  # waiting: its prompt not computed
+    a.abort(rid)
+    with pytest.raises(UnknownRequest):
+        a.suspend("never-added")
+    rid = a.add_request([5, 6, 7], SamplingParams(max_tokens=4))
+    a.step()  # prefilled: running, one token sampled
+    with pytest.raises(InvalidRequest, match="at most its 0 full blocks"):
+        a.suspend(rid, from_block=1)
+    a.abort(rid)
