@@ -35,7 +35,14 @@ import ray.exceptions
 
 from splitserve.wire import token_stream as ts
 from splitserve.wire.background import Background
-from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch, merge
+from splitserve.wire.decode import (
+    DecodeStats,
+    DecodeTask,
+    DecodeWorkerInfo,
+    MovedRequest,
+    TokenBatch,
+    merge,
+)
 from splitserve.wire.errors import EngineStopped, WorkerLost, WorkerStopped
 from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor, KVHandoff
 from splitserve.wire.prefill import (
@@ -137,6 +144,17 @@ class RayPrefillWorker(_EveryWorker):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class RayDecodePeer(_EveryWorker):
+    """A decode worker as another decode worker calls it to take over a request it moved
+    away (a ``DecodePeer``). Plain (picklable): it travels in ``DecodeTask.moved_from``."""
+
+    actor: Any  # the Ray handle
+
+    async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
+        await _call(self.actor, "confirm", confirmations)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class RayDecodeRank:
     """Rank r > 0 of a decode worker's TP group (a ``DecodeRankPeer``): rank 0 holds
     one per other rank and calls it for each source's link and each request's pull."""
@@ -186,12 +204,20 @@ class RayDecodeWorker(_EveryWorker):
                         yield dataclasses.replace(item, error=None)
                     finished = True
                     raise item.error
-                finished = item.finish_reason is not None
+                finished = item.finish_reason is not None or item.moved  # moved: nothing held there
                 yield item
         finally:
             inbox.close(rid)
             if started and not finished:  # not awaited; its errors are of no interest
                 self._aborting.run(self.abort(rid))
+
+    async def move_out(self, request_id: str) -> MovedRequest:
+        """Suspend and export a running request for another decode worker (live migration)."""
+        return await _call(self.actor, "move_out", request_id)
+
+    def peer(self) -> RayDecodePeer:
+        """This worker as the one taking over its moved request calls it."""
+        return RayDecodePeer(self.actor)
 
     async def close(self) -> None:
         """Stop reading the worker's tokens (its requests from here are aborted there)."""

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from splitserve.decode_worker.worker import DecodeWorker
-from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
+from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, MovedRequest, TokenBatch
 from splitserve.wire.prefix import PrefixCursor
 
 
@@ -36,6 +36,13 @@ class InProcessDecodeClient:
     async def abort(self, request_id: str) -> bool:
         return await self.worker.abort(request_id)
 
+    async def move_out(self, request_id: str) -> MovedRequest:
+        return await self.worker.move_out(request_id)
+
+    def peer(self) -> DecodeWorker:
+        """The worker itself: another on this loop calls it directly."""
+        return self.worker
+
     async def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
         rid = task.request_id
         queue = self._queues[rid] = asyncio.Queue()
@@ -51,7 +58,7 @@ class InProcessDecodeClient:
                     if batch.token_ids:
                         yield dataclasses.replace(batch, error=None)
                     raise batch.error
-                finished = batch.finish_reason is not None
+                finished = batch.finish_reason is not None or batch.moved  # moved: nothing held there
                 yield batch
         finally:
             self._queues.pop(rid, None)

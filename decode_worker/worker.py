@@ -53,6 +53,8 @@ from dataclasses import dataclass
 
 from splitserve.decode_worker.admission import AdmissionQueue
 from splitserve.decode_worker.handover import Handover, Phase
+from splitserve.decode_worker.migration import Migration
+from splitserve.decode_worker.mover import RequestMover
 from splitserve.decode_worker.outbox import Outbox
 from splitserve.decode_worker.pulls import KVPuller
 from splitserve.decode_worker.token_server import TokenServer
@@ -67,9 +69,10 @@ from splitserve.wire.decode import (
     DecodeTask,
     DecodeWorkerInfo,
     DecodeWorkerSpec,
+    MovedRequest,
     TokenBatch,
 )
-from splitserve.wire.errors import DeadlineExceeded, InvalidRequest, Overloaded, WorkerLost
+from splitserve.wire.errors import DeadlineExceeded, InvalidRequest, Overloaded, UnknownRequest, WorkerLost
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.outputs import RequestOutput
 from splitserve.wire.prefill import PrefillPeer
@@ -92,7 +95,7 @@ class _Request:
     request_id: str
     outbox: Outbox
     deadline: asyncio.TimerHandle | None = None  # ends it with DeadlineExceeded
-    handover: Handover | None = None  # an imported request's way in (decode_worker.handover)
+    handover: Handover | Migration | None = None  # an imported or moved-in request's way in
     importing: asyncio.Task | None = None  # runs the handover
 
 
@@ -114,7 +117,7 @@ class DecodeWorker:
         self.loop = EngineLoop(
             lambda: Engine(spec.engine, tp=self.tp),
             self._on_outputs,
-            self._heartbeats.tick,  # idle ranks must hear from rank 0 within the group's timeout
+            self._tick,
             name=f"{spec.worker_id}-engine",
             on_error=self._on_error,
         )
@@ -125,6 +128,11 @@ class DecodeWorker:
         sink = rank_sink(spec.worker_id, spec, self.engine)
         locate = self.engine.block_manager.locate if spec.engine.ep_size > 1 else None
         self.puller = None if sink is None else KVPuller(spec.worker_id, sink, self.ranks, locate)
+        # Exports the KV of the requests it moves away (live migration): a worker of one
+        # process that takes KV from elsewhere (a TP or EP group's move by recompute).
+        self.mover = None
+        if sink is not None and group_size == 1 and spec.engine.ep_size == 1:
+            self.mover = RequestMover(spec.worker_id, self.engine, spec.backend, spec.lease_s)
         self._side = _Side(self)  # what its handovers ask of it
         self._background = Background()  # confirmations and releases to sources, not awaited
         self._admission: AdmissionQueue | None = None  # made on the actor's loop
@@ -145,6 +153,7 @@ class DecodeWorker:
             engine=self.engine.summary,
             kv_bytes_per_token=self.engine.capacity.bytes_per_token,
             revision=self.engine.revision,
+            handshakes=(self.mover.handshake(),) if self.mover is not None else (),
         )
 
     async def token_address(self) -> str:
@@ -179,10 +188,12 @@ class DecodeWorker:
         rid = task.request_id
         if rid in self._requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
-        if task.source is not None:
+        if task.source is not None or task.moved is not None:
             self._require_sink()
             if task.output_token_ids:
-                raise InvalidRequest("a task prefilled elsewhere starts with no output tokens")
+                raise InvalidRequest("a task prefilled or moved elsewhere brings no output tokens of its own")
+            if (task.moved is None) != (task.moved_from is None) or (task.moved and task.source):
+                raise InvalidRequest("a moved request comes with the worker it moved from, and no source")
         self._aloop = loop = asyncio.get_running_loop()
         outbox = self._outbox(outbox_id)
         req = self._requests[rid] = _Request(rid, outbox)
@@ -191,8 +202,9 @@ class DecodeWorker:
             deadline = time.monotonic() + task.timeout_s
             error = DeadlineExceeded(f"request {rid} ran past its {task.timeout_s:.3g} s")
             req.deadline = loop.call_at(loop.time() + task.timeout_s, self._fail, rid, error)
-        if task.source is not None:
-            req.handover = Handover(task, deadline, outbox, self._side)
+        if task.source is not None or task.moved is not None:
+            way_in = Handover if task.source is not None else Migration
+            req.handover = way_in(task, deadline, outbox, self._side)
             req.importing = asyncio.ensure_future(self._import(req))
             return
         try:
@@ -204,6 +216,33 @@ class DecodeWorker:
         except BaseException:
             self._end(rid)
             raise
+
+    async def move_out(self, request_id: str) -> MovedRequest:
+        """Suspend running ``request_id`` and export its KV for another decode worker to
+        take over (live migration, ``decode_worker.mover``): its batches here end with one
+        marked ``moved``, after every token it generated here. The export is held until
+        the taker confirms it, ``abort`` releases it, or its lease ends. Raises
+        ``InvalidRequest`` where this worker cannot move requests (a TP group, colocated)
+        or the request is still being prefilled or handed over, ``UnknownRequest`` when it
+        is not here (it ended)."""
+        if self.mover is None:
+            raise InvalidRequest(f"worker {self.worker_id} cannot move requests (they move by recompute)")
+        req = self._requests.get(request_id)
+        if req is None:
+            raise UnknownRequest(f"no request {request_id!r} runs on {self.worker_id}")
+        if req.handover is not None and req.handover.phase != Phase.RUNNING:
+            raise InvalidRequest(f"request {request_id} is still being handed over to {self.worker_id}")
+        moved = await self._call(lambda e: self.mover.export(e, request_id))
+        # every step's tokens reached the outbox before this call's result did (one FIFO loop)
+        req.outbox.put(TokenBatch.moved_away(request_id))
+        self._end(request_id, abort=False)
+        return moved
+
+    async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
+        """A worker that took over requests from here holds verified copies of these
+        transfers (for backends that confirm through the control plane): their leases end."""
+        if self.mover is not None:
+            self.mover.confirm(confirmations)
 
     async def abort(self, request_id: str) -> bool:
         """Stop ``request_id`` and free its blocks (awaited); its batches not taken yet
@@ -238,6 +277,8 @@ class DecodeWorker:
             self.engine.stop_followers()
         if self.puller is not None:
             self.puller.close()
+        if self.mover is not None:
+            self.mover.close()
         self.tp.destroy()
 
     # ---- internals ------------------------------------------------------------
@@ -278,9 +319,16 @@ class DecodeWorker:
             raise InvalidRequest(f"worker {self.worker_id} is colocated and takes no KV from elsewhere")
 
     def _abort_in_engine(self, request_id: str):
-        """Abort on the engine thread; once its blocks are free, the admission queue's
+        """Abort on the engine thread (a request moved away: release its export, whose
+        blocks return on the next tick); once its blocks are free, the admission queue's
         head is offered them. Returns the engine call's future."""
-        future = self.loop.call(lambda e: e.abort(request_id))
+
+        def abort(e: Engine) -> bool:
+            if self.mover is not None and self.mover.release(request_id):
+                return True
+            return e.abort(request_id)
+
+        future = self.loop.call(abort)
         if self._admission is not None:
             future.add_done_callback(lambda _: self._admission.wake_threadsafe())
         return future
@@ -295,6 +343,11 @@ class DecodeWorker:
             self._end(req.request_id, abort=False)
         else:
             self._fail(req.request_id, ending.error, abort=False)
+
+    def _tick(self) -> None:  # engine thread
+        self._heartbeats.tick()  # idle ranks must hear from rank 0 within the group's timeout
+        if self.mover is not None:
+            self.mover.tick(self.engine)  # the blocks of requests moved away, once taken
 
     def _on_error(self, error: BaseException) -> None:  # engine thread
         """The engine loop died (a bug, or a lost TP rank): every request ends with
@@ -343,10 +396,11 @@ class _Side:
         if worker._admission is None:
             worker._admission = AdmissionQueue(worker.worker_id, self.spec.max_admission_queue)
         rid, prompt, params = task.request_id, task.prompt_token_ids, task.params
+        outputs = task.moved.output_token_ids if task.moved is not None else []  # a moved request's
 
         async def allocate() -> list[int] | None:
             try:
-                return await worker._call(lambda e: e.import_request(rid, prompt, [], params))
+                return await worker._call(lambda e: e.import_request(rid, prompt, outputs, params))
             except Overloaded:
                 return None
 

@@ -45,7 +45,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.worker_group import Heartbeat, RankFollower, join_group
 from splitserve.kv_transfer import get_backend
-from splitserve.prefill_worker.exports import ExportLedger
+from splitserve.kv_transfer.exports import ExportLedger
 from splitserve.wire.errors import KVTransferError
 from splitserve.wire.kv import Handshake, KVDescriptor
 from splitserve.wire.prefill import PrefillWorkerSpec

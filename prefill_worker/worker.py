@@ -47,11 +47,11 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.parallel.worker_group import Heartbeats
 from splitserve.kv_transfer import get_backend
+from splitserve.kv_transfer.exports import ExportLedger
 from splitserve.kv_transfer.layerwise import LayerExporter
+from splitserve.kv_transfer.polling import SourcePoller
 from splitserve.kv_transfer.tp_mapping import readers_per_rank
 from splitserve.prefill_worker.borrow import PrefixBorrower
-from splitserve.prefill_worker.exports import ExportLedger
-from splitserve.prefill_worker.polling import SourcePoller
 from splitserve.prefill_worker.tp import OtherRanks, join_prefill_group
 from splitserve.prefill_worker.waiter import Waiter
 from splitserve.wire.errors import EngineStopped, InvalidRequest, KVTransferError, UnknownRequest

@@ -91,6 +91,7 @@ from splitserve.wire.errors import (
     Overloaded,
     PrefillLost,
     RequestCrashesWorkers,
+    UnknownRequest,
     WorkerLost,
 )
 from splitserve.wire.prefill import PrefixPull
@@ -140,6 +141,7 @@ class Dispatcher:
         self.admitted = 0  # requests admitted since start (the planner's arrivals)
         self.traces = TraceLog(traces_kept)
         self.sinks: list[TraceSink] = [self.traces]  # each request's trace, when it ends
+        self._lives: dict[str, RequestLifecycle] = {}  # every sequence on a decode worker now, by id
         self._background = Background()  # worker calls not awaited
 
     @property
@@ -265,6 +267,46 @@ class Dispatcher:
             return None
         return PrefixPull(holder.client, holder.worker_id, prompt.cached_on(holder) // pw.block_size)
 
+    async def migrate(self, request_id: str, to: str | None = None) -> str:
+        """Move decoding request ``request_id`` (one sequence: a fork's own id) to another
+        decode worker of its revision, ``to`` or the balancer's choice, with its KV (live
+        migration): the old worker suspends it and exports its KV once its tokens so far
+        are out, the new one pulls the KV and decodes on; the client's stream neither
+        repeats nor skips a token and nothing is computed again (a failed pull is
+        recomputed there). Returns the worker it moves to, once the old one let it go.
+        Raises ``UnknownRequest`` when no such request is decoding, ``InvalidRequest``
+        when it is not decoding now (still prefilling, or moving) or its worker cannot
+        move requests (a TP group, colocated), ``Overloaded`` when no other decode worker
+        of its revision has room."""
+        life = self._lives.get(request_id)
+        if life is None:
+            raise UnknownRequest(f"no request {request_id!r} is on a decode worker")
+        if life.phase is not Phase.DECODING:
+            raise InvalidRequest(f"request {request_id} is {life.phase.value}: only a decoding request moves")
+        old = life.decode_worker
+        if old.info is None or not old.info.handshakes:
+            raise InvalidRequest(f"worker {old.worker_id} cannot move requests (they move by recompute)")
+        candidates = [
+            w
+            for w in _of_revision(self.registry.routable(self.decode_role), old.revision)
+            if w is not old and (to is None or w.worker_id == to) and self._has_room(w)
+        ]
+        prompt = Prompt.of(life.prompt_ids, old.block_size)
+        dw = pick_decode(candidates, prompt, len(life.prompt_ids) + life.num_sent + 1)
+        if dw is None:
+            raise Overloaded(
+                f"no decode worker of revision {old.revision or '-'} but {old.worker_id}"
+                f"{f' named {to}' if to else ''} can take request {request_id} now"
+            )
+        life.begin_move(dw)
+        try:
+            moved = await old.client.move_out(request_id)
+        except Exception as e:
+            life.cancel_move(e)
+            raise
+        life.moved(moved)
+        return dw.worker_id
+
     async def _fork(
         self, life: RequestLifecycle, params: SamplingParams
     ) -> AsyncIterator[TokenEvent | FinalEvent]:
@@ -326,17 +368,39 @@ class Dispatcher:
         source = life.source
         tried = {source.worker_id} if source is not None else set()
         losses = _Losses()
+        self._lives[life.request_id] = life
+        try:
+            async for event in self._failing_over(life, task, prompt, n, tried, losses):
+                yield event
+        finally:
+            self._lives.pop(life.request_id, None)
+
+    async def _failing_over(
+        self,
+        life: RequestLifecycle,
+        task: DecodeTask,
+        prompt: Prompt,
+        n: int,
+        tried: set[str],
+        losses: _Losses,
+    ) -> AsyncIterator[TokenEvent | FinalEvent]:
         while True:
             try:
                 async for event in self._stream(life, task):
                     yield event
-                return
+                if not life.moving:
+                    return
+                try:
+                    task = await life.migrate()  # its stream on the old worker ended: moved
+                except Exception as e:
+                    raise WorkerLost(f"request {life.request_id} could not move: {e}") from e
+                continue
             except (PrefillLost, WorkerLost) as e:
                 if losses.add(e, life) >= MAX_WORKER_LOSSES:
                     raise self._crashes_workers(life, losses.workers, e) from e
                 lost = e
             except KVTransferError as e:
-                if life.source is None:
+                if life.source is None and not life.moving:
                     raise
                 action = self.on_transfer_failure
                 self.transfer_failures[(type(e).__name__, action)] += 1
@@ -419,7 +483,7 @@ class Dispatcher:
         decode worker until the stream ends."""
         dw, rid = life.decode_worker, life.request_id
         prefiller = life.source or dw
-        to_prefill = len(task.prompt_token_ids) + len(task.output_token_ids)
+        to_prefill = 0 if task.moved is not None else len(task.prompt_token_ids) + len(task.output_token_ids)
         reserve = len(task.prompt_token_ids) + task.params.max_tokens
         with self.registry.decoding(dw, rid, reserve), self.registry.prefilling(prefiller, rid, to_prefill):
             async with contextlib.aclosing(dw.client.generate(task)) as stream:
@@ -437,6 +501,10 @@ class Dispatcher:
                             yield event
                             if isinstance(event, FinalEvent):
                                 return
+                        if batch.moved:  # its last batch there: it goes on where it moved
+                            if not life.moving:
+                                raise WorkerLost(f"decode worker {dw.worker_id} let {rid} go unasked")
+                            return
 
 
 def _of_revision(workers: list[WorkerRecord], revision: str) -> list[WorkerRecord]:

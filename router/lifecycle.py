@@ -9,6 +9,10 @@ writes its state)::
     PREFILLING --batch with the first token--> HANDING_OVER  (prefilled on a source)
                                            --> DECODING      (prefilled on dw)
     HANDING_OVER --batch with the pull's figures--> DECODING
+    DECODING --begin_move()--> MOVING   its decode worker is asked to suspend and export it
+    MOVING --migrate(dw, moved)--> MOVING on dw, which pulls its KV
+           --batch with the pull's figures--> DECODING
+           --cancel_move()--> DECODING  (the worker did not move it: it goes on there)
     any of them --batch with a finish reason--> FINISHED
 
     retry_prefill(source)  PREFILLING -> PREFILLING: the source was lost before it
@@ -18,6 +22,9 @@ writes its state)::
     resume(dw)             -> PREFILLING: the decode worker was lost; another one
                            prefills the prompt and the tokens already sent and
                            goes on after them
+    migrate(dw, moved)     MOVING -> MOVING: live migration; dw pulls the KV the old
+                           decode worker exported and decodes on after its tokens
+                           (nothing computed again; a failed pull is a recompute)
 
 Each transition returns the ``DecodeTask`` to send next. Its moments are marked
 as they happen (the marks ``router.trace`` names); ``trace`` is the request as
@@ -34,7 +41,7 @@ import time
 from splitserve.router.events import FinalEvent, TokenEvent
 from splitserve.router.registry import WorkerRecord
 from splitserve.router.trace import Mark, RequestTrace
-from splitserve.wire.decode import DecodeTask, TokenBatch
+from splitserve.wire.decode import DecodeTask, MovedRequest, TokenBatch
 from splitserve.wire.errors import DeadlineExceeded
 from splitserve.wire.prefill import PrefixPull
 from splitserve.wire.sampling import FinishReason, SamplingParams
@@ -45,6 +52,7 @@ class Phase(enum.Enum):
     PREFILLING = "prefilling"  # a decode worker has it; its prompt is being prefilled
     HANDING_OVER = "handing_over"  # first token passed on; its KV moves to the decode worker
     DECODING = "decoding"
+    MOVING = "moving"  # live migration: its KV moves from one decode worker to another
     FINISHED = "finished"  # its last event was made
 
 
@@ -79,6 +87,10 @@ class RequestLifecycle:
         self._prefix_pulled = 0  # prompt tokens its prefill worker copied from another
         self._prefix_pulled_from = ""
         self._prefill_revision = ""  # the revision of the prefill worker that made the first token
+        # while MOVING: (the decode worker it moves to, what the old one exported), once known
+        self._move: asyncio.Future | None = None
+        self._move_to: WorkerRecord | None = None
+        self._moves = 0  # live migrations, since admitted
 
     # ---- reads -----------------------------------------------------------------------------
     @property
@@ -139,23 +151,70 @@ class RequestLifecycle:
         self._expect(Phase.PREFILLING)
         return self._prefill_on(source)
 
+    def begin_move(self, to: WorkerRecord) -> None:
+        """DECODING -> MOVING: its decode worker is being asked to suspend it and export its
+        KV for ``to`` (``Dispatcher.migrate``); ``moved`` or ``cancel_move`` says how it went."""
+        self._expect(Phase.DECODING)
+        self._phase, self._move = Phase.MOVING, asyncio.get_running_loop().create_future()
+        self._move_to = to
+
+    def moved(self, moved: MovedRequest) -> None:
+        """The old decode worker exported it (its stream there ends after its tokens)."""
+        if self._move is not None and not self._move.done():
+            self._move.set_result(moved)
+
+    def cancel_move(self, error: Exception) -> None:
+        """MOVING -> DECODING: the old worker did not move it (it goes on there, or ended;
+        a ``migrate`` already waiting raises ``error``)."""
+        move = self._move
+        if self._phase is not Phase.MOVING or move is None or move.done():
+            return
+        self._phase, self._move = Phase.DECODING, None
+        move.set_exception(error)
+        move.exception()  # retrieved: nobody may be waiting
+
+    @property
+    def moving(self) -> bool:
+        return self._phase is Phase.MOVING
+
+    async def migrate(self) -> DecodeTask:
+        """Its stream on the old decode worker ended marked ``moved``: the task that has the
+        new one pull its KV and decode on after every token sent (all the old one made)."""
+        self._expect(Phase.MOVING)
+        moved: MovedRequest = await asyncio.shield(self._move)
+        if moved.output_token_ids != self._sent:
+            raise RuntimeError(
+                f"request {self.request_id} moved with {len(moved.output_token_ids)} tokens, "
+                f"{len(self._sent)} passed on"
+            )
+        old, self._decode, self._moves = self._decode, self._move_to, self._moves + 1
+        self._mark("moved", worker=self._decode.worker_id)
+        return DecodeTask(
+            self.request_id,
+            self.prompt_ids,
+            self.params,
+            self.remaining(),
+            moved=moved,
+            moved_from=old.client.peer(),
+        )
+
     def recompute(self) -> DecodeTask:
         """The KV handover failed: the decode worker prefills the prompt and the tokens
         already sent itself."""
-        self._expect(Phase.PREFILLING, Phase.HANDING_OVER)
+        self._expect(Phase.PREFILLING, Phase.HANDING_OVER, Phase.MOVING)
         self._mark("kv_recompute", worker=self._decode.worker_id)
         return self._continue_on(self._decode)
 
     def resume(self, decode: WorkerRecord) -> DecodeTask:
         """The decode worker was lost: ``decode`` prefills the prompt and the tokens already
         sent, and goes on after them (seeded sampling included) as if nothing had happened."""
-        self._expect(Phase.PREFILLING, Phase.HANDING_OVER, Phase.DECODING)
+        self._expect(Phase.PREFILLING, Phase.HANDING_OVER, Phase.DECODING, Phase.MOVING)
         self._mark("resumed", worker=decode.worker_id)
         return self._continue_on(decode)
 
     def on_batch(self, batch: TokenBatch) -> list[TokenEvent | FinalEvent]:
         """A batch from the decode worker: what to pass on, the phase it moves to."""
-        self._expect(Phase.PREFILLING, Phase.HANDING_OVER, Phase.DECODING)
+        self._expect(Phase.PREFILLING, Phase.HANDING_OVER, Phase.DECODING, Phase.MOVING)
         worker = self._decode.worker_id
         events: list[TokenEvent | FinalEvent] = []
         p = batch.prefilled
@@ -182,7 +241,11 @@ class RequestLifecycle:
                 self._mark("prefill_started", batch.started_at, worker)
             elif self.first_token_passed and not self.marked("decode_admitted"):
                 self._mark("decode_admitted", batch.started_at, worker)
-        if batch.transfer_s is not None:
+        if batch.transfer_s is not None and self._phase is Phase.MOVING:
+            if self._decode is self._move_to:  # the new worker pulled it: moved
+                self._phase, self._move = Phase.DECODING, None
+                self._mark("move_pulled", worker=worker)
+        elif batch.transfer_s is not None:
             self._kv_pull_s, self._kv_bytes = batch.transfer_s, self._handoff_bytes
             self._phase = Phase.DECODING
         if batch.finish_reason is not None:
@@ -240,7 +303,7 @@ class RequestLifecycle:
         )
 
     def _continue_on(self, decode: WorkerRecord) -> DecodeTask:
-        self._decode, self._source, self._phase = decode, None, Phase.PREFILLING
+        self._decode, self._source, self._phase, self._move = decode, None, Phase.PREFILLING, None
         if not self._sent:  # nothing passed on yet: a fresh local prefill
             self._prefill_worker, self._prefill_revision = "", ""
             self._prefix_pulled, self._prefix_pulled_from = 0, ""

@@ -12,7 +12,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, TokenBatch
+from splitserve.wire.decode import (
+    DecodePeer,
+    DecodeStats,
+    DecodeTask,
+    DecodeWorkerInfo,
+    MovedRequest,
+    TokenBatch,
+)
 from splitserve.wire.prefill import PrefillStats, PrefillWorkerInfo
 from splitserve.wire.prefix import PrefixCursor
 
@@ -35,10 +42,20 @@ class WorkerClient(Protocol):
     async def abort(self, request_id: str) -> bool: ...
 
     def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
-        """A decode worker's batches of ``task``, up to the one with ``finish_reason``. A
-        batch's ``error`` is raised after its tokens; a lost worker is ``WorkerLost``.
-        Leaving early aborts the request on the worker (which lets go of what the
-        prefill worker holds for it)."""
+        """A decode worker's batches of ``task``, up to the one with ``finish_reason`` (or
+        marked ``moved``: it left for another decode worker). A batch's ``error`` is
+        raised after its tokens; a lost worker is ``WorkerLost``. Leaving early aborts
+        the request on the worker (which lets go of what the prefill worker holds for it)."""
+        ...
+
+    async def move_out(self, request_id: str) -> MovedRequest:
+        """A decode worker: suspend running ``request_id`` and export its KV for another to
+        take over (live migration); its stream here then ends marked ``moved``."""
+        ...
+
+    def peer(self) -> DecodePeer:
+        """A decode worker as another calls it to take over a request it moved away
+        (picklable: it travels in ``DecodeTask.moved_from``)."""
         ...
 
     async def close(self) -> None:

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import SplitserveError
-from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor
+from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor, KVHandoff
 from splitserve.wire.outputs import EngineStats, PromptLogprob, RequestOutput, TopLogprobs
 from splitserve.wire.prefill import PrefillPeer, PrefixPull
 from splitserve.wire.prefix import PrefixUpdate
@@ -31,6 +31,8 @@ class DecodeWorkerSpec:
     torch_threads: int | None = None
     cpu_ids: tuple[int, ...] | None = None  # pin the worker's process to these cores (Linux)
     tp: TPInit | None = None  # this process's rank in the worker's TP group (None: TP=1)
+    # how long the KV of a request it moved away stays held for the taker (live migration)
+    lease_s: float = 30.0
 
 
 class DecodeRankPeer(Protocol):
@@ -59,6 +61,9 @@ class DecodeWorkerInfo:
     engine: str = ""  # what its engine chose (Engine.summary)
     kv_bytes_per_token: int = 0  # one token's KV in one rank's cache, all layers (docs/models.md)
     revision: str = ""  # which weights it serves (Engine.revision): KV moves only within one
+    # the KV source its running requests move away through (live migration; empty: it
+    # cannot move them, e.g. a TP group or a colocated worker: they move by recompute)
+    handshakes: tuple[Handshake, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,9 @@ class DecodeTask:
     on as soon as it comes, links to the source if it has not yet (its
     handshakes, by ``source.info``), pulls the KV (layer by layer while the
     source computes it, where it streams), confirms the transfer to the source,
-    and decodes from there. Without it, the worker prefills ``prompt_token_ids``
+    and decodes from there. With ``moved`` it takes over a running request from
+    another decode worker (``moved_from``), pulling its KV and decoding on after
+    its tokens. Without either, the worker prefills ``prompt_token_ids``
     and ``output_token_ids`` (tokens already sent, when a request resumes after a
     lost worker or a failed transfer) itself, and continues after them as the
     undisturbed run would (the same seeded stream; ``max_tokens`` counts them)."""
@@ -82,6 +89,40 @@ class DecodeTask:
     output_token_ids: list[int] = field(default_factory=list)  # only without a source
     source: PrefillPeer | None = None
     prefix_from: PrefixPull | None = None  # with a source: passed on to it (PrefillTask.prefix_from)
+    # a running request another decode worker suspended and exported (live migration): its
+    # KV is pulled from ``moved_from`` (decode_worker.migration), no token is computed again
+    moved: MovedRequest | None = None
+    moved_from: DecodePeer | None = None
+
+
+@dataclass(frozen=True)
+class MovedRequest:
+    """A running request a decode worker suspended for another to take over (live
+    migration): the KV of its prompt and of every token but the last, exported under a
+    lease as a prefill's is (the taker confirms it, or ``abort`` releases it), and every
+    token it generated there; they are never sent again."""
+
+    request_id: str
+    worker_id: str  # the decode worker it moved from
+    handoff: KVHandoff
+    output_token_ids: list[int]
+    revision: str  # the weights that generated them (Engine.revision)
+
+
+class DecodePeer(Protocol):
+    """A decode worker as another decode worker sees it, to take over a request it moved
+    away (``DecodeTask.moved_from``): its handshakes (``info``), ``confirm``, ``abort``.
+    Errors come back as splitserve's own (``WorkerLost`` for a lost worker)."""
+
+    async def info(self) -> DecodeWorkerInfo: ...
+
+    async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
+        """The taker holds verified copies of these transfers: their leases end."""
+        ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Release the request's export (and anything else it holds there)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -125,6 +166,9 @@ class TokenBatch:
     started_at: float | None = None
     top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per token, when asked
     prompt_logprobs: list[PromptLogprob] | None = None  # on the batch with the first token, when asked
+    # the request left this worker for another (live migration) after these tokens: its
+    # last batch here, neither finished nor failed
+    moved: bool = False
 
     @classmethod
     def of_output(cls, out: RequestOutput, now: float) -> TokenBatch:
@@ -142,6 +186,11 @@ class TokenBatch:
             started_at=out.scheduled_at,
             error=out.error,
         )
+
+    @classmethod
+    def moved_away(cls, request_id: str) -> TokenBatch:
+        """The last batch of a request that moved to another decode worker from here."""
+        return cls(request_id, [], "", [], [], None, 0, moved=True)
 
     @classmethod
     def failure(cls, request_id: str, error: SplitserveError) -> TokenBatch:
@@ -181,4 +230,5 @@ def merge(batches: list[TokenBatch]) -> TokenBatch:
         prefilled=next((b.prefilled for b in batches if b.prefilled is not None), None),
         error=last.error,
         started_at=next((b.started_at for b in batches if b.started_at is not None), None),
+        moved=last.moved,
     )

@@ -4,7 +4,7 @@ newer export of the same request holds them."""
 
 from __future__ import annotations
 
-from splitserve.prefill_worker.exports import ExportLedger
+from splitserve.kv_transfer.exports import ExportLedger
 from splitserve.wire.kv import LeaseEnd, TransferState
 
 CONFIRMED, EXPIRED, RELEASED = TransferState.CONFIRMED, TransferState.EXPIRED, TransferState.RELEASED

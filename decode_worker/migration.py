@@ -1,0 +1,123 @@
+"""One request moving into a decode worker from another, running (live migration),
+as a state machine: the other half of ``decode_worker.mover``.
+
+The router suspended the request on the worker it ran on (``move_out``: its
+tokens so far delivered, its KV exported under a lease) and starts it here with
+``DecodeTask.moved``; this worker links to that worker's KV source, finds blocks
+for the KV of the prompt and every token but the last in the admission queue,
+pulls and verifies it, confirms it and puts the request into its batch, which
+samples the next token as the other worker would have. No token is computed
+again or sent twice. The phases (``handover.Phase``, a subset), and what each
+holds::
+
+    phase               entered when                          holds here        on the other worker
+    LINKING             the migration starts                  nothing           the export, unconfirmed
+    WAITING_FOR_BLOCKS  this worker holds its handshake        nothing           the export
+    PULLING             the admission queue allocated blocks   all the blocks;   the export
+                        for the KV; the pull began             bytes landing
+    ACTIVATING          the pull ended whole within the lease  all the blocks    nothing (confirmed)
+    RUNNING             the engine activated the request       (the engine's)    nothing
+    ENDED               any end before RUNNING                 nothing           nothing
+
+An end before RUNNING frees what the phase held in ``handover``'s order: a pull
+in flight is awaited, the engine frees the blocks, an export not confirmed is
+released on the other worker (``abort``). ``run`` returns the error the request
+ends with (a ``KVTransferError``: the router then has this worker prefill it
+with its tokens instead, as after any failed transfer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from splitserve.decode_worker.handover import DecodeSide, Ending, Phase
+from splitserve.decode_worker.outbox import Outbox
+from splitserve.wire.decode import DecodeTask, TokenBatch
+from splitserve.wire.errors import LeaseExpired
+
+_ORDER = (Phase.LINKING, Phase.WAITING_FOR_BLOCKS, Phase.PULLING, Phase.ACTIVATING, Phase.RUNNING)
+_NEXT: dict[Phase, frozenset[Phase]] = {
+    **{a: frozenset({b, Phase.ENDED}) for a, b in zip(_ORDER, _ORDER[1:], strict=False)},
+    Phase.RUNNING: frozenset(),
+    Phase.ENDED: frozenset(),
+}
+_EXPORT_UNCONFIRMED = frozenset({Phase.LINKING, Phase.WAITING_FOR_BLOCKS, Phase.PULLING})
+
+
+class Migration:
+    """One moved request from its start here to RUNNING or ENDED; run as a task by the
+    worker (cancelling it ends the migration, freeing what its phase held)."""
+
+    def __init__(self, task: DecodeTask, deadline: float | None, outbox: Outbox, side: DecodeSide):
+        """``deadline``: the request's, in ``time.monotonic()``, or None."""
+        if task.moved is None or task.moved_from is None:
+            raise ValueError("a migration takes a request moved from another decode worker")
+        self.task = task
+        self.request_id = task.request_id
+        self._deadline = deadline
+        self._outbox = outbox
+        self._side = side
+        self._phase = Phase.LINKING
+        self._pull: asyncio.Future | None = None
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    async def run(self) -> Ending | None:
+        """None once the request is RUNNING here; else, ENDED, the error it ends with."""
+        try:
+            await self._take_over()
+            return None
+        except asyncio.CancelledError:
+            await self._end()
+            raise
+        except Exception as e:
+            ending = Ending(e)
+        await self._end()
+        return ending
+
+    async def _take_over(self) -> None:
+        moved, peer, side = self.task.moved, self.task.moved_from, self._side
+        handoff = moved.handoff
+        await side.link(peer, handoff)
+        self._to(Phase.WAITING_FOR_BLOCKS)
+        blocks = await side.admit(self.task, self._deadline, handoff.remaining_lease())
+        self._to(Phase.PULLING)
+        timeout = side.spec.transfer_timeout_s
+        if self._deadline is not None:
+            timeout = max(0.001, min(timeout, self._deadline - time.monotonic()))
+        t0 = time.perf_counter()
+        self._pull = asyncio.ensure_future(side.pull(handoff, blocks, timeout))
+        confirmations, _ = await asyncio.shield(self._pull)
+        pulled_s = time.perf_counter() - t0
+        if handoff.remaining_lease() <= 0:
+            raise LeaseExpired(f"the KV lease of moved request {self.request_id} ran out")
+        undelivered = tuple(c for c in confirmations if not c.delivered)
+        if undelivered:
+            side.background(peer.confirm(undelivered))
+        self._to(Phase.ACTIVATING)
+        # before any token: the pull's time, and when this worker took the request into its batch
+        self._outbox.put(
+            TokenBatch(self.request_id, [], "", [], [], None, 0, pulled_s, started_at=time.time())
+        )
+        await side.activate(self.request_id, [])
+        self._to(Phase.RUNNING)
+
+    async def _end(self) -> None:
+        if self._pull is not None:
+            with contextlib.suppress(BaseException):
+                await self._pull  # bytes may still be landing in the blocks: free them only after
+        self._side.free(self.request_id)
+        if self._phase in _EXPORT_UNCONFIRMED:
+            self._side.background(self.task.moved_from.abort(self.request_id))
+        self._to(Phase.ENDED)
+
+    def _to(self, phase: Phase) -> None:
+        if phase not in _NEXT[self._phase]:
+            raise RuntimeError(
+                f"migration of {self.request_id}: no transition {self._phase.name} -> {phase.name}"
+            )
+        self._phase = phase

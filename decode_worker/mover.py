@@ -1,0 +1,88 @@
+"""A decode worker's side of moving its running requests to another (live migration).
+
+``RequestMover`` owns the worker's KV source (its whole cache registered with the
+transfer backend, as a prefill worker's is), the thread that keeps it moving
+(``kv_transfer.polling``) and the ledger of what it holds under a lease
+(``kv_transfer.exports``). A request moves away in one engine call, between two
+steps (``export``): the engine suspends it (``Engine.suspend``: it stops decoding,
+its blocks held) and the source exports its blocks under a lease; the taker pulls
+them, then confirms, or the worker releases them (``release``, on abort) or the
+lease runs out. On each engine tick the requests whose leases ended give their
+blocks back (``tick``)::
+
+    RUNNING --export--> held, exported --(confirmed | released | expired)--> freed
+
+Only a worker of one process (TP=1) moves requests this way; a TP group's would
+need every rank's export (its requests move by recompute).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from splitserve.engine.engine import Engine
+from splitserve.kv_transfer import get_backend
+from splitserve.kv_transfer.exports import ExportLedger
+from splitserve.kv_transfer.polling import SourcePoller
+from splitserve.wire.decode import MovedRequest
+from splitserve.wire.errors import UnknownRequest
+from splitserve.wire.kv import Confirmation, Handshake, KVHandoff
+
+
+class RequestMover:
+    def __init__(self, worker_id: str, engine: Engine, backend: str, lease_s: float):
+        self.worker_id = worker_id
+        self.source = get_backend(backend).source(
+            f"{worker_id}/moves", engine.kv_cache.tensor, engine.kv_compat(), lease_s
+        )
+        self.ledger = ExportLedger()
+        self._lock = threading.Lock()  # the poller thread's and the engine thread's
+        self._poller = SourcePoller(self.source, self._lock, f"{worker_id}-moves-poll")
+
+    def handshake(self) -> Handshake:
+        return self.source.handshake()
+
+    def export(self, engine: Engine, request_id: str) -> MovedRequest:  # engine thread
+        """Suspend RUNNING ``request_id`` and export its KV under a lease. Raises as
+        ``Engine.suspend`` does (holding nothing)."""
+        moved = engine.suspend(request_id)
+        try:
+            with self._lock:
+                desc = self.source.export(request_id, moved.block_ids, moved.num_kv_tokens)
+        except BaseException:
+            engine.release(request_id)
+            raise
+        self.ledger.opened(request_id, desc.transfer_id)
+        handoff = KVHandoff(self.worker_id, (desc,))
+        return MovedRequest(request_id, self.worker_id, handoff, moved.output_token_ids, engine.revision)
+
+    def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:  # any thread
+        """The taker holds verified copies: their leases end (the poller reports it)."""
+        with self._lock:
+            for c in confirmations:
+                self.source.confirm(c.transfer_id)
+
+    def release(self, request_id: str) -> bool:  # engine thread
+        """Let go of ``request_id``'s export, if one is open (its blocks return on the
+        next tick). Whether there was one."""
+        transfer = self.ledger.transfer(request_id)
+        if transfer is None:
+            return False
+        with self._lock:
+            self.source.release(transfer)
+        return True
+
+    def tick(self, engine: Engine) -> None:  # engine thread
+        """The blocks of every request whose lease ended go back to the engine."""
+        for end in self._poller.ended():
+            self.ledger.ended(end)
+        for request_id in self.ledger.take_released():
+            try:
+                engine.release(request_id)
+            except UnknownRequest:  # already aborted
+                pass
+
+    def close(self) -> None:
+        self._poller.stop()
+        with self._lock:
+            self.source.close()
