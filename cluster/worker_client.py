@@ -211,9 +211,9 @@ class RayDecodeWorker(_EveryWorker):
             if started and not finished:  # not awaited; its errors are of no interest
                 self._aborting.run(self.abort(rid))
 
-    async def move_out(self, request_id: str) -> MovedRequest:
-        """Suspend and export a running request for another decode worker (live migration)."""
-        return await _call(self.actor, "move_out", request_id)
+    async def move_out(self, request_id: str, export: bool = True) -> MovedRequest:
+        """Let go of a running request for another decode worker (live migration)."""
+        return await _call(self.actor, "move_out", request_id, export)
 
     def peer(self) -> RayDecodePeer:
         """This worker as the one taking over its moved request calls it."""

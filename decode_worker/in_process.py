@@ -36,8 +36,8 @@ class InProcessDecodeClient:
     async def abort(self, request_id: str) -> bool:
         return await self.worker.abort(request_id)
 
-    async def move_out(self, request_id: str) -> MovedRequest:
-        return await self.worker.move_out(request_id)
+    async def move_out(self, request_id: str, export: bool = True) -> MovedRequest:
+        return await self.worker.move_out(request_id, export)
 
     def peer(self) -> DecodeWorker:
         """The worker itself: another on this loop calls it directly."""

@@ -217,22 +217,26 @@ class DecodeWorker:
             self._end(rid)
             raise
 
-    async def move_out(self, request_id: str) -> MovedRequest:
-        """Suspend running ``request_id`` and export its KV for another decode worker to
-        take over (live migration, ``decode_worker.mover``): its batches here end with one
-        marked ``moved``, after every token it generated here. The export is held until
-        the taker confirms it, ``abort`` releases it, or its lease ends. Raises
-        ``InvalidRequest`` where this worker cannot move requests (a TP group, colocated)
-        or the request is still being prefilled or handed over, ``UnknownRequest`` when it
-        is not here (it ended)."""
-        if self.mover is None:
-            raise InvalidRequest(f"worker {self.worker_id} cannot move requests (they move by recompute)")
+    async def move_out(self, request_id: str, export: bool = True) -> MovedRequest:
+        """Let go of ``request_id`` for another decode worker to take over (live migration):
+        with ``export``, suspend it and export its KV (``decode_worker.mover``), held
+        until the taker confirms it, ``abort`` releases it, or its lease ends; without,
+        end it here (the taker recomputes it). Its batches here end with one marked
+        ``moved``, after every token it generated here. Raises ``InvalidRequest`` where
+        this worker cannot export requests (a TP group, colocated) or the request is still
+        being prefilled or handed over, ``UnknownRequest`` when it is not here (it ended)."""
+        if export and self.mover is None:
+            raise InvalidRequest(f"worker {self.worker_id} cannot move requests with their KV")
         req = self._requests.get(request_id)
         if req is None:
             raise UnknownRequest(f"no request {request_id!r} runs on {self.worker_id}")
         if req.handover is not None and req.handover.phase != Phase.RUNNING:
             raise InvalidRequest(f"request {request_id} is still being handed over to {self.worker_id}")
-        moved = await self._call(lambda e: self.mover.export(e, request_id))
+
+        def withdraw(e: Engine) -> MovedRequest:
+            return MovedRequest(request_id, self.worker_id, None, e.withdraw(request_id), e.revision)
+
+        moved = await self._call((lambda e: self.mover.export(e, request_id)) if export else withdraw)
         # every step's tokens reached the outbox before this call's result did (one FIFO loop)
         req.outbox.put(TokenBatch.moved_away(request_id))
         self._end(request_id, abort=False)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.sequence import Sequence, SequenceStatus
-from splitserve.wire.errors import InvalidRequest, Overloaded
+from splitserve.wire.errors import InvalidRequest, Overloaded, UnknownRequest
 from splitserve.wire.outputs import PrefilledRequest
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
@@ -68,6 +68,18 @@ class KVRequests:
         seq.export_from_block = from_block
         self._park_prefilled(state)
         return self.prefilled(request_id)
+
+    def withdraw(self, request_id: str) -> list[int]:
+        """End request ``request_id`` here, in any state but PREFILLED or IMPORTING, to go
+        on elsewhere by recompute (the other engine prefills its prompt and these tokens):
+        its output tokens so far; its blocks are freed. ``UnknownRequest`` when it is not
+        here, or its KV is held for another engine."""
+        state = self.requests.get(request_id)
+        if state is None or state.seq.status in (SequenceStatus.PREFILLED, SequenceStatus.IMPORTING):
+            raise UnknownRequest(f"no running or waiting request with id {request_id!r}")
+        outputs = list(state.seq.output_token_ids)
+        self.abort(request_id)
+        return outputs
 
     # ---- prefixes lent and borrowed between workers ---------------------------
     def lend_prefix(self, request_id: str, token_ids: list[int], from_block: int) -> PrefilledRequest | None:

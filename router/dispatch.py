@@ -267,25 +267,27 @@ class Dispatcher:
             return None
         return PrefixPull(holder.client, holder.worker_id, prompt.cached_on(holder) // pw.block_size)
 
-    async def migrate(self, request_id: str, to: str | None = None) -> str:
+    async def migrate(self, request_id: str, to: str | None = None, by: str = "kv") -> str:
         """Move decoding request ``request_id`` (one sequence: a fork's own id) to another
-        decode worker of its revision, ``to`` or the balancer's choice, with its KV (live
-        migration): the old worker suspends it and exports its KV once its tokens so far
-        are out, the new one pulls the KV and decodes on; the client's stream neither
-        repeats nor skips a token and nothing is computed again (a failed pull is
-        recomputed there). Returns the worker it moves to, once the old one let it go.
-        Raises ``UnknownRequest`` when no such request is decoding, ``InvalidRequest``
-        when it is not decoding now (still prefilling, or moving) or its worker cannot
-        move requests (a TP group, colocated), ``Overloaded`` when no other decode worker
-        of its revision has room."""
+        decode worker of its revision, ``to`` or the balancer's choice (live migration):
+        the old worker lets it go once its tokens so far are out, and the new one decodes
+        on; the client's stream neither repeats nor skips a token. ``by`` "kv": the old
+        worker exports its KV and the new one pulls it, nothing is computed again (a failed
+        pull is recomputed there); a worker that cannot export (a TP group) moves it as
+        "recompute" does: the new worker prefills the prompt and the tokens so far.
+        Returns the worker it moves to, once the old one let it go. Raises
+        ``UnknownRequest`` when no such request is decoding, ``InvalidRequest`` when it is
+        not decoding now (still prefilling, or moving), ``Overloaded`` when no other
+        decode worker of its revision has room."""
+        if by not in ("kv", "recompute"):
+            raise InvalidRequest(f"a request moves by 'kv' or 'recompute', not {by!r}")
         life = self._lives.get(request_id)
         if life is None:
             raise UnknownRequest(f"no request {request_id!r} is on a decode worker")
         if life.phase is not Phase.DECODING:
             raise InvalidRequest(f"request {request_id} is {life.phase.value}: only a decoding request moves")
         old = life.decode_worker
-        if old.info is None or not old.info.handshakes:
-            raise InvalidRequest(f"worker {old.worker_id} cannot move requests (they move by recompute)")
+        export = by == "kv" and old.info is not None and bool(old.info.handshakes)
         candidates = [
             w
             for w in _of_revision(self.registry.routable(self.decode_role), old.revision)
@@ -300,7 +302,7 @@ class Dispatcher:
             )
         life.begin_move(dw)
         try:
-            moved = await old.client.move_out(request_id)
+            moved = await old.client.move_out(request_id, export)
         except Exception as e:
             life.cancel_move(e)
             raise

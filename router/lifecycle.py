@@ -90,7 +90,6 @@ class RequestLifecycle:
         # while MOVING: (the decode worker it moves to, what the old one exported), once known
         self._move: asyncio.Future | None = None
         self._move_to: WorkerRecord | None = None
-        self._moves = 0  # live migrations, since admitted
 
     # ---- reads -----------------------------------------------------------------------------
     @property
@@ -187,8 +186,10 @@ class RequestLifecycle:
                 f"request {self.request_id} moved with {len(moved.output_token_ids)} tokens, "
                 f"{len(self._sent)} passed on"
             )
-        old, self._decode, self._moves = self._decode, self._move_to, self._moves + 1
-        self._mark("moved", worker=self._decode.worker_id)
+        self._mark("moved", worker=self._move_to.worker_id)
+        if moved.handoff is None:  # by recompute: the new worker prefills the prompt and those tokens
+            return self._continue_on(self._move_to)
+        old, self._decode = self._decode, self._move_to
         return DecodeTask(
             self.request_id,
             self.prompt_ids,

@@ -48,9 +48,10 @@ class WorkerClient(Protocol):
         the request on the worker (which lets go of what the prefill worker holds for it)."""
         ...
 
-    async def move_out(self, request_id: str) -> MovedRequest:
-        """A decode worker: suspend running ``request_id`` and export its KV for another to
-        take over (live migration); its stream here then ends marked ``moved``."""
+    async def move_out(self, request_id: str, export: bool = True) -> MovedRequest:
+        """A decode worker: let go of running ``request_id`` for another to take over (live
+        migration), exporting its KV (``export``) or not (the taker recomputes it); its
+        stream here then ends marked ``moved``."""
         ...
 
     def peer(self) -> DecodePeer:

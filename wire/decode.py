@@ -97,14 +97,15 @@ class DecodeTask:
 
 @dataclass(frozen=True)
 class MovedRequest:
-    """A running request a decode worker suspended for another to take over (live
+    """A running request a decode worker let go of for another to take over (live
     migration): the KV of its prompt and of every token but the last, exported under a
     lease as a prefill's is (the taker confirms it, or ``abort`` releases it), and every
-    token it generated there; they are never sent again."""
+    token it generated there; they are never sent again. ``handoff`` None: it moves by
+    recompute (its KV was freed; the taker prefills the prompt and those tokens)."""
 
     request_id: str
     worker_id: str  # the decode worker it moved from
-    handoff: KVHandoff
+    handoff: KVHandoff | None
     output_token_ids: list[int]
     revision: str  # the weights that generated them (Engine.revision)
 

@@ -80,16 +80,18 @@ def pair():
     p.close()
 
 
-async def _generate(d: Dispatcher, rid: str, params: SamplingParams, move_after: int | None = None):
+async def _generate(
+    d: Dispatcher, rid: str, params: SamplingParams, move_after: int | None = None, by: str = "kv"
+):
     """(tokens, text, final, the worker it moved to); with ``move_after``, the request
-    moves once that many tokens came."""
+    moves (``by``) once that many tokens came."""
     tokens, text, final, moved_to = [], "", None, None
     async for event in d.generate(GenerateInput(params, messages=MESSAGES, request_id=rid)):
         if isinstance(event, TokenEvent):
             tokens += event.token_ids
             text += event.text
             if move_after is not None and moved_to is None and len(tokens) >= move_after:
-                moved_to = await d.migrate(rid)
+                moved_to = await d.migrate(rid, by=by)
         elif isinstance(event, FinalEvent):
             final = event
     return tokens, text, final, moved_to
@@ -117,10 +119,26 @@ def test_a_request_moved_mid_stream_streams_on_as_if_undisturbed(pair):
     wait_until(nothing_held, "every block freed on both workers (exports confirmed, requests ended)")
 
 
+def test_a_request_moved_by_recompute_streams_on_as_if_undisturbed(pair):
+    """The other way to move (a worker that cannot export its KV moves so): the new worker
+    prefills the prompt and the tokens so far; the stream is whole all the same."""
+    d, params = pair.dispatcher, PARAMS["seeded"]
+    moved = {wid: pair.loop.run(c.stats()).engine.import_moved_tokens for wid, c in pair.clients.items()}
+    ref_tokens, ref_text, _, _ = pair.loop.run(_generate(d, "ref-recompute", params))
+    tokens, text, final, moved_to = pair.loop.run(
+        _generate(d, "by-recompute", params, move_after=6, by="recompute")
+    )
+    assert final.decode_worker == moved_to and (tokens, text) == (ref_tokens, ref_text)
+    after = {wid: pair.loop.run(c.stats()).engine.import_moved_tokens for wid, c in pair.clients.items()}
+    assert after == moved  # no KV moved: it was computed again
+
+
 def test_what_cannot_move_is_refused_with_a_sentence(pair):
     d = pair.dispatcher
     with pytest.raises(UnknownRequest, match="no request 'nobody'"):
         pair.loop.run(d.migrate("nobody"))
+    with pytest.raises(InvalidRequest, match="by 'kv' or 'recompute'"):
+        pair.loop.run(d.migrate("nobody", by="teleport"))
 
     async def move_while_prefilling():
         gen = d.generate(GenerateInput(PARAMS["greedy"], messages=MESSAGES, request_id="early"))
