@@ -239,6 +239,19 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drain(args: argparse.Namespace) -> int:
+    from splitserve.client import Client, SplitserveClientError
+
+    try:
+        with Client(args.server, retries=0, timeout=args.timeout + 30.0, api_key=args.api_key) as client:
+            r = client.drain(args.worker, args.by, args.timeout)
+    except SplitserveClientError as e:
+        _err(f"{args.server}: {e}")
+        return 1
+    print(f"{args.worker} drained: {r.moved} request(s) moved off, {r.left} left to finish there")
+    return 0
+
+
 def _print_routers(st) -> None:
     """Every router (asked of router 0), or the one that answered."""
     if len(st.routers) > 1 or st.answered_by:
@@ -379,6 +392,20 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--traces", type=int, default=0, metavar="N", help="also the last N requests' traces")
     _add_api_key_argument(st)
     st.set_defaults(func=_status)
+
+    dr = sub.add_parser(
+        "drain",
+        help="stop routing to a decode worker and move its running requests to the others",
+        description="Stop routing to WORKER (a decode or colocated worker) and move its running requests "
+        "to the other workers of its revision, with their KV where it can export it (live migration: "
+        "each stream goes on without a token repeated or skipped). It stays, draining, until removed.",
+    )
+    dr.add_argument("worker", help="the worker id (splitserve status lists them)")
+    dr.add_argument("--by", choices=["kv", "recompute"], default="kv", help="how the requests move")
+    dr.add_argument("--timeout", type=float, default=60.0, help="seconds to keep moving requests off it")
+    dr.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
+    _add_api_key_argument(dr)
+    dr.set_defaults(func=_drain)
 
     from splitserve.cli import plan as plan_cli
 

@@ -226,6 +226,10 @@ class Client:
         """Pools, workers and counters; with the latest ``traces`` request traces."""
         return self._unary(self._stub.ClusterStatus, pb.ClusterStatusRequest(traces=traces))
 
+    def drain(self, worker_id: str, by: str = "kv", timeout_s: float = 0.0) -> pb.DrainResponse:
+        """Stop routing to a decode worker and move its running requests to the others."""
+        return self._unary(self._stub.Drain, pb.DrainRequest(worker_id=worker_id, by=by, timeout_s=timeout_s))
+
     def health(self, timeout: float = 2.0) -> bool:
         """True when the server answers SERVING."""
         stub = health_pb2_grpc.HealthStub(self._channel)

@@ -150,6 +150,8 @@ class ServingCluster:
                 validator = dataclasses.replace(validator, chat_template=template)
             limits = share(cfg.limits, cfg.router.replicas)  # this router's part of them
             dispatcher = parts.dispatcher(cfg, self.registry, validator, limits)
+            for pool in self.pools.values():  # scale-in moves a decode worker's requests off
+                pool.move_off = dispatcher.move_off
             self.metrics = parts.metrics(cfg, self.registry, dispatcher, self._pool_sizes)
             if cfg.router.otel_endpoint:
                 self.otel = OtelSink(

@@ -122,5 +122,5 @@ class Autoscaler:
     async def remove(self, worker_id: str) -> None:
         """Take ``worker_id`` out of routing now; kill it once its requests have finished."""
         log.info("draining %s", worker_id)
-        await self.pool.remove(worker_id, self.spec.drain_timeout_s)
+        await self.pool.remove(worker_id, self.spec.drain_timeout_s, self.spec.drain)
         self.events.append((time.time(), len(self._routable())))

@@ -154,7 +154,13 @@ class AutoscalingSpec(_Strict):
         30.0, ge=0, description="how long shrinking must be wanted before it happens"
     )
     drain_timeout_s: float = Field(
-        120.0, ge=0, description="how long a removed worker may finish its requests"
+        120.0, ge=0, description="how long a removed worker may finish (or move off) its requests"
+    )
+    drain: Literal["migrate", "wait"] = Field(
+        "migrate",
+        description="a decode or colocated worker removed on scale-in: migrate moves its running "
+        "requests to the others (with their KV where the worker can export it, else by recompute) "
+        "and is gone in seconds; wait lets them finish there (up to drain_timeout_s)",
     )
 
     @model_validator(mode="after")

@@ -39,6 +39,7 @@ import logging
 import random
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -151,6 +152,9 @@ class WorkerPool:
         self._next_index = 0
         self.replaced = 0  # workers replaced by ``keep`` after Ray gave them up
         self.engine_failures = 0  # of those, workers whose engine loop stopped (the process lived)
+        # moves a worker's running requests to the others (the router's Dispatcher.move_off),
+        # set once the router is up; None: a removed worker's requests finish where they are
+        self.move_off: Callable[..., Awaitable[int]] | None = None
 
     @property
     def workers(self) -> list[WorkerRecord]:
@@ -194,13 +198,17 @@ class WorkerPool:
                 self._kill(m)
             raise
 
-    async def remove(self, worker_id: str, drain_timeout_s: float) -> None:
-        """Drain ``worker_id`` (no new requests; in-flight ones finish, and a prefill
+    async def remove(self, worker_id: str, drain_timeout_s: float, drain: str = "wait") -> None:
+        """Drain ``worker_id`` (no new requests; with ``drain`` "migrate" and a ``move_off``
+        set, its running requests move to other workers; the rest finish, and a prefill
         worker's exports are pulled, for ``drain_timeout_s`` at most: the autoscaling
         config's), then kill it."""
         record = self.registry.get(worker_id)
         self.registry.drain(worker_id)
         deadline = time.monotonic() + drain_timeout_s
+        if drain == "migrate" and self.move_off is not None and self.role != Role.PREFILL:
+            moved = await self.move_off(worker_id, timeout_s=drain_timeout_s)
+            log.info("%s: %d request(s) moved off before it goes", worker_id, moved)
         while record.holds_work and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await record.client.close()

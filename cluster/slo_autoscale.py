@@ -214,7 +214,8 @@ class PlannerLoop:
         excess = max(len(routable) - pd.target, 0)
         for victim in sorted(routable, key=lambda w: (w.active, w.running))[:excess]:
             log.info("planner: draining %s", victim.worker_id)
-            self._spawn(pool.remove(victim.worker_id, pool.spec.autoscaling.drain_timeout_s))
+            scaling = pool.spec.autoscaling
+            self._spawn(pool.remove(victim.worker_id, scaling.drain_timeout_s, scaling.drain))
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

@@ -293,6 +293,24 @@ class ListModelsResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
+class DrainRequest(_message.Message):
+    __slots__ = ("worker_id", "by", "timeout_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    by: str
+    timeout_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., by: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("moved", "left")
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    moved: int
+    left: int
+    def __init__(self, moved: _Optional[int] = ..., left: _Optional[int] = ...) -> None: ...
+
 class ClusterStatusRequest(_message.Message):
     __slots__ = ("traces",)
     TRACES_FIELD_NUMBER: _ClassVar[int]

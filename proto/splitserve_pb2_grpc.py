@@ -59,6 +59,11 @@ class SplitserveStub:
                 request_serializer=splitserve_dot_proto_dot_splitserve__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=splitserve_dot_proto_dot_splitserve__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/splitserve.v1.Splitserve/Drain',
+                request_serializer=splitserve_dot_proto_dot_splitserve__pb2.DrainRequest.SerializeToString,
+                response_deserializer=splitserve_dot_proto_dot_splitserve__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class SplitserveServicer:
@@ -99,6 +104,14 @@ class SplitserveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop routing to a decode (or colocated) worker and move its running requests to the
+        others (live migration; this router's requests). The worker stays, draining, until removed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SplitserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +139,11 @@ def add_SplitserveServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=splitserve_dot_proto_dot_splitserve__pb2.ClusterStatusRequest.FromString,
                     response_serializer=splitserve_dot_proto_dot_splitserve__pb2.ClusterStatusResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=splitserve_dot_proto_dot_splitserve__pb2.DrainRequest.FromString,
+                    response_serializer=splitserve_dot_proto_dot_splitserve__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +281,33 @@ class Splitserve:
             '/splitserve.v1.Splitserve/ClusterStatus',
             splitserve_dot_proto_dot_splitserve__pb2.ClusterStatusRequest.SerializeToString,
             splitserve_dot_proto_dot_splitserve__pb2.ClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Splitserve/Drain',
+            splitserve_dot_proto_dot_splitserve__pb2.DrainRequest.SerializeToString,
+            splitserve_dot_proto_dot_splitserve__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -310,6 +310,14 @@ class Dispatcher:
         life.moved(moved)
         return dw.worker_id
 
+    def on_worker(self, worker_id: str) -> int:
+        """Sequences of this router's requests on decode worker ``worker_id`` now."""
+        return sum(
+            1
+            for life in self._lives.values()
+            if life.decode_worker and life.decode_worker.worker_id == worker_id
+        )
+
     async def move_off(self, worker_id: str, by: str = "kv", timeout_s: float = 60.0) -> int:
         """Move every request on decode worker ``worker_id`` to others (a drain by
         migration: the caller drained it in the registry first, so nothing new comes):
@@ -319,11 +327,9 @@ class Dispatcher:
         none is left on it or the time is up."""
         deadline = time.monotonic() + timeout_s
         moved = 0
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.on_worker(worker_id):
             here = [life for life in self._lives.values() if life.decode_worker is not None]
             here = [life for life in here if life.decode_worker.worker_id == worker_id]
-            if not here:
-                break
             decoding = [life.request_id for life in here if life.phase is Phase.DECODING]
             results = await asyncio.gather(
                 *(self.migrate(rid, by=by) for rid in decoding), return_exceptions=True

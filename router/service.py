@@ -275,6 +275,19 @@ class SplitserveService(pb_grpc.SplitserveServicer):
         model = pb.ModelInfo(id=name, max_model_len=v.max_model_len, vocab_size=v.vocab_size)
         return pb.ListModelsResponse(models=[model])
 
+    async def Drain(self, request, context):
+        """Drain a decode or colocated worker and move its requests off (``move_off``)."""
+        d, wid = self.dispatcher, request.worker_id
+        try:
+            w = d.registry.get(wid)
+            if w is None or w.role == Role.PREFILL:
+                raise InvalidRequest(f"no decode or colocated worker {wid!r}: see splitserve status")
+            d.registry.drain(wid)
+            moved = await d.move_off(wid, request.by or "kv", request.timeout_s or DRAIN_TIMEOUT_S)
+        except Exception as e:
+            await context.abort(*status_for(e))
+        return pb.DrainResponse(moved=moved, left=d.on_worker(wid))
+
     async def ClusterStatus(self, request, context):
         d = self.dispatcher
         registry = d.registry
@@ -311,6 +324,9 @@ class SplitserveService(pb_grpc.SplitserveServicer):
                 for (error, action), n in sorted(d.transfer_failures.items())
             ],
         )
+
+
+DRAIN_TIMEOUT_S = 60.0  # a Drain call's default time to move requests off
 
 
 def _router_status(r: RouterInfo) -> pb.RouterStatus:

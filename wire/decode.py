@@ -8,7 +8,7 @@ from typing import Protocol
 
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import SplitserveError
-from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor, KVHandoff
+from splitserve.wire.kv import DEFAULT_LEASE_S, Confirmation, Handshake, KVDescriptor, KVHandoff
 from splitserve.wire.outputs import EngineStats, PromptLogprob, RequestOutput, TopLogprobs
 from splitserve.wire.prefill import PrefillPeer, PrefixPull
 from splitserve.wire.prefix import PrefixUpdate
@@ -32,7 +32,7 @@ class DecodeWorkerSpec:
     cpu_ids: tuple[int, ...] | None = None  # pin the worker's process to these cores (Linux)
     tp: TPInit | None = None  # this process's rank in the worker's TP group (None: TP=1)
     # how long the KV of a request it moved away stays held for the taker (live migration)
-    lease_s: float = 30.0
+    lease_s: float = DEFAULT_LEASE_S
 
 
 class DecodeRankPeer(Protocol):

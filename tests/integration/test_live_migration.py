@@ -167,3 +167,36 @@ async def _recording(events, tokens: list[int]):
             tokens += event.token_ids
         elif isinstance(event, FinalEvent):
             yield event
+
+
+def test_splitserve_drain_moves_a_running_request_off_through_the_front_door(pair, capsys):
+    """The operator's way: ``splitserve drain decode-0`` (the ``Drain`` RPC) while a
+    request streams from decode-0 over gRPC; it finishes on decode-1, whole."""
+    from splitserve.cli.main import main
+    from splitserve.client import Client
+    from splitserve.client.types import Final
+    from splitserve.router.server import RouterServer
+
+    d = pair.dispatcher
+    server = RouterServer(d, "disaggregated", "127.0.0.1", 0)
+    pair.run(server.start())
+    options = dict(messages=MESSAGES, max_tokens=32, ignore_eos=True, temperature=0.0)
+    tokens, final, drained = [], None, False
+    try:
+        with Client(server.address) as client:
+            ref_tokens = client.generate(**options).token_ids
+            d.registry.drain("decode-1")  # it starts on decode-0
+            for item in client.stream(**options):
+                if isinstance(item, Final):
+                    final = item
+                    continue
+                tokens += item.token_ids
+                if len(tokens) >= 6 and not drained:
+                    drained = True
+                    pair.run(d.registry.activate("decode-1"))
+                    assert main(["drain", "decode-0", "--server", server.address]) == 0
+    finally:
+        pair.run(d.registry.activate("decode-0"))
+        pair.run(server.stop(0.5))
+    assert tokens == ref_tokens and final.decode_worker == "decode-1"
+    assert "decode-0 drained: 1 request(s) moved off, 0 left to finish there" in capsys.readouterr().out

@@ -64,7 +64,7 @@ def test_shrinking_never_drains_a_routable_worker_for_one_still_warming():
     config, registry, pools = _pools()
     drained: list[str] = []
 
-    async def remove(worker_id: str, drain_timeout_s: float) -> None:
+    async def remove(worker_id: str, drain_timeout_s: float, drain: str = "wait") -> None:
         drained.append(worker_id)
 
     pools["decode"].remove = remove
