@@ -13,6 +13,7 @@ The pause this costs against resuming by recompute is measured in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -200,3 +201,50 @@ def test_splitserve_drain_moves_a_running_request_off_through_the_front_door(pai
         pair.run(server.stop(0.5))
     assert tokens == ref_tokens and final.decode_worker == "decode-1"
     assert "decode-0 drained: 1 request(s) moved off, 0 left to finish there" in capsys.readouterr().out
+
+
+def test_a_move_whose_kv_arrives_corrupt_is_recomputed_and_holds_nothing(pair, monkeypatch):
+    """The moved request's KV fails its checksums on the new worker (its handoff altered
+    on the way, as bytes damaged in transit would): the pull fails, the new worker
+    recomputes the request from its prompt and tokens, the stream is whole all the same,
+    the old worker's export is released and neither worker holds a block."""
+    d, old = pair.dispatcher, pair.workers["decode-0"]
+    ref_tokens, _, _, _ = pair.run(_generate(d, "corrupt-ref", PARAMS["seeded"]))
+    move_out = old.move_out
+
+    async def move_out_damaged(request_id: str, export: bool = True):
+        moved = await move_out(request_id, export)
+        (desc,) = moved.handoff.descriptors
+        damaged = dataclasses.replace(desc, layer_checksums=tuple(c ^ 1 for c in desc.layer_checksums))
+        return dataclasses.replace(moved, handoff=dataclasses.replace(moved.handoff, descriptors=(damaged,)))
+
+    monkeypatch.setattr(old, "move_out", move_out_damaged)
+    failures = sum(d.transfer_failures.values())
+
+    async def scenario():
+        d.registry.drain("decode-1")  # it starts on decode-0
+        tokens: list[int] = []
+        events = d.generate(GenerateInput(PARAMS["seeded"], messages=MESSAGES, request_id="corrupt"))
+        result = asyncio.ensure_future(_last(_recording(events, tokens)))
+        await until(lambda: len(tokens) >= 6, "the request decoding on decode-0")
+        await d.registry.activate("decode-1")
+        await d.migrate("corrupt", to="decode-1")
+        return tokens, await result
+
+    tokens, final = pair.run(scenario())
+    assert tokens == ref_tokens and final.decode_worker == "decode-1"
+    assert (
+        d.transfer_failures[("IntegrityError", "recompute")]
+        and sum(d.transfer_failures.values()) == failures + 1
+    )
+
+    def nothing_held() -> bool:
+        return all(pair.run(c.stats()).engine.num_used_blocks == 0 for c in pair.clients.values())
+
+    wait_until(nothing_held, "every block freed on both workers (the export released)")
+
+
+async def _last(items):
+    """The last of ``items`` (an async iterator)."""
+    seen = [item async for item in items]
+    return seen[-1] if seen else None
