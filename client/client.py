@@ -343,6 +343,11 @@ class AsyncClient:
         """Pools, workers and counters; with the latest ``traces`` request traces."""
         return await self._unary(self._stub.ClusterStatus, pb.ClusterStatusRequest(traces=traces))
 
+    async def drain(self, worker_id: str, by: str = "kv", timeout_s: float = 0.0) -> pb.DrainResponse:
+        """Stop routing to a decode worker and move its running requests to the others."""
+        request = pb.DrainRequest(worker_id=worker_id, by=by, timeout_s=timeout_s)
+        return await self._unary(self._stub.Drain, request)
+
     async def _unary(self, method, request):
         attempts = self._attempts(None)
         while True:

@@ -57,7 +57,7 @@ async def run_load(
         async def one(req: workloads.BenchRequest, at: float) -> RequestRecord:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             async with limit:
-                rec, _ = await _send(client, req.prompt_ids, req.output_len)
+                rec, _ = await send_one(client, req.prompt_ids, req.output_len)
             bar.update(1)
             return rec
 
@@ -91,7 +91,7 @@ async def run_conversations(
             for turn in range(len(conv.user_ids)):
                 if turn:
                     await asyncio.sleep(conv.think_s[turn])
-                rec, answer = await _send(client, conv.prompt(turn, answers), conv.output_len)
+                rec, answer = await send_one(client, conv.prompt(turn, answers), conv.output_len)
                 records.append(rec)
                 bar.update(1)
                 if not rec.success:
@@ -106,7 +106,7 @@ async def run_conversations(
     return records, max(ends) - start
 
 
-async def _send(
+async def send_one(
     client: AsyncClient, prompt_ids: list[int], output_len: int
 ) -> tuple[RequestRecord, list[int]]:
     """One greedy streamed request: what the load generator saw, and the tokens it got."""
