@@ -120,7 +120,7 @@ async def stream(d: Dispatcher, rid: str, prompt: list[int], params: SamplingPar
             times.append(time.perf_counter())
             if by is not None and moved_at is None and len(tokens) >= MOVE_AFTER:
                 moved_at = time.perf_counter()
-                await d.migrate(rid, by=by)
+                await d.moves.migrate(rid, by=by)
         elif isinstance(event, FinalEvent):
             worker = event.decode_worker
     return Run(tokens, text, times, moved_at, worker)

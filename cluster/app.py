@@ -151,7 +151,7 @@ class ServingCluster:
             limits = share(cfg.limits, cfg.router.replicas)  # this router's part of them
             dispatcher = parts.dispatcher(cfg, self.registry, validator, limits)
             for pool in self.pools.values():  # scale-in moves a decode worker's requests off
-                pool.move_off = dispatcher.move_off
+                pool.move_off = dispatcher.moves.move_off
             self.metrics = parts.metrics(cfg, self.registry, dispatcher, self._pool_sizes)
             if cfg.router.otel_endpoint:
                 self.otel = OtelSink(

@@ -152,7 +152,7 @@ class WorkerPool:
         self._next_index = 0
         self.replaced = 0  # workers replaced by ``keep`` after Ray gave them up
         self.engine_failures = 0  # of those, workers whose engine loop stopped (the process lived)
-        # moves a worker's running requests to the others (the router's Dispatcher.move_off),
+        # moves a worker's running requests to the others (the router's router.moves.Moves.move_off),
         # set once the router is up; None: a removed worker's requests finish where they are
         self.move_off: Callable[..., Awaitable[int]] | None = None
 

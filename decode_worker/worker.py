@@ -19,6 +19,13 @@ A request's life here::
     start(outbox, task) without one (colocated, a short prompt by policy, a request
     resumed or recomputed):
         add_request (InvalidRequest raised by start) --WAITING/RUNNING-- tokens --> finished
+    start(outbox, task) with task.moved (live migration, from another decode worker): a
+        Migration (decode_worker.migration) links to that worker's KV source, waits for
+        blocks, pulls the KV of the prompt and every token so far, confirms it and
+        activates it --RUNNING-- tokens --> finished
+    move_out(request_id) (the router moving it away): the engine suspends it between two
+        steps and its KV is exported under a lease (decode_worker.mover); its batches end
+        with one marked moved, after every token it made here
 
 ``start`` returns once the request is accepted; everything after ends in the
 outbox, as tokens and a last batch with ``finish_reason`` or with ``error``

@@ -70,7 +70,6 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -80,8 +79,9 @@ from splitserve.router.decider import Decider, Placement
 from splitserve.router.errors import code_for
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.lifecycle import Phase, RequestLifecycle
+from splitserve.router.moves import Moves
 from splitserve.router.policy import LimitsSpec, PolicySpec
-from splitserve.router.registry import Membership, WorkerRecord, WorkerRegistry
+from splitserve.router.registry import Membership, WorkerRecord, WorkerRegistry, of_revision
 from splitserve.router.roles import Role
 from splitserve.router.trace import RequestTrace, TraceLog, TraceSink
 from splitserve.wire.background import Background
@@ -92,7 +92,6 @@ from splitserve.wire.errors import (
     Overloaded,
     PrefillLost,
     RequestCrashesWorkers,
-    UnknownRequest,
     WorkerLost,
 )
 from splitserve.wire.prefill import PrefixPull
@@ -142,7 +141,8 @@ class Dispatcher:
         self.admitted = 0  # requests admitted since start (the planner's arrivals)
         self.traces = TraceLog(traces_kept)
         self.sinks: list[TraceSink] = [self.traces]  # each request's trace, when it ends
-        self._lives: dict[str, RequestLifecycle] = {}  # every sequence on a decode worker now, by id
+        # live migration: moving the sequences on decode workers now (their lifecycles) elsewhere
+        self.moves = Moves(registry, lambda: self.decode_role, self._has_room)
         self._background = Background()  # worker calls not awaited
 
     @property
@@ -243,7 +243,7 @@ class Dispatcher:
         dw = pick_decode(decoders, prompt, n + 1)
         pw = None
         if not self.colocated:
-            prefillers = _of_revision(self.registry.routable(Role.PREFILL), dw.revision)
+            prefillers = of_revision(self.registry.routable(Role.PREFILL), dw.revision)
             pw = pick_prefill(prefillers, prompt, self.policy.prefix_affinity)
         decision = self.decider.decide(self.policy, prompt, dw, pw, self.colocated)
         source = pull = None
@@ -267,77 +267,6 @@ class Dispatcher:
         if holder is None:
             return None
         return PrefixPull(holder.client, holder.worker_id, prompt.cached_on(holder) // pw.block_size)
-
-    async def migrate(self, request_id: str, to: str | None = None, by: str = "kv") -> str:
-        """Move decoding request ``request_id`` (one sequence: a fork's own id) to another
-        decode worker of its revision, ``to`` or the balancer's choice (live migration):
-        the old worker lets it go once its tokens so far are out, and the new one decodes
-        on; the client's stream neither repeats nor skips a token. ``by`` "kv": the old
-        worker exports its KV and the new one pulls it, nothing is computed again (a failed
-        pull is recomputed there); a worker that cannot export (a TP group) moves it as
-        "recompute" does: the new worker prefills the prompt and the tokens so far.
-        Returns the worker it moves to, once the old one let it go. Raises
-        ``UnknownRequest`` when no such request is decoding, ``InvalidRequest`` when it is
-        not decoding now (still prefilling, or moving), ``Overloaded`` when no other
-        decode worker of its revision has room."""
-        if by not in ("kv", "recompute"):
-            raise InvalidRequest(f"a request moves by 'kv' or 'recompute', not {by!r}")
-        life = self._lives.get(request_id)
-        if life is None:
-            raise UnknownRequest(f"no request {request_id!r} is on a decode worker")
-        if life.phase is not Phase.DECODING:
-            raise InvalidRequest(f"request {request_id} is {life.phase.value}: only a decoding request moves")
-        old = life.decode_worker
-        export = by == "kv" and old.info is not None and bool(old.info.handshakes)
-        candidates = [
-            w
-            for w in _of_revision(self.registry.routable(self.decode_role), old.revision)
-            if w is not old and (to is None or w.worker_id == to) and self._has_room(w)
-        ]
-        prompt = Prompt.of(life.prompt_ids, old.block_size)
-        dw = pick_decode(candidates, prompt, len(life.prompt_ids) + life.num_sent + 1)
-        if dw is None:
-            raise Overloaded(
-                f"no decode worker of revision {old.revision or '-'} but {old.worker_id}"
-                f"{f' named {to}' if to else ''} can take request {request_id} now"
-            )
-        life.begin_move(dw)
-        try:
-            moved = await old.client.move_out(request_id, export)
-        except Exception as e:
-            life.cancel_move(e)
-            raise
-        life.moved(moved)
-        return dw.worker_id
-
-    def on_worker(self, worker_id: str) -> int:
-        """Sequences of this router's requests on decode worker ``worker_id`` now."""
-        return sum(
-            1
-            for life in self._lives.values()
-            if life.decode_worker and life.decode_worker.worker_id == worker_id
-        )
-
-    async def move_off(self, worker_id: str, by: str = "kv", timeout_s: float = 60.0) -> int:
-        """Move every request on decode worker ``worker_id`` to others (a drain by
-        migration: the caller drained it in the registry first, so nothing new comes):
-        those decoding now at once, those still being prefilled or handed over once they
-        decode (``migrate``). A request no other worker has room for now is tried again
-        while ``timeout_s`` lasts, then left to finish there. Returns how many moved, once
-        none is left on it or the time is up."""
-        deadline = time.monotonic() + timeout_s
-        moved = 0
-        while time.monotonic() < deadline and self.on_worker(worker_id):
-            here = [life for life in self._lives.values() if life.decode_worker is not None]
-            here = [life for life in here if life.decode_worker.worker_id == worker_id]
-            decoding = [life.request_id for life in here if life.phase is Phase.DECODING]
-            results = await asyncio.gather(
-                *(self.migrate(rid, by=by) for rid in decoding), return_exceptions=True
-            )
-            moved += sum(not isinstance(r, BaseException) for r in results)
-            refused = any(isinstance(r, Overloaded) for r in results)
-            await asyncio.sleep(MOVE_OFF_RETRY_S if refused else MOVE_OFF_POLL_S)
-        return moved
 
     async def _fork(
         self, life: RequestLifecycle, params: SamplingParams
@@ -400,12 +329,12 @@ class Dispatcher:
         source = life.source
         tried = {source.worker_id} if source is not None else set()
         losses = _Losses()
-        self._lives[life.request_id] = life
+        self.moves.lives[life.request_id] = life
         try:
             async for event in self._failing_over(life, task, prompt, n, tried, losses):
                 yield event
         finally:
-            self._lives.pop(life.request_id, None)
+            self.moves.lives.pop(life.request_id, None)
 
     async def _failing_over(
         self,
@@ -449,7 +378,7 @@ class Dispatcher:
             if isinstance(lost, PrefillLost):  # nothing of it is held: another prefill worker, or dw
                 candidates = [
                     w
-                    for w in _of_revision(self.registry.routable(Role.PREFILL), life.decode_worker.revision)
+                    for w in of_revision(self.registry.routable(Role.PREFILL), life.decode_worker.revision)
                     if w.worker_id not in tried
                 ]
                 source = pick_prefill(candidates, prompt, self.policy.prefix_affinity)
@@ -466,7 +395,7 @@ class Dispatcher:
             else:  # the decode worker
                 gone, source = life.decode_worker, life.source
                 candidates = [w for w in self.registry.routable(self.decode_role) if w is not gone]
-                dw = pick_decode(_of_revision(candidates, gone.revision) or candidates, prompt, n + 1)
+                dw = pick_decode(of_revision(candidates, gone.revision) or candidates, prompt, n + 1)
                 if dw is None:
                     raise lost
                 log.warning("decode worker lost during %s; continuing on %s", life.request_id, dw.worker_id)
@@ -537,15 +466,6 @@ class Dispatcher:
                             if not life.moving:
                                 raise WorkerLost(f"decode worker {dw.worker_id} let {rid} go unasked")
                             return
-
-
-MOVE_OFF_POLL_S = 0.01  # move_off: how often it looks for requests that began to decode
-MOVE_OFF_RETRY_S = 0.25  # ... and, when no worker had room, when it tries again
-
-
-def _of_revision(workers: list[WorkerRecord], revision: str) -> list[WorkerRecord]:
-    """Those of ``workers`` that serve ``revision``."""
-    return [w for w in workers if w.revision == revision]
 
 
 class _Losses:

@@ -152,7 +152,7 @@ class RequestLifecycle:
 
     def begin_move(self, to: WorkerRecord) -> None:
         """DECODING -> MOVING: its decode worker is being asked to suspend it and export its
-        KV for ``to`` (``Dispatcher.migrate``); ``moved`` or ``cancel_move`` says how it went."""
+        KV for ``to`` (``router.moves.Moves.migrate``); ``moved`` or ``cancel_move`` says how it went."""
         self._expect(Phase.DECODING)
         self._phase, self._move = Phase.MOVING, asyncio.get_running_loop().create_future()
         self._move_to = to

@@ -275,3 +275,8 @@ class WorkerRegistry:
         finally:
             w.decoding.pop(request_id, None)
             w.unpolled.discard(request_id)
+
+
+def of_revision(workers: list[WorkerRecord], revision: str) -> list[WorkerRecord]:
+    """Those of ``workers`` that serve ``revision``."""
+    return [w for w in workers if w.revision == revision]

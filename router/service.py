@@ -283,10 +283,10 @@ class SplitserveService(pb_grpc.SplitserveServicer):
             if w is None or w.role == Role.PREFILL:
                 raise InvalidRequest(f"no decode or colocated worker {wid!r}: see splitserve status")
             d.registry.drain(wid)
-            moved = await d.move_off(wid, request.by or "kv", request.timeout_s or DRAIN_TIMEOUT_S)
+            moved = await d.moves.move_off(wid, request.by or "kv", request.timeout_s or DRAIN_TIMEOUT_S)
         except Exception as e:
             await context.abort(*status_for(e))
-        return pb.DrainResponse(moved=moved, left=d.on_worker(wid))
+        return pb.DrainResponse(moved=moved, left=d.moves.on_worker(wid))
 
     async def ClusterStatus(self, request, context):
         d = self.dispatcher

@@ -2,7 +2,7 @@
 dispatcher in front of two real decode workers running SmolLM2
 (``bench.migration_pause.DecodePair``: ``DecodeWorker`` behind
 ``InProcessDecodeClient``, no Ray), whose KV moves over NIXL (host
-memory). A request moved mid-stream (``Dispatcher.migrate``) keeps its stream
+memory). A request moved mid-stream (``router.moves.Moves.migrate``) keeps its stream
 whole: greedy, seeded and JSON-schema requests give the tokens and text of an
 undisturbed run, none repeated or skipped; the KV moved (the new worker imported
 it, prefilled nothing) and nothing stays held on either worker.
@@ -62,7 +62,7 @@ async def _generate(
             tokens += event.token_ids
             text += event.text
             if move_after is not None and moved_to is None and len(tokens) >= move_after:
-                moved_to = await d.migrate(rid, by=by)
+                moved_to = await d.moves.migrate(rid, by=by)
         elif isinstance(event, FinalEvent):
             final = event
     return tokens, text, final, moved_to
@@ -107,16 +107,16 @@ def test_a_request_moved_by_recompute_streams_on_as_if_undisturbed(pair):
 def test_what_cannot_move_is_refused_with_a_sentence(pair):
     d = pair.dispatcher
     with pytest.raises(UnknownRequest, match="no request 'nobody'"):
-        pair.run(d.migrate("nobody"))
+        pair.run(d.moves.migrate("nobody"))
     with pytest.raises(InvalidRequest, match="by 'kv' or 'recompute'"):
-        pair.run(d.migrate("nobody", by="teleport"))
+        pair.run(d.moves.migrate("nobody", by="teleport"))
 
     async def move_while_prefilling():
         gen = d.generate(GenerateInput(PARAMS["greedy"], messages=MESSAGES, request_id="early"))
         first = asyncio.ensure_future(anext(gen))
         await asyncio.sleep(0)  # admitted, its prompt not yet prefilled
         with pytest.raises(InvalidRequest, match="only a decoding request moves"):
-            await d.migrate("early")
+            await d.moves.migrate("early")
         await first
         await gen.aclose()
 
@@ -125,7 +125,7 @@ def test_what_cannot_move_is_refused_with_a_sentence(pair):
 
 def test_draining_a_worker_by_migration_moves_every_request_off_it_whole(pair):
     """Three requests decoding on decode-0; it is drained and its requests moved off
-    (``Dispatcher.move_off``): all three finish on decode-1, each stream equal to its
+    (``router.moves.Moves.move_off``): all three finish on decode-1, each stream equal to its
     undisturbed run, and decode-0 holds nothing, long before the requests would have
     ended there."""
     d = pair.dispatcher
@@ -144,7 +144,7 @@ def test_draining_a_worker_by_migration_moves_every_request_off_it_whole(pair):
         await until(lambda: all(len(s) >= 6 for s in streams.values()), "every request decoding on decode-0")
         await d.registry.activate("decode-1")
         d.registry.drain("decode-0")
-        moved = await d.move_off("decode-0")
+        moved = await d.moves.move_off("decode-0")
         finals = {name: await task for name, task in tasks.items()}
         await d.registry.activate("decode-0")
         return moved, streams, finals
@@ -228,7 +228,7 @@ def test_a_move_whose_kv_arrives_corrupt_is_recomputed_and_holds_nothing(pair, m
         result = asyncio.ensure_future(_last(_recording(events, tokens)))
         await until(lambda: len(tokens) >= 6, "the request decoding on decode-0")
         await d.registry.activate("decode-1")
-        await d.migrate("corrupt", to="decode-1")
+        await d.moves.migrate("corrupt", to="decode-1")
         return tokens, await result
 
     tokens, final = pair.run(scenario())

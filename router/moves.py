@@ -1,0 +1,111 @@
+"""Moving running requests between decode workers: live migration, and drains by it.
+
+``Moves`` holds every sequence of this router's requests that is on a decode
+worker now (its ``RequestLifecycle``, registered by the dispatcher while it
+streams it) and moves them: ``migrate`` one (the lifecycle's MOVING phase: the
+old worker lets it go, its stream there ends marked ``moved``, the dispatcher
+starts it on the new worker with what the old one exported), ``move_off`` all
+of a worker's (a drain). Workers of one revision only: a request never moves
+to weights other than those that began it. On the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from splitserve.router.balancer import Prompt, pick_decode
+from splitserve.router.lifecycle import Phase, RequestLifecycle
+from splitserve.router.registry import WorkerRecord, WorkerRegistry, of_revision
+from splitserve.router.roles import Role
+from splitserve.wire.errors import InvalidRequest, Overloaded, UnknownRequest
+
+MOVE_OFF_POLL_S = 0.01  # move_off: how often it looks for requests that began to decode
+MOVE_OFF_RETRY_S = 0.25  # ... and, when no worker had room, when it tries again
+
+
+class Moves:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        decode_role: Callable[[], Role],
+        has_room: Callable[[WorkerRecord], bool],
+    ):
+        """``decode_role``: the role of the workers requests decode on (decode, or
+        colocated); ``has_room``: whether a worker may take one more request now."""
+        self.registry = registry
+        self._decode_role = decode_role
+        self._has_room = has_room
+        self.lives: dict[str, RequestLifecycle] = {}  # by request (sequence) id; the dispatcher's to write
+
+    async def migrate(self, request_id: str, to: str | None = None, by: str = "kv") -> str:
+        """Move decoding request ``request_id`` (one sequence: a fork's own id) to another
+        decode worker of its revision, ``to`` or the balancer's choice (live migration):
+        the old worker lets it go once its tokens so far are out, and the new one decodes
+        on; the client's stream neither repeats nor skips a token. ``by`` "kv": the old
+        worker exports its KV and the new one pulls it, nothing is computed again (a failed
+        pull is recomputed there); a worker that cannot export (a TP group) moves it as
+        "recompute" does: the new worker prefills the prompt and the tokens so far.
+        Returns the worker it moves to, once the old one let it go. Raises
+        ``UnknownRequest`` when no such request is decoding, ``InvalidRequest`` when it is
+        not decoding now (still prefilling, or moving), ``Overloaded`` when no other
+        decode worker of its revision has room."""
+        if by not in ("kv", "recompute"):
+            raise InvalidRequest(f"a request moves by 'kv' or 'recompute', not {by!r}")
+        life = self.lives.get(request_id)
+        if life is None:
+            raise UnknownRequest(f"no request {request_id!r} is on a decode worker")
+        if life.phase is not Phase.DECODING:
+            raise InvalidRequest(f"request {request_id} is {life.phase.value}: only a decoding request moves")
+        old = life.decode_worker
+        export = by == "kv" and old.info is not None and bool(old.info.handshakes)
+        candidates = [
+            w
+            for w in of_revision(self.registry.routable(self._decode_role()), old.revision)
+            if w is not old and (to is None or w.worker_id == to) and self._has_room(w)
+        ]
+        prompt = Prompt.of(life.prompt_ids, old.block_size)
+        dw = pick_decode(candidates, prompt, len(life.prompt_ids) + life.num_sent + 1)
+        if dw is None:
+            raise Overloaded(
+                f"no decode worker of revision {old.revision or '-'} but {old.worker_id}"
+                f"{f' named {to}' if to else ''} can take request {request_id} now"
+            )
+        life.begin_move(dw)
+        try:
+            moved = await old.client.move_out(request_id, export)
+        except Exception as e:
+            life.cancel_move(e)
+            raise
+        life.moved(moved)
+        return dw.worker_id
+
+    def on_worker(self, worker_id: str) -> int:
+        """Sequences of this router's requests on decode worker ``worker_id`` now."""
+        return sum(
+            1
+            for life in self.lives.values()
+            if life.decode_worker and life.decode_worker.worker_id == worker_id
+        )
+
+    async def move_off(self, worker_id: str, by: str = "kv", timeout_s: float = 60.0) -> int:
+        """Move every request on decode worker ``worker_id`` to others (a drain by
+        migration: the caller drained it in the registry first, so nothing new comes):
+        those decoding now at once, those still being prefilled or handed over once they
+        decode (``migrate``). A request no other worker has room for now is tried again
+        while ``timeout_s`` lasts, then left to finish there. Returns how many moved, once
+        none is left on it or the time is up."""
+        deadline = time.monotonic() + timeout_s
+        moved = 0
+        while time.monotonic() < deadline and self.on_worker(worker_id):
+            here = [life for life in self.lives.values() if life.decode_worker is not None]
+            here = [life for life in here if life.decode_worker.worker_id == worker_id]
+            decoding = [life.request_id for life in here if life.phase is Phase.DECODING]
+            results = await asyncio.gather(
+                *(self.migrate(rid, by=by) for rid in decoding), return_exceptions=True
+            )
+            moved += sum(not isinstance(r, BaseException) for r in results)
+            refused = any(isinstance(r, Overloaded) for r in results)
+            await asyncio.sleep(MOVE_OFF_RETRY_S if refused else MOVE_OFF_POLL_S)
+        return moved
