@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 
@@ -239,6 +240,24 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _upgrade(args: argparse.Namespace) -> int:
+    from splitserve.client import Client, SplitserveClientError
+
+    if args.config is None and args.model is None:
+        _err("upgrade to what? give --config FILE, --model MODEL, or both")
+        return 2
+    config = Path(args.config).read_text() if args.config else ""
+    try:
+        with Client(args.server, retries=0, timeout=args.timeout, api_key=args.api_key) as client:
+            r = client.upgrade(config, args.model or "", args.pace)
+    except SplitserveClientError as e:
+        _err(f"{args.server}: {e}")
+        return 1
+    print(f"upgraded: {len(r.started)} worker(s) started ({', '.join(r.started)}), {len(r.removed)} stopped")
+    print(f"revision now: {', '.join(r.revisions)}")
+    return 0
+
+
 def _drain(args: argparse.Namespace) -> int:
     from splitserve.client import Client, SplitserveClientError
 
@@ -406,6 +425,22 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
     _add_api_key_argument(dr)
     dr.set_defaults(func=_drain)
+
+    up = sub.add_parser(
+        "upgrade",
+        help="replace every worker, a few at a time under load, by one of a new config or model",
+        description="A rolling upgrade: per pool, start PACE workers built from the new config (or the "
+        "running one with --model), let them serve, drain PACE old ones (their requests move to "
+        "workers of their revision, or finish) and stop them, until none is left; workers of two "
+        "revisions never exchange KV. A failure rolls back.",
+    )
+    up.add_argument("--config", default=None, help="the new cluster config (YAML); default: the running one")
+    up.add_argument("--model", default=None, help="the new model (directory, .gguf or name)")
+    up.add_argument("--pace", type=int, default=1, help="workers replaced at a time, per pool")
+    up.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole upgrade may take")
+    up.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
+    _add_api_key_argument(up)
+    up.set_defaults(func=_upgrade)
 
     from splitserve.cli import plan as plan_cli
 

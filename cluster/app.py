@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import ray
+import yaml
 
 from splitserve.cluster import router_parts as parts
 from splitserve.cluster.autoscale import Autoscaler
@@ -26,6 +27,7 @@ from splitserve.cluster.planner import Planner
 from splitserve.cluster.pools import START_TIMEOUT_S, WorkerPool
 from splitserve.cluster.replicas import Ports, Replicas, reachable, share
 from splitserve.cluster.slo_autoscale import PlannerLoop
+from splitserve.cluster.upgrade import UpgradeReport, rolling_upgrade
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_hf_config, resolve_source
 from splitserve.engine.model.parallel_fit import check_ep_compatible, check_tp_compatible
@@ -37,6 +39,7 @@ from splitserve.router.openai.server import OpenAIServer
 from splitserve.router.otel import OtelSink, otlp_exporter
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
+from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.routers import RouterInfo
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,9 @@ def check_model_fits_pools(config: ClusterConfig, model: ModelConfig) -> None:
             raise ValueError(f"{role}.ep_size does not fit the model {config.model.name}: {e}") from None
 
 
+UPGRADE_DRAIN_TIMEOUT_S = 120.0  # an old worker's requests finish within it (without autoscaling)
+
+
 class ServingCluster:
     def __init__(self, config: ClusterConfig, progress: Callable[[str], None] = log.info):
         self.config = config
@@ -114,6 +120,7 @@ class ServingCluster:
         self.replicas: Replicas | None = None  # router.replicas > 1: the other routers on this node
         self._tasks: list[asyncio.Task] = []
         self._started_ray = False
+        self._upgrading = asyncio.Lock()  # one rolling upgrade at a time
 
     @property
     def address(self) -> str:
@@ -169,6 +176,7 @@ class ServingCluster:
                 credentials=parts.grpc_credentials(cfg),
                 api_keys=self.api_keys,
                 routers=self.routers,
+                upgrade=self.upgrade,
             )
             await self.server.start()
             if self.api_keys is not None:
@@ -233,6 +241,27 @@ class ServingCluster:
             max_inflight=d.limits.max_inflight_requests,
         )
         return [me, *(await self.replicas.infos() if self.replicas is not None else [])]
+
+    async def upgrade(self, config_yaml: str = "", model: str = "", pace: int = 1) -> UpgradeReport:
+        """A rolling upgrade (``cluster.upgrade``) to the config ``config_yaml`` (YAML; empty:
+        the running one) with its model replaced by ``model`` (if given). One at a time:
+        ``InvalidRequest`` while another runs, or for a config that does not fit."""
+        if self._upgrading.locked():
+            raise InvalidRequest("an upgrade is already running")
+        try:
+            config = self.config
+            if config_yaml:
+                config = ClusterConfig.model_validate(yaml.safe_load(config_yaml))
+            if model:
+                config = config.model_copy(update={"model": config.model.model_copy(update={"name": model})})
+            if config.mode != self.config.mode:
+                raise ValueError(f"an upgrade keeps the mode ({self.config.mode}), not {config.mode}")
+        except (ValueError, yaml.YAMLError) as e:
+            raise InvalidRequest(f"the upgrade's config: {e}") from None
+        async with self._upgrading:
+            scaling = [p.spec.autoscaling for p in self.pools.values() if p.spec.autoscaling is not None]
+            timeout = max((a.drain_timeout_s for a in scaling), default=UPGRADE_DRAIN_TIMEOUT_S)
+            return await rolling_upgrade(self.pools, config, pace, timeout, self.progress)
 
     def reload_api_keys(self) -> None:
         """Read ``router.api_keys_file`` again now (SIGHUP), if there is one."""

@@ -156,6 +156,12 @@ class WorkerPool:
         # set once the router is up; None: a removed worker's requests finish where they are
         self.move_off: Callable[..., Awaitable[int]] | None = None
 
+    def reconfigure(self, config: ClusterConfig) -> None:
+        """Build the workers added from now on from ``config`` (a rolling upgrade,
+        ``cluster.upgrade``); those running keep theirs."""
+        self.config = config
+        self.spec = config.pools()[self.role]
+
     @property
     def workers(self) -> list[WorkerRecord]:
         """This pool's workers, from the registry."""

@@ -37,7 +37,8 @@ class RequestMover:
         )
         self.ledger = ExportLedger()
         self._lock = threading.Lock()  # the poller thread's and the engine thread's
-        self._poller = SourcePoller(self.source, self._lock, f"{worker_id}-moves-poll")
+        # it polls only while an export is open: most of a decode worker's life there is none
+        self._poller = SourcePoller(self.source, self._lock, f"{worker_id}-moves-poll", idle_when_empty=True)
 
     def handshake(self) -> Handshake:
         return self.source.handshake()
@@ -53,6 +54,7 @@ class RequestMover:
             engine.release(request_id)
             raise
         self.ledger.opened(request_id, desc.transfer_id)
+        self._poller.wake()
         handoff = KVHandoff(self.worker_id, (desc,))
         return MovedRequest(request_id, self.worker_id, handoff, moved.output_token_ids, engine.revision)
 

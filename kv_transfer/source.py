@@ -68,6 +68,11 @@ class KVSource:
             PROTOCOL_VERSION, self.backend, self.worker_id, self.incarnation, self.compat, self._payload()
         )
 
+    @property
+    def holds_exports(self) -> bool:
+        """Whether any export's lease is still open (its blocks held for a reader)."""
+        return bool(self._exports)
+
     def export(
         self,
         request_id: str,

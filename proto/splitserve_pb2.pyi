@@ -311,6 +311,26 @@ class DrainResponse(_message.Message):
     left: int
     def __init__(self, moved: _Optional[int] = ..., left: _Optional[int] = ...) -> None: ...
 
+class UpgradeRequest(_message.Message):
+    __slots__ = ("config_yaml", "model", "pace")
+    CONFIG_YAML_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PACE_FIELD_NUMBER: _ClassVar[int]
+    config_yaml: str
+    model: str
+    pace: int
+    def __init__(self, config_yaml: _Optional[str] = ..., model: _Optional[str] = ..., pace: _Optional[int] = ...) -> None: ...
+
+class UpgradeResponse(_message.Message):
+    __slots__ = ("started", "removed", "revisions")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    REVISIONS_FIELD_NUMBER: _ClassVar[int]
+    started: _containers.RepeatedScalarFieldContainer[str]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    revisions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, started: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., revisions: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ClusterStatusRequest(_message.Message):
     __slots__ = ("traces",)
     TRACES_FIELD_NUMBER: _ClassVar[int]

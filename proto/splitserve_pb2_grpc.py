@@ -64,6 +64,11 @@ class SplitserveStub:
                 request_serializer=splitserve_dot_proto_dot_splitserve__pb2.DrainRequest.SerializeToString,
                 response_deserializer=splitserve_dot_proto_dot_splitserve__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Upgrade = channel.unary_unary(
+                '/splitserve.v1.Splitserve/Upgrade',
+                request_serializer=splitserve_dot_proto_dot_splitserve__pb2.UpgradeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_proto_dot_splitserve__pb2.UpgradeResponse.FromString,
+                _registered_method=True)
 
 
 class SplitserveServicer:
@@ -112,6 +117,14 @@ class SplitserveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Upgrade(self, request, context):
+        """Replace every worker, a few at a time under load, by one built from a new config (another
+        model revision, other engine or pool settings, new code on the nodes); rolls back on failure.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SplitserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +157,11 @@ def add_SplitserveServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=splitserve_dot_proto_dot_splitserve__pb2.DrainRequest.FromString,
                     response_serializer=splitserve_dot_proto_dot_splitserve__pb2.DrainResponse.SerializeToString,
+            ),
+            'Upgrade': grpc.unary_unary_rpc_method_handler(
+                    servicer.Upgrade,
+                    request_deserializer=splitserve_dot_proto_dot_splitserve__pb2.UpgradeRequest.FromString,
+                    response_serializer=splitserve_dot_proto_dot_splitserve__pb2.UpgradeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +326,33 @@ class Splitserve:
             '/splitserve.v1.Splitserve/Drain',
             splitserve_dot_proto_dot_splitserve__pb2.DrainRequest.SerializeToString,
             splitserve_dot_proto_dot_splitserve__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Upgrade(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Splitserve/Upgrade',
+            splitserve_dot_proto_dot_splitserve__pb2.UpgradeRequest.SerializeToString,
+            splitserve_dot_proto_dot_splitserve__pb2.UpgradeResponse.FromString,
             options,
             channel_credentials,
             insecure,

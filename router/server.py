@@ -22,7 +22,7 @@ from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
 from splitserve.router.auth import ApiKeys, GrpcAuthInterceptor
 from splitserve.router.dispatch import Dispatcher
-from splitserve.router.service import MALFORMED, Routers, SplitserveService, malformed
+from splitserve.router.service import MALFORMED, Routers, SplitserveService, Upgrade, malformed
 from splitserve.router.tools import ToolParser
 
 log = logging.getLogger(__name__)
@@ -75,9 +75,11 @@ class RouterServer:
         api_keys: ApiKeys | None = None,
         tool_parser: ToolParser = "hermes",
         routers: Routers | None = None,
+        upgrade: Upgrade | None = None,
     ):
         self.dispatcher = dispatcher
         self.routers = routers  # what ClusterStatus lists under routers (None: none)
+        self.upgrade = upgrade  # what runs an Upgrade call (None: this router has no pools)
         self.mode = mode
         self.host, self.port = host, port
         self.stats_interval_s = stats_interval_s
@@ -101,7 +103,7 @@ class RouterServer:
         if self.api_keys is not None:
             interceptors.insert(0, GrpcAuthInterceptor(self.api_keys))
         server = grpc.aio.server(interceptors=interceptors)
-        service = SplitserveService(self.dispatcher, self.mode, self.tool_parser, self.routers)
+        service = SplitserveService(self.dispatcher, self.mode, self.tool_parser, self.routers, self.upgrade)
         pb_grpc.add_SplitserveServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME)

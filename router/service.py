@@ -212,6 +212,9 @@ def _final_proto(e: FinalEvent) -> pb.Final:
 
 
 Routers = Callable[[], Awaitable[list[RouterInfo]]]
+# a rolling upgrade (config YAML or "", model or "", pace) -> its report (cluster.upgrade):
+# started and removed worker ids, and the new workers' revisions
+Upgrade = Callable[[str, str, int], Awaitable[Any]]
 
 
 class SplitserveService(pb_grpc.SplitserveServicer):
@@ -221,11 +224,13 @@ class SplitserveService(pb_grpc.SplitserveServicer):
         mode: str,
         tool_parser: ToolParser = "hermes",
         routers: Routers | None = None,
+        upgrade: Upgrade | None = None,
     ):
         self.dispatcher = dispatcher
         self.mode = mode
         self.tool_parser = tool_parser  # how "auto" tool calls are read from the output
         self.routers = routers  # the cluster's routers, this one first, for ClusterStatus
+        self.upgrade = upgrade  # runs Upgrade (the router that owns the pools), or None
 
     async def Generate(self, request, context):
         """The request's tokens; a request with tools gets the calls read from each
@@ -287,6 +292,19 @@ class SplitserveService(pb_grpc.SplitserveServicer):
         except Exception as e:
             await context.abort(*status_for(e))
         return pb.DrainResponse(moved=moved, left=d.moves.on_worker(wid))
+
+    async def Upgrade(self, request, context):
+        """Replace every worker by one of the new config or model, a few at a time."""
+        if self.upgrade is None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "this router runs no pools: ask the cluster's first router"
+            )
+        try:
+            report = await self.upgrade(request.config_yaml, request.model, request.pace or 1)
+        except Exception as e:
+            await context.abort(*status_for(e))
+        revisions = sorted(set(report.revisions.values()))
+        return pb.UpgradeResponse(started=report.started, removed=report.removed, revisions=revisions)
 
     async def ClusterStatus(self, request, context):
         d = self.dispatcher

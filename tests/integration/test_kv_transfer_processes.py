@@ -198,6 +198,7 @@ def test_incompatible_peer_is_refused_at_handshake(prefill_source, decode_engine
     other = CompatInfo(
         model=CFG.model,
         layout=KVLayout(lay.num_layers, 4, lay.block_size, lay.num_kv_heads, lay.head_dim, "bfloat16"),
+        revision=src.handshake.compat.revision,  # the same weights: only the dtype differs
     )
     sink = get_backend(backend).sink("decode-bf16", cache, other)
     with pytest.raises(IncompatiblePeer, match="dtype: 'float32' there vs 'bfloat16' here"):
