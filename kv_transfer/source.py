@@ -70,8 +70,9 @@ class KVSource:
 
     @property
     def holds_exports(self) -> bool:
-        """Whether any export's lease is still open (its blocks held for a reader)."""
-        return bool(self._exports)
+        """Whether any export's lease is still open (its blocks held for a reader), or
+        ended without ``poll`` having reported it yet."""
+        return bool(self._exports or self._ended)
 
     def export(
         self,

@@ -34,7 +34,8 @@ def test_draining_the_worker_a_request_streams_from_moves_it_whole(cluster, chec
     (want,) = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     tokens, final, drained = [], None, None
     with Client(cluster.address, timeout=120) as client:
-        for item in client.stream(prompt, max_tokens=MAX_TOKENS, ignore_eos=True, request_id="moving"):
+        options = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0, request_id="moving")
+        for item in client.stream(prompt, **options):
             if isinstance(item, Final):
                 final = item
                 continue
