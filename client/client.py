@@ -349,6 +349,11 @@ class AsyncClient:
         """Pools, workers and counters; with the latest ``traces`` request traces."""
         return await self._unary(self._stub.ClusterStatus, pb.ClusterStatusRequest(traces=traces))
 
+    async def upgrade(self, config_yaml: str = "", model: str = "", pace: int = 1) -> pb.UpgradeResponse:
+        """Replace every worker, ``pace`` per pool at a time, by one of the new config or model."""
+        request = pb.UpgradeRequest(config_yaml=config_yaml, model=model, pace=pace)
+        return await self._unary(self._stub.Upgrade, request)
+
     async def drain(self, worker_id: str, by: str = "kv", timeout_s: float = 0.0) -> pb.DrainResponse:
         """Stop routing to a decode worker and move its running requests to the others."""
         request = pb.DrainRequest(worker_id=worker_id, by=by, timeout_s=timeout_s)
