@@ -6,9 +6,9 @@ the model while clients keep sending, and what they saw.
 The default cluster (``cluster_configs/local.yaml``: SmolLM2, one prefill and one
 decode worker, KV over NIXL; half a CPU per worker, so that the old and the new
 workers fit the machine together during the upgrade) on a Ray instance of its
-own. The second revision is SmolLM2's checkpoint copied with one weight changed
-by one ulp (another revision to the compatibility hash, the same outputs to
-within rounding). Open-loop load, the default workload of ``splitserve bench
+own. The second revision is SmolLM2's checkpoint copied with its largest
+tensor changed by one ulp (another revision to the compatibility hash, nearly
+the same outputs). Open-loop load, the default workload of ``splitserve bench
 serve`` (random prompts of 256 tokens, 128 output tokens, greedy, Poisson
 arrivals at ``--rate``) for ``--duration`` s; at a third of it, ``splitserve
 upgrade --model`` the copy. Reports failed requests, requests whose two phases
@@ -40,14 +40,14 @@ from splitserve.loadgen.serve import send_one
 
 
 def second_revision(directory: Path) -> Path:
-    """SmolLM2's converted checkpoint copied into ``directory`` with one weight nudged."""
+    """SmolLM2's converted checkpoint copied into ``directory`` with its largest tensor
+    nudged by one ulp."""
     copy = directory / "smollm2-r2"
     shutil.copytree(resolve_source("smollm2").directory, copy)
     path = copy / "model.safetensors"
     tensors = load_file(str(path))
-    name = sorted(tensors)[0]
-    flat = tensors[name].view(-1)
-    flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+    name = max(tensors, key=lambda k: tensors[k].numel())  # the largest: its bytes span sampled chunks
+    tensors[name] = torch.nextafter(tensors[name], torch.tensor(float("inf")))
     save_file(tensors, str(path), metadata={"format": "pt"})
     return copy
 
