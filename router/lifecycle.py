@@ -9,10 +9,10 @@ writes its state)::
     PREFILLING --batch with the first token--> HANDING_OVER  (prefilled on a source)
                                            --> DECODING      (prefilled on dw)
     HANDING_OVER --batch with the pull's figures--> DECODING
-    DECODING --begin_move()--> MOVING   its decode worker is asked to suspend and export it
-    MOVING --migrate(dw, moved)--> MOVING on dw, which pulls its KV
+    DECODING --begin_move(dw)--> MOVING   its decode worker is asked to let it go for dw
+    MOVING --moved(record), its stream there ended, migrate()--> MOVING on dw (pulling its KV)
            --batch with the pull's figures--> DECODING
-           --cancel_move()--> DECODING  (the worker did not move it: it goes on there)
+           --cancel_move(error)--> DECODING  (the old worker did not let it go: it goes on there)
     any of them --batch with a finish reason--> FINISHED
 
     retry_prefill(source)  PREFILLING -> PREFILLING: the source was lost before it
@@ -22,9 +22,10 @@ writes its state)::
     resume(dw)             -> PREFILLING: the decode worker was lost; another one
                            prefills the prompt and the tokens already sent and
                            goes on after them
-    migrate(dw, moved)     MOVING -> MOVING: live migration; dw pulls the KV the old
-                           decode worker exported and decodes on after its tokens
-                           (nothing computed again; a failed pull is a recompute)
+    migrate()              MOVING -> MOVING on dw: live migration; dw pulls the KV the
+                           old decode worker exported and decodes on after its tokens
+                           (nothing computed again; a failed pull is a recompute); one
+                           moved by recompute goes to PREFILLING on dw
 
 Each transition returns the ``DecodeTask`` to send next. Its moments are marked
 as they happen (the marks ``router.trace`` names); ``trace`` is the request as
