@@ -6,8 +6,8 @@ transfer backend, as a prefill worker's is), the thread that keeps it moving
 (``kv_transfer.exports``). A request moves away in one engine call, between two
 steps (``export``): the engine suspends it (``Engine.suspend``: it stops decoding,
 its blocks held) and the source exports its blocks under a lease; the taker pulls
-them, then confirms, or the worker releases them (``release``, on abort) or the
-lease runs out. On each engine tick the requests whose leases ended give their
+them, then confirms, or the worker releases them (``release``, on abort: the
+blocks at once) or the lease runs out. On each engine tick the requests whose leases ended give their
 blocks back (``tick``)::
 
     RUNNING --export--> held, exported --(confirmed | released | expired)--> freed
@@ -18,6 +18,7 @@ need every rank's export (its requests move by recompute).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from splitserve.engine.engine import Engine
@@ -64,14 +65,17 @@ class RequestMover:
             for c in confirmations:
                 self.source.confirm(c.transfer_id)
 
-    def release(self, request_id: str) -> bool:  # engine thread
-        """Let go of ``request_id``'s export, if one is open (its blocks return on the
-        next tick). Whether there was one."""
+    def release(self, engine: Engine, request_id: str) -> bool:  # engine thread
+        """Let go of ``request_id``'s export, if one is open, and of its blocks at once (a
+        pull still reading them would fail its checksums, not yield tokens), so that the
+        id is free here again. Whether there was one."""
         transfer = self.ledger.transfer(request_id)
         if transfer is None:
             return False
         with self._lock:
             self.source.release(transfer)
+        with contextlib.suppress(UnknownRequest):  # its lease ended and the tick released it
+            engine.release(request_id)
         return True
 
     def tick(self, engine: Engine) -> None:  # engine thread

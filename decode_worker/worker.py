@@ -330,12 +330,12 @@ class DecodeWorker:
             raise InvalidRequest(f"worker {self.worker_id} is colocated and takes no KV from elsewhere")
 
     def _abort_in_engine(self, request_id: str):
-        """Abort on the engine thread (a request moved away: release its export, whose
-        blocks return on the next tick); once its blocks are free, the admission queue's
+        """Abort on the engine thread (a request moved away: release its export and its
+        blocks); once its blocks are free, the admission queue's
         head is offered them. Returns the engine call's future."""
 
         def abort(e: Engine) -> bool:
-            if self.mover is not None and self.mover.release(request_id):
+            if self.mover is not None and self.mover.release(e, request_id):
                 return True
             return e.abort(request_id)
 

@@ -393,14 +393,18 @@ class Dispatcher:
                     tried.add(source.worker_id)
                 task = life.retry_prefill(source)
             else:  # the decode worker
-                gone, source = life.decode_worker, life.source
+                gone, holders = life.decode_worker, (life.source, life.moved_from)
                 candidates = [w for w in self.registry.routable(self.decode_role) if w is not gone]
                 dw = pick_decode(of_revision(candidates, gone.revision) or candidates, prompt, n + 1)
                 if dw is None:
                     raise lost
                 log.warning("decode worker lost during %s; continuing on %s", life.request_id, dw.worker_id)
-                if source is not None:  # its export, if it still holds one, is of no use now
-                    self._background.run(source.client.abort(life.request_id))
+                for holder in holders:  # an export it may still hold for it is of no use now
+                    if holder is dw:  # let go of first: it takes the request again
+                        with contextlib.suppress(Exception):
+                            await holder.client.abort(life.request_id)
+                    elif holder is not None:
+                        self._background.run(holder.client.abort(life.request_id))
                 task = life.resume(dw)
 
     @staticmethod

@@ -91,6 +91,7 @@ class RequestLifecycle:
         # while MOVING: (the decode worker it moves to, what the old one exported), once known
         self._move: asyncio.Future | None = None
         self._move_to: WorkerRecord | None = None
+        self._moved_from: WorkerRecord | None = None  # holds its exported KV until the pull ended
 
     # ---- reads -----------------------------------------------------------------------------
     @property
@@ -177,6 +178,11 @@ class RequestLifecycle:
     def moving(self) -> bool:
         return self._phase is Phase.MOVING
 
+    @property
+    def moved_from(self) -> WorkerRecord | None:
+        """While a move's pull has not ended: the decode worker holding the KV it exported."""
+        return self._moved_from
+
     async def migrate(self) -> DecodeTask:
         """Its stream on the old decode worker ended marked ``moved``: the task that has the
         new one pull its KV and decode on after every token sent (all the old one made)."""
@@ -191,6 +197,7 @@ class RequestLifecycle:
         if moved.handoff is None:  # by recompute: the new worker prefills the prompt and those tokens
             return self._continue_on(self._move_to)
         old, self._decode = self._decode, self._move_to
+        self._moved_from = old
         return DecodeTask(
             self.request_id,
             self.prompt_ids,
@@ -245,7 +252,7 @@ class RequestLifecycle:
                 self._mark("decode_admitted", batch.started_at, worker)
         if batch.transfer_s is not None and self._phase is Phase.MOVING:
             if self._decode is self._move_to:  # the new worker pulled it: moved
-                self._phase, self._move = Phase.DECODING, None
+                self._phase, self._move, self._moved_from = Phase.DECODING, None, None
                 self._mark("move_pulled", worker=worker)
         elif batch.transfer_s is not None:
             self._kv_pull_s, self._kv_bytes = batch.transfer_s, self._handoff_bytes
@@ -306,6 +313,7 @@ class RequestLifecycle:
 
     def _continue_on(self, decode: WorkerRecord) -> DecodeTask:
         self._decode, self._source, self._phase, self._move = decode, None, Phase.PREFILLING, None
+        self._moved_from = None
         if not self._sent:  # nothing passed on yet: a fresh local prefill
             self._prefill_worker, self._prefill_revision = "", ""
             self._prefix_pulled, self._prefix_pulled_from = 0, ""

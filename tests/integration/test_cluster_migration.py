@@ -15,7 +15,7 @@ from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
-from tests.integration.cluster_util import VOCAB, live_cluster, tiny_config, wait_kv_free
+from tests.integration.cluster_util import VOCAB, live_cluster, tiny_config, wait_kv_free, wait_until
 
 POOL = {"num_cpus": 0.5, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
 MAX_TOKENS = 600  # long enough to be mid-stream when the drain comes
@@ -53,3 +53,60 @@ def test_draining_the_worker_a_request_streams_from_moves_it_whole(cluster, chec
     assert f"{drained} drained: 1 request(s) moved off, 0 left" in capsys.readouterr().out
     (trace,) = st.traces
     assert "moved" in [m.name for m in trace.marks]
+
+
+def _moving_stream(cluster, prompt, rid: str, on_tokens) -> tuple[list[int], Final]:
+    """A greedy stream of ``prompt``; ``on_tokens(n)`` after each chunk (n tokens so far)."""
+    tokens, final = [], None
+    options = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0, request_id=rid)
+    with Client(cluster.address, timeout=120) as client:
+        for item in client.stream(prompt, **options):
+            if isinstance(item, Final):
+                final = item
+                continue
+            tokens += item.token_ids
+            on_tokens(len(tokens))
+    return tokens, final
+
+
+@pytest.mark.parametrize("killed", ["source", "destination"])
+def test_a_worker_killed_during_a_move_leaves_the_request_whole(cluster, checkpoint, killed):
+    """The worker a request moves from is killed right after it exported the KV (the new
+    one's link or pull fails: it recomputes the request), or the one it moves to is
+    killed as the move starts (the request resumes on the other, by recompute): either
+    way the client's tokens are the engine's greedy tokens, whole; nothing hangs and no
+    KV stays held. The pool replaces the killed worker."""
+    import ray
+
+    (prompt,) = random_prompts([60], VOCAB, seed=43 if killed == "source" else 47)
+    engine = Engine(EngineConfig(model=checkpoint, dtype="float32", kv_cache_memory_mib=16))
+    (want,) = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    d, rid, moved = cluster.dispatcher, f"killed-{killed}", []
+
+    def kill_during_move(n: int) -> None:
+        if moved or n < 10:
+            return
+        life = d.moves.lives[rid]
+        old = life.decode_worker
+        (new,) = [w for w in cluster.registry.routable("decode") if w is not old]
+        victim = old if killed == "source" else new
+        if killed == "source":
+            real = old.client.move_out
+
+            async def move_out_then_die(request_id, export=True):
+                out = await real(request_id, export)
+                ray.kill(old.client.actor, no_restart=True)
+                return out
+
+            old.client.move_out = move_out_then_die
+        else:
+            ray.kill(new.client.actor, no_restart=True)
+        moved.append((victim.worker_id, cluster.run(d.moves.migrate(rid, to=new.worker_id), timeout=60)))
+
+    tokens, final = _moving_stream(cluster, prompt, rid, kill_during_move)
+    assert moved and tokens == want.token_ids and final.finish_reason == "length"
+    with Client(cluster.address, timeout=120) as client:
+        wait_until(
+            lambda: len(cluster.registry.routable("decode")) == 2, "the pool replaced the killed worker"
+        )
+        wait_kv_free(client, timeout=60)
