@@ -53,6 +53,7 @@ def test_draining_the_worker_a_request_streams_from_moves_it_whole(cluster, chec
     assert f"{drained} drained: 1 request(s) moved off, 0 left" in capsys.readouterr().out
     (trace,) = st.traces
     assert "moved" in [m.name for m in trace.marks]
+    cluster.run(cluster.registry.activate(drained))  # routed to again, for the tests below
 
 
 def _moving_stream(cluster, prompt, rid: str, on_tokens) -> tuple[list[int], Final]:
