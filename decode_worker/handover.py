@@ -72,7 +72,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from splitserve.decode_worker.outbox import Outbox
-from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec, Prefilled, TokenBatch
+from splitserve.wire.decode import DecodePeer, DecodeTask, DecodeWorkerSpec, Prefilled, TokenBatch
 from splitserve.wire.errors import LeaseExpired, PeerLost, PrefillLost, WorkerLost
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.prefill import KVStreaming, PrefillPeer, PrefillResult, PrefillTask
@@ -118,7 +118,7 @@ class DecodeSide(Protocol):
     async def admit(self, task: DecodeTask, deadline: float | None, lease_s: float) -> list[int]:
         """Wait in the admission queue for the rest's blocks (allocated to the request)."""
 
-    async def link(self, source: PrefillPeer, handoff: KVHandoff) -> None:
+    async def link(self, source: PrefillPeer | DecodePeer, handoff: KVHandoff) -> None:
         """Hold the handshakes of ``handoff``'s source incarnations; ``PeerLost`` if gone."""
 
     async def pull(

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from splitserve.kv_transfer.tp_mapping import RankSink
-from splitserve.wire.decode import DecodeRankPeer
+from splitserve.wire.decode import DecodePeer, DecodeRankPeer
 from splitserve.wire.errors import PeerLost, WorkerLost
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.prefill import PrefillPeer
@@ -46,9 +46,10 @@ class KVPuller:
         """The linked sources: prefill worker id -> its incarnations (a copy)."""
         return dict(self._peers)
 
-    async def link(self, source: PrefillPeer, handoff: KVHandoff) -> None:
-        """Hold the handshakes of ``handoff``'s source incarnations, fetching them from the
-        source once per incarnation. ``PeerLost`` if it is gone or restarted since."""
+    async def link(self, source: PrefillPeer | DecodePeer, handoff: KVHandoff) -> None:
+        """Hold the handshakes of ``handoff``'s source incarnations (a prefill worker's, or
+        a decode worker's a request moved from), fetching them from the source once per
+        incarnation. ``PeerLost`` if it is gone or restarted since."""
         key = handoff.source_worker
         if self._peers.get(key) == handoff.incarnations:
             return
@@ -58,10 +59,10 @@ class KVPuller:
             try:
                 info = await source.info()
             except WorkerLost as e:
-                raise PeerLost(f"prefill worker {key} is gone with this KV: {e}") from None
+                raise PeerLost(f"worker {key} is gone with this KV: {e}") from None
             handshakes = info.handshakes
             if tuple(hs.incarnation for hs in handshakes) != handoff.incarnations:
-                raise PeerLost(f"prefill worker {key} restarted since it exported this KV")
+                raise PeerLost(f"worker {key} restarted since it exported this KV")
             loop = asyncio.get_running_loop()
             own = loop.run_in_executor(self._transfer, self.sink.connect, list(handshakes))
             await all_of(own, *(rank.link(handshakes) for rank in self.ranks))

@@ -71,6 +71,7 @@ from splitserve.engine.loop import EngineLoop
 from splitserve.engine.parallel.worker_group import Heartbeats
 from splitserve.wire.background import Background
 from splitserve.wire.decode import (
+    DecodePeer,
     DecodeRankPeer,
     DecodeStats,
     DecodeTask,
@@ -417,7 +418,7 @@ class _Side:
 
         return await worker._admission.admit(rid, allocate, deadline, lease_s)
 
-    async def link(self, source: PrefillPeer, handoff: KVHandoff) -> None:
+    async def link(self, source: PrefillPeer | DecodePeer, handoff: KVHandoff) -> None:
         await self._worker.puller.link(source, handoff)
 
     async def pull(
