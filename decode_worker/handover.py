@@ -89,21 +89,29 @@ class Phase(enum.Enum):
     ENDED = "ended"
 
 
-_ORDER = (
-    Phase.HOLDING,
-    Phase.PREFILLING,
-    Phase.LINKING,
-    Phase.WAITING_FOR_BLOCKS,
-    Phase.PULLING,
-    Phase.ACTIVATING,
-    Phase.RUNNING,
+def transitions(order: tuple[Phase, ...]) -> dict[Phase, frozenset[Phase]]:
+    """Each phase of ``order`` (ending with RUNNING) to the next one or ENDED; RUNNING
+    and ENDED to none."""
+    return {
+        **{a: frozenset({b, Phase.ENDED}) for a, b in zip(order, order[1:], strict=False)},
+        Phase.RUNNING: frozenset(),
+        Phase.ENDED: frozenset(),
+    }
+
+
+_NEXT = transitions(
+    (
+        Phase.HOLDING,
+        Phase.PREFILLING,
+        Phase.LINKING,
+        Phase.WAITING_FOR_BLOCKS,
+        Phase.PULLING,
+        Phase.ACTIVATING,
+        Phase.RUNNING,
+    )
 )
-_NEXT: dict[Phase, frozenset[Phase]] = {
-    **{a: frozenset({b, Phase.ENDED}) for a, b in zip(_ORDER, _ORDER[1:], strict=False)},
-    Phase.RUNNING: frozenset(),
-    Phase.ENDED: frozenset(),
-}
-_EXPORT_UNCONFIRMED = frozenset({Phase.LINKING, Phase.WAITING_FOR_BLOCKS, Phase.PULLING})
+# the phases in which the source still holds an export the request has not confirmed
+EXPORT_UNCONFIRMED = frozenset({Phase.LINKING, Phase.WAITING_FOR_BLOCKS, Phase.PULLING})
 
 
 class DecodeSide(Protocol):
@@ -135,6 +143,24 @@ class DecodeSide(Protocol):
 
     def background(self, call: Coroutine) -> None:
         """Run a call to a source without awaiting it (its failure is logged)."""
+
+
+async def free_held(
+    side: DecodeSide,
+    request_id: str,
+    pull: asyncio.Future | None,
+    export_holder: PrefillPeer | DecodePeer | None,
+) -> None:
+    """What a request that ends before RUNNING frees, in this order: a pull in flight is
+    awaited (bytes may still be landing in its blocks), the engine frees the blocks, and
+    an export not yet confirmed is released on the worker holding it (``export_holder``;
+    None when there is none), not awaited."""
+    if pull is not None:
+        with contextlib.suppress(BaseException):
+            await pull
+    side.free(request_id)
+    if export_holder is not None:
+        side.background(export_holder.abort(request_id))
 
 
 @dataclass(frozen=True)
@@ -257,12 +283,8 @@ class Handover:
 
     async def _end(self) -> None:
         """ENDED, freeing what the phase held (the module docstring's order)."""
-        if self._pull is not None:
-            with contextlib.suppress(BaseException):
-                await self._pull  # bytes may still be landing in the blocks: free them only after
-        self._side.free(self.request_id)
-        if self._phase in _EXPORT_UNCONFIRMED:
-            self._side.background(self.task.source.abort(self.request_id))
+        holder = self.task.source if self._phase in EXPORT_UNCONFIRMED else None
+        await free_held(self._side, self.request_id, self._pull, holder)
         self._to(Phase.ENDED)
 
     def _to(self, phase: Phase) -> None:

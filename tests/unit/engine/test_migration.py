@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from splitserve.bench.migration_pause import SCHEMA
 from splitserve.engine.engine import Engine
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.backends.local import LocalHub
@@ -20,12 +21,6 @@ from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import InvalidRequest, UnknownRequest
 from splitserve.wire.sampling import SamplingParams, StructuredOutput
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 PARAMS = {
     "greedy": SamplingParams(max_tokens=24, ignore_eos=True),
     "seeded": SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True),
