@@ -51,8 +51,7 @@ class Moves:
         ``UnknownRequest`` when no such request is decoding, ``InvalidRequest`` when it is
         not decoding now (still prefilling, or moving), ``Overloaded`` when no other
         decode worker of its revision has room."""
-        if by not in ("kv", "recompute"):
-            raise InvalidRequest(f"a request moves by 'kv' or 'recompute', not {by!r}")
+        _check_by(by)
         life = self.lives.get(request_id)
         if life is None:
             raise UnknownRequest(f"no request {request_id!r} is on a decode worker")
@@ -96,6 +95,7 @@ class Moves:
         decode (``migrate``). A request no other worker has room for now is tried again
         while ``timeout_s`` lasts, then left to finish there. Returns how many moved, once
         none is left on it or the time is up."""
+        _check_by(by)  # at once: not once per request, until the time is up
         deadline = time.monotonic() + timeout_s
         moved = 0
         while time.monotonic() < deadline and self.on_worker(worker_id):
@@ -109,3 +109,8 @@ class Moves:
             refused = any(isinstance(r, Overloaded) for r in results)
             await asyncio.sleep(MOVE_OFF_RETRY_S if refused else MOVE_OFF_POLL_S)
         return moved
+
+
+def _check_by(by: str) -> None:
+    if by not in ("kv", "recompute"):
+        raise InvalidRequest(f"a request moves by 'kv' or 'recompute', not {by!r}")

@@ -104,6 +104,8 @@ def test_what_cannot_move_is_refused_with_a_sentence(pair):
         pair.run(d.moves.migrate("nobody"))
     with pytest.raises(InvalidRequest, match="by 'kv' or 'recompute'"):
         pair.run(d.moves.migrate("nobody", by="teleport"))
+    with pytest.raises(InvalidRequest, match="by 'kv' or 'recompute'"):
+        pair.run(d.moves.move_off("decode-0", by="teleport"))
 
     async def move_while_prefilling():
         gen = d.generate(GenerateInput(PARAMS["greedy"], messages=MESSAGES, request_id="early"))
