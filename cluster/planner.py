@@ -22,7 +22,8 @@ size). The planner then::
               decode  = ceil(predicted output tokens/s / decode capacity)
               (arrivals scaled by 1 + headroom, a backlog by its drain time)
               a pool that missed its SLO last interval with nothing warming
-              grows by at least one; decode to at least its routable workers
+              grows by at least one (prefill only if it was busy: a TTFT
+              missed on an idle prefill pool was lost elsewhere); decode to at least its routable workers
               times observed TPOT / target (at most 2x; TTFT lags behind a
               queue, TPOT does not); so it needs no profile: before any
               measurement it acts on the SLO alone. Then both fit [min, max]
@@ -87,6 +88,15 @@ class PlannerSpec(BaseModel):
         "paid for in replica-seconds at every load",
     )
     max_prefill_utilisation: float = Field(0.9, gt=0, lt=1, description="never plan a prefill worker busier")
+    prefill_miss_utilisation: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="a missed TTFT grows prefill only when its workers were at least this busy (prompt "
+        "tokens/s against what they prefill per second) or the prompts waiting take longer than the "
+        "target to prefill; otherwise the time went elsewhere (a starved host, a queue for decode room) "
+        "and another prefill worker would not shorten it",
+    )
     decode_headroom: float = Field(
         0.8,
         gt=0,
@@ -262,13 +272,15 @@ class Planner:
         # cleared within backlog_drain_s; it reaches decode as it is prefilled.
         drain = self.spec.backlog_drain_s
         # TTFT lags behind a queue (it stays high while a backlog drains, however
-        # many workers there are now): a miss adds one prefill worker. TPOT is the
-        # batch's present step time: a miss scales decode by how far it was missed.
+        # many workers there are now): a miss adds one prefill worker, if prefill was
+        # busy enough to have caused it. TPOT is the batch's present step time: a
+        # miss scales decode by how far it was missed.
+        p_demand = planned * prompt + inp.queued_prompt_tokens / drain
         p_need, p_why = self._need(
-            planned * prompt + inp.queued_prompt_tokens / drain,
+            p_demand,
             p_cap,
             inp.prefill,
-            inp.ttft_p90_s,
+            inp.ttft_p90_s if self._prefill_busy(p_demand, inp) else None,
             self.spec.ttft_ms,
             by_ratio=False,
         )
@@ -291,6 +303,16 @@ class Planner:
             p_cap,
             d_cap,
         )
+
+    def _prefill_busy(self, demand: float, inp: PlannerInput) -> bool:
+        """Whether a missed TTFT is prefill's to fix: no rate measured yet (act on the SLO
+        alone), the routable workers at least ``prefill_miss_utilisation`` busy with the
+        demand, or the prompts waiting now longer than the TTFT target to prefill."""
+        if not self._prefill_rate:
+            return True
+        rate = self._prefill_rate * max(inp.prefill.current, 1)
+        waiting_s = inp.queued_prompt_tokens / rate
+        return demand / rate >= self.spec.prefill_miss_utilisation or waiting_s * 1000 > self.spec.ttft_ms
 
     @staticmethod
     def _need(

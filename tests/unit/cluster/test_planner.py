@@ -177,3 +177,21 @@ def test_a_missed_slo_with_nothing_warming_grows_by_the_miss_ratio():
     # the same miss while 5 are warming: the capacity is late, not short; no more on top
     w = planner.decide(interval(10, **calm, tpot=0.075, **pools(d=10, d_warm=5, hi=32)))
     assert w.decode.desired < 15
+
+
+def test_a_missed_ttft_grows_prefill_only_when_prefill_was_busy():
+    # 2 req/s of 20-token prompts: 40 tok/s on a worker that prefills 2000 tok/s (2 %
+    # busy). A TTFT missed then was lost elsewhere (a starved host, a queue for decode
+    # room): another prefill worker would not shorten it.
+    def missed(now: float, prompt: int, **kw):
+        planner = Planner(SPEC, PROFILE)
+        planner.decide(interval(now - 5, rate=2, prompt=prompt, output=50))
+        return planner.decide(interval(now, rate=2, prompt=prompt, output=50, ttft=0.9, **kw)).prefill
+
+    idle = missed(5, 20)
+    assert idle.target == 1 and "900 ms" not in idle.reason
+    # the same miss with prefill 10 % busy (100-token prompts), or with prompts waiting
+    # that take longer than the target to prefill (2000 tokens: 1 s): it grows
+    assert missed(5, 100).target == 2
+    assert missed(5, 20, queued_prompt_tokens=2000, queued_requests=4).target == 2
+    assert missed(5, 20, queued_prompt_tokens=500, queued_requests=4).target == 1
