@@ -94,7 +94,7 @@ def memcpy_gbps(nbytes: int, repeats: int) -> float:
     """Single-thread libc memcpy between two pre-faulted buffers allocated like the KV
     pools (huge pages where available), best of ``repeats``."""
     src = allocate_zeros((nbytes,), torch.uint8).fill_(1)  # the same pages as the KV pools
-    dst = allocate_zeros((nbytes,), torch.uint8)
+    dst = allocate_zeros((nbytes,), torch.uint8).zero_()  # faulted in (allocate_zeros does not)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -165,7 +165,7 @@ def run_layerwise(tokens: int, stream: bool, repeats: int) -> LayerwiseRow:
         cache = allocate_zeros(
             (lay.num_layers, 2, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim),
             getattr(torch, lay.dtype),
-        )
+        ).zero_()  # faulted in, as a cache in use is (allocate_zeros does not)
         sink = get_backend("nixl").sink("bench-decode", cache, dataclasses.replace(compat, layout=lay))
         sink.connect(src.handshake)
         rng = random.Random(tokens)

@@ -49,7 +49,6 @@ from splitserve.engine.model.placement import (
 )
 from splitserve.engine.model.quant import FP8_DTYPE, Fp8CheckpointLinear, quantize_linears
 from splitserve.engine.model.replace import replace_children
-from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.wire.errors import ModelLoadError
 
@@ -198,9 +197,10 @@ def _prepare_fp8_checkpoint_linears(model: DecoderModel, dtype: torch.dtype) -> 
 def _materialize(model: DecoderModel, device: torch.device, dtype: torch.dtype) -> None:
     """Give every (meta) parameter real, uninitialised storage on ``device`` in ``dtype``,
     tied parameters one storage, and every buffer storage in its own dtype (FP8
-    weights, float32 scales); rebuild the rotary tables there (computed in float32,
-    kept in ``dtype`` as the kernels read them)."""
+    weights, float32 scales); move the rotary tables there (computed in float32 on
+    the CPU, kept in ``dtype`` as the kernels read them)."""
     made: dict[int, nn.Parameter] = {}
+    rotary = model.rotary  # its tables are real already (computed on the CPU: RotaryEmbedding)
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if id(p) not in made:
@@ -208,10 +208,11 @@ def _materialize(model: DecoderModel, device: torch.device, dtype: torch.dtype) 
                     torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False
                 )
             module.register_parameter(name, made[id(p)])
+        if module is rotary:
+            continue
         for name, b in list(module.named_buffers(recurse=False)):
             module.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device=device))
-    cfg = model.config
-    model.rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope, model.max_position).to(device=device, dtype=dtype)
+    model.rotary = rotary.to(device=device, dtype=dtype)
 
 
 SKIPPED_SUFFIXES = (".input_scale",)  # static activation scales: not used

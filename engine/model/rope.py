@@ -16,7 +16,7 @@ from splitserve.wire.errors import ModelLoadError
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
 
 
 def rope_inv_freq(head_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
@@ -73,8 +73,8 @@ def _yarn(base: float, dim: int, factor: float, p: dict[str, Any], max_position:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     extrapolation_weight = 1 - ramp
     inv = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
@@ -82,12 +82,15 @@ def _yarn(base: float, dim: int, factor: float, p: dict[str, Any], max_position:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position."""
+    """Precomputed cos/sin tables indexed by absolute position, computed in float32 on
+    the CPU whatever the default device (under ``torch.device("meta")``, where a model
+    is declared, meta arithmetic would import torch's compiler stack: a second of every
+    worker's start); ``.to`` puts them where the model runs."""
 
     def __init__(self, head_dim: int, params: dict[str, Any], max_position: int):
         super().__init__()
         inv_freq, scaling = rope_inv_freq(head_dim, params, max_position)
-        positions = torch.arange(max_position, dtype=torch.float32)
+        positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
