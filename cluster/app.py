@@ -177,6 +177,7 @@ class ServingCluster:
                 api_keys=self.api_keys,
                 routers=self.routers,
                 upgrade=self.upgrade,
+                relief=r.kv_relief.relief() if r.kv_relief is not None else None,
             )
             await self.server.start()
             if self.api_keys is not None:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from splitserve.cluster.planner import PlannerSpec
 from splitserve.kv_transfer import CLUSTER_BACKENDS
+from splitserve.router.moves import Relief
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.policy import StrictModel as _Strict
 from splitserve.router.roles import Role
@@ -276,6 +277,30 @@ class OpenAISpec(_Strict):
     )
 
 
+class KVReliefSpec(_Strict):
+    """Live migration instead of preemption: after each stats poll, a decode worker whose
+    KV cache is nearly full has one of its requests moved, with its KV, to a worker of
+    its revision with room, before its engine must preempt a sequence (and compute it
+    again). Workers that cannot export their KV (TP or EP groups) are left to preempt."""
+
+    above: float = Field(0.9, gt=0, le=1, description="a decode worker this full (KV blocks in use) sheds")
+    below: float = Field(
+        0.75, gt=0, le=1, description="...to a worker at most this full once it holds the request"
+    )
+
+    @model_validator(mode="after")
+    def _order(self) -> KVReliefSpec:
+        if self.below >= self.above:
+            raise ValueError(
+                f"kv_relief: below ({self.below}) must be under above ({self.above}), or requests "
+                "would move back and forth"
+            )
+        return self
+
+    def relief(self) -> Relief:
+        return Relief(self.above, self.below)
+
+
 class RouterSpec(_Strict):
     host: str = Field("127.0.0.1", description="address the gRPC router listens on")
     replicas: int = Field(
@@ -326,6 +351,11 @@ class RouterSpec(_Strict):
     )
     tls_key: str | None = Field(None, description="PEM private key file")
     shutdown_grace_s: float = Field(5.0, ge=0, description="how long running calls may finish on shutdown")
+    kv_relief: KVReliefSpec | None = Field(
+        default_factory=KVReliefSpec,
+        description="move requests off decode workers whose KV cache is nearly full (null: never; "
+        "their engines preempt when full)",
+    )
     openai: OpenAISpec = Field(default_factory=OpenAISpec, description="the OpenAI-compatible HTTP endpoint")
     chat_template: str | None = Field(
         None,

@@ -203,6 +203,7 @@ class RouterReplica:
             credentials=credentials,
             api_keys=self.api_keys,
             routers=self._me,
+            relief=r.kv_relief.relief() if r.kv_relief is not None else None,
         )
         await self.server.start()
         if self.ports.http is not None:

@@ -55,6 +55,7 @@ def metrics(
         d.batch_caps,
         replica=replica,
         workers=workers,
+        moves=lambda: dict(d.moves.moved),
     )
     d.sinks.append(out)
     return out

@@ -5,7 +5,8 @@ time, under load, dropping no request.
 ``rolling_upgrade`` works in batches of ``pace`` workers per pool::
 
     pools build new workers from the new config (WorkerPool.reconfigure)
-    per batch:  start `pace` new workers in each pool, wait until they serve
+    per batch:  start `pace` new workers in each pool, one pool after the other,
+                and wait until they serve
                 drain `pace` old ones in each pool and remove them (a decode worker's
                 requests move to another worker of their revision where one has
                 room, by KV; the rest finish there; a prefill worker's exports are
@@ -16,6 +17,11 @@ Revisions never mix: the router pairs a prefill and a decode worker, and moves a
 request, only within one revision (``router.moves``, ``wire.kv.CompatInfo``), so
 while both revisions serve, each request is served whole by one of them; the
 last old decode worker's requests finish there.
+
+Starting a worker (loading the model, measuring its rates) takes CPU from the
+workers serving beside it; the pools start theirs one after the other, so at
+most ``pace`` workers start at once: with one prefill and one decode worker on 2
+vCPUs, both starting together doubled the TTFT of the requests meanwhile.
 
 A failure (a new worker that does not start, the call cancelled) rolls back: the
 pools build from the old config again, the new workers started so far are
@@ -69,15 +75,14 @@ async def rolling_upgrade(
             pool.reconfigure(config)
         while any(old.values()):
             batch = {role: ids[:pace] for role, ids in old.items() if ids}
-            added = await asyncio.gather(*(pools[role].add(len(ids)) for role, ids in batch.items()))
-            for workers in added:
-                for w in workers:
-                    report.started.append(w.worker_id)
+            added = []
+            for role, ids in batch.items():  # one pool after the other (the module docstring says why)
+                for w in await pools[role].add(len(ids)):
+                    report.started.append(w.worker_id)  # at once: a later failure rolls it back
                     report.revisions[w.worker_id] = w.revision
+                    added.append(w.worker_id)
             going = [wid for ids in batch.values() for wid in ids]
-            progress(
-                f"upgrade: {', '.join(report.started[-sum(map(len, added)) :])} serving; draining {going}"
-            )
+            progress(f"upgrade: {', '.join(added)} serving; draining {going}")
             await asyncio.gather(
                 *(pools[r].remove(wid, drain_timeout_s, "migrate") for r, ids in batch.items() for wid in ids)
             )

@@ -32,6 +32,9 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
     splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total   (prompt tokens)
     splitserve:prefill_placement_total{placement,reason} (the decider's choices)
     splitserve:kv_transfer_failures_total{error,action} (action: recompute or fail)
+    splitserve:requests_moved_total{reason}             running requests moved to another decode
+                                                       worker (router.moves.MOVE_REASONS: operator,
+                                                       drain, kv_full)
     splitserve:worker_replacements_total{pool}          (workers Ray gave up, replaced by the pool)
     splitserve:engine_loop_failures_total{pool}         (of those, workers whose engine loop stopped:
                                                        a fault no request could be blamed for)
@@ -72,7 +75,7 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
 Request metrics carry ``model_name``, as vLLM's do. Every series carries
 ``replica``: 0 for ``splitserve serve``, i for its router i (``cluster.replicas``),
 each of which serves its own ``/metrics`` with its requests' series and its own
-figures (placements, transfer failures, in flight, batch caps) but not the workers'
+figures (placements, transfer failures, moves, in flight, batch caps) but not the workers'
 and pools' (the ones above from ``num_requests_running`` to ``pool_replicas``),
 which only router 0 exports: a scrape of every router sums correctly.
 """
@@ -192,8 +195,10 @@ class _ClusterCollector(Collector):
         transfer_failures: Callable[[], dict[tuple[str, str], int]],
         batch_caps: Callable[[], dict[str, int]],
         workers: bool,
+        moves: Callable[[], dict[str, int]] = dict,
     ):
         self.workers = workers
+        self.moves = moves
         self.registry = registry
         self.pool_sizes = pool_sizes
         self.inflight = inflight
@@ -374,6 +379,13 @@ class _ClusterCollector(Collector):
         )
         for (error, action), n in self.transfer_failures().items():
             failures.add_metric([error, action], n)
+        moved = CounterMetricFamily(
+            "splitserve:requests_moved",
+            "Running requests moved to another decode worker, by why.",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self.moves().items()):
+            moved.add_metric([reason], n)
         inflight = GaugeMetricFamily("splitserve:num_requests_inflight", "Requests admitted, not finished.")
         inflight.add_metric([], self.inflight())
         caps = GaugeMetricFamily(
@@ -384,7 +396,7 @@ class _ClusterCollector(Collector):
         )
         for worker_id, cap in sorted(self.batch_caps().items()):
             caps.add_metric([worker_id], cap)
-        yield from (placement, failures, inflight, caps)
+        yield from (placement, failures, moved, inflight, caps)
 
 
 class RouterMetrics:
@@ -403,6 +415,7 @@ class RouterMetrics:
         batch_caps: Callable[[], dict[str, int]] = dict,
         replica: int = 0,
         workers: bool = True,
+        moves: Callable[[], dict[str, int]] = dict,
     ):
         self.prom = CollectorRegistry(auto_describe=True)  # unlabelled (the SLO planner reads it)
         self.requests = RequestMetrics(self.prom, model_name)
@@ -413,7 +426,7 @@ class RouterMetrics:
         )
         self.prom.register(
             _ClusterCollector(
-                registry, pool_sizes, inflight, placements, transfer_failures, batch_caps, workers
+                registry, pool_sizes, inflight, placements, transfer_failures, batch_caps, workers, moves
             )
         )
         self._exposed = CollectorRegistry(auto_describe=False)

@@ -5,21 +5,36 @@ worker now (its ``RequestLifecycle``, registered by the dispatcher while it
 streams it) and moves them: ``migrate`` one (the lifecycle's MOVING phase: the
 old worker lets it go, its stream there ends marked ``moved``, the dispatcher
 starts it on the new worker with what the old one exported), ``move_off`` all
-of a worker's (a drain). Workers of one revision only: a request never moves
-to weights other than those that began it. On the router's event loop.
+of a worker's (a drain), ``relieve`` a worker whose KV cache is nearly full of
+one (before its engine has to preempt a sequence and compute it again). Workers
+of one revision only: a request never moves to weights other than those that
+began it. ``moved`` counts the moves by why. On the router's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from splitserve.router.balancer import Prompt, pick_decode
 from splitserve.router.lifecycle import Phase, RequestLifecycle
 from splitserve.router.registry import WorkerRecord, WorkerRegistry, of_revision
 from splitserve.router.roles import Role
 from splitserve.wire.errors import InvalidRequest, Overloaded, UnknownRequest
+
+
+@dataclass(frozen=True)
+class Relief:
+    """When ``Moves.relieve`` moves a request off a decode worker: at ``above`` of its KV
+    cache in use, to a worker at most ``below`` full once it holds the request."""
+
+    above: float
+    below: float
+
 
 MOVE_OFF_POLL_S = 0.01  # move_off: how often it looks for requests that began to decode
 MOVE_OFF_RETRY_S = 0.25  # ... and, when no worker had room, when it tries again
@@ -38,8 +53,11 @@ class Moves:
         self._decode_role = decode_role
         self._has_room = has_room
         self.lives: dict[str, RequestLifecycle] = {}  # by request (sequence) id; the dispatcher's to write
+        self.moved: collections.Counter[str] = collections.Counter()  # moves by why: MOVE_REASONS
 
-    async def migrate(self, request_id: str, to: str | None = None, by: str = "kv") -> str:
+    async def migrate(
+        self, request_id: str, to: str | None = None, by: str = "kv", reason: str = "operator"
+    ) -> str:
         """Move decoding request ``request_id`` (one sequence: a fork's own id) to another
         decode worker of its revision, ``to`` or the balancer's choice (live migration):
         the old worker lets it go once its tokens so far are out, and the new one decodes
@@ -47,6 +65,7 @@ class Moves:
         worker exports its KV and the new one pulls it, nothing is computed again (a failed
         pull is recomputed there); a worker that cannot export (a TP group) moves it as
         "recompute" does: the new worker prefills the prompt and the tokens so far.
+        ``reason`` (one of ``MOVE_REASONS``) is what ``moved`` counts it under.
         Returns the worker it moves to, once the old one let it go. Raises
         ``UnknownRequest`` when no such request is decoding, ``InvalidRequest`` when it is
         not decoding now (still prefilling, or moving), ``Overloaded`` when no other
@@ -78,6 +97,7 @@ class Moves:
             life.cancel_move(e)
             raise
         life.moved(moved)
+        self.moved[reason] += 1
         return dw.worker_id
 
     def on_worker(self, worker_id: str) -> int:
@@ -103,12 +123,54 @@ class Moves:
             here = [life for life in here if life.decode_worker.worker_id == worker_id]
             decoding = [life.request_id for life in here if life.phase is Phase.DECODING]
             results = await asyncio.gather(
-                *(self.migrate(rid, by=by) for rid in decoding), return_exceptions=True
+                *(self.migrate(rid, by=by, reason="drain") for rid in decoding), return_exceptions=True
             )
             moved += sum(not isinstance(r, BaseException) for r in results)
             refused = any(isinstance(r, Overloaded) for r in results)
             await asyncio.sleep(MOVE_OFF_RETRY_S if refused else MOVE_OFF_POLL_S)
         return moved
+
+    async def relieve(self, relief: Relief) -> int:
+        """Move one request off each decode worker whose KV cache is at least
+        ``relief.above`` full (blocks in use, as last polled, with what was sent since),
+        by its KV, to the worker of its revision that ``pick_decode`` prefers among those
+        at most ``relief.below`` full once they hold it: the request with the most tokens
+        still to come (the most growth taken away), among those decoding now. A worker
+        that cannot export its KV (a TP or EP group) is left to preempt: moving by
+        recompute costs what preempting does. Returns how many moved (a move that failed
+        is not retried here: the next call sees the worker again if it is still full)."""
+        moves = []
+        for w in self.registry.routable(self._decode_role()):
+            if w.info is None or not w.info.handshakes or _fullness(w, 0) < relief.above:
+                continue
+            here = [life for life in self.lives.values() if life.decode_worker is w]
+            decoding = [life for life in here if life.phase is Phase.DECODING]
+            if not decoding:
+                continue
+            life = max(decoding, key=lambda lf: (lf.params.max_tokens - lf.num_sent, lf.num_sent))
+            held = len(life.prompt_ids) + life.num_sent
+            roomy = [
+                d
+                for d in of_revision(self.registry.routable(self._decode_role()), w.revision)
+                if d is not w and self._has_room(d) and _fullness(d, held) <= relief.below
+            ]
+            to = pick_decode(roomy, Prompt.of(life.prompt_ids, w.block_size), held + 1)
+            if to is not None:
+                moves.append(self.migrate(life.request_id, to.worker_id, "kv", "kv_full"))
+        results = await asyncio.gather(*moves, return_exceptions=True)
+        return sum(not isinstance(r, BaseException) for r in results)
+
+
+MOVE_REASONS = ("operator", "drain", "kv_full")
+
+
+def _fullness(w: WorkerRecord, more_tokens: int) -> float:
+    """The share of ``w``'s KV cache in use (as last polled, with the router's
+    reservations since) were it to take ``more_tokens`` more; 1.0 before it reported."""
+    if not w.num_blocks:
+        return 1.0
+    used = w.num_blocks - w.free_tokens / w.block_size + math.ceil(more_tokens / w.block_size)
+    return used / w.num_blocks
 
 
 def _check_by(by: str) -> None:

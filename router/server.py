@@ -5,7 +5,8 @@ Health is NOT_SERVING until ``start`` has the workers' first stats, SERVING
 while up, and NOT_SERVING again once ``stop`` begins (load balancers drain
 first). With ``api_keys``, every call but health checking needs a key
 (``router.auth``). A background task refreshes the registry's worker stats every
-``stats_interval_s``.
+``stats_interval_s`` and, with a ``relief``, then moves requests off decode
+workers whose KV cache is nearly full (``router.moves``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from splitserve.proto import splitserve_pb2 as pb
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
 from splitserve.router.auth import ApiKeys, GrpcAuthInterceptor
 from splitserve.router.dispatch import Dispatcher
+from splitserve.router.moves import Relief
 from splitserve.router.service import MALFORMED, Routers, SplitserveService, Upgrade, malformed
 from splitserve.router.tools import ToolParser
 
@@ -76,7 +78,10 @@ class RouterServer:
         tool_parser: ToolParser = "hermes",
         routers: Routers | None = None,
         upgrade: Upgrade | None = None,
+        relief: Relief | None = None,
     ):
+        """``relief``: after each stats poll, move requests off decode workers whose KV
+        cache is nearly full (``Moves.relieve``; None: never)."""
         self.dispatcher = dispatcher
         self.routers = routers  # what ClusterStatus lists under routers (None: none)
         self.upgrade = upgrade  # what runs an Upgrade call (None: this router has no pools)
@@ -91,6 +96,8 @@ class RouterServer:
         self._stopping = False
         self._server: grpc.aio.Server | None = None
         self._poller: asyncio.Task | None = None
+        self.relief = relief
+        self._relieving: asyncio.Task | None = None  # one relieve at a time
 
     @property
     def address(self) -> str:
@@ -126,10 +133,11 @@ class RouterServer:
         """Stop taking calls; let running ones finish for up to ``grace_s``."""
         self._stopping = True
         await self._set_serving(False)
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        for task in (self._poller, self._relieving):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._server is not None:
             await self._server.stop(grace_s)
 
@@ -147,11 +155,28 @@ class RouterServer:
         if serving != self._serving:
             await self._set_serving(serving)
 
+    def _relieve(self) -> None:
+        """Start ``Moves.relieve`` on the stats just polled, unless one still runs."""
+        if self.relief is None or self._stopping:
+            return
+        if self._relieving is None or self._relieving.done():
+            self._relieving = asyncio.create_task(self._relieve_once(self.relief))
+
+    async def _relieve_once(self, relief: Relief) -> None:
+        try:
+            moved = await self.dispatcher.moves.relieve(relief)
+        except Exception:  # a failed move is the request's; relief tries again next poll
+            log.exception("moving requests off full decode workers failed")
+            return
+        if moved:
+            log.info("moved %d request(s) off decode workers whose KV cache was nearly full", moved)
+
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.sleep(self.stats_interval_s)
             try:
                 await self.dispatcher.registry.poll()
                 await self._follow_pools()
+                self._relieve()
             except Exception:  # never let status polling take the router down
                 log.exception("polling worker stats failed")
