@@ -166,3 +166,11 @@ def test_the_openai_endpoint_may_ignore_unknown_fields():
     assert on.router.openai.ignore_unknown_fields
     with pytest.raises(ValueError, match="ignore_unknown_field"):
         ClusterConfig.model_validate({"router": {"openai": {"ignore_unknown_field": True}}})
+
+
+def test_kv_relief_is_on_by_default_and_its_thresholds_are_ordered():
+    relief = ClusterConfig().router.kv_relief.relief()
+    assert relief.below < relief.above <= 1
+    assert ClusterConfig.model_validate({"router": {"kv_relief": None}}).router.kv_relief is None
+    with pytest.raises(ValueError, match="would move back and forth"):
+        ClusterConfig.model_validate({"router": {"kv_relief": {"above": 0.8, "below": 0.8}}})
