@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -91,14 +92,24 @@ class Moves:
                 f"{f' named {to}' if to else ''} can take request {request_id} now"
             )
         life.begin_move(dw)
-        try:
-            moved = await old.client.move_out(request_id, export)
-        except Exception as e:
-            life.cancel_move(e)
-            raise
-        life.moved(moved)
-        self.moved[reason] += 1
+        # The old worker's answer settles the move whether or not this caller still waits
+        # for it (a Drain call whose client left, a router stopping its relief): a move
+        # given up half-way would leave the request MOVING, with nothing to end it.
+        asking = asyncio.ensure_future(old.client.move_out(request_id, export))
+        asking.add_done_callback(functools.partial(self._settle, life, reason))
+        await asyncio.shield(asking)
         return dw.worker_id
+
+    def _settle(self, life: RequestLifecycle, reason: str, asking: asyncio.Future) -> None:
+        """The old worker answered ``move_out``: the move goes on (``life.moved``), or the
+        request goes on decoding there (``cancel_move``: it did not let it go)."""
+        if asking.cancelled():
+            life.cancel_move(RuntimeError(f"moving request {life.request_id} was cancelled"))
+        elif asking.exception() is not None:
+            life.cancel_move(asking.exception())
+        else:
+            life.moved(asking.result())
+            self.moved[reason] += 1
 
     def on_worker(self, worker_id: str) -> int:
         """Sequences of this router's requests on decode worker ``worker_id`` now."""

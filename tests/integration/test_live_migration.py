@@ -244,3 +244,31 @@ async def _last(items):
     """The last of ``items`` (an async iterator)."""
     seen = [item async for item in items]
     return seen[-1] if seen else None
+
+
+def test_a_move_whose_caller_leaves_still_ends_whole(pair):
+    """``migrate``'s caller is cancelled while the old worker lets the request go (a
+    ``Drain`` call whose client left, a router stopping its KV relief): the move goes
+    on without it and the stream ends on the new worker, whole. (Before, the cancel
+    reached the old worker's call: the request stayed there, yet marked MOVING until it
+    ended, so no later move could take it.)"""
+    d = pair.dispatcher
+
+    async def left_mid_move(rid: str):
+        tokens, final, caller = [], None, None
+        async for event in d.generate(GenerateInput(PARAMS["greedy"], messages=MESSAGES, request_id=rid)):
+            if isinstance(event, TokenEvent):
+                tokens += event.token_ids
+                if caller is None and len(tokens) >= 6:
+                    caller = asyncio.ensure_future(d.moves.migrate(rid))
+                    await asyncio.sleep(0)  # it asked the old worker
+                    caller.cancel()
+            elif isinstance(event, FinalEvent):
+                final = event
+        return tokens, final, caller
+
+    ref_tokens, _, _, _ = pair.run(_generate(d, "left-ref", PARAMS["greedy"]))
+    tokens, final, caller = pair.run(left_mid_move("left"))
+    assert caller.cancelled()
+    assert tokens == ref_tokens and final.decode_worker != ""
+    assert any(m.name == "moved" for m in d.traces.latest(1)[0].marks)  # it did move
