@@ -132,9 +132,9 @@ def allocate_zeros(
     it (``madvise`` mode), and not touched here: a worker starts without faulting in
     its cache (1 GiB took 1.7-2.2 CPU-seconds here, taken from the workers already
     serving while a new one starts); ``fault_in_background`` does it at idle
-    priority. Huge pages make cross-process reads of the
-    cache (NIXL/UCX over cma) ~1.6x faster here: 8.3 -> 13.2 GB/s for 755 MB
-    (fewer pages to pin), besides fewer TLB misses in attention."""
+    priority. Huge pages make cross-process reads of the cache (NIXL/UCX over cma)
+    ~1.6x faster here: 8.3 -> 13.2 GB/s for 755 MB (fewer pages to pin), besides
+    fewer TLB misses in attention."""
     device = torch.device(device)
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or not sys.platform.startswith("linux") or nbytes < 4 * _HUGE_PAGE:

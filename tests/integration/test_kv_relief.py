@@ -7,8 +7,8 @@ DecodePair``, KV over NIXL), 48 KV blocks (768 tokens) each. Four requests of 10
 prompt tokens and 150 output tokens start on decode-0 (decode-1 drained meanwhile):
 together they end holding ~1,000 tokens, so decode-0 alone must preempt, as the
 control run shows. With relief on and decode-1 back, decode-0 preempts nothing,
-requests moved (their KV imported by decode-1, not computed), and every output is
-the greedy tokens of the request run alone."""
+requests moved (their KV imported, not computed), and every output is the greedy
+tokens of the request run alone."""
 
 from __future__ import annotations
 
@@ -68,6 +68,11 @@ async def _on_decode_0_then_both(pair: DecodePair, tag: str) -> dict[str, list[i
     return {rid: await t for rid, t in tasks.items()}
 
 
+def _imported(pair: DecodePair) -> int:
+    """Prompt tokens whose KV moved into either worker, ever."""
+    return sum(pair.run(c.stats()).engine.import_moved_tokens for c in pair.clients.values())
+
+
 def _preemptions(pair: DecodePair, wid: str) -> int:
     return pair.run(pair.clients[wid].stats()).engine.num_preemptions
 
@@ -87,7 +92,7 @@ def test_a_filling_decode_worker_moves_requests_off_instead_of_preempting(pair):
     pair.run(server.start())
     try:
         before = _preemptions(pair, "decode-0")
-        imported = pair.run(pair.clients["decode-1"].stats()).engine.import_moved_tokens
+        imported = _imported(pair)
         moved = d.moves.moved["kv_full"]
         relieved = pair.run(_on_decode_0_then_both(pair, "relief"))
     finally:
@@ -96,6 +101,6 @@ def test_a_filling_decode_worker_moves_requests_off_instead_of_preempting(pair):
     assert relieved == alone  # moved mid-stream, nothing repeated, skipped or changed
     assert _preemptions(pair, "decode-0") == before
     assert d.moves.moved["kv_full"] > moved
-    # the moved requests' KV came over (each holds its prompt at least), not computed again
-    after = pair.run(pair.clients["decode-1"].stats()).engine.import_moved_tokens
-    assert after - imported >= 100 * (d.moves.moved["kv_full"] - moved)
+    # the moved requests' KV came over (each holds its prompt at least), not computed
+    # again; either way: once decode-1 fills up in turn, a request may move back
+    assert _imported(pair) - imported >= 100 * (d.moves.moved["kv_full"] - moved)
