@@ -107,5 +107,7 @@ def test_a_load_step_grows_the_pool_the_slo_needs_then_drains_it(
     wait_for(cluster, grows, 1)  # drained once the load is gone
     last = cluster.cluster.planner.decisions[-1]
     print(f"{grows} step: {load.done} requests; {stays} targets {during}; {getattr(last, grows).reason}")
+    for d in cluster.cluster.planner.decisions[since:]:  # why the other pool moved, if it did
+        print(f"  {stays}: {getattr(d, stays).target} ({getattr(d, stays).reason})")
     assert load.errors == [] and load.done > 0
     assert set(during) == {1}  # the other pool was never asked to grow
