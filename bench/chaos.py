@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import io
 import itertools
 import random
 import re
@@ -49,6 +51,7 @@ import statistics
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -210,8 +213,11 @@ class _Load:
     """``clients`` coroutines on a loop of their own (a thread), each sending one request
     after another until stopped; every call is timed and bounded by its deadline + grace."""
 
-    def __init__(self, address: str, prompts, params, spec: ChaosSpec):
+    def __init__(self, address: str, prompts, params, spec: ChaosSpec, on_hang=None):
+        """``on_hang(request_id)``: called (from the load's thread) when a call is found
+        hung, before it is cancelled: what it returns is logged (the router's view of it)."""
         self.outcomes: list[Outcome] = []
+        self._on_hang = on_hang
         self._args = (address, prompts, params, spec)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="chaos-load")
@@ -237,21 +243,39 @@ class _Load:
             p: SamplingParams = params[i]
             start = time.monotonic()
             out = Completion()
+            request_id = uuid.uuid4().hex
             try:
                 call = client.generate(
                     prompts[i],
+                    request_id=request_id,
                     temperature=p.temperature,
                     max_tokens=p.max_tokens,
                     stop_token_ids=list(p.stop_token_ids),
                     timeout_ms=int(spec.deadline_s * 1000),
                 )
-                out = await asyncio.wait_for(call, spec.deadline_s + spec.grace_s)
+                out = await self._bounded(asyncio.ensure_future(call), request_id)
                 code, message = "OK", ""
             except TimeoutError:
-                code, message = "HUNG", f"no end {spec.grace_s:g} s past the deadline"
+                code, message = "HUNG", f"request {request_id}: no end {spec.grace_s:g} s past the deadline"
             except SplitserveClientError as e:
                 code, message = e.code.name, e.details
             self.outcomes.append(Outcome(i, code, message, tuple(out.token_ids), time.monotonic() - start))
+
+    async def _bounded(self, call: asyncio.Future, request_id: str):
+        """``call``'s result, or TimeoutError past the deadline + grace (what the router
+        holds of it is logged first, while it still does)."""
+        spec = self._args[3]
+        await asyncio.wait([call], timeout=spec.deadline_s + spec.grace_s)
+        if call.done():
+            return call.result()
+        if self._on_hang is not None:
+            try:
+                log(f"request {request_id} hung; the router holds:\n{self._on_hang(request_id)}")
+            except Exception as e:
+                log(f"request {request_id} hung; reading the router failed: {e!r}")
+        call.cancel()
+        await asyncio.wait([call])
+        raise TimeoutError
 
 
 def _roles(kind: str) -> tuple[str, ...]:
@@ -415,7 +439,7 @@ def run_chaos(
     tp = cluster.cluster.config.prefill.tp_size
     kinds = [k for k in spec.kinds if (k != "tp_rank" or tp > 1) and (k != "node" or nodes is not None)]
     start = time.monotonic()
-    load = _Load(cluster.address, prompts, params, spec)
+    load = _Load(cluster.address, prompts, params, spec, functools.partial(_router_view, cluster))
     kills: list[Kill] = []
     recoveries: list[tuple[str, float]] = []  # (kind, s until its pool was whole again)
     timers: list[threading.Thread] = []
@@ -448,6 +472,38 @@ def run_chaos(
     wrong = [o for o in outcomes if o.code == "OK" and list(o.tokens) != reference[o.prompt]]
     replaced = {role: pool.replaced for role, pool in cluster.cluster.pools.items()}
     return ChaosReport(outcomes, kills, wrong, replaced, kv_held(cluster.address), duration, recoveries)
+
+
+def _router_view(cluster: BackgroundCluster, request_id: str) -> str:
+    """What the router holds of ``request_id``: its lifecycle, and the stack of every task
+    on the router's loop that mentions it (where a hung request waits)."""
+
+    async def read() -> str:
+        life = cluster.dispatcher.moves.lives.get(request_id)
+        lines = [
+            f"lifecycle: {life.phase.value if life else None}, on "
+            f"{life.decode_worker.worker_id if life and life.decode_worker else None}"
+        ]
+        if life is not None:
+            lines.append(f"marks: {[(m.name, m.worker) for m in life.trace('-', False).marks]}")
+        for task in asyncio.all_tasks():
+            frames = task.get_stack(limit=60)
+            if any(_mentions(f, request_id) for f in frames):
+                text = io.StringIO()
+                task.print_stack(file=text)
+                lines.append(f"task {task.get_name()}: {text.getvalue()}")
+        return "\n".join(lines)
+
+    return cluster.run(read(), timeout=30)
+
+
+def _mentions(frame, request_id: str) -> bool:
+    """Whether ``frame`` works on ``request_id`` (a local names it, or its lifecycle)."""
+    for value in frame.f_locals.values():
+        named = value if isinstance(value, str) else getattr(value, "request_id", None)
+        if named == request_id:
+            return True
+    return False
 
 
 def mixed_prompts(

@@ -109,8 +109,9 @@ class Engine(KVRequests):
         self._decode_steps = DecodeSteps()
         moe = self.model_config.moe
         self._expert_load = ExpertLoad(moe.num_experts) if moe is not None else None
-        # prompt tokens of imported requests: held here already (hold_prefix), moved in
-        self.import_held_tokens = self.import_moved_tokens = 0
+        # tokens of imported requests: held here already (hold_prefix), moved in; of those
+        # moved in, copied before a running request's move (reserve_moving, fill_moving)
+        self.import_held_tokens = self.import_moved_tokens = self.precopied_tokens = 0
         # prompt-prefix tokens lent to other workers (lend_prefix) and copied in from them
         self.lent_tokens = self.pulled_tokens = 0
         # told as each layer of a completing prefill-only prompt is written (driver rank only)
@@ -219,6 +220,7 @@ class Engine(KVRequests):
             tier_hit_tokens=bm.tier_hits,
             import_held_tokens=self.import_held_tokens,
             import_moved_tokens=self.import_moved_tokens,
+            import_precopied_tokens=self.precopied_tokens,
             prefix_lent_tokens=self.lent_tokens,
             prefix_pulled_tokens=self.pulled_tokens,
             sequence_errors=tuple(sorted(self.sequence_errors.items())),

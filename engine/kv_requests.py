@@ -12,7 +12,11 @@ defines).
 - a running request moving to another engine (live migration): ``suspend`` here
   (its KV then exported as a prefill's is: ``prefilled``, ``release``), and on
   the other engine ``import_request`` with every token it generated, then
-  ``activate``: it decodes on from there as if it had never moved.
+  ``activate``: it decodes on from there as if it had never moved. To keep the
+  pause short the other engine may first copy its full blocks while it still
+  decodes here (pre-copy: ``reserve_moving``, the blocks lent with
+  ``lend_prefix``, ``fill_moving``); ``suspend(from_block=...)`` then exports only
+  the blocks after those.
 
 Every method validates first and raises ``InvalidRequest`` before touching state.
 """
@@ -152,9 +156,69 @@ class KVRequests:
         seq = self._sequence(request_id, prompt_ids, params)
         if not self._hold(seq):
             return 0
-        seq.status = SequenceStatus.IMPORTING
+        seq.status, seq.awaiting_import = SequenceStatus.IMPORTING, True
         self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
         return seq.num_computed_tokens
+
+    def reserve_moving(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+    ) -> tuple[int, list[int]]:
+        """Pre-copy, before a running request moves here from another engine while it still
+        decodes there: for ``request_id`` (IMPORTING from here on: never scheduled, its
+        blocks never evicted) hold the leading full blocks of its tokens so far (the
+        prompt, then ``output_token_ids``; every full block but the one of the last
+        token, whose KV the other engine has not computed yet) that this engine has (its
+        cache, its host tier), and allocate the others. Returns (blocks held, the ids of
+        the others, to fill in order with KV copied from the other engine). Then
+        ``fill_moving``, and at the move ``import_request`` with every token it generated
+        by then: only the blocks after the filled ones are left to copy. ``abort`` frees
+        them. Raises ``InvalidRequest`` (holding nothing) for a request with less than
+        one full block to copy, ``Overloaded`` when the cache has no room now."""
+        request_id = self._new_id(request_id)
+        prompt_ids = self.validate_request(list(prompt_token_ids), params)
+        outputs = list(output_token_ids)
+        if not outputs or len(outputs) >= params.max_tokens:
+            raise InvalidRequest(
+                f"{len(outputs)} tokens generated: not a running request of max_tokens {params.max_tokens}"
+            )
+        seq = self._sequence(request_id, prompt_ids, params)
+        for t in outputs:
+            seq.append_token(t)
+        bm = self.block_manager
+        full = bm.reusable_blocks(seq)  # the blocks before the last token's
+        if not full:
+            raise InvalidRequest(f"request {request_id} has no full block of KV to copy yet")
+        held = self._hold(seq, reused=False)
+        missing = full * bm.block_size - seq.num_computed_tokens
+        if not bm.can_allocate(seq, missing):
+            bm.free(seq)
+            raise Overloaded(f"not enough free KV blocks to copy {missing} tokens of a moving request")
+        bm.allocate(seq, missing)
+        seq.status, seq.awaiting_import = SequenceStatus.IMPORTING, True
+        self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
+        return held, list(seq.block_table[held:])
+
+    def fill_moving(self, request_id: str, num_blocks: int) -> int:
+        """The first ``num_blocks`` blocks ``reserve_moving`` made for ``request_id`` hold
+        their KV now (held here, or copied in and verified); the others stay allocated for
+        the move to fill. Returns the tokens copied in (counted as moved in)."""
+        state = self._get(request_id, SequenceStatus.IMPORTING)
+        seq, bs = state.seq, self.block_manager.block_size
+        held = seq.num_computed_tokens // bs
+        if not seq.awaiting_import or not held <= num_blocks <= len(seq.block_table):
+            raise InvalidRequest(
+                f"{request_id} holds {held} of {len(seq.block_table)} reserved blocks, not {num_blocks}"
+            )
+        copied = (num_blocks - held) * bs
+        seq.num_computed_tokens = num_blocks * bs
+        self.block_manager.commit_computed(seq)
+        self.import_moved_tokens += copied
+        self.precopied_tokens += copied
+        return copied
 
     def _hold(self, seq: Sequence, whole: bool = False, reused: bool = True) -> int:
         """Give the fresh ``seq`` the leading blocks of its tokens this engine holds:
@@ -195,37 +259,36 @@ class KVRequests:
         stop checks and the grammar, are never emitted again, and seeded sampling
         goes on after them."""
         held = self.requests.get(request_id)
-        if (
-            held is not None
-            and held.seq.status == SequenceStatus.IMPORTING
-            and held.seq.num_computed_tokens < held.seq.num_prompt_tokens
-        ):
-            seq = held.seq
-            if list(prompt_token_ids) != seq.prompt_token_ids:
-                raise InvalidRequest(f"request {request_id} holds a prefix of another prompt")
+        if held is not None and held.seq.status == SequenceStatus.IMPORTING and held.seq.awaiting_import:
+            seq = held.seq  # held by hold_prefix or reserve_moving: their tokens lead these
+            given = list(prompt_token_ids) + list(output_token_ids)
+            if given[: seq.num_tokens] != seq.token_ids or list(prompt_token_ids) != seq.prompt_token_ids:
+                raise InvalidRequest(f"request {request_id} holds the KV of other tokens")
+            outputs = list(output_token_ids)[seq.num_output_tokens :]
         else:
             request_id = self._new_id(request_id)
             prompt_ids = self.validate_request(list(prompt_token_ids), params)
             seq = self._sequence(request_id, prompt_ids, params)
-        outputs = list(output_token_ids)
-        if len(outputs) >= seq.params.max_tokens:
+            outputs = list(output_token_ids)
+        generated = seq.num_output_tokens + len(outputs)
+        if generated >= seq.params.max_tokens:
             raise InvalidRequest(
-                f"{len(outputs)} tokens already generated; max_tokens is {seq.params.max_tokens}"
+                f"{generated} tokens already generated; max_tokens is {seq.params.max_tokens}"
             )
-        if seq.num_prompt_tokens + len(outputs) >= self.max_model_len:
+        if seq.num_prompt_tokens + generated >= self.max_model_len:
             raise InvalidRequest(
-                f"{seq.num_prompt_tokens} prompt and {len(outputs)} generated tokens leave no room in "
+                f"{seq.num_prompt_tokens} prompt and {generated} generated tokens leave no room in "
                 f"{self.max_model_len}"
             )
-        have, total = seq.num_computed_tokens, seq.num_prompt_tokens + max(0, len(outputs) - 1)
+        have, total = seq.num_computed_tokens, seq.num_prompt_tokens + max(0, generated - 1)
         if not self.block_manager.can_allocate(seq, total - have):
             raise Overloaded(f"not enough free KV blocks for {total - have} tokens")
         self.block_manager.allocate(seq, total - have)
         for t in outputs:
             seq.append_token(t)
         seq.num_computed_tokens = total
-        seq.status = SequenceStatus.IMPORTING
-        self.import_held_tokens += have
+        seq.status, seq.awaiting_import = SequenceStatus.IMPORTING, False
+        self.import_held_tokens += seq.num_cached_tokens
         self.import_moved_tokens += total - have
         self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
         return list(seq.block_table[have // self.block_manager.block_size :])

@@ -67,6 +67,9 @@ class Sequence:
         # structured output: the grammar, advanced by every token appended (set by the engine)
         self.grammar: Grammar | None = None
         self.num_preemptions = 0
+        # IMPORTING with KV held or copied ahead (hold_prefix, reserve_moving): the
+        # request's import (import_request) is still to come
+        self.awaiting_import = False
         self.scheduled_at: float | None = None  # time.time() when first scheduled (or imported)
 
     def mark_scheduled(self) -> None:

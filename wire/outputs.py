@@ -111,10 +111,12 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     tier_hit_tokens: int = 0
     host_tier: TierCounters = TierCounters()
-    # decode: prompt tokens of imported requests whose KV it held already (not moved) and
-    # whose KV moved in, since it started
+    # decode: tokens of imported requests whose KV it held already (not moved) and whose KV
+    # moved in, since it started; of those moved in, the ones copied before a running
+    # request moved here (live migration's pre-copy), while it still decoded elsewhere
     import_held_tokens: int = 0
     import_moved_tokens: int = 0
+    import_precopied_tokens: int = 0
     # prompt-prefix tokens whose KV it lent to other workers, and copied in from them
     # (prefill workers pulling prefixes from each other), since it started
     prefix_lent_tokens: int = 0

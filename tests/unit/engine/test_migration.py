@@ -41,8 +41,8 @@ def engines(smollm2):
     return _engine(), _engine()
 
 
-def _add_all(engine: Engine) -> dict[str, str]:
-    return {name: engine.add_request(messages=MESSAGES, params=p) for name, p in PARAMS.items()}
+def _add_all(engine: Engine, messages: list[dict[str, str]] = MESSAGES) -> dict[str, str]:
+    return {name: engine.add_request(messages=messages, params=p) for name, p in PARAMS.items()}
 
 
 def _run(engine: Engine, ids: dict[str, str], until=None) -> dict[str, tuple[list[int], str]]:
@@ -99,3 +99,69 @@ def test_only_a_decoding_request_can_be_suspended(engines):
     with pytest.raises(InvalidRequest, match="at most its 0 full blocks"):
         a.suspend(rid, from_block=1)
     a.abort(rid)
+
+
+def test_a_move_after_a_pre_copy_takes_only_the_blocks_after_it(engines):
+    """Pre-copy: while each request still decodes on ``a``, ``b`` reserves blocks for its
+    full blocks so far (``reserve_moving``), ``a`` lends them (``lend_prefix``) and ``b``
+    pulls them (``fill_moving``); ``a`` decodes on, then the move exports only the blocks
+    after them (``suspend(from_block=...)``). The streams equal an undisturbed run's, and
+    every KV token ``b`` took came by a pull: the pre-copy's and the move's together."""
+    a, b = engines
+    messages = [{"role": "user", "content": "Describe a cat as JSON, then tell me about it."}]  # new to b
+    reference = _run(a, _add_all(a, messages))
+    ids = _add_all(a, messages)
+    before = _run(a, ids, until=lambda: all(a.requests[r].seq.num_output_tokens >= 6 for r in ids.values()))
+    hub, backend = LocalHub(), get_backend("local")
+    source = backend.source("decode-a", a.kv_cache.tensor, a.kv_compat(), lease_s=30.0, hub=hub)
+    sink = backend.sink("decode-b", b.kv_cache.tensor, b.kv_compat(), hub=hub)
+    sink.connect(source.handshake())
+    stats, bs = b.stats(), b.block_manager.block_size
+    precopied: dict[str, int] = {}  # request -> blocks b holds before the move
+    pulled = 0  # blocks the pre-copy pulled
+    for name, rid in ids.items():
+        seq = a.requests[rid].seq
+        held, blocks = b.reserve_moving(rid, seq.prompt_token_ids, seq.output_token_ids, PARAMS[name])
+        want = held + len(blocks)
+        if blocks:  # b lacks them (some of the prompt's it may hold: an earlier one's pre-copy)
+            lent = a.lend_prefix(f"{rid}/pre", seq.token_ids[: want * bs], from_block=held)
+            assert len(lent.block_ids) == len(blocks)  # the running request's full blocks are in a's cache
+            desc = source.export(f"{rid}/pre", lent.block_ids, lent.num_kv_tokens)
+            sink.pull(desc, blocks, timeout=30.0)
+            a.release(f"{rid}/pre")
+        assert b.fill_moving(rid, want) == len(blocks) * bs
+        pulled += len(blocks)
+        precopied[name] = want
+    during = _run(a, ids, until=lambda: all(a.requests[r].seq.num_output_tokens >= 9 for r in ids.values()))
+    tail_tokens = 0
+    for name, rid in ids.items():
+        moved = a.suspend(rid, from_block=precopied[name])
+        desc = source.export(rid, moved.block_ids, moved.num_kv_tokens)
+        blocks = b.import_request(rid, moved.prompt_token_ids, moved.output_token_ids, PARAMS[name])
+        assert len(blocks) == len(moved.block_ids)  # only the blocks after the pre-copied ones
+        sink.pull(desc, blocks, timeout=30.0)
+        a.release(rid)
+        b.activate(rid)
+        tail_tokens += moved.num_kv_tokens
+    assert a.block_manager.num_used_blocks == 0
+    after, moved_in = _run(b, ids), b.stats()
+    for name in PARAMS:
+        tokens = before[name][0] + during[name][0] + after[name][0]
+        text = before[name][1] + during[name][1] + after[name][1]
+        assert (tokens, text) == reference[name], name
+    precopied_tokens = moved_in.import_precopied_tokens - stats.import_precopied_tokens
+    assert precopied_tokens == pulled * bs > 0
+    assert moved_in.import_moved_tokens - stats.import_moved_tokens == precopied_tokens + tail_tokens
+
+
+def test_a_pre_copy_is_refused_with_a_sentence_and_holds_nothing(engines):
+    _, b = engines
+    used = b.block_manager.num_used_blocks
+    with pytest.raises(InvalidRequest, match="no full block"):
+        b.reserve_moving("short", [5, 6, 7], [8, 9], SamplingParams(max_tokens=8))
+    with pytest.raises(InvalidRequest, match="not a running request"):
+        b.reserve_moving("fresh", [5, 6, 7] * 10, [], SamplingParams(max_tokens=8))
+    held, blocks = b.reserve_moving("r", [5, 6, 7] * 10, [8, 9, 10], SamplingParams(max_tokens=8))
+    with pytest.raises(InvalidRequest, match="other tokens"):
+        b.import_request("r", [5, 6, 7] * 10, [8, 11, 10, 12], SamplingParams(max_tokens=8))
+    assert b.abort("r") and b.block_manager.num_used_blocks == used
