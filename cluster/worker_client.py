@@ -40,6 +40,7 @@ from splitserve.wire.decode import (
     DecodeTask,
     DecodeWorkerInfo,
     MovedRequest,
+    PreCopy,
     TokenBatch,
     merge,
 )
@@ -153,6 +154,9 @@ class RayDecodePeer(_EveryWorker):
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
         await _call(self.actor, "confirm", confirmations)
 
+    async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
+        return await _call(self.actor, "lend_prefix", loan)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RayDecodeRank:
@@ -211,9 +215,13 @@ class RayDecodeWorker(_EveryWorker):
             if started and not finished:  # not awaited; its errors are of no interest
                 self._aborting.run(self.abort(rid))
 
-    async def move_out(self, request_id: str, export: bool = True) -> MovedRequest:
+    async def move_out(self, request_id: str, export: bool = True, from_block: int = 0) -> MovedRequest:
         """Let go of a running request for another decode worker (live migration)."""
-        return await _call(self.actor, "move_out", request_id, export)
+        return await _call(self.actor, "move_out", request_id, export, from_block)
+
+    async def precopy(self, task: PreCopy) -> int:
+        """Copy a request's KV ahead of its move here (live migration's pre-copy)."""
+        return await _call(self.actor, "precopy", task)
 
     def peer(self) -> RayDecodePeer:
         """This worker as the one taking over its moved request calls it."""

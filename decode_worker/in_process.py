@@ -15,7 +15,14 @@ import uuid
 from collections.abc import AsyncIterator
 
 from splitserve.decode_worker.worker import DecodeWorker
-from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, MovedRequest, TokenBatch
+from splitserve.wire.decode import (
+    DecodeStats,
+    DecodeTask,
+    DecodeWorkerInfo,
+    MovedRequest,
+    PreCopy,
+    TokenBatch,
+)
 from splitserve.wire.prefix import PrefixCursor
 
 
@@ -36,8 +43,11 @@ class InProcessDecodeClient:
     async def abort(self, request_id: str) -> bool:
         return await self.worker.abort(request_id)
 
-    async def move_out(self, request_id: str, export: bool = True) -> MovedRequest:
-        return await self.worker.move_out(request_id, export)
+    async def move_out(self, request_id: str, export: bool = True, from_block: int = 0) -> MovedRequest:
+        return await self.worker.move_out(request_id, export, from_block)
+
+    async def precopy(self, task: PreCopy) -> int:
+        return await self.worker.precopy(task)
 
     def peer(self) -> DecodeWorker:
         """The worker itself: another on this loop calls it directly."""

@@ -5,12 +5,18 @@ transfer backend, as a prefill worker's is), the thread that keeps it moving
 (``kv_transfer.polling``) and the ledger of what it holds under a lease
 (``kv_transfer.exports``). A request moves away in one engine call, between two
 steps (``export``): the engine suspends it (``Engine.suspend``: it stops decoding,
-its blocks held) and the source exports its blocks under a lease; the taker pulls
-them, then confirms, or the worker releases them (``release``, on abort: the
-blocks at once) or the lease runs out. On each engine tick the requests whose leases ended give their
-blocks back (``tick``)::
+its blocks held) and the source exports its blocks under a lease (after those the
+taker copied ahead, ``from_block``); the taker pulls them, then confirms, or the
+worker releases them (``release``, on abort: the blocks at once) or the lease runs
+out. On each engine tick the requests whose leases ended give their blocks back
+(``tick``)::
 
     RUNNING --export--> held, exported --(confirmed | released | expired)--> freed
+
+Before the move the taker may copy the request's full blocks while it still decodes
+here (``decode_worker.precopy``): ``lend`` exports them under a loan of their own
+(``Engine.lend_prefix``: a running request's full blocks are in the prefix cache),
+freed the same ways.
 
 Only a worker of one process (TP=1) moves requests this way; a TP group's would
 need every rank's export (its requests move by recompute).
@@ -28,6 +34,7 @@ from splitserve.kv_transfer.polling import SourcePoller
 from splitserve.wire.decode import MovedRequest
 from splitserve.wire.errors import UnknownRequest
 from splitserve.wire.kv import Confirmation, Handshake, KVHandoff
+from splitserve.wire.prefill import PrefixLoan
 
 
 class RequestMover:
@@ -44,20 +51,33 @@ class RequestMover:
     def handshake(self) -> Handshake:
         return self.source.handshake()
 
-    def export(self, engine: Engine, request_id: str) -> MovedRequest:  # engine thread
-        """Suspend RUNNING ``request_id`` and export its KV under a lease. Raises as
-        ``Engine.suspend`` does (holding nothing)."""
-        moved = engine.suspend(request_id)
+    def export(self, engine: Engine, request_id: str, from_block: int = 0) -> MovedRequest:  # engine thread
+        """Suspend RUNNING ``request_id`` and export its KV after its first ``from_block``
+        blocks (the taker holds those) under a lease. Raises as ``Engine.suspend`` does
+        (holding nothing)."""
+        moved = engine.suspend(request_id, from_block)
+        handoff = self._export(engine, request_id, moved.block_ids, moved.num_kv_tokens)
+        return MovedRequest(request_id, self.worker_id, handoff, moved.output_token_ids, engine.revision)
+
+    def lend(self, engine: Engine, loan: PrefixLoan) -> KVHandoff | None:  # engine thread
+        """Export the cached blocks of ``loan`` from ``loan.from_block`` on under a lease
+        (``Engine.lend_prefix``); None when the cache holds none of them."""
+        lent = engine.lend_prefix(loan.request_id, loan.token_ids, loan.from_block)
+        if lent is None:
+            return None
+        return self._export(engine, loan.request_id, lent.block_ids, lent.num_kv_tokens)
+
+    def _export(self, engine: Engine, request_id: str, blocks: list[int], num_tokens: int) -> KVHandoff:
+        """Export PREFILLED ``request_id``'s ``blocks``; its blocks are released if that fails."""
         try:
             with self._lock:
-                desc = self.source.export(request_id, moved.block_ids, moved.num_kv_tokens)
+                desc = self.source.export(request_id, blocks, num_tokens)
         except BaseException:
             engine.release(request_id)
             raise
         self.ledger.opened(request_id, desc.transfer_id)
         self._poller.wake()
-        handoff = KVHandoff(self.worker_id, (desc,))
-        return MovedRequest(request_id, self.worker_id, handoff, moved.output_token_ids, engine.revision)
+        return KVHandoff(self.worker_id, (desc,))
 
     def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:  # any thread
         """The taker holds verified copies: their leases end (the poller reports it)."""

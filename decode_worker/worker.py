@@ -26,6 +26,9 @@ A request's life here::
     move_out(request_id) (the router moving it away): the engine suspends it between two
         steps and its KV is exported under a lease (decode_worker.mover); its batches end
         with one marked moved, after every token it made here
+    precopy(PreCopy) (before a move here), lend_prefix (before a move away): the taker
+        copies a running request's full blocks while it still decodes on the other
+        worker (decode_worker.precopy), and the move exports only the blocks after them
 
 ``start`` returns once the request is accepted; everything after ends in the
 outbox, as tokens and a last batch with ``finish_reason`` or with ``error``
@@ -63,6 +66,7 @@ from splitserve.decode_worker.handover import Handover, Phase
 from splitserve.decode_worker.migration import Migration
 from splitserve.decode_worker.mover import RequestMover
 from splitserve.decode_worker.outbox import Outbox
+from splitserve.decode_worker.precopy import PreCopier
 from splitserve.decode_worker.pulls import KVPuller
 from splitserve.decode_worker.token_server import TokenServer
 from splitserve.decode_worker.tp import join_decode_group, rank_sink
@@ -78,12 +82,13 @@ from splitserve.wire.decode import (
     DecodeWorkerInfo,
     DecodeWorkerSpec,
     MovedRequest,
+    PreCopy,
     TokenBatch,
 )
 from splitserve.wire.errors import DeadlineExceeded, InvalidRequest, Overloaded, UnknownRequest, WorkerLost
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.outputs import RequestOutput
-from splitserve.wire.prefill import PrefillPeer
+from splitserve.wire.prefill import PrefillPeer, PrefixLoan
 from splitserve.wire.prefix import PrefixCursor
 
 log = logging.getLogger(__name__)
@@ -138,9 +143,12 @@ class DecodeWorker:
         self.puller = None if sink is None else KVPuller(spec.worker_id, sink, self.ranks, locate)
         # Exports the KV of the requests it moves away (live migration): a worker of one
         # process that takes KV from elsewhere (a TP or EP group's move by recompute).
-        self.mover = None
+        # and copies the KV of requests moving here ahead of their moves, the same workers
+        self.mover = self.precopier = None
         if sink is not None and group_size == 1 and spec.engine.ep_size == 1:
             self.mover = RequestMover(spec.worker_id, self.engine, spec.backend, spec.lease_s)
+            bs = self.engine.block_manager.block_size
+            self.precopier = PreCopier(spec.worker_id, self.puller, bs, self._call, spec.lease_s)
         self._side = _Side(self)  # what its handovers ask of it
         self._background = Background()  # confirmations and releases to sources, not awaited
         self._admission: AdmissionQueue | None = None  # made on the actor's loop
@@ -203,6 +211,8 @@ class DecodeWorker:
             if (task.moved is None) != (task.moved_from is None) or (task.moved and task.source):
                 raise InvalidRequest("a moved request comes with the worker it moved from, and no source")
         self._aloop = loop = asyncio.get_running_loop()
+        if self.precopier is not None:  # a copy made ahead of its move is the move's now
+            self.precopier.taken(rid)
         outbox = self._outbox(outbox_id)
         req = self._requests[rid] = _Request(rid, outbox)
         deadline = None
@@ -225,9 +235,10 @@ class DecodeWorker:
             self._end(rid)
             raise
 
-    async def move_out(self, request_id: str, export: bool = True) -> MovedRequest:
+    async def move_out(self, request_id: str, export: bool = True, from_block: int = 0) -> MovedRequest:
         """Let go of ``request_id`` for another decode worker to take over (live migration):
-        with ``export``, suspend it and export its KV (``decode_worker.mover``), held
+        with ``export``, suspend it and export its KV after its first ``from_block``
+        blocks (those the taker copied ahead: ``precopy``) (``decode_worker.mover``), held
         until the taker confirms it, ``abort`` releases it, or its lease ends; without,
         end it here (the taker recomputes it). Its batches here end with one marked
         ``moved``, after every token it generated here. Raises ``InvalidRequest`` where
@@ -244,11 +255,32 @@ class DecodeWorker:
         def withdraw(e: Engine) -> MovedRequest:
             return MovedRequest(request_id, self.worker_id, None, e.withdraw(request_id), e.revision)
 
-        moved = await self._call((lambda e: self.mover.export(e, request_id)) if export else withdraw)
+        moved = await self._call(
+            (lambda e: self.mover.export(e, request_id, from_block)) if export else withdraw
+        )
         # every step's tokens reached the outbox before this call's result did (one FIFO loop)
         req.outbox.put(TokenBatch.moved_away(request_id))
         self._end(request_id, abort=False)
         return moved
+
+    async def precopy(self, task: PreCopy) -> int:
+        """Before ``task.request_id`` moves here from ``task.holder``, where it still decodes:
+        copy the KV of its full blocks so far (``decode_worker.precopy``). Returns how many
+        leading blocks of it this worker holds now, for the move (``move_out``'s
+        ``from_block``); 0, holding nothing, where it copied none (it cannot take KV this
+        way, the request runs here, no room, the copy failed)."""
+        if self.precopier is None or task.request_id in self._requests:
+            return 0
+        return await self.precopier.copy(task)
+
+    async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
+        """Export the cached blocks of ``loan`` (a running request's full blocks, for a
+        worker it moves to: ``precopy``) from ``loan.from_block`` on under a lease: the
+        taker's confirmation, ``abort(loan.request_id)`` or the lease's end frees them.
+        None when it holds none of them or cannot export (a TP or EP group)."""
+        if self.mover is None:
+            return None
+        return await self._call(lambda e: self.mover.lend(e, loan))
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
         """A worker that took over requests from here holds verified copies of these
@@ -258,7 +290,10 @@ class DecodeWorker:
 
     async def abort(self, request_id: str) -> bool:
         """Stop ``request_id`` and free its blocks (awaited); its batches not taken yet
-        are dropped (the consumer stopped reading it). Idempotent."""
+        are dropped (the consumer stopped reading it); KV copied ahead of its move is freed.
+        Idempotent."""
+        if self.precopier is not None:
+            self.precopier.taken(request_id)
         req = self._requests.get(request_id)
         if req is not None:
             req.outbox.drop(request_id)
@@ -291,6 +326,7 @@ class DecodeWorker:
             self.puller.close()
         if self.mover is not None:
             self.mover.close()
+            self.precopier.close()
         self.tp.destroy()
 
     # ---- internals ------------------------------------------------------------

@@ -42,7 +42,7 @@ import time
 from splitserve.router.events import FinalEvent, TokenEvent
 from splitserve.router.registry import WorkerRecord
 from splitserve.router.trace import Mark, RequestTrace
-from splitserve.wire.decode import DecodeTask, MovedRequest, TokenBatch
+from splitserve.wire.decode import DecodeTask, MovedRequest, PreCopy, TokenBatch
 from splitserve.wire.errors import DeadlineExceeded
 from splitserve.wire.prefill import PrefixPull
 from splitserve.wire.sampling import FinishReason, SamplingParams
@@ -151,6 +151,22 @@ class RequestLifecycle:
         (None: on the decode worker)."""
         self._expect(Phase.PREFILLING)
         return self._prefill_on(source)
+
+    def pre_copy(self, timeout_s: float) -> PreCopy:
+        """While DECODING, before a move: what the decode worker it is to move to copies
+        ahead from the one it runs on (``PreCopy``: its tokens passed on so far), within
+        ``timeout_s``. No transition: it decodes on meanwhile."""
+        self._expect(Phase.DECODING)
+        old = self._decode
+        return PreCopy(
+            self.request_id,
+            self.prompt_ids,
+            list(self._sent),
+            self.params,
+            old.client.peer(),
+            old.worker_id,
+            timeout_s,
+        )
 
     def begin_move(self, to: WorkerRecord) -> None:
         """DECODING -> MOVING: its decode worker is being asked to suspend it and export its

@@ -2,9 +2,11 @@
 
 ``Moves`` holds every sequence of this router's requests that is on a decode
 worker now (its ``RequestLifecycle``, registered by the dispatcher while it
-streams it) and moves them: ``migrate`` one (the lifecycle's MOVING phase: the
-old worker lets it go, its stream there ends marked ``moved``, the dispatcher
-starts it on the new worker with what the old one exported), ``move_off`` all
+streams it) and moves them: ``migrate`` one (by KV: first the new worker copies
+the request's full blocks while the old one decodes on, the pre-copy; then the
+lifecycle's MOVING phase: the old worker lets it go, exporting the blocks after
+those, its stream there ends marked ``moved``, the dispatcher starts it on the
+new worker with what the old one exported), ``move_off`` all
 of a worker's (a drain), ``relieve`` a worker whose KV cache is nearly full of
 one (before its engine has to preempt a sequence and compute it again). Workers
 of one revision only: a request never moves to weights other than those that
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -25,7 +28,10 @@ from splitserve.router.balancer import Prompt, pick_decode
 from splitserve.router.lifecycle import Phase, RequestLifecycle
 from splitserve.router.registry import WorkerRecord, WorkerRegistry, of_revision
 from splitserve.router.roles import Role
+from splitserve.wire.background import Background
 from splitserve.wire.errors import InvalidRequest, Overloaded, UnknownRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class Relief:
     below: float
 
 
+PRECOPY_TIMEOUT_S = 30.0  # bounds a move's pre-copy (the request decodes on meanwhile)
 MOVE_OFF_POLL_S = 0.01  # move_off: how often it looks for requests that began to decode
 MOVE_OFF_RETRY_S = 0.25  # ... and, when no worker had room, when it tries again
 
@@ -55,6 +62,8 @@ class Moves:
         self._has_room = has_room
         self.lives: dict[str, RequestLifecycle] = {}  # by request (sequence) id; the dispatcher's to write
         self.moved: collections.Counter[str] = collections.Counter()  # moves by why: MOVE_REASONS
+        self._copying: set[str] = set()  # requests whose KV a move copies ahead now
+        self._background = Background()  # aborts of copies no move followed
 
     async def migrate(
         self, request_id: str, to: str | None = None, by: str = "kv", reason: str = "operator"
@@ -62,10 +71,12 @@ class Moves:
         """Move decoding request ``request_id`` (one sequence: a fork's own id) to another
         decode worker of its revision, ``to`` or the balancer's choice (live migration):
         the old worker lets it go once its tokens so far are out, and the new one decodes
-        on; the client's stream neither repeats nor skips a token. ``by`` "kv": the old
-        worker exports its KV and the new one pulls it, nothing is computed again (a failed
-        pull is recomputed there); a worker that cannot export (a TP group) moves it as
-        "recompute" does: the new worker prefills the prompt and the tokens so far.
+        on; the client's stream neither repeats nor skips a token. ``by`` "kv": the new
+        worker first copies the request's full blocks so far while it decodes on (the
+        pre-copy: ``_pre_copy``), then the old worker exports the blocks after those and
+        the new one pulls them, nothing is computed again (a failed pull is recomputed
+        there); a worker that cannot export (a TP group) moves it as "recompute" does:
+        the new worker prefills the prompt and the tokens so far.
         ``reason`` (one of ``MOVE_REASONS``) is what ``moved`` counts it under.
         Returns the worker it moves to, once the old one let it go. Raises
         ``UnknownRequest`` when no such request is decoding, ``InvalidRequest`` when it is
@@ -75,8 +86,9 @@ class Moves:
         life = self.lives.get(request_id)
         if life is None:
             raise UnknownRequest(f"no request {request_id!r} is on a decode worker")
-        if life.phase is not Phase.DECODING:
-            raise InvalidRequest(f"request {request_id} is {life.phase.value}: only a decoding request moves")
+        if life.phase is not Phase.DECODING or request_id in self._copying:
+            phase = "moving" if request_id in self._copying else life.phase.value
+            raise InvalidRequest(f"request {request_id} is {phase}: only a decoding request moves")
         old = life.decode_worker
         export = by == "kv" and old.info is not None and bool(old.info.handshakes)
         candidates = [
@@ -91,22 +103,57 @@ class Moves:
                 f"no decode worker of revision {old.revision or '-'} but {old.worker_id}"
                 f"{f' named {to}' if to else ''} can take request {request_id} now"
             )
+        from_block = await self._pre_copy(life, dw) if export else 0
         life.begin_move(dw)
         # The old worker's answer settles the move whether or not this caller still waits
         # for it (a Drain call whose client left, a router stopping its relief): a move
         # given up half-way would leave the request MOVING, with nothing to end it.
-        asking = asyncio.ensure_future(old.client.move_out(request_id, export))
-        asking.add_done_callback(functools.partial(self._settle, life, reason))
+        asking = asyncio.ensure_future(old.client.move_out(request_id, export, from_block))
+        asking.add_done_callback(functools.partial(self._settle, life, reason, dw if from_block else None))
         await asyncio.shield(asking)
         return dw.worker_id
 
-    def _settle(self, life: RequestLifecycle, reason: str, asking: asyncio.Future) -> None:
+    async def _pre_copy(self, life: RequestLifecycle, dw: WorkerRecord) -> int:
+        """Have ``dw`` copy the full blocks of ``life``'s KV so far from the worker it
+        decodes on, which goes on decoding meanwhile. Returns the leading blocks ``dw``
+        holds now (0: none; a copy that failed is no error, the move copies it all).
+        Raises ``InvalidRequest`` (``dw`` holding nothing) if the request ended or went
+        elsewhere meanwhile."""
+        old, rid = life.decode_worker, life.request_id
+        if (len(life.prompt_ids) + life.num_sent - 1) // old.block_size == 0:
+            return 0  # not one full block yet
+        self._copying.add(rid)
+        try:
+            held = await dw.client.precopy(life.pre_copy(PRECOPY_TIMEOUT_S))
+        except asyncio.CancelledError:  # the caller left: no move (what dw copied is freed)
+            self._background.run(dw.client.abort(rid))
+            raise
+        except Exception as e:  # the new worker is lost or failing: the move finds out
+            log.warning("copying %s's KV to %s ahead of its move failed: %s", rid, dw.worker_id, e)
+            held = 0
+        finally:
+            self._copying.discard(rid)
+        if (
+            life.phase is not Phase.DECODING
+            or life.decode_worker is not old
+            or self.lives.get(rid) is not life
+        ):
+            if held:
+                self._background.run(dw.client.abort(rid))
+            raise InvalidRequest(f"request {rid} ended or moved while its KV was copied ahead")
+        return held
+
+    def _settle(
+        self, life: RequestLifecycle, reason: str, copied_to: WorkerRecord | None, asking: asyncio.Future
+    ) -> None:
         """The old worker answered ``move_out``: the move goes on (``life.moved``), or the
-        request goes on decoding there (``cancel_move``: it did not let it go)."""
-        if asking.cancelled():
-            life.cancel_move(RuntimeError(f"moving request {life.request_id} was cancelled"))
-        elif asking.exception() is not None:
-            life.cancel_move(asking.exception())
+        request goes on decoding there (``cancel_move``: it did not let it go, and the KV
+        copied ahead to ``copied_to``, if any, is freed there)."""
+        if asking.cancelled() or asking.exception() is not None:
+            error = asking.exception() if not asking.cancelled() else None
+            life.cancel_move(error or RuntimeError(f"moving request {life.request_id} was cancelled"))
+            if copied_to is not None:
+                self._background.run(copied_to.client.abort(life.request_id))
         else:
             life.moved(asking.result())
             self.moved[reason] += 1

@@ -18,6 +18,7 @@ from splitserve.wire.decode import (
     DecodeTask,
     DecodeWorkerInfo,
     MovedRequest,
+    PreCopy,
     TokenBatch,
 )
 from splitserve.wire.prefill import PrefillStats, PrefillWorkerInfo
@@ -48,10 +49,17 @@ class WorkerClient(Protocol):
         the request on the worker (which lets go of what the prefill worker holds for it)."""
         ...
 
-    async def move_out(self, request_id: str, export: bool = True) -> MovedRequest:
+    async def move_out(self, request_id: str, export: bool = True, from_block: int = 0) -> MovedRequest:
         """A decode worker: let go of running ``request_id`` for another to take over (live
-        migration), exporting its KV (``export``) or not (the taker recomputes it); its
+        migration), exporting its KV after the first ``from_block`` blocks (the taker
+        copied those ahead: ``precopy``) or not at all (the taker recomputes it); its
         stream here then ends marked ``moved``."""
+        ...
+
+    async def precopy(self, task: PreCopy) -> int:
+        """A decode worker a request is about to move to: copy its KV's full blocks so far
+        from the worker it runs on (which it still decodes on). Returns the leading blocks
+        it holds now (0: none, holding nothing); ``abort`` frees them."""
         ...
 
     def peer(self) -> DecodePeer:

@@ -10,7 +10,7 @@ from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import SplitserveError
 from splitserve.wire.kv import DEFAULT_LEASE_S, Confirmation, Handshake, KVDescriptor, KVHandoff
 from splitserve.wire.outputs import EngineStats, PromptLogprob, RequestOutput, TopLogprobs
-from splitserve.wire.prefill import PrefillPeer, PrefixPull
+from splitserve.wire.prefill import PrefillPeer, PrefixLoan, PrefixPull
 from splitserve.wire.prefix import PrefixUpdate
 from splitserve.wire.sampling import FinishReason, SamplingParams
 from splitserve.wire.tp import TPInit
@@ -110,12 +110,35 @@ class MovedRequest:
     revision: str  # the weights that generated them (Engine.revision)
 
 
+@dataclass(frozen=True)
+class PreCopy:
+    """Before running request ``request_id`` moves to a decode worker from ``holder``
+    (live migration), that worker copies the KV of its full blocks so far while it still
+    decodes there (``DecodeWorker.precopy``), so that the move itself copies only the
+    blocks after them. ``output_token_ids``: the tokens it generated so far (at least
+    those passed on to the client; those the holder made since come with the move)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    holder: DecodePeer
+    holder_id: str
+    timeout_s: float  # bounds the copy (the loan, the link and the pull)
+
+
 class DecodePeer(Protocol):
     """A decode worker as another decode worker sees it, to take over a request it moved
-    away (``DecodeTask.moved_from``): its handshakes (``info``), ``confirm``, ``abort``.
-    Errors come back as splitserve's own (``WorkerLost`` for a lost worker)."""
+    away (``DecodeTask.moved_from``) or copy one's KV before the move (``PreCopy``): its
+    handshakes (``info``), ``lend_prefix``, ``confirm``, ``abort``. Errors come back as
+    splitserve's own (``WorkerLost`` for a lost worker)."""
 
     async def info(self) -> DecodeWorkerInfo: ...
+
+    async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
+        """Export the blocks of ``loan`` its cache holds from ``loan.from_block`` on (a
+        running request's full blocks are there) under a lease; None when it holds none."""
+        ...
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
         """The taker holds verified copies of these transfers: their leases end."""

@@ -94,8 +94,8 @@ def test_a_worker_killed_during_a_move_leaves_the_request_whole(cluster, checkpo
         if killed == "source":
             real = old.client.move_out
 
-            async def move_out_then_die(request_id, export=True):
-                out = await real(request_id, export)
+            async def move_out_then_die(request_id, export=True, from_block=0):
+                out = await real(request_id, export, from_block)
                 ray.kill(old.client.actor, no_restart=True)
                 return out
 

@@ -1,0 +1,149 @@
+"""Pre-copy: a decode worker copies a running request's KV from the decode worker it
+runs on before the request moves here (live migration), so that the move itself,
+while the client waits, copies only the blocks the request filled since.
+
+The router asks (``DecodeWorker.precopy`` with a ``PreCopy``) while the request still
+decodes on the holder; ``PreCopier.copy``::
+
+    engine.reserve_moving   hold the request's full blocks so far this engine has,
+                            allocate the others (IMPORTING under the request's id)
+    holder.lend_prefix      the holder exports its blocks after those (a lease): a
+                            running request's full blocks are in its prefix cache
+    link, pull              over the transfer backend, verified; confirmed to the holder
+    engine.fill_moving      the blocks hold their KV now
+    -> the blocks it holds  the router passes them to the holder's ``move_out``
+                            (``from_block``): the move exports only the blocks after
+
+The move then starts here as any (``decode_worker.migration``): its import
+(``Engine.import_request``) takes the blocks held under its id and allocates the rest.
+Whatever fails on the way is logged, everything is freed here and released there, and
+``copy`` returns 0: the move copies all of the KV, as without a pre-copy. A copy the
+move does not follow within the lease (the router gave up, or is gone) is freed
+(``held``'s timers); so is one the router aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from splitserve.decode_worker.pulls import KVPuller
+from splitserve.wire.background import Background
+from splitserve.wire.decode import PreCopy
+from splitserve.wire.errors import PeerLost, SplitserveError
+from splitserve.wire.prefill import PrefixLoan
+
+log = logging.getLogger(__name__)
+
+EngineCall = Callable[[Callable[[Any], Any]], Awaitable[Any]]  # runs fn(engine) on the engine thread
+
+
+class PreCopier:
+    """Copies moving requests' KV into one engine ahead of their moves. On the worker's
+    asyncio loop."""
+
+    def __init__(self, worker_id: str, puller: KVPuller, block_size: int, call: EngineCall, lease_s: float):
+        """``lease_s``: how long a copy waits for its move before it is freed."""
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.lease_s = lease_s
+        self._puller = puller
+        self._call = call
+        self._background = Background()  # confirmations and releases to holders, not awaited
+        self.held: dict[str, asyncio.TimerHandle] = {}  # copies waiting for their move -> expiry
+        self.copies = 0  # copies that moved KV in
+        self.failures = 0  # copies that moved nothing (the move copies it all)
+
+    async def copy(self, task: PreCopy) -> int:
+        """Copy ``task``'s full blocks so far (see the module docstring). Returns how many
+        leading blocks of the request this engine holds now (0: none; nothing held)."""
+        rid, bs = task.request_id, self.block_size
+        self.taken(rid)  # a stale copy of it (its move failed) is dropped first
+
+        def reserve(engine) -> tuple[int, list[int]]:
+            engine.abort(rid)
+            return engine.reserve_moving(rid, task.prompt_token_ids, task.output_token_ids, task.params)
+
+        try:
+            held, blocks = await asyncio.shield(self._call(reserve))
+        except asyncio.CancelledError:  # it may hold the blocks now: they are freed
+            await self._call(lambda e: e.abort(rid))
+            raise
+        except SplitserveError as e:  # no room, or nothing to copy yet: the move copies it all
+            return self._failed(task, e)
+        loan_id, moving, asked = f"{rid}/precopy", None, False
+        try:
+            async with asyncio.timeout(task.timeout_s):
+                if blocks:
+                    tokens = [*task.prompt_token_ids, *task.output_token_ids][: (held + len(blocks)) * bs]
+                    asked = True
+                    loaned = await task.holder.lend_prefix(PrefixLoan(loan_id, tokens, held))
+                    if loaned is None:
+                        raise PeerLost(f"{task.holder_id} holds none of the blocks it was asked for")
+                    (desc,) = loaned.descriptors
+                    got = blocks[: len(desc.block_ids)]
+                    await self._puller.link(task.holder, loaned)
+                    timeout = max(0.001, desc.remaining_lease())
+                    moving = asyncio.ensure_future(self._puller.pull(loaned, got, timeout))
+                    confirmations, _ = await asyncio.shield(moving)
+                    undelivered = tuple(c for c in confirmations if not c.delivered)
+                    if undelivered:
+                        self._background.run(task.holder.confirm(undelivered))
+                    blocks = got
+                await self._call(lambda e: e.fill_moving(rid, held + len(blocks)))
+        except asyncio.CancelledError:
+            await self._give_up(task, loan_id, asked, moving)
+            raise
+        except Exception as e:  # whatever it was, the move copies it all
+            await self._give_up(task, loan_id, asked, moving)
+            return self._failed(task, e)
+        self.copies += 1
+        self.held[rid] = asyncio.get_running_loop().call_later(self.lease_s, self._expire, rid)
+        return held + len(blocks)
+
+    def taken(self, request_id: str) -> None:
+        """The move came for ``request_id`` (or it was aborted here): its copy no longer
+        waits for it."""
+        timer = self.held.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    def close(self) -> None:
+        for timer in self.held.values():
+            timer.cancel()
+        self.held.clear()
+
+    # ---- internals ---------------------------------------------------------------
+    def _expire(self, request_id: str) -> None:
+        if self.held.pop(request_id, None) is not None:
+            log.warning(
+                "%s: the move of %s did not come; its pre-copied KV is freed", self.worker_id, request_id
+            )
+            self._background.run(self._call(lambda e: e.abort(request_id)))
+
+    async def _give_up(self, task: PreCopy, loan_id: str, asked: bool, moving) -> None:
+        """Free the reserved blocks once no pull writes into them; release the loan if the
+        holder was asked for one (it may have lent it after this side gave up)."""
+        if moving is not None:
+            with contextlib.suppress(BaseException):
+                await moving
+        if asked:
+            self._background.run(task.holder.abort(loan_id))
+        await self._call(lambda e: e.abort(task.request_id))
+
+    def _failed(self, task: PreCopy, error: Exception) -> int:
+        self.failures += 1
+        why = f"{error.__class__.__name__}: {error}" if str(error) else error.__class__.__name__
+        expected = isinstance(error, SplitserveError | TimeoutError)  # others: with their traceback
+        log.warning(
+            "%s: copying %s's KV of moving request %s ahead failed (%s); the move copies it all",
+            self.worker_id,
+            task.holder_id,
+            task.request_id,
+            why,
+            exc_info=None if expected else error,
+        )
+        return 0
