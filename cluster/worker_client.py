@@ -41,6 +41,7 @@ from splitserve.wire.decode import (
     DecodeWorkerInfo,
     MovedRequest,
     PreCopy,
+    RunningLoan,
     TokenBatch,
     merge,
 )
@@ -154,8 +155,8 @@ class RayDecodePeer(_EveryWorker):
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
         await _call(self.actor, "confirm", confirmations)
 
-    async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
-        return await _call(self.actor, "lend_prefix", loan)
+    async def lend_running(self, loan: RunningLoan) -> KVHandoff | None:
+        return await _call(self.actor, "lend_running", loan)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

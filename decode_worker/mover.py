@@ -15,8 +15,8 @@ out. On each engine tick the requests whose leases ended give their blocks back
 
 Before the move the taker may copy the request's full blocks while it still decodes
 here (``decode_worker.precopy``): ``lend`` exports them under a loan of their own
-(``Engine.lend_prefix``: a running request's full blocks are in the prefix cache),
-freed the same ways.
+(``Engine.lend_running``: the loan shares the blocks, the request decodes on), freed
+the same ways.
 
 Only a worker of one process (TP=1) moves requests this way; a TP group's would
 need every rank's export (its requests move by recompute).
@@ -31,10 +31,9 @@ from splitserve.engine.engine import Engine
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.exports import ExportLedger
 from splitserve.kv_transfer.polling import SourcePoller
-from splitserve.wire.decode import MovedRequest
+from splitserve.wire.decode import MovedRequest, RunningLoan
 from splitserve.wire.errors import UnknownRequest
 from splitserve.wire.kv import Confirmation, Handshake, KVHandoff
-from splitserve.wire.prefill import PrefixLoan
 
 
 class RequestMover:
@@ -59,13 +58,13 @@ class RequestMover:
         handoff = self._export(engine, request_id, moved.block_ids, moved.num_kv_tokens)
         return MovedRequest(request_id, self.worker_id, handoff, moved.output_token_ids, engine.revision)
 
-    def lend(self, engine: Engine, loan: PrefixLoan) -> KVHandoff | None:  # engine thread
-        """Export the cached blocks of ``loan`` from ``loan.from_block`` on under a lease
-        (``Engine.lend_prefix``); None when the cache holds none of them."""
-        lent = engine.lend_prefix(loan.request_id, loan.token_ids, loan.from_block)
+    def lend(self, engine: Engine, loan: RunningLoan) -> KVHandoff | None:  # engine thread
+        """Export a running request's full blocks as ``loan`` asks under a lease
+        (``Engine.lend_running``); None when it has none past ``loan.from_block``."""
+        lent = engine.lend_running(loan.loan_id, loan.request_id, loan.token_ids, loan.from_block)
         if lent is None:
             return None
-        return self._export(engine, loan.request_id, lent.block_ids, lent.num_kv_tokens)
+        return self._export(engine, loan.loan_id, lent.block_ids, lent.num_kv_tokens)
 
     def _export(self, engine: Engine, request_id: str, blocks: list[int], num_tokens: int) -> KVHandoff:
         """Export PREFILLED ``request_id``'s ``blocks``; its blocks are released if that fails."""

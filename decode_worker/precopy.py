@@ -7,8 +7,8 @@ decodes on the holder; ``PreCopier.copy``::
 
     engine.reserve_moving   hold the request's full blocks so far this engine has,
                             allocate the others (IMPORTING under the request's id)
-    holder.lend_prefix      the holder exports its blocks after those (a lease): a
-                            running request's full blocks are in its prefix cache
+    holder.lend_running     the holder exports the request's blocks after those (a
+                            lease), sharing them while the request decodes on
     link, pull              over the transfer backend, verified; confirmed to the holder
     engine.fill_moving      the blocks hold their KV now
     -> the blocks it holds  the router passes them to the holder's ``move_out``
@@ -32,9 +32,8 @@ from typing import Any
 
 from splitserve.decode_worker.pulls import KVPuller
 from splitserve.wire.background import Background
-from splitserve.wire.decode import PreCopy
+from splitserve.wire.decode import PreCopy, RunningLoan
 from splitserve.wire.errors import PeerLost, SplitserveError
-from splitserve.wire.prefill import PrefixLoan
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ class PreCopier:
                 if blocks:
                     tokens = [*task.prompt_token_ids, *task.output_token_ids][: (held + len(blocks)) * bs]
                     asked = True
-                    loaned = await task.holder.lend_prefix(PrefixLoan(loan_id, tokens, held))
+                    loaned = await task.holder.lend_running(RunningLoan(loan_id, rid, tokens, held))
                     if loaned is None:
                         raise PeerLost(f"{task.holder_id} holds none of the blocks it was asked for")
                     (desc,) = loaned.descriptors

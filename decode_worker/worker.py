@@ -26,7 +26,7 @@ A request's life here::
     move_out(request_id) (the router moving it away): the engine suspends it between two
         steps and its KV is exported under a lease (decode_worker.mover); its batches end
         with one marked moved, after every token it made here
-    precopy(PreCopy) (before a move here), lend_prefix (before a move away): the taker
+    precopy(PreCopy) (before a move here), lend_running (before a move away): the taker
         copies a running request's full blocks while it still decodes on the other
         worker (decode_worker.precopy), and the move exports only the blocks after them
 
@@ -83,12 +83,13 @@ from splitserve.wire.decode import (
     DecodeWorkerSpec,
     MovedRequest,
     PreCopy,
+    RunningLoan,
     TokenBatch,
 )
 from splitserve.wire.errors import DeadlineExceeded, InvalidRequest, Overloaded, UnknownRequest, WorkerLost
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.outputs import RequestOutput
-from splitserve.wire.prefill import PrefillPeer, PrefixLoan
+from splitserve.wire.prefill import PrefillPeer
 from splitserve.wire.prefix import PrefixCursor
 
 log = logging.getLogger(__name__)
@@ -273,11 +274,11 @@ class DecodeWorker:
             return 0
         return await self.precopier.copy(task)
 
-    async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
-        """Export the cached blocks of ``loan`` (a running request's full blocks, for a
-        worker it moves to: ``precopy``) from ``loan.from_block`` on under a lease: the
-        taker's confirmation, ``abort(loan.request_id)`` or the lease's end frees them.
-        None when it holds none of them or cannot export (a TP or EP group)."""
+    async def lend_running(self, loan: RunningLoan) -> KVHandoff | None:
+        """Export a running request's full blocks as ``loan`` asks (for the worker it moves
+        to: ``precopy``) under a lease: the taker's confirmation, ``abort(loan.loan_id)``
+        or the lease's end frees them. None when it has none past ``loan.from_block`` or
+        cannot export (a TP or EP group)."""
         if self.mover is None:
             return None
         return await self._call(lambda e: self.mover.lend(e, loan))

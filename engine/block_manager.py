@@ -202,6 +202,17 @@ class BlockManager:
             self.prefix_hits += seq.num_computed_tokens
         self._seq_hashes[seq.seq_no] = hashes
 
+    def share(self, seq: Sequence, blocks: list[int]) -> None:
+        """Give a fresh ``seq`` references to ``blocks``: full, computed blocks another
+        sequence holds (a running request's KV lent to another worker), counted computed.
+        Their hashes stay the other's to register; ``seq`` holds none."""
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError("blocks can only be shared with a sequence holding none")
+        for b in blocks:
+            self._ref(b)
+        seq.block_table = list(blocks)
+        seq.num_computed_tokens = len(blocks) * self.block_size
+
     def reload(self, seq: Sequence, count: int, reused: bool = True) -> int:
         """Give ``seq`` (holding only its cached prefix, all computed) fresh blocks for
         its next ``count`` full blocks and load them from the tier, registering each.

@@ -14,9 +14,9 @@ defines).
   the other engine ``import_request`` with every token it generated, then
   ``activate``: it decodes on from there as if it had never moved. To keep the
   pause short the other engine may first copy its full blocks while it still
-  decodes here (pre-copy: ``reserve_moving``, the blocks lent with
-  ``lend_prefix``, ``fill_moving``); ``suspend(from_block=...)`` then exports only
-  the blocks after those.
+  decodes here (pre-copy: ``reserve_moving`` there, ``lend_running`` here,
+  ``fill_moving`` there); ``suspend(from_block=...)`` then exports only the blocks
+  after those.
 
 Every method validates first and raises ``InvalidRequest`` before touching state.
 """
@@ -72,6 +72,33 @@ class KVRequests:
         seq.export_from_block = from_block
         self._park_prefilled(state)
         return self.prefilled(request_id)
+
+    def lend_running(
+        self, loan_id: str, request_id: str, token_ids: list[int], from_block: int
+    ) -> PrefilledRequest | None:
+        """Pre-copy, on the engine a request moves from: hold the leading full blocks of
+        RUNNING request ``request_id`` whose KV is computed, at most those of
+        ``token_ids`` (whole blocks: what the taker expects of it), for loan ``loan_id``
+        (PREFILLED from here on, naming those from ``from_block`` on: ``prefilled``);
+        the request decodes on (a full block never changes). ``release`` (or ``abort``)
+        lets them go. None, holding nothing, when it has no more than ``from_block``.
+        Raises ``UnknownRequest`` unless it is RUNNING, ``InvalidRequest`` when its
+        tokens are not ``token_ids``."""
+        seq, bs = self._get(request_id, SequenceStatus.RUNNING).seq, self.block_manager.block_size
+        n = min(len(token_ids) // bs, seq.num_computed_tokens // bs)
+        if seq.token_ids[: n * bs] != list(token_ids[: n * bs]):
+            raise InvalidRequest(f"request {request_id} here holds other tokens than those asked for")
+        if n <= from_block:
+            return None
+        loan_id = self._new_id(loan_id)
+        loan = self._sequence(
+            loan_id, seq.token_ids[: n * bs], SamplingParams(max_tokens=1), prefill_only=True
+        )
+        self.block_manager.share(loan, seq.block_table[:n])
+        loan.export_from_block = from_block
+        self.requests[loan_id] = state = RequestState(loan, self.tokenizer, loan.num_tokens)
+        self._park_prefilled(state)
+        return self.prefilled(loan_id)
 
     def withdraw(self, request_id: str) -> list[int]:
         """End request ``request_id`` here, in any state but PREFILLED or IMPORTING, to go

@@ -10,7 +10,7 @@ from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import SplitserveError
 from splitserve.wire.kv import DEFAULT_LEASE_S, Confirmation, Handshake, KVDescriptor, KVHandoff
 from splitserve.wire.outputs import EngineStats, PromptLogprob, RequestOutput, TopLogprobs
-from splitserve.wire.prefill import PrefillPeer, PrefixLoan, PrefixPull
+from splitserve.wire.prefill import PrefillPeer, PrefixPull
 from splitserve.wire.prefix import PrefixUpdate
 from splitserve.wire.sampling import FinishReason, SamplingParams
 from splitserve.wire.tp import TPInit
@@ -127,17 +127,30 @@ class PreCopy:
     timeout_s: float  # bounds the copy (the loan, the link and the pull)
 
 
+@dataclass(frozen=True)
+class RunningLoan:
+    """A pre-copy asks the decode worker a request runs on for the full blocks of its KV
+    from ``from_block`` on, at most those of ``token_ids`` (whole blocks: the request's
+    tokens as the taker knows them), exported under ``loan_id`` and a lease until the
+    taker confirms them or ``abort(loan_id)`` releases them."""
+
+    loan_id: str
+    request_id: str
+    token_ids: list[int]
+    from_block: int
+
+
 class DecodePeer(Protocol):
     """A decode worker as another decode worker sees it, to take over a request it moved
     away (``DecodeTask.moved_from``) or copy one's KV before the move (``PreCopy``): its
-    handshakes (``info``), ``lend_prefix``, ``confirm``, ``abort``. Errors come back as
+    handshakes (``info``), ``lend_running``, ``confirm``, ``abort``. Errors come back as
     splitserve's own (``WorkerLost`` for a lost worker)."""
 
     async def info(self) -> DecodeWorkerInfo: ...
 
-    async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
-        """Export the blocks of ``loan`` its cache holds from ``loan.from_block`` on (a
-        running request's full blocks are there) under a lease; None when it holds none."""
+    async def lend_running(self, loan: RunningLoan) -> KVHandoff | None:
+        """Export a running request's full blocks as ``loan`` asks, under a lease; None
+        when it has none past ``loan.from_block``."""
         ...
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:

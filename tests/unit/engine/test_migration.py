@@ -103,7 +103,7 @@ def test_only_a_decoding_request_can_be_suspended(engines):
 
 def test_a_move_after_a_pre_copy_takes_only_the_blocks_after_it(engines):
     """Pre-copy: while each request still decodes on ``a``, ``b`` reserves blocks for its
-    full blocks so far (``reserve_moving``), ``a`` lends them (``lend_prefix``) and ``b``
+    full blocks so far (``reserve_moving``), ``a`` lends them (``lend_running``) and ``b``
     pulls them (``fill_moving``); ``a`` decodes on, then the move exports only the blocks
     after them (``suspend(from_block=...)``). The streams equal an undisturbed run's, and
     every KV token ``b`` took came by a pull: the pre-copy's and the move's together."""
@@ -124,8 +124,8 @@ def test_a_move_after_a_pre_copy_takes_only_the_blocks_after_it(engines):
         held, blocks = b.reserve_moving(rid, seq.prompt_token_ids, seq.output_token_ids, PARAMS[name])
         want = held + len(blocks)
         if blocks:  # b lacks them (some of the prompt's it may hold: an earlier one's pre-copy)
-            lent = a.lend_prefix(f"{rid}/pre", seq.token_ids[: want * bs], from_block=held)
-            assert len(lent.block_ids) == len(blocks)  # the running request's full blocks are in a's cache
+            lent = a.lend_running(f"{rid}/pre", rid, seq.token_ids[: want * bs], from_block=held)
+            assert len(lent.block_ids) == len(blocks)  # its full blocks, shared while it decodes on
             desc = source.export(f"{rid}/pre", lent.block_ids, lent.num_kv_tokens)
             sink.pull(desc, blocks, timeout=30.0)
             a.release(f"{rid}/pre")
@@ -165,3 +165,13 @@ def test_a_pre_copy_is_refused_with_a_sentence_and_holds_nothing(engines):
     with pytest.raises(InvalidRequest, match="other tokens"):
         b.import_request("r", [5, 6, 7] * 10, [8, 11, 10, 12], SamplingParams(max_tokens=8))
     assert b.abort("r") and b.block_manager.num_used_blocks == used
+    rid = b.add_request([5, 6, 7] * 10, SamplingParams(max_tokens=8))
+    b.step()  # prefilled: running, 30 tokens computed (one full block of 16)
+    with pytest.raises(InvalidRequest, match="other tokens"):
+        b.lend_running("loan", rid, [5, 6, 8] * 10, from_block=0)
+    assert b.lend_running("loan", rid, [5, 6, 7] * 10, from_block=1) is None  # nothing past block 1
+    lent = b.lend_running("loan", rid, [5, 6, 7] * 10, from_block=0)
+    assert lent.block_ids == b.requests[rid].seq.block_table[:1] and lent.num_kv_tokens == 16
+    b.release("loan")
+    b.abort(rid)
+    assert b.block_manager.num_used_blocks == used
