@@ -1,7 +1,8 @@
 """What a live migration costs the client: the pause in its token stream when its
 request moves to another decode worker with its KV, against moving it by
 recompute (the new worker prefills the prompt and the tokens so far, as after a
-lost worker), same run.
+lost worker), same run; and by KV without the pre-copy (every block copied at the
+switch, none while the old worker decodes on).
 
     python -m splitserve.bench.migration_pause [--context 2048] [--json PATH]
 
@@ -9,8 +10,9 @@ Two decode workers running SmolLM2 in this process (``DecodePair``: real
 ``DecodeWorker``s behind ``InProcessDecodeClient``, the router's ``Dispatcher``
 in front, KV over NIXL from host memory; no Ray). Per kind of request (greedy,
 seeded, a JSON schema), three runs of one request whose context reaches
-``--context`` tokens when it moves: undisturbed, moved by KV, moved by
-recompute. The pause is the largest gap between two token events the client
+``--context`` tokens when it moves: undisturbed, moved by KV, by KV without the
+pre-copy, by recompute (each move by a task of its own while the client reads on,
+as a drain or the KV relief moves a request). The pause is the largest gap between two token events the client
 saw after the move began; ``typical`` is the median gap of the undisturbed run.
 Every moved run's tokens and text must equal the undisturbed run's. Goal
 (issue 51): the KV move's pause <= 0.25x recompute's.
@@ -25,6 +27,7 @@ request) and compile the JSON schema (once per worker and schema).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -65,7 +68,6 @@ class DecodePair:
     event loop of their own (``run``); KV moves over ``backend``."""
 
     def __init__(self, engine: EngineConfig, backend: str = "nixl", torch_threads: int = 1):
-        import asyncio
         import threading
 
         self._loop = asyncio.new_event_loop()
@@ -88,8 +90,6 @@ class DecodePair:
         self.dispatcher = Dispatcher(registry, validator, validator.model)
 
     def run(self, coro, timeout: float = 600.0):
-        import asyncio
-
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def close(self) -> None:
@@ -111,8 +111,12 @@ class Run:
 
 
 async def stream(d: Dispatcher, rid: str, prompt: list[int], params: SamplingParams, by: str | None) -> Run:
-    """One request; with ``by``, moved that way after ``MOVE_AFTER`` tokens."""
-    tokens, text, times, moved_at, worker = [], "", [], None, ""
+    """One request; with ``by``, moved that way after ``MOVE_AFTER`` tokens, by a task of
+    its own (as a drain or the KV relief moves it) while the client reads on: "kv",
+    "kv-whole" (by KV without the pre-copy: all of it copied at the switch), "recompute"."""
+    d.moves.precopy = by != "kv-whole"
+    by = "kv" if by == "kv-whole" else by
+    tokens, text, times, moved_at, worker, move = [], "", [], None, "", None
     async for event in d.generate(GenerateInput(params, prompt=prompt, request_id=rid)):
         if isinstance(event, TokenEvent):
             tokens += event.token_ids
@@ -120,9 +124,11 @@ async def stream(d: Dispatcher, rid: str, prompt: list[int], params: SamplingPar
             times.append(time.perf_counter())
             if by is not None and moved_at is None and len(tokens) >= MOVE_AFTER:
                 moved_at = time.perf_counter()
-                await d.moves.migrate(rid, by=by)
+                move = asyncio.ensure_future(d.moves.migrate(rid, by=by))
         elif isinstance(event, FinalEvent):
             worker = event.decode_worker
+    if move is not None:
+        await move  # its errors are the run's
     return Run(tokens, text, times, moved_at, worker)
 
 
@@ -156,12 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, params in kinds(args.max_tokens).items():
             runs = {
                 by: pair.run(stream(pair.dispatcher, f"{name}-{by}", prompt, params, by))
-                for by in (None, "kv", "recompute")
+                for by in (None, "kv", "kv-whole", "recompute")
             }
-            ref = runs[None]
+            ref = runs.pop(None)
             gaps = [b - a for a, b in zip(ref.times, ref.times[1:])]
-            kv, recompute = pause_ms(runs["kv"]), pause_ms(runs["recompute"])
-            equal = all((r.tokens, r.text) == (ref.tokens, ref.text) for r in (runs["kv"], runs["recompute"]))
+            kv, whole, recompute = (pause_ms(runs[by]) for by in ("kv", "kv-whole", "recompute"))
+            equal = all((r.tokens, r.text) == (ref.tokens, ref.text) for r in runs.values())
             ratios.append(kv / recompute)
             rows.append(
                 [
@@ -169,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                     len(ref.tokens),
                     f"{statistics.median(gaps) * 1e3:.0f}",
                     f"{kv:.0f}",
+                    f"{whole:.0f}",
                     f"{recompute:.0f}",
                     f"{kv / recompute:.2f}",
                     equal,
@@ -182,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens",
                     "typical gap ms",
                     "pause by KV ms",
+                    "... without pre-copy ms",
                     "pause by recompute ms",
                     "KV / recompute",
                     "tokens equal",

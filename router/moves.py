@@ -62,6 +62,7 @@ class Moves:
         self._has_room = has_room
         self.lives: dict[str, RequestLifecycle] = {}  # by request (sequence) id; the dispatcher's to write
         self.moved: collections.Counter[str] = collections.Counter()  # moves by why: MOVE_REASONS
+        self.precopy = True  # a move by KV copies the full blocks ahead (off: all at the switch)
         self._copying: set[str] = set()  # requests whose KV a move copies ahead now
         self._background = Background()  # aborts of copies no move followed
 
@@ -103,7 +104,7 @@ class Moves:
                 f"no decode worker of revision {old.revision or '-'} but {old.worker_id}"
                 f"{f' named {to}' if to else ''} can take request {request_id} now"
             )
-        from_block = await self._pre_copy(life, dw) if export else 0
+        from_block = await self._pre_copy(life, dw) if export and self.precopy else 0
         life.begin_move(dw)
         # The old worker's answer settles the move whether or not this caller still waits
         # for it (a Drain call whose client left, a router stopping its relief): a move
