@@ -2,7 +2,7 @@
 workers of the tiny model), NIXL, the router's gRPC door. ``splitserve drain``
 on the decode worker a request streams from moves it to the other with its KV
 (``RayDecodeWorker.move_out``, the new worker pulling from the old one through
-``RayDecodePeer``): the client's tokens equal the monolithic engine's greedy
+``RayDecodePeer``, most of it ahead of the switch): the client's tokens equal the monolithic engine's greedy
 tokens, none repeated or skipped, the trace says it moved, and no KV stays held."""
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def test_draining_the_worker_a_request_streams_from_moves_it_whole(cluster, chec
     assert f"{drained} drained: 1 request(s) moved off, 0 left" in capsys.readouterr().out
     (trace,) = st.traces
     assert "moved" in [m.name for m in trace.marks]
+    taker = cluster.run(cluster.registry.get(final.decode_worker).client.stats(), timeout=60).engine
+    assert taker.import_precopied_tokens > 0  # its full blocks were copied ahead of the switch
     cluster.run(cluster.registry.activate(drained))  # routed to again, for the tests below
 
 
