@@ -63,7 +63,9 @@ class PreCopier:
         self.taken(rid)  # a stale copy of it (its move failed) is dropped first
 
         def reserve(engine) -> tuple[int, list[int]]:
-            engine.abort(rid)
+            stale = engine.requests.get(rid)
+            if stale is not None and stale.seq.awaiting_import:  # copied ahead of a move that failed
+                engine.abort(rid)
             return engine.reserve_moving(rid, task.prompt_token_ids, task.output_token_ids, task.params)
 
         try:
