@@ -11,7 +11,8 @@ size). The planner then::
     predict   arrival rate, uncached prompt tokens and output tokens per request
               (an EWMA, but never below the last interval's rate: it follows a
               step up at once and a step down slowly)
-    capacity  prefill: measured tokens/s per worker, loaded to at most the
+    capacity  prefill: measured tokens/s per worker (as arrivals: up at once,
+                down slowly), loaded to at most the
                 utilisation at which an M/D/1 queue still meets the TTFT target
               decode:  the largest batch whose step time, on a line fitted to
                 (batch, step time) points the workers reported, meets
@@ -222,8 +223,11 @@ class Planner:
             self._output = _ewma(self._output, inp.output_tokens / inp.finished, w)
             held = (inp.context_tokens + inp.output_tokens / 2) / inp.finished  # it grows by the outputs
             self._context = _ewma(self._context, held, w)
-        if inp.prefill_tokens_per_s > 0:
-            self._prefill_rate = _ewma(self._prefill_rate, inp.prefill_tokens_per_s, w)
+        if inp.prefill_tokens_per_s > 0:  # up at once, down slowly: a capacity is what a busy
+            # worker does, and one given a few short prompts reports far less (a step's fixed
+            # cost over few tokens) while the prompt mean still remembers the long ones
+            measured = inp.prefill_tokens_per_s
+            self._prefill_rate = max(measured, _ewma(self._prefill_rate, measured, w))
         self._points.extend(p for p in inp.decode_points if p[0] > 0 and p[1] > 0)
 
     def prefill_capacity(self) -> float:
