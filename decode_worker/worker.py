@@ -114,9 +114,14 @@ class _Request:
 
 
 class DecodeWorker:
-    def __init__(self, spec: DecodeWorkerSpec, ranks: Sequence[DecodeRankPeer] = ()):
+    def __init__(
+        self, spec: DecodeWorkerSpec, ranks: Sequence[DecodeRankPeer] = (), loop: EngineLoop | None = None
+    ):
         """``ranks``: with ``spec.tp`` set (this is rank 0 of a TP group) and a backend, the
-        group's other ranks, in rank order, which pull their KV heads of each request."""
+        group's other ranks, in rank order, which pull their KV heads of each request.
+        ``loop``: an engine loop shared with another half of the same worker (an
+        ``ElasticWorker``: TP=1), whose owner routes its callbacks here and calls
+        ``start_engine``; without one, the worker builds its own engine and starts."""
         if spec.tp is not None and spec.tp.rank != 0:
             raise ValueError("a DecodeWorker is rank 0 of its TP group; the others are DecodeRanks")
         group_size = spec.tp.size if spec.tp is not None else 1
@@ -128,12 +133,13 @@ class DecodeWorker:
         self.tp = join_decode_group(spec)
         self._heartbeats = Heartbeats(self.tp, spec.tp)
         # the engine is built on the loop's thread, the one that steps it (engine/loop.py says why)
-        self.loop = EngineLoop(
+        own = loop is None
+        self.loop = loop or EngineLoop(
             lambda: Engine(spec.engine, tp=self.tp),
-            self._on_outputs,
-            self._tick,
+            self.on_outputs,
+            self.tick,
             name=f"{spec.worker_id}-engine",
-            on_error=self._on_error,
+            on_error=self.on_error,
         )
         self.engine = self.loop.build()
         # Pulls this rank's KV heads from any source group (its staging caches for sources of
@@ -157,6 +163,12 @@ class DecodeWorker:
         self._outboxes: dict[str, Outbox] = {}  # by outbox id (one per consumer)
         self._requests: dict[str, _Request] = {}  # started and not yet ended
         self._tokens: TokenServer | None = None  # serves stream() over gRPC, from token_address()
+        if own:
+            self.start_engine()
+
+    def start_engine(self) -> None:
+        """Start stepping the engine (a shared loop's owner calls it once every half is
+        set up), and measure the rates a decode worker that takes KV reports."""
         self.loop.start()
         if self.puller is not None:  # before any request (its outputs reach no outbox)
             self.loop.call(lambda e: e.measure_rates(RATE_PROBE_TOKENS)).result()
@@ -393,12 +405,12 @@ class DecodeWorker:
         else:
             self._fail(req.request_id, ending.error, abort=False)
 
-    def _tick(self) -> None:  # engine thread
+    def tick(self) -> None:  # engine thread
         self._heartbeats.tick()  # idle ranks must hear from rank 0 within the group's timeout
         if self.mover is not None:
             self.mover.tick(self.engine)  # the blocks of requests moved away, once taken
 
-    def _on_error(self, error: BaseException) -> None:  # engine thread
+    def on_error(self, error: BaseException) -> None:  # engine thread
         """The engine loop died (a bug, or a lost TP rank): every request ends with
         ``WorkerLost`` (the router resumes it on another decode worker)."""
         if self._aloop is not None:
@@ -409,7 +421,7 @@ class DecodeWorker:
         for rid in list(self._requests):
             self._fail(rid, error)
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:  # engine thread
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:  # engine thread
         """One hand-over to the actor's loop per step, whatever the batch size."""
         if self._aloop is not None:
             self._aloop.call_soon_threadsafe(self._deliver, outputs, time.time())

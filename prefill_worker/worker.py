@@ -73,19 +73,22 @@ log = logging.getLogger(__name__)
 
 
 class PrefillWorker:
-    def __init__(self, spec: PrefillWorkerSpec):
+    def __init__(self, spec: PrefillWorkerSpec, loop: EngineLoop | None = None):
+        """``loop``: an engine loop shared with another half of the same worker (an
+        ``ElasticWorker``: TP=1), whose owner routes its callbacks here and starts it;
+        without one, the worker builds its own engine and starts."""
         if spec.tp is not None and spec.tp.rank != 0:
             raise ValueError("a PrefillWorker is rank 0 of its TP group; the others are PrefillRanks")
         self.spec = spec
         self.worker_id = spec.worker_id
         self.tp = join_prefill_group(spec)
         # the engine is built on the loop's thread, the one that steps it (engine/loop.py says why)
-        self.loop = EngineLoop(
+        self.loop = loop or EngineLoop(
             lambda: Engine(spec.engine, tp=self.tp),
-            self._on_outputs,
-            self._on_tick,
+            self.on_outputs,
+            self.tick,
             name=f"{spec.worker_id}-engine",
-            on_error=self._on_error,
+            on_error=self.on_error,
         )
         self.engine = self.loop.build()
         compat = self.engine.kv_compat()
@@ -117,7 +120,8 @@ class PrefillWorker:
             self.borrower = PrefixBorrower(spec.worker_id, sink, spec.engine.block_size, call, timeout)
         # before the loop starts: its first tick takes the lease ends the poller reported
         self._poller = SourcePoller(self.source, self._source_lock, f"{spec.worker_id}-kv-poll")
-        self.loop.start()
+        if loop is None:
+            self.loop.start()
 
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> PrefillWorkerInfo:
@@ -290,7 +294,7 @@ class PrefillWorker:
     def _abort_later(self, request_id: str) -> None:
         self.loop.call(lambda e: self._abort(request_id))
 
-    def _on_error(self, error: BaseException) -> None:
+    def on_error(self, error: BaseException) -> None:
         """The engine loop died (a bug, or a lost TP rank): fail every waiting request now."""
         for waiter in list(self._waiters.values()):
             waiter.resolve(error=EngineStopped(f"prefill worker {self.worker_id} stopped: {error}"))
@@ -313,7 +317,7 @@ class PrefillWorker:
             if waiter is not None:
                 waiter.announce(KVHandoff(self.worker_id, (desc,)))
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if not out.finished:
                 continue
@@ -356,7 +360,7 @@ class PrefillWorker:
             raise
         return KVHandoff(self.worker_id, (descriptor, *shards))
 
-    def _on_tick(self) -> None:
+    def tick(self) -> None:
         """Lease ends (the poller's, and the other ranks') into the ledger; the blocks of
         every request whose leases have all ended go back to the engine."""
         self._heartbeats.tick()  # idle ranks must hear from rank 0 within the group's timeout
