@@ -7,6 +7,7 @@ through a registry method::
     field                               written by (method)
     ---------------------------------   -------------------------------------------
     state (membership)                  the pools: add, activate, drain, remove
+    role, client (elastic workers)      the pools: switch_role
     node (where Ray placed it)          the pools: placed
     restarts (Ray's restarts of it)     the pools: restarted
     given_up (registry, not a record)   the pools: give_up
@@ -20,9 +21,12 @@ A worker's lifecycle::
     add() --> STARTING --activate()--> ACTIVE --drain()--> DRAINING --remove()--> (gone)
                  |  (waiting for a node,  (routable         (finishes its
                  |   then loading; not     when alive)       requests, takes no new)
-                 |   routed to or polled)
+                 |   routed to or polled)        |
                  +--remove()--> (gone: it failed to start)
                  +--give_up()--> (gone, listed in given_up: Ray never placed it)
+                                                 |
+        an elastic worker, DRAINING and holding no work:
+                 STARTING <--switch_role()-------+  (its new role; activate() again)
 
 Router load is derived, never counted up and down: a worker's queued prompt
 tokens and active requests are sums over the requests the dispatcher holds
@@ -221,6 +225,22 @@ class WorkerRegistry:
 
     def drain(self, worker_id: str) -> None:
         self._workers[worker_id].state = Membership.DRAINING
+
+    def switch_role(self, worker_id: str, role: Role, client: WorkerClient) -> WorkerRecord:
+        """An elastic worker (one engine that serves either role) drained of its old
+        role's work takes ``role``, called through ``client`` (the role's client of the
+        same worker): STARTING again until ``activate``. Its prefix cache is the same
+        engine's, so what was polled of it stays; its stats and info are the new role's
+        once activated. Raises ``ValueError`` unless it is DRAINING and holds no work."""
+        record = self._workers[worker_id]
+        if record.state != Membership.DRAINING or record.holds_work:
+            raise ValueError(
+                f"worker {worker_id} switches role only drained of its work ({record.state.value})"
+            )
+        record.role, record.client, record.state = Role(role), client, Membership.STARTING
+        record.info = record.stats = None
+        record.steps = StepTimes()
+        return record
 
     def remove(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)

@@ -13,14 +13,21 @@ import asyncio
 
 import pytest
 
+from splitserve.cluster.role_switch import switch_role
+from splitserve.decode_worker.in_process import InProcessDecodeClient
 from splitserve.elastic_worker.worker import ElasticWorker
 from splitserve.engine.engine import Engine
+from splitserve.router.dispatch import Dispatcher
+from splitserve.router.events import GenerateInput, TokenEvent
+from splitserve.router.policy import PolicySpec
+from splitserve.router.registry import WorkerRegistry
+from splitserve.router.roles import Role
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec
 from splitserve.wire.prefill import PrefillWorkerSpec
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
-from tests.waiting import wait_until
+from tests.waiting import until, wait_until
 
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
 DEADLINE_S = 300  # a broken handover must fail the test, not hang it
@@ -111,3 +118,74 @@ def test_an_elastic_worker_refuses_what_it_cannot_be(checkpoint):
         ElasticWorker(prefill, DecodeWorkerSpec("e", other, "nixl", 30.0, 8))
     with pytest.raises(ValueError, match="needs a backend"):
         ElasticWorker(prefill, DecodeWorkerSpec("e", engine, None, 30.0, 8))
+
+
+@pytest.fixture(scope="module")
+def three(checkpoint):
+    engine = EngineConfig(model=checkpoint, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=256)
+    ws = {name: _elastic(f"elastic-{name}", engine) for name in "abc"}
+    yield engine, ws
+    for w in ws.values():
+        w.shutdown()
+
+
+def test_roles_switch_under_load_through_the_router_and_lose_nothing(three):
+    """The router's dispatcher over three elastic workers (a: prefill; b, c: decode)
+    while clients stream: c switches to prefill (its running requests move to b with
+    their KV), then a to decode (its exports pulled first). Every request's tokens equal
+    the monolithic engine's; after the switches c prefills requests and a decodes them;
+    c's decode half holds nothing; every worker frees every block."""
+    engine, ws = three
+    a, b, c = ws["a"], ws["b"], ws["c"]
+    prompts = random_prompts([30 + 17 * i for i in range(18)], 512, seed=9)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected = [x.token_ids for x in Engine(engine).generate(prompts, params)]
+
+    async def scenario():
+        registry = WorkerRegistry()
+        registry.add("elastic-a", Role.PREFILL, a.prefill, engine.block_size)
+        for w in (b, c):
+            registry.add(w.worker_id, Role.DECODE, InProcessDecodeClient(w.decode), engine.block_size)
+        for w in (a, b, c):
+            await registry.activate(w.worker_id)
+        policy = PolicySpec(conditional_disaggregation=False)  # every prompt goes to a prefill worker
+        d = Dispatcher(registry, a.engine.validator, "tiny", policy=policy)
+        streams: dict[int, list[int]] = {}
+
+        async def request(i: int) -> None:
+            streams[i] = []
+            inp = GenerateInput(params, prompt=prompts[i], request_id=f"r{i}")
+            async for event in d.generate(inp):
+                if isinstance(event, TokenEvent):
+                    streams[i] += event.token_ids
+
+        def wave(ids: range) -> list[asyncio.Future]:
+            return [asyncio.ensure_future(request(i)) for i in ids]
+
+        first = wave(range(0, 6))
+        await until(lambda: all(len(streams.get(i, ())) >= 3 for i in range(6)), "the first wave decoding")
+        took = [await switch_role(registry, c.worker_id, Role.PREFILL, c.prefill, d.moves.move_off)]
+        second = wave(range(6, 12))
+        await until(
+            lambda: all(len(streams.get(i, ())) >= 3 for i in range(6, 12)), "the second wave decoding"
+        )
+        a_decode = InProcessDecodeClient(a.decode)
+        took.append(await switch_role(registry, a.worker_id, Role.DECODE, a_decode, d.moves.move_off))
+        third = wave(range(12, 18))
+        await asyncio.gather(*first, *second, *third)
+        roles = {w.worker_id: w.role for w in registry.workers()}
+        return streams, d.traces.latest(18), roles, d.moves.moved["drain"], took
+
+    streams, traces, roles, moved, took = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
+    print(f"switches took {', '.join(f'{t:.2f} s' for t in took)}; {moved} request(s) moved off c")
+    assert [streams[i] for i in range(18)] == expected  # nothing lost, repeated or changed
+    assert roles == {"elastic-a": Role.DECODE, "elastic-b": Role.DECODE, "elastic-c": Role.PREFILL}
+    late = [t for t in traces if int(t.request_id[1:]) >= 12]
+    assert {t.prefill_worker for t in late} == {"elastic-c"}  # c prefills now (a is a decode worker)
+    assert "elastic-a" in {t.decode_worker for t in late}  # and a decodes
+    assert not c.decode._requests  # c's decode half holds no request
+
+    def nothing_held() -> bool:
+        return all(asyncio.run(w.decode.stats()).engine.num_used_blocks == 0 for w in (a, b, c))
+
+    wait_until(nothing_held, "every worker frees every block once its role's work is done")
