@@ -14,7 +14,7 @@ from splitserve.router.auth import ApiKeys
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.metrics import PoolSize, RouterMetrics
 from splitserve.router.openai.server import OpenAIServer, server_ssl_context
-from splitserve.router.policy import LimitsSpec
+from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import WorkerRegistry
 from splitserve.wire.validation import RequestValidator
 
@@ -29,10 +29,22 @@ def dispatcher(
         config.model.public_name,
         colocated=config.mode == "colocated",
         limits=limits,
-        policy=config.policy,
+        policy=routing_policy(config),
         traces_kept=config.router.traces_kept,
         on_transfer_failure=config.transfer.on_failure,
     )
+
+
+def routing_policy(config: ClusterConfig) -> PolicySpec:
+    """The config's routing policy, its stall budget held to the TPOT target this router
+    knows (``PolicySpec.stall_tpot_ms``: the config's own, else the SLO planner's, else
+    admission's) where one is set."""
+    policy = config.policy
+    if policy.stall_tpot_ms is None:
+        known = [t for t in (config.planner and config.planner.tpot_ms, config.limits.decode_tpot_ms) if t]
+        if known:
+            policy = policy.model_copy(update={"stall_tpot_ms": known[0]})
+    return policy
 
 
 def metrics(

@@ -32,7 +32,11 @@ waiting at D, this one's included, which D's engine prefills in its next steps
 (together, where they fit its step's token budget), so that D's inter-token gap
 grows past neither ``local_prefill_max_stall_steps`` of its own decode steps
 (``EngineStats.decode_step_s``, as D last reported it; a decode worker measures
-one when it starts) nor, when that is set, ``local_prefill_max_stall_ms``. It
+one when it starts) nor, when that is set, ``local_prefill_max_stall_ms``. Where
+the router has a TPOT target T (``stall_tpot_ms``: the SLO's), the budget is the
+slack those steps leave against it instead, ``steps * (T - step)``: the mean time
+per token over the steps around a stall keeps T, and a worker whose steps already
+take T prefills nothing here. It
 also bounds what sequences that arrive at D during the prefill wait, so it
 applies when D is idle too, and before the queue comparison: a long prompt goes
 to a queued prefill pool rather than hold up D's batch for seconds. Counted in

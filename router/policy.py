@@ -94,6 +94,16 @@ class PolicySpec(StrictModel):
         description="a fixed budget in milliseconds instead of local_prefill_max_stall_steps "
         "(null: the budget in steps applies)",
     )
+    stall_tpot_ms: float | None = Field(
+        None,
+        gt=0,
+        description="the TPOT target a prefill on a decode worker is budgeted against: over the "
+        "local_prefill_max_stall_steps steps around one such stall, the mean time per token stays within it, "
+        "so the budget is those steps times the slack between this target and the worker's decode step "
+        "(none when its steps already take the target). Null: the TPOT target this router is given (the SLO "
+        "planner's planner.tpot_ms, else limits.decode_tpot_ms), if any; with none, the budget is "
+        "local_prefill_max_stall_steps decode steps. local_prefill_max_stall_ms, when set, overrides both",
+    )
     local_prefill_below_tokens: int = Field(
         0,
         ge=0,
@@ -116,7 +126,15 @@ class PolicySpec(StrictModel):
     def stall_budget_s(self, decode_step_s: float) -> float:
         """The longest, in seconds, the prefills waiting on a decode worker (a new one's
         included) may hold up its batch, for a worker whose recent decode step took
-        ``decode_step_s`` (0.0: not measured yet, so no budget unless a fixed one is set)."""
+        ``decode_step_s`` (0.0: not measured yet, so no budget unless a fixed one is set).
+
+        With a TPOT target T (``stall_tpot_ms``) and W = ``local_prefill_max_stall_steps``:
+        W steps and one stall of ``b`` take at most W * T, so ``b = W * (T - step)``;
+        without one, ``W * step`` (as if T were two steps)."""
         if self.local_prefill_max_stall_ms is not None:
             return self.local_prefill_max_stall_ms / 1000
+        if not decode_step_s:
+            return 0.0
+        if self.stall_tpot_ms is not None:
+            return self.local_prefill_max_stall_steps * max(0.0, self.stall_tpot_ms / 1000 - decode_step_s)
         return self.local_prefill_max_stall_steps * decode_step_s

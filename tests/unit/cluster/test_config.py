@@ -174,3 +174,16 @@ def test_kv_relief_is_on_by_default_and_its_thresholds_are_ordered():
     assert ClusterConfig.model_validate({"router": {"kv_relief": None}}).router.kv_relief is None
     with pytest.raises(ValueError, match="would move back and forth"):
         ClusterConfig.model_validate({"router": {"kv_relief": {"above": 0.8, "below": 0.8}}})
+
+
+def test_the_stall_budget_keeps_the_tpot_target_the_router_knows():
+    from splitserve.cluster.router_parts import routing_policy
+
+    assert routing_policy(ClusterConfig()).stall_tpot_ms is None  # no target: counted in steps
+    slo = {"autoscaling": {"policy": "slo", "min_replicas": 1, "max_replicas": 2}}
+    planned = {"prefill": slo, "decode": slo, "planner": {"ttft_ms": 500, "tpot_ms": 40}}
+    assert routing_policy(ClusterConfig.model_validate(planned)).stall_tpot_ms == 40  # the SLO's
+    admitted = ClusterConfig.model_validate({"limits": {"decode_tpot_ms": 60}})
+    assert routing_policy(admitted).stall_tpot_ms == 60  # admission's, with no planner
+    own = ClusterConfig.model_validate({**planned, "policy": {"stall_tpot_ms": 25}})
+    assert routing_policy(own).stall_tpot_ms == 25  # the policy's own wins

@@ -109,6 +109,24 @@ def test_the_stall_budget_is_counted_in_the_decode_workers_own_steps():
     assert (d.placement, d.budget_s) == (Placement.LOCAL, pytest.approx(0.25))
 
 
+def test_with_a_tpot_target_the_stall_budget_is_the_slack_the_steps_leave():
+    queued = _prefill(queued=1000)
+    slo = POLICY.model_copy(update={"stall_tpot_ms": 50})
+    # 30 ms steps against a 50 ms TPOT: 10 steps leave 10 x 20 ms = 200 ms for a stall, so
+    # the 10 steps and the stall take 500 ms, the target's mean; a 200-token prompt fits
+    d = _decider().decide(slo, _prompt(200), _decode(step_s=0.03), queued)
+    assert (d.placement, d.reason, d.budget_s) == (Placement.LOCAL, Reason.GAIN, pytest.approx(0.2))
+    # a busier worker (40 ms steps) has 100 ms of slack: the prompt goes to the prefill pool
+    d = _decider().decide(slo, _prompt(200), _decode(step_s=0.04), queued)
+    assert (d.placement, d.reason, d.budget_s) == (Placement.REMOTE, Reason.STALL_CAP, pytest.approx(0.1))
+    # steps that already take the target leave nothing, whatever the gain
+    d = _decider().decide(slo, _prompt(10), _decode(step_s=0.06), _prefill(queued=5000))
+    assert (d.placement, d.budget_s) == (Placement.REMOTE, 0.0)
+    # a looser target gives more: at 100 ms, 10 x 70 ms
+    loose = POLICY.model_copy(update={"stall_tpot_ms": 100})
+    assert _decider().decide(loose, _prompt(200), _decode(), queued).budget_s == pytest.approx(0.7)
+
+
 def test_the_stall_budget_caps_local_prefill_however_queued_the_pool():
     d = _decider().decide(POLICY, _prompt(2048), _decode(), _prefill(queued=100_000))
     assert (d.placement, d.reason) == (Placement.REMOTE, Reason.STALL_CAP)
