@@ -101,34 +101,38 @@ def remote_calls(actor: Any = None, reset: bool = False) -> dict[str, int]:
 
 
 class _EveryWorker:
-    """The calls every role answers, over ``self.actor``."""
+    """The calls every role answers, over ``self.actor`` (its methods named ``prefix`` +
+    the call: an elastic worker's prefill half answers as ``prefill_info``...)."""
 
     actor: Any
+    prefix = ""
 
     async def info(self) -> PrefillWorkerInfo | DecodeWorkerInfo:
-        return await _call(self.actor, "info")
+        return await _call(self.actor, self.prefix + "info")
 
     async def stats(self, prefix_since: PrefixCursor | None = None) -> PrefillStats | DecodeStats:
-        return await _call(self.actor, "stats", prefix_since)
+        return await _call(self.actor, self.prefix + "stats", prefix_since)
 
     async def abort(self, request_id: str) -> bool:
-        return await _call(self.actor, "abort", request_id)
+        return await _call(self.actor, self.prefix + "abort", request_id)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RayPrefillWorker(_EveryWorker):
-    """A prefill worker's actor. Plain (picklable): it travels in ``DecodeTask.source``."""
+    """A prefill worker's actor, or an elastic worker's prefill half (``prefix``
+    "prefill_"). Plain (picklable): it travels in ``DecodeTask.source``."""
 
     actor: Any  # the Ray handle (a restarted actor keeps it)
+    prefix: str = ""  # "prefill_" on an elastic worker (elastic_worker.worker)
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
-        await _call(self.actor, "confirm", confirmations)
+        await _call(self.actor, self.prefix + "confirm", confirmations)
 
     async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
-        return await _call(self.actor, "lend_prefix", loan)
+        return await _call(self.actor, self.prefix + "lend_prefix", loan)
 
     async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
-        stream = _remote(self.actor, "prefill_stream", task)
+        stream = _remote(self.actor, self.prefix + "prefill_stream", task)
         finished = False
         try:
             async for ref in stream:

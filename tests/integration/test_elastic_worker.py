@@ -43,9 +43,9 @@ async def _serve(decoder: ElasticWorker, tasks: list[DecodeTask]) -> dict[str, t
     """Run ``tasks`` on ``decoder``'s decode half: each request's tokens, and whether its
     KV was pulled from elsewhere."""
     got = {t.request_id: ([], False) for t in tasks}
-    stream = decoder.decode.stream(f"test-{tasks[0].request_id}")
+    stream = decoder.stream(f"test-{tasks[0].request_id}")
     for task in tasks:
-        await decoder.decode.start(f"test-{tasks[0].request_id}", task)
+        await decoder.start(f"test-{tasks[0].request_id}", task)
     left = set(got)
     while left:
         for batch in await anext(stream):
@@ -98,14 +98,14 @@ def test_an_elastic_worker_prefills_decodes_and_switches_role_without_reloading(
         assert got == (want, True)  # the greedy tokens, with the KV pulled from the other
     assert local["a-local-0"] == (expected[0], False)  # prefilled where it decodes
     for w in (a, b):  # one engine and its weights all along: nothing was reloaded
-        assert w.prefill.engine is w.decode.engine is w.engine
+        assert w.prefill.engine is w.engine
         assert w.engine.runner.model is weights[w.worker_id]
     # the decode halves computed no prompt they were handed: every one of their tokens came
-    assert asyncio.run(b.decode.stats()).engine.import_moved_tokens >= len(prompts[0]) + len(prompts[1])
-    assert asyncio.run(a.decode.stats()).engine.import_moved_tokens >= len(prompts[2]) + len(prompts[3])
+    assert asyncio.run(b.stats()).engine.import_moved_tokens >= len(prompts[0]) + len(prompts[1])
+    assert asyncio.run(a.stats()).engine.import_moved_tokens >= len(prompts[2]) + len(prompts[3])
 
     def nothing_held() -> bool:
-        return all(asyncio.run(w.decode.stats()).engine.num_used_blocks == 0 for w in (a, b))
+        return all(asyncio.run(w.stats()).engine.num_used_blocks == 0 for w in (a, b))
 
     wait_until(nothing_held, "both workers free every block (exports confirmed, requests ended)")
 
@@ -145,7 +145,7 @@ def test_roles_switch_under_load_through_the_router_and_lose_nothing(three):
         registry = WorkerRegistry()
         registry.add("elastic-a", Role.PREFILL, a.prefill, engine.block_size)
         for w in (b, c):
-            registry.add(w.worker_id, Role.DECODE, InProcessDecodeClient(w.decode), engine.block_size)
+            registry.add(w.worker_id, Role.DECODE, InProcessDecodeClient(w), engine.block_size)
         for w in (a, b, c):
             await registry.activate(w.worker_id)
         policy = PolicySpec(conditional_disaggregation=False)  # every prompt goes to a prefill worker
@@ -169,7 +169,7 @@ def test_roles_switch_under_load_through_the_router_and_lose_nothing(three):
         await until(
             lambda: all(len(streams.get(i, ())) >= 3 for i in range(6, 12)), "the second wave decoding"
         )
-        a_decode = InProcessDecodeClient(a.decode)
+        a_decode = InProcessDecodeClient(a)
         took.append(await switch_role(registry, a.worker_id, Role.DECODE, a_decode, d.moves.move_off))
         third = wave(range(12, 18))
         await asyncio.gather(*first, *second, *third)
@@ -183,9 +183,9 @@ def test_roles_switch_under_load_through_the_router_and_lose_nothing(three):
     late = [t for t in traces if int(t.request_id[1:]) >= 12]
     assert {t.prefill_worker for t in late} == {"elastic-c"}  # c prefills now (a is a decode worker)
     assert "elastic-a" in {t.decode_worker for t in late}  # and a decodes
-    assert not c.decode._requests  # c's decode half holds no request
+    assert not c._requests  # c's decode half holds no request
 
     def nothing_held() -> bool:
-        return all(asyncio.run(w.decode.stats()).engine.num_used_blocks == 0 for w in (a, b, c))
+        return all(asyncio.run(w.stats()).engine.num_used_blocks == 0 for w in (a, b, c))
 
     wait_until(nothing_held, "every worker frees every block once its role's work is done")
