@@ -26,6 +26,7 @@ from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.planner import Planner
 from splitserve.cluster.pools import START_TIMEOUT_S, WorkerPool
 from splitserve.cluster.replicas import Ports, Replicas, reachable, share
+from splitserve.cluster.role_switch import RoleLedger, switch_role
 from splitserve.cluster.slo_autoscale import PlannerLoop
 from splitserve.cluster.upgrade import UpgradeReport, rolling_upgrade
 from splitserve.engine.model.config import ModelConfig
@@ -38,6 +39,7 @@ from splitserve.router.metrics_server import MetricsServer
 from splitserve.router.openai.server import OpenAIServer
 from splitserve.router.otel import OtelSink, otlp_exporter
 from splitserve.router.registry import WorkerRegistry
+from splitserve.router.roles import Role
 from splitserve.router.server import RouterServer
 from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.routers import RouterInfo
@@ -117,6 +119,7 @@ class ServingCluster:
         self.api_keys: ApiKeys | None = None
         self.autoscalers: dict[str, Autoscaler] = {}
         self.planner: PlannerLoop | None = None
+        self.roles: RoleLedger | None = None  # elastic mode: role switches and time per role
         self.replicas: Replicas | None = None  # router.replicas > 1: the other routers on this node
         self._tasks: list[asyncio.Task] = []
         self._started_ray = False
@@ -160,6 +163,9 @@ class ServingCluster:
             for pool in self.pools.values():  # scale-in moves a decode worker's requests off
                 pool.move_off = dispatcher.moves.move_off
             self.metrics = parts.metrics(cfg, self.registry, dispatcher, self._pool_sizes)
+            if cfg.mode == "elastic":
+                self.roles = RoleLedger(self.registry)
+                self.metrics.prom.register(self.roles)
             if cfg.router.otel_endpoint:
                 self.otel = OtelSink(
                     otlp_exporter(cfg.router.otel_endpoint),
@@ -192,8 +198,15 @@ class ServingCluster:
                 p.spec.autoscaling is not None and p.spec.autoscaling.policy == "slo"
                 for p in self.pools.values()
             ):
+                planner = cfg.planner
+                if cfg.mode == "elastic":  # a fixed set of workers, whose roles the planner splits
+                    planner = planner.model_copy(update={"max_total_replicas": cfg.elastic_workers})
                 self.planner = PlannerLoop(
-                    Planner(cfg.planner), self.pools, lambda: dispatcher.admitted, self.metrics.prom
+                    Planner(planner),
+                    self.pools,
+                    lambda: dispatcher.admitted,
+                    self.metrics.prom,
+                    switch=self.switch_role if cfg.mode == "elastic" else None,
                 )
                 dispatcher.sinks.append(self.planner.window)
                 self._tasks.append(asyncio.create_task(self.planner.run()))
@@ -263,6 +276,35 @@ class ServingCluster:
             scaling = [p.spec.autoscaling for p in self.pools.values() if p.spec.autoscaling is not None]
             timeout = max((a.drain_timeout_s for a in scaling), default=UPGRADE_DRAIN_TIMEOUT_S)
             return await rolling_upgrade(self.pools, config, pace, timeout, self.progress)
+
+    async def switch_role(self, worker_id: str, role: Role) -> float:
+        """Elastic mode: worker ``worker_id`` takes ``role`` (``cluster.role_switch``): its
+        old role's work drains (a decode worker's requests move off with their KV), then
+        it serves the new one, its engine as it was. Returns the seconds it took. Raises
+        ``InvalidRequest`` outside elastic mode or for an unknown worker, ``TimeoutError``
+        (it stays in its old role) if its old role's work did not end in time."""
+        if self.config.mode != "elastic":
+            raise InvalidRequest("workers switch role only in elastic mode")
+        source = next((p for p in self.pools.values() if p.has(worker_id)), None)
+        if source is None:
+            raise InvalidRequest(f"no worker {worker_id}")
+        target = self.pools[Role(role)]
+        old = self.registry.get(worker_id).client
+        self.roles.observe()  # its time so far is its old role's
+        timeout = (target.spec.autoscaling or source.spec.autoscaling).drain_timeout_s
+        took = await switch_role(
+            self.registry,
+            worker_id,
+            Role(role),
+            target.client(source.actors(worker_id)[0]),
+            self.server.dispatcher.moves.move_off,
+            timeout,
+        )
+        target.adopt(source.release(worker_id))
+        self.roles.switched(role)
+        await old.close()  # a decode worker's token stream to this router
+        self.progress(f"{worker_id} is a {role} worker now ({took:.2f} s)")
+        return took
 
     def reload_api_keys(self) -> None:
         """Read ``router.api_keys_file`` again now (SIGHUP), if there is one."""

@@ -384,8 +384,12 @@ class RaySpec(_Strict):
 
 
 class ClusterConfig(_Strict):
-    mode: Literal["disaggregated", "colocated"] = Field(
-        "disaggregated", description="separate prefill and decode pools, or workers that do both"
+    mode: Literal["disaggregated", "colocated", "elastic"] = Field(
+        "disaggregated",
+        description="separate prefill and decode pools, or workers that do both; elastic: the prefill and "
+        "decode pools are roles over one set of workers, each one engine that serves either role "
+        "(elastic_worker), whose split the SLO planner moves with the load (a worker switches role in "
+        "seconds, without reloading; each pool's autoscaling min/max_replicas bound its role)",
     )
     model: ModelSpec = Field(default_factory=ModelSpec, description="the model every worker serves")
     prefill: PoolSpec = Field(default_factory=PoolSpec, description="prefill pool (disaggregated mode)")
@@ -409,14 +413,16 @@ class ClusterConfig(_Strict):
             r for r, p in self.pools().items() if p.autoscaling is not None and p.autoscaling.policy == "slo"
         ]
         if slo:
-            if self.mode != "disaggregated" or sorted(slo) != ["decode", "prefill"]:
+            if self.mode == "colocated" or sorted(slo) != ["decode", "prefill"]:
                 raise ValueError(
                     "autoscaling.policy slo sizes the prefill and decode pools together: "
-                    "set it on both, in disaggregated mode"
+                    "set it on both, in disaggregated or elastic mode"
                 )
             if self.planner is None:
                 raise ValueError("autoscaling.policy slo needs a planner section (ttft_ms, tpot_ms)")
-        if self.mode == "disaggregated":
+        if self.mode == "elastic":
+            self._check_elastic(slo)
+        if self.mode in ("disaggregated", "elastic"):
             if self.prefill.ep_size > 1:
                 raise ValueError(
                     "prefill.ep_size must be 1: prefill runs tensor-parallel (its batches are large enough "
@@ -435,6 +441,33 @@ class ClusterConfig(_Strict):
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ValueError("colocated mode needs at least one worker")
         return self
+
+    def _check_elastic(self, slo: list[str]) -> None:
+        """Elastic workers are the same workers in either pool: one engine, one process."""
+        p, d = self.prefill, self.decode
+        if not slo:
+            raise ValueError(
+                "elastic mode moves the prefill:decode split with the load: set autoscaling.policy slo "
+                "(and min/max_replicas, each role's bounds) on both pools, and a planner section"
+            )
+        if (p.engine, p.device, p.num_cpus, p.num_gpus, p.resources) != (
+            d.engine,
+            d.device,
+            d.num_cpus,
+            d.num_gpus,
+            d.resources,
+        ):
+            raise ValueError(
+                "in elastic mode the prefill and decode pools are roles of the same workers: their engine, "
+                "device, num_cpus, num_gpus and resources must be equal"
+            )
+        if p.tp_size != 1 or d.tp_size != 1 or d.ep_size != 1:
+            raise ValueError("elastic workers are one process each: tp_size and ep_size 1")
+
+    @property
+    def elastic_workers(self) -> int:
+        """How many workers an elastic cluster runs (the two roles' first replicas)."""
+        return self.prefill.replicas + self.decode.replicas
 
     def engine_config(self, role: str) -> EngineConfig:
         """The engine config of a worker of pool ``role``: every field passed through by name."""

@@ -55,6 +55,7 @@ from splitserve.cluster.config import ClusterConfig, PoolSpec
 from splitserve.cluster.worker_client import RayDecodeRank, RayDecodeWorker, RayPrefillWorker, unwrap
 from splitserve.decode_worker.tp import DecodeRank
 from splitserve.decode_worker.worker import DecodeWorker
+from splitserve.elastic_worker.worker import ElasticWorker
 from splitserve.prefill_worker.tp import PrefillRank
 from splitserve.prefill_worker.worker import PrefillWorker
 from splitserve.router.registry import Membership, NodePlacement, WorkerRecord, WorkerRegistry
@@ -167,13 +168,14 @@ class WorkerPool:
         """This pool's workers, from the registry."""
         return self.registry.workers(self.role)
 
-    def _worker_spec(self, worker_id: str) -> PrefillWorkerSpec | DecodeWorkerSpec:
-        eng = self.config.engine_config(self.role)
+    def _worker_spec(self, worker_id: str, role: Role | None = None) -> PrefillWorkerSpec | DecodeWorkerSpec:
+        role = role or self.role
+        eng = self.config.engine_config(role)
         threads = self.spec.torch_threads or max(1, int(self.spec.num_cpus))
         t = self.config.transfer
         ids = self.spec.cpu_ids
         cpus = (ids[int(worker_id.rsplit("-", 1)[1]) % len(ids)],) if ids else None
-        if self.role == Role.PREFILL:
+        if role == Role.PREFILL:
             return PrefillWorkerSpec(
                 worker_id,
                 eng,
@@ -184,7 +186,7 @@ class WorkerPool:
                 stream_kv=t.stream_layers,
                 transfer_timeout_s=t.timeout_s,
             )
-        backend = t.backend if self.role == Role.DECODE else None
+        backend = t.backend if role == Role.DECODE else None
         queue = self.config.limits.max_admission_queue
         return DecodeWorkerSpec(worker_id, eng, backend, t.timeout_s, queue, threads, cpus, lease_s=t.lease_s)
 
@@ -311,7 +313,8 @@ class WorkerPool:
     # ---- internals ------------------------------------------------------------
     async def _launch(self, deadline: float) -> _Member:
         s = self.spec
-        worker_id = f"{self.role}-{self._next_index}"
+        elastic = self.config.mode == "elastic"
+        worker_id = f"{'elastic-' if elastic else ''}{self.role}-{self._next_index}"
         self._next_index += 1
         bundle = {"CPU": s.num_cpus} | ({"GPU": s.num_gpus} if s.num_gpus else {}) | s.resources
         pg = placement_group([bundle] * s.ranks, strategy="STRICT_PACK", name=f"splitserve-{worker_id}")
@@ -319,6 +322,12 @@ class WorkerPool:
         member = self._members[worker_id] = _Member(worker_id, pg)
         cls = PrefillWorker if self.role == Role.PREFILL else DecodeWorker
         args: tuple = ()
+        if elastic:  # one engine for either role: both halves' specs
+            cls = ElasticWorker
+            spec, args = (
+                self._worker_spec(worker_id, Role.PREFILL),
+                (self._worker_spec(worker_id, Role.DECODE),),
+            )
         if s.ranks > 1:
             try:
                 spec = await self._start_ranks(member, spec, deadline)
@@ -339,10 +348,27 @@ class WorkerPool:
             )
             .remote(spec, *args)
         )
-        client_cls = RayPrefillWorker if self.role == Role.PREFILL else RayDecodeWorker
-        client = client_cls(member.actor)
-        self.registry.add(worker_id, self.role, client, s.engine.block_size)
+        self.registry.add(worker_id, self.role, self.client(member.actor), s.engine.block_size)
         return member
+
+    def client(self, actor) -> RayPrefillWorker | RayDecodeWorker:
+        """How the router calls ``actor`` in this pool's role (an elastic worker's prefill
+        half answers as ``prefill_*``)."""
+        if self.role == Role.DECODE:
+            return RayDecodeWorker(actor)
+        return RayPrefillWorker(actor, "prefill_" if self.config.mode == "elastic" else "")
+
+    def has(self, worker_id: str) -> bool:
+        return worker_id in self._members
+
+    def release(self, worker_id: str) -> _Member:
+        """Let go of an elastic worker switching to the other role (its pool ``adopt``s
+        it); the registry keeps its record."""
+        return self._members.pop(worker_id)
+
+    def adopt(self, member: _Member) -> None:
+        """Take over an elastic worker that switched to this pool's role."""
+        self._members[member.worker_id] = member
 
     async def _start_ranks(
         self, m: _Member, spec: PrefillWorkerSpec | DecodeWorkerSpec, deadline: float

@@ -17,8 +17,12 @@ are. A worker that does not empty within the time allowed goes back to its old r
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.roles import Role
@@ -64,3 +68,46 @@ async def switch_role(
     registry.switch_role(worker_id, role, client)
     await registry.activate(worker_id)
     return time.monotonic() - start
+
+
+class RoleLedger(Collector):
+    """Role switches and the worker-seconds spent in each role, for ``/metrics``::
+
+        splitserve:role_switches_total{role}   switches into role
+        splitserve:role_seconds_total{role}    worker-seconds spent in role (elastic workers,
+                                               as the registry had them at each look)
+
+    ``observe`` credits each worker's time since the last look to the role it had;
+    it runs at each scrape and before each switch, so no time goes to the wrong role."""
+
+    def __init__(self, registry: WorkerRegistry, clock: Callable[[], float] = time.monotonic):
+        self.registry = registry
+        self.clock = clock
+        self.switches: collections.Counter[str] = collections.Counter()
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self._seen: dict[str, float] = {}  # worker -> when its time was last credited
+
+    def observe(self) -> None:
+        now = self.clock()
+        workers = self.registry.workers(Role.PREFILL, Role.DECODE)
+        for w in workers:
+            self.seconds[w.role.value] += now - self._seen.get(w.worker_id, now)
+            self._seen[w.worker_id] = now
+        alive = {w.worker_id for w in workers}
+        self._seen = {k: t for k, t in self._seen.items() if k in alive}
+
+    def switched(self, role: Role) -> None:
+        self.switches[Role(role).value] += 1
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        self.observe()
+        switches = CounterMetricFamily(
+            "splitserve:role_switches", "Elastic workers switched into a role.", labels=["role"]
+        )
+        seconds = CounterMetricFamily(
+            "splitserve:role_seconds", "Worker-seconds elastic workers spent in a role.", labels=["role"]
+        )
+        for role in (Role.PREFILL, Role.DECODE):
+            switches.add_metric([role.value], self.switches[role.value])
+            seconds.add_metric([role.value], self.seconds[role.value])
+        yield from (switches, seconds)

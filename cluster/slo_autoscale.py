@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -101,8 +101,14 @@ class PlannerLoop:
         admitted: Callable[[], int],
         prom: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
+        switch: Callable[[str, Role], Awaitable[float]] | None = None,
     ):
+        """``switch``: elastic mode (a fixed set of workers, ``Cluster.switch_role``): a
+        decision moves a worker from the role above its target to the one below, instead
+        of adding and draining workers."""
         self.planner = planner
+        self.switch = switch
+        self._switching: asyncio.Task | None = None  # one role switch at a time
         self.pools = pools
         self.admitted = admitted  # the router's count of admitted requests, ever
         self.window = LoadWindow()  # the dispatcher's sinks include it
@@ -142,8 +148,33 @@ class PlannerLoop:
         for pd in (decision.prefill, decision.decode):
             if pd.target != pd.current:
                 log.info("planner: %s %d -> %d (%s)", pd.pool, pd.current, pd.target, pd.reason)
-                self._apply(pd)
+                if self.switch is None:
+                    self._apply(pd)
+        if self.switch is not None:
+            self._split(decision)
         return decision
+
+    def _split(self, decision: PlannerDecision) -> None:
+        """Elastic mode: when one role wants a worker the other can spare, switch the
+        least busy worker of the other over (one switch at a time; the planner's damping
+        keeps roles from flapping)."""
+        if self._switching is not None and not self._switching.done():
+            return
+        p, d = decision.prefill, decision.decode
+        if p.target > p.current and d.target < d.current:
+            giver, taker = Role.DECODE, Role.PREFILL
+        elif d.target > d.current and p.target < p.current:
+            giver, taker = Role.PREFILL, Role.DECODE
+        else:
+            return
+        routable = self.pools[giver].registry.routable(giver)
+        if len(routable) <= 1:  # a role is never left without a worker
+            return
+        worker = min(routable, key=lambda w: (w.active, w.running))
+        log.info("planner: %s switches from %s to %s", worker.worker_id, giver, taker)
+        self._switching = asyncio.ensure_future(self.switch(worker.worker_id, taker))
+        self._tasks.add(self._switching)
+        self._switching.add_done_callback(self._done)
 
     def _input(self) -> PlannerInput:
         now, admitted = self.clock(), self.admitted()

@@ -187,3 +187,27 @@ def test_the_stall_budget_keeps_the_tpot_target_the_router_knows():
     assert routing_policy(admitted).stall_tpot_ms == 60  # admission's, with no planner
     own = ClusterConfig.model_validate({**planned, "policy": {"stall_tpot_ms": 25}})
     assert routing_policy(own).stall_tpot_ms == 25  # the policy's own wins
+
+
+def test_elastic_mode_needs_the_planner_and_one_kind_of_worker_in_both_roles():
+    slo = {"autoscaling": {"policy": "slo", "min_replicas": 1, "max_replicas": 3}}
+    planner = {"ttft_ms": 500, "tpot_ms": 50}
+    ok = ClusterConfig.model_validate(
+        {"mode": "elastic", "prefill": slo, "decode": {**slo, "replicas": 2}, "planner": planner}
+    )
+    assert ok.elastic_workers == 3 and set(ok.pools()) == {"prefill", "decode"}
+    with pytest.raises(ValueError, match="set autoscaling.policy slo"):
+        ClusterConfig.model_validate({"mode": "elastic"})
+    with pytest.raises(ValueError, match="engine, device, num_cpus"):
+        ClusterConfig.model_validate(
+            {"mode": "elastic", "prefill": slo, "decode": {**slo, "num_cpus": 2}, "planner": planner}
+        )
+    with pytest.raises(ValueError, match="tp_size and ep_size 1"):
+        ClusterConfig.model_validate(
+            {
+                "mode": "elastic",
+                "prefill": {**slo, "tp_size": 2},
+                "decode": {**slo, "tp_size": 2},
+                "planner": planner,
+            }
+        )

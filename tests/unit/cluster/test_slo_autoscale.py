@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 
 from splitserve.cluster.config import ClusterConfig
-from splitserve.cluster.planner import Planner, PoolDecision, PoolView
+from splitserve.cluster.planner import Planner, PlannerDecision, PoolDecision, PoolView
 from splitserve.cluster.pools import WorkerPool
 from splitserve.cluster.slo_autoscale import PlannerLoop
 from splitserve.router.registry import Membership, WorkerRegistry
+from splitserve.router.roles import Role
 from splitserve.router.trace import Mark, RequestTrace
 
 
@@ -83,3 +84,44 @@ def test_shrinking_never_drains_a_routable_worker_for_one_still_warming():
     for coro in spawned:
         asyncio.run(coro)
     assert drained == ["decode-1"]
+
+
+def test_in_elastic_mode_a_decision_switches_a_worker_between_roles_one_at_a_time():
+    """With a ``switch`` (elastic mode) the planner adds and drains no worker: a role
+    wanting one more takes the least busy worker of a role that wants one fewer, one
+    switch at a time, and never a role's last worker."""
+    config, registry, pools = _pools()
+    switched: list[tuple[str, str]] = []
+    release = asyncio.Event()
+
+    async def switch(worker_id: str, role: Role) -> float:
+        switched.append((worker_id, role))
+        await release.wait()
+        return 0.0
+
+    async def scenario():
+        loop = PlannerLoop(Planner(config.planner), pools, lambda: 0, switch=switch)
+        for wid, role in [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")]:
+            registry.add(wid, role, client=None, block_size=16).state = Membership.ACTIVE
+        registry.get("d0").decoding["r"] = 16  # busier: d1 goes
+        grow_prefill = PlannerDecision(
+            PoolDecision("prefill", 1, 2, 2, "test"), PoolDecision("decode", 2, 1, 1, "test"), 1, 1, 1, 1, 1
+        )
+        loop._split(grow_prefill)
+        loop._split(grow_prefill)  # one at a time: the first is still switching
+        await asyncio.sleep(0)
+        assert switched == [("d1", Role.PREFILL)]
+        release.set()
+        await asyncio.sleep(0)
+        registry.remove("d1")  # as if it had left the decode role
+        loop._split(grow_prefill)  # decode's last worker is never taken
+        await asyncio.sleep(0)
+        assert switched == [("d1", Role.PREFILL)]
+        steady = PlannerDecision(
+            PoolDecision("prefill", 1, 1, 1, "test"), PoolDecision("decode", 1, 2, 2, "test"), 1, 1, 1, 1, 1
+        )
+        loop._split(steady)  # decode wants one, prefill spares none: nothing moves
+        await asyncio.sleep(0)
+        assert switched == [("d1", Role.PREFILL)]
+
+    asyncio.run(scenario())

@@ -1,0 +1,79 @@
+"""An elastic cluster (``mode: elastic``) on real Ray actors: three elastic workers of
+the tiny model (one prefill, two decode at first), NIXL, the router's gRPC door.
+While a client streams from a decode worker, that worker switches to prefill (its
+request moves to the other decode worker with its KV); then the first prefill worker
+switches to decode. The stream's tokens equal the monolithic engine's greedy tokens;
+requests after the switches are prefilled by the worker that was a decode worker;
+``/metrics`` counts one switch into each role and time spent in each; nothing stays
+held. The planner's own switching (``PlannerLoop._split``) is tested without Ray, in
+``tests/unit/cluster/test_slo_autoscale.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.client import Client, Final
+from splitserve.engine.engine import Engine
+from splitserve.router.roles import Role
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.sampling import SamplingParams
+from tests.conftest import random_prompts
+from tests.integration.cluster_util import VOCAB, live_cluster, scrape, tiny_config, total, wait_kv_free
+
+SLO = {"policy": "slo", "min_replicas": 1, "max_replicas": 2}
+POOL = {
+    "num_cpus": 0.5,
+    "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256},
+    "autoscaling": SLO,
+}
+MAX_TOKENS = 400  # long enough to be mid-stream when its worker switches role
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint):
+    config = tiny_config(
+        checkpoint,
+        mode="elastic",
+        prefill={**POOL, "replicas": 1},
+        decode={**POOL, "replicas": 2},
+        planner={"ttft_ms": 1000, "tpot_ms": 100, "interval_s": 3600},  # switched by hand here
+    )
+    with live_cluster(config) as c:
+        yield c
+
+
+def test_elastic_workers_switch_role_under_a_stream_and_lose_nothing(cluster, checkpoint):
+    prompts = random_prompts([60, 40, 50, 70], VOCAB, seed=41)
+    engine = Engine(EngineConfig(model=checkpoint, dtype="float32", kv_cache_memory_mib=16))
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] + [SamplingParams(max_tokens=8)] * 3
+    want = [c.token_ids for c in engine.generate(prompts, params)]
+    tokens, final, switched = [], None, None
+    with Client(cluster.address, timeout=120) as client:
+        options = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0, request_id="switching")
+        for item in client.stream(prompts[0], **options):
+            if isinstance(item, Final):
+                final = item
+                continue
+            tokens += item.token_ids
+            if switched is None and len(tokens) >= 10:
+                st = client.cluster_status()
+                (switched,) = [w.worker_id for p in st.pools for w in p.workers if w.running]
+                cluster.run(cluster.cluster.switch_role(switched, Role.PREFILL), timeout=120)
+        (first_prefill,) = [
+            w.worker_id for w in cluster.registry.workers(Role.PREFILL) if w.worker_id != switched
+        ]
+        cluster.run(cluster.cluster.switch_role(first_prefill, Role.DECODE), timeout=120)
+        later = [client.generate(prompts[i], max_tokens=8, temperature=0.0) for i in (1, 2, 3)]
+        st = client.cluster_status(traces=3)
+        wait_kv_free(client)
+    assert tokens == want[0]  # nothing repeated, skipped or changed by the switch
+    assert final.decode_worker not in ("", switched)
+    assert [c.token_ids for c in later] == want[1:]
+    roles = {w.worker_id: w.role for w in cluster.registry.workers()}
+    assert roles[switched] == Role.PREFILL and roles[first_prefill] == Role.DECODE
+    assert {t.prefill_worker for t in st.traces} == {switched}  # the only prefill worker now
+    metrics = scrape(cluster)
+    assert total(metrics, "splitserve:role_switches_total", role="prefill") == 1
+    assert total(metrics, "splitserve:role_switches_total", role="decode") == 1
+    assert total(metrics, "splitserve:role_seconds_total", role="prefill") > 0
+    assert total(metrics, "splitserve:role_seconds_total", role="decode") > 0
