@@ -162,6 +162,9 @@ class RayDecodePeer(_EveryWorker):
     async def lend_running(self, loan: RunningLoan) -> KVHandoff | None:
         return await _call(self.actor, "lend_running", loan)
 
+    async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
+        return await _call(self.actor, "lend_prefix", loan)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RayDecodeRank:

@@ -14,9 +14,11 @@ out. On each engine tick the requests whose leases ended give their blocks back
     RUNNING --export--> held, exported --(confirmed | released | expired)--> freed
 
 Before the move the taker may copy the request's full blocks while it still decodes
-here (``decode_worker.precopy``): ``lend`` exports them under a loan of their own
+here (``decode_worker.precopy``): ``lend_running`` exports them under a loan of their own
 (``Engine.lend_running``: the loan shares the blocks, the request decodes on), freed
-the same ways.
+the same ways. A prefill worker computing a conversation's next turn may copy its
+earlier turns from this worker's cache (``lend_prefix``), as from another prefill
+worker's.
 
 Only a worker of one process (TP=1) moves requests this way; a TP group's would
 need every rank's export (its requests move by recompute).
@@ -34,6 +36,7 @@ from splitserve.kv_transfer.polling import SourcePoller
 from splitserve.wire.decode import MovedRequest, RunningLoan
 from splitserve.wire.errors import UnknownRequest
 from splitserve.wire.kv import Confirmation, Handshake, KVHandoff
+from splitserve.wire.prefill import PrefixLoan
 
 
 class RequestMover:
@@ -58,7 +61,16 @@ class RequestMover:
         handoff = self._export(engine, request_id, moved.block_ids, moved.num_kv_tokens)
         return MovedRequest(request_id, self.worker_id, handoff, moved.output_token_ids, engine.revision)
 
-    def lend(self, engine: Engine, loan: RunningLoan) -> KVHandoff | None:  # engine thread
+    def lend_prefix(self, engine: Engine, loan: PrefixLoan) -> KVHandoff | None:  # engine thread
+        """Export the cached blocks of ``loan`` from ``loan.from_block`` on under a lease
+        (``Engine.lend_prefix``: a finished request's blocks stay cached); None when the
+        cache holds none of them."""
+        lent = engine.lend_prefix(loan.request_id, loan.token_ids, loan.from_block)
+        if lent is None:
+            return None
+        return self._export(engine, loan.request_id, lent.block_ids, lent.num_kv_tokens)
+
+    def lend_running(self, engine: Engine, loan: RunningLoan) -> KVHandoff | None:  # engine thread
         """Export a running request's full blocks as ``loan`` asks under a lease
         (``Engine.lend_running``); None when it has none past ``loan.from_block``."""
         lent = engine.lend_running(loan.loan_id, loan.request_id, loan.token_ids, loan.from_block)

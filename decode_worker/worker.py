@@ -89,7 +89,7 @@ from splitserve.wire.decode import (
 from splitserve.wire.errors import DeadlineExceeded, InvalidRequest, Overloaded, UnknownRequest, WorkerLost
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.outputs import RequestOutput
-from splitserve.wire.prefill import PrefillPeer
+from splitserve.wire.prefill import PrefillPeer, PrefixLoan
 from splitserve.wire.prefix import PrefixCursor
 
 log = logging.getLogger(__name__)
@@ -293,7 +293,16 @@ class DecodeWorker:
         cannot export (a TP or EP group)."""
         if self.mover is None:
             return None
-        return await self._call(lambda e: self.mover.lend(e, loan))
+        return await self._call(lambda e: self.mover.lend_running(e, loan))
+
+    async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
+        """Export the cached blocks of ``loan`` from ``loan.from_block`` on (a
+        conversation's earlier turns, for the prefill worker computing its next) under a
+        lease: the borrower's confirmation, ``abort(loan.request_id)`` or the lease's end
+        frees them. None when it holds none of them or cannot export (a TP or EP group)."""
+        if self.mover is None:
+            return None
+        return await self._call(lambda e: self.mover.lend_prefix(e, loan))
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
         """A worker that took over requests from here holds verified copies of these

@@ -253,20 +253,27 @@ class Dispatcher:
             yield event
 
     def _prefix_pull(self, prompt: Prompt, pw: WorkerRecord) -> PrefixPull | None:
-        """Where ``pw`` may copy ``prompt``'s prefix from: another live prefill worker
-        (draining ones too: their caches still serve) that holds more of it, where the
-        decider judges the copy cheaper than computing it (``policy.prefix_pulls``)."""
+        """Where ``pw`` may copy ``prompt``'s prefix from: another live prefill worker,
+        or a decode worker that can export its cache (a conversation's earlier turns end
+        there), draining ones too (their caches still serve), that holds more of it,
+        where the decider judges the copy cheaper than computing it
+        (``policy.prefix_pulls``)."""
         if not self.policy.prefix_pulls:
             return None
         holders = [
             w
-            for w in self.registry.workers(Role.PREFILL)
-            if w is not pw and w.alive and w.state != Membership.STARTING and w.revision == pw.revision
+            for w in self.registry.workers(Role.PREFILL, Role.DECODE)
+            if w is not pw
+            and w.alive
+            and w.state != Membership.STARTING
+            and w.revision == pw.revision
+            and (w.role == Role.PREFILL or (w.info is not None and bool(w.info.handshakes)))
         ]
         holder = self.decider.pull_source(prompt, pw, holders)
         if holder is None:
             return None
-        return PrefixPull(holder.client, holder.worker_id, prompt.cached_on(holder) // pw.block_size)
+        lender = holder.client if holder.role == Role.PREFILL else holder.client.peer()
+        return PrefixPull(lender, holder.worker_id, prompt.cached_on(holder) // pw.block_size)
 
     async def _fork(
         self, life: RequestLifecycle, params: SamplingParams

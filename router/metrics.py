@@ -32,6 +32,9 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
     splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total   (prompt tokens)
     splitserve:prefill_placement_total{placement,reason} (the decider's choices)
     splitserve:kv_transfer_failures_total{error,action} (action: recompute or fail)
+    splitserve:prompt_tokens_from_decode_kv_total{how}  prompt tokens whose KV a decode worker's cache
+                                                       held: copied to the prefill worker, or reused
+                                                       in_place (prefilled on that decode worker)
     splitserve:requests_moved_total{reason}             running requests moved to another decode
                                                        worker (router.moves.MOVE_REASONS: operator,
                                                        drain, kv_full)
@@ -90,6 +93,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from splitserve.router.registry import Membership, WorkerRegistry
+from splitserve.router.roles import Role
 from splitserve.router.trace import RequestTrace
 from splitserve.wire.outputs import rank_loads
 from splitserve.wire.prefill import PrefillStats
@@ -429,11 +433,27 @@ class RouterMetrics:
                 registry, pool_sizes, inflight, placements, transfer_failures, batch_caps, workers, moves
             )
         )
+        self._registry = registry
+        self.decode_kv = Counter(
+            "splitserve:prompt_tokens_from_decode_kv",
+            "Prompt tokens whose KV a decode worker's cache held (a conversation's earlier turns): "
+            "copied from it by the prefill worker, or reused where the prompt was prefilled in place.",
+            ["model_name", "how"],
+            registry=self.prom,
+        )
         self._exposed = CollectorRegistry(auto_describe=False)
         self._exposed.register(_Labelled(self.prom, {"replica": str(replica)}))
 
     def record(self, trace: RequestTrace) -> None:
         self.requests.record(trace)
+        if trace.prefill_worker and trace.prefix_pulled_tokens:  # copied from a decode worker's cache?
+            holder = self._registry.get(trace.prefix_pulled_from)
+            if holder is not None and holder.role != Role.PREFILL:
+                self.decode_kv.labels(self.requests.model_name, "copied").inc(trace.prefix_pulled_tokens)
+        elif not trace.prefill_worker and trace.cached_prompt_tokens:  # prefilled where it decodes
+            decoder = self._registry.get(trace.decode_worker)
+            if decoder is not None and decoder.role == Role.DECODE:  # not a colocated worker
+                self.decode_kv.labels(self.requests.model_name, "in_place").inc(trace.cached_prompt_tokens)
 
     def render(self) -> bytes:
         """The exposition, Prometheus' text format (``CONTENT_TYPE_LATEST``): every series

@@ -10,7 +10,7 @@ from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import SplitserveError
 from splitserve.wire.kv import DEFAULT_LEASE_S, Confirmation, Handshake, KVDescriptor, KVHandoff
 from splitserve.wire.outputs import EngineStats, PromptLogprob, RequestOutput, TopLogprobs
-from splitserve.wire.prefill import PrefillPeer, PrefixPull
+from splitserve.wire.prefill import PrefillPeer, PrefixLoan, PrefixPull
 from splitserve.wire.prefix import PrefixUpdate
 from splitserve.wire.sampling import FinishReason, SamplingParams
 from splitserve.wire.tp import TPInit
@@ -142,8 +142,9 @@ class RunningLoan:
 
 class DecodePeer(Protocol):
     """A decode worker as another decode worker sees it, to take over a request it moved
-    away (``DecodeTask.moved_from``) or copy one's KV before the move (``PreCopy``): its
-    handshakes (``info``), ``lend_running``, ``confirm``, ``abort``. Errors come back as
+    away (``DecodeTask.moved_from``), copy one's KV before the move (``PreCopy``), or copy
+    a cached prefix (``PrefixPull``): its handshakes (``info``), ``lend_running``,
+    ``lend_prefix``, ``confirm``, ``abort``. Errors come back as
     splitserve's own (``WorkerLost`` for a lost worker)."""
 
     async def info(self) -> DecodeWorkerInfo: ...
@@ -151,6 +152,11 @@ class DecodePeer(Protocol):
     async def lend_running(self, loan: RunningLoan) -> KVHandoff | None:
         """Export a running request's full blocks as ``loan`` asks, under a lease; None
         when it has none past ``loan.from_block``."""
+        ...
+
+    async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
+        """Export the cached blocks of ``loan`` (a conversation's earlier turns, for a
+        prefill worker computing its next) under a lease; None when it holds none."""
         ...
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:

@@ -68,13 +68,14 @@ class PrefillTask:
 @dataclass(frozen=True)
 class PrefixPull:
     """Where a prefill worker may take a prompt's leading full blocks from instead of
-    computing them: ``holder``, another prefill worker whose prefix cache held the
-    first ``num_blocks`` of them when the router last polled it. The borrower asks it
-    for the blocks it lacks itself (``PrefillPeer.lend_prefix``), pulls them over the
-    transfer backend and verifies them; whatever fails on the way (the holder evicted
-    them, died, or the pull failed) it computes them instead, and the request goes on."""
+    computing them: ``holder``, another prefill worker, or a decode worker (a
+    conversation's earlier turns end in its cache), whose prefix cache held the first
+    ``num_blocks`` of them when the router last polled it. The borrower asks it for the
+    blocks it lacks itself (``PrefixLender.lend_prefix``), pulls them over the transfer
+    backend and verifies them; whatever fails on the way (the holder evicted them, died,
+    or the pull failed) it computes them instead, and the request goes on."""
 
-    holder: PrefillPeer
+    holder: PrefixLender
     holder_id: str
     num_blocks: int
 
@@ -138,6 +139,20 @@ class PrefillStats:
     # and those that failed or found nothing to take (the prompt was computed instead)
     prefix_pulls: int = 0
     prefix_pull_failures: int = 0
+
+
+class PrefixLender(Protocol):
+    """A worker whose cached prefixes others copy (a ``PrefillPeer``, or a decode
+    worker's ``DecodePeer``): its handshakes (``info``), ``lend_prefix``, ``confirm``,
+    ``abort``. Errors come back as splitserve's own (``WorkerLost`` for a lost worker)."""
+
+    async def info(self) -> PrefillWorkerInfo: ...
+
+    async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None: ...
+
+    async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None: ...
+
+    async def abort(self, request_id: str) -> bool: ...
 
 
 class PrefillPeer(Protocol):
