@@ -354,7 +354,7 @@ class WorkerPool:
     def client(self, actor) -> RayPrefillWorker | RayDecodeWorker:
         """How the router calls ``actor`` in this pool's role (an elastic worker's prefill
         half answers as ``prefill_*``)."""
-        if self.role == Role.DECODE:
+        if self.role != Role.PREFILL:  # decode, colocated
             return RayDecodeWorker(actor)
         return RayPrefillWorker(actor, "prefill_" if self.config.mode == "elastic" else "")
 
