@@ -242,7 +242,8 @@ SERVER_COUNTERS = {
     "prefilled_remote": "prompts prefilled on a prefill worker",
     "reused_device_tokens": "prompt tokens taken from a KV cache",
     "reused_host_tokens": "prompt tokens reloaded from a host tier",
-    "pulled_tokens": "prompt tokens copied from another prefill worker",
+    "pulled_tokens": "prompt tokens copied from another worker",
+    "decode_lent_tokens": "of those, from a decode worker's KV",
     "held_tokens": "handed-over prompt tokens a decode worker held already",
     "moved_tokens": "handed-over prompt tokens whose KV moved",
 }
@@ -257,12 +258,14 @@ async def server_counters(address: str) -> dict[str, float]:
     for p in st.placements:  # one count per (placement, reason)
         placed[p.placement] += p.count
     reuse = [w.prefix_reuse for pool in st.pools for w in pool.workers]
+    decode_reuse = [w.prefix_reuse for pool in st.pools if pool.role == "decode" for w in pool.workers]
     return {
         "prefilled_local": placed["local"],
         "prefilled_remote": placed["remote"],
         "reused_device_tokens": sum(r.device_tokens for r in reuse),
         "reused_host_tokens": sum(r.host_tokens for r in reuse),
         "pulled_tokens": sum(r.pulled_tokens for r in reuse),
+        "decode_lent_tokens": sum(r.lent_tokens for r in decode_reuse),
         "held_tokens": sum(r.import_held_tokens for r in reuse),
         "moved_tokens": sum(r.import_moved_tokens for r in reuse),
     }

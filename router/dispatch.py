@@ -257,12 +257,13 @@ class Dispatcher:
         or a decode worker that can export its cache (a conversation's earlier turns end
         there), draining ones too (their caches still serve), that holds more of it,
         where the decider judges the copy cheaper than computing it
-        (``policy.prefix_pulls``)."""
+        (``policy.prefix_pulls``; decode workers' with ``policy.decode_prefix_pulls``)."""
         if not self.policy.prefix_pulls:
             return None
+        lenders = (Role.PREFILL, Role.DECODE) if self.policy.decode_prefix_pulls else (Role.PREFILL,)
         holders = [
             w
-            for w in self.registry.workers(Role.PREFILL, Role.DECODE)
+            for w in self.registry.workers(*lenders)
             if w is not pw
             and w.alive
             and w.state != Membership.STARTING

@@ -123,6 +123,12 @@ class PolicySpec(StrictModel):
         "beats computing (router.decider); a pull that fails is computed instead",
     )
 
+    decode_prefix_pulls: bool = Field(
+        True,
+        description="with prefix_pulls, a prefill worker may also copy a prompt's prefix from a decode "
+        "worker's cache (a conversation's earlier turns end there); false: from other prefill workers only",
+    )
+
     def stall_budget_s(self, decode_step_s: float) -> float:
         """The longest, in seconds, the prefills waiting on a decode worker (a new one's
         included) may hold up its batch, for a worker whose recent decode step took
