@@ -57,10 +57,23 @@ RAY_SYSTEM_CONFIG = {"timeout_ms_task_wait_for_death_info": 100}
 
 def start_local_ray(num_cpus: int | None = None, **kwargs) -> None:
     """Start a new local Ray instance of this process's own (never one the machine
-    already runs) with ``RAY_SYSTEM_CONFIG``; ``kwargs`` go to ``ray.init``."""
+    already runs) with ``RAY_SYSTEM_CONFIG``; ``kwargs`` go to ``ray.init``.
+
+    Ray's own startup is tried twice: right after another local instance stopped (a
+    test module's, a bench's), a new head's raylet sometimes did not register with its
+    GCS within Ray's 30 s ("The current node timed out during startup"); started again,
+    it does."""
     kwargs.setdefault("include_dashboard", False)
-    system_config = dict(RAY_SYSTEM_CONFIG)  # a copy: Ray adds its own keys to the dict it is given
-    ray.init(address="local", num_cpus=num_cpus, _system_config=system_config, **kwargs)
+    for attempt in (1, 2):
+        system_config = dict(RAY_SYSTEM_CONFIG)  # a copy: Ray adds its own keys to the dict it is given
+        try:
+            ray.init(address="local", num_cpus=num_cpus, _system_config=system_config, **kwargs)
+            return
+        except Exception as e:
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            log.warning("Ray did not start (%s); starting it again", e)
+            ray.shutdown()
 
 
 def connect_ray(config: ClusterConfig) -> bool:

@@ -51,20 +51,10 @@ def shared_ray() -> None:
     A module that needs a Ray of its own (several nodes, another size) calls
     ``own_ray`` first.
 
-    Ray's own startup is tried twice: once in a full run, right after the module that
-    stops a fake multi-node Ray with ``ray stop --force``, a new head's raylet did not
-    register with its GCS within Ray's 30 s (``The current node timed out during
-    startup``); the same module passes alone."""
+    Ray's own startup is tried twice (``start_local_ray``)."""
     if ray.is_initialized():
         return
-    try:
-        start_local_ray(2, object_store_memory=300 * 2**20, log_to_driver=False)
-    except Exception as e:
-        if "timed out during startup" not in str(e):
-            raise
-        logging.getLogger(__name__).warning("Ray did not start (%s); starting it again", e)
-        ray.shutdown()
-        start_local_ray(2, object_store_memory=300 * 2**20, log_to_driver=False)
+    start_local_ray(2, object_store_memory=300 * 2**20, log_to_driver=False)
 
 
 def own_ray() -> None:
