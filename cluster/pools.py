@@ -22,6 +22,11 @@ never restarts) is **replaced**: ``keep`` (one task per pool, on the router's
 loop) kills what is left of it and starts a new worker, so a pool keeps its
 size through any number of crashes (``replaced`` counts them, for metrics).
 
+In elastic mode (``mode: elastic``) both pools launch ``ElasticWorker`` actors (one
+engine that serves either role): a worker switching role (``cluster.role_switch``,
+``Cluster.switch_role``) is ``release``d by one pool and ``adopt``ed by the other,
+its actor, placement group and registry record unchanged.
+
 A worker with ``tp_size > 1`` is a group of actors in one placement group:
 rank 0 (bundle 0; the router's handle: a ``PrefillWorker`` or ``DecodeWorker``)
 and a ``PrefillRank`` or ``DecodeRank`` per other rank (a decode worker's rank
