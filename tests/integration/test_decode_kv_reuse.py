@@ -81,11 +81,8 @@ def test_the_next_turn_copies_the_conversation_from_the_decode_worker(checkpoint
         assert counted == trace.prefix_pulled_tokens
 
         def nothing_held() -> bool:
-            return all(
-                asyncio.run(w.stats()).engine.num_used_blocks == 0
-                and not getattr(asyncio.run(w.stats()), "exports", ())
-                for w in (prefill, decode)
-            )
+            stats = [asyncio.run(w.stats()) for w in (prefill, decode)]
+            return all(s.engine.num_used_blocks == 0 and not getattr(s, "exports", ()) for s in stats)
 
         wait_until(nothing_held, "both workers free every block (loans confirmed, requests ended)")
     finally:
