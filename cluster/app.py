@@ -211,11 +211,8 @@ class ServingCluster:
                 p.spec.autoscaling is not None and p.spec.autoscaling.policy == "slo"
                 for p in self.pools.values()
             ):
-                planner = cfg.planner
-                if cfg.mode == "elastic":  # a fixed set of workers, whose roles the planner splits
-                    planner = planner.model_copy(update={"max_total_replicas": cfg.elastic_workers})
-                self.planner = PlannerLoop(
-                    Planner(planner),
+                self.planner = PlannerLoop(  # elastic: a fixed set of workers, whose roles it splits
+                    Planner(cfg.planner),
                     self.pools,
                     lambda: dispatcher.admitted,
                     self.metrics.prom,

@@ -141,7 +141,12 @@ class AutoscalingSpec(_Strict):
         "slo: the SLO planner sizes the prefill and decode pools together to meet `planner`'s TTFT and "
         "TPOT targets (cluster.planner); both pools must then use it",
     )
-    min_replicas: int = Field(1, ge=1, description="the pool never shrinks below this")
+    min_replicas: int = Field(
+        1,
+        ge=0,
+        description="the pool never shrinks below this (0 only for the prefill role in elastic mode: "
+        "every worker then decodes and prefills its own prompts)",
+    )
     max_replicas: int = Field(4, ge=1, description="the pool never grows past this")
     target: float | None = Field(
         None,
@@ -422,6 +427,13 @@ class ClusterConfig(_Strict):
                 raise ValueError("autoscaling.policy slo needs a planner section (ttft_ms, tpot_ms)")
         if self.mode == "elastic":
             self._check_elastic(slo)
+        for role, pool in self.pools().items():
+            if pool.autoscaling is not None and pool.autoscaling.min_replicas < 1:
+                if (self.mode, role) != ("elastic", "prefill"):
+                    raise ValueError(
+                        f"{role}.autoscaling.min_replicas must be >= 1: only the prefill role of an "
+                        "elastic cluster may shrink to none (its decode workers then prefill)"
+                    )
         if self.mode in ("disaggregated", "elastic"):
             if self.prefill.ep_size > 1:
                 raise ValueError(

@@ -98,6 +98,13 @@ class PlannerSpec(BaseModel):
         "target to prefill; otherwise the time went elsewhere (a starved host, a queue for decode room) "
         "and another prefill worker would not shorten it",
     )
+    elastic_return: float = Field(
+        0.7,
+        gt=0,
+        lt=1,
+        description="elastic mode: once the split could not take the prompts and every worker was pooled, "
+        "split again only when the prompt demand is below this fraction of what it was then (hysteresis)",
+    )
     decode_headroom: float = Field(
         0.8,
         gt=0,
@@ -148,6 +155,7 @@ class PlannerInput:
     context_tokens: int = 0  # prompt tokens, cached ones included, of the requests served whole
     queued_prompt_tokens: int = 0  # now: uncached prompt tokens waiting for or in prefill
     queued_requests: int = 0  # now: the requests they belong to
+    elastic_workers: int = 0  # elastic mode: the workers the two roles share (0: pools of their own)
 
 
 @dataclass(frozen=True)
@@ -202,6 +210,7 @@ class Planner:
     _context: float | None = None  # mean KV tokens a decoding sequence holds over its life
     _local: float | None = None
     _prefill_rate: float | None = None
+    _pooled_at: float | None = None  # elastic: the prompt demand at which the split last fell short
     _points: deque = field(default_factory=lambda: deque(maxlen=64))
     _dampers: dict[str, _PoolDamper] = field(
         default_factory=lambda: {Role.PREFILL: _PoolDamper(), Role.DECODE: _PoolDamper()}
@@ -230,12 +239,13 @@ class Planner:
             self._prefill_rate = max(measured, _ewma(self._prefill_rate, measured, w))
         self._points.extend(p for p in inp.decode_points if p[0] > 0 and p[1] > 0)
 
-    def prefill_capacity(self) -> float:
-        """Prompt tokens/s one prefill worker takes while a mean prompt still meets the
-        TTFT target, queueing included (M/D/1: wait = rho * S / (2 (1 - rho))); 0 unknown."""
+    def prefill_capacity(self, prompt: float | None = None) -> float:
+        """Prompt tokens/s one prefill worker takes while a mean prompt (``prompt`` tokens;
+        default: the mean prefill workers saw) still meets the TTFT target, queueing
+        included (M/D/1: wait = rho * S / (2 (1 - rho))); 0 unknown."""
         if not self._prefill_rate:
             return 0.0
-        service = (self._prompt or 0.0) / self._prefill_rate
+        service = ((self._prompt or 0.0) if prompt is None else prompt) / self._prefill_rate
         target = self.spec.ttft_ms / 1000
         if service <= 0:
             rho = self.spec.max_prefill_utilisation
@@ -297,7 +307,10 @@ class Planner:
             self.spec.tpot_ms,
             local_s,
         )
-        p_need, d_need = self._fit_budget(p_need, d_need, inp)
+        if inp.elastic_workers:
+            (p_need, p_why), (d_need, d_why) = self._elastic(inp, planned, d_cap)
+        else:
+            p_need, d_need = self._fit_budget(p_need, d_need, inp)
         return PlannerDecision(
             self._damp(Role.PREFILL, inp.prefill, p_need, p_why, inp.now),
             self._damp(Role.DECODE, inp.decode, d_need, d_why, inp.now),
@@ -307,6 +320,57 @@ class Planner:
             p_cap,
             d_cap,
         )
+
+    def _elastic(self, inp: PlannerInput, planned: float, d_cap: float) -> tuple[tuple[int, str], ...]:
+        """Elastic mode: how ``inp.elastic_workers`` workers split between the roles.
+
+        SPLIT while the split takes the whole prompt demand (every uncached prompt token,
+        wherever it was prefilled) and the decode demand within the targets, on at most
+        all the workers: prefill workers take the prompts, so decoding never stalls for
+        one. The workers are shared in proportion to need.
+        POOLED otherwise: the prefill role at its minimum (0: every worker decodes and
+        prefills its own prompts, as colocated workers do, so every core prefills).
+        The split also falls short when its TTFT was missed while the prompts waiting at
+        its prefill workers take longer than the target to prefill (a queue the
+        prediction did not see: a burst of cold prefixes).
+        Back from pooled only once the prompt demand is below ``elastic_return`` of the
+        demand at which the split fell short, so a steady load never flaps."""
+        n, s, drain = inp.elastic_workers, self.spec, self.spec.backlog_drain_s
+        prompt = (self._prompt or 0.0) + (self._local or 0.0)
+        p_demand = planned * prompt + inp.queued_prompt_tokens / drain
+        waiting_s = inp.queued_prompt_tokens / max(self._prefill_rate or 0.0, 1e-9)
+        queued = inp.prefill.current > 0 and waiting_s * 1000 > s.ttft_ms
+        p, p_why = self._need(
+            p_demand,
+            self.prefill_capacity(prompt),
+            inp.prefill,
+            inp.ttft_p90_s if queued else None,
+            s.ttft_ms,
+            by_ratio=False,
+        )
+        # a pooled worker's TPOT includes the prompts it prefilled: no evidence against a split
+        d, d_why = self._need(
+            (planned + inp.queued_requests / drain) * (self._output or 0.0),
+            d_cap,
+            inp.decode,
+            inp.tpot_p90_s if inp.prefill.current > 0 else None,
+            s.tpot_ms,
+        )
+        p_lo, d_lo = max(inp.prefill.min_replicas, 1), max(inp.decode.min_replicas, 1)
+        p, d = max(p, p_lo), max(d, d_lo)
+        fits = p + d <= n and p <= inp.prefill.max_replicas
+        if fits and self._pooled_at is not None and p_demand > s.elastic_return * self._pooled_at:
+            fits = False
+            p_why += f"; pooled until under {s.elastic_return * self._pooled_at:.0f} tok/s"
+        if not fits:
+            if self._pooled_at is None:
+                self._pooled_at = p_demand
+            pooled = max(inp.prefill.min_replicas, n - inp.decode.max_replicas)
+            why = f"pooled: the split needs {p} prefill + {d} decode of {n} workers"
+            return (pooled, f"{why}; {p_why}"), (n - pooled, f"{why}; {d_why}")
+        self._pooled_at = None
+        p = min(max(round(n * p / (p + d)), p_lo, n - inp.decode.max_replicas), n - d_lo, inp.prefill.max_replicas)
+        return (p, f"split: {p_why}"), (n - p, f"split: {d_why}")
 
     def _prefill_busy(self, demand: float, inp: PlannerInput) -> bool:
         """Whether a missed TTFT is prefill's to fix: no rate measured yet (act on the SLO

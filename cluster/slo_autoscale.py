@@ -157,7 +157,9 @@ class PlannerLoop:
     def _split(self, decision: PlannerDecision) -> None:
         """Elastic mode: when one role wants a worker the other can spare, switch the
         least busy worker of the other over (one switch at a time; the planner's damping
-        keeps roles from flapping)."""
+        and its hysteresis keep roles from flapping). A role keeps its ``min_replicas``;
+        decode keeps one worker at least, prefill may go to none (every worker then
+        prefills its own prompts)."""
         if self._switching is not None and not self._switching.done():
             return
         p, d = decision.prefill, decision.decode
@@ -168,7 +170,8 @@ class PlannerLoop:
         else:
             return
         routable = self.pools[giver].registry.routable(giver)
-        if len(routable) <= 1:  # a role is never left without a worker
+        floor = self.pools[giver].spec.autoscaling.min_replicas
+        if len(routable) <= max(floor, 1 if giver == Role.DECODE else 0):  # decode keeps one
             return
         worker = min(routable, key=lambda w: (w.active, w.running))
         log.info("planner: %s switches from %s to %s", worker.worker_id, giver, taker)
@@ -188,7 +191,11 @@ class PlannerLoop:
         ok = [t for t in served if t.ttft_s is not None]
         registry = self.pools[Role.PREFILL].registry
         prefill = registry.routable(Role.PREFILL)
-        rates = [w.prefill_tokens_per_s for w in prefill if w.prefill_tokens_per_s > 0]
+        rates = [w.prefill_tokens_per_s for w in prefill if w.prefill_tokens_per_s > 0] or [
+            w.prefill_tokens_per_s  # none routable (elastic, pooled): the decode workers prefill
+            for w in registry.routable(Role.DECODE)
+            if w.prefill_tokens_per_s > 0
+        ]
         points = tuple(
             (w.stats.engine.decode_batch, w.stats.engine.decode_step_s)
             for w in registry.routable(Role.DECODE)
@@ -215,6 +222,7 @@ class PlannerLoop:
             decode=self._view(Role.DECODE),
             queued_prompt_tokens=sum(w.queued_prompt_tokens for w in registry.workers(Role.PREFILL)),
             queued_requests=sum(len(w.prefilling) for w in registry.workers(Role.PREFILL)),
+            elastic_workers=len(registry.workers(Role.PREFILL, Role.DECODE)) if self.switch else 0,
         )
 
     def _view(self, role: str) -> PoolView:

@@ -211,3 +211,14 @@ def test_elastic_mode_needs_the_planner_and_one_kind_of_worker_in_both_roles():
                 "planner": planner,
             }
         )
+
+
+def test_only_the_prefill_role_of_an_elastic_cluster_may_shrink_to_none():
+    slo = {"autoscaling": {"policy": "slo", "min_replicas": 1, "max_replicas": 2}}
+    none = {"autoscaling": {"policy": "slo", "min_replicas": 0, "max_replicas": 2}}
+    planner = {"ttft_ms": 500, "tpot_ms": 50}
+    ok = ClusterConfig.model_validate({"mode": "elastic", "prefill": none, "decode": slo, "planner": planner})
+    assert ok.prefill.autoscaling.min_replicas == 0
+    for mode, prefill, decode in [("elastic", slo, none), ("disaggregated", none, slo)]:
+        with pytest.raises(ValueError, match="only the prefill role of an elastic cluster"):
+            ClusterConfig.model_validate({"mode": mode, "prefill": prefill, "decode": decode, "planner": planner})

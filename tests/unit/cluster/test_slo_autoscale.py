@@ -125,3 +125,53 @@ def test_in_elastic_mode_a_decision_switches_a_worker_between_roles_one_at_a_tim
         assert switched == [("d1", Role.PREFILL)]
 
     asyncio.run(scenario())
+
+
+def test_in_elastic_mode_the_prefill_role_may_give_its_last_worker_where_its_minimum_is_none():
+    """An elastic cluster whose prefill role may shrink to none (every worker then
+    prefills its own prompts): the planner switches the last prefill worker to decode;
+    the decode role always keeps one. The loop tells the planner how many workers the
+    roles share."""
+    none = {"policy": "slo", "min_replicas": 0, "max_replicas": 2}
+    config = ClusterConfig.model_validate(
+        {
+            "mode": "elastic",
+            "model": {"name": "random"},
+            "prefill": {"autoscaling": none},
+            "decode": {"autoscaling": {**none, "min_replicas": 1}},
+            "planner": {"ttft_ms": 500, "tpot_ms": 50},
+        }
+    )
+    registry = WorkerRegistry()
+    pools = {role: WorkerPool(role, config, registry) for role in ("prefill", "decode")}
+    switched: list[tuple[str, str]] = []
+
+    async def switch(worker_id: str, role: Role) -> float:
+        switched.append((worker_id, role))
+        return 0.0
+
+    async def scenario():
+        loop = PlannerLoop(Planner(config.planner), pools, lambda: 0, switch=switch)
+        for wid, role in [("p0", "prefill"), ("d0", "decode")]:
+            registry.add(wid, role, client=None, block_size=16).state = Membership.ACTIVE
+        assert loop._input().elastic_workers == 2
+        pool = PlannerDecision(
+            PoolDecision("prefill", 1, 0, 0, "test"), PoolDecision("decode", 1, 2, 2, "test"), 1, 1, 1, 1, 1
+        )
+        loop._split(pool)
+        await asyncio.sleep(0)
+        assert switched == [("p0", Role.DECODE)]
+        registry.remove("p0")  # as if it had switched
+        registry.add("p0", "decode", client=None, block_size=16).state = Membership.ACTIVE
+        split = PlannerDecision(
+            PoolDecision("prefill", 0, 1, 1, "test"), PoolDecision("decode", 2, 1, 1, "test"), 1, 1, 1, 1, 1
+        )
+        loop._split(split)
+        await asyncio.sleep(0)
+        assert switched[-1][1] == Role.PREFILL  # one of the two decode workers goes back
+        registry.remove("p0")  # one decode worker left
+        loop._split(split)
+        await asyncio.sleep(0)
+        assert len(switched) == 2  # decode's last worker never goes
+
+    asyncio.run(scenario())

@@ -1,0 +1,103 @@
+"""The SLO planner in elastic mode (``PlannerInput.elastic_workers``): it splits a fixed
+set of workers between the roles while the split takes the load, pools them (prefill
+role at none: every worker prefills its own prompts) when the prompts need more cores
+than a split leaves them, comes back only once the prompt demand has fallen well
+below the level that pooled them, and never flaps under a steady load."""
+
+from __future__ import annotations
+
+from splitserve.cluster.planner import Planner, PlannerInput, PlannerProfile, PlannerSpec, PoolView
+
+# elastic bounds: prefill 0-2, decode 1-2; shrinking wanted for 10 s moves a role
+SPEC = PlannerSpec(ttft_ms=500, tpot_ms=50, downscale_delay_s=10, min_reversal_s=20, max_step_fraction=0)
+# a worker prefills 2000 prompt tokens/s; a decode step is 10 ms + 1 ms per sequence.
+# At 200-token prompts (0.1 s each) one prefill worker takes 1778 tok/s within the TTFT target.
+PROFILE = PlannerProfile(2000.0, ((1, 0.011), (8, 0.018), (32, 0.042)))
+
+
+def interval(now, rate, prompt, p, d, n=2, output=10, s=5.0, **kw) -> PlannerInput:
+    """``s`` seconds at ``rate`` requests/s of ``prompt`` uncached tokens; with no prefill
+    worker (``p`` 0) the decode workers prefilled them, as the live loop reports it."""
+    k = int(rate * s)
+    fields = dict(
+        now=now,
+        interval_s=s,
+        arrivals=k,
+        finished=k,
+        prompt_tokens=k * prompt if p else 0,
+        local_prompt_tokens=0 if p else k * prompt,
+        output_tokens=k * output,
+        ttft_p90_s=None,
+        tpot_p90_s=None,
+        prefill_tokens_per_s=0.0,
+        decode_points=(),
+        prefill=PoolView(p, 0, 0, 2, 256),
+        decode=PoolView(d, 0, 1, 2, 256),
+        elastic_workers=n,
+    )
+    return PlannerInput(**(fields | kw))
+
+
+def run(planner, start, seconds, rate, prompt, p, d, **kw):
+    """Steps the planner every 5 s, switching a worker as ``PlannerLoop._split`` would
+    (when one role's target is above its workers and the other's below); returns the
+    roles after each step and where they ended."""
+    roles = []
+    for now in range(start, start + seconds, 5):
+        decision = planner.decide(interval(now, rate, prompt, p, d, **kw))
+        moves = (decision.prefill.target > p) - (decision.prefill.target < p)
+        if moves and (decision.decode.target > d) - (decision.decode.target < d) == -moves:
+            p, d = p + moves, d - moves
+        roles.append((p, d))
+    return roles, p, d
+
+
+def test_a_split_that_takes_the_load_stays_split_under_a_steady_load():
+    planner = Planner(SPEC, PROFILE)
+    roles, _, _ = run(planner, 0, 300, rate=4, prompt=200, p=1, d=1)  # 800 prompt tok/s
+    assert set(roles) == {(1, 1)}
+    assert "split" in planner.decide(interval(300, 4, 200, 1, 1)).prefill.reason
+
+
+def test_prompts_that_need_more_cores_than_the_split_leaves_pool_every_worker():
+    planner = Planner(SPEC, PROFILE)
+    first = planner.decide(interval(0, 10, 200, 1, 1))  # 2000 tok/s: two prefill workers' worth
+    assert (first.prefill.desired, first.decode.desired) == (0, 2)
+    assert first.prefill.reason.startswith("pooled: the split needs 2 prefill + 1 decode of 2")
+    assert (first.prefill.target, first.decode.target) == (1, 2)  # decode grows now, prefill shrinks late
+    roles, p, d = run(planner, 5, 300, rate=10, prompt=200, p=1, d=1)
+    assert (p, d) == (0, 2)
+    switches = sum(a != b for a, b in zip(roles, roles[1:], strict=False))
+    assert switches == 1  # once to pooled, and never back under the same load
+
+
+def test_pooled_workers_split_again_only_once_the_prompt_demand_falls_well_below():
+    planner = Planner(SPEC, PROFILE)
+    _, p, d = run(planner, 0, 60, rate=10, prompt=200, p=1, d=1)
+    assert (p, d) == (0, 2)
+    # 1600 tok/s: one prefill worker could take it (1778), but it is above 0.7 x 2000
+    roles, p, d = run(planner, 60, 300, rate=8, prompt=200, p=0, d=2)
+    assert set(roles) == {(0, 2)}
+    assert "pooled until under 1400 tok/s" in planner.decide(interval(360, 8, 200, 0, 2)).prefill.reason
+    roles, p, d = run(planner, 365, 300, rate=5, prompt=200, p=0, d=2)  # 1000 tok/s
+    assert (p, d) == (1, 1)
+    assert sum(a != b for a, b in zip(roles, roles[1:], strict=False)) == 1
+
+
+def test_a_missed_ttft_pools_only_when_prompts_queue_at_the_prefill_workers():
+    planner = Planner(SPEC, PROFILE)
+    # a lone long prompt missed the target, nothing waits: another prefill core would not help
+    lone = planner.decide(interval(0, 1, 200, 1, 1, ttft_p90_s=2.0, queued_prompt_tokens=500))
+    assert lone.prefill.desired == 1 and lone.prefill.reason.startswith("split")
+    # a burst of cold prompts waits longer than the target to prefill: the split fell short
+    burst = planner.decide(interval(5, 1, 200, 1, 1, ttft_p90_s=2.0, queued_prompt_tokens=4000))
+    assert burst.prefill.desired == 0 and "p90 2000 ms > 500 ms" in burst.prefill.reason
+
+
+def test_more_workers_are_shared_in_proportion_to_need_and_decode_keeps_one():
+    planner = Planner(SPEC.model_copy(update={"max_step": 4}), PROFILE)
+    spec = dict(n=4, prefill=PoolView(2, 0, 0, 4, 256), decode=PoolView(2, 0, 1, 4, 256))
+    d = planner.decide(interval(0, 6, 200, 2, 2, **spec))  # 1200 tok/s: one prefill worker's worth
+    assert (d.prefill.desired, d.decode.desired) == (2, 2)  # 1:1 need, four workers
+    d = planner.decide(interval(5, 16, 200, 2, 2, **spec))  # 3200 tok/s: two
+    assert (d.prefill.desired, d.decode.desired) == (3, 1)
