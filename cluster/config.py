@@ -440,8 +440,12 @@ class ClusterConfig(_Strict):
                     "prefill.ep_size must be 1: prefill runs tensor-parallel (its batches are large enough "
                     "to keep every rank's GEMMs busy); expert parallelism is for decode and colocated pools"
                 )
-            if self.prefill.replicas < 1 or self.decode.replicas < 1:
-                raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
+            prefill_floor = 0 if self.mode == "elastic" and self.prefill.autoscaling.min_replicas == 0 else 1
+            if self.prefill.replicas < prefill_floor or self.decode.replicas < 1:
+                raise ValueError(
+                    "disaggregated mode needs at least one prefill and one decode worker (elastic mode may "
+                    "start with no prefill worker where prefill.autoscaling.min_replicas is 0)"
+                )
             if self.prefill.engine.block_size != self.decode.engine.block_size:
                 raise ValueError("prefill and decode pools must use the same block_size")
             kv_dtypes = (self.prefill.engine.kv_cache_dtype, self.decode.engine.kv_cache_dtype)

@@ -334,8 +334,12 @@ class Planner:
         its prefill workers take longer than the target to prefill (a queue the
         prediction did not see: a burst of cold prefixes).
         Back from pooled only once the prompt demand is below ``elastic_return`` of the
-        demand at which the split fell short, so a steady load never flaps."""
+        demand at which the split fell short, so a steady load never flaps. With no load
+        at all the roles stay as they are."""
         n, s, drain = inp.elastic_workers, self.spec, self.spec.backlog_drain_s
+        if planned <= 0 and not inp.queued_prompt_tokens:  # no load says which is better: hold
+            have = inp.prefill.current + inp.prefill.warming
+            return (have, "no load: the roles stay"), (n - have, "no load: the roles stay")
         prompt = (self._prompt or 0.0) + (self._local or 0.0)
         p_demand = planned * prompt + inp.queued_prompt_tokens / drain
         waiting_s = inp.queued_prompt_tokens / max(self._prefill_rate or 0.0, 1e-9)

@@ -159,9 +159,11 @@ class Dispatcher:
             raise InvalidRequest(f"unknown model {name!r}; this server serves {self.served_model!r}")
 
     def unroutable_roles(self) -> list[Role]:
-        """The pools this router sends requests to that have no routable worker now."""
-        roles = [Role.COLOCATED] if self.colocated else [Role.PREFILL, Role.DECODE]
-        return [role for role in roles if not self.registry.routable(role)]
+        """The pools this router cannot serve without that have no routable worker now:
+        colocated or decode. With no routable prefill worker the decode workers prefill
+        (``Reason.NO_PREFILL_WORKER``; an elastic cluster's pooled roles), so it serves."""
+        role = Role.COLOCATED if self.colocated else Role.DECODE
+        return [] if self.registry.routable(role) else [role]
 
     def validate(self, inp: GenerateInput) -> tuple[list[int], SamplingParams]:
         """The request's prompt token ids and its sampling parameters with the fields it

@@ -149,8 +149,9 @@ class RouterServer:
             await self.health.set(name, status)
 
     async def _follow_pools(self) -> None:
-        """Health checks say SERVING while every pool this router sends requests to has a
-        routable worker (as HTTP ``/health``), NOT_SERVING otherwise and once stopping."""
+        """Health checks say SERVING while the pool this router cannot serve without
+        (decode or colocated: ``Dispatcher.unroutable_roles``) has a routable worker (as
+        HTTP ``/health``), NOT_SERVING otherwise and once stopping."""
         serving = not self._stopping and not self.dispatcher.unroutable_roles()
         if serving != self._serving:
             await self._set_serving(serving)

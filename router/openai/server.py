@@ -123,7 +123,7 @@ class OpenAIServer:
     async def _health(self, request: web.Request) -> web.Response:
         missing = [role.value for role in self.dispatcher.unroutable_roles()]
         if missing:
-            message = f"no routable worker in the {' and '.join(missing)} pool"
+            message = f"no routable worker in the {missing[0]} pool"
             return web.json_response({"status": "unavailable", "message": message}, status=503)
         return web.json_response({"status": "ok"})
 

@@ -101,3 +101,10 @@ def test_more_workers_are_shared_in_proportion_to_need_and_decode_keeps_one():
     assert (d.prefill.desired, d.decode.desired) == (2, 2)  # 1:1 need, four workers
     d = planner.decide(interval(5, 16, 200, 2, 2, **spec))  # 3200 tok/s: two
     assert (d.prefill.desired, d.decode.desired) == (3, 1)
+
+
+def test_with_no_load_the_roles_stay_as_they_are():
+    planner = Planner(SPEC, PROFILE)
+    for p, d in [(0, 2), (1, 1)]:
+        roles, _, _ = run(planner, 0, 60, rate=0, prompt=0, p=p, d=d)
+        assert set(roles) == {(p, d)}

@@ -250,15 +250,15 @@ def test_tokenize_detokenize_version_and_models(door):
     assert payload["data"][0]["max_model_len"] == 4096
 
 
-def test_health_is_503_while_a_pool_has_no_routable_worker():
+def test_health_is_503_while_no_decode_worker_is_routable():
+    """Decode workers alone serve (they prefill when no prefill worker is routable);
+    without one the door says which pool is missing."""
     door = Door(workers=False)
     try:
-        status, payload = door.request("/health")
-        assert status == 503 and "prefill and decode" in payload["message"]
-        door.loop.run(_add(door.registry, "decode", door.decode))
-        status, payload = door.request("/health")
-        assert status == 503 and payload["message"] == "no routable worker in the prefill pool"
         door.loop.run(_add(door.registry, "prefill", door.prefill))
+        status, payload = door.request("/health")
+        assert status == 503 and payload["message"] == "no routable worker in the decode pool"
+        door.loop.run(_add(door.registry, "decode", door.decode))
         assert door.request("/health") == (200, {"status": "ok"})
         assert door.request("/v1/completions", {"prompt": [5], "max_tokens": 2})[0] == 200
     finally:

@@ -84,16 +84,23 @@ async def _call(fn, *args):
 
 
 def test_health_follows_the_pools_and_turns_not_serving_on_stop():
-    """SERVING once both pools have a routable worker, NOT_SERVING while one has none,
-    and from the moment the server stops (before it drains)."""
+    """SERVING once a decode worker is routable (it prefills while no prefill worker
+    is), NOT_SERVING while none is, and from the moment the server stops (before it
+    drains)."""
     loop, server = _server(stats_interval_s=0.05)
     registry = server.dispatcher.registry
     with Client(server.address, retries=0) as c:
         assert not c.health()
-        for role, fake in (("prefill", FakePrefill("p0")), ("decode", FakeDecode("d0"))):
-            registry.add(fake.worker_id, role, fake, 16)
-            loop.run(registry.activate(fake.worker_id))
-        wait_until(c.health, "health did not turn SERVING with both pools routable")
+        fake = FakePrefill("p0")
+        registry.add(fake.worker_id, "prefill", fake, 16)
+        loop.run(registry.activate(fake.worker_id))
+        assert not c.health()  # a prefill worker alone cannot serve
+        fake = FakeDecode("d0")
+        registry.add(fake.worker_id, "decode", fake, 16)
+        loop.run(registry.activate(fake.worker_id))
+        wait_until(c.health, "health did not turn SERVING with a decode worker routable")
+        loop.run(_call(registry.remove, "p0"))
+        assert c.health()  # the decode worker prefills now
         loop.run(_call(registry.remove, "d0"))  # on the loop that owns the registry
         wait_until(lambda: not c.health(), "health stayed SERVING with no decode worker")
         fake = FakeDecode("d1")
