@@ -373,7 +373,9 @@ class Planner:
             why = f"pooled: the split needs {p} prefill + {d} decode of {n} workers"
             return (pooled, f"{why}; {p_why}"), (n - pooled, f"{why}; {d_why}")
         self._pooled_at = None
-        p = min(max(round(n * p / (p + d)), p_lo, n - inp.decode.max_replicas), n - d_lo, inp.prefill.max_replicas)
+        p = min(
+            max(round(n * p / (p + d)), p_lo, n - inp.decode.max_replicas), n - d_lo, inp.prefill.max_replicas
+        )
         return (p, f"split: {p_why}"), (n - p, f"split: {d_why}")
 
     def _prefill_busy(self, demand: float, inp: PlannerInput) -> bool:

@@ -221,4 +221,6 @@ def test_only_the_prefill_role_of_an_elastic_cluster_may_shrink_to_none():
     assert ok.prefill.autoscaling.min_replicas == 0
     for mode, prefill, decode in [("elastic", slo, none), ("disaggregated", none, slo)]:
         with pytest.raises(ValueError, match="only the prefill role of an elastic cluster"):
-            ClusterConfig.model_validate({"mode": mode, "prefill": prefill, "decode": decode, "planner": planner})
+            ClusterConfig.model_validate(
+                {"mode": mode, "prefill": prefill, "decode": decode, "planner": planner}
+            )
