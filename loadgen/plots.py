@@ -2,7 +2,10 @@
 
 - ``slo_attainment.png``: SLO attainment vs request rate, one line per setup;
 - ``itl_cdf_<rate>.png``: the CDF of inter-token latency per setup at each rate;
-- ``ttft_over_time_<rate>.png``: each request's TTFT against its send time.
+- ``ttft_over_time_<rate>.png``: each request's TTFT against its send time;
+- ``roles_over_time_<setup>_<rate>.png``: where a setup's roles changed during the run (an
+  elastic cluster), its prefill workers over time against the prompt and output
+  tokens/s the requests asked for.
 """
 
 from __future__ import annotations
@@ -79,7 +82,31 @@ def write_all(directory: str, runs: dict[str, list], slos_ms: dict[str, float]) 
         ax2.legend()
         written.append(_save(fig, out / f"itl_cdf_{rate:g}.png"))
         written.append(_save(fig2, out / f"ttft_over_time_{rate:g}.png"))
+        for label, results in runs.items():
+            for r in results:
+                if r.rate == rate and r.metrics.get("over_time", {}).get("role_changes"):
+                    name = f"roles_over_time_{label.replace(':', '').replace('/', '_')}_{rate:g}.png"
+                    written.append(_roles(plt, r.metrics["over_time"], out / name))
     return written
+
+
+def _roles(plt, over_time: dict, path: Path) -> Path:
+    """Prefill workers (a step line) over the demand (``serve.timeline``'s record)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    demand = np.array(over_time["demand"])
+    ax.step(demand[:, 0], demand[:, 1], where="post", label="prompt tok/s asked")
+    ax.step(demand[:, 0], demand[:, 2], where="post", label="output tok/s asked")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("tokens/s")
+    roles = np.array(over_time["roles"] + [[demand[-1, 0] + over_time["bin_s"], *over_time["roles"][-1][1:]]])
+    twin = ax.twinx()
+    twin.step(roles[:, 0], roles[:, 1], where="post", color="black", label="prefill workers")
+    twin.set_ylabel("prefill workers (the rest decode)")
+    twin.set_ylim(-0.1, max(roles[:, 1].max(), 1) + 0.5)
+    ax.legend(loc="upper left")
+    twin.legend(loc="upper right")
+    ax.set_title("roles over time against demand")
+    return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:

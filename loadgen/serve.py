@@ -37,6 +37,45 @@ class RunResult:
     records: list[RequestRecord]
 
 
+ROLE_SAMPLE_S = 0.5  # how often a run looks at the cluster's roles
+
+
+async def sample_roles(address: str, every_s: float = ROLE_SAMPLE_S) -> list[tuple[float, int, int]]:
+    """``(time.perf_counter(), prefill workers, decode workers)`` every ``every_s``, from
+    the cluster's status, until cancelled (returns what it saw then). Colocated workers
+    count as decode workers (each decodes and prefills its own prompts, as an elastic
+    cluster's pooled workers do)."""
+    seen: list[tuple[float, int, int]] = []
+    async with AsyncClient(address, retries=0, timeout=10) as client:
+        try:
+            while True:
+                with contextlib.suppress(SplitserveClientError):
+                    st = await client.cluster_status()
+                    n = collections.Counter({p.role: len(p.workers) for p in st.pools})
+                    seen.append((time.perf_counter(), n["prefill"], n["decode"] + n["colocated"]))
+                await asyncio.sleep(every_s)
+        except asyncio.CancelledError:
+            return seen
+
+
+def timeline(records: list[RequestRecord], roles: list[tuple[float, int, int]], bin_s: float = 5.0) -> dict:
+    """The run over time, from its first send: per ``bin_s`` bin, the prompt and output
+    tokens/s the requests sent in it asked for (the demand), and every change of roles
+    as ``[t, prefill, decode]`` (the first sample included)."""
+    t0 = min(r.send_time for r in records)
+    bins = collections.defaultdict(lambda: [0, 0])
+    for r in records:
+        b = bins[int((r.send_time - t0) // bin_s)]
+        b[0] += r.prompt_len
+        b[1] += r.output_len
+    demand = [[k * bin_s, bins[k][0] / bin_s, bins[k][1] / bin_s] for k in range(max(bins, default=-1) + 1)]
+    changes = []
+    for at, p, d in roles:
+        if not changes or changes[-1][1:] != [p, d]:
+            changes.append([round(at - t0, 2), p, d])
+    return {"bin_s": bin_s, "demand": demand, "roles": changes, "role_changes": max(len(changes) - 1, 0)}
+
+
 async def run_load(
     address: str,
     requests: list[workloads.BenchRequest],
@@ -152,6 +191,8 @@ def build_requests(
         reqs = workloads.mixed(
             n, vocab_size, seed, args.long_fraction, args.long_len, args.input_len, args.output_len
         )
+    elif args.dataset == "shifting":
+        reqs = workloads.shifting(n, vocab_size, seed, args.input_len, args.long_len, args.output_len)
     elif args.dataset == "trace":
         if not args.trace:
             raise ValueError("--dataset trace needs --trace FILE")
@@ -199,6 +240,24 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
     return slos
 
 
+async def _send(
+    args: argparse.Namespace, rate: float, address: str, limits: tuple[int, int]
+) -> tuple[list[RequestRecord], float]:
+    """One rate's load (``args.seed`` already this rate's): its records and duration."""
+    if args.dataset == "multi-turn":
+        conversations = build_conversations(args, *limits)
+        arrivals = workloads.arrival_times(len(conversations), rate, args.burstiness, args.seed)
+        print(f"rate {rate:g} conversations/s: {len(conversations)} x {args.num_turns}", file=sys.stderr)
+        return await run_conversations(address, conversations, arrivals, progress=True)
+    requests = build_requests(args, *limits)
+    if args.dataset == "trace":
+        arrivals = [r.arrival_s for r in requests]
+    else:
+        arrivals = workloads.arrival_times(len(requests), rate, args.burstiness, args.seed)
+    print(f"rate {rate:g} req/s: {len(requests)} requests", file=sys.stderr)
+    return await run_load(address, requests, arrivals, args.max_concurrency, progress=True)
+
+
 async def run_rates(args: argparse.Namespace, address: str) -> list[RunResult]:
     async with AsyncClient(address, retries=2, timeout=30) as probe:
         (model,) = await probe.list_models()
@@ -209,22 +268,14 @@ async def run_rates(args: argparse.Namespace, address: str) -> list[RunResult]:
         # Fresh prompts per rate (seed + i): a rerun of the same prompts would hit the prefix cache.
         seeded = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
         before = await server_counters(address)
-        if args.dataset == "multi-turn":
-            conversations = build_conversations(seeded, *limits)
-            arrivals = workloads.arrival_times(len(conversations), rate, args.burstiness, args.seed + i)
-            print(f"rate {rate:g} conversations/s: {len(conversations)} x {args.num_turns}", file=sys.stderr)
-            records, duration = await run_conversations(address, conversations, arrivals, progress=True)
-        else:
-            requests = build_requests(seeded, *limits)
-            if args.dataset == "trace":
-                arrivals = [r.arrival_s for r in requests]
-            else:
-                arrivals = workloads.arrival_times(len(requests), rate, args.burstiness, args.seed + i)
-            print(f"rate {rate:g} req/s: {len(requests)} requests", file=sys.stderr)
-            records, duration = await run_load(
-                address, requests, arrivals, args.max_concurrency, progress=True
-            )
+        sampler = asyncio.create_task(sample_roles(address))
+        try:
+            records, duration = await _send(seeded, rate, address, limits)
+        finally:
+            sampler.cancel()
+        roles = await sampler
         metrics = compute_metrics(records, duration, slos)
+        metrics["over_time"] = timeline(records, roles)
         await asyncio.sleep(1.0)  # the router polls its workers' counters twice a second
         after = await server_counters(address)
         metrics |= {key: after[key] - before.get(key, 0) for key in after}
@@ -289,6 +340,9 @@ def print_summary(label: str, m: dict) -> None:
     server = [f"{what} {m[key]:,.0f}" for key, what in SERVER_COUNTERS.items() if m.get(key)]
     if server:
         print("  server: " + "; ".join(server))
+    roles = m.get("over_time", {}).get("roles", [])
+    if len(roles) > 1:
+        print("  roles (prefill:decode from t s): " + ", ".join(f"{p}:{d} from {t:g}" for t, p, d in roles))
 
 
 def write_json(path: str, payload: object) -> None:
@@ -300,7 +354,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dataset",
         default="random",
-        choices=["random", "sharegpt", "shared-prefix", "mixed", "trace", "multi-turn"],
+        choices=["random", "sharegpt", "shared-prefix", "mixed", "shifting", "trace", "multi-turn"],
         help="multi-turn: --num-prompts conversations arriving at --request-rate per second",
     )
     p.add_argument("--num-prompts", type=int, default=100)
@@ -308,7 +362,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--input-len",
         type=int,
         default=256,
-        help="random/mixed (short ones)/shared-prefix suffix/multi-turn user message",
+        help="random/mixed/shifting (short ones)/shared-prefix suffix/multi-turn user message",
     )
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0, help="random: widen lengths by this fraction")
@@ -328,7 +382,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="multi-turn: mean pause (s) before a turn after the first",
     )
-    p.add_argument("--long-len", type=int, default=2048, help="mixed: length of the long prompts")
+    p.add_argument("--long-len", type=int, default=2048, help="mixed, shifting: length of the long prompts")
     p.add_argument("--long-fraction", type=float, default=0.1, help="mixed: fraction of long prompts")
     p.add_argument("--trace", default=None, help="trace: JSONL of timestamp, input_len, output_len")
     p.add_argument(

@@ -15,6 +15,9 @@ Datasets (all generated from a seed; nothing is downloaded):
   is for;
 - ``mixed``: short chat requests with a fraction of long prompts among them
   (the workload disaggregation is for);
+- ``shifting``: a load that shifts from decode-heavy (short prompts, long outputs)
+  to prefill-heavy (long prompts, short outputs) and back, a third of the
+  requests each: what an elastic cluster's roles should follow;
 - ``trace``: replay a JSONL file of ``{"timestamp", "input_len", "output_len"}``;
 - ``multi-turn``: chat conversations (``Conversation``) of several turns behind
   ``num_prefixes`` system prompts; each turn re-sends the whole conversation so
@@ -81,6 +84,21 @@ def mixed(n, vocab_size, seed=0, long_fraction=0.1, long_len=2048, short_len=128
         is_long = every and i % every == every // 2
         length = long_len if is_long else max(1, int(rng.integers(short_len // 2, short_len * 3 // 2 + 1)))
         out.append(BenchRequest(_ids(rng, length, vocab_size, low_id), output_len))
+    return out
+
+
+def shifting(n, vocab_size, seed=0, short_len=64, long_len=1024, output_len=256, low_id=100):
+    """Decode-heavy, then prefill-heavy, then decode-heavy again, a third of ``n`` each
+    (in send order): prompts of ``short_len`` (+-50 %) asking ``output_len`` tokens, then
+    prompts of ``long_len`` asking ``output_len // 8`` (at least 4)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        if n // 3 <= i < 2 * n // 3:
+            out.append(BenchRequest(_ids(rng, long_len, vocab_size, low_id), max(4, output_len // 8)))
+        else:
+            length = int(rng.integers(max(1, short_len // 2), short_len * 3 // 2 + 1))
+            out.append(BenchRequest(_ids(rng, length, vocab_size, low_id), output_len))
     return out
 
 

@@ -75,3 +75,27 @@ def test_multi_turn_conversations_resend_their_history():
     assert c.prompt(0, []) == c.system_ids + c.user_ids[0]
     assert c.prompt(2, answers) == c.system_ids + c.user_ids[0] + [1, 2] + c.user_ids[1] + [3] + c.user_ids[2]
     assert workloads.multi_turn(2, 2, 8, 4, 1, 1000, think_s=0)[0].think_s == [0.0, 0.0]
+
+
+def test_shifting_goes_decode_heavy_prefill_heavy_and_back():
+    reqs = workloads.shifting(30, 1000, seed=3, short_len=64, long_len=1024, output_len=256)
+    phases = [reqs[:10], reqs[10:20], reqs[20:]]
+    for phase in (phases[0], phases[2]):
+        assert all(32 <= len(r.prompt_ids) <= 96 and r.output_len == 256 for r in phase)
+    assert all(len(r.prompt_ids) == 1024 and r.output_len == 32 for r in phases[1])
+    assert all(100 <= t < 1000 for r in reqs for t in r.prompt_ids)
+
+
+def test_the_timeline_bins_demand_by_send_time_and_keeps_only_role_changes():
+    from splitserve.loadgen.metrics import RequestRecord
+    from splitserve.loadgen.serve import timeline
+
+    def rec(sent: float, prompt: int, output: int) -> RequestRecord:
+        return RequestRecord(prompt, sent, [sent + 1.0], [output], success=True)
+
+    records = [rec(100.0, 500, 20), rec(103.0, 100, 30), rec(111.0, 1000, 5)]
+    roles = [(99.0, 0, 2), (101.0, 0, 2), (104.5, 1, 1), (112.0, 1, 1), (113.0, 0, 2)]
+    t = timeline(records, roles, bin_s=5.0)
+    assert t["demand"] == [[0.0, 120.0, 10.0], [5.0, 0.0, 0.0], [10.0, 200.0, 1.0]]
+    assert t["roles"] == [[-1.0, 0, 2], [4.5, 1, 1], [13.0, 0, 2]]
+    assert t["role_changes"] == 2
