@@ -291,7 +291,8 @@ class ServingCluster:
         """Elastic mode: worker ``worker_id`` takes ``role`` (``cluster.role_switch``): its
         old role's work drains (a decode worker's requests move off with their KV), then
         it serves the new one, its engine as it was. Returns the seconds it took. Raises
-        ``InvalidRequest`` outside elastic mode or for an unknown worker, ``TimeoutError``
+        ``InvalidRequest`` outside elastic mode, for an unknown worker or the last decode
+        worker (the prefill role may have none: decode workers prefill), ``TimeoutError``
         (it stays in its old role) if its old role's work did not end in time."""
         if self.config.mode != "elastic":
             raise InvalidRequest("workers switch role only in elastic mode")
@@ -299,6 +300,9 @@ class ServingCluster:
         if source is None:
             raise InvalidRequest(f"no worker {worker_id}")
         target = self.pools[Role(role)]
+        decoding = [w.worker_id for w in self.registry.routable(Role.DECODE)]
+        if Role(role) == Role.PREFILL and decoding == [worker_id]:
+            raise InvalidRequest(f"{worker_id} is the last decode worker: a cluster cannot serve without one")
         old = self.registry.get(worker_id).client
         self.roles.observe()  # its time so far is its old role's
         timeout = (target.spec.autoscaling or source.spec.autoscaling).drain_timeout_s

@@ -16,15 +16,15 @@ from splitserve.client import Client, Final
 from splitserve.engine.engine import Engine
 from splitserve.router.roles import Role
 from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import VOCAB, live_cluster, scrape, tiny_config, total, wait_kv_free
 
-SLO = {"policy": "slo", "min_replicas": 1, "max_replicas": 2}
+SLO = {"policy": "slo", "min_replicas": 1, "max_replicas": 3}
 POOL = {
     "num_cpus": 0.5,
     "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256},
-    "autoscaling": SLO,
 }
 MAX_TOKENS = 400  # long enough to be mid-stream when its worker switches role
 
@@ -34,8 +34,8 @@ def cluster(checkpoint):
     config = tiny_config(
         checkpoint,
         mode="elastic",
-        prefill={**POOL, "replicas": 1},
-        decode={**POOL, "replicas": 2},
+        prefill={**POOL, "replicas": 1, "autoscaling": {**SLO, "min_replicas": 0}},
+        decode={**POOL, "replicas": 2, "autoscaling": SLO},
         planner={"ttft_ms": 1000, "tpot_ms": 100, "interval_s": 3600},  # switched by hand here
     )
     with live_cluster(config) as c:
@@ -77,3 +77,32 @@ def test_elastic_workers_switch_role_under_a_stream_and_lose_nothing(cluster, ch
     assert total(metrics, "splitserve:role_switches_total", role="decode") == 1
     assert total(metrics, "splitserve:role_seconds_total", role="prefill") > 0
     assert total(metrics, "splitserve:role_seconds_total", role="decode") > 0
+
+
+def test_with_every_worker_decoding_the_decode_workers_prefill_and_the_last_one_stays(cluster, checkpoint):
+    """The prefill role emptied (an elastic cluster's pooled split): the cluster stays
+    SERVING, each request is prefilled on the decode worker that decodes it, with the
+    monolithic engine's greedy tokens; the last decode worker is refused the prefill role
+    with a sentence; a worker that takes the prefill role back prefills again."""
+    prompts = random_prompts([30, 45, 60], VOCAB, seed=43)
+    engine = Engine(EngineConfig(model=checkpoint, dtype="float32", kv_cache_memory_mib=16))
+    want = [c.token_ids for c in engine.generate(prompts, SamplingParams(max_tokens=8))]
+    for w in cluster.registry.workers(Role.PREFILL):
+        cluster.run(cluster.cluster.switch_role(w.worker_id, Role.DECODE), timeout=120)
+    decode = [w.worker_id for w in cluster.registry.routable(Role.DECODE)]
+    assert len(decode) == 3 and not cluster.registry.workers(Role.PREFILL)
+    with Client(cluster.address, timeout=120) as client:
+        assert client.health()
+        got = [client.generate(p, max_tokens=8, temperature=0.0) for p in prompts]
+        st = client.cluster_status(traces=3)
+        assert [c.token_ids for c in got] == want
+        assert {t.prefill_worker for t in st.traces} == {""}  # each prefilled where it decodes
+        for wid in decode[1:]:
+            cluster.run(cluster.cluster.switch_role(wid, Role.PREFILL), timeout=120)
+        with pytest.raises(InvalidRequest, match="last decode worker"):
+            cluster.run(cluster.cluster.switch_role(decode[0], Role.PREFILL), timeout=120)
+        back = client.generate(prompts[2], max_tokens=8, temperature=0.0)
+        st = client.cluster_status(traces=1)
+        wait_kv_free(client)
+    assert back.token_ids == want[2]
+    assert st.traces[-1].prefill_worker in decode[1:]
