@@ -8,7 +8,13 @@ come from ``cluster.sim_trace``. The policies are the cluster's own code:
 ``slo`` runs ``Planner.decide`` on the same ``PlannerInput`` the live
 ``PlannerLoop`` builds, ``proportional`` runs
 ``ScaleDecision`` on the same load figures ``Autoscaler`` reads, ``fixed``
-never moves.
+never moves. ``elastic`` is ``slo`` over a fixed set of workers whose roles it
+splits (``mode: elastic``): a switch takes the least loaded worker of the role the
+planner shrinks, drains it (a decode worker's sequences move to the other decode
+workers, as live migration moves them; a prefill worker finishes its queue), and
+gives it the other role ``SimProfile.switch_s`` later. While no prefill worker is
+routable, each decode worker prefills the prompts routed to it in its own steps
+(a step then takes the prompts' prefill time on top of its decode step).
 
 Time is simulated (no sleeping, no threads): a 10-minute trace on 64 workers
 runs in seconds. What it does not model: prefix-cache hits, chunked prompts
@@ -19,78 +25,26 @@ transfers, failures.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
-import json
 from collections import deque
 from dataclasses import dataclass, field
 
 from splitserve.cluster.autoscale import ScaleDecision
 from splitserve.cluster.config import AutoscalingSpec
-from splitserve.cluster.planner import Planner, PlannerInput, PlannerSpec, PoolView, percentile
+from splitserve.cluster.planner import (
+    Planner,
+    PlannerDecision,
+    PlannerInput,
+    PlannerSpec,
+    PoolView,
+    percentile,
+)
+from splitserve.cluster.sim_records import PoolLimits, SimOutcome, SimProfile, SimResult
 from splitserve.cluster.sim_trace import SimRequest
 from splitserve.router.roles import Role
 
-
-@dataclass(frozen=True)
-class SimProfile:
-    """What one worker of each phase costs (``splitserve plan profile`` measures it)."""
-
-    prefill_tokens_per_s: float  # one prefill worker, prompt tokens per second
-    prefill_step_s: float  # fixed cost of a prefill step
-    max_batched_tokens: int  # a prefill step's token budget (a longer prompt takes a step alone)
-    decode_step_s: tuple[float, float]  # (a, b): a decode step of B sequences takes a + b * B
-    max_batch: int  # a decode worker's max_num_seqs
-    transfer_s: float = 0.002  # fixed cost of one KV handover
-    transfer_s_per_token: float = 0.0  # and per prompt token
-    start_s: float = 30.0  # a new worker's start until it is routable
-    # Workers that share cores (one machine): a step's relative slowdown while the
-    # other pool's workers are busy, times the busy share of them; 0 on separate hardware.
-    prefill_slowdown: float = 0.0
-    decode_slowdown: float = 0.0
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> SimProfile:
-        """The inverse of ``to_json``; a missing or unknown field is a ValueError."""
-        fields = json.loads(text)
-        try:
-            fields["decode_step_s"] = tuple(fields["decode_step_s"])
-            return cls(**fields)
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"not a simulator profile: {e}") from None
-
-
-@dataclass
-class SimOutcome:
-    """One request's fate in a simulation (times in simulated seconds)."""
-
-    spec: SimRequest
-    first_token_s: float | None = None
-    finished_s: float | None = None
-    generated: int = 0
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.spec.arrival_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first; None until finished or for one token."""
-        if self.finished_s is None or self.spec.output_tokens <= 1:
-            return None
-        return (self.finished_s - self.first_token_s) / (self.spec.output_tokens - 1)
-
-    def met(self, ttft_ms: float, tpot_ms: float) -> bool:
-        """Finished and met both targets (a one-token request has no TPOT to miss)."""
-        return (
-            self.finished_s is not None
-            and self.ttft_s * 1000 <= ttft_ms
-            and (self.tpot_s is None or self.tpot_s * 1000 <= tpot_ms)
-        )
+__all__ = ["PoolLimits", "SimOutcome", "SimProfile", "SimResult", "Simulation"]
 
 
 @dataclass
@@ -105,6 +59,13 @@ class _Worker:
     queued_tokens: int = 0  # prefill: their prompt tokens
     running: list = field(default_factory=list)  # decode: the batch
     pending: list = field(default_factory=list)  # decode: KV landed, joins the next step
+    local: deque = field(default_factory=deque)  # decode: prompts it prefills itself
+    switch_to: str | None = None  # elastic: the role it takes once drained
+    role_since_s: float = -1.0  # elastic: when it took its present role (its start until a switch)
+
+    def __post_init__(self) -> None:
+        if self.role_since_s < 0:
+            self.role_since_s = self.started_s
 
     def routable(self, now: float) -> bool:
         return self.gone_s is None and not self.draining and self.ready_s <= now
@@ -112,41 +73,10 @@ class _Worker:
     def load(self) -> int:
         if self.pool == Role.PREFILL:
             return self.queued_tokens
-        return len(self.running) + len(self.pending)
+        return len(self.running) + len(self.pending) + len(self.local)
 
     def idle(self) -> bool:
-        return not self.busy and not self.queue and not self.running and not self.pending
-
-
-@dataclass
-class SimResult:
-    requests: list[SimOutcome]
-    replica_seconds: dict[str, float]
-    moves: dict[str, list[tuple[float, int]]]  # pool -> (time, +1 grow / -1 shrink)
-    timeline: list[tuple[float, int, int]]  # (time, prefill routable, decode routable)
-    end_s: float
-
-    def ttft_s(self) -> list[float]:
-        return [r.ttft_s for r in self.requests if r.ttft_s is not None]
-
-    def tpot_s(self) -> list[float]:
-        return [r.tpot_s for r in self.requests if r.tpot_s is not None]
-
-    def attainment(self, ttft_ms: float, tpot_ms: float) -> float:
-        """Fraction of all requests that finished and met both targets."""
-        return sum(r.met(ttft_ms, tpot_ms) for r in self.requests) / max(len(self.requests), 1)
-
-    def reversals_per_minute(self, pool: str) -> int:
-        """The most direction reversals of ``pool`` within any 60 s."""
-        flips = [t for (t, d), (_, prev) in zip(self.moves[pool][1:], self.moves[pool]) if d != prev]
-        return max((sum(1 for u in flips if t <= u < t + 60) for t in flips), default=0)
-
-
-@dataclass(frozen=True)
-class PoolLimits:
-    start: int
-    min_replicas: int
-    max_replicas: int
+        return not (self.busy or self.queue or self.running or self.pending or self.local)
 
 
 class Simulation:
@@ -163,10 +93,10 @@ class Simulation:
         planner: PlannerSpec | None = None,
         proportional: dict[str, AutoscalingSpec] | None = None,
     ):
-        if policy not in ("fixed", "proportional", "slo"):
-            raise ValueError(f"policy must be fixed, proportional or slo, got {policy!r}")
-        if policy == "slo" and planner is None:
-            raise ValueError("policy slo needs a planner spec")
+        if policy not in ("fixed", "proportional", "slo", "elastic"):
+            raise ValueError(f"policy must be fixed, proportional, slo or elastic, got {policy!r}")
+        if policy in ("slo", "elastic") and planner is None:
+            raise ValueError(f"policy {policy} needs a planner spec")
         if policy == "proportional" and not proportional:
             raise ValueError("policy proportional needs an AutoscalingSpec per pool")
         self.profile, self.policy = profile, policy
@@ -181,7 +111,8 @@ class Simulation:
         self._busy = {Role.PREFILL: 0, Role.DECODE: 0}  # workers in a step, per pool
         self.moves: dict[str, list[tuple[float, int]]] = {Role.PREFILL: [], Role.DECODE: []}
         self.timeline: list[tuple[float, int, int]] = []
-        self.planner = Planner(planner) if policy == "slo" else None
+        self.planner = Planner(planner) if policy in ("slo", "elastic") else None
+        self._role_seconds = {Role.PREFILL: 0.0, Role.DECODE: 0.0}  # elastic: credited at switches
         if planner is not None:
             self.interval_s = planner.interval_s
         else:
@@ -213,7 +144,8 @@ class Simulation:
             fn(*args)
         end = self.now
         seconds = {
-            pool: sum((w.gone_s if w.gone_s is not None else end) - w.started_s for w in ws)
+            pool: sum((w.gone_s if w.gone_s is not None else end) - w.role_since_s for w in ws)
+            + self._role_seconds[pool]
             for pool, ws in self.workers.items()
         }
         return SimResult(self.reqs, seconds, self.moves, self.timeline, end)
@@ -226,7 +158,10 @@ class Simulation:
     def _route_prefill(self, r: SimOutcome) -> None:
         live = [w for w in self.workers[Role.PREFILL] if w.routable(self.now)]
         if not live:
-            self._waiting.append(r)
+            if self.policy == "elastic":
+                self._prefill_locally(r)
+            else:
+                self._waiting.append(r)
             return
         w = min(live, key=_Worker.load)
         w.queue.append(r)
@@ -276,19 +211,45 @@ class Simulation:
         if not w.busy:
             self._decode_step(w)
 
+    def _prefill_locally(self, r: SimOutcome) -> None:
+        live = [w for w in self.workers[Role.DECODE] if w.routable(self.now)]
+        if not live:  # none routable (a switch under way): try again shortly
+            self._at(self.now + 0.05, self._route_prefill, r)
+            return
+        w = min(live, key=_Worker.load)
+        r.local = True
+        w.local.append(r)
+        if not w.busy:
+            self._decode_step(w)
+
     def _decode_step(self, w: _Worker) -> None:
-        room = self.profile.max_batch - len(w.running)
+        p = self.profile
+        room = p.max_batch - len(w.running)
         w.running.extend(w.pending[:room])
         del w.pending[:room]
-        if not self._set_busy(w, bool(w.running)):
+        prompts, tokens = [], 0  # its own prompts, prefilled in this step
+        while w.local and (not prompts or tokens + w.local[0].spec.prompt_tokens <= p.max_batched_tokens):
+            prompts.append(w.local.popleft())
+            tokens += prompts[-1].spec.prompt_tokens
+        if not self._set_busy(w, bool(w.running or prompts)):
             self._maybe_gone(w)
             return
-        a, b = self.profile.decode_step_s
-        step = (a + b * len(w.running)) * self._slowdown(Role.PREFILL, self.profile.decode_slowdown)
-        self._points.append((len(w.running), step))
-        self._at(self.now + step, self._decode_done, w)
+        a, b = p.decode_step_s
+        step = a + b * len(w.running) if w.running else 0.0
+        if prompts:
+            step += p.prefill_step_s + tokens / p.prefill_tokens_per_s
+        elif w.running:
+            self._points.append((len(w.running), step))
+        step *= self._slowdown(Role.PREFILL, p.decode_slowdown)
+        self._at(self.now + step, self._decode_done, w, prompts)
 
-    def _decode_done(self, w: _Worker) -> None:
+    def _decode_done(self, w: _Worker, prompts: list[SimOutcome]) -> None:
+        for r in prompts:
+            r.first_token_s, r.generated = self.now, 1
+            if r.spec.output_tokens <= 1:
+                self._finish(r)
+            else:
+                w.pending.append(r)
         still = []
         for r in w.running:
             r.generated += 1
@@ -318,8 +279,13 @@ class Simulation:
 
     # ---- scaling ---------------------------------------------------------------------
     def _maybe_gone(self, w: _Worker) -> None:
-        if w.draining and w.idle() and w.gone_s is None:
+        if not (w.draining and w.idle() and w.gone_s is None):
+            return
+        if w.switch_to is None:
             w.gone_s = self.now
+        elif not w.busy:
+            w.busy = True  # held while it switches (no step starts on it)
+            self._at(self.now + self.profile.switch_s, self._switched, w)
 
     def _view(self, pool: str) -> PoolView:
         ws = [w for w in self.workers[pool] if w.gone_s is None and not w.draining]
@@ -331,25 +297,29 @@ class Simulation:
 
     def _tick(self) -> None:
         views = {pool: self._view(pool) for pool in self.workers}
-        if self.policy == "slo":
-            targets = self._slo_targets(views)
+        if self.policy == "elastic":
+            self._split(self._decide(views))
         else:
-            targets = self._proportional_targets(views)
-        for pool, target in targets.items():
-            self._scale_to(pool, views[pool], target)
+            if self.policy == "slo":
+                d = self._decide(views)
+                targets = {Role.PREFILL: d.prefill.target, Role.DECODE: d.decode.target}
+            else:
+                targets = self._proportional_targets(views)
+            for pool, target in targets.items():
+                self._scale_to(pool, views[pool], target)
         self.timeline.append((self.now, self._view(Role.PREFILL).current, self._view(Role.DECODE).current))
         self._window, self._arrivals, self._points = [], 0, []
         self._at(self.now + self.interval_s, self._tick)
 
-    def _slo_targets(self, views: dict[str, PoolView]) -> dict[str, int]:
+    def _decide(self, views: dict[str, PoolView]) -> PlannerDecision:
         done = self._window
         inp = PlannerInput(
             now=self.now,
             interval_s=self.interval_s,
             arrivals=self._arrivals,
             finished=len(done),
-            prompt_tokens=sum(r.spec.prompt_tokens for r in done),
-            local_prompt_tokens=0,
+            prompt_tokens=sum(r.spec.prompt_tokens for r in done if not r.local),
+            local_prompt_tokens=sum(r.spec.prompt_tokens for r in done if r.local),
             output_tokens=sum(r.spec.output_tokens for r in done),
             context_tokens=sum(r.spec.prompt_tokens for r in done),
             ttft_p90_s=percentile([r.ttft_s for r in done], 90),
@@ -361,9 +331,43 @@ class Simulation:
             queued_prompt_tokens=sum(w.queued_tokens for w in self.workers[Role.PREFILL])
             + sum(r.spec.prompt_tokens for r in self._waiting),
             queued_requests=sum(len(w.queue) for w in self.workers[Role.PREFILL]) + len(self._waiting),
+            elastic_workers=sum(len(ws) for ws in self.workers.values()) if self.policy == "elastic" else 0,
         )
-        decision = self.planner.decide(inp)
-        return {Role.PREFILL: decision.prefill.target, Role.DECODE: decision.decode.target}
+        return self.planner.decide(inp)
+
+    def _split(self, decision: PlannerDecision) -> None:
+        """Elastic: ``PlannerLoop._split``'s rule (one switch at a time; a role keeps its
+        ``min_replicas``, decode one at least)."""
+        if any(w.switch_to for ws in self.workers.values() for w in ws):
+            return
+        p, d = decision.prefill, decision.decode
+        if p.target > p.current and d.target < d.current:
+            giver, taker = Role.DECODE, Role.PREFILL
+        elif d.target > d.current and p.target < p.current:
+            giver, taker = Role.PREFILL, Role.DECODE
+        else:
+            return
+        live = [w for w in self.workers[giver] if w.routable(self.now)]
+        if len(live) <= max(self.limits[giver].min_replicas, 1 if giver == Role.DECODE else 0):
+            return
+        w = min(live, key=_Worker.load)
+        self.moves[giver].append((self.now, -1))
+        self.moves[taker].append((self.now, 1))
+        w.draining, w.switch_to = True, taker
+        if giver == Role.DECODE:  # its sequences move off; its own prompts go elsewhere
+            moved, w.running, w.pending = w.running + w.pending, [], []
+            waiting, w.local = list(w.local), deque()
+            for r in moved:
+                self._handover(r)
+            for r in waiting:
+                self._route_prefill(r)
+        self._maybe_gone(w)
+
+    def _switched(self, w: _Worker) -> None:
+        self._role_seconds[w.pool] += self.now - w.role_since_s
+        self.workers[w.pool].remove(w)
+        w.pool, w.switch_to, w.draining, w.busy, w.role_since_s = w.switch_to, None, False, False, self.now
+        self.workers[w.pool].append(w)
 
     def _proportional_targets(self, views: dict[str, PoolView]) -> dict[str, int]:
         targets = {}

@@ -59,9 +59,10 @@ async def sample_roles(address: str, every_s: float = ROLE_SAMPLE_S) -> list[tup
 
 
 def timeline(records: list[RequestRecord], roles: list[tuple[float, int, int]], bin_s: float = 5.0) -> dict:
-    """The run over time, from its first send: per ``bin_s`` bin, the prompt and output
-    tokens/s the requests sent in it asked for (the demand), and every change of roles
-    as ``[t, prefill, decode]`` (the first sample included)."""
+    """The run over time, from its first send: each request as ``[t sent, prompt tokens,
+    output tokens]`` (the trace the cluster simulator replays), per ``bin_s`` bin the
+    prompt and output tokens/s the requests sent in it asked for (the demand), and every
+    change of roles as ``[t, prefill, decode]`` (the first sample included)."""
     t0 = min(r.send_time for r in records)
     bins = collections.defaultdict(lambda: [0, 0])
     for r in records:
@@ -73,7 +74,14 @@ def timeline(records: list[RequestRecord], roles: list[tuple[float, int, int]], 
     for at, p, d in roles:
         if not changes or changes[-1][1:] != [p, d]:
             changes.append([round(at - t0, 2), p, d])
-    return {"bin_s": bin_s, "demand": demand, "roles": changes, "role_changes": max(len(changes) - 1, 0)}
+    sent = sorted([round(r.send_time - t0, 4), r.prompt_len, r.output_len] for r in records)
+    return {
+        "bin_s": bin_s,
+        "sent": sent,
+        "demand": demand,
+        "roles": changes,
+        "role_changes": max(len(changes) - 1, 0),
+    }
 
 
 async def run_load(

@@ -90,7 +90,7 @@ def test_proportional_policy_runs_the_autoscalers_rule():
 
 
 def test_bad_policy_is_refused():
-    with pytest.raises(ValueError, match="fixed, proportional or slo"):
+    with pytest.raises(ValueError, match="fixed, proportional, slo or elastic"):
         Simulation(PROFILE, [], ONE, ONE, "magic")
     with pytest.raises(ValueError, match="planner spec"):
         Simulation(PROFILE, [], ONE, ONE, "slo")
@@ -110,3 +110,49 @@ def test_plan_simulate_cli_prints_a_row_per_policy(capsys):
     for policy, r in results.items():
         assert float(rows[policy][3]) == pytest.approx(r.attainment(args.ttft_ms, args.tpot_ms), abs=5e-4)
     assert out[0].startswith(f"{len(results['fixed'].requests)} requests over 120 s")
+
+
+def test_a_pooled_elastic_worker_prefills_its_own_prompt_at_the_profiles_cost():
+    """Elastic, no prefill worker: the decode worker prefills the prompt in its own step
+    (no handover), then decodes it."""
+    spec = PlannerSpec(ttft_ms=400, tpot_ms=100, interval_s=3600)
+    req = SimRequest(arrival_s=3.0, prompt_tokens=800, output_tokens=11)
+    result = Simulation(
+        PROFILE, [req], PoolLimits(0, 0, 1), PoolLimits(1, 1, 1), "elastic", planner=spec
+    ).run()
+    assert result.requests[0].local
+    assert result.ttft_s() == [pytest.approx(0.01 + 800 / 10_000)]
+    assert result.tpot_s() == [pytest.approx(0.021)]
+
+
+def _shifting_trace():
+    """Decode-heavy (5 req/s, 50-token prompts, 100 tokens out) for 60 s, prefill-heavy
+    (30 req/s of 900-token prompts, 4 tokens out) for 60 s, decode-heavy for 120 s."""
+    light = bursty_trace(240, 5.0, 5.0, 1.0, 1.0, (40, 60), (100, 100), seed=5)
+    heavy = bursty_trace(60, 30.0, 30.0, 1.0, 1.0, (900, 900), (4, 4), seed=6)
+    light = [r for r in light if not 60 <= r.arrival_s < 120]
+    shifted = [SimRequest(r.arrival_s + 60, r.prompt_tokens, r.output_tokens) for r in heavy]
+    return sorted(light + shifted, key=lambda r: r.arrival_s)
+
+
+def test_elastic_roles_follow_a_shifting_load_and_beat_the_fixed_split():
+    """Four workers, 2:2 at first: split while the prompts fit one split's prefill
+    workers, pooled (no prefill worker) through the prefill-heavy minute, split again
+    after it; more requests meet the SLO than with the 2:2 split held fixed, and the
+    roles change a handful of times, not every interval."""
+    spec = PlannerSpec(
+        ttft_ms=400, tpot_ms=100, interval_s=2, downscale_delay_s=4, min_reversal_s=10, max_step_fraction=0
+    )
+    prefill, decode = PoolLimits(2, 0, 3), PoolLimits(2, 1, 4)
+    elastic = Simulation(PROFILE, _shifting_trace(), prefill, decode, "elastic", planner=spec).run()
+    fixed = Simulation(PROFILE, _shifting_trace(), prefill, decode).run()
+
+    def prefill_at(t0: float, t1: float) -> set[int]:
+        return {p for t, p, _ in elastic.timeline if t0 <= t < t1}
+
+    assert prefill_at(40, 60) and 0 not in prefill_at(40, 60)
+    assert prefill_at(100, 120) == {0}
+    assert prefill_at(200, 240) and 0 not in prefill_at(200, 240)
+    assert all(p + d <= 4 for _, p, d in elastic.timeline)
+    assert elastic.attainment(400, 100) > fixed.attainment(400, 100)
+    assert len(elastic.moves["prefill"]) <= 8

@@ -99,3 +99,4 @@ def test_the_timeline_bins_demand_by_send_time_and_keeps_only_role_changes():
     assert t["demand"] == [[0.0, 120.0, 10.0], [5.0, 0.0, 0.0], [10.0, 200.0, 1.0]]
     assert t["roles"] == [[-1.0, 0, 2], [4.5, 1, 1], [13.0, 0, 2]]
     assert t["role_changes"] == 2
+    assert t["sent"] == [[0.0, 500, 20], [3.0, 100, 30], [11.0, 1000, 5]]
