@@ -330,20 +330,22 @@ class Planner:
         one. The workers are shared in proportion to need.
         POOLED otherwise: the prefill role at its minimum (0: every worker decodes and
         prefills its own prompts, as colocated workers do, so every core prefills).
-        The split also falls short when its TTFT was missed while the prompts waiting at
-        its prefill workers take longer than the target to prefill (a queue the
-        prediction did not see: a burst of cold prefixes).
-        Back from pooled only once the prompt demand is below ``elastic_return`` of the
-        demand at which the split fell short, so a steady load never flaps. With no load
-        at all the roles stay as they are."""
+        The split also falls short when its TTFT was missed while two or more prompts
+        wait at its prefill workers and take longer than the target to prefill (a queue
+        the prediction did not see: a burst of cold prefixes; one long prompt over the
+        target is no queue, and more prefill cores would not shorten it).
+        Back from pooled only once the arriving prompt demand (the backlog of the moment
+        left out) is below ``elastic_return`` of what it was when the split fell short,
+        so a steady load never flaps. With no load at all the roles stay as they are."""
         n, s, drain = inp.elastic_workers, self.spec, self.spec.backlog_drain_s
         if planned <= 0 and not inp.queued_prompt_tokens:  # no load says which is better: hold
             have = inp.prefill.current + inp.prefill.warming
             return (have, "no load: the roles stay"), (n - have, "no load: the roles stay")
         prompt = (self._prompt or 0.0) + (self._local or 0.0)
-        p_demand = planned * prompt + inp.queued_prompt_tokens / drain
+        arriving = planned * prompt  # what the hysteresis compares: not the backlog of the moment
+        p_demand = arriving + inp.queued_prompt_tokens / drain
         waiting_s = inp.queued_prompt_tokens / max(self._prefill_rate or 0.0, 1e-9)
-        queued = inp.prefill.current > 0 and waiting_s * 1000 > s.ttft_ms
+        queued = inp.prefill.current > 0 and inp.queued_requests > 1 and waiting_s * 1000 > s.ttft_ms
         p, p_why = self._need(
             p_demand,
             self.prefill_capacity(prompt),
@@ -363,12 +365,12 @@ class Planner:
         p_lo, d_lo = max(inp.prefill.min_replicas, 1), max(inp.decode.min_replicas, 1)
         p, d = max(p, p_lo), max(d, d_lo)
         fits = p + d <= n and p <= inp.prefill.max_replicas
-        if fits and self._pooled_at is not None and p_demand > s.elastic_return * self._pooled_at:
+        if fits and self._pooled_at is not None and arriving > s.elastic_return * self._pooled_at:
             fits = False
             p_why += f"; pooled until under {s.elastic_return * self._pooled_at:.0f} tok/s"
         if not fits:
             if self._pooled_at is None:
-                self._pooled_at = p_demand
+                self._pooled_at = arriving
             pooled = max(inp.prefill.min_replicas, n - inp.decode.max_replicas)
             why = f"pooled: the split needs {p} prefill + {d} decode of {n} workers"
             return (pooled, f"{why}; {p_why}"), (n - pooled, f"{why}; {d_why}")

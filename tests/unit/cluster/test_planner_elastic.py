@@ -89,9 +89,19 @@ def test_a_missed_ttft_pools_only_when_prompts_queue_at_the_prefill_workers():
     # a lone long prompt missed the target, nothing waits: another prefill core would not help
     lone = planner.decide(interval(0, 1, 200, 1, 1, ttft_p90_s=2.0, queued_prompt_tokens=500))
     assert lone.prefill.desired == 1 and lone.prefill.reason.startswith("split")
+    # nor one long prompt waiting longer than the target: it is no queue
+    long = planner.decide(
+        interval(5, 1, 200, 1, 1, ttft_p90_s=2.0, queued_prompt_tokens=4000, queued_requests=1)
+    )
+    assert long.prefill.desired == 1 and long.prefill.reason.startswith("split")
     # a burst of cold prompts waits longer than the target to prefill: the split fell short
-    burst = planner.decide(interval(5, 1, 200, 1, 1, ttft_p90_s=2.0, queued_prompt_tokens=4000))
+    burst = planner.decide(
+        interval(10, 1, 200, 1, 1, ttft_p90_s=2.0, queued_prompt_tokens=4000, queued_requests=4)
+    )
     assert burst.prefill.desired == 0 and "p90 2000 ms > 500 ms" in burst.prefill.reason
+    # and stays pooled under the same arrivals once the burst has been prefilled
+    roles, p, d = run(planner, 15, 120, rate=1, prompt=200, p=1, d=1)
+    assert set(roles[roles.index((0, 2)) :]) == {(0, 2)}
 
 
 def test_more_workers_are_shared_in_proportion_to_need_and_decode_keeps_one():
