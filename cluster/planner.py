@@ -36,6 +36,10 @@ size). The planner then::
               downscale_delay_s of wanting to; never reverses a pool's
               direction within min_reversal_s
 
+In elastic mode (``PlannerInput.elastic_workers``) the same estimates split a fixed
+set of workers between the roles instead (``Planner._elastic``): split while a split
+takes the load, pooled (no prefill worker: each prefills its own prompts) when not.
+
 Scale-down drains (the pool takes the worker out of routing and kills it when
 its requests are done), so no decision here drops a request.
 
@@ -210,7 +214,7 @@ class Planner:
     _context: float | None = None  # mean KV tokens a decoding sequence holds over its life
     _local: float | None = None
     _prefill_rate: float | None = None
-    _pooled_at: float | None = None  # elastic: the prompt demand at which the split last fell short
+    _pooled_at: float | None = None  # elastic: the least prompt demand seen since the split fell short
     _points: deque = field(default_factory=lambda: deque(maxlen=64))
     _dampers: dict[str, _PoolDamper] = field(
         default_factory=lambda: {Role.PREFILL: _PoolDamper(), Role.DECODE: _PoolDamper()}
@@ -335,13 +339,16 @@ class Planner:
         the prediction did not see: a burst of cold prefixes; one long prompt over the
         target is no queue, and more prefill cores would not shorten it).
         Back from pooled only once the arriving prompt demand (the backlog of the moment
-        left out) is below ``elastic_return`` of what it was when the split fell short,
-        so a steady load never flaps. With no load at all the roles stay as they are."""
+        left out) is below ``elastic_return`` of the least it has been since the split
+        fell short, so a steady load, however noisy, never flaps. With no load, or no
+        capacity measured yet, the roles stay as they are."""
         n, s, drain = inp.elastic_workers, self.spec, self.spec.backlog_drain_s
-        if planned <= 0 and not inp.queued_prompt_tokens:  # no load says which is better: hold
-            have = inp.prefill.current + inp.prefill.warming
-            return (have, "no load: the roles stay"), (n - have, "no load: the roles stay")
         prompt = (self._prompt or 0.0) + (self._local or 0.0)
+        idle = planned <= 0 and not inp.queued_prompt_tokens
+        if idle or not (d_cap and self.prefill_capacity(prompt)):  # nothing says which is better
+            have = inp.prefill.current + inp.prefill.warming
+            why = "no load" if idle else "no capacity measured yet"
+            return (have, f"{why}: the roles stay"), (n - have, f"{why}: the roles stay")
         arriving = planned * prompt  # what the hysteresis compares: not the backlog of the moment
         p_demand = arriving + inp.queued_prompt_tokens / drain
         waiting_s = inp.queued_prompt_tokens / max(self._prefill_rate or 0.0, 1e-9)
@@ -368,9 +375,8 @@ class Planner:
         if fits and self._pooled_at is not None and arriving > s.elastic_return * self._pooled_at:
             fits = False
             p_why += f"; pooled until under {s.elastic_return * self._pooled_at:.0f} tok/s"
-        if not fits:
-            if self._pooled_at is None:
-                self._pooled_at = arriving
+        if not fits:  # the least demand seen pooled: a noisy steady load stays above 0.7x of it
+            self._pooled_at = arriving if self._pooled_at is None else min(self._pooled_at, arriving)
             pooled = max(inp.prefill.min_replicas, n - inp.decode.max_replicas)
             why = f"pooled: the split needs {p} prefill + {d} decode of {n} workers"
             return (pooled, f"{why}; {p_why}"), (n - pooled, f"{why}; {d_why}")
