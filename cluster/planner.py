@@ -37,8 +37,9 @@ size). The planner then::
               direction within min_reversal_s
 
 In elastic mode (``PlannerInput.elastic_workers``) the same estimates split a fixed
-set of workers between the roles instead (``Planner._elastic``): split while a split
-takes the load, pooled (no prefill worker: each prefills its own prompts) when not.
+set of workers between the roles instead (``Planner._elastic``): pooled (no prefill
+worker: each prefills its own prompts) unless a split takes the load and pooled
+decoding misses the TPOT target.
 
 Scale-down drains (the pool takes the worker out of routing and kills it when
 its requests are done), so no decision here drops a request.
@@ -328,12 +329,13 @@ class Planner:
     def _elastic(self, inp: PlannerInput, planned: float, d_cap: float) -> tuple[tuple[int, str], ...]:
         """Elastic mode: how ``inp.elastic_workers`` workers split between the roles.
 
-        SPLIT while the split takes the whole prompt demand (every uncached prompt token,
-        wherever it was prefilled) and the decode demand within the targets, on at most
-        all the workers: prefill workers take the prompts, so decoding never stalls for
-        one. The workers are shared in proportion to need.
-        POOLED otherwise: the prefill role at its minimum (0: every worker decodes and
-        prefills its own prompts, as colocated workers do, so every core prefills).
+        POOLED, the prefill role at its minimum (0: every worker decodes and prefills its
+        own prompts, as colocated workers do, so every core prefills), unless
+        SPLIT takes the whole prompt demand (every uncached prompt token, wherever it was
+        prefilled) and the decode demand within the targets on at most all the workers,
+        and, from an empty prefill role, the pooled workers missed the TPOT target (their
+        prompts stall their decoding; a split's prefill workers take the prompts, so
+        decoding never waits for one). The workers are shared in proportion to need.
         The split also falls short when its TTFT was missed while two or more prompts
         wait at its prefill workers and take longer than the target to prefill (a queue
         the prediction did not see: a burst of cold prefixes; one long prompt over the
@@ -372,13 +374,17 @@ class Planner:
         p_lo, d_lo = max(inp.prefill.min_replicas, 1), max(inp.decode.min_replicas, 1)
         p, d = max(p, p_lo), max(d, d_lo)
         fits = p + d <= n and p <= inp.prefill.max_replicas
-        if fits and self._pooled_at is not None and arriving > s.elastic_return * self._pooled_at:
-            fits = False
-            p_why += f"; pooled until under {s.elastic_return * self._pooled_at:.0f} tok/s"
-        if not fits:  # the least demand seen pooled: a noisy steady load stays above 0.7x of it
+        why = f"pooled: the split needs {p} prefill + {d} decode of {n} workers"
+        if not fits:  # the least demand seen while the split fell short (a noisy load stays above)
             self._pooled_at = arriving if self._pooled_at is None else min(self._pooled_at, arriving)
+        elif self._pooled_at is not None and arriving > s.elastic_return * self._pooled_at:
+            fits, why = False, f"{why}; pooled until under {s.elastic_return * self._pooled_at:.0f} tok/s"
+        elif inp.prefill.current + inp.prefill.warming == 0 and not (
+            inp.tpot_p90_s is not None and inp.tpot_p90_s * 1000 > s.tpot_ms
+        ):
+            fits, why = False, "pooled: pooled decoding meets the TPOT target"  # its prompts stall nothing
+        if not fits:
             pooled = max(inp.prefill.min_replicas, n - inp.decode.max_replicas)
-            why = f"pooled: the split needs {p} prefill + {d} decode of {n} workers"
             return (pooled, f"{why}; {p_why}"), (n - pooled, f"{why}; {d_why}")
         self._pooled_at = None
         p = min(

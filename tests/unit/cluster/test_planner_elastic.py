@@ -1,10 +1,13 @@
-"""The SLO planner in elastic mode (``PlannerInput.elastic_workers``): it splits a fixed
-set of workers between the roles while the split takes the load, pools them (prefill
-role at none: every worker prefills its own prompts) when the prompts need more cores
-than a split leaves them, comes back only once the prompt demand has fallen well
-below the level that pooled them, and never flaps under a steady load."""
+"""The SLO planner in elastic mode (``PlannerInput.elastic_workers``): it pools a fixed
+set of workers (prefill role at none: every worker prefills its own prompts) unless a
+split takes the load and pooled decoding misses the TPOT target, pools them when the
+prompts need more cores than a split leaves them, comes back only once the prompt
+demand has fallen well below the level that pooled them, and never flaps under a
+steady load."""
 
 from __future__ import annotations
+
+import re
 
 from splitserve.cluster.planner import Planner, PlannerInput, PlannerProfile, PlannerSpec, PoolView
 
@@ -41,10 +44,13 @@ def interval(now, rate, prompt, p, d, n=2, output=10, s=5.0, **kw) -> PlannerInp
 def run(planner, start, seconds, rate, prompt, p, d, **kw):
     """Steps the planner every 5 s, switching a worker as ``PlannerLoop._split`` would
     (when one role's target is above its workers and the other's below); returns the
-    roles after each step and where they ended."""
+    roles after each step and where they ended. A ``pooled_tpot`` is what the workers
+    measure while pooled (split, they meet the target)."""
     roles = []
     for now in range(start, start + seconds, 5):
-        decision = planner.decide(interval(now, rate, prompt, p, d, **kw))
+        tpot = {"tpot_p90_s": kw["pooled_tpot"] if p == 0 else 0.03} if "pooled_tpot" in kw else {}
+        more = {k: v for k, v in kw.items() if k != "pooled_tpot"} | tpot
+        decision = planner.decide(interval(now, rate, prompt, p, d, **more))
         moves = (decision.prefill.target > p) - (decision.prefill.target < p)
         if moves and (decision.decode.target > d) - (decision.decode.target < d) == -moves:
             p, d = p + moves, d - moves
@@ -76,11 +82,13 @@ def test_pooled_workers_split_again_only_once_the_prompt_demand_falls_well_below
     _, p, d = run(planner, 0, 60, rate=10, prompt=200, p=1, d=1)
     assert (p, d) == (0, 2)
     # 1600 tok/s: one prefill worker could take it (1778), but it is above 0.7 x 2000, and
-    # then above 0.7 x itself (the least demand seen pooled)
-    roles, p, d = run(planner, 60, 300, rate=8, prompt=200, p=0, d=2)
+    # the demand it was pooled at is what it must fall below 0.7x of
+    # (pooled decoding misses TPOT throughout, so only the demand holds it pooled)
+    roles, p, d = run(planner, 60, 300, rate=8, prompt=200, p=0, d=2, pooled_tpot=0.08)
     assert set(roles) == {(0, 2)}
-    assert "pooled until under 1120 tok/s" in planner.decide(interval(360, 8, 200, 0, 2)).prefill.reason
-    roles, p, d = run(planner, 365, 300, rate=5, prompt=200, p=0, d=2)  # 1000 tok/s, under 1120
+    reason = planner.decide(interval(360, 8, 200, 0, 2, tpot_p90_s=0.08)).prefill.reason
+    assert re.search(r"pooled until under \d+ tok/s", reason)
+    roles, p, d = run(planner, 365, 300, rate=5, prompt=200, p=0, d=2, pooled_tpot=0.08)  # 1000 tok/s
     assert (p, d) == (1, 1)
     assert sum(a != b for a, b in zip(roles, roles[1:], strict=False)) == 1
 
@@ -119,3 +127,16 @@ def test_with_no_load_the_roles_stay_as_they_are():
     for p, d in [(0, 2), (1, 1)]:
         roles, _, _ = run(planner, 0, 60, rate=0, prompt=0, p=p, d=d)
         assert set(roles) == {(p, d)}
+
+
+def test_pooled_workers_that_meet_the_tpot_target_stay_pooled_where_a_split_would_fit():
+    planner = Planner(SPEC, PROFILE)
+    roles, p, d = run(planner, 0, 120, rate=2, prompt=200, p=0, d=2, pooled_tpot=0.03)
+    assert set(roles) == {(0, 2)}  # 400 tok/s fits one prefill worker, but nothing to gain
+    assert (
+        "pooled decoding meets the TPOT target" in planner.decide(interval(120, 2, 200, 0, 2)).prefill.reason
+    )
+    roles, p, d = run(planner, 125, 20, rate=2, prompt=200, p=0, d=2, pooled_tpot=0.08)
+    assert (p, d) == (1, 1)  # their prompts stall their decoding past the target: split
+    roles, p, d = run(planner, 145, 120, rate=2, prompt=200, p=1, d=1, pooled_tpot=0.08)
+    assert set(roles) == {(1, 1)}  # and split (meeting TPOT) it stays

@@ -137,9 +137,9 @@ def _shifting_trace():
 
 def test_elastic_roles_follow_a_shifting_load_and_beat_the_fixed_split():
     """Four workers, 2:2 at first: split while the prompts fit one split's prefill
-    workers, pooled (no prefill worker) through the prefill-heavy minute, split again
-    after it; more requests meet the SLO than with the 2:2 split held fixed, and the
-    roles change a handful of times, not every interval."""
+    workers, pooled (no prefill worker) through the prefill-heavy minute, and pooled
+    after it, since pooled decoding then meets the TPOT target; more requests meet the
+    SLO than with the 2:2 split held fixed, and the roles change a handful of times."""
     spec = PlannerSpec(
         ttft_ms=400, tpot_ms=100, interval_s=2, downscale_delay_s=4, min_reversal_s=10, max_step_fraction=0
     )
@@ -150,9 +150,11 @@ def test_elastic_roles_follow_a_shifting_load_and_beat_the_fixed_split():
     def prefill_at(t0: float, t1: float) -> set[int]:
         return {p for t, p, _ in elastic.timeline if t0 <= t < t1}
 
-    assert prefill_at(40, 60) and 0 not in prefill_at(40, 60)
+    assert prefill_at(20, 60) and 0 not in prefill_at(20, 60)
     assert prefill_at(100, 120) == {0}
-    assert prefill_at(200, 240) and 0 not in prefill_at(200, 240)
+    assert prefill_at(200, 240) == {0}
+    late = [r.tpot_s for r in elastic.requests if r.spec.arrival_s >= 150 and r.tpot_s is not None]
+    assert percentile(late, 90) < 0.1  # pooled meets TPOT: no reason to split
     assert all(p + d <= 4 for _, p, d in elastic.timeline)
     assert elastic.attainment(400, 100) > fixed.attainment(400, 100)
     assert len(elastic.moves["prefill"]) <= 8
