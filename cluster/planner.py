@@ -183,6 +183,26 @@ class PlannerDecision:
     decode_capacity: float  # output tokens/s one decode worker can give within the TPOT target (0: unknown)
 
 
+def role_switch(
+    decision: PlannerDecision, routable: dict[str, int], floors: dict[str, int]
+) -> tuple[Role, Role] | None:
+    """Elastic mode's one switch, as (giver, taker): when one role's target is above its
+    workers and the other's below, a worker of the latter goes over, unless that leaves
+    the giver with fewer than its ``floors`` (``min_replicas``) of ``routable`` workers,
+    or decode with none (prefill may go to none: every worker then prefills its own
+    prompts). None: no switch. What the live ``PlannerLoop`` and the simulator both run."""
+    p, d = decision.prefill, decision.decode
+    if p.target > p.current and d.target < d.current:
+        giver, taker = Role.DECODE, Role.PREFILL
+    elif d.target > d.current and p.target < p.current:
+        giver, taker = Role.PREFILL, Role.DECODE
+    else:
+        return None
+    if routable[giver] <= max(floors[giver], 1 if giver == Role.DECODE else 0):
+        return None
+    return giver, taker
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The nearest-rank ``q``-th percentile (0 < q <= 100); None for no values. What the
     planner's inputs are computed with, live (``PlannerLoop``) and simulated."""
@@ -341,13 +361,14 @@ class Planner:
         the prediction did not see: a burst of cold prefixes; one long prompt over the
         target is no queue, and more prefill cores would not shorten it).
         Back from pooled only once the arriving prompt demand (the backlog of the moment
-        left out) is below ``elastic_return`` of the least it has been since the split
-        fell short, so a steady load, however noisy, never flaps. With no load, or no
+        left out) is below ``elastic_return`` of the least it was while the split fell
+        short, so a steady load, however noisy, never flaps. With no load, or no
         capacity measured yet, the roles stay as they are."""
         n, s, drain = inp.elastic_workers, self.spec, self.spec.backlog_drain_s
         prompt = (self._prompt or 0.0) + (self._local or 0.0)
         idle = planned <= 0 and not inp.queued_prompt_tokens
-        if idle or not (d_cap and self.prefill_capacity(prompt)):  # nothing says which is better
+        p_cap = self.prefill_capacity(prompt)
+        if idle or not (d_cap and p_cap):  # nothing says which is better
             have = inp.prefill.current + inp.prefill.warming
             why = "no load" if idle else "no capacity measured yet"
             return (have, f"{why}: the roles stay"), (n - have, f"{why}: the roles stay")
@@ -357,7 +378,7 @@ class Planner:
         queued = inp.prefill.current > 0 and inp.queued_requests > 1 and waiting_s * 1000 > s.ttft_ms
         p, p_why = self._need(
             p_demand,
-            self.prefill_capacity(prompt),
+            p_cap,
             inp.prefill,
             inp.ttft_p90_s if queued else None,
             s.ttft_ms,

@@ -39,6 +39,7 @@ from splitserve.cluster.planner import (
     PlannerSpec,
     PoolView,
     percentile,
+    role_switch,
 )
 from splitserve.cluster.sim_records import PoolLimits, SimOutcome, SimProfile, SimResult
 from splitserve.cluster.sim_trace import SimRequest
@@ -336,21 +337,17 @@ class Simulation:
         return self.planner.decide(inp)
 
     def _split(self, decision: PlannerDecision) -> None:
-        """Elastic: ``PlannerLoop._split``'s rule (one switch at a time; a role keeps its
-        ``min_replicas``, decode one at least)."""
+        """Elastic: ``planner.role_switch``, as ``PlannerLoop._split`` runs it (one switch
+        at a time)."""
         if any(w.switch_to for ws in self.workers.values() for w in ws):
             return
-        p, d = decision.prefill, decision.decode
-        if p.target > p.current and d.target < d.current:
-            giver, taker = Role.DECODE, Role.PREFILL
-        elif d.target > d.current and p.target < p.current:
-            giver, taker = Role.PREFILL, Role.DECODE
-        else:
+        live = {pool: [w for w in ws if w.routable(self.now)] for pool, ws in self.workers.items()}
+        floors = {pool: lim.min_replicas for pool, lim in self.limits.items()}
+        switch = role_switch(decision, {pool: len(ws) for pool, ws in live.items()}, floors)
+        if switch is None:
             return
-        live = [w for w in self.workers[giver] if w.routable(self.now)]
-        if len(live) <= max(self.limits[giver].min_replicas, 1 if giver == Role.DECODE else 0):
-            return
-        w = min(live, key=_Worker.load)
+        giver, taker = switch
+        w = min(live[giver], key=_Worker.load)
         self.moves[giver].append((self.now, -1))
         self.moves[taker].append((self.now, 1))
         w.draining, w.switch_to = True, taker

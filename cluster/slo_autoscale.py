@@ -24,6 +24,7 @@ from splitserve.cluster.planner import (
     PoolDecision,
     PoolView,
     percentile,
+    role_switch,
 )
 from splitserve.cluster.pools import WorkerPool
 from splitserve.router.registry import Membership
@@ -162,18 +163,13 @@ class PlannerLoop:
         prefills its own prompts)."""
         if self._switching is not None and not self._switching.done():
             return
-        p, d = decision.prefill, decision.decode
-        if p.target > p.current and d.target < d.current:
-            giver, taker = Role.DECODE, Role.PREFILL
-        elif d.target > d.current and p.target < p.current:
-            giver, taker = Role.PREFILL, Role.DECODE
-        else:
+        routable = {role: self.pools[role].registry.routable(role) for role in (Role.PREFILL, Role.DECODE)}
+        floors = {role: self.pools[role].spec.autoscaling.min_replicas for role in routable}
+        switch = role_switch(decision, {role: len(ws) for role, ws in routable.items()}, floors)
+        if switch is None:
             return
-        routable = self.pools[giver].registry.routable(giver)
-        floor = self.pools[giver].spec.autoscaling.min_replicas
-        if len(routable) <= max(floor, 1 if giver == Role.DECODE else 0):  # decode keeps one
-            return
-        worker = min(routable, key=lambda w: (w.active, w.running))
+        giver, taker = switch
+        worker = min(routable[giver], key=lambda w: (w.active, w.running))
         log.info("planner: %s switches from %s to %s", worker.worker_id, giver, taker)
         self._switching = asyncio.ensure_future(self.switch(worker.worker_id, taker))
         self._tasks.add(self._switching)

@@ -91,7 +91,7 @@ def write_all(directory: str, runs: dict[str, list], slos_ms: dict[str, float]) 
 
 
 def _roles(plt, over_time: dict, path: Path) -> Path:
-    """Prefill workers (a step line) over the demand (``serve.timeline``'s record)."""
+    """Prefill workers (a step line) over the demand (``loadgen.timeline``'s record)."""
     fig, ax = plt.subplots(figsize=(7, 4))
     demand = np.array(over_time["demand"])
     ax.step(demand[:, 0], demand[:, 1], where="post", label="prompt tok/s asked")

@@ -88,7 +88,7 @@ def test_shifting_goes_decode_heavy_prefill_heavy_and_back():
 
 def test_the_timeline_bins_demand_by_send_time_and_keeps_only_role_changes():
     from splitserve.loadgen.metrics import RequestRecord
-    from splitserve.loadgen.serve import timeline
+    from splitserve.loadgen.timeline import timeline
 
     def rec(sent: float, prompt: int, output: int) -> RequestRecord:
         return RequestRecord(prompt, sent, [sent + 1.0], [output], success=True)
