@@ -4,6 +4,8 @@ and no worker; each worker node has room for one worker of each pool."""
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
 
 from splitserve.cluster.app import RAY_SYSTEM_CONFIG
@@ -18,7 +20,7 @@ class LocalNodes:
 
     def __init__(self, cluster, count: int, **node_args):
         self.cluster, self.node_args = cluster, node_args
-        self.nodes = [cluster.add_node(**node_args) for _ in range(count)]
+        self.nodes = [add_node(cluster, node_args) for _ in range(count)]
         cluster.wait_for_nodes()
 
     def ids(self) -> list[str]:
@@ -28,7 +30,44 @@ class LocalNodes:
         node = next(n for n in self.nodes if n.node_id == node_id)
         self.nodes.remove(node)
         self.cluster.remove_node(node, allow_graceful=False)
-        self.nodes.append(self.cluster.add_node(**self.node_args))
+        self.nodes.append(add_node(self.cluster, self.node_args))
+
+
+# Ray gives a starting node 30 s (fixed in ray._private.node) to register with the GCS; a
+# 2-core machine still ending the processes of the Ray instance before it can miss that
+# (seen once in CI, for the head).
+_START_TRIES = 3
+
+
+def add_node(cluster, node_args: dict):
+    """``cluster.add_node(**node_args)`` (the head when the cluster has none), started
+    again, up to ``_START_TRIES`` times, where Ray gave up waiting for the node to
+    register: the half-started node's processes are ended first. Ray adds to the
+    arguments' dicts, so each try gets a copy."""
+    for attempt in range(1, _START_TRIES + 1):
+        try:
+            return cluster.add_node(**copy.deepcopy(node_args))
+        except Exception as e:  # Ray raises a bare Exception for this
+            if "timed out during startup" not in str(e) or attempt == _START_TRIES:
+                raise
+            _end_half_started(e)
+            log = logging.getLogger(__name__)
+            log.warning("a Ray node did not register in time (try %d); starting it again", attempt)
+    raise AssertionError("unreachable")
+
+
+def _end_half_started(error: BaseException) -> None:
+    """End the processes of the node whose start raised ``error``: Ray's ``Node`` raises
+    from its own ``__init__``, so the half-built node is that frame's ``self``."""
+    from ray._private.node import Node
+
+    tb = error.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("self")
+        if isinstance(node, Node):
+            node.kill_all_processes(check_alive=False, allow_graceful=False)
+            return
+        tb = tb.tb_next
 
 
 def actor_node(handle) -> str:
@@ -45,8 +84,8 @@ def local_nodes(count: int, config: ClusterConfig) -> tuple[LocalNodes, ClusterC
     pool)."""
     from ray.cluster_utils import Cluster
 
-    head = {"num_cpus": 0, "_system_config": dict(RAY_SYSTEM_CONFIG)}  # a copy: Ray adds to it
-    cluster = Cluster(initialize_head=True, head_node_args=head)
+    cluster = Cluster(initialize_head=False)
+    add_node(cluster, {"num_cpus": 0, "_system_config": RAY_SYSTEM_CONFIG})  # the head
     cpus = math.ceil(sum(p.num_cpus * p.ranks for p in config.pools().values()))  # Ray: whole CPUs
     ray_spec = config.ray.model_copy(update={"address": cluster.address})
     return LocalNodes(cluster, count, num_cpus=cpus), config.model_copy(update={"ray": ray_spec})
