@@ -277,6 +277,19 @@ class BlockManager:
             hashes.append(h)
             parent = h
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past those ``seq``'s tokens need (a speculative step
+        allocated room for a draft it did not keep). They hold no hashed block: the
+        prefix cache only registers computed ones."""
+        keep = self.blocks_needed(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            b = seq.block_table.pop()
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                free = self._free[self.shard_of(b)]
+                free[b] = None
+                free.move_to_end(b, last=False)  # reused first: it holds nothing
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references (last block first, so a prefix outlives its tail)."""
         for b in reversed(seq.block_table):

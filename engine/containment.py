@@ -66,13 +66,15 @@ _PARTS = {
 
 @dataclass
 class Ran:
-    """One scheduled sequence's result of a step: its token (None when this chunk
-    samples nothing) or why it failed."""
+    """One scheduled sequence's result of a step: its sampled rows (none when this chunk
+    samples nothing; one per position of a speculative draft and one more with one,
+    ``speculative.verify``: a later row that could not be sampled is None) or why it
+    failed (its first row could not be sampled, or its step raised)."""
 
     entry: ScheduledSeq
-    token: int | None = None
-    logprob: float | None = None
-    top: TopLogprobs | None = None
+    tokens: list[int | None] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    tops: list[TopLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     error: SequenceFailed | None = None
 
@@ -155,9 +157,11 @@ class Containment:
         for entry in ordered:
             ran = Ran(entry, prompt_logprobs=list(prompt_logprobs.get(entry.seq.request_id, ())))
             if entry.samples:
-                ran.token = result.token_ids[k]
-                ran.logprob, ran.top = result.logprobs[k], result.top_logprobs[k]
+                rows = range(k, k + 1 + len(entry.draft))
+                ran.tokens = [None if i in result.failed else result.token_ids[i] for i in rows]
+                ran.logprobs = [result.logprobs[i] for i in rows]
+                ran.tops = [result.top_logprobs[i] for i in rows]
                 ran.error = result.failed.get(k)
-                k += 1
+                k += len(rows)
             out.append(ran)
         return out

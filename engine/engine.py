@@ -46,6 +46,8 @@ from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.scheduler import ScheduledSeq
 from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.engine.speculative.speculation import Speculation
+from splitserve.engine.speculative.verify import kept
 from splitserve.engine.step_rates import DecodeSteps, ExpertLoad, PrefillRate
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.wire.config import EngineConfig
@@ -57,6 +59,7 @@ from splitserve.wire.outputs import (
     FinishingPrefill,
     LayerObserver,
     RequestOutput,
+    SpeculationCounters,
     TierCounters,
 )
 from splitserve.wire.prefix import PrefixCursor, PrefixUpdate
@@ -119,6 +122,8 @@ class Engine(KVRequests):
         # requests that failed alone (SequenceFailed), by kind, since it started
         self.sequence_errors: collections.Counter[str] = collections.Counter()
         self.containment = Containment(self.runner, self.tp.size, lambda: self.layer_observer)
+        spec = config.speculative
+        self.speculation = Speculation(spec, self.max_model_len) if spec is not None else None
 
     # ---- requests ----------------------------------------------------------
     def kv_compat(self) -> CompatInfo:
@@ -226,6 +231,7 @@ class Engine(KVRequests):
             sequence_errors=tuple(sorted(self.sequence_errors.items())),
             steps_retried=self.containment.retried,
             host_tier=self.host_tier.counters() if self.host_tier is not None else TierCounters(),
+            speculation=self.speculation.counters() if self.speculation else SpeculationCounters(),
         )
 
     def prefix_update(self, cursor: PrefixCursor | None) -> PrefixUpdate:
@@ -244,7 +250,8 @@ class Engine(KVRequests):
         end alone. ``step`` raises only for a failure no sequence can be blamed for."""
         if not self.tp.is_driver:
             raise RuntimeError("only TP rank 0 steps the engine; the other ranks call follow()")
-        sched = self.scheduler.schedule()
+        spec = self.speculation
+        sched = self.scheduler.schedule(spec.drafts(self.scheduler.running, self.requests) if spec else None)
         outputs: list[RequestOutput] = []
         for seq in sched.unschedulable:
             state = self.requests[seq.request_id]
@@ -273,28 +280,44 @@ class Engine(KVRequests):
         return outputs
 
     def _advance(self, r: Ran, state: RequestState) -> RequestOutput | None:
-        """Apply one sequence's share of a step: its KV computed, its token appended (and
-        its text, stop check, output); None when it sampled nothing. A part that raises
-        sets ``r.error`` (kind: where) and the sequence is failed by the caller."""
-        seq = r.entry.seq
+        """Apply one sequence's share of a step: its KV computed, the tokens it keeps
+        appended (one, or with a draft up to the first the target disagreed with:
+        ``speculative.verify``), each with its text and stop check; its output. None
+        when it sampled nothing. A part that raises sets ``r.error`` (kind: where) and
+        the sequence is failed by the caller."""
+        seq, draft = r.entry.seq, r.entry.draft
         part = "logprobs"
         try:
             seq.prompt_logprobs.extend(r.prompt_logprobs)
             part = "kv_cache"
-            seq.num_computed_tokens += r.entry.num_new_tokens
+            seq.num_computed_tokens += r.entry.num_new_tokens - len(draft)
             self.block_manager.commit_computed(seq)
-            if r.token is None:
+            if not r.tokens:
                 return None
-            part = "grammar"
-            seq.append_token(r.token, r.logprob, r.top)
-            part = "detokenization"
-            reason = state.update_text_and_check_stop(self.eos_token_ids, self.max_model_len)
-            if reason is not None:
-                self._finish(state, reason)
-            elif seq.prefill_only:
-                self._park_prefilled(state)
+            keep = kept(r.tokens, draft)
+            new, logprobs, tops = r.tokens[:keep], r.logprobs[:keep], r.tops[:keep]
+            if draft:
+                self.speculation.verified(state, len(draft), sum(map(int.__eq__, new, draft)))
+            for j, token in enumerate(new):
+                if j:  # the token before it was a draft token: its KV was computed in this step
+                    seq.num_computed_tokens += 1
+                part = "grammar"
+                seq.append_token(token, logprobs[j], tops[j])
+                part = "detokenization"
+                reason = state.update_text_and_check_stop(self.eos_token_ids, self.max_model_len)
+                if reason is not None:
+                    new, logprobs, tops = new[: j + 1], logprobs[: j + 1], tops[: j + 1]
+                    self._finish(state, reason)
+                    break
+            else:
+                if draft:
+                    part = "kv_cache"
+                    self.block_manager.commit_computed(seq)
+                    self.block_manager.trim(seq)
+                if seq.prefill_only:
+                    self._park_prefilled(state)
             return state.output(
-                [r.token], [] if r.logprob is None else [r.logprob], [] if r.top is None else [r.top]
+                new, [v for v in logprobs if v is not None], [v for v in tops if v is not None]
             )
         except Exception as e:
             r.error = contained(part, e)

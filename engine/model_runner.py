@@ -3,7 +3,7 @@
 Packing order: sequences with one new token (decodes) first, then multi-token
 prefill chunks, so the attention backend can treat the decodes as one batch.
 Only the last position of sequences that reach their end this step goes through
-the LM head.
+the LM head (with a speculative draft, every position of it: ``engine.speculative``).
 
 Under tensor parallelism the driver rank (0) schedules, packs the step into a
 ``StepInputs`` (plain lists), broadcasts it, and every rank runs the same
@@ -140,7 +140,7 @@ class ModelRunner:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             inputs.spans.append(SeqSpan(len(inputs.input_ids), s.num_new_tokens, end, seq.block_table))
-            inputs.input_ids.extend(seq.token_ids[start:end])
+            inputs.input_ids.extend(s.input_ids)
             inputs.positions.extend(range(start, end))
             table = seq.block_table
             inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -151,12 +151,9 @@ class ModelRunner:
                     inputs.prompt_index.append(base + p)
                     prompt_rows.append((seq, p + 1))
             if s.samples:
-                inputs.last_index.append(len(inputs.input_ids) - 1)
-                rows.append(
-                    SampleRequest(
-                        seq.params, seq.num_output_tokens, seq.token_ids, seq.num_prompt_tokens, seq.grammar
-                    )
-                )
+                after = len(inputs.input_ids) - 1 - len(s.draft)
+                inputs.last_index.extend(range(after, len(inputs.input_ids)))
+                rows.extend(_rows(s))
         graphs = self.graphs
         if (
             on_layer is None
@@ -266,6 +263,18 @@ class ModelRunner:
         """Driver: release the other ranks from ``follow()``."""
         if self.tp.is_driver:
             self.tp.broadcast_object(None)
+
+
+def _rows(s: ScheduledSeq) -> list[SampleRequest]:
+    """What to sample at the end of ``s``: its next token, or with a draft d1..dk one
+    row per position, row j as the token after d1..dj would be sampled were they the
+    sequence's own (its index, its tokens, its grammar past them: ``speculative.verify``)."""
+    seq, draft, n, prompt = s.seq, s.draft, s.seq.num_output_tokens, s.seq.num_prompt_tokens
+    rows = [SampleRequest(seq.params, n, seq.token_ids, prompt, seq.grammar)]
+    for j in range(1, len(draft) + 1):
+        grammar = seq.grammar.fork(draft[:j]) if seq.grammar is not None else None
+        rows.append(SampleRequest(seq.params, n + j, seq.token_ids + draft[:j], prompt, grammar))
+    return rows
 
 
 def _prompt_logprobs(

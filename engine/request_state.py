@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.engine.speculative.adaptive import Acceptance
 from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from splitserve.wire.errors import SequenceFailed
 from splitserve.wire.outputs import CompletionOutput, PromptLogprob, RequestOutput, TopLogprobs
@@ -27,6 +28,8 @@ class RequestState:
         stops = seq.params.stop
         self.holdback = max((len(s) for s in stops), default=1) - 1
         self.error: SequenceFailed | None = None  # it failed alone (``Engine._fail``)
+        # its speculation here (``engine.speculative``): set when it first may speculate
+        self.acceptance: Acceptance | None = None
 
     def update_text_and_check_stop(self, eos_token_ids: set[int], max_model_len: int) -> FinishReason | None:
         """Account for the token just appended; return why the request ends, if it does."""

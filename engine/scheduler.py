@@ -16,6 +16,11 @@ blocks are freed and it returns to the front of the waiting queue, to be
 recomputed later (its generated tokens are kept and recomputed as part of its
 prefix). The engine never crashes for lack of blocks;
 no new sequence is admitted in a step that preempted.
+
+Speculative decoding: ``schedule(drafts)`` takes tokens proposed for decoding
+sequences (by request id). Such a sequence runs its last token and its draft in
+one chunk, as far as the budget and free blocks allow; a draft is shortened or
+dropped rather than preempt anything for it.
 """
 
 from __future__ import annotations
@@ -29,13 +34,25 @@ from splitserve.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledSeq:
+    """A sequence's share of a step: its next ``num_new_tokens`` tokens, the last
+    ``len(draft)`` of which are proposed tokens (speculative decoding) that follow its
+    own: they are checked by this step, not yet the sequence's."""
+
     seq: Sequence
     num_new_tokens: int
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's last token (so a token is sampled)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """Whether this chunk reaches the sequence's last token (so a token is sampled;
+        with a draft, one per draft token more)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(self.draft)
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The tokens this chunk runs through the model."""
+        seq, start = self.seq, self.seq.num_computed_tokens
+        return seq.token_ids[start : start + self.num_new_tokens - len(self.draft)] + self.draft
 
 
 @dataclass
@@ -79,14 +96,24 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """The next step. ``drafts``: proposed tokens for decoding sequences, by request
+        id (see the module docstring)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        drafts = drafts or {}
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            draft = self._fitting_draft(seq, drafts.get(seq.request_id), budget)
+            if draft:
+                bm.allocate(seq, 1 + len(draft))
+                out.scheduled.append(ScheduledSeq(seq, 1 + len(draft), draft))
+                budget -= 1 + len(draft)
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not bm.can_allocate(seq, n):
                 victim = self._victim(seq)
@@ -133,6 +160,16 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def _fitting_draft(self, seq: Sequence, draft: list[int] | None, budget: int) -> list[int]:
+        """As much of ``draft`` as ``seq`` (decoding) can run this step within ``budget``
+        and the free blocks; [] for none (the sequence then runs as any other)."""
+        if not draft or seq.num_uncomputed_tokens != 1:
+            return []
+        draft = draft[: budget - 1]
+        while draft and not self.block_manager.can_allocate(seq, 1 + len(draft)):
+            draft = draft[:-1]
+        return draft
 
     def _victim(self, seq: Sequence) -> Sequence:
         """The newest running sequence whose blocks are in ``seq``'s shard (``seq`` at the

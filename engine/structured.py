@@ -77,6 +77,21 @@ class Grammar:
         """The output is complete: the grammar allows nothing more."""
         return self.matcher.is_stopped()
 
+    def fork(self, token_ids: list[int]) -> Grammar:
+        """A copy of this grammar that has consumed ``token_ids`` (a speculative draft's
+        rows); this one is unchanged."""
+        other = Grammar(self.matcher.deep_copy(), self.vocab_size)
+        for t in token_ids:
+            other.consume(t)
+        return other
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids`` the grammar allows in a row from here (it is
+        unchanged): a draft is cut there."""
+        if self.done:
+            return 0
+        return self.matcher.validate_tokens(token_ids)
+
     def consume(self, token_id: int) -> None:
         """Advance past a token the sequence produced; ``InvalidRequest`` if the grammar
         does not allow it (a token chosen under this grammar's mask always is). Tokens

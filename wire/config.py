@@ -9,6 +9,35 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "fp8", "int8")
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``engine.speculative``): a proposer suggests up to
+    ``num_tokens`` next tokens of a decoding sequence, the target model checks them in
+    one step. ``method``: ``ngram`` (prompt lookup: the tokens that followed the latest
+    earlier occurrence of the sequence's last ``ngram_min``..``ngram_max`` tokens).
+    Each request's number of proposed tokens adapts to its own acceptance
+    (``engine.speculative.adaptive``). Invalid values raise ``ValueError``."""
+
+    method: str = "ngram"
+    num_tokens: int = 4  # the most tokens proposed per sequence and step
+    ngram_min: int = 1
+    ngram_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
+        if not 1 <= self.num_tokens <= 16:
+            raise ValueError(f"speculative num_tokens must be in 1..16, got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                "speculative n-grams need 1 <= ngram_min <= ngram_max, "
+                f"got {self.ngram_min}..{self.ngram_max}"
+            )
 
 
 @dataclass
@@ -47,8 +76,13 @@ class EngineConfig:
     # captured (CUDA, triton attention, TP=1); True requires that
     seed: int = 0  # random weights and unseeded sampling
     generation_config: bool = True  # the model's generation_config.json sets defaults of unset fields
+    # speculative decoding of this engine's decodes (a dict of SpeculativeConfig's fields is
+    # taken); None: none
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):
+            self.speculative = SpeculativeConfig(**self.speculative)
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -14,6 +14,29 @@ TopLogprobs = tuple[tuple[int, float], ...]  # one step's most likely (token id,
 PromptLogprob = tuple[float, TopLogprobs]
 
 
+@dataclass(frozen=True)
+class SpeculationCounters:
+    """An engine's speculative decoding since it started (``engine.speculative``):
+    tokens its proposer suggested, those the target kept, the sequence-steps that
+    checked a draft."""
+
+    method: str = ""  # the proposer ("" for none)
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    verified_steps: int = 0
+    proposer_errors: int = 0  # steps whose proposals were lost to a proposer's failure
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a checked sequence-step produced on average (its kept draft tokens and
+        the target's own one)."""
+        return 1 + self.accepted_tokens / self.verified_steps if self.verified_steps else 0.0
+
+
 @dataclass
 class RequestOutput:
     """One request's progress in one ``Engine.step()``: only what is new."""
@@ -125,6 +148,7 @@ class EngineStats:
     # model steps that failed and were run again (all of them narrowed, some one by one)
     sequence_errors: tuple[tuple[str, int], ...] = ()
     steps_retried: int = 0
+    speculation: SpeculationCounters = SpeculationCounters()  # speculative decoding, since it started
 
     @property
     def num_used_blocks(self) -> int:

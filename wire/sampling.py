@@ -115,6 +115,9 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # never generated (vLLM's: as tokenized, and after a space)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # never generated, as token sequences
     n: int = 1  # sequences of the prompt (the router forks them; see the docstring)
+    # False: a worker that speculates (engine.speculative) decodes this request without
+    # (its tokens are the same either way; speculation only changes how fast they come)
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists and dicts from callers but keep the dataclass hashable and immutable.

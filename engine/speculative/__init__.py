@@ -1,3 +1,54 @@
-"""Speculative decoding (issue 53), built in pieces. Proposers suggest the next few
-tokens of a sequence cheaply; the engine's target model checks them in one step.
-So far: ``ngram`` (prompt lookup, no model). Plain code, no torch."""
+"""Speculative decoding: a proposer suggests a decoding sequence's next few tokens
+cheaply, and the engine's target model checks them all in one step.
+
+    engine.step
+      1. proposals    each decoding request that speculates asks its proposer for k
+                      tokens (k from its own acceptance: ``adaptive``)
+      2. schedule     the request runs [last token, d1 .. dk] as one chunk over its
+                      paged KV (``Scheduler.schedule(drafts)``), batched with the rest
+      3. verify       one target row per position; the sequence keeps the tokens the
+                      target itself picks up to the first that differs from the draft,
+                      and that one (``verify``)
+      4. advance      computed KV moves past the kept tokens only; the slots written
+                      for rejected ones are overwritten by the next step, spare blocks
+                      given back (``BlockManager.trim``)
+
+Proposers (``Proposer``): ``ngram`` (prompt lookup, no model). No torch in this
+package's bookkeeping; a model proposer brings its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from splitserve.wire.config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class ProposalRequest:
+    """What a proposer sees of one decoding sequence: its tokens so far (prompt then
+    output) and how many to propose at most."""
+
+    request_id: str
+    token_ids: list[int]
+    k: int
+
+
+class Proposer(Protocol):
+    """Suggests next tokens for a batch of sequences."""
+
+    name: str
+
+    def propose(self, requests: list[ProposalRequest]) -> list[list[int]]:
+        """Up to ``k`` tokens per request, in order ([] where it has none)."""
+        ...
+
+
+def build_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer ``config.method`` names."""
+    if config.method == "ngram":
+        from splitserve.engine.speculative.ngram import NgramProposer
+
+        return NgramProposer(config.ngram_min, config.ngram_max)
+    raise ValueError(f"no speculative proposer {config.method!r}")

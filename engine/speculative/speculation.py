@@ -1,0 +1,80 @@
+"""An engine's speculative decoding: which requests propose how many tokens each
+step, and the counts ``EngineStats`` reports. Owned by the ``Engine``, on its thread.
+
+The engine calls ``drafts`` before scheduling a step and ``verified`` for each
+sequence whose draft the step checked. A proposer that raises costs its step's
+proposals, never a request: speculation only ever changes how fast tokens come.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from splitserve.engine.request_state import RequestState
+from splitserve.engine.sequence import Sequence
+from splitserve.engine.speculative import ProposalRequest, build_proposer
+from splitserve.engine.speculative.adaptive import Acceptance
+from splitserve.wire.config import SpeculativeConfig
+from splitserve.wire.outputs import SpeculationCounters
+
+log = logging.getLogger(__name__)
+
+# a proposed token's cost, as a fraction of a decode step's value: a request proposes
+# the j-th token only while its acceptance rate a has a^j >= this (``adaptive``)
+MIN_GAIN = 0.3
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.proposer = build_proposer(config)
+        self.max_model_len = max_model_len
+        self.proposed = self.accepted = self.steps = 0  # tokens; sequence-steps checked
+        self.proposer_errors = 0
+
+    def drafts(self, running: Iterable[Sequence], states: dict[str, RequestState]) -> dict[str, list[int]]:
+        """Tokens proposed for the decoding sequences of ``running`` that speculate, by
+        request id: each as many as its acceptance asks for (``adaptive``), no more
+        than it may still generate, cut where its grammar would refuse one."""
+        wanted: list[ProposalRequest] = []
+        for seq in running:
+            if seq.num_uncomputed_tokens != 1 or seq.prefill_only or not seq.params.speculate:
+                continue
+            state = states[seq.request_id]
+            if state.acceptance is None:
+                state.acceptance = Acceptance(self.config.num_tokens)
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            k = min(state.acceptance.k(MIN_GAIN), room)
+            if k > 0 and not (seq.grammar is not None and seq.grammar.done):
+                wanted.append(ProposalRequest(seq.request_id, seq.token_ids, k))
+        if not wanted:
+            return {}
+        try:
+            proposals = self.proposer.propose(wanted)
+        except Exception as e:  # a proposer's fault costs this step's proposals only
+            self.proposer_errors += 1
+            log.warning("the %s proposer failed (%r); this step runs without drafts", self.proposer.name, e)
+            return {}
+        drafts = {}
+        for req, draft in zip(wanted, proposals):
+            grammar = states[req.request_id].seq.grammar
+            draft = list(draft[: req.k])
+            if grammar is not None:
+                draft = draft[: grammar.valid_prefix(draft)]
+            if draft:
+                drafts[req.request_id] = draft
+        return drafts
+
+    def verified(self, state: RequestState, proposed: int, accepted: int) -> None:
+        """A step checked ``proposed`` tokens of ``state``'s draft and kept ``accepted``."""
+        self.proposed += proposed
+        self.accepted += accepted
+        self.steps += 1
+        if state.acceptance is not None:
+            state.acceptance.record(proposed, accepted)
+
+    def counters(self) -> SpeculationCounters:
+        return SpeculationCounters(
+            self.proposer.name, self.proposed, self.accepted, self.steps, self.proposer_errors
+        )
