@@ -157,6 +157,7 @@ def build_request(
     structured: tuple[str, str] | None = None,
     n: int | None = None,
     prompt_logprobs: int | None = None,
+    speculate: bool | None = None,
     tools: list[dict[str, Any]] | None = None,
     tool_choice: str | dict[str, Any] | None = None,
     parallel_tool_calls: bool = True,
@@ -189,6 +190,7 @@ def build_request(
         ("top_logprobs", top_logprobs),
         ("n", n),
         ("prompt_logprobs", prompt_logprobs),
+        ("speculate", speculate),
     ):
         if value is not None:
             try:

@@ -27,7 +27,7 @@ from splitserve.router.moves import Relief
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.policy import StrictModel as _Strict
 from splitserve.router.roles import Role
-from splitserve.wire.config import EngineConfig
+from splitserve.wire.config import EngineConfig, SpeculativeConfig
 from splitserve.wire.kv import DEFAULT_LEASE_S
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "cluster_configs"
@@ -72,6 +72,37 @@ class ModelSpec(_Strict):
             return self.served_name
         path = Path(self.name)
         return path.stem if path.suffix == ".gguf" else path.name or self.name
+
+
+_SPECULATIVE_DEFAULTS = SpeculativeConfig()  # its defaults, written once there
+
+
+class SpeculativeOptions(_Strict):
+    """Speculative decoding of a pool's decodes (``engine.speculative``)."""
+
+    method: Literal["ngram"] = Field(
+        _SPECULATIVE_DEFAULTS.method,
+        description="ngram: prompt lookup, proposing the tokens that followed the latest earlier "
+        "occurrence of the sequence's last few tokens (no model; wins where outputs copy their input)",
+    )
+    num_tokens: int = Field(
+        _SPECULATIVE_DEFAULTS.num_tokens,
+        ge=1,
+        le=16,
+        description="the most tokens proposed per sequence and step",
+    )
+    ngram_min: int = Field(
+        _SPECULATIVE_DEFAULTS.ngram_min, ge=1, description="the shortest suffix n-gram looked up"
+    )
+    ngram_max: int = Field(
+        _SPECULATIVE_DEFAULTS.ngram_max, ge=1, description="the longest suffix n-gram looked up"
+    )
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> SpeculativeOptions:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"speculative ngram_min ({self.ngram_min}) is above ngram_max {self.ngram_max}")
+        return self
 
 
 class EngineOptions(_Strict):
@@ -131,6 +162,13 @@ class EngineOptions(_Strict):
         _engine_default("quantization"),
         description="linear layers: fp8 (W8A8; FP8 tensor cores on sm_89+, suits compute-bound prefill), "
         "int8 (weight-only; halves the bytes memory-bound decode reads), or none",
+    )
+    speculative: SpeculativeOptions | None = Field(
+        _engine_default("speculative"),
+        description="speculative decoding of this pool's decodes (a decode or colocated pool; a prefill "
+        "pool only samples first tokens): tokens proposed cheaply, checked in one step, each request's "
+        "count adapted to how many it keeps; tokens are the same as without (see docs/speculative.md). "
+        "Unset: none. A request may opt out (speculate: false)",
     )
 
 

@@ -81,6 +81,7 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         allowed_token_ids=list(sp.allowed_token_ids) or None,
         n=sp.n or 1,
         prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
+        speculate=sp.speculate if sp.HasField("speculate") else True,
     )
 
 

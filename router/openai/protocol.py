@@ -127,6 +127,7 @@ class OpenAIRequest(BaseModel):
     seed: int | None = None
     n: int = 1
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, in the response
+    speculate: bool = True  # splitserve's: false decodes it without speculative decoding (same tokens)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -173,6 +174,7 @@ class OpenAIRequest(BaseModel):
             logprobs=self.requested_logprobs()[0],
             top_logprobs=self.requested_logprobs()[1],
             prompt_logprobs=self.prompt_logprobs,
+            speculate=self.speculate,
         )
 
     def unset(self) -> frozenset[str]:

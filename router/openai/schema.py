@@ -53,7 +53,7 @@ class ApiField:
     status: Status
     note: str  # what splitserve does with it (honoured, metadata) or why it is refused
     neutral: tuple[Any, ...] = _ABSENT  # values a refused field may take: they ask for nothing
-    origin: str = "OpenAI"  # who defines it: OpenAI or vLLM
+    origin: str = "OpenAI"  # who defines it: OpenAI, vLLM or splitserve
 
     def accepts(self, value: Any) -> bool:
         """Whether a request may carry this value (always, unless the field is refused)."""
@@ -153,6 +153,12 @@ FIELDS: tuple[ApiField, ...] = (
         "vLLM",
     ),
     _h("skip_special_tokens", BOTH, "false: special tokens' text is kept in the output text", "vLLM"),
+    _h(
+        "speculate",
+        BOTH,
+        "false: a worker that speculates decodes this request without (the tokens are the same)",
+        "splitserve",
+    ),
     _r(
         "spaces_between_special_tokens",
         BOTH,

@@ -17,6 +17,7 @@ import pytest
 
 import tests.integration.test_cli_serve as cli_serve_tests
 import tests.integration.test_cluster_serving as serving_tests
+import tests.unit.engine.speculative.test_verification as speculative_tests
 import tests.unit.engine.test_correctness as correctness_tests
 import tests.unit.engine.test_engine as engine_tests
 import tests.unit.engine.test_generation_defaults as defaults_tests
@@ -315,6 +316,7 @@ HONOURED_BY = {
     "include_reasoning": [tools_tests, "test_reasoning_is_split_from_content"],
     "prompt_logprobs": [serving_tests, "test_openai_http_endpoint_with_the_official_client"],
     "n": [serving_tests, "test_n_sequences_are_handed_over_once_and_each_equals_its_derived_seed"],
+    "speculate": [speculative_tests, "test_a_request_that_opts_out_is_never_speculated"],
 }
 
 
