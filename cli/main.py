@@ -227,6 +227,7 @@ def _status(args: argparse.Namespace) -> int:
     _print_capacity(st)
     _print_expert_load(st)
     _print_prefix_reuse(st)
+    _print_speculation(st)
     for g in st.given_up:
         print(f"given up {time.strftime('%H:%M:%S', time.localtime(g.at))}: {g.reason}")
     if st.placements:
@@ -321,6 +322,22 @@ def _print_expert_load(st) -> None:
                 f"{w.worker_id}: expert load over the last {w.expert_window_s:.0f} s, "
                 f"tokens routed: {ranks}; "
                 f"hottest expert {hot} ({tokens[hot]:,})"
+            )
+
+
+def _print_speculation(st) -> None:
+    """Per worker that speculates: its proposer, acceptance rate and mean accepted length."""
+    for pool in st.pools:
+        for w in pool.workers:
+            s = w.speculation
+            if not s.method:
+                continue
+            rate = s.accepted_tokens / s.draft_tokens if s.draft_tokens else 0.0
+            length = 1 + s.accepted_tokens / s.drafts if s.drafts else 0.0
+            print(
+                f"{w.worker_id}: speculative decoding ({s.method}): "
+                f"{s.accepted_tokens:,} of {s.draft_tokens:,} "
+                f"proposed tokens kept ({rate:.0%}), {length:.2f} tokens per checked step"
             )
 
 

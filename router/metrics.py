@@ -47,6 +47,11 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
                                                        sampling, unsampleable, grammar,
                                                        detokenization, logprobs, kv_cache, forward)
     splitserve:model_steps_retried_total{pool,worker}  model steps that failed and were run again
+    splitserve:spec_decode_draft_tokens_total{pool,worker,method}     speculative decoding: tokens
+    splitserve:spec_decode_accepted_tokens_total{pool,worker,method}  proposed, of those kept, and the
+    splitserve:spec_decode_drafts_total{pool,worker,method}           sequence-steps that checked a
+                                                       draft (acceptance rate: accepted / draft tokens;
+                                                       mean accepted length: 1 + accepted / drafts)
     splitserve:ignored_fields_total                     unknown request fields ignored
                                                        (router.openai.ignore_unknown_fields)
     gauges
@@ -277,6 +282,14 @@ class _ClusterCollector(Collector):
         retried = CounterMetricFamily(
             "splitserve:model_steps_retried", "Model steps that failed and were run again.", labels=labels
         )
+        spec = {
+            name: CounterMetricFamily(f"splitserve:spec_decode_{name}", what, labels=[*labels, "method"])
+            for name, what in (
+                ("draft_tokens", "Speculative decoding: tokens proposed."),
+                ("accepted_tokens", "Speculative decoding: proposed tokens the target kept."),
+                ("drafts", "Speculative decoding: sequence-steps that checked a draft."),
+            )
+        }
         info = GaugeMetricFamily(
             "splitserve:worker_info",
             "1 for each worker that joined, labelled with the revision of the weights it serves "
@@ -296,6 +309,10 @@ class _ClusterCollector(Collector):
             for kind, n in e.sequence_errors:
                 seq_errors.add_metric([*key, kind], n)
             retried.add_metric(key, e.steps_retried)
+            if s := e.speculation.method:
+                spec["draft_tokens"].add_metric([*key, s], e.speculation.proposed_tokens)
+                spec["accepted_tokens"].add_metric([*key, s], e.speculation.accepted_tokens)
+                spec["drafts"].add_metric([*key, s], e.speculation.verified_steps)
             running.add_metric(key, e.num_running)
             waiting.add_metric(key, e.num_waiting)
             kv.add_metric(key, e.num_used_blocks / e.num_blocks if e.num_blocks else 0.0)
@@ -339,6 +356,7 @@ class _ClusterCollector(Collector):
             restarts,
             seq_errors,
             retried,
+            *spec.values(),
             info,
         )
 

@@ -413,6 +413,15 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
         out.kv_blocks_total, out.kv_blocks_used = e.num_blocks, e.num_used_blocks
         out.preemptions = e.num_preemptions
         out.sequence_errors.update(dict(e.sequence_errors))
+        sp = e.speculation
+        out.speculation.CopyFrom(
+            pb.Speculation(
+                method=sp.method,
+                draft_tokens=sp.proposed_tokens,
+                accepted_tokens=sp.accepted_tokens,
+                drafts=sp.verified_steps,
+            )
+        )
         out.expert_tokens.extend(e.expert_tokens_recent)
         out.expert_window_s, out.expert_ranks = e.expert_window_s, e.expert_ranks
         t = e.host_tier
