@@ -381,7 +381,9 @@ class Engine(KVRequests):
             last = run == runs - 1
             self._prefill_rate = PrefillRate(self._prefill_rate.decay)
             self._decode_steps = DecodeSteps(self._decode_steps.decay)
-            sampling = SamplingParams(max_tokens=1 + (decode_steps if last else 0), ignore_eos=True)
+            # no speculation: a plain step's time is what the planner and the decider use
+            steps = 1 + (decode_steps if last else 0)
+            sampling = SamplingParams(max_tokens=steps, ignore_eos=True, speculate=False)
             self.generate([[run + 1] * num_tokens], sampling)
         return self._prefill_rate.tokens_per_s, self._decode_steps.step_s
 
