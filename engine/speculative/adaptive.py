@@ -6,8 +6,9 @@ one: a truncated geometric, so a = accepted / (accepted + rejections), decayed s
 that it follows the text). The j-th proposed token is kept with probability a^j;
 it costs a row of the verification step. A request proposes the longest k whose
 last token still has a^k >= ``min_gain`` (a row's cost, as a fraction of a decode
-step's, set by the engine), capped by the config. At k = 0 it still proposes one
-token every ``PROBE_EVERY`` steps, so a request whose text turns copyable is seen.
+step's: a constant for now, ``speculation.MIN_GAIN``, not measured), capped by the
+config. At k = 0 it still proposes one token every ``PROBE_EVERY`` steps, so a
+request whose text turns copyable is seen.
 """
 
 from __future__ import annotations
