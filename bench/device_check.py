@@ -12,8 +12,8 @@ stage, not the lease), each result in ``DIR/<stage>.json``; then
 | environment    | GPU, driver, torch, Triton, NIXL and the plugins it loads              | 45 s  |
 | gpu_tests      | ``pytest tests/gpu``                                                   | 150 s |
 | disaggregated  | ``bench.disagg_check``: prefill process → NIXL → decode, tokens equal  | 120 s |
-| handoff        | ``bench.handoff_check``: GB/s GPU → GPU vs a device copy, 4k/32k tokens | 60 s  |
-| gpu_bench      | ``bench.gpu_bench`` quick: decode B = 1, 16, 64 (bf16, int8, FP8 weights; | 180 s |
+| handoff        | ``bench.handoff_check``: GB/s GPU → GPU vs a device copy, 4k/32k tokens | 110 s |
+| gpu_bench      | ``bench.gpu_bench`` quick: decode B = 1, 16, 64 (bf16, int8, FP8 weights; | 130 s |
 |                | bf16 and FP8 KV at 4k context; MoE); prefill 2k, 8k                    |       |
 
 Without CUDA the same command runs what the CPU can (environment, disaggregated
@@ -127,8 +127,8 @@ STAGES = (
     Stage("environment", 45, False, _environment),
     Stage("gpu_tests", 150, True, _gpu_tests),
     Stage("disaggregated", 120, False, _disaggregated),
-    Stage("handoff", 60, False, _handoff),
-    Stage("gpu_bench", 180, True, _gpu_bench),
+    Stage("handoff", 110, False, _handoff),
+    Stage("gpu_bench", 130, True, _gpu_bench),
 )
 
 
@@ -143,6 +143,9 @@ def run_stage(stage: Stage, out: Path, cuda: bool) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=stage.timeout_s)
     except subprocess.TimeoutExpired:
         record = {"status": "timed out", "error": f"past its {stage.timeout_s:g} s bound"}
+        partial = out / f"{stage.name}_rows.json"  # rows a stage wrote as it went
+        if partial.exists():
+            record["result"] = {"rows": json.loads(partial.read_text())}
     else:
         path = out / f"{stage.name}.json"
         if proc.returncode == 0 and path.exists():

@@ -135,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
-    rows = [measure(t, device, args.repeats) for t in args.tokens]
+    rows = []
+    for tokens in args.tokens:  # the JSON is rewritten per size: a caller's timeout keeps the rows done
+        rows.append(measure(tokens, device, args.repeats))
+        if args.json:
+            Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     print(markdown(rows), end="")
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     return 0
 
 

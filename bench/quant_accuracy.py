@@ -78,7 +78,11 @@ def closeness(engine: Engine, reference: Engine, prompts: list[list[int]]) -> Cl
         got, ref = prompt_logits(engine, p), prompt_logits(reference, p)
         cos.append(nn.functional.cosine_similarity(got, ref, dim=-1))
         top1.append((got.argmax(-1) == ref.argmax(-1)).float())
-        nll.append(nn.functional.cross_entropy(got[:-1].float(), torch.tensor(p[1:]), reduction="none"))
+        nll.append(
+            nn.functional.cross_entropy(
+                got[:-1].float(), torch.tensor(p[1:], device=got.device), reduction="none"
+            )
+        )
     c = torch.cat(cos)
     ppl = torch.cat(nll).mean().exp().item()
     return Closeness(c.mean().item(), c.min().item(), torch.cat(top1).mean().item(), ppl)

@@ -55,7 +55,12 @@ def test_moe_and_mla_on_cuda_match_hf(tmp_path, kind):
     expected = [hf_greedy(hf, p, 16) for p in prompts]
     engine = Engine(
         EngineConfig(
-            model=str(tmp_path), dtype="float32", device="cuda", block_size=16, max_num_batched_tokens=64
+            model=str(tmp_path),
+            dtype="float32",
+            device="cuda",
+            block_size=16,
+            max_num_batched_tokens=64,
+            num_kv_blocks=256,
         )
     )
     assert all(m.grouped_kernel is not None for m in engine.model.moe_layers())
