@@ -244,6 +244,13 @@ def _attention(
     return backend, use_graphs
 
 
+def draft_attention(config: EngineConfig, mc: ModelConfig, device: torch.device) -> AttentionBackend:
+    """The attention backend of a draft's cache over ``mc``'s layers (the model's dtype,
+    no FP8, no CUDA graphs): the one ``config`` would pick for them otherwise."""
+    plain = dataclasses.replace(config, kv_cache_dtype="auto", cuda_graphs=False, speculative=None)
+    return _attention(plain, mc, device, 1)[0]
+
+
 def _summary(
     config: EngineConfig,
     mc: ModelConfig,

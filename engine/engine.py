@@ -46,6 +46,7 @@ from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.scheduler import ScheduledSeq
 from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.engine.speculative.build import Target
 from splitserve.engine.speculative.speculation import Speculation
 from splitserve.engine.speculative.verify import kept
 from splitserve.engine.step_rates import DecodeSteps, ExpertLoad, PrefillRate
@@ -123,7 +124,19 @@ class Engine(KVRequests):
         self.sequence_errors: collections.Counter[str] = collections.Counter()
         self.containment = Containment(self.runner, self.tp.size, lambda: self.layer_observer)
         spec = config.speculative
-        self.speculation = Speculation(spec, self.max_model_len) if spec is not None else None
+        self.speculation = None
+        if spec is not None and self.tp.is_driver:
+            target = Target(
+                config,
+                self.model,
+                self.model_config,
+                self.kv_cache.layout,
+                self.capacity.num_tokens,
+                self.max_model_len,
+                self.device,
+                self.dtype,
+            )
+            self.speculation = Speculation(spec, target)
 
     # ---- requests ----------------------------------------------------------
     def kv_compat(self) -> CompatInfo:

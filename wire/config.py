@@ -9,15 +9,22 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "fp8", "int8")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft", "self")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (``engine.speculative``): a proposer suggests up to
     ``num_tokens`` next tokens of a decoding sequence, the target model checks them in
-    one step. ``method``: ``ngram`` (prompt lookup: the tokens that followed the latest
-    earlier occurrence of the sequence's last ``ngram_min``..``ngram_max`` tokens).
+    one step. ``method``:
+
+    - ``ngram``: prompt lookup, the tokens that followed the latest earlier occurrence
+      of the sequence's last ``ngram_min``..``ngram_max`` tokens (no model);
+    - ``draft``: a smaller model with the target's vocabulary (``draft_model``: a path
+      or name as ``EngineConfig.model`` takes) decodes greedily on its own paged KV;
+    - ``self``: the target's own first ``draft_layers`` layers, its final norm and LM
+      head (no extra weights; their KV cache is the draft's own).
+
     Each request's number of proposed tokens adapts to its own acceptance
     (``engine.speculative.adaptive``). Invalid values raise ``ValueError``."""
 
@@ -25,6 +32,8 @@ class SpeculativeConfig:
     num_tokens: int = 4  # the most tokens proposed per sequence and step
     ngram_min: int = 1
     ngram_max: int = 3
+    draft_model: str | None = None  # method draft
+    draft_layers: int = 0  # method self: the target's layers the draft runs (1 .. layers - 1)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -37,6 +46,13 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative n-grams need 1 <= ngram_min <= ngram_max, "
                 f"got {self.ngram_min}..{self.ngram_max}"
+            )
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method draft needs draft_model (the draft's path or name)")
+        if self.method == "self" and self.draft_layers < 1:
+            raise ValueError(
+                "speculative method self needs draft_layers >= 1 (the target's first layers), "
+                f"got {self.draft_layers}"
             )
 
 

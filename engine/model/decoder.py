@@ -71,16 +71,20 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope, max_position)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, kv_cache: KVCache, ctx: StepContext, num_layers: int | None = None
+    ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]; KV written to the cache.
         With no tokens (a rank of an expert-parallel group none of whose sequences run
-        this step) only the MoE layers run, to take part in the group's exchanges."""
+        this step) only the MoE layers run, to take part in the group's exchanges.
+        ``num_layers``: run only the first that many layers (an early exit: the
+        self-speculation draft, ``engine.speculative.draft``), with a cache of as many."""
         if input_ids.numel() == 0:
             return self._no_tokens()
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
         delta = None
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             k_cache, v_cache = kv_cache.layer(i)
             delta = layer(x, delta, cos, sin, k_cache, v_cache, ctx, kv_cache.layer_scales(i))
             if ctx.on_layer is not None:

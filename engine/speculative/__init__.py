@@ -13,16 +13,17 @@ cheaply, and the engine's target model checks them all in one step.
                       for rejected ones are overwritten by the next step, spare blocks
                       given back (``BlockManager.trim``)
 
-Proposers (``Proposer``): ``ngram`` (prompt lookup, no model). No torch in this
-package's bookkeeping; a model proposer brings its own.
+Proposers (``Proposer``, built by ``speculative.build``): ``ngram`` (prompt lookup,
+no model), ``draft`` (a smaller model) and ``self`` (the target's first layers),
+the last two ``speculative.draft``'s model proposers. No torch in this package's
+bookkeeping; a model proposer brings its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
-
-from splitserve.wire.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,6 @@ class Proposer(Protocol):
         """Up to ``k`` tokens per request, in order ([] where it has none)."""
         ...
 
-
-def build_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer ``config.method`` names."""
-    if config.method == "ngram":
-        from splitserve.engine.speculative.ngram import NgramProposer
-
-        return NgramProposer(config.ngram_min, config.ngram_max)
-    raise ValueError(f"no speculative proposer {config.method!r}")
+    def forget(self, live: Collection[str]) -> None:
+        """Drop whatever it keeps for requests not in ``live`` (the engine's requests)."""
+        ...

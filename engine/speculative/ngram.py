@@ -49,3 +49,6 @@ class NgramProposer:
 
     def propose(self, requests) -> list[list[int]]:
         return [propose(r.token_ids, r.k, self.min_n, self.max_n) for r in requests]
+
+    def forget(self, live) -> None:
+        """Nothing to drop: a lookup keeps no state between steps."""

@@ -13,8 +13,9 @@ from collections.abc import Iterable
 
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.sequence import Sequence
-from splitserve.engine.speculative import ProposalRequest, build_proposer
+from splitserve.engine.speculative import ProposalRequest
 from splitserve.engine.speculative.adaptive import Acceptance
+from splitserve.engine.speculative.build import Target, build_proposer
 from splitserve.wire.config import SpeculativeConfig
 from splitserve.wire.outputs import SpeculationCounters
 
@@ -26,10 +27,10 @@ MIN_GAIN = 0.3
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, target: Target):
         self.config = config
-        self.proposer = build_proposer(config)
-        self.max_model_len = max_model_len
+        self.proposer = build_proposer(config, target)
+        self.max_model_len = target.max_model_len
         self.proposed = self.accepted = self.steps = 0  # tokens; sequence-steps checked
         self.proposer_errors = 0
 
@@ -37,6 +38,7 @@ class Speculation:
         """Tokens proposed for the decoding sequences of ``running`` that speculate, by
         request id: each as many as its acceptance asks for (``adaptive``), no more
         than it may still generate, cut where its grammar would refuse one."""
+        self.proposer.forget(states.keys())
         wanted: list[ProposalRequest] = []
         for seq in running:
             if seq.num_uncomputed_tokens != 1 or seq.prefill_only or not seq.params.speculate:

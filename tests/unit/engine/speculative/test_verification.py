@@ -46,6 +46,9 @@ class Oracle:
             )
         return out
 
+    def forget(self, live) -> None:
+        pass
+
 
 def _prompts(seed: int) -> list[list[int]]:
     return random_prompts([5, 12, 31], 512, seed=seed)

@@ -1,0 +1,101 @@
+"""Building a proposer for an engine: the n-gram lookup, or a model proposer with
+its draft model, KV cache and runner (``speculative.draft``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.speculative import Proposer
+from splitserve.wire.config import EngineConfig, SpeculativeConfig
+from splitserve.wire.kv_layout import KVLayout
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a proposer is built against: the target engine as built (driver rank)."""
+
+    config: EngineConfig
+    model: torch.nn.Module
+    model_config: ModelConfig
+    kv_layout: KVLayout  # the target cache's (a self-speculation draft's is its first layers)
+    kv_tokens: int  # tokens the target's cache holds
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def build_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:
+    """The proposer ``spec.method`` names; ``ValueError`` with a sentence for a
+    combination that cannot run."""
+    if spec.method == "ngram":
+        from splitserve.engine.speculative.ngram import NgramProposer
+
+        return NgramProposer(spec.ngram_min, spec.ngram_max)
+    if spec.method == "self":
+        return _self_proposer(spec, target)
+    if spec.method == "draft":
+        return _draft_proposer(spec, target)
+    raise ValueError(f"no speculative proposer {spec.method!r}")
+
+
+def _blocks(spec: SpeculativeConfig, target: Target) -> int:
+    from splitserve.engine.speculative.draft import draft_blocks
+
+    c = target.config
+    return draft_blocks(target.kv_tokens, c.max_num_seqs, c.block_size, spec.num_tokens)
+
+
+def _self_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:
+    from splitserve.engine.build import draft_attention
+    from splitserve.engine.kv_cache import KVCache
+    from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.sampler import Sampler
+    from splitserve.engine.speculative.draft import EarlyExit, ModelProposer
+
+    layers = target.model_config.num_layers
+    if not spec.draft_layers < layers:
+        raise ValueError(
+            f"speculative draft_layers ({spec.draft_layers}) must be below the target's {layers} layers"
+        )
+    if target.config.group_size > 1:
+        raise ValueError("self-speculation runs on engines without tensor or expert parallelism")
+    layout = dataclasses.replace(
+        target.kv_layout,
+        num_layers=spec.draft_layers,
+        num_blocks=_blocks(spec, target),
+        dtype=str(target.dtype).removeprefix("torch."),
+        kv_scales="none",
+    )
+    cache = KVCache(layout, target.device)
+    backend = draft_attention(target.config, target.model_config, target.device)
+    model = EarlyExit(target.model, spec.draft_layers)
+    runner = ModelRunner(model, cache, backend, Sampler(target.config.seed), target.device)
+    return ModelProposer("self", runner, target.model_config.vocab_size, target.max_model_len)
+
+
+def _draft_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:
+    from splitserve.engine.build import build_engine
+    from splitserve.engine.parallel.group import TPGroup
+    from splitserve.engine.speculative.draft import ModelProposer
+
+    c = target.config
+    config = EngineConfig(
+        model=spec.draft_model,
+        dtype=str(target.dtype).removeprefix("torch."),
+        device=str(target.device),
+        block_size=c.block_size,
+        num_kv_blocks=_blocks(spec, target),
+        max_model_len=target.max_model_len,
+        enable_prefix_caching=False,
+        attention_backend=c.attention_backend,
+        native_kernels=c.native_kernels,
+        cuda_graphs=False,
+        seed=c.seed,
+        generation_config=False,
+    )
+    parts = build_engine(config, None, None, TPGroup.single())
+    return ModelProposer("draft", parts.runner, target.model_config.vocab_size, parts.max_model_len)
