@@ -1,8 +1,10 @@
 """What speculative decoding buys: decode tokens/s of the real SmolLM2 with and
-without n-gram speculation, at batch 1 and 16, on a copy-heavy workload (repeat or
-correct a given text) and on chat questions, in the same run.
+without speculation (n-gram lookup; self-speculation from its first layers), at
+batch 1 and 16, on a copy-heavy workload (repeat or correct a given text) and on
+chat questions, in the same run.
 
-    python -m splitserve.bench.speculative [--tokens 128] [--rounds 3] [--batches 1,16] [--dtype auto]
+    python -m splitserve.bench.speculative [--tokens 128] [--rounds 3] [--batches 1,16]
+        [--methods ngram,self] [--draft-layers 8] [--dtype auto]
 
 Each row runs the same prompts greedily through two engines of one config, one
 speculating (``--num-tokens`` at most per step, adapted per request) and one not.
@@ -106,42 +108,60 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-tokens", type=int, default=4, help="the most tokens proposed per step")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts run one by one at batch 1")
+    ap.add_argument("--methods", default="ngram,self", help="proposers measured: ngram, self")
+    ap.add_argument("--draft-layers", type=int, default=8, help="self: the target's first layers drafting")
     harness.add_json_argument(ap)
     args = ap.parse_args(argv)
     base = dict(model="smollm2", dtype=args.dtype, max_num_seqs=64, max_model_len=2048)
     plain = Engine(EngineConfig(**base))
-    spec = Engine(EngineConfig(**base, speculative=SpeculativeConfig("ngram", num_tokens=args.num_tokens)))
-    print(f"SmolLM2-135M, {plain.summary}")
+    specs = {
+        method: Engine(
+            EngineConfig(
+                **base,
+                speculative=SpeculativeConfig(
+                    method,
+                    num_tokens=args.num_tokens,
+                    draft_layers=args.draft_layers if method == "self" else 0,
+                ),
+            )
+        )
+        for method in args.methods.split(",")
+    }
+    print(f"SmolLM2-135M, {plain.summary}; self-speculation from the first {args.draft_layers} of 30 layers")
     rows, figures = [], {}
     for name in args.workloads.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             chats = workload(name, batch if batch > 1 else args.batch1_prompts)
-            before = spec.stats().speculation
-            pair = harness.paired(
-                lambda chats=chats, batch=batch: decode_rate(plain, chats, args.tokens, batch),
-                lambda chats=chats, batch=batch: decode_rate(spec, chats, args.tokens, batch),
-                args.rounds,
-            )
-            after = spec.stats().speculation
-            proposed, accepted = (
-                after.proposed_tokens - before.proposed_tokens,
-                after.accepted_tokens - before.accepted_tokens,
-            )
-            steps = after.verified_steps - before.verified_steps
-            rate, length = accepted / max(proposed, 1), 1 + accepted / max(steps, 1)
-            key = f"{name}_batch{batch}"
-            figures[key] = dict(
-                plain=statistics.median(pair.baseline),
-                ngram=statistics.median(pair.candidate),
-                ratio=pair.ratio,
-                acceptance=rate,
-                mean_accepted_length=length,
-            )
-            rows.append([key, figures[key]["plain"], figures[key]["ngram"], pair.ratio, rate, length])
-    print(harness.table(["workload", "plain tok/s", "ngram tok/s", "ratio", "accept", "mean len"], rows))
+            for method, spec in specs.items():
+                before = spec.stats().speculation
+                pair = harness.paired(
+                    lambda chats=chats, batch=batch: decode_rate(plain, chats, args.tokens, batch),
+                    lambda chats=chats, batch=batch, spec=spec: decode_rate(spec, chats, args.tokens, batch),
+                    args.rounds,
+                )
+                after = spec.stats().speculation
+                proposed, accepted = (
+                    after.proposed_tokens - before.proposed_tokens,
+                    after.accepted_tokens - before.accepted_tokens,
+                )
+                steps = after.verified_steps - before.verified_steps
+                rate, length = accepted / max(proposed, 1), 1 + accepted / max(steps, 1)
+                key = f"{name}_batch{batch}_{method}"
+                figures[key] = dict(
+                    plain=statistics.median(pair.baseline),
+                    speculating=statistics.median(pair.candidate),
+                    ratio=pair.ratio,
+                    acceptance=rate,
+                    mean_accepted_length=length,
+                    proposed_per_step=proposed / max(steps, 1),
+                )
+                rows.append(
+                    [key, figures[key]["plain"], figures[key]["speculating"], pair.ratio, rate, length]
+                )
+    print(harness.table(["workload", "plain tok/s", "spec tok/s", "ratio", "accept", "mean len"], rows))
     harness.report(
         "n-gram speculation, copy-heavy batch 1 decode tok/s",
-        figures.get("copy_batch1", {}).get("ratio", 0.0),
+        figures.get("copy_batch1_ngram", {}).get("ratio", 0.0),
         args.json,
         **figures,
     )

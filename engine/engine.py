@@ -279,10 +279,13 @@ class Engine(KVRequests):
         )
         started = time.perf_counter()
         ran = self.containment.run(sched.scheduled, self._layer_hook)
+        took = time.perf_counter() - started
         if prompt_tokens:
-            self._prefill_rate.add(prompt_tokens, time.perf_counter() - started)
+            self._prefill_rate.add(prompt_tokens, took)
         else:
-            self._decode_steps.add(len(sched.scheduled), time.perf_counter() - started)
+            self._decode_steps.add(len(sched.scheduled), took)
+            if spec is not None:
+                spec.stepped(took)
         for r in ran:
             state = self.requests[r.entry.seq.request_id]  # before _advance may finish it
             out = self._advance(r, state) if r.error is None else None

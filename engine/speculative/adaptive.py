@@ -4,11 +4,13 @@ A request's per-token acceptance rate a is estimated from its verified steps (a
 step that proposed k and kept m of them accepted m tokens and, when m < k, rejected
 one: a truncated geometric, so a = accepted / (accepted + rejections), decayed so
 that it follows the text). The j-th proposed token is kept with probability a^j;
-it costs a row of the verification step. A request proposes the longest k whose
-last token still has a^k >= ``min_gain`` (a row's cost, as a fraction of a decode
-step's: a constant for now, ``speculation.MIN_GAIN``, not measured), capped by the
-config. At k = 0 it still proposes one token every ``PROBE_EVERY`` steps, so a
-request whose text turns copyable is seen.
+it costs a row of the verification step and the proposer's time for it. A request
+proposes the longest k whose last token still has a^k >= ``min_gain`` (those costs,
+as a fraction of an engine step: ``speculation.MIN_GAIN`` for the row, a constant,
+plus the proposer's measured cost), capped by the config. At k = 0 it still proposes
+one token every ``PROBE_EVERY`` steps, so a request whose text turns copyable is
+seen; each probe rejected doubles that interval (to ``MAX_PROBE_EVERY``), a probe
+kept resets it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PROBE_EVERY = 8
+MAX_PROBE_EVERY = 64
 DECAY = 0.9  # weight of what came before, per verified step
 PRIOR = (2.0, 1.0)  # (accepted, rejections) a new request starts from: a = 2/3
 
@@ -31,6 +34,8 @@ class Acceptance:
     _hits: float = PRIOR[0]
     _misses: float = PRIOR[1]
     _idle: int = 0  # steps since it last proposed while k was 0
+    _probe_every: int = PROBE_EVERY
+    _probing: bool = False  # the last k() was a probe
 
     @property
     def rate(self) -> float:
@@ -45,8 +50,8 @@ class Acceptance:
         if k:
             return k
         self._idle += 1
-        if self._idle >= PROBE_EVERY:
-            self._idle = 0
+        if self._idle >= self._probe_every:
+            self._idle, self._probing = 0, True
             return 1
         return 0
 
@@ -57,5 +62,8 @@ class Acceptance:
         self.proposed += proposed
         self.accepted += accepted
         self.steps += 1
+        if self._probing:
+            self._probing = False
+            self._probe_every = PROBE_EVERY if accepted else min(2 * self._probe_every, MAX_PROBE_EVERY)
         self._hits = DECAY * self._hits + accepted
         self._misses = DECAY * self._misses + (1 if accepted < proposed else 0)

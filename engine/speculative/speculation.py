@@ -9,6 +9,7 @@ proposals, never a request: speculation only ever changes how fast tokens come.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 from splitserve.engine.request_state import RequestState
@@ -21,9 +22,11 @@ from splitserve.wire.outputs import SpeculationCounters
 
 log = logging.getLogger(__name__)
 
-# a proposed token's cost, as a fraction of a decode step's value: a request proposes
-# the j-th token only while its acceptance rate a has a^j >= this (``adaptive``)
+# a verified draft token's cost (its row of the target's step), as a fraction of a
+# decode step: a request proposes the j-th token only while its acceptance rate a has
+# a^j >= this plus the proposer's own cost per token (``cost``; ``adaptive``)
 MIN_GAIN = 0.3
+COST_DECAY = 0.9  # weight of earlier timings in the proposer's measured cost
 
 
 class Speculation:
@@ -33,6 +36,18 @@ class Speculation:
         self.max_model_len = target.max_model_len
         self.proposed = self.accepted = self.steps = 0  # tokens; sequence-steps checked
         self.proposer_errors = 0
+        # decayed seconds: the proposer per draft position, the engine per step
+        self._propose_s = self._step_s = 0.0
+
+    @property
+    def cost(self) -> float:
+        """The proposer's time for one more draft position, as a fraction of an engine
+        step (measured: ~0 for a lookup, the draft's step over the target's for a model)."""
+        return self._propose_s / self._step_s if self._step_s else 0.0
+
+    def stepped(self, seconds: float) -> None:
+        """The engine ran a step (its model part) in ``seconds``."""
+        self._step_s = COST_DECAY * self._step_s + (1 - COST_DECAY) * seconds if self._step_s else seconds
 
     def drafts(self, running: Iterable[Sequence], states: dict[str, RequestState]) -> dict[str, list[int]]:
         """Tokens proposed for the decoding sequences of ``running`` that speculate, by
@@ -47,17 +62,24 @@ class Speculation:
             if state.acceptance is None:
                 state.acceptance = Acceptance(self.config.num_tokens)
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            k = min(state.acceptance.k(MIN_GAIN), room)
+            k = min(state.acceptance.k(MIN_GAIN + self.cost), room)
             if k > 0 and not (seq.grammar is not None and seq.grammar.done):
                 wanted.append(ProposalRequest(seq.request_id, seq.token_ids, k))
         if not wanted:
             return {}
+        started = time.perf_counter()
         try:
             proposals = self.proposer.propose(wanted)
         except Exception as e:  # a proposer's fault costs this step's proposals only
             self.proposer_errors += 1
             log.warning("the %s proposer failed (%r); this step runs without drafts", self.proposer.name, e)
             return {}
+        per_position = (time.perf_counter() - started) / max(r.k for r in wanted)
+        self._propose_s = (
+            COST_DECAY * self._propose_s + (1 - COST_DECAY) * per_position
+            if self._propose_s
+            else per_position
+        )
         drafts = {}
         for req, draft in zip(wanted, proposals):
             grammar = states[req.request_id].seq.grammar

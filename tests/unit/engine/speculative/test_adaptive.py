@@ -3,7 +3,7 @@ kept, fewer as they are rejected, none but a probe when they never are."""
 
 from __future__ import annotations
 
-from splitserve.engine.speculative.adaptive import PROBE_EVERY, Acceptance
+from splitserve.engine.speculative.adaptive import MAX_PROBE_EVERY, PROBE_EVERY, Acceptance
 
 GAIN = 0.3
 
@@ -21,10 +21,29 @@ def test_k_rises_to_the_cap_while_drafts_are_kept():
 
 def test_k_falls_to_probes_when_drafts_are_rejected():
     a = Acceptance(max_k=4)
-    for _ in range(30):
-        a.record(max(1, a.k(GAIN)), 0)
+    while a.k(GAIN):
+        a.record(a.k(GAIN), 0)
     ks = [a.k(GAIN) for _ in range(3 * PROBE_EVERY)]
     assert ks.count(1) == 3 and set(ks) == {0, 1}  # one probe token every PROBE_EVERY steps
+
+
+def test_probes_rejected_come_ever_rarer_and_one_kept_restores_them():
+    a = Acceptance(max_k=4)
+    while a.k(GAIN):
+        a.record(a.k(GAIN), 0)
+    gaps, idle = [], 0
+    for _ in range(PROBE_EVERY * 30):  # 8 + 16 + 32 + 64 + 64 ... steps apart
+        idle += 1
+        if a.k(GAIN):
+            gaps.append(idle)
+            idle = 0
+            a.record(1, 0)
+    # (the first gap counts from a step already idle)
+    assert gaps[1:5] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, MAX_PROBE_EVERY, MAX_PROBE_EVERY]
+    while not a.k(GAIN):
+        pass
+    a.record(1, 1)  # the text turned copyable: the next probe comes PROBE_EVERY steps on
+    assert [a.k(GAIN) for _ in range(PROBE_EVERY)].count(0) < PROBE_EVERY
 
 
 def test_a_text_that_turns_copyable_is_seen_by_the_probes():
