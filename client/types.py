@@ -47,6 +47,9 @@ class Final:
     index: int = 0  # the sequence (of ``n``) that ended
     # the calls read from the output of a request with tools: {"id", "name", "arguments" (JSON)}
     tool_calls: list[dict[str, str]] = field(default_factory=list)
+    # speculative decoding: tokens proposed for it and kept (0 where its worker did not speculate)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass
@@ -124,6 +127,8 @@ def item_of(resp: pb.GenerateResponse) -> Chunk | Final:
         kv_pull_ms=f.timing.kv_pull_ms,
         index=f.index,
         tool_calls=[{"id": c.id, "name": c.name, "arguments": c.arguments} for c in f.tool_calls],
+        draft_tokens=f.usage.draft_tokens,
+        accepted_draft_tokens=f.usage.accepted_draft_tokens,
     )
 
 

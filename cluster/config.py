@@ -80,10 +80,23 @@ _SPECULATIVE_DEFAULTS = SpeculativeConfig()  # its defaults, written once there
 class SpeculativeOptions(_Strict):
     """Speculative decoding of a pool's decodes (``engine.speculative``)."""
 
-    method: Literal["ngram"] = Field(
+    method: Literal["ngram", "draft", "self"] = Field(
         _SPECULATIVE_DEFAULTS.method,
         description="ngram: prompt lookup, proposing the tokens that followed the latest earlier "
-        "occurrence of the sequence's last few tokens (no model; wins where outputs copy their input)",
+        "occurrence of the sequence's last few tokens (no model; wins where outputs copy their input); "
+        "draft: a smaller model with the same vocabulary (draft_model) decodes greedily; self: the "
+        "model's own first draft_layers layers and its LM head (no extra weights; needs tp_size 1). "
+        "A draft's KV is computed on the decode worker from the tokens: prefill pools need no draft",
+    )
+    draft_model: str | None = Field(
+        _SPECULATIVE_DEFAULTS.draft_model,
+        description="method draft: the draft model (as the pool's model: a path, a .gguf or smollm2), "
+        "loaded whole on each decode worker's first rank",
+    )
+    draft_layers: int = Field(
+        _SPECULATIVE_DEFAULTS.draft_layers,
+        ge=0,
+        description="method self: the model's first layers that draft",
     )
     num_tokens: int = Field(
         _SPECULATIVE_DEFAULTS.num_tokens,
@@ -99,9 +112,13 @@ class SpeculativeOptions(_Strict):
     )
 
     @model_validator(mode="after")
-    def _ngram_range(self) -> SpeculativeOptions:
+    def _consistent(self) -> SpeculativeOptions:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"speculative ngram_min ({self.ngram_min}) is above ngram_max {self.ngram_max}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method draft needs draft_model (the draft's path or name)")
+        if self.method == "self" and self.draft_layers < 1:
+            raise ValueError("speculative method self needs draft_layers >= 1 (the model's first layers)")
         return self
 
 

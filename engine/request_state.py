@@ -81,6 +81,8 @@ class RequestState:
             new_top_logprobs=new_top_logprobs or [],
             prompt_logprobs=self._prompt_logprobs_once(),
             scheduled_at=seq.scheduled_at,
+            draft_tokens=self.acceptance.proposed if self.acceptance is not None else 0,
+            accepted_draft_tokens=self.acceptance.accepted if self.acceptance is not None else 0,
         )
 
     def _prompt_logprobs_once(self) -> list[PromptLogprob] | None:

@@ -56,3 +56,7 @@ class FinalEvent:
     prefill_worker: str
     decode_worker: str
     index: int = 0  # the sequence (of ``n``) that ended
+    # speculative decoding: tokens proposed for it and kept, summed over the decode
+    # workers it ran on
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0

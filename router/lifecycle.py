@@ -85,6 +85,7 @@ class RequestLifecycle:
         self._ended_in_prefill = False  # it finished at the first token of its source
         self._kv_pull_s = 0.0
         self._cached = 0
+        self._drafts: dict[str, tuple[int, int]] = {}  # decode worker -> (proposed, kept) there
         self._prefix_pulled = 0  # prompt tokens its prefill worker copied from another
         self._prefix_pulled_from = ""
         self._prefill_revision = ""  # the revision of the prefill worker that made the first token
@@ -252,6 +253,8 @@ class RequestLifecycle:
             if p.exported_at is not None:
                 self._mark("kv_exported", p.exported_at, worker)
         self._cached = max(self._cached, batch.num_cached_tokens)
+        if batch.draft_tokens:  # counts on this worker so far
+            self._drafts[worker] = (batch.draft_tokens, batch.accepted_draft_tokens)
         if batch.token_ids or batch.text:
             first = not self.first_token_passed
             events.append(self._tokens(batch))
@@ -382,6 +385,8 @@ class RequestLifecycle:
             e2e_ms=trace.e2e_s * 1000,
             prefill_worker=self._prefill_worker,
             decode_worker=trace.decode_worker,
+            draft_tokens=sum(d for d, _ in self._drafts.values()),
+            accepted_draft_tokens=sum(a for _, a in self._drafts.values()),
         )
 
 

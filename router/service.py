@@ -196,6 +196,8 @@ def _final_proto(e: FinalEvent) -> pb.Final:
             prompt_tokens=e.prompt_tokens,
             completion_tokens=e.completion_tokens,
             cached_prompt_tokens=e.cached_prompt_tokens,
+            draft_tokens=e.draft_tokens,
+            accepted_draft_tokens=e.accepted_draft_tokens,
         ),
         timing=pb.Timing(
             queue_ms=e.queue_ms,

@@ -212,6 +212,9 @@ class TokenBatch:
     # the request left this worker for another (live migration) after these tokens: its
     # last batch here, neither finished nor failed
     moved: bool = False
+    # speculative decoding of the request on this worker so far: tokens proposed, kept
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @classmethod
     def of_output(cls, out: RequestOutput, now: float) -> TokenBatch:
@@ -228,6 +231,8 @@ class TokenBatch:
             num_cached_tokens=out.num_cached_tokens,
             started_at=out.scheduled_at,
             error=out.error,
+            draft_tokens=out.draft_tokens,
+            accepted_draft_tokens=out.accepted_draft_tokens,
         )
 
     @classmethod
@@ -274,4 +279,6 @@ def merge(batches: list[TokenBatch]) -> TokenBatch:
         error=last.error,
         started_at=next((b.started_at for b in batches if b.started_at is not None), None),
         moved=last.moved,
+        draft_tokens=max(b.draft_tokens for b in batches),
+        accepted_draft_tokens=max(b.accepted_draft_tokens for b in batches),
     )

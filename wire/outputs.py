@@ -56,6 +56,9 @@ class RequestOutput:
     scheduled_at: float | None = None  # time.time() when the engine first scheduled (or imported) it
     # finished with this error instead of a finish_reason: the request failed alone
     error: SequenceFailed | None = None
+    # speculative decoding of this request on this engine, so far: tokens proposed, kept
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass

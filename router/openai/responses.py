@@ -217,7 +217,14 @@ def usage(finals: list[FinalEvent]) -> dict[str, Any]:
     usage: dict[str, Any] = _counts(
         sum(f.prompt_tokens for f in firsts), sum(f.completion_tokens for f in finals)
     )
-    return usage | {"prompt_tokens_details": {"cached_tokens": sum(f.cached_prompt_tokens for f in firsts)}}
+    usage["prompt_tokens_details"] = {"cached_tokens": sum(f.cached_prompt_tokens for f in firsts)}
+    drafted, kept = sum(f.draft_tokens for f in finals), sum(f.accepted_draft_tokens for f in finals)
+    if drafted:  # speculative decoding, in OpenAI's fields for predicted tokens
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": kept,
+            "rejected_prediction_tokens": drafted - kept,
+        }
+    return usage
 
 
 @dataclasses.dataclass

@@ -173,3 +173,16 @@ def test_a_cancelled_caller_is_cancelled_not_timed_out():
             await task
 
     asyncio.run(main())
+
+
+def test_the_final_sums_each_decode_workers_speculation_counts():
+    """Counts come cumulative per worker (a batch repeats the worker's total so far); a
+    request that resumed on another worker adds that worker's own."""
+    life, d0, d1 = _state(None), record("d0", "decode"), record("d1", "decode")
+    life.place(d0, None)
+    life.on_batch(_batch([7], draft_tokens=3, accepted_draft_tokens=2))
+    life.on_batch(_batch([8, 9], draft_tokens=5, accepted_draft_tokens=4))
+    life.resume(d1)  # d0 lost
+    life.on_batch(_batch([10], draft_tokens=2, accepted_draft_tokens=1))
+    _, final = life.on_batch(_batch([11], FinishReason.LENGTH, draft_tokens=4, accepted_draft_tokens=3))
+    assert (final.draft_tokens, final.accepted_draft_tokens) == (5 + 4, 4 + 3)

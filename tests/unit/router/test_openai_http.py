@@ -441,3 +441,23 @@ def test_a_list_of_prompts_gets_one_choice_each(door):
     assert status == 400 and "one prompt" in payload["error"]["message"]
     status, payload = door.request("/v1/completions", {"prompt": [[5], []]})
     assert status == 400 and "empty" in payload["error"]["message"]
+
+
+def test_usage_reports_speculation_as_predicted_tokens():
+    """OpenAI's fields for predicted tokens carry speculative decoding's counts, summed
+    over choices; a request that did not speculate has none."""
+    from splitserve.router.events import FinalEvent
+    from splitserve.router.openai.responses import usage
+    from splitserve.wire.sampling import FinishReason
+
+    def final(index, drafted, kept):
+        times = dict(queue_ms=0, prefill_ms=0, transfer_ms=0, decode_ms=0, kv_pull_ms=0, ttft_ms=0, e2e_ms=0)
+        return FinalEvent(FinishReason.LENGTH, 3, 6, 0, **times, prefill_worker="", decode_worker="d0",
+                          index=index, draft_tokens=drafted, accepted_draft_tokens=kept)  # fmt: skip
+
+    got = usage([final(0, 8, 5), final(1, 4, 1)])
+    assert got["completion_tokens_details"] == {
+        "accepted_prediction_tokens": 6,
+        "rejected_prediction_tokens": 6,
+    }
+    assert "completion_tokens_details" not in usage([final(0, 0, 0)])

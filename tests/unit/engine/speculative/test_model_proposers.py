@@ -13,6 +13,7 @@ import pytest
 from splitserve.engine.engine import Engine
 from splitserve.engine.speculative import ProposalRequest
 from splitserve.engine.speculative.draft import EarlyExit, ModelProposer
+from splitserve.engine.speculative.speculation import Speculation
 from splitserve.wire.config import EngineConfig, SpeculativeConfig
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
@@ -53,10 +54,13 @@ def test_self_speculation_gives_transformers_greedy_tokens(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
-def test_the_target_as_its_own_draft_has_every_proposal_accepted(family, tmp_path):
+def test_the_target_as_its_own_draft_has_every_proposal_accepted(family, tmp_path, monkeypatch):
     """Greedy in float32, a draft equal to the target proposes exactly the target's
-    tokens, so every one is kept, also across preemptions (a KV cache of 12 blocks
-    for 4 prompts that grow past it) and prompts longer than one step's budget."""
+    tokens, so every one is kept, also across preemptions (a KV cache of 24 blocks
+    for 4 prompts that grow past it) and prompts longer than one step's budget. (A
+    draft as slow as its target is not worth running, and the adaptive k would keep
+    it to probes: its measured cost is taken as nothing here, so that it drafts.)"""
+    monkeypatch.setattr(Speculation, "cost", property(lambda self: 0.0))
     hf = make_hf_checkpoint(family, tmp_path)
     prompts = random_prompts([5, 40, 77, 9], 512, seed=5)
     spec = SpeculativeConfig(method="draft", num_tokens=4, draft_model=str(tmp_path))
