@@ -285,7 +285,7 @@ class Engine(KVRequests):
         else:
             self._decode_steps.add(len(sched.scheduled), took)
             if spec is not None:
-                spec.stepped(took)
+                spec.stepped(took, sum(s.num_new_tokens for s in sched.scheduled), len(sched.scheduled))
         for r in ran:
             state = self.requests[r.entry.seq.request_id]  # before _advance may finish it
             out = self._advance(r, state) if r.error is None else None

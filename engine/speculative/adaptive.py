@@ -5,9 +5,9 @@ step that proposed k and kept m of them accepted m tokens and, when m < k, rejec
 one: a truncated geometric, so a = accepted / (accepted + rejections), decayed so
 that it follows the text). The j-th proposed token is kept with probability a^j;
 it costs a row of the verification step and the proposer's time for it. A request
-proposes the longest k whose last token still has a^k >= ``min_gain`` (those costs,
-as a fraction of an engine step: ``speculation.MIN_GAIN`` for the row, a constant,
-plus the proposer's measured cost), capped by the config. At k = 0 it still proposes
+proposes the longest k whose last token still has a^k >= ``min_gain`` (those costs
+as a fraction of a decode token's, measured: ``speculative.cost``), capped by the
+config. At k = 0 it still proposes
 one token every ``PROBE_EVERY`` steps, so a request whose text turns copyable is
 seen; each probe rejected doubles that interval (to ``MAX_PROBE_EVERY``), a probe
 kept resets it.

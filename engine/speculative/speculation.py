@@ -17,16 +17,11 @@ from splitserve.engine.sequence import Sequence
 from splitserve.engine.speculative import ProposalRequest
 from splitserve.engine.speculative.adaptive import Acceptance
 from splitserve.engine.speculative.build import Target, build_proposer
+from splitserve.engine.speculative.cost import StepCost
 from splitserve.wire.config import SpeculativeConfig
 from splitserve.wire.outputs import SpeculationCounters
 
 log = logging.getLogger(__name__)
-
-# a verified draft token's cost (its row of the target's step), as a fraction of a
-# decode step: a request proposes the j-th token only while its acceptance rate a has
-# a^j >= this plus the proposer's own cost per token (``cost``; ``adaptive``)
-MIN_GAIN = 0.3
-COST_DECAY = 0.9  # weight of earlier timings in the proposer's measured cost
 
 
 class Speculation:
@@ -36,24 +31,19 @@ class Speculation:
         self.max_model_len = target.max_model_len
         self.proposed = self.accepted = self.steps = 0  # tokens; sequence-steps checked
         self.proposer_errors = 0
-        # decayed seconds: the proposer per draft position, the engine per step
-        self._propose_s = self._step_s = 0.0
+        self.cost = StepCost()  # what a draft token costs, measured (``cost``)
 
-    @property
-    def cost(self) -> float:
-        """The proposer's time for one more draft position, as a fraction of an engine
-        step (measured: ~0 for a lookup, the draft's step over the target's for a model)."""
-        return self._propose_s / self._step_s if self._step_s else 0.0
-
-    def stepped(self, seconds: float) -> None:
-        """The engine ran a step (its model part) in ``seconds``."""
-        self._step_s = COST_DECAY * self._step_s + (1 - COST_DECAY) * seconds if self._step_s else seconds
+    def stepped(self, seconds: float, rows: int, sequences: int) -> None:
+        """The engine ran a decode step (its model part) of ``sequences`` sequences and
+        ``rows`` query rows in ``seconds``."""
+        self.cost.stepped(seconds, rows, sequences)
 
     def drafts(self, running: Iterable[Sequence], states: dict[str, RequestState]) -> dict[str, list[int]]:
         """Tokens proposed for the decoding sequences of ``running`` that speculate, by
         request id: each as many as its acceptance asks for (``adaptive``), no more
         than it may still generate, cut where its grammar would refuse one."""
         self.proposer.forget(states.keys())
+        min_gain = self.cost.min_gain
         wanted: list[ProposalRequest] = []
         for seq in running:
             if seq.num_uncomputed_tokens != 1 or seq.prefill_only or not seq.params.speculate:
@@ -62,7 +52,7 @@ class Speculation:
             if state.acceptance is None:
                 state.acceptance = Acceptance(self.config.num_tokens)
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            k = min(state.acceptance.k(MIN_GAIN + self.cost), room)
+            k = min(state.acceptance.k(min_gain), room)
             if k > 0 and not (seq.grammar is not None and seq.grammar.done):
                 wanted.append(ProposalRequest(seq.request_id, seq.token_ids, k))
         if not wanted:
@@ -74,12 +64,7 @@ class Speculation:
             self.proposer_errors += 1
             log.warning("the %s proposer failed (%r); this step runs without drafts", self.proposer.name, e)
             return {}
-        per_position = (time.perf_counter() - started) / max(r.k for r in wanted)
-        self._propose_s = (
-            COST_DECAY * self._propose_s + (1 - COST_DECAY) * per_position
-            if self._propose_s
-            else per_position
-        )
+        self.cost.proposed((time.perf_counter() - started) / max(r.k for r in wanted))
         drafts = {}
         for req, draft in zip(wanted, proposals):
             grammar = states[req.request_id].seq.grammar

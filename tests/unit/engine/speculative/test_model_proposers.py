@@ -12,8 +12,8 @@ import pytest
 
 from splitserve.engine.engine import Engine
 from splitserve.engine.speculative import ProposalRequest
+from splitserve.engine.speculative.cost import StepCost
 from splitserve.engine.speculative.draft import EarlyExit, ModelProposer
-from splitserve.engine.speculative.speculation import Speculation
 from splitserve.wire.config import EngineConfig, SpeculativeConfig
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
@@ -60,7 +60,7 @@ def test_the_target_as_its_own_draft_has_every_proposal_accepted(family, tmp_pat
     for 4 prompts that grow past it) and prompts longer than one step's budget. (A
     draft as slow as its target is not worth running, and the adaptive k would keep
     it to probes: its measured cost is taken as nothing here, so that it drafts.)"""
-    monkeypatch.setattr(Speculation, "cost", property(lambda self: 0.0))
+    monkeypatch.setattr(StepCost, "min_gain", property(lambda self: 0.3))
     hf = make_hf_checkpoint(family, tmp_path)
     prompts = random_prompts([5, 40, 77, 9], 512, seed=5)
     spec = SpeculativeConfig(method="draft", num_tokens=4, draft_model=str(tmp_path))
