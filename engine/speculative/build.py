@@ -1,17 +1,21 @@
 """Building a proposer for an engine: the n-gram lookup, or a model proposer with
-its draft model, KV cache and runner (``speculative.draft``)."""
+its draft model, KV cache and runner (``speculative.draft``). Each is imported
+only when chosen."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.speculative import Proposer
 from splitserve.wire.config import EngineConfig, SpeculativeConfig
 from splitserve.wire.kv_layout import KVLayout
+
+if TYPE_CHECKING:  # the proposers' own modules bring torch
+    import torch
+
+    from splitserve.engine.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ import time
 
 from splitserve.decode_worker.worker import DecodeWorker
 from splitserve.engine.engine import Engine
-from splitserve.wire.config import EngineConfig
+from splitserve.engine.speculative.cost import StepCost
+from splitserve.wire.config import EngineConfig, SpeculativeConfig
 from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec
 from splitserve.wire.errors import SequenceFailed
 from splitserve.wire.sampling import SamplingParams
@@ -53,10 +54,12 @@ async def _run_all(worker: DecodeWorker, tasks: list[DecodeTask]) -> tuple[dict,
     return tokens, errors
 
 
-def _group(tmp_path) -> tuple[EngineConfig, DecodeWorkerSpec, mp.Process]:
+def _group(tmp_path, speculative=None) -> tuple[EngineConfig, DecodeWorkerSpec, mp.Process]:
     """A tiny model's TP=2 engine config, rank 0's worker spec, and rank 1 started."""
     make_hf_checkpoint("llama", tmp_path)
-    engine = EngineConfig(model=str(tmp_path), dtype="float32", tp_size=2, num_kv_blocks=128)
+    engine = EngineConfig(
+        model=str(tmp_path), dtype="float32", tp_size=2, num_kv_blocks=128, speculative=speculative
+    )
     address = f"tcp://127.0.0.1:{free_port()}"
     spec = DecodeWorkerSpec("c", engine, None, 10.0, 8, torch_threads=1, tp=TPInit(0, 2, address, TIMEOUT_S))
     rank1 = mp.get_context("spawn").Process(
@@ -108,6 +111,36 @@ def test_a_tp2_group_fails_one_sequence_on_both_ranks_and_goes_on(tmp_path):
         again, errors = asyncio.run(_run_all(worker, [DecodeTask("again", prompts[2], params)]))
         assert again["again"] == expected[2] and not errors
         assert rank1.is_alive() and worker.loop.error is None
+    finally:
+        worker.shutdown()
+        rank1.join(30)
+    assert rank1.exitcode == 0
+
+
+def test_a_tp2_group_verifies_a_draft_models_proposals_like_tp1(tmp_path, monkeypatch):
+    """Speculation under tensor parallelism: the draft (here the target itself, whole
+    on rank 0) proposes, both ranks run the verification chunks, and the tokens are
+    TP=1's without speculation, a resumed request's too. Every proposal is kept (the
+    draft is the target, in float32). The adaptive k would hold a draft as slow as
+    its target to probes: its measured price is taken as 0.3 of a token here."""
+    monkeypatch.setattr(StepCost, "min_gain", property(lambda self: 0.3))
+    engine, spec, rank1 = _group(
+        tmp_path, SpeculativeConfig("draft", num_tokens=3, draft_model=str(tmp_path))
+    )
+    reference = Engine(dataclasses.replace(engine, tp_size=1, speculative=None))
+    prompts = random_prompts([5, 40, 90], 512, seed=5)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    expected = [c.token_ids for c in reference.generate(prompts, params)]
+    worker = DecodeWorker(spec)
+    try:
+        tasks = [DecodeTask(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        assert [asyncio.run(_run(worker, tasks))[t.request_id] for t in tasks] == expected
+        resumed = DecodeTask("again", prompts[2], params, output_token_ids=expected[2][:5])
+        assert asyncio.run(_run(worker, [resumed]))["again"] == expected[2][5:]
+        counters = worker.engine.stats().speculation
+        assert counters.proposed_tokens > 16 and counters.accepted_tokens == counters.proposed_tokens, (
+            counters
+        )
     finally:
         worker.shutdown()
         rank1.join(30)

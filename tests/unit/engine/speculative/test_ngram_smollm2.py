@@ -71,3 +71,24 @@ def test_structured_output_under_speculation_validates_and_equals_decoding_witho
     assert got.finish_reason == FinishReason.STOP, got.text
     jsonschema.validate(json.loads(got.text), SCHEMA)
     assert spec.stats().speculation.accepted_tokens > before.accepted_tokens
+
+
+@pytest.mark.slow
+def test_self_speculation_on_a_chat_prompt_greedy_equals_transformers(smollm2, monkeypatch):
+    """SmolLM2's first 20 layers draft (it has no smaller sibling) on a chat question:
+    the tokens are transformers'. The price of a draft token is taken as nothing, so
+    that every step drafts the most tokens and verification is exercised throughout
+    (the measured price would hold this draft to probes: ``speculative.cost``)."""
+    from splitserve.engine.speculative.cost import StepCost
+
+    monkeypatch.setattr(StepCost, "min_gain", property(lambda self: 0.0))
+    model, tok = smollm2
+    prompt = _chat(tok, "Explain in two sentences why the sky is blue.")
+    expected = hf_greedy(model, prompt, 40, eos_token_id=tok.eos_token_id)
+    engine = Engine(
+        EngineConfig(**BASE, speculative=SpeculativeConfig("self", num_tokens=4, draft_layers=20))
+    )
+    out = engine.generate([prompt], SamplingParams(max_tokens=40))[0]
+    assert out.token_ids == expected
+    counters = engine.stats().speculation
+    assert counters.verified_steps > 5 and counters.accepted_tokens > 0, counters
