@@ -24,7 +24,6 @@ the target's. Driver rank only; the draft is never tensor-parallel.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -33,8 +32,6 @@ import torch
 from splitserve.engine.attention import SeqSpan
 from splitserve.engine.model_runner import ModelRunner, StepInputs
 from splitserve.engine.speculative import ProposalRequest
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,9 +61,20 @@ class ModelProposer:
 
     # ---- the proposer protocol ---------------------------------------------
     def propose(self, requests: list[ProposalRequest]) -> list[list[int]]:
+        """See ``Proposer``. Should the draft's step raise, the batch's requests lose
+        their draft state (their next proposal catches up from scratch)."""
         self._calls += 1
+        batch = {r.request_id for r in requests}
+        active = [i for i, r in enumerate(requests) if self._place(r, batch)]
+        try:
+            return self._drafts(requests, active)
+        except Exception:
+            for request_id in batch:
+                self._release(request_id)
+            raise
+
+    def _drafts(self, requests: list[ProposalRequest], active: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
-        active = [i for i, r in enumerate(requests) if self._place(r, {q.request_id for q in requests})]
         if not active:
             return drafts
         # step 0: every request's uncomputed tokens, decodes first (one attention batch)

@@ -1,5 +1,7 @@
 """Decode workers that are tensor-parallel groups (2 Ray actors over gloo each,
-every rank pulling its own KV heads) fed by a TP=4 prefill group, over NIXL.
+every rank pulling its own KV heads) fed by a TP=4 prefill group, over NIXL. The
+decode groups speculate with a draft model (the target's checkpoint, loaded whole
+on each group's rank 0; the prefill group runs none).
 The tiny model has 2 KV heads: the prefill group replicates each over two ranks,
 and each decode rank reads its one head from the lowest prefill rank holding it
 (the other replica is exported to no reader). One Ray instance for the module.
@@ -37,10 +39,11 @@ ENGINE = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}
 
 @pytest.fixture(scope="module")
 def cluster(checkpoint):
+    draft = {"method": "draft", "num_tokens": 3, "draft_model": str(checkpoint)}  # whole on each rank 0
     config = tiny_config(
         checkpoint,
         prefill={"num_cpus": 0.25, "tp_size": 4, "engine": ENGINE},
-        decode={"num_cpus": 0.25, "tp_size": 2, "replicas": 2, "engine": ENGINE},
+        decode={"num_cpus": 0.25, "tp_size": 2, "replicas": 2, "engine": ENGINE | {"speculative": draft}},
     )
     with live_cluster(config) as c:
         yield c
@@ -53,6 +56,7 @@ def test_tp2_decode_groups_take_kv_from_a_tp4_prefill_group_exactly(cluster, ref
     assert [out.token_ids for out, _ in results] == expected
     finals = [out.final for out, _ in results]
     assert {f.prefill_worker for f in finals} == {"prefill-0"}
+    assert sum(f.draft_tokens for f in finals) > 0  # the groups verified drafts (rank 1 following)
     assert_kv_moved(finals, client)  # the KV moved, not recomputed
     used = wait_kv_free(client, timeout=30)
     assert set(used.values()) == {0}, used  # every prefill rank's lease ended

@@ -117,3 +117,22 @@ def test_the_draft_cache_follows_the_engine_requests_and_evicts_the_least_recent
     assert set(proposer._seqs) == {"b", "c"}
     proposer.forget({"c"})
     assert set(proposer._seqs) == {"c"} and len(proposer._free) == 2
+
+
+def test_a_draft_step_that_raises_drops_the_batchs_draft_state(tmp_path):
+    """A failed draft step leaves no half-written state behind: the next proposal
+    catches up from scratch and proposes what it would have."""
+    hf = make_hf_checkpoint("llama", tmp_path)
+    engine = _engine(tmp_path, SpeculativeConfig(method="self", num_tokens=3, draft_layers=1))
+    proposer = engine.speculation.proposer
+    proposer.runner.model = EarlyExit(engine.model, engine.model_config.num_layers)
+    proposer.runner.kv_cache = _full_cache(engine, proposer)
+    prompt = random_prompts([20], 512, seed=9)[0]
+    expected = hf_greedy(hf, prompt, 3)
+    forward = proposer.runner.forward
+    proposer.runner.forward = lambda inputs: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        proposer.propose([ProposalRequest("a", prompt, 3)])
+    assert not proposer._seqs
+    proposer.runner.forward = forward
+    assert proposer.propose([ProposalRequest("a", prompt, 3)])[0] == expected
