@@ -413,10 +413,12 @@ def kernel_profile(run: Callable[[], object], label: str, steps: int = 3, top: i
     return "\n".join(lines)
 
 
-def decode_profile(model: DecoderModel, cfg: ModelConfig, batch: int, context: int, attention: str) -> str:
+def decode_profile(
+    model: DecoderModel, cfg: ModelConfig, batch: int, context: int, attention: str, kv_dtype: str = "bf16"
+) -> str:
     """``kernel_profile`` of one eager decode step of ``batch`` sequences."""
-    run, _cache = _decode_step(model, cfg, batch, context, attention)
-    return kernel_profile(run, f"decode B={batch} ctx={context} {attention}")
+    run, _cache = _decode_step(model, cfg, batch, context, attention, kv_dtype)
+    return kernel_profile(run, f"decode B={batch} ctx={context} {attention} {kv_dtype} KV")
 
 
 def _prefill_step(model: DecoderModel, cfg: ModelConfig, tokens: int):

@@ -34,6 +34,7 @@ def test_the_device_check_passes_in_its_cpu_mode(tmp_path):
         "disaggregated": "passed",
         "handoff": "passed",
         "gpu_bench": "skipped",
+        "profiles": "skipped",
     }
     assert records["environment"]["result"]["torch"] == torch.__version__
     rows = records["disaggregated"]["result"]["rows"]
@@ -72,3 +73,24 @@ def test_the_table_reads_gpu_benchs_report():
     assert "| dense | none | fp8 | 64 | 4096 | 20.00 | 12.00 | 16.00 | 1.33 |" in table
     assert "| decode B=64 ctx=4096, fp8 KV / bf16 KV step | 0.67 | 0.8 | True |" in table
     assert "| fp8 | 8192 | 150.0 | 933 | 0.47 |" in table
+
+
+def test_the_table_carries_the_profiles_and_a_timed_out_stages_rows(tmp_path, monkeypatch):
+    """The profiles stage's kernel tables come verbatim in a code block; a stage that
+    timed out keeps the rows it wrote before (``<stage>_rows.json``)."""
+    import subprocess
+
+    from splitserve.bench import device_check
+
+    profile = "profile decode B=1 ctx=1024 triton bf16 KV: 392 kernels, 4.70 ms GPU/step"
+    record = {"stage": "profiles", "status": "passed", "seconds": 30.0, "result": {"profiles": [profile]}}
+    assert f"```\n{profile}\n```" in device_check.markdown([record])
+
+    def times_out(cmd, **kw):  # the stage's child, past its bound after writing a row
+        (tmp_path / "handoff_rows.json").write_text('[{"tokens": 4096}]')
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.setattr(device_check.subprocess, "run", times_out)
+    stage = next(s for s in device_check.STAGES if s.name == "handoff")
+    record = device_check.run_stage(stage, tmp_path, cuda=True)
+    assert record["status"] == "timed out" and record["result"] == {"rows": [{"tokens": 4096}]}
