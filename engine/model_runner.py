@@ -3,7 +3,8 @@
 Packing order: sequences with one new token (decodes) first, then multi-token
 prefill chunks, so the attention backend can treat the decodes as one batch.
 Only the last position of sequences that reach their end this step goes through
-the LM head (with a speculative draft, every position of it: ``engine.speculative``).
+the LM head (with a speculative draft, every position of it: ``engine.speculative``;
+with CUDA graphs a draft's positions are packed as decodes: ``spread_drafts``).
 
 Under tensor parallelism the driver rank (0) schedules, packs the step into a
 ``StepInputs`` (plain lists), broadcasts it, and every rank runs the same
@@ -121,6 +122,12 @@ class ModelRunner:
         self.device = device
         self.tp = tp or TPGroup.single()
         self.block_size = kv_cache.layout.block_size
+        # a verification chunk [last, d1 .. dk] as k+1 one-token decode spans, row j over
+        # the sequence's prefix through it (all rows' KV is written before attention
+        # reads, layer by layer): a step with drafts then has the pure-decode shape CUDA
+        # graphs replay. Without graphs it stays one chunk (the prefill path reads the
+        # sequence's KV once for all its rows, a decode span per row once each).
+        self.spread_drafts = graphs is not None
         self.tokens_run = 0  # tokens this rank ran through the model (its own share, data-parallel)
 
     def execute(
@@ -131,15 +138,22 @@ class ModelRunner:
         and, by request id, the prompt logprobs this step computed for sequences that ask
         for them (the next ones after those they hold). ``on_layer(i)`` is called after
         layer ``i`` wrote its KV (never on a graph replay: those are pure-decode steps)."""
-        ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        ordered = sorted(scheduled, key=lambda s: not self._as_decodes(s))
         bs = self.block_size
-        inputs = StepInputs([], [], [], [], sum(1 for s in ordered if s.num_new_tokens == 1), [])
+        decodes = sum(s.num_new_tokens for s in ordered if self._as_decodes(s))
+        inputs = StepInputs([], [], [], [], decodes, [])
         rows: list[SampleRequest] = []
         prompt_rows: list[tuple[Sequence, int]] = []  # (sequence, the prompt token scored)
         for s in ordered:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
-            inputs.spans.append(SeqSpan(len(inputs.input_ids), s.num_new_tokens, end, seq.block_table))
+            if s.num_new_tokens > 1 and self._as_decodes(s):  # a draft's rows, each over its prefix
+                q = len(inputs.input_ids)
+                inputs.spans.extend(
+                    SeqSpan(q + j, 1, start + j + 1, seq.block_table) for j in range(end - start)
+                )
+            else:
+                inputs.spans.append(SeqSpan(len(inputs.input_ids), s.num_new_tokens, end, seq.block_table))
             inputs.input_ids.extend(s.input_ids)
             inputs.positions.extend(range(start, end))
             table = seq.block_table
@@ -169,6 +183,11 @@ class ModelRunner:
             return ordered, None, {}
         prompt = _prompt_logprobs(logits[len(rows) :], prompt_rows) if prompt_rows else {}
         return ordered, self.sampler(logits[: len(rows)], rows) if rows else None, prompt
+
+    def _as_decodes(self, s: ScheduledSeq) -> bool:
+        """Whether ``s`` runs as one-token decode spans: a decode, or (``spread_drafts``)
+        a verification chunk."""
+        return s.num_new_tokens == 1 or (self.spread_drafts and bool(s.draft))
 
     def calibrate_kv(self, token_ids: list[int]) -> None:
         """Every rank, in the same order (the model's collectives run): prefill

@@ -84,6 +84,37 @@ def test_greedy_with_ngram_speculation_equals_transformers(family, tmp_path):
     assert engine.block_manager.num_used_blocks == 0  # no block left behind by a rejected draft
 
 
+@pytest.mark.parametrize("family, backend", [("llama", "cpu"), ("llama", "sdpa"), ("deepseek_v3", "auto")])
+def test_verification_rows_spread_as_decode_spans_equal_transformers(family, backend, tmp_path):
+    """``spread_drafts`` (on by itself with CUDA graphs): a draft's rows run as one-token
+    decode spans, row j over the prefix through it, so every step with drafts has a
+    pure-decode shape. The tokens are transformers' and every such step was packed so."""
+    hf = make_hf_checkpoint(family, tmp_path)
+    prompts = _prompts(seed=8)
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    engine = _speculating(tmp_path, prompts, expected, attention_backend=backend)
+    engine.runner.spread_drafts = True
+    runner, shapes, drafts_only = engine.runner, [], [False]
+    execute, run = runner.execute, runner.run
+
+    def executing(scheduled, on_layer=None):  # note steps of decodes and drafts only
+        drafts_only[0] = any(s.draft for s in scheduled) and all(
+            s.num_new_tokens == 1 or s.draft for s in scheduled
+        )
+        return execute(scheduled, on_layer)
+
+    def running(inputs, on_layer=None):
+        if drafts_only[0]:
+            shapes.append((len(inputs.input_ids), inputs.num_decodes, len(inputs.spans)))
+        return run(inputs, on_layer)
+
+    runner.execute, runner.run = executing, running
+    out = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in out] == expected
+    _assert_speculated(engine)
+    assert shapes and all(tokens == decodes == spans for tokens, decodes, spans in shapes), shapes
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     directory = tmp_path_factory.mktemp("llama")
