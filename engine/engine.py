@@ -124,19 +124,9 @@ class Engine(KVRequests):
         self.sequence_errors: collections.Counter[str] = collections.Counter()
         self.containment = Containment(self.runner, self.tp.size, lambda: self.layer_observer)
         spec = config.speculative
-        self.speculation = None
+        self.speculation = None  # proposals are made and checked on the driver rank only
         if spec is not None and self.tp.is_driver:
-            target = Target(
-                config,
-                self.model,
-                self.model_config,
-                self.kv_cache.layout,
-                self.capacity.num_tokens,
-                self.max_model_len,
-                self.device,
-                self.dtype,
-            )
-            self.speculation = Speculation(spec, target)
+            self.speculation = Speculation(spec, Target.of_engine(self))
 
     # ---- requests ----------------------------------------------------------
     def kv_compat(self) -> CompatInfo:

@@ -31,6 +31,13 @@ class Target:
     device: torch.device
     dtype: torch.dtype
 
+    @classmethod
+    def of_engine(cls, engine) -> Target:
+        """The target an ``Engine`` (built, its driver rank) is."""
+        e = engine
+        layout, tokens = e.kv_cache.layout, e.capacity.num_tokens
+        return cls(e.config, e.model, e.model_config, layout, tokens, e.max_model_len, e.device, e.dtype)
+
 
 def build_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:
     """The proposer ``spec.method`` names; ``ValueError`` with a sentence for a
