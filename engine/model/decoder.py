@@ -17,6 +17,7 @@ maps each checkpoint tensor to this rank's slice of one).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -84,7 +85,7 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
         delta = None
-        for i, layer in enumerate(self.layers[:num_layers]):
+        for i, layer in enumerate(itertools.islice(self.layers, num_layers)):  # no new ModuleList
             k_cache, v_cache = kv_cache.layer(i)
             delta = layer(x, delta, cos, sin, k_cache, v_cache, ctx, kv_cache.layer_scales(i))
             if ctx.on_layer is not None:

@@ -57,7 +57,6 @@ class ModelProposer:
         self._free = list(range(runner.kv_cache.layout.num_blocks - 1, -1, -1))
         self._seqs: dict[str, _DraftSeq] = {}
         self._calls = 0
-        self.tokens_run = 0  # through the draft: catch-up and proposals
 
     # ---- the proposer protocol ---------------------------------------------
     def propose(self, requests: list[ProposalRequest]) -> list[list[int]]:
@@ -149,7 +148,6 @@ class ModelProposer:
         inputs.last_index.append(len(inputs.input_ids) - 1)
 
     def _argmax(self, inputs: StepInputs) -> list[int]:
-        self.tokens_run += len(inputs.input_ids)
         logits = self.runner.forward(inputs)
         return logits.argmax(dim=-1).tolist()
 
