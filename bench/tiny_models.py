@@ -90,8 +90,12 @@ def _tiny_moe_config(kind: str, common: dict):
     raise ValueError(kind)
 
 
-def make_hf_checkpoint(kind: str, directory, seed: int = 0, kv_heads: int = 2, max_position: int = 1024):
-    """A random-weight HF model of ``kind``, saved as safetensors into ``directory``."""
+def make_hf_checkpoint(
+    kind: str, directory, seed: int = 0, kv_heads: int = 2, max_position: int = 1024, mtp: bool = False
+):
+    """A random-weight HF model of ``kind``, saved as safetensors into ``directory``;
+    with ``mtp`` (deepseek_v3) also a multi-token prediction layer
+    (``add_mtp_layer``), which transformers does not run."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -106,4 +110,60 @@ def make_hf_checkpoint(kind: str, directory, seed: int = 0, kv_heads: int = 2, m
             if name.endswith("e_score_correction_bias"):  # zeros at init: make it choose
                 b.uniform_(0, 0.5)
     model.save_pretrained(str(directory))
+    if mtp:
+        model.mtp_layer = add_mtp_layer(model, directory)  # what a test's reference computes with
     return model
+
+
+MTP_FILE = "model-mtp.safetensors"
+
+
+def add_mtp_layer(model, directory):
+    """Write a random DeepSeek-V3 multi-token prediction layer for ``model`` (a
+    transformers DeepseekV3ForCausalLM) into ``directory/MTP_FILE``, named as the
+    released checkpoints name it (``model.layers.{num_hidden_layers}.*``: an ordinary
+    layer's tensors, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, and
+    copies of the embedding and LM head). Returns (the layer as a transformers
+    ``DeepseekV3DecoderLayer``, {enorm, hnorm, eh_proj, norm: its other tensors})."""
+    from safetensors.torch import save_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    config, h = model.config, model.config.hidden_size
+    index = config.num_hidden_layers
+    layer = DeepseekV3DecoderLayer(config, index).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+        for name, b in layer.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(0, 0.5)
+    extra = {n: 1 + 0.1 * torch.randn(h) for n in ("enorm", "hnorm", "norm")}
+    extra["eh_proj"] = 0.2 * torch.randn(h, 2 * h)
+    p = f"model.layers.{index}."
+    tensors = {p + k: v.detach().clone() for k, v in layer.state_dict().items()}
+    tensors.update({f"{p}{n}.weight": extra[n] for n in ("enorm", "hnorm", "eh_proj")})
+    tensors[p + "shared_head.norm.weight"] = extra["norm"]
+    tensors[p + "embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+    tensors[p + "shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    save_file(_per_expert(tensors), f"{directory}/{MTP_FILE}")
+    return layer, extra
+
+
+def _per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' stacked experts (``experts.gate_up_proj`` [E, 2I, H],
+    ``experts.down_proj`` [E, H, I]) as a checkpoint names them, one per expert."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            base, inter = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :inter].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = t[e, inter:].contiguous()
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t.contiguous()
+    return out

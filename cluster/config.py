@@ -80,13 +80,16 @@ _SPECULATIVE_DEFAULTS = SpeculativeConfig()  # its defaults, written once there
 class SpeculativeOptions(_Strict):
     """Speculative decoding of a pool's decodes (``engine.speculative``)."""
 
-    method: Literal["ngram", "draft", "self"] = Field(
+    method: Literal["ngram", "draft", "self", "mtp"] = Field(
         _SPECULATIVE_DEFAULTS.method,
         description="ngram: prompt lookup, proposing the tokens that followed the latest earlier "
         "occurrence of the sequence's last few tokens (no model; wins where outputs copy their input); "
         "draft: a smaller model with the same vocabulary (draft_model) decodes greedily; self: the "
         "model's own first draft_layers layers and its LM head (no extra weights; needs tp_size 1). "
-        "A draft's KV is computed on the decode worker from the tokens: prefill pools need no draft",
+        "A draft's KV is computed on the decode worker from the tokens: prefill pools need no draft. "
+        "mtp: the checkpoint's multi-token prediction layer (DeepSeek-V3), one token per step; its KV "
+        "is a layer of the model's, so every pool runs the layer and hands it over (tp_size and "
+        "ep_size 1 on every pool)",
     )
     draft_model: str | None = Field(
         _SPECULATIVE_DEFAULTS.draft_model,
@@ -511,7 +514,19 @@ class ClusterConfig(_Strict):
                 )
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ValueError("colocated mode needs at least one worker")
+        if self.runs_mtp and any(p.tp_size * p.ep_size > 1 for p in self.pools().values()):
+            raise ValueError(
+                "speculative method mtp runs the model's multi-token prediction layer on every pool "
+                "(its KV is handed over with the rest), which needs tp_size and ep_size 1 on each"
+            )
         return self
+
+    @property
+    def runs_mtp(self) -> bool:
+        """Whether some pool speculates with the MTP layer, so that every pool runs it
+        (``EngineConfig.mtp_layer``: its KV is a layer of the handed-over KV)."""
+        specs = [p.engine.speculative for p in self.pools().values()]
+        return any(s is not None and s.method == "mtp" for s in specs)
 
     def _check_elastic(self, slo: list[str]) -> None:
         """Elastic workers are the same workers in either pool: one engine, one process."""
@@ -549,6 +564,7 @@ class ClusterConfig(_Strict):
             device=pool.device,
             tp_size=pool.tp_size,
             ep_size=pool.ep_size,
+            mtp_layer=self.runs_mtp,
             **model,
             **pool.engine.model_dump(),
         )

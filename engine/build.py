@@ -77,6 +77,11 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         source = resolve_source(config.model)
         hf_config = load_hf_config(source)
     mc = ModelConfig.from_hf(hf_config)
+    if config.runs_mtp and not mc.num_mtp_layers:
+        raise ValueError(
+            f"speculative method mtp needs a model with a multi-token prediction layer (DeepSeek-V3's "
+            f"num_nextn_predict_layers); {mc.model_type} here has none"
+        )
     # expert parallelism: the group splits the routed experts; every other layer is whole
     # on every rank (a group of one to shard by), attention data-parallel
     ep = tp if config.ep_size > 1 else None
@@ -105,6 +110,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         layer_tp,
         progress_bytes=progress,
         ep=ep,
+        mtp=config.runs_mtp,
     )
     tokenizer, defaults, eos_token_ids = _tokenizer_and_defaults(config, source, mc, tokenizer)
     fp8_kv = config.kv_cache_dtype == "fp8"
@@ -195,10 +201,11 @@ def _tokenizer_and_defaults(
 
 
 def _kv_layout(config: EngineConfig, mc: ModelConfig, layer_tp: TPGroup, kv_dtype: torch.dtype) -> KVLayout:
-    """This rank's KV cache layout (its KV heads; the block count is set once sized)."""
+    """This rank's KV cache layout (its KV heads; the block count is set once sized),
+    the MTP layer's one more layer where it runs (``engine.model.mtp``)."""
     k0, k1 = kv_head_range(mc.num_kv_heads, layer_tp.size, layer_tp.rank)
     return KVLayout(
-        mc.num_layers,
+        mc.num_layers + (1 if config.runs_mtp else 0),
         0,
         config.block_size,
         k1 - k0,

@@ -19,6 +19,7 @@ sizes (``splitserve.kv_transfer.tp_mapping``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import mmap
@@ -102,12 +103,22 @@ def fault_in_background(cache: torch.Tensor) -> threading.Thread | None:
         return None
     if cache.numel() * cache.element_size() < 4 * _HUGE_PAGE or cache.dim() < 3:
         return None
-    thread = threading.Thread(target=_fault_in, args=(cache,), name="kv-cache-fault-in", daemon=True)
+    stop = threading.Event()
+    thread = threading.Thread(target=_fault_in, args=(cache, stop), name="kv-cache-fault-in", daemon=True)
     thread.start()
+    atexit.register(_stop, thread, stop)
     return thread
 
 
-def _fault_in(cache: torch.Tensor) -> None:
+def _stop(thread: threading.Thread, stop: threading.Event) -> None:
+    """At interpreter exit, before daemon threads are frozen: a daemon thread stopped
+    inside torch's C++ (waiting for the GIL) unwinds through code that may not
+    unwind, and the process aborts ("terminate called without an active exception")."""
+    stop.set()
+    thread.join()
+
+
+def _fault_in(cache: torch.Tensor, stop: threading.Event) -> None:
     with contextlib.suppress(OSError):  # the lowest priority, for this thread only (Linux)
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     libc = ctypes.CDLL(None, use_errno=True)  # its calls release the GIL
@@ -117,6 +128,8 @@ def _fault_in(cache: torch.Tensor) -> None:
     block_bytes = planes[0, 0].numel() * cache.element_size()
     for start in range(0, cache.shape[2], _FAULT_IN_BLOCKS):
         n = min(_FAULT_IN_BLOCKS, cache.shape[2] - start)
+        if stop.is_set():
+            return
         for plane in planes:
             first = plane[start].data_ptr()
             aligned = first - first % page  # madvise takes whole pages

@@ -35,6 +35,7 @@ from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.sampler import Sampler, SampleRequest, SampleResult
 from splitserve.engine.scheduler import ScheduledSeq
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.speculative.verify import kept
 from splitserve.wire.outputs import PromptLogprob
 
 
@@ -93,6 +94,15 @@ class StepInputs:
 
 
 @dataclass(frozen=True)
+class MTPHead:
+    """What the MTP layer predicted for a sequence in the last step: ``token``, to
+    follow the sequence once it holds ``num_tokens`` tokens (the one after the next)."""
+
+    token: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class TakeExpertLoad:
     """The driver asks every rank for its experts' counts (``take_expert_load``)."""
 
@@ -128,6 +138,10 @@ class ModelRunner:
         # graphs replay. Without graphs it stays one chunk (the prefill path reads the
         # sequence's KV once for all its rows, a decode span per row once each).
         self.spread_drafts = graphs is not None
+        # a model with its MTP layer: each step's predictions of the token after next, by
+        # request id (``_predict_next``), kept when an MTP proposer reads them
+        self.keep_mtp_heads = False
+        self.mtp_heads: dict[str, MTPHead] = {}
         self.tokens_run = 0  # tokens this rank ran through the model (its own share, data-parallel)
 
     def execute(
@@ -168,6 +182,8 @@ class ModelRunner:
                 after = len(inputs.input_ids) - 1 - len(s.draft)
                 inputs.last_index.extend(range(after, len(inputs.input_ids)))
                 rows.extend(_rows(s))
+        if self.model.mtp is not None:
+            return self._execute_with_mtp(ordered, inputs, rows, prompt_rows, on_layer)
         graphs = self.graphs
         if (
             on_layer is None
@@ -183,6 +199,53 @@ class ModelRunner:
             return ordered, None, {}
         prompt = _prompt_logprobs(logits[len(rows) :], prompt_rows) if prompt_rows else {}
         return ordered, self.sampler(logits[: len(rows)], rows) if rows else None, prompt
+
+    def _execute_with_mtp(self, ordered, inputs: StepInputs, rows, prompt_rows, on_layer):
+        """``execute`` for a model with its MTP layer (a group of one, no graphs): the
+        target's step, its sampling, then the MTP layer over the same rows
+        (``_predict_next``)."""
+        self.tokens_run += len(inputs.input_ids)
+        ctx = self._context(inputs, on_layer, False)
+        positions = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
+        ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, positions, self.kv_cache, ctx)
+        wanted = inputs.last_index + inputs.prompt_index
+        logits = self.model.compute_logits(self._rows(hidden, wanted)) if wanted else None
+        result = self.sampler(logits[: len(rows)], rows) if rows else None
+        prompt = _prompt_logprobs(logits[len(rows) :], prompt_rows) if prompt_rows else {}
+        self._predict_next(ordered, inputs, positions, hidden, ctx, result)
+        return ordered, result, prompt
+
+    def _predict_next(self, ordered, inputs, positions, hidden, ctx, result: SampleResult | None) -> None:
+        """Run the MTP layer over the step's rows, each with the token after it: the next
+        row's input inside a chunk, a sampled row's sample (a verification chunk's rows
+        each their own), the prompt's next token after a chunk that does not sample. So
+        its KV is written wherever the target's was. With ``keep_mtp_heads``, set
+        ``mtp_heads``: each sampled sequence's prediction from its last kept row."""
+        next_ids = inputs.input_ids[1:] + [0]
+        heads: list[tuple[str, int, int]] = []  # (request id, packed row, its tokens after the step)
+        row = sample = 0
+        for s in ordered:
+            last = row + s.num_new_tokens - 1
+            if s.samples:
+                tokens = result.token_ids[sample : sample + len(s.draft) + 1]
+                sample += len(tokens)
+                first = last - len(s.draft)
+                next_ids[first : last + 1] = [max(t, 0) for t in tokens]  # -1: a failed row
+                n = kept([t if t >= 0 else None for t in tokens], s.draft)
+                if n:
+                    heads.append((s.seq.request_id, first + n - 1, s.seq.num_tokens + n))
+            else:
+                end = s.seq.num_computed_tokens + s.num_new_tokens
+                next_ids[last] = s.seq.token_ids[end] if end < s.seq.num_tokens else 0
+            row = last + 1
+        ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)
+        states = self.model.predict_next(ids, positions, hidden, self.kv_cache, ctx)
+        self.mtp_heads = {}
+        if heads and self.keep_mtp_heads:
+            logits = self.model.compute_logits(self._rows(states, [r for _, r, _ in heads]))
+            tokens = logits.argmax(dim=-1).tolist()
+            self.mtp_heads = {rid: MTPHead(t, n) for (rid, _, n), t in zip(heads, tokens)}
 
     def _as_decodes(self, s: ScheduledSeq) -> bool:
         """Whether ``s`` runs as one-token decode spans: a decode, or (``spread_drafts``)
@@ -237,14 +300,19 @@ class ModelRunner:
         pos_t = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
         if not inputs.spans:  # a data-parallel rank with no sequence in this step
             return self.model(ids_t, pos_t, self.kv_cache, None)
-        ctx = StepContext(
+        return self.model(ids_t, pos_t, self.kv_cache, self._context(inputs, on_layer, calibrate_kv))
+
+    def _context(
+        self, inputs: StepInputs, on_layer: Callable[[int], None] | None, calibrate_kv: bool
+    ) -> StepContext:
+        dev = self.device
+        return StepContext(
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=dev),
             backend=self.backend,
             attn_meta=self.backend.prepare(inputs.spans, inputs.num_decodes, self.block_size, dev),
             on_layer=on_layer,
             calibrate_kv=calibrate_kv,
         )
-        return self.model(ids_t, pos_t, self.kv_cache, ctx)
 
     def _rows(self, hidden: torch.Tensor, positions: list[int]) -> torch.Tensor:
         return hidden.index_select(0, torch.tensor(positions, dtype=torch.long, device=self.device))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "fp8", "int8")
-SPECULATIVE_METHODS = ("ngram", "draft", "self")
+SPECULATIVE_METHODS = ("ngram", "draft", "self", "mtp")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,10 @@ class SpeculativeConfig:
     - ``draft``: a smaller model with the target's vocabulary (``draft_model``: a path
       or name as ``EngineConfig.model`` takes) decodes greedily on its own paged KV;
     - ``self``: the target's own first ``draft_layers`` layers, its final norm and LM
-      head (no extra weights; their KV cache is the draft's own).
+      head (no extra weights; their KV cache is the draft's own);
+    - ``mtp``: the checkpoint's multi-token prediction layer (DeepSeek-V3), which
+      predicts the token after next from the target's last hidden state: one token
+      per step whatever ``num_tokens`` allows (``engine.speculative.mtp``).
 
     Each request's number of proposed tokens adapts to its own acceptance
     (``engine.speculative.adaptive``). Invalid values raise ``ValueError``."""
@@ -95,6 +98,11 @@ class EngineConfig:
     # speculative decoding of this engine's decodes (a dict of SpeculativeConfig's fields is
     # taken); None: none
     speculative: SpeculativeConfig | None = None
+    # run the checkpoint's multi-token prediction layer every step, so that its KV is
+    # there for an MTP proposer: here (speculative method mtp implies it) or on the
+    # engine a prefill hands its KV to (``engine.model.mtp``; the layer is a layer of
+    # the KV cache, so both ends must agree)
+    mtp_layer: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
@@ -136,6 +144,16 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.runs_mtp and self.group_size > 1:
+            raise ValueError(
+                "the multi-token prediction layer (speculative method mtp, mtp_layer) runs on engines "
+                f"without tensor or expert parallelism; tp_size x ep_size is {self.group_size}"
+            )
+
+    @property
+    def runs_mtp(self) -> bool:
+        """Whether the engine runs the checkpoint's MTP layer (``mtp_layer``)."""
+        return self.mtp_layer or (self.speculative is not None and self.speculative.method == "mtp")
 
     @property
     def group_size(self) -> int:

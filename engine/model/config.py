@@ -107,6 +107,9 @@ class ModelConfig:
     checkpoint_quant: CheckpointQuant | None = None  # the checkpoint's own FP8 weights, if any
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    # DeepSeek-V3's multi-token prediction layers after the decoder's (the checkpoint's
+    # ``model.layers.{num_layers}.*``; ``num_nextn_predict_layers``): ``engine.model.mtp``
+    num_mtp_layers: int = 0
 
     @property
     def q_size(self) -> int:
@@ -190,6 +193,7 @@ class ModelConfig:
             checkpoint_quant=quant,
             moe=moe,
             mla=mla,
+            num_mtp_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0) if mt == "deepseek_v3" else 0,
         )
 
 

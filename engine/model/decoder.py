@@ -28,6 +28,7 @@ from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.llama import MLP, Attention, RMSNorm, StepContext
 from splitserve.engine.model.mla import MLAttention
 from splitserve.engine.model.moe import SparseMoE
+from splitserve.engine.model.mtp import MTPLayer
 from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.layers import VocabParallelEmbedding, VocabParallelLMHead
@@ -57,8 +58,15 @@ class DecoderModel(nn.Module):
     loader materialise it (``loader.build_model``), so that no memory is touched twice."""
 
     def __init__(
-        self, cfg: ModelConfig, max_position: int, tp: TPGroup | None = None, ep: TPGroup | None = None
+        self,
+        cfg: ModelConfig,
+        max_position: int,
+        tp: TPGroup | None = None,
+        ep: TPGroup | None = None,
+        mtp: bool = False,
     ):
+        """``mtp``: also build the checkpoint's multi-token prediction layer
+        (``engine.model.mtp``; ``cfg.num_mtp_layers`` >= 1), run by ``predict_next``."""
         super().__init__()
         tp = tp or TPGroup.single()
         self.config = cfg
@@ -70,6 +78,7 @@ class DecoderModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.linear.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope, max_position)
+        self.mtp = MTPLayer(cfg, DecoderLayer(cfg, cfg.num_layers, tp, ep)) if mtp else None
 
     @torch.inference_mode()
     def forward(
@@ -91,6 +100,19 @@ class DecoderModel(nn.Module):
             if ctx.on_layer is not None:
                 ctx.on_layer(i)
         return self.norm(x, delta)
+
+    @torch.inference_mode()
+    def predict_next(self, next_ids, positions, hidden, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
+        """The MTP layer (``engine.model.mtp``) over a step the target just ran: row i
+        from ``hidden`` (``forward``'s row i) and ``next_ids[i]`` (the token after
+        row i's); its KV written to the cache's last layer at ``ctx``'s slots. Returns
+        the states whose logits (``compute_logits``) predict the token after that."""
+        cos, sin = self.rotary.tables(positions, hidden.dtype)
+        layer = self.config.num_layers
+        out = self.mtp(self.embed_tokens(next_ids), hidden, cos, sin, kv_cache.layer(layer), ctx)
+        if ctx.on_layer is not None:
+            ctx.on_layer(layer)
+        return out
 
     def _no_tokens(self) -> torch.Tensor:
         empty = self.norm.weight.new_empty((0, self.config.hidden_size))

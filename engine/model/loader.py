@@ -108,6 +108,7 @@ def build_model(
     init_on_device: bool = False,
     progress_bytes: int = 0,
     ep: TPGroup | None = None,
+    mtp: bool = False,
 ) -> DecoderModel:
     """This rank's shard of the model (of ``tp``, and of ``ep``'s experts), on
     ``device`` in ``dtype``, with ``weights`` (HF names;
@@ -119,9 +120,10 @@ def build_model(
     SiLU·up, in C++ on CPU (the last two for bf16: ``cpu_model_kernels``) and in
     Triton on CUDA. ``init_on_device`` draws random weights on ``device`` (for
     random models too large to draw on the host quickly: GPU benchmarks);
-    ``progress_bytes`` > 0 shows a progress bar of the checkpoint bytes read, out of that many."""
+    ``progress_bytes`` > 0 shows a progress bar of the checkpoint bytes read, out of that many;
+    ``mtp``: with the checkpoint's multi-token prediction layer (``engine.model.mtp``)."""
     model = load_model(
-        cfg, dtype, device, max_position, weights, seed, tp, init_on_device, progress_bytes, ep
+        cfg, dtype, device, max_position, weights, seed, tp, init_on_device, progress_bytes, ep, mtp
     )
     _prepare_fp8_checkpoint_linears(model, dtype)
     quantize_linears(model, quantization)
@@ -148,13 +150,14 @@ def load_model(
     init_on_device: bool = False,
     progress_bytes: int = 0,
     ep: TPGroup | None = None,
+    mtp: bool = False,
 ) -> DecoderModel:
     """This rank's shard with its weights loaded (``build_model`` without quantizing,
     packing or kernels): every linear a plain ``nn.Linear``, but the decoder's are
     ``Fp8CheckpointLinear`` when the checkpoint is FP8 (``cfg.checkpoint_quant``)."""
     tp = tp or TPGroup.single()
     with torch.device("meta"):
-        model = DecoderModel(cfg, max_position, tp, ep)
+        model = DecoderModel(cfg, max_position, tp, ep, mtp)
         if cfg.checkpoint_quant is not None:
             _fp8_shells(model, cfg.checkpoint_quant)
     _materialize(model, device, dtype)
@@ -282,6 +285,11 @@ def load_weights(
     if bar is not None:
         bar.close()
     missing = [n for n, t in _loaded_tensors(model).items() if written.get(id(t), 0) != t.numel()]
+    if missing and all(n.startswith("mtp.") for n in missing):
+        raise ModelLoadError(
+            f"the checkpoint has no multi-token prediction layer (model.layers.{cfg.num_layers}.*), "
+            "which speculative method mtp runs"
+        )
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 

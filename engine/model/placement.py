@@ -52,7 +52,7 @@ def checkpoint_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of a Hugging Face checkpoint of ``cfg`` (canonical names): name -> full shape."""
     h, v = cfg.hidden_size, cfg.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for i in range(cfg.num_layers):
+    for i in range(cfg.num_layers + cfg.num_mtp_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes.update(_mla_shapes(cfg, p) if cfg.mla is not None else _attention_shapes(cfg, p))
@@ -61,6 +61,10 @@ def checkpoint_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update(_moe_shapes(cfg, p + "mlp."))
         else:
             shapes.update(_mlp_shapes(h, cfg.intermediate_size, p + "mlp."))
+        if i >= cfg.num_layers:  # a multi-token prediction layer (``engine.model.mtp``)
+            shapes.update({p + n: (h,) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")})
+            shapes[p + "eh_proj.weight"] = (h, 2 * h)
+            shapes[p + "embed_tokens.weight"] = shapes[p + "shared_head.head.weight"] = (v, h)
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
@@ -144,13 +148,15 @@ class Placement:
         return self.param if self.index is None else self.param[self.index]
 
 
-_ELSEWHERE = object()  # a routed expert another expert-parallel rank holds
+# not read here: a routed expert another expert-parallel rank holds, an unused MTP layer
+_ELSEWHERE = object()
 
 
 def placement(model: DecoderModel, tp: TPGroup, name: str) -> Placement | None:
     """Where checkpoint tensor ``name`` (canonical, ``model.`` prefix removed) lands on
-    this rank; None for a routed expert another expert-parallel rank holds (this rank
-    never reads it). ``ModelLoadError`` for a tensor with no place in the model."""
+    this rank; None for a tensor this rank never reads (a routed expert another
+    expert-parallel rank holds; an MTP layer's, ``_mtp_placement``). ``ModelLoadError``
+    for a tensor with no place in the model."""
     cfg = model.config
     if name in ("embed_tokens.weight", "lm_head.weight"):
         start, stop, rows = vocab_rows(cfg.vocab_size, tp)
@@ -160,23 +166,47 @@ def placement(model: DecoderModel, tp: TPGroup, name: str) -> Placement | None:
         return Placement(model.norm.weight)
     try:
         _, i, module, rest = name.split(".", 3)
-        layer = model.layers[int(i)]
-    except (ValueError, IndexError):
+        index = int(i)
+    except ValueError:
         raise ModelLoadError(f"checkpoint tensor {name} has no place in the model") from None
     found = None
-    if module in ("input_layernorm", "post_attention_layernorm"):
-        found = Placement(getattr(layer, module).weight)
-    elif module == "self_attn" and cfg.mla is not None:
-        found = _mla_placement(cfg, layer.self_attn, tp, rest)
-    elif module == "self_attn":
-        found = _attention(cfg, layer, tp, rest)
-    elif module == "mlp" and cfg.is_moe_layer(int(i)):
-        found = _moe_placement(layer.mlp, tp, rest)
-    elif module == "mlp":
-        found = _mlp(layer.mlp, tp, rest)
+    if 0 <= index < cfg.num_layers:
+        found = _layer_placement(cfg, model.layers[index], index, tp, module, rest)
+    elif cfg.num_layers <= index < cfg.num_layers + cfg.num_mtp_layers:
+        found = _mtp_placement(model, tp, index, module, rest)
     if found is None:
         raise ModelLoadError(f"checkpoint tensor {name} has no place in the model")
     return None if found is _ELSEWHERE else found
+
+
+def _layer_placement(cfg: ModelConfig, layer, index: int, tp: TPGroup, module: str, rest: str):
+    if module in ("input_layernorm", "post_attention_layernorm"):
+        return Placement(getattr(layer, module).weight)
+    if module == "self_attn" and cfg.mla is not None:
+        return _mla_placement(cfg, layer.self_attn, tp, rest)
+    if module == "self_attn":
+        return _attention(cfg, layer, tp, rest)
+    if module == "mlp" and cfg.is_moe_layer(index):
+        return _moe_placement(layer.mlp, tp, rest)
+    if module == "mlp":
+        return _mlp(layer.mlp, tp, rest)
+    return None
+
+
+def _mtp_placement(model: DecoderModel, tp: TPGroup, index: int, module: str, rest: str):
+    """A multi-token prediction layer's tensor: read into ``model.mtp`` (the first
+    such layer, when the model was built with it); not read otherwise, nor the
+    layer's copies of the embedding and LM head (``engine.model.mtp``)."""
+    mtp = model.mtp
+    if mtp is None or index > model.config.num_layers or module == "embed_tokens":
+        return _ELSEWHERE
+    if (module, rest) == ("shared_head", "head.weight"):
+        return _ELSEWHERE
+    if (module, rest) == ("shared_head", "norm.weight"):
+        return Placement(mtp.norm.weight)
+    if module in ("enorm", "hnorm", "eh_proj") and rest == "weight":
+        return Placement(getattr(mtp, module).weight)
+    return _layer_placement(model.config, mtp.layer, index, tp, module, rest)
 
 
 def _attention(cfg: ModelConfig, layer, tp: TPGroup, rest: str) -> Placement | None:

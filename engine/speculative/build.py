@@ -1,6 +1,6 @@
-"""Building a proposer for an engine: the n-gram lookup, or a model proposer with
-its draft model, KV cache and runner (``speculative.draft``). Each is imported
-only when chosen."""
+"""Building a proposer for an engine: the n-gram lookup, a model proposer with its
+draft model, KV cache and runner (``speculative.draft``), or the MTP layer's
+(``speculative.mtp``). Each is imported only when chosen."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # the proposers' own modules bring torch
     import torch
 
     from splitserve.engine.model.config import ModelConfig
+    from splitserve.engine.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -30,13 +31,16 @@ class Target:
     max_model_len: int
     device: torch.device
     dtype: torch.dtype
+    runner: ModelRunner  # the target's (an MTP proposer reads its predictions)
 
     @classmethod
     def of_engine(cls, engine) -> Target:
         """The target an ``Engine`` (built, its driver rank) is."""
         e = engine
         layout, tokens = e.kv_cache.layout, e.capacity.num_tokens
-        return cls(e.config, e.model, e.model_config, layout, tokens, e.max_model_len, e.device, e.dtype)
+        return cls(
+            e.config, e.model, e.model_config, layout, tokens, e.max_model_len, e.device, e.dtype, e.runner
+        )
 
 
 def build_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:
@@ -50,6 +54,12 @@ def build_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:
         return _self_proposer(spec, target)
     if spec.method == "draft":
         return _draft_proposer(spec, target)
+    if spec.method == "mtp":
+        from splitserve.engine.speculative.mtp import MTPProposer
+
+        if target.runner.model.mtp is None:
+            raise ValueError("speculative method mtp needs the engine built with its MTP layer")
+        return MTPProposer(target.runner)
     raise ValueError(f"no speculative proposer {spec.method!r}")
 
 

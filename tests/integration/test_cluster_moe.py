@@ -116,6 +116,32 @@ def test_an_mla_handover_moves_one_latent_row_per_token_and_layer(tmp_path):
     assert measured["deepseek_v3"] < measured["llama"]
 
 
+def test_deepseek_v3_mtp_on_the_decode_side_only_equals_transformers(tmp_path):
+    """A prefill pool that does not speculate, a decode pool proposing with DeepSeek-V3's
+    MTP layer: both run the layer (its KV is one more layer of the handed-over KV, so
+    both caches have it), the tokens are transformers' greedy ones, and the decode
+    workers proposed. (That the layer's KV itself crosses a handoff intact is
+    ``tests/unit/engine/speculative/test_mtp.py``'s, in one process.)"""
+    model = make_hf_checkpoint("deepseek_v3", tmp_path, mtp=True)
+    prompts = random_prompts([5, 40, 33], 512, seed=14)
+    max_tokens = 16
+    expected = [hf_greedy(model, p, max_tokens) for p in prompts]
+    mtp = {"method": "mtp", "num_tokens": 1}
+    config = tiny_config(
+        str(tmp_path),
+        prefill={"num_cpus": 0.5, "engine": ENGINE},
+        decode={"num_cpus": 0.5, "engine": {**ENGINE, "speculative": mtp}},
+    )
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(prompts)
+    with live_cluster(config) as cluster, Client(cluster.address, timeout=60) as client:
+        out = stream_all(cluster.address, prompts, params)
+        assert_kv_moved([o.final for o, _ in out], client)
+        methods = {w.role: w.speculation.method for p in client.cluster_status().pools for w in p.workers}
+    assert [o.token_ids for o, _ in out] == expected
+    assert methods == {"prefill": "", "decode": "mtp"}
+    assert all(o.final.draft_tokens > 0 for o, _ in out), [o.final for o, _ in out]
+
+
 @pytest.mark.parametrize("parallel", ["tp_size", "ep_size"])
 def test_an_mla_moe_decode_group_losing_a_rank_resumes_exactly(tmp_path, parallel):
     """DeepSeek-V3 (MLA + MoE) on decode groups of 2 ranks (TP, or EP with attention

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import subprocess
 import sys
 
 import pytest
@@ -51,3 +52,18 @@ def test_the_cache_is_faulted_in_behind_the_engine_keeping_what_it_wrote():
 def test_nothing_to_fault_in_off_the_cpu_path():
     assert fault_in_background(torch.zeros(4, 2, 8)) is None  # small: never mapped untouched
     assert fault_in_background(torch.zeros(16)) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the cache faults in on Linux only")
+def test_a_process_exiting_while_its_cache_faults_in_exits_cleanly():
+    """The fault-in thread is stopped before the interpreter freezes daemon threads: one
+    frozen inside torch's C++ aborted the process ("terminate called without an active
+    exception", exit status 134) when a test process ended with a fresh engine."""
+    script = (
+        "import torch\n"
+        "from splitserve.engine.kv_cache import allocate_zeros, fault_in_background\n"
+        "cache = allocate_zeros((30, 2, 4096, 16, 8, 64), torch.bfloat16)\n"  # 1.9 GiB, seconds to fault in
+        "assert fault_in_background(cache) is not None\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
