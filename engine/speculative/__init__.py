@@ -22,18 +22,20 @@ bookkeeping; a model proposer brings its own.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
 @dataclass(frozen=True)
 class ProposalRequest:
     """What a proposer sees of one decoding sequence: its tokens so far (prompt then
-    output) and how many to propose at most."""
+    output), how many to propose at most, and the target cache's blocks holding the KV
+    of all but its last token (a self-speculation draft reads its own layers' there)."""
 
     request_id: str
     token_ids: list[int]
     k: int
+    block_table: list[int] = field(default_factory=list)
 
 
 class Proposer(Protocol):

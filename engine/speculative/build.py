@@ -95,7 +95,10 @@ def _self_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:
     backend = draft_attention(target.config, target.model_config, target.device)
     model = EarlyExit(target.model, spec.draft_layers)
     runner = ModelRunner(model, cache, backend, Sampler(target.config.seed), target.device)
-    return ModelProposer("self", runner, target.model_config.vocab_size, target.max_model_len)
+    # the target's first layers hold the draft's KV of every computed token (an FP8 target
+    # cache does not hold it in the draft's dtype: the draft recomputes it then)
+    shared = target.runner.kv_cache if target.runner.kv_cache.layout.dtype == layout.dtype else None
+    return ModelProposer("self", runner, target.model_config.vocab_size, target.max_model_len, shared)
 
 
 def _draft_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:

@@ -4,7 +4,8 @@
   driver rank (``build_engine`` of its own config: any family the engine loads);
 - ``self``: the target's own first layers, its final norm and LM head
   (``DecoderModel.forward(num_layers=...)``, no weights copied), for models with no
-  small sibling.
+  small sibling. Its KV of a request's computed tokens is the target's own in those
+  layers: it is copied from the target's cache, never recomputed (``shared``).
 
 **The draft's state is a function of the tokens.** Per request the proposer keeps
 the tokens whose KV its cache holds; at each proposal it keeps the longest prefix
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.attention import SeqSpan
+from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model_runner import ModelRunner, StepInputs
 from splitserve.engine.speculative import ProposalRequest
 
@@ -48,9 +50,15 @@ class ModelProposer:
     ``runner.kv_cache.layout.num_blocks`` blocks). Tokens the target's vocabulary
     lacks (``vocab_size``) end a draft. ``max_len``: the draft's context."""
 
-    def __init__(self, name: str, runner: ModelRunner, vocab_size: int, max_len: int):
+    def __init__(
+        self, name: str, runner: ModelRunner, vocab_size: int, max_len: int, shared: KVCache | None = None
+    ):
+        """``shared``: the target's cache, when its first layers are this draft's (self-
+        speculation, the same dtype): a request's computed KV is copied from there
+        (``_copy_computed``) instead of being run through the draft again."""
         self.name = name
         self.runner = runner
+        self.shared = shared
         self.vocab_size = vocab_size
         self.max_len = max_len
         self.block_size = runner.block_size
@@ -76,15 +84,21 @@ class ModelProposer:
         drafts: list[list[int]] = [[] for _ in requests]
         if not active:
             return drafts
-        # step 0: every request's uncomputed tokens, decodes first (one attention batch)
+        # step 0: every request's uncomputed tokens, decodes first (one attention batch); with
+        # a shared cache only the last token is run (the rest is copied: ``_copy_computed``)
         uncomputed = {
-            i: len(requests[i].token_ids) - len(self._seqs[requests[i].request_id].tokens) for i in active
+            i: 1
+            if self.shared is not None and requests[i].block_table
+            else len(requests[i].token_ids) - len(self._seqs[requests[i].request_id].tokens)
+            for i in active
         }
         active.sort(key=lambda i: uncomputed[i] != 1)
         inputs = StepInputs([], [], [], [], sum(n == 1 for n in uncomputed.values()), [])
         for i in active:
             r = requests[i]
             seq = self._seqs[r.request_id]
+            if self.shared is not None and r.block_table:
+                self._copy_computed(seq, r)
             self._add_span(inputs, seq, r.token_ids[len(seq.tokens) :], len(seq.tokens))
             seq.tokens = list(r.token_ids)
         picked = self._argmax(inputs)
@@ -132,6 +146,23 @@ class ModelProposer:
         for _ in range(max(need, 0)):
             seq.blocks.append(self._free.pop())
         return True
+
+    def _copy_computed(self, seq: _DraftSeq, r: ProposalRequest) -> None:
+        """Catch ``seq`` up to all but ``r``'s last token by copying that KV from the
+        target's cache (``r.block_table``), whose first layers computed it from the same
+        weights and tokens: no draft compute however far it fell behind."""
+        start, end, bs = len(seq.tokens), len(r.token_ids) - 1, self.block_size
+        if start < end:
+            positions = range(start, end)
+            src = [r.block_table[p // bs] * bs + p % bs for p in positions]
+            dst = [seq.blocks[p // bs] * bs + p % bs for p in positions]
+            layers = self.runner.kv_cache.layout.num_layers
+            source = self.shared.tensor[:layers].flatten(2, 3)  # [layers, planes, slots, heads, dim]
+            target = self.runner.kv_cache.tensor.flatten(2, 3)
+            device = target.device
+            rows = source.index_select(2, torch.tensor(src, device=device))
+            target.index_copy_(2, torch.tensor(dst, device=device), rows)
+        seq.tokens = list(r.token_ids[:end])
 
     def _release(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)

@@ -9,6 +9,7 @@ when full."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from splitserve.engine.engine import Engine
 from splitserve.engine.speculative import ProposalRequest
@@ -136,3 +137,34 @@ def test_a_draft_step_that_raises_drops_the_batchs_draft_state(tmp_path):
     assert not proposer._seqs
     proposer.runner.forward = forward
     assert proposer.propose([ProposalRequest("a", prompt, 3)])[0] == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_self_speculation_copies_the_computed_kv_from_the_target(family, tmp_path):
+    """A self-speculation draft's layers are the target's first ones, so its KV of a
+    request's computed tokens is read from the target's cache: a first proposal runs
+    the last token alone, and proposes what a draft recomputing the whole sequence
+    proposes (the recomputing path is the reference)."""
+    make_hf_checkpoint(family, tmp_path)
+    spec = SpeculativeConfig(method="self", num_tokens=3, draft_layers=1)
+    engine = _engine(tmp_path, spec, enable_prefix_caching=False)
+    rid = engine.add_request(random_prompts([45], 512, seed=9)[0], SamplingParams(max_tokens=4))
+    while engine.requests[rid].seq.num_output_tokens < 2:
+        engine.step()
+    seq = engine.requests[rid].seq
+    assert seq.num_computed_tokens == seq.num_tokens - 1
+    copying = engine.speculation.proposer
+    assert copying.shared is engine.kv_cache
+    recomputing = ModelProposer("self", copying.runner, copying.vocab_size, copying.max_len)
+    request = ProposalRequest("probe", seq.token_ids, 3, seq.block_table)
+    before = copying.runner.tokens_run
+    copied = copying.propose([request])[0]
+    assert copying.runner.tokens_run - before == 3  # the last token, then two drafted ones
+    layers = copying.runner.kv_cache.layout.num_layers
+    bs, n = engine.kv_cache.layout.block_size, seq.num_tokens - 1
+    mine = copying._seqs["probe"].blocks
+    for p in (0, n // 2, n - 1):  # the draft's cache holds the target's first layers' rows
+        theirs = engine.kv_cache.tensor[:layers, :, seq.block_table[p // bs], p % bs]
+        assert torch.equal(copying.runner.kv_cache.tensor[:, :, mine[p // bs], p % bs], theirs), p
+    copying.forget([])
+    assert recomputing.propose([request])[0] == copied
