@@ -10,7 +10,8 @@ as a fraction of a decode token's, measured: ``speculative.cost``), capped by th
 config. At k = 0 it still proposes
 one token every ``PROBE_EVERY`` steps, so a request whose text turns copyable is
 seen; each probe rejected doubles that interval (to ``MAX_PROBE_EVERY``), a probe
-kept resets it.
+kept resets it. Where a draft token costs a decode token or more (``min_gain`` >= 1:
+no acceptance rate below 1 pays for it), it does not probe either.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class Acceptance:
             k += 1
         if k:
             return k
+        if min_gain >= 1:  # a draft token costs more than the token it may save: not even a probe
+            return 0
         self._idle += 1
         if self._idle >= self._probe_every:
             self._idle, self._probing = 0, True

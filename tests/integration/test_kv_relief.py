@@ -17,6 +17,7 @@ import asyncio
 import pytest
 
 from splitserve.bench.migration_pause import DecodePair
+from splitserve.engine.engine import Engine
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.events import GenerateInput, TokenEvent
 from splitserve.router.lifecycle import Phase
@@ -79,7 +80,9 @@ def _preemptions(pair: DecodePair, wid: str) -> int:
 
 def test_a_filling_decode_worker_moves_requests_off_instead_of_preempting(pair):
     d = pair.dispatcher
-    alone = {rid: pair.run(_tokens(d, f"alone-{rid}", p)) for rid, p in PROMPTS.items()}
+    # each request's greedy tokens as if run alone (float32: batching changes no token here)
+    out = Engine(ENGINE).generate(list(PROMPTS.values()), PARAMS)
+    alone = {rid: o.token_ids for rid, o in zip(PROMPTS, out)}
 
     # control: no relief, so decode-0 must preempt to finish all four
     before = _preemptions(pair, "decode-0")

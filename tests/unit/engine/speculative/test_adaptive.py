@@ -46,6 +46,14 @@ def test_probes_rejected_come_ever_rarer_and_one_kept_restores_them():
     assert [a.k(GAIN) for _ in range(PROBE_EVERY)].count(0) < PROBE_EVERY
 
 
+def test_a_draft_token_dearer_than_a_decode_token_is_never_proposed_not_even_as_a_probe():
+    """No acceptance rate below 1 pays for a draft token that costs a decode token or
+    more, so a proposer that expensive does not probe; cheaper again, it does."""
+    a = Acceptance(max_k=4)
+    assert [a.k(1.0) for _ in range(10 * MAX_PROBE_EVERY)] == [0] * (10 * MAX_PROBE_EVERY)
+    assert 1 in [a.k(0.99) for _ in range(PROBE_EVERY)]
+
+
 def test_a_text_that_turns_copyable_is_seen_by_the_probes():
     a = Acceptance(max_k=4)
     for _ in range(30):
