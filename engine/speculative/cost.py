@@ -8,7 +8,8 @@ of what one decode token costs now (a step's seconds over its sequences, T/S):
 - its row of the verification step: the slope of step seconds over step rows, fitted
   (least squares, decayed) to the decode steps as they run; on a GPU at small batch a
   row is nearly free, on a CPU or a large batch it is not. Until the steps have
-  varied enough to fit, ``PRIOR_ROW_COST``;
+  varied enough to fit, ``PRIOR_ROW_COST``; after, the last fit while they do not
+  (a probe now and then varies them less than the decay forgets);
 - the proposer's time for one more draft position over a step's: ~0 for a lookup,
   about the draft's step over the target's for a model.
 """
@@ -33,6 +34,7 @@ class StepCost:
     _rows2: float = 0.0
     _rows_secs: float = 0.0
     _propose_s: float = 0.0  # decayed seconds of the proposer per draft position
+    _slope: float | None = None  # seconds per row, the last fit the steps' spread allowed
 
     def stepped(self, seconds: float, rows: int, sequences: int) -> None:
         """A decode step of ``sequences`` sequences and ``rows`` query rows (one per
@@ -44,6 +46,10 @@ class StepCost:
         self._seqs = d * self._seqs + sequences
         self._rows2 = d * self._rows2 + rows * rows
         self._rows_secs = d * self._rows_secs + rows * seconds
+        mean_rows, mean_s = self._rows / self._n, self._secs / self._n
+        spread = self._rows2 / self._n - mean_rows**2
+        if spread >= MIN_SPREAD:
+            self._slope = max((self._rows_secs / self._n - mean_rows * mean_s) / spread, 0.0)
 
     def proposed(self, seconds_per_position: float) -> None:
         self._propose_s = (
@@ -60,14 +66,9 @@ class StepCost:
     @property
     def row_cost(self) -> float:
         """A verification row's seconds over a decode token's (the fitted slope)."""
-        if not self._n or not self.token_s:
+        if self._slope is None or not self.token_s:
             return PRIOR_ROW_COST
-        mean_rows, mean_s = self._rows / self._n, self._secs / self._n
-        spread = self._rows2 / self._n - mean_rows**2
-        if spread < MIN_SPREAD:
-            return PRIOR_ROW_COST
-        slope = (self._rows_secs / self._n - mean_rows * mean_s) / spread
-        return max(slope, 0.0) / self.token_s
+        return self._slope / self.token_s
 
     @property
     def proposer_cost(self) -> float:

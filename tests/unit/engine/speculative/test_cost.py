@@ -34,3 +34,18 @@ def test_a_proposer_as_slow_as_the_step_costs_a_whole_token():
         cost.proposed(0.05)
     assert cost.proposer_cost == pytest.approx(1.0)
     assert cost.min_gain == pytest.approx(PRIOR_ROW_COST + 1.0)
+
+
+def test_a_fit_outlives_the_spread_that_made_it():
+    """A probe step now and then varies the rows less than the decay forgets: the row
+    cost stays the last fit, never falls back to the prior (which on a CPU is a
+    fraction of the true cost)."""
+    cost = StepCost()
+    for i in range(40):  # drafts every other step: 1 ms a row fits
+        rows = 16 + (i % 2) * 13
+        cost.stepped(0.010 + 0.001 * rows, rows, 16)
+    fitted = cost.row_cost
+    assert fitted == pytest.approx(0.001 / cost.token_s, rel=1e-6)
+    for _ in range(200):  # then plain decode steps only
+        cost.stepped(0.026, 16, 16)
+    assert cost.row_cost == pytest.approx(0.001 / cost.token_s, rel=1e-6) != PRIOR_ROW_COST
