@@ -72,6 +72,21 @@ def test_quantization_is_chosen_per_pool(tmp_path):
     assert colocated.engine_config("colocated").quantization == "none"
 
 
+def test_mtp_on_one_pool_runs_the_layer_on_every_pool_and_needs_no_parallelism():
+    """The MTP layer's KV is a layer of the handed-over KV: a decode pool proposing with
+    it makes the prefill pool run it too; tensor or expert parallelism on any pool is
+    refused at load, with a sentence."""
+    mtp = {"engine": {"speculative": {"method": "mtp", "num_tokens": 1}}}
+    config = ClusterConfig.model_validate({"decode": mtp})
+    prefill, decode = config.engine_config("prefill"), config.engine_config("decode")
+    assert prefill.runs_mtp and prefill.speculative is None  # runs the layer, proposes nothing
+    assert decode.runs_mtp and decode.speculative.method == "mtp"
+    plain = ClusterConfig.model_validate({"decode": {"engine": {"speculative": {"method": "ngram"}}}})
+    assert not plain.engine_config("prefill").mtp_layer and not plain.engine_config("decode").runs_mtp
+    with pytest.raises(ValueError, match="needs tp_size and ep_size 1 on each"):
+        ClusterConfig.model_validate({"decode": mtp, "prefill": {"tp_size": 2}})
+
+
 def test_no_default_is_written_twice():
     """Engine fields take EngineConfig's defaults (no literal in the config models), the
     router reads LimitsSpec/PolicySpec themselves, and the worker specs leave what the
