@@ -101,6 +101,11 @@ class SpeculativeOptions(_Strict):
         ge=0,
         description="method self: the model's first layers that draft",
     )
+    adaptive: bool = Field(
+        _SPECULATIVE_DEFAULTS.adaptive,
+        description="adapt each request's proposed tokens to its acceptance and the measured price of "
+        "a draft token (a proposer that cannot pay is turned off); false: num_tokens every step",
+    )
     num_tokens: int = Field(
         _SPECULATIVE_DEFAULTS.num_tokens,
         ge=1,

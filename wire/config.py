@@ -28,8 +28,11 @@ class SpeculativeConfig:
       predicts the token after next from the target's last hidden state: one token
       per step whatever ``num_tokens`` allows (``engine.speculative.mtp``).
 
-    Each request's number of proposed tokens adapts to its own acceptance
-    (``engine.speculative.adaptive``). Invalid values raise ``ValueError``."""
+    Each request's number of proposed tokens adapts to its own acceptance and the
+    measured price of a draft token (``engine.speculative.adaptive``); with
+    ``adaptive`` off every step proposes ``num_tokens`` (a fixed k, as vLLM's: to
+    measure a proposer, or to force one the price rule would not run). Invalid values
+    raise ``ValueError``."""
 
     method: str = "ngram"
     num_tokens: int = 4  # the most tokens proposed per sequence and step
@@ -37,6 +40,7 @@ class SpeculativeConfig:
     ngram_max: int = 3
     draft_model: str | None = None  # method draft
     draft_layers: int = 0  # method self: the target's layers the draft runs (1 .. layers - 1)
+    adaptive: bool = True  # False: num_tokens every step, whatever the acceptance and price
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

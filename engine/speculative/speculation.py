@@ -40,8 +40,9 @@ class Speculation:
 
     def drafts(self, running: Iterable[Sequence], states: dict[str, RequestState]) -> dict[str, list[int]]:
         """Tokens proposed for the decoding sequences of ``running`` that speculate, by
-        request id: each as many as its acceptance asks for (``adaptive``), no more
-        than it may still generate, cut where its grammar would refuse one."""
+        request id: each as many as its acceptance asks for (``adaptive``; with the
+        config's ``adaptive`` off, ``num_tokens``), no more than it may still generate,
+        cut where its grammar would refuse one."""
         self.proposer.forget(states.keys())
         min_gain = self.cost.min_gain
         wanted: list[ProposalRequest] = []
@@ -52,7 +53,7 @@ class Speculation:
             if state.acceptance is None:
                 state.acceptance = Acceptance(self.config.num_tokens)
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            k = min(state.acceptance.k(min_gain), room)
+            k = min(state.acceptance.k(min_gain) if self.config.adaptive else self.config.num_tokens, room)
             if k > 0 and not (seq.grammar is not None and seq.grammar.done):
                 wanted.append(ProposalRequest(seq.request_id, seq.token_ids, k, seq.block_table))
         if not wanted:

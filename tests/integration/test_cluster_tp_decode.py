@@ -39,7 +39,8 @@ ENGINE = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}
 
 @pytest.fixture(scope="module")
 def cluster(checkpoint):
-    draft = {"method": "draft", "num_tokens": 3, "draft_model": str(checkpoint)}  # whole on each rank 0
+    # whole on each rank 0; the target as its own draft, which the price rule would not run
+    draft = {"method": "draft", "num_tokens": 3, "draft_model": str(checkpoint), "adaptive": False}
     config = tiny_config(
         checkpoint,
         prefill={"num_cpus": 0.25, "tp_size": 4, "engine": ENGINE},

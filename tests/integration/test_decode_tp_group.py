@@ -15,7 +15,6 @@ import time
 
 from splitserve.decode_worker.worker import DecodeWorker
 from splitserve.engine.engine import Engine
-from splitserve.engine.speculative.cost import StepCost
 from splitserve.wire.config import EngineConfig, SpeculativeConfig
 from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec
 from splitserve.wire.errors import SequenceFailed
@@ -117,15 +116,14 @@ def test_a_tp2_group_fails_one_sequence_on_both_ranks_and_goes_on(tmp_path):
     assert rank1.exitcode == 0
 
 
-def test_a_tp2_group_verifies_a_draft_models_proposals_like_tp1(tmp_path, monkeypatch):
+def test_a_tp2_group_verifies_a_draft_models_proposals_like_tp1(tmp_path):
     """Speculation under tensor parallelism: the draft (here the target itself, whole
     on rank 0) proposes, both ranks run the verification chunks, and the tokens are
     TP=1's without speculation, a resumed request's too. Every proposal is kept (the
-    draft is the target, in float32). The adaptive k would hold a draft as slow as
-    its target to probes: its measured price is taken as 0.3 of a token here."""
-    monkeypatch.setattr(StepCost, "min_gain", property(lambda self: 0.3))
+    draft is the target, in float32). The price rule would not run a draft as slow
+    as its target: adaptive k is off, 3 tokens every step."""
     engine, spec, rank1 = _group(
-        tmp_path, SpeculativeConfig("draft", num_tokens=3, draft_model=str(tmp_path))
+        tmp_path, SpeculativeConfig("draft", num_tokens=3, draft_model=str(tmp_path), adaptive=False)
     )
     reference = Engine(dataclasses.replace(engine, tp_size=1, speculative=None))
     prompts = random_prompts([5, 40, 90], 512, seed=5)

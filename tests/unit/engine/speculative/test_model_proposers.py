@@ -13,7 +13,6 @@ import torch
 
 from splitserve.engine.engine import Engine
 from splitserve.engine.speculative import ProposalRequest
-from splitserve.engine.speculative.cost import StepCost
 from splitserve.engine.speculative.draft import EarlyExit, ModelProposer
 from splitserve.wire.config import EngineConfig, SpeculativeConfig
 from splitserve.wire.sampling import SamplingParams
@@ -55,16 +54,15 @@ def test_self_speculation_gives_transformers_greedy_tokens(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
-def test_the_target_as_its_own_draft_has_every_proposal_accepted(family, tmp_path, monkeypatch):
+def test_the_target_as_its_own_draft_has_every_proposal_accepted(family, tmp_path):
     """Greedy in float32, a draft equal to the target proposes exactly the target's
     tokens, so every one is kept, also across preemptions (a KV cache of 24 blocks
     for 4 prompts that grow past it) and prompts longer than one step's budget. (A
-    draft as slow as its target is not worth running, and the adaptive k would keep
-    it to probes: its measured cost is taken as nothing here, so that it drafts.)"""
-    monkeypatch.setattr(StepCost, "min_gain", property(lambda self: 0.3))
+    draft as slow as its target is not worth running, and the price rule would not
+    run it: adaptive k is off, 4 tokens every step it may.)"""
     hf = make_hf_checkpoint(family, tmp_path)
     prompts = random_prompts([5, 40, 77, 9], 512, seed=5)
-    spec = SpeculativeConfig(method="draft", num_tokens=4, draft_model=str(tmp_path))
+    spec = SpeculativeConfig(method="draft", num_tokens=4, draft_model=str(tmp_path), adaptive=False)
     engine = _engine(tmp_path, spec, num_kv_blocks=24, max_model_len=128)
     out = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in out] == _expected(hf, prompts)
