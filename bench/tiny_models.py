@@ -95,7 +95,8 @@ def make_hf_checkpoint(
 ):
     """A random-weight HF model of ``kind``, saved as safetensors into ``directory``;
     with ``mtp`` (deepseek_v3) also a multi-token prediction layer
-    (``add_mtp_layer``), which transformers does not run."""
+    (``add_mtp_layer``), which transformers does not run: the returned model then
+    carries what ``add_mtp_layer`` returned as ``mtp_layer``, for a test's reference."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -111,7 +112,7 @@ def make_hf_checkpoint(
                 b.uniform_(0, 0.5)
     model.save_pretrained(str(directory))
     if mtp:
-        model.mtp_layer = add_mtp_layer(model, directory)  # what a test's reference computes with
+        model.mtp_layer = add_mtp_layer(model, directory)
     return model
 
 

@@ -15,9 +15,9 @@ from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.backends.local import LocalHub
 from splitserve.wire.config import EngineConfig, SpeculativeConfig
 from splitserve.wire.errors import ModelLoadError
-from splitserve.wire.kv import CompatInfo
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
+from tests.unit.kv_transfer.test_kv_transfer import compat, prefill
 
 MAX_NEW = 20
 PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
@@ -117,28 +117,22 @@ def test_mtp_speculation_keeps_transformers_tokens_across_preemption(model):
     assert engine.stats().speculation.proposed_tokens > 0
 
 
-def _handoff(prefill: Engine, decode: Engine, prompts) -> dict[str, list[int]]:
-    """Prefill ``prompts`` on ``prefill``, hand each one's KV to ``decode`` through the
+def _handoff(prefilling: Engine, decode: Engine, prompts) -> dict[str, list[int]]:
+    """Prefill ``prompts`` on ``prefilling``, hand each one's KV to ``decode`` through the
     local transfer backend; the prompt and first token of each, by request id."""
     hub, backend = LocalHub(), get_backend("local")
-
-    def compat(e: Engine) -> CompatInfo:
-        return CompatInfo("tiny", e.kv_cache.layout, e.kv_cache.scale_values())
-
-    source = backend.source("prefill-0", prefill.kv_cache.tensor, compat(prefill), lease_s=30.0, hub=hub)
+    source = backend.source(
+        "prefill-0", prefilling.kv_cache.tensor, compat(prefilling), lease_s=30.0, hub=hub
+    )
     sink = backend.sink("decode-0", decode.kv_cache.tensor, compat(decode), hub=hub)
     sink.connect(source.handshake())
-    ids = [prefill.add_request(p, PARAMS, prefill_only=True) for p in prompts]
-    while prefill.has_unfinished():
-        prefill.step()
     tokens = {}
-    for rid in ids:
-        p = prefill.prefilled(rid)
+    for p in prefill(prefilling, prompts, PARAMS):
         desc = source.export(p.request_id, p.block_ids, p.num_kv_tokens)
         blocks = decode.import_request(p.request_id, p.prompt_token_ids, p.output_token_ids, PARAMS)
         assert sink.pull(desc, blocks, timeout=30.0).delivered
         decode.activate(p.request_id)
-        tokens[rid] = p.prompt_token_ids + p.output_token_ids
+        tokens[p.request_id] = p.prompt_token_ids + p.output_token_ids
     return tokens
 
 
