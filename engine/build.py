@@ -127,9 +127,10 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     kv_cache = KVCache(dataclasses.replace(layout, num_blocks=num_blocks), device)
     graphs = None
     if use_graphs:
-        graphs = DecodeGraphs.for_engine(
-            model, kv_cache, backend, config.max_num_seqs, max_model_len, tp.size
-        )
+        # a verification step's draft tokens are decode rows too (``ModelRunner.spread_drafts``)
+        drafts = config.speculative.num_tokens if config.speculative is not None else 0
+        rows = config.max_num_seqs * (1 + drafts)
+        graphs = DecodeGraphs.for_engine(model, kv_cache, backend, rows, max_model_len, tp.size)
     # one shard of blocks per rank of an expert-parallel group (each rank caches its own sequences)
     shards = config.ep_size
     tier = None

@@ -2,8 +2,9 @@
 
 A decode step launches hundreds of small kernels; at small batches the GPU
 waits on the CPU launching them. ``DecodeGraphs`` records the whole forward
-(embedding to logits) once per batch size in ``BATCH_SIZES`` (up to
-``max_num_seqs``) over static input buffers, and a pure-decode step then only
+(embedding to logits) once per batch size in ``BATCH_SIZES`` (up to the
+first that holds a step's most rows: ``max_num_seqs``, times ``1 + num_tokens``
+when drafts are verified as decode rows) over static input buffers, and a pure-decode step then only
 copies its inputs into the buffers and replays the recording of the next size
 up::
 
@@ -73,12 +74,14 @@ class DecodeGraphs:
         model: DecoderModel,
         kv_cache: KVCache,
         backend: AttentionBackend,
-        max_num_seqs: int,
+        max_rows: int,
         max_model_len: int,
         tp_size: int,
     ) -> DecodeGraphs:
-        """Recordings for an engine: its last KV block becomes the scratch block (the
-        caller gives the block manager the blocks before it). Raises ``ValueError``."""
+        """Recordings for an engine whose decode steps have up to ``max_rows`` rows
+        (sequences, plus their draft tokens when drafts are verified as decode rows):
+        its last KV block becomes the scratch block (the caller gives the block manager
+        the blocks before it). Raises ``ValueError``."""
         if tp_size > 1:
             raise ValueError("cuda_graphs needs tp_size 1")
         num_blocks = kv_cache.layout.num_blocks
@@ -86,7 +89,7 @@ class DecodeGraphs:
             raise ValueError("cuda_graphs needs at least 2 KV blocks (one is its scratch block)")
         on_cuda = kv_cache.tensor.device.type == "cuda"
         record = cuda_graph_recorder if on_cuda else rerun_recorder
-        return cls(model, kv_cache, backend, max_num_seqs, max_model_len, num_blocks - 1, record)
+        return cls(model, kv_cache, backend, max_rows, max_model_len, num_blocks - 1, record)
 
     def __init__(
         self,
@@ -104,7 +107,10 @@ class DecodeGraphs:
 
         dev = kv_cache.tensor.device
         bs = kv_cache.layout.block_size
-        self.sizes = [b for b in BATCH_SIZES if b <= max_batch] or [1]
+        # every size below max_batch, and the first that holds it
+        self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [
+            next((b for b in BATCH_SIZES if b >= max_batch), BATCH_SIZES[-1])
+        ]
         n = self.sizes[-1]
         width = -(-max_model_len // bs)
         self.block_size, self.scratch_block = bs, scratch_block

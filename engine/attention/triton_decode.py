@@ -126,8 +126,10 @@ def _paged_decode_partial(
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Keys per tile the kernel aims for (a multiple of the block size): wide enough for
-# many loads in flight per program, small enough to stay in registers.
+# many loads in flight per program, small enough to stay in registers. An FP8 cache
+# takes twice the keys, so that a tile moves as many bytes as a bf16 one.
 TILE_KEYS = 64
+FP8_TILE_KEYS = 128
 
 
 def paged_decode(
@@ -138,14 +140,19 @@ def paged_decode(
     context_lens: torch.Tensor,  # [B] int32, >= 1
     scale: float,
     num_splits: int,
-    tile_keys: int = TILE_KEYS,
+    tile_keys: int | None = None,
     kv_scales: torch.Tensor | None = None,  # [2, KVH] float32 with an FP8 (e4m3) cache
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V; returns [B, H, D].
-    An FP8 cache comes with its K and V scales per KV head (``engine.kv_quant``)."""
+    An FP8 cache comes with its K and V scales per KV head (``engine.kv_quant``).
+    ``tile_keys`` (default ``TILE_KEYS``, ``FP8_TILE_KEYS`` for FP8) and ``num_warps``
+    are the launch's shape (``bench.decode_attention`` sweeps them)."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if fp8 != (kv_scales is not None):
         raise ValueError("an FP8 KV cache needs its kv_scales, and only an FP8 cache takes them")
+    if tile_keys is None:
+        tile_keys = FP8_TILE_KEYS if fp8 else TILE_KEYS
     batch, heads, dim = q.shape
     num_blocks_max = block_tables.shape[1]
     kv_heads, block = k_cache.shape[2], k_cache.shape[1]
@@ -182,6 +189,7 @@ def paged_decode(
         SPLITS=num_splits,
         KV_FP8=fp8,
         FP32_DOT=q.dtype == torch.float32 or _INTERPRETED,
+        num_warps=num_warps,
     )
     out = torch.empty_like(q)
     _combine_splits[(batch * heads,)](

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 
 from splitserve.engine.kernels.fp8 import (  # noqa: F401  (part of the set)
+    _INTERPRETED,
+    _e4m3,
     add_rms_norm_fp8,
     block_fp8_mm,
     quantize_fp8_groups,
@@ -229,6 +231,10 @@ def quantize_fp8_rows(x: torch.Tensor, fp8_max: float, eps: float) -> tuple[torc
     return q, scale
 
 
+# ``rope_and_cache`` writes an FP8 (e4m3) cache too, given its scales (the C++ set does not)
+WRITES_FP8_KV = True
+
+
 @triton.jit
 def _rope_and_cache(
     qkv_ptr,  # [T, (H + 2 * KVH) * D]: q, k, v of each token
@@ -239,12 +245,16 @@ def _rope_and_cache(
     k_ptr,  # [T, KVH, D] out: rotated k
     k_cache_ptr,  # [slots, KVH, D]
     v_cache_ptr,
+    scales_ptr,  # [2, KVH] float32: an FP8 cache's K then V scales (KV_FP8), else unused
     stride_qkv,
     H: tl.constexpr,
     KVH: tl.constexpr,
     H_PAD: tl.constexpr,
     KVH_PAD: tl.constexpr,
     HALF: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the caches hold e4m3: k and v divided by their head's scale, saturated
+    FP8_MAX: tl.constexpr,
+    INTERPRETED: tl.constexpr,  # round to e4m3's grid first (``fp8._e4m3``)
 ):
     t = tl.program_id(0)
     D: tl.constexpr = 2 * HALF
@@ -273,12 +283,20 @@ def _rope_and_cache(
     tl.store(k_ptr + t * KVH * D + h * D + i[None, :], k1, mask=ok)
     tl.store(k_ptr + t * KVH * D + h * D + HALF + i[None, :], k2, mask=ok)
     cache = slot * KVH * D + h * D + i[None, :]
-    tl.store(k_cache_ptr + cache, k1, mask=ok)
-    tl.store(k_cache_ptr + cache + HALF, k2, mask=ok)
     v1 = tl.load(row + (H + KVH + h) * D + i[None, :], mask=ok, other=0.0)
     v2 = tl.load(row + (H + KVH + h) * D + HALF + i[None, :], mask=ok, other=0.0)
-    tl.store(v_cache_ptr + cache, v1, mask=ok)
-    tl.store(v_cache_ptr + cache + HALF, v2, mask=ok)
+    if KV_FP8:  # as kv_quant.quantize: the rounded k (and v) over the head's scale, saturated
+        k_scale = tl.load(scales_ptr + h, mask=ok, other=1.0)
+        v_scale = tl.load(scales_ptr + KVH + h, mask=ok, other=1.0)
+        k1 = _e4m3(tl.clamp(k1.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX), INTERPRETED)
+        k2 = _e4m3(tl.clamp(k2.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX), INTERPRETED)
+        v1 = _e4m3(tl.clamp(v1.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX), INTERPRETED)
+        v2 = _e4m3(tl.clamp(v2.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX), INTERPRETED)
+    out_ty = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + cache, k1.to(out_ty), mask=ok)
+    tl.store(k_cache_ptr + cache + HALF, k2.to(out_ty), mask=ok)
+    tl.store(v_cache_ptr + cache, v1.to(out_ty), mask=ok)
+    tl.store(v_cache_ptr + cache + HALF, v2.to(out_ty), mask=ok)
 
 
 def rope_and_cache(
@@ -290,11 +308,17 @@ def rope_and_cache(
     slot_mapping: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    kv_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotary (NeoX halves) on q and k of the fused projection ``qkv`` [T, (H + 2 KVH) D],
     k and v written to the (contiguous) caches at ``slot_mapping``; returns q [T, H, D],
     k [T, KVH, D] and v (a view of qkv) as ``apply_rotary`` + ``index_copy_`` would, in
-    one kernel with one rounding per value instead of three."""
+    one kernel with one rounding per value instead of three. An FP8 (e4m3) cache comes
+    with its [2, KVH] ``kv_scales`` and is written as ``kv_quant.quantize`` of the
+    returned k and v."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 != (kv_scales is not None):
+        raise ValueError("an FP8 KV cache needs its kv_scales, and only an FP8 cache takes them")
     T = qkv.shape[0]
     D = k_cache.shape[-1]
     q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
@@ -309,12 +333,16 @@ def rope_and_cache(
             k,
             k_cache,
             v_cache,
+            kv_scales if fp8 else slot_mapping,  # (a placeholder pointer, never read)
             qkv.stride(0),
             H=num_heads,
             KVH=num_kv_heads,
             H_PAD=triton.next_power_of_2(num_heads),
             KVH_PAD=triton.next_power_of_2(num_kv_heads),
             HALF=D // 2,
+            KV_FP8=fp8,
+            FP8_MAX=448.0,
+            INTERPRETED=_INTERPRETED,
         )
     v = qkv[:, (num_heads + num_kv_heads) * D :].view(T, num_kv_heads, D)
     return q, k, v

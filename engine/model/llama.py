@@ -79,9 +79,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         T = qkv.shape[0]
         fused = getattr(self.kernels, "rope_and_cache", None)
-        if fused is not None and self.q_norm is None and k_cache.is_contiguous() and kv_scales is None:
+        # an FP8 cache only where the kernel writes e4m3 (the Triton set), not while calibrating
+        fp8_ok = kv_scales is None or (getattr(self.kernels, "WRITES_FP8_KV", False) and not ctx.calibrate_kv)
+        if fused is not None and self.q_norm is None and k_cache.is_contiguous() and fp8_ok:
             heads = (self.num_heads, self.num_kv_heads)
-            q, k, v = fused(qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, *heads)
+            fp8 = {} if kv_scales is None else {"kv_scales": kv_scales}
+            q, k, v = fused(qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, *heads, **fp8)
         else:
             q, k, v = self._rope_and_cache(
                 qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, kv_scales, ctx.calibrate_kv

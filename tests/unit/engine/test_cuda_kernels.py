@@ -87,6 +87,39 @@ def test_rope_and_cache_matches_rotary_and_index_copy(heads, kv_heads, dim):
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 16), (8, 1, 8)])
+def test_rope_and_cache_writes_an_fp8_cache_as_kv_quant_does(heads, kv_heads, dim):
+    """An FP8 (e4m3) cache: the kernel writes ``kv_quant.quantize`` of the k and v it
+    returns, byte for byte, with each head's own scale (values past the range saturate);
+    q and k are as the bf16 path's."""
+    from splitserve.engine import kv_quant
+    from splitserve.engine.kernels import cuda
+    from splitserve.engine.model.rope import apply_rotary
+
+    g = torch.Generator().manual_seed(dim)
+    T, slots = 6, 32
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * dim, generator=g) * 3
+    qkv[0, heads * dim] = 5000.0  # past e4m3's range at its head's scale: saturates
+    angles = torch.rand(T, 1, dim // 2, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    slot_mapping = torch.randperm(slots, generator=g)[:T]
+    scales = torch.exp2(torch.randint(-4, 2, (2, kv_heads), generator=g).float())
+    k_cache, v_cache = torch.zeros(2, slots, kv_heads, dim).to(kv_quant.FP8)
+    q, k, v = cuda.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads, scales)
+
+    k_ref = apply_rotary(qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(T, kv_heads, dim), cos, sin)
+    torch.testing.assert_close(k, k_ref)
+    raw_k, raw_v = kv_quant.as_bytes(k_cache), kv_quant.as_bytes(v_cache)
+    assert torch.equal(raw_k[slot_mapping], kv_quant.as_bytes(kv_quant.quantize(k, scales[0])))
+    assert torch.equal(raw_v[slot_mapping], kv_quant.as_bytes(kv_quant.quantize(v, scales[1])))
+    assert k_cache[slot_mapping].float().abs().max() == kv_quant.FP8_MAX  # the saturated value
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[slot_mapping] = False
+    assert not raw_k[untouched].any() and not raw_v[untouched].any()
+    with pytest.raises(ValueError, match="kv_scales"):
+        cuda.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads)
+
+
 def test_silu_mul_matches_torch():
     from splitserve.engine.kernels import cuda
 
