@@ -462,8 +462,9 @@ INT8_SWEEP = [
 def sweep(cfg: ModelConfig, dev: torch.device, log: Callable[[str], None]) -> None:
     """Time the Triton kernels' tile choices on this GPU (to set their defaults):
     the int8 matmul on one layer's four linears per rows bucket, against the same
-    layer in bf16 through cuBLAS, and the paged-decode tile width per batch."""
-    from splitserve.engine.attention.triton_decode import TILE_KEYS, choose_splits, paged_decode
+    layer in bf16 through cuBLAS, and the paged-decode tile and warps per batch and KV
+    dtype (``bench.decode_attention``)."""
+    from splitserve.bench import decode_attention
     from splitserve.engine.kernels import cuda
 
     h, inter = cfg.hidden_size, cfg.intermediate_size
@@ -497,30 +498,11 @@ def sweep(cfg: ModelConfig, dev: torch.device, log: Callable[[str], None]) -> No
             f"({nbytes / results[0][0] / 1e6:.0f} GB/s); current {cuda.INT8_TILES[block_m]} {now:.3f} ms; "
             f"bf16 cuBLAS {bf16:.3f} ms; top3 {[(round(ms, 3), t) for ms, t in results[:3]]}"
         )
-    kvh, dim, ctx = cfg.num_kv_heads, cfg.head_dim, 1024
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    for batch in (1, 16, 64):
-        per_seq = ctx // BLOCK_SIZE
-        k = torch.randn(batch * per_seq, BLOCK_SIZE, kvh, dim, device=dev, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        q = torch.randn(batch, cfg.num_heads, dim, device=dev, dtype=torch.bfloat16)
-        tables = torch.arange(batch * per_seq, device=dev, dtype=torch.int32).view(batch, per_seq)
-        lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
-        base = choose_splits(batch, kvh, per_seq, sms)
-        gb = 2 * k.numel() * k.element_size() / 1e9
-        row = []
-        for splits in sorted({base, min(64, 2 * base), max(1, base // 2)}):
-            for tile in (16, 32, 64, 128):
-                step = partial(paged_decode, q, k, v, tables, lens, dim**-0.5, splits, tile)
-                ms = cuda_time_ms(step, iters=10)
-                row.append((ms, splits, tile))
-        row.sort()
-        now = next(ms for ms, sp, t in row if sp == base and t == TILE_KEYS)
-        log(
-            f"sweep attention B={batch:<3} ctx={ctx}: best splits {row[0][1]} tile {row[0][2]} "
-            f"{row[0][0] * 1e3:.0f} us ({gb / row[0][0] * 1e3:.0f} GB/s); current (splits {base}, tile "
-            f"{TILE_KEYS}) {now * 1e3:.0f} us ({gb / now * 1e3:.0f} GB/s)"
-        )
+    rows = decode_attention.sweep(
+        (1, 16, 64), 1024, ("bf16", "fp8"), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, log
+    )
+    for line in decode_attention.summary(rows):
+        log(f"sweep attention ctx=1024: {line}")
 
 
 def _is_linear(m: torch.nn.Module) -> bool:
