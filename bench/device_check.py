@@ -16,10 +16,10 @@ stage, not the lease), each result in ``DIR/<stage>.json``; then
 | gpu_bench      | ``bench.gpu_bench`` quick: decode B = 1, 16, 64 (bf16, int8, FP8 weights; | 100 s |
 |                | bf16 and FP8 KV at 4k context; MoE); prefill 2k, 8k                    |       |
 | profiles       | the kernels of the steps behind each goal (decode B=1; B=64 at 4k with | 90 s  |
-|                | bf16 and FP8 KV; 8k prefill bf16 and FP8)                               |       |
+|                | bf16 and FP8 KV; 8k prefill bf16 and FP8; MoE decode B=16)              |       |
 
 At most 575 s if every stage ran to its bound (one device call is 600 s). On an
-H200 (2026-11-27) the first five took 4, 95, 103, 60+ and 43 s.
+H200 (2026-11-28) the six took 6, 96, 112, 72, 47 and 17 s (358 s).
 
 Without CUDA the same command runs what the CPU can (environment, disaggregated
 and handoff over host memory, the handoff at 256 tokens) and marks the rest
@@ -131,7 +131,8 @@ def _gpu_bench(out: Path) -> dict:
 def _profiles(out: Path) -> dict:
     """The kernels behind each goal ``gpu_bench`` measures (a goal not met is
     explained by its profile): bf16 decode at B=1, B=64 at 4k context with bf16
-    and with FP8 KV, and the 8k prefill in bf16 and FP8 (Llama-3-8B shapes)."""
+    and with FP8 KV, and the 8k prefill in bf16 and FP8 (Llama-3-8B shapes); and
+    the MoE decode step at B=16 (eager, far from its roofline)."""
     import torch
 
     from splitserve.bench import gpu_bench as gb
@@ -145,6 +146,8 @@ def _profiles(out: Path) -> dict:
     torch.cuda.empty_cache()
     if gb.fp8_gemm_supported(dev):
         found.append(gb.prefill_profile(gb.build(cfg, "fp8", dev), cfg, 8192))
+        torch.cuda.empty_cache()
+    found.append(gb.moe_profile(dev, "llama3-8b", 16, 1024))
     return {"profiles": found}
 
 

@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -394,9 +395,15 @@ def moe_row(dev: torch.device, shape: str, batch: int, context: int, bw: float) 
 
 def kernel_profile(run: Callable[[], object], label: str, steps: int = 3, top: int = 12) -> str:
     """The CUDA kernels of ``run`` (after a warm-up call), by GPU time per call: what
-    a step spends beyond its bound, and how many launches it takes."""
+    a step spends beyond its bound, and how many launches it takes; with the wall time
+    per call outside the profiler (GPU time well below it: the host is the bound)."""
     run()
     torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(steps):
+        run()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - began) / steps * 1e3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             run()
@@ -405,12 +412,25 @@ def kernel_profile(run: Callable[[], object], label: str, steps: int = 3, top: i
     events.sort(key=lambda e: -e.self_device_time_total)
     launches = sum(e.count for e in events) / steps
     gpu_ms = sum(e.self_device_time_total for e in events) / steps / 1e3
-    lines = [f"profile {label}: {launches:.0f} kernels, {gpu_ms:.2f} ms GPU/step"]
+    lines = [f"profile {label}: {launches:.0f} kernels, {gpu_ms:.2f} ms GPU/step of {wall_ms:.2f} ms wall"]
     for e in events[:top]:
         lines.append(
             f"  {e.self_device_time_total / steps / 1e3:7.3f} ms {e.count / steps:6.0f}x  {e.key[:90]}"
         )
     return "\n".join(lines)
+
+
+def moe_profile(dev: torch.device, shape: str, batch: int, context: int) -> str:
+    """``kernel_profile`` of one eager decode step of the MoE shape (``moe_row``'s)."""
+    from transformers import Qwen3MoeConfig
+
+    cfg = ModelConfig.from_hf(Qwen3MoeConfig(**MOE_SHAPES[shape]))
+    model = build(cfg, "none", dev)
+    run, cache = _decode_step(model, cfg, batch, context, "triton")
+    profile = kernel_profile(run, f"moe decode B={batch} ctx={context} triton bf16 KV")
+    del run, cache, model
+    torch.cuda.empty_cache()
+    return profile
 
 
 def decode_profile(

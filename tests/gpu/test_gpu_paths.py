@@ -199,6 +199,17 @@ def test_benchmark_end_to_end_on_a_tiny_shape(tmp_path):
         ]
     )
     assert (tmp_path / "r.json").exists()
+    profile = gb.moe_profile(CUDA, "tiny", 2, 64)  # the device check's MoE profile
+    assert profile.startswith("profile moe decode B=2") and "ms wall" in profile
+
+
+def test_the_attention_sweep_runs_every_shape_and_marks_the_defaults():
+    from splitserve.bench import decode_attention
+
+    rows = decode_attention.sweep((1, 4), 256, ("bf16", "fp8"), 8, 2, 64, log=lambda s: None)
+    assert {(r.kv_dtype, r.batch) for r in rows} == {(k, b) for k in ("bf16", "fp8") for b in (1, 4)}
+    assert sum(r.default for r in rows) == 4 and all(r.gbps > 0 for r in rows)
+    assert len(decode_attention.summary(rows)) == 4
 
 
 @pytest.mark.parametrize("fmt", ["block", "channel"])
