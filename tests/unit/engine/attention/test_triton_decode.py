@@ -281,3 +281,39 @@ def test_decode_graphs_are_refused_with_another_backend_or_tp():
             EngineConfig(model="x", random_weights=True, attention_backend="sdpa", cuda_graphs=True),
             hf_config=tiny_hf_config("llama"),
         )
+
+
+def test_decode_graphs_hold_the_rows_of_a_verification_step(tmp_path):
+    """Speculating with ``cuda_graphs``, a step's drafts are decode rows
+    (``spread_drafts``): the recordings reach ``max_num_seqs x (1 + num_tokens)``
+    rows (4 x 4 = 16 here), steps with drafts replay them, and the tokens are
+    transformers' (off CUDA the "recording" re-runs over the same buffers)."""
+    from splitserve.engine.engine import Engine
+    from splitserve.wire.config import EngineConfig
+    from splitserve.wire.sampling import SamplingParams
+    from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
+    from tests.unit.engine.speculative.test_verification import Oracle
+
+    hf = make_hf_checkpoint("llama", tmp_path)
+    prompts = random_prompts([5, 40, 77], 256, seed=6)
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    engine = Engine(
+        EngineConfig(
+            model=str(tmp_path),
+            dtype="float32",
+            attention_backend="triton",
+            cuda_graphs=True,
+            num_kv_blocks=64,
+            max_num_seqs=4,
+            max_model_len=256,
+            speculative={"method": "ngram", "num_tokens": 3, "adaptive": False},
+        )
+    )
+    assert engine.runner.spread_drafts and engine.runner.graphs.sizes == [1, 2, 4, 8, 16]
+    engine.speculation.proposer = Oracle(prompts, expected, 256)
+    replayed, run = [], engine.runner.graphs.run
+    engine.runner.graphs.run = lambda ids, *rest: replayed.append(len(ids)) or run(ids, *rest)
+    out = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in out] == expected
+    assert engine.stats().speculation.accepted_tokens > 0
+    assert max(replayed) > len(prompts), replayed  # a step with drafts replayed a recording
