@@ -4,7 +4,7 @@ prefill attention, fused residual-add + RMSNorm, and for bf16 fused rotary + KV
 write and SiLU·up; ``cpu_model_kernels`` picks the model's share for a dtype),
 compiled from ``csrc/`` on first use with
 ``torch.utils.cpp_extension`` (gcc; cached in torch's extensions directory, so
-only the first start of a machine pays the ~1 min build; ``-march=native``, so
+only the first start of a machine pays the ~30 s build; ``-march=native``, so
 the cache belongs to the machine that built it). If the build fails, callers
 fall back to pure torch (SDPA attention, torch norms); ``load()`` returns None
 then and logs why once."""
@@ -48,7 +48,7 @@ def load() -> ModuleType | None:
         from torch.utils.cpp_extension import load as load_extension
 
         _ensure_ninja_on_path()
-        log.info("loading native CPU kernels (compiled once on first use: about a minute)")
+        log.info("loading native CPU kernels (compiled once on first use: about half a minute)")
 
         return load_extension(
             name="splitserve_cpu_kernels",

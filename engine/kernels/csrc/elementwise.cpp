@@ -8,7 +8,7 @@
 // - silu_mul: SiLU(gate) * up of the fused gate/up projection (bf16, AVX-512);
 // - argmax_rows: each row's first index of its largest value (greedy sampling
 //   straight from the logits in the model's dtype; torch's argmax is scalar here).
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h (pybind11, the C++ frontend): ~17 s less to compile; bindings.cpp has it
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -126,11 +126,11 @@ inline __m512 sigmoid512(__m512 x) {
 #endif
 
 template <typename F>
-void dispatch(const torch::Tensor& t, F&& f) {
+void dispatch(const at::Tensor& t, F&& f) {
   switch (t.scalar_type()) {
-    case torch::kFloat: f(float{}); break;
-    case torch::kBFloat16: f(c10::BFloat16{}); break;
-    case torch::kHalf: f(c10::Half{}); break;
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
     default: TORCH_CHECK(false, "unsupported dtype");
   }
 }
@@ -139,18 +139,18 @@ void dispatch(const torch::Tensor& t, F&& f) {
 
 // RMSNorm of x [rows, dim] into a new tensor; with delta, first x += delta (in place)
 // and normalise the sum (the residual stream).
-torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, dim] tensor");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
               "weight must match x's last dimension and dtype");
-  torch::Tensor d;
+  at::Tensor d;
   if (delta.has_value()) {
     d = delta->contiguous();
     TORCH_CHECK(d.sizes() == x.sizes() && d.scalar_type() == x.scalar_type(), "delta must match x");
   }
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
 #if defined(__AVX512F__)
-  if (x.scalar_type() == torch::kBFloat16 && x.size(1) % 16 == 0) {
+  if (x.scalar_type() == at::kBFloat16 && x.size(1) % 16 == 0) {
     using B = c10::BFloat16;
     add_rms_norm_bf16(x.data_ptr<B>(), d.defined() ? d.data_ptr<B>() : nullptr, weight.data_ptr<B>(),
                       out.data_ptr<B>(), x.size(0), x.size(1), static_cast<float>(eps));
@@ -170,23 +170,23 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
 // [T, 1, D] view of them); caches [blocks, block_size, KVH, D] contiguous; slots: [T]
 // int64 flat cache slots. Returns q [T, H, D] and k [T, KVH, D] rotated (k also
 // written to k_cache) and v, a view of qkv (written to v_cache).
-std::vector<torch::Tensor> rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                          torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+std::vector<at::Tensor> rope_and_cache(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
+                                          at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
                                           int64_t num_heads, int64_t num_kv_heads) {
   using B = c10::BFloat16;
   const int64_t T = qkv.size(0), D = k_cache.size(-1), half = D / 2;
-  TORCH_CHECK(qkv.scalar_type() == torch::kBFloat16 && qkv.dim() == 2 && qkv.stride(1) == 1,
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 2 && qkv.stride(1) == 1,
               "qkv must be bf16 [T, (H + 2 KVH) D] with unit inner stride");
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D && D % 32 == 0, "head size must be a multiple of 32");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == torch::kBFloat16 &&
-                  v_cache.scalar_type() == torch::kBFloat16 && k_cache.size(-2) == num_kv_heads,
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16 && k_cache.size(-2) == num_kv_heads,
               "caches must be contiguous bf16 [blocks, block_size, KVH, D]");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == T, "slot_mapping must be int64 [T]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == T, "slot_mapping must be int64 [T]");
   auto c = cos.reshape({T, D}).contiguous(), sn = sin.reshape({T, D}).contiguous();
-  TORCH_CHECK(c.scalar_type() == torch::kBFloat16 && sn.scalar_type() == torch::kBFloat16, "cos/sin must be bf16");
+  TORCH_CHECK(c.scalar_type() == at::kBFloat16 && sn.scalar_type() == at::kBFloat16, "cos/sin must be bf16");
   auto sl = slots.contiguous();
-  auto q = torch::empty({T, num_heads, D}, qkv.options());
-  auto k = torch::empty({T, num_kv_heads, D}, qkv.options());
+  auto q = at::empty({T, num_heads, D}, qkv.options());
+  auto k = at::empty({T, num_kv_heads, D}, qkv.options());
   const B* x = qkv.data_ptr<B>();
   const int64_t row = qkv.stride(0), kv_row = num_kv_heads * D;
   const B *cp = c.data_ptr<B>(), *sp = sn.data_ptr<B>();
@@ -211,13 +211,13 @@ std::vector<torch::Tensor> rope_and_cache(torch::Tensor qkv, torch::Tensor cos, 
 
 // gate_up: [T, 2I] bf16, contiguous, I % 16 == 0. Returns SiLU(gate) * up [T, I], with
 // the SiLU rounded to bf16 before the product, as F.silu(gate) * up rounds.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   using B = c10::BFloat16;
-  TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16 && gate_up.dim() == 2 && gate_up.is_contiguous(),
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.is_contiguous(),
               "gate_up must be a contiguous bf16 [T, 2I] tensor");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(I % 16 == 0, "the intermediate size must be a multiple of 16");
-  auto out = torch::empty({T, I}, gate_up.options());
+  auto out = at::empty({T, I}, gate_up.options());
   const B* in = gate_up.data_ptr<B>();
   B* op = out.data_ptr<B>();
   at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
@@ -236,11 +236,11 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 // logits: [rows, vocab] float32, bf16 or fp16, contiguous. Returns int64 [rows]: the first
 // index of each row's maximum, as torch.argmax (rows holding NaN excepted).
-torch::Tensor argmax_rows(torch::Tensor logits) {
+at::Tensor argmax_rows(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
               "logits must be a contiguous [rows, vocab] tensor");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   auto run = [&](auto tag) {
     using T = decltype(tag);
@@ -280,11 +280,11 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
       }
     });
   };
-  if (logits.scalar_type() == torch::kFloat) {
+  if (logits.scalar_type() == at::kFloat) {
     run(float{});
-  } else if (logits.scalar_type() == torch::kBFloat16) {
+  } else if (logits.scalar_type() == at::kBFloat16) {
     run(c10::BFloat16{});
-  } else if (logits.scalar_type() == torch::kHalf) {
+  } else if (logits.scalar_type() == at::kHalf) {
     run(c10::Half{});
   } else {
     TORCH_CHECK(false, "argmax_rows takes float32, bf16 or fp16 logits");

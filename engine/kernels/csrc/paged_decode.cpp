@@ -7,7 +7,7 @@
 // probabilities rounded to bf16, for P·V), which also prefetches the whole block
 // after next into L2: 1.6-1.9x the float32-math path at 64 sequences x 320 tokens
 // with the cache cold, as in a decode step (AMD EPYC, 2 cores).
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h (pybind11, the C++ frontend): ~17 s less to compile; bindings.cpp has it
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -249,9 +249,9 @@ void attend_one_bf16(const c10::BFloat16* q, int64_t q_head_stride, int64_t grou
 #endif
 
 template <typename T>
-void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                   const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                   torch::Tensor& out, double scale) {
+void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& context_lens,
+                   at::Tensor& out, double scale) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = num_heads / kv_heads;
@@ -358,21 +358,21 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 // [num_blocks, block_size, kv_heads, head_dim] contiguous; block_tables:
 // [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64 (>= 1).
 // Returns [num_seqs, num_heads, head_dim].
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                           at::Tensor block_tables, at::Tensor context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [seqs, heads, head_dim] with unit stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of kv_heads");
   auto bt = block_tables.contiguous();
   auto lens = context_lens.contiguous();
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  if (q.scalar_type() == torch::kBFloat16) {
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.scalar_type() == at::kBFloat16) {
     decode_kernel<c10::BFloat16>(q, k_cache, v_cache, bt, lens, out, scale);
-  } else if (q.scalar_type() == torch::kFloat) {
+  } else if (q.scalar_type() == at::kFloat) {
     decode_kernel<float>(q, k_cache, v_cache, bt, lens, out, scale);
-  } else if (q.scalar_type() == torch::kHalf) {
+  } else if (q.scalar_type() == at::kHalf) {
     decode_kernel<c10::Half>(q, k_cache, v_cache, bt, lens, out, scale);
   } else {
     TORCH_CHECK(false, "unsupported dtype");

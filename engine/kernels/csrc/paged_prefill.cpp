@@ -16,7 +16,7 @@
 //   4. accumulates P V for 4 rows x the whole head at a time, one value row
 //      loaded per key for the four.
 // Scores, softmax and probabilities are float32 (no rounding to bf16 before P V).
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h (pybind11, the C++ frontend): ~17 s less to compile; bindings.cpp has it
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <type_traits>
@@ -238,9 +238,9 @@ void prefill_kernel(const Args<T>& a, int64_t num_seqs) {
 }
 
 template <typename T>
-void dispatch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-              const torch::Tensor& tables, const torch::Tensor& q_starts, const torch::Tensor& q_lens,
-              const torch::Tensor& ctx_lens, torch::Tensor& out, double scale) {
+void dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
+              const at::Tensor& ctx_lens, at::Tensor& out, double scale) {
   const int64_t kv_heads = k_cache.size(2), head_dim = q.size(2);
   Args<T> a{q.data_ptr<T>(),        k_cache.data_ptr<T>(),  v_cache.data_ptr<T>(),
             out.data_ptr<T>(),      tables.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(),
@@ -263,24 +263,24 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch:
 // (sequence s's new tokens are q rows q_starts[s] .. + q_lens[s], at positions
 // ctx_lens[s] - q_lens[s] ..). Returns [tokens, num_heads, head_dim]; rows of q that
 // no sequence covers are left uninitialised.
-torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
-                            torch::Tensor ctx_lens, double scale) {
+at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                            at::Tensor block_tables, at::Tensor q_starts, at::Tensor q_lens,
+                            at::Tensor ctx_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with unit stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "paged_prefill supports head_dim 64 and 128");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of kv_heads");
   for (const auto& t : {block_tables, q_starts, q_lens, ctx_lens})
-    TORCH_CHECK(t.scalar_type() == torch::kLong, "tables and lengths must be int64");
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+    TORCH_CHECK(t.scalar_type() == at::kLong, "tables and lengths must be int64");
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
 #if defined(__AVX512F__)
   auto bt = block_tables.contiguous();
   auto qs = q_starts.contiguous(), ql = q_lens.contiguous(), cl = ctx_lens.contiguous();
-  if (q.scalar_type() == torch::kBFloat16)
+  if (q.scalar_type() == at::kBFloat16)
     dispatch<c10::BFloat16>(q, k_cache, v_cache, bt, qs, ql, cl, out, scale);
-  else if (q.scalar_type() == torch::kFloat)
+  else if (q.scalar_type() == at::kFloat)
     dispatch<float>(q, k_cache, v_cache, bt, qs, ql, cl, out, scale);
-  else if (q.scalar_type() == torch::kHalf)
+  else if (q.scalar_type() == at::kHalf)
     dispatch<c10::Half>(q, k_cache, v_cache, bt, qs, ql, cl, out, scale);
   else
     TORCH_CHECK(false, "unsupported dtype");
