@@ -2,11 +2,11 @@
 
 A decode step launches hundreds of small kernels; at small batches the GPU
 waits on the CPU launching them. ``DecodeGraphs`` records the whole forward
-(embedding to logits) once per batch size in ``BATCH_SIZES`` (up to the
-first that holds a step's most rows: ``max_num_seqs``, times ``1 + num_tokens``
-when drafts are verified as decode rows) over static input buffers, and a pure-decode step then only
-copies its inputs into the buffers and replays the recording of the next size
-up::
+(embedding to logits) once per batch size in ``BATCH_SIZES`` (up to the first
+that holds a step's most rows: ``max_num_seqs``, times ``1 + num_tokens`` when
+drafts are verified as decode rows) over static input buffers, and a
+pure-decode step then only copies its inputs into the buffers and replays the
+recording of the next size up::
 
     step with n decodes, n <= largest size B:
       rows 0..n-1   the real sequences (ids, positions, slots, block tables, lengths)
