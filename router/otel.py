@@ -22,6 +22,8 @@ splitserve[otel]``), imported only when an endpoint is configured.
 
 from __future__ import annotations
 
+import functools
+import threading
 from typing import TYPE_CHECKING
 
 from splitserve.router.trace import RequestTrace
@@ -42,6 +44,24 @@ def otlp_exporter(endpoint: str, insecure: bool = True) -> SpanExporter:
     return OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
 
 
+@functools.cache
+def _fork_safe_provider() -> type[TracerProvider]:
+    """The SDK's ``TracerProvider`` without its resource re-detection in forked
+    children. From opentelemetry-sdk 1.45 a provider re-detects its process's resource
+    in every child a fork makes, on a thread pool it joins right there; in a child of
+    a threaded process (``subprocess`` with a ``preexec_fn``: how Ray starts its
+    processes) that join can spin forever, and the parent waits on the child's
+    ``exec``. The router's resource is fixed at construction, so the child only needs
+    the fresh lock the SDK gives it."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    class ForkSafeTracerProvider(TracerProvider):
+        def _handle_fork(self) -> None:  # the SDK's at-fork hook (1.45+); older SDKs never call it
+            self._tracers_lock = threading.Lock()
+
+    return ForkSafeTracerProvider
+
+
 def _ns(t: float) -> int:
     return int(t * 1e9)
 
@@ -53,16 +73,15 @@ class OtelSink:
         try:
             from opentelemetry import trace as api
             from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
             from opentelemetry.trace import StatusCode
+
+            provider = _fork_safe_provider()
         except ImportError as e:
             raise ValueError(f"{INSTALL_HINT} ({e})") from e
         self._api, self._error = api, StatusCode.ERROR
         self.transfer_backend = transfer_backend
-        self.provider: TracerProvider = TracerProvider(
-            resource=Resource.create({"service.name": service_name})
-        )
+        self.provider: TracerProvider = provider(resource=Resource.create({"service.name": service_name}))
         self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self._tracer = self.provider.get_tracer("splitserve.router")
 

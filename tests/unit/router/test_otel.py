@@ -53,3 +53,27 @@ def test_a_failed_request_is_an_error_span_and_a_new_trace():
     assert good[0].trace_id != bad[0].trace_id
     assert bad[0].status_code == 2  # STATUS_CODE_ERROR
     assert bad[0].attributes["splitserve.outcome"] == "UNAVAILABLE"
+
+
+def test_a_process_forked_while_a_sink_lives_skips_the_sdks_resource_detection(tmp_path, monkeypatch):
+    """opentelemetry-sdk 1.45+ re-detects a provider's resource in every forked child
+    on a thread pool it joins there, which can hang a child of a threaded process (it
+    hung Ray's process starts in the suite). A subprocess with a ``preexec_fn`` (the
+    fork path, at-fork hooks run, as Ray starts its processes) must not run it."""
+    import subprocess
+    import sys
+
+    import opentelemetry.sdk.trace as sdk_trace
+
+    marker = tmp_path / "detected"
+
+    def detect():  # runs in the child, if at all: leaves a file the parent can see
+        marker.touch()
+        raise SystemExit(0)
+
+    monkeypatch.setattr(sdk_trace, "_get_process_dependent_resource", detect, raising=False)
+    with Collector() as collector:
+        sink = OtelSink(otlp_exporter(collector.endpoint))
+        done = subprocess.run([sys.executable, "-c", "pass"], preexec_fn=lambda: None, timeout=120)
+        sink.shutdown()
+    assert done.returncode == 0 and not marker.exists()
