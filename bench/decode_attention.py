@@ -40,12 +40,6 @@ class Row:
     default: bool  # the launch shape paged_decode picks by itself
 
 
-def _time_ms(fn: Callable[[], object], iters: int = 10) -> float:
-    from splitserve.bench.gpu_bench import cuda_time_ms
-
-    return cuda_time_ms(fn, iters=iters)
-
-
 def sweep(
     batches: tuple[int, ...],
     context: int,
@@ -61,6 +55,7 @@ def sweep(
     """Every (KV dtype, batch, tile, warps, splits) launch, timed; the default shape's
     row carries ``default``. A shape this GPU cannot run (registers, shared memory) is
     logged and skipped."""
+    from splitserve.bench.gpu_bench import cuda_time_ms  # (gpu_bench imports this module)
     from splitserve.engine.attention.triton_decode import (
         FP8_TILE_KEYS,
         TILE_KEYS,
@@ -96,7 +91,7 @@ def sweep(
                     paged_decode, q, k, v, tables, lens, dim**-0.5, splits, tile, scales, num_warps
                 )
                 try:
-                    ms = _time_ms(call)
+                    ms = cuda_time_ms(call, iters=10)
                 except Exception as e:  # noqa: BLE001  (a shape this GPU cannot compile or run)
                     launch = f"tile {tile} warps {num_warps} splits {splits}"
                     log(f"{kv_dtype} B={batch} {launch}: {type(e).__name__}")

@@ -365,17 +365,22 @@ MOE_SHAPES["tiny"] = {  # for tests
 }
 
 
+def _moe_model(dev: torch.device, shape: str) -> tuple[ModelConfig, DecoderModel]:
+    """The MoE shape's config and a random bf16 model of it on ``dev``."""
+    from transformers import Qwen3MoeConfig
+
+    cfg = ModelConfig.from_hf(Qwen3MoeConfig(**MOE_SHAPES[shape]))
+    return cfg, build(cfg, "none", dev)
+
+
 def moe_row(dev: torch.device, shape: str, batch: int, context: int, bw: float) -> DecodeRow:
     """An eager decode step of the MoE shape (MoE steps are not captured in graphs) with
     the Triton attention; the roofline counts the non-expert weights, the experts a
     batch touches in expectation under uniform routing, E (1 - (1 - k/E)^B) per layer,
     and the KV."""
-    from transformers import Qwen3MoeConfig
-
     from splitserve.engine.model.moe import Experts
 
-    cfg = ModelConfig.from_hf(Qwen3MoeConfig(**MOE_SHAPES[shape]))
-    model = build(cfg, "none", dev)
+    cfg, model = _moe_model(dev, shape)
     run, cache = _decode_step(model, cfg, batch, context, "triton")
     eager = cuda_time_ms(run)
     experts = [m for m in model.modules() if isinstance(m, Experts)]
@@ -422,10 +427,7 @@ def kernel_profile(run: Callable[[], object], label: str, steps: int = 3, top: i
 
 def moe_profile(dev: torch.device, shape: str, batch: int, context: int) -> str:
     """``kernel_profile`` of one eager decode step of the MoE shape (``moe_row``'s)."""
-    from transformers import Qwen3MoeConfig
-
-    cfg = ModelConfig.from_hf(Qwen3MoeConfig(**MOE_SHAPES[shape]))
-    model = build(cfg, "none", dev)
+    cfg, model = _moe_model(dev, shape)
     run, cache = _decode_step(model, cfg, batch, context, "triton")
     profile = kernel_profile(run, f"moe decode B={batch} ctx={context} triton bf16 KV")
     del run, cache, model

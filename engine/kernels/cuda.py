@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine import kv_quant
 from splitserve.engine.kernels.fp8 import (  # noqa: F401  (part of the set)
     _INTERPRETED,
     _e4m3,
@@ -341,7 +342,7 @@ def rope_and_cache(
             KVH_PAD=triton.next_power_of_2(num_kv_heads),
             HALF=D // 2,
             KV_FP8=fp8,
-            FP8_MAX=448.0,
+            FP8_MAX=kv_quant.FP8_MAX,
             INTERPRETED=_INTERPRETED,
         )
     v = qkv[:, (num_heads + num_kv_heads) * D :].view(T, num_kv_heads, D)

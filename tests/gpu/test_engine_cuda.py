@@ -100,29 +100,10 @@ def test_verification_steps_replay_the_decode_graphs_and_keep_transformers_token
     (``ModelRunner.spread_drafts``), so steps with drafts replay the decode graphs:
     greedy tokens equal transformers', and graph replays with more rows than
     sequences happened (rows = sequences + their draft tokens)."""
-    from tests.unit.engine.speculative.test_verification import Oracle
+    from tests.unit.engine.attention.test_triton_decode import speculating_with_graphs
 
-    hf = make_hf_checkpoint("llama", tmp_path)
-    prompts = random_prompts([5, 40, 77], 512)
-    expected = [hf_greedy(hf, p, 24) for p in prompts]
-    engine = Engine(
-        EngineConfig(
-            model=str(tmp_path),
-            dtype="float32",
-            device="cuda",
-            attention_backend="triton",
-            cuda_graphs=True,
-            max_num_seqs=8,
-            max_model_len=512,
-            num_kv_blocks=128,
-            speculative={"method": "ngram", "num_tokens": 3},
-        )
-    )
+    engine, tokens, expected, replayed = speculating_with_graphs(tmp_path, "cuda", 8, 512, 24)
     assert engine.runner.spread_drafts
-    engine.speculation.proposer = Oracle(prompts, expected, 512)
-    replayed, run = [], engine.runner.graphs.run
-    engine.runner.graphs.run = lambda ids, *rest: replayed.append(len(ids)) or run(ids, *rest)
-    out = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
-    assert [o.token_ids for o in out] == expected
+    assert tokens == expected
     assert engine.stats().speculation.accepted_tokens > 0
-    assert max(replayed) > len(prompts), replayed  # a step with drafts replayed a graph
+    assert max(replayed) > 3, replayed  # a step with drafts replayed a graph (3 sequences)

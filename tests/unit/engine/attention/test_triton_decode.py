@@ -283,11 +283,13 @@ def test_decode_graphs_are_refused_with_another_backend_or_tp():
         )
 
 
-def test_decode_graphs_hold_the_rows_of_a_verification_step(tmp_path):
-    """Speculating with ``cuda_graphs``, a step's drafts are decode rows
-    (``spread_drafts``): the recordings reach ``max_num_seqs x (1 + num_tokens)``
-    rows (4 x 4 = 16 here), steps with drafts replay them, and the tokens are
-    transformers' (off CUDA the "recording" re-runs over the same buffers)."""
+def speculating_with_graphs(
+    tmp_path, device: str, max_num_seqs: int, max_len: int, max_tokens: int, seed: int = 1, **spec
+):
+    """Greedy runs of three prompts on an engine with decode graphs that speculates
+    with an oracle proposer (transformers' own next tokens): (the engine, its
+    tokens, transformers' tokens, the rows of every graph replay). Shared with
+    tests/gpu (device "cuda")."""
     from splitserve.engine.engine import Engine
     from splitserve.wire.config import EngineConfig
     from splitserve.wire.sampling import SamplingParams
@@ -295,25 +297,37 @@ def test_decode_graphs_hold_the_rows_of_a_verification_step(tmp_path):
     from tests.unit.engine.speculative.test_verification import Oracle
 
     hf = make_hf_checkpoint("llama", tmp_path)
-    prompts = random_prompts([5, 40, 77], 256, seed=6)
-    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    prompts = random_prompts([5, 40, 77], max_len, seed=seed)  # token ids below max_len
+    expected = [hf_greedy(hf, p, max_tokens) for p in prompts]
     engine = Engine(
         EngineConfig(
             model=str(tmp_path),
             dtype="float32",
+            device=device,
             attention_backend="triton",
             cuda_graphs=True,
-            num_kv_blocks=64,
-            max_num_seqs=4,
-            max_model_len=256,
-            speculative={"method": "ngram", "num_tokens": 3, "adaptive": False},
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_len,
+            num_kv_blocks=max_len // 4,
+            speculative={"method": "ngram", "num_tokens": 3, **spec},
         )
     )
-    assert engine.runner.spread_drafts and engine.runner.graphs.sizes == [1, 2, 4, 8, 16]
-    engine.speculation.proposer = Oracle(prompts, expected, 256)
+    engine.speculation.proposer = Oracle(prompts, expected, max_len)
     replayed, run = [], engine.runner.graphs.run
     engine.runner.graphs.run = lambda ids, *rest: replayed.append(len(ids)) or run(ids, *rest)
-    out = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-    assert [o.token_ids for o in out] == expected
+    out = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return engine, [o.token_ids for o in out], expected, replayed
+
+
+def test_decode_graphs_hold_the_rows_of_a_verification_step(tmp_path):
+    """Speculating with ``cuda_graphs``, a step's drafts are decode rows
+    (``spread_drafts``): the recordings reach ``max_num_seqs x (1 + num_tokens)``
+    rows (4 x 4 = 16 here), steps with drafts replay them, and the tokens are
+    transformers' (off CUDA the "recording" re-runs over the same buffers)."""
+    engine, tokens, expected, replayed = speculating_with_graphs(
+        tmp_path, "cpu", 4, 256, 12, seed=6, adaptive=False
+    )
+    assert engine.runner.spread_drafts and engine.runner.graphs.sizes == [1, 2, 4, 8, 16]
+    assert tokens == expected
     assert engine.stats().speculation.accepted_tokens > 0
-    assert max(replayed) > len(prompts), replayed  # a step with drafts replayed a recording
+    assert max(replayed) > 3, replayed  # a step with drafts replayed a recording (3 sequences)
