@@ -13,9 +13,12 @@ exponential backoff (``retries`` times); once tokens have arrived it is not,
 so no token is ever delivered twice. Leaving a ``stream`` early cancels the
 request on the server, which frees its KV everywhere. ``timeout`` (seconds)
 is the call's deadline, retries included: each attempt gets what is left of it,
-and no retry starts after it. ``api_key`` (default: the ``SPLITSERVE_API_KEY``
-environment variable) is sent as ``authorization: Bearer KEY`` on every call;
-a server that wants one and does not get it raises ``Unauthenticated``.
+and no retry starts after it. A request with ``timeout_ms`` (the server's deadline
+for it) gets a deadline of its own too, ``DEADLINE_GRACE_S`` later (or ``timeout``,
+if sooner): no call outlives its deadline, even if the server never answers.
+``api_key`` (default: the ``SPLITSERVE_API_KEY`` environment variable) is sent
+as ``authorization: Bearer KEY`` on every call; a server that wants one and does
+not get it raises ``Unauthenticated``.
 
 ``target`` may name several routers (``Client(["10.0.0.1:50051", "10.0.0.2:50051"])``,
 or a DNS name with several addresses, ``"dns:///routers.example:50051"``): calls go
@@ -50,6 +53,18 @@ class ModelInfo:
     id: str
     max_model_len: int
     vocab_size: int
+
+
+DEADLINE_GRACE_S = 2.0  # past a request's timeout_ms, for the server's own answer to arrive
+
+
+def _call_timeout(timeout: float | None, timeout_ms: int) -> float | None:
+    """The call's deadline in seconds: ``timeout``, bounded by ``timeout_ms`` (the server's
+    deadline for the request; 0: none) plus ``DEADLINE_GRACE_S``."""
+    if not timeout_ms:
+        return timeout
+    bound = timeout_ms / 1000 + DEADLINE_GRACE_S
+    return bound if timeout is None else min(timeout, bound)
 
 
 class _Attempts:
@@ -179,7 +194,7 @@ class Client:
         parallel_tool_calls, chat_template, chat_template_kwargs (with ``messages``; the calls
         read from the output come in ``Final.tool_calls``), timeout_ms (``build_request``)."""
         request = build_request(prompt, messages, **options)
-        attempts = self._attempts(timeout)
+        attempts = self._attempts(timeout, request.timeout_ms)
         while True:
             call = self._stub.Generate(request, timeout=attempts.begin(), metadata=self._metadata)
             received = False
@@ -257,8 +272,9 @@ class Client:
                     continue
                 raise err from None
 
-    def _attempts(self, timeout: float | None) -> _Attempts:
-        return _Attempts(self.retries, self.backoff_s, timeout if timeout is not None else self.timeout)
+    def _attempts(self, timeout: float | None, timeout_ms: int = 0) -> _Attempts:
+        timeout = _call_timeout(timeout if timeout is not None else self.timeout, timeout_ms)
+        return _Attempts(self.retries, self.backoff_s, timeout)
 
     def close(self) -> None:
         self._channel.close()
@@ -303,7 +319,7 @@ class AsyncClient:
         **options: Any,
     ) -> AsyncIterator[Chunk | Final]:
         request = build_request(prompt, messages, **options)
-        attempts = self._attempts(timeout)
+        attempts = self._attempts(timeout, request.timeout_ms)
         while True:
             call = self._stub.Generate(request, timeout=attempts.begin(), metadata=self._metadata)
             received = False
@@ -371,8 +387,9 @@ class AsyncClient:
                     continue
                 raise err from None
 
-    def _attempts(self, timeout: float | None) -> _Attempts:
-        return _Attempts(self.retries, self.backoff_s, timeout if timeout is not None else self.timeout)
+    def _attempts(self, timeout: float | None, timeout_ms: int = 0) -> _Attempts:
+        timeout = _call_timeout(timeout if timeout is not None else self.timeout, timeout_ms)
+        return _Attempts(self.retries, self.backoff_s, timeout)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -42,6 +42,11 @@ class Unauthenticated(SplitserveClientError):
     """No API key, or one the server does not accept (``api_key=`` / ``SPLITSERVE_API_KEY``)."""
 
 
+class FailedPrecondition(SplitserveClientError):
+    """The operation cannot proceed as the cluster stands (e.g. no room to start a
+    worker); nothing was changed, and the message says what it needs."""
+
+
 class ServerError(SplitserveClientError):
     """An internal server error or another unexpected status."""
 
@@ -54,6 +59,7 @@ _BY_CODE = {
     grpc.StatusCode.CANCELLED: Cancelled,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
 }
 
 

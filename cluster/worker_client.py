@@ -34,7 +34,7 @@ import ray
 import ray.exceptions
 
 from splitserve.wire import token_stream as ts
-from splitserve.wire.background import Background
+from splitserve.wire.background import Background, cancelled_by_caller
 from splitserve.wire.decode import (
     DecodeStats,
     DecodeTask,
@@ -45,7 +45,7 @@ from splitserve.wire.decode import (
     TokenBatch,
     merge,
 )
-from splitserve.wire.errors import EngineStopped, WorkerLost, WorkerStopped
+from splitserve.wire.errors import EngineStopped, WorkerLost, WorkerStopped, WorkerUnreachable
 from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor, KVHandoff
 from splitserve.wire.prefill import (
     KVStreaming,
@@ -275,18 +275,33 @@ class _Inbox:
         self._queues.pop(request_id, None)
 
     async def start(self, task: DecodeTask) -> None:
-        """``DecodeWorker.start`` over the connection; raises what it raised (``WorkerLost``
-        if the worker cannot be reached, ``WorkerStopped`` if its engine stopped)."""
-        channel = await asyncio.shield(self._channel)
-        call = channel.unary_unary(ts.START, request_serializer=ts.encode, response_deserializer=ts.decode)
+        """``DecodeWorker.start`` over the connection; raises what it raised, or
+        ``WorkerUnreachable`` if the start was not answered (the worker cannot be reached,
+        its engine stopped, or the connection closed with the call in flight: the stream
+        broke, and grpc.aio cancels every call on a closed channel). A cancellation of the
+        caller's own task (its client left, its deadline passed) is raised as it is."""
         try:
+            channel = await asyncio.shield(self._channel)
+            call = channel.unary_unary(
+                ts.START, request_serializer=ts.encode, response_deserializer=ts.decode
+            )
             error = await call((self.inbox_id, task))
         except grpc.aio.AioRpcError as e:
-            raise WorkerLost(
+            raise WorkerUnreachable(
                 f"a decode worker could not be reached ({e.code().name}: {e.details()})"
             ) from None
+        except WorkerLost as e:  # asking for its address
+            raise WorkerUnreachable(str(e)) from None
+        except asyncio.CancelledError:
+            if cancelled_by_caller():
+                raise
+            raise WorkerUnreachable(
+                "a decode worker's connection closed before it answered the start"
+            ) from None
+        if isinstance(error, EngineStopped):
+            raise WorkerUnreachable(f"a decode worker's engine has stopped: {error}")
         if error is not None:
-            raise WorkerStopped(str(error)) if isinstance(error, EngineStopped) else error
+            raise error
 
     async def close_all(self) -> None:
         self._reader.cancel()

@@ -26,14 +26,19 @@ deadline:
   ``KVTransferError``): ``recompute``, the decode worker prefills the prompt
   (and the first token, if it was passed on) itself (``on_transfer_failure=
   "fail"`` ends the request instead); ``transfer_failures`` counts both;
+- the request's start on its decode worker fails (``WorkerUnreachable``: dead,
+  restarting, or its connection closed with the start in flight): that worker
+  leaves routing at once (``registry.unreachable``) and ``redirect`` starts the
+  same work on another; no loss is counted, since the request never ran there;
 - the decode worker is lost (``WorkerLost``): ``resume`` once on another decode
   worker, which prefills the prompt plus the tokens already sent and generates
   the rest (greedy and seeded output is unchanged; nothing is sent twice);
 - a request present at ``MAX_WORKER_LOSSES`` worker losses (prefill or decode,
-  in any order) is ended with ``RequestCrashesWorkers`` (``INTERNAL``) and its
-  fingerprint logged, instead of being tried again: a request that takes down
-  every worker it reaches must not walk through the pool (Dynamo's migration
-  limit, vLLM's retries are bounded the same way). One node's failure counts
+  in any order; a decode worker counts once the request started there) is ended
+  with ``RequestCrashesWorkers`` (``INTERNAL``) and its fingerprint logged,
+  instead of being tried again: a request that takes down every worker it
+  reaches must not walk through the pool (Dynamo's migration limit, vLLM's
+  retries are bounded the same way). One node's failure counts
   once: the loss of a decode worker that had just reported its prefill worker
   lost (``PrefillLost``), both on that node, is the same loss (``_Losses``).
 
@@ -84,7 +89,7 @@ from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import Membership, WorkerRecord, WorkerRegistry, of_revision
 from splitserve.router.roles import Role
 from splitserve.router.trace import RequestTrace, TraceLog, TraceSink
-from splitserve.wire.background import Background
+from splitserve.wire.background import Background, cancelled_by_caller
 from splitserve.wire.decode import DecodeTask
 from splitserve.wire.errors import (
     InvalidRequest,
@@ -93,6 +98,7 @@ from splitserve.wire.errors import (
     PrefillLost,
     RequestCrashesWorkers,
     WorkerLost,
+    WorkerUnreachable,
 )
 from splitserve.wire.prefill import PrefixPull
 from splitserve.wire.sampling import SamplingParams
@@ -102,6 +108,8 @@ log = logging.getLogger(__name__)
 
 # worker losses (prefill or decode) one request may be present at; at this many it is ended
 MAX_WORKER_LOSSES = 2
+# how long a request that goes on elsewhere waits for a worker to let go of it
+ABORT_TIMEOUT_S = 5.0
 
 __all__ = ["Dispatcher", "FinalEvent", "GenerateInput", "TokenEvent"]
 
@@ -339,9 +347,10 @@ class Dispatcher:
         source = life.source
         tried = {source.worker_id} if source is not None else set()
         losses = _Losses()
+        unreachable: set[str] = set()  # decode workers a start of it failed on
         self.moves.lives[life.request_id] = life
         try:
-            async for event in self._failing_over(life, task, prompt, n, tried, losses):
+            async for event in self._failing_over(life, task, prompt, n, tried, losses, unreachable):
                 yield event
         finally:
             self.moves.lives.pop(life.request_id, None)
@@ -354,6 +363,7 @@ class Dispatcher:
         n: int,
         tried: set[str],
         losses: _Losses,
+        unreachable: set[str],
     ) -> AsyncIterator[TokenEvent | FinalEvent]:
         while True:
             try:
@@ -365,6 +375,9 @@ class Dispatcher:
                     task = await life.migrate()  # its stream on the old worker ended: moved
                 except Exception as e:
                     raise WorkerLost(f"request {life.request_id} could not move: {e}") from e
+                continue
+            except WorkerUnreachable as e:  # its start failed: it never ran there, no loss
+                task = await self._redirect(life, e, prompt, n, unreachable)
                 continue
             except (PrefillLost, WorkerLost) as e:
                 if losses.add(e, life) >= MAX_WORKER_LOSSES:
@@ -412,10 +425,35 @@ class Dispatcher:
                 for holder in holders:  # an export it may still hold for it is of no use now
                     if holder is dw:  # let go of first: it takes the request again
                         with contextlib.suppress(Exception):
-                            await holder.client.abort(life.request_id)
+                            await asyncio.wait_for(holder.client.abort(life.request_id), ABORT_TIMEOUT_S)
                     elif holder is not None:
                         self._background.run(holder.client.abort(life.request_id))
                 task = life.resume(dw)
+
+    async def _redirect(
+        self, life: RequestLifecycle, error: WorkerUnreachable, prompt: Prompt, n: int, unreachable: set[str]
+    ) -> DecodeTask:
+        """``life``'s start on its decode worker failed (``error``): that worker leaves
+        routing (``registry.unreachable``) and is not tried again for this request, which
+        starts on another decode worker, preferring its revision; its prefill worker is
+        kept where it is of the new one's revision. A start whose answer was lost may have
+        reached the worker, which may have asked the prefill worker (or a move's holder)
+        already: each is told to let go first. Raises ``error`` when no decode worker is
+        left. Counted as no loss: the request never ran there."""
+        gone = life.decode_worker
+        self.registry.unreachable(gone, f"{type(error).__name__}: {error}")
+        unreachable.add(gone.worker_id)
+        candidates = [w for w in self.registry.routable(self.decode_role) if w.worker_id not in unreachable]
+        dw = pick_decode(of_revision(candidates, gone.revision) or candidates, prompt, n + 1)
+        if dw is None:
+            raise error
+        log.warning("%s: %s; starting %s on %s", gone.worker_id, error, life.request_id, dw.worker_id)
+        for holder in (life.source, life.moved_from):
+            if holder is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(holder.client.abort(life.request_id), ABORT_TIMEOUT_S)
+        source = life.source if life.source is not None and life.source.revision == dw.revision else None
+        return life.redirect(dw, source)
 
     @staticmethod
     def _crashes_workers(life: RequestLifecycle, lost: list[str], last: Exception) -> RequestCrashesWorkers:
@@ -464,7 +502,13 @@ class Dispatcher:
             async with contextlib.aclosing(dw.client.generate(task)) as stream:
                 with life.watch() as deadline:
                     while True:
-                        batch = await deadline.wait(anext(stream, None))
+                        try:
+                            batch = await deadline.wait(anext(stream, None))
+                        except asyncio.CancelledError:
+                            if cancelled_by_caller():
+                                raise
+                            lost = f"the call to decode worker {dw.worker_id} was cut off"
+                            raise WorkerLost(lost) from None
                         if batch is None:
                             raise WorkerLost(f"decode worker {dw.worker_id} ended the stream early")
                         handover = life.handover_s(batch)

@@ -7,6 +7,7 @@ hierarchy.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -17,6 +18,7 @@ from splitserve.wire.errors import (
     InvalidRequest,
     KVTransferError,
     Overloaded,
+    PreconditionFailed,
     PrefillLost,
     RequestCrashesWorkers,
     SequenceFailed,
@@ -36,6 +38,9 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (EngineStopped, grpc.StatusCode.UNAVAILABLE),
     (KVTransferError, grpc.StatusCode.UNAVAILABLE),
     (UnknownRequest, grpc.StatusCode.NOT_FOUND),
+    (PreconditionFailed, grpc.StatusCode.FAILED_PRECONDITION),
+    # a stray one: a call inside the cluster cut off under a request that was not cancelled
+    (asyncio.CancelledError, grpc.StatusCode.UNAVAILABLE),
 ]
 
 
@@ -44,17 +49,22 @@ def code_for(exc: BaseException) -> grpc.StatusCode:
     return next((code for cls, code in _CODES if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
 
 
-# INTERNAL, and still said in words: the request's own failure, not a bug's traceback
+# INTERNAL, and said as they are: the request's own failure, not a bug
 _SAID = (SequenceFailed, RequestCrashesWorkers)
+MAX_MESSAGE_CHARS = 1000  # of an unexpected error's sentence (its traceback goes to the log)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status code and message a client gets for ``exc``."""
+    """The gRPC status code and message a client gets for ``exc``: its own sentence,
+    always (an unexpected error's too, with its type, its traceback logged here)."""
     code = code_for(exc)
+    if isinstance(exc, asyncio.CancelledError):
+        return code, "a call inside the cluster was cut off while it served the request; retry"
     if code != grpc.StatusCode.INTERNAL or isinstance(exc, _SAID):
         return code, str(exc)
     log.error("internal error", exc_info=exc)
-    return code, f"internal error ({exc.__class__.__name__}); see the server log"
+    sentence = str(exc)[:MAX_MESSAGE_CHARS] or "(no message)"
+    return code, f"internal error ({exc.__class__.__name__}): {sentence}"
 
 
 _HTTP = {
@@ -63,6 +73,7 @@ _HTTP = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
 }
 
 

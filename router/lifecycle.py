@@ -22,6 +22,8 @@ writes its state)::
     resume(dw)             -> PREFILLING: the decode worker was lost; another one
                            prefills the prompt and the tokens already sent and
                            goes on after them
+    redirect(dw, source)   -> PREFILLING: the task's start on its decode worker
+                           failed (it never ran there): the same work on dw
     migrate()              MOVING -> MOVING on dw: live migration; dw pulls the KV the
                            old decode worker exported and decodes on after its tokens
                            (nothing computed again; a failed pull is a recompute); one
@@ -237,6 +239,18 @@ class RequestLifecycle:
         self._expect(Phase.PREFILLING, Phase.HANDING_OVER, Phase.DECODING, Phase.MOVING)
         self._mark("resumed", worker=decode.worker_id)
         return self._continue_on(decode)
+
+    def redirect(self, decode: WorkerRecord, source: WorkerRecord | None) -> DecodeTask:
+        """Its task's start on the decode worker failed (``WorkerUnreachable``: it never ran
+        there): the same work on ``decode``. Before any token was passed on it prefills on
+        ``source`` (None: on ``decode``), which was never asked either; after, or in a move,
+        ``decode`` prefills the prompt and the tokens sent and goes on (as ``resume``)."""
+        self._expect(Phase.PREFILLING, Phase.MOVING)
+        self._mark("redirected", worker=decode.worker_id)
+        if self._sent or self._phase is Phase.MOVING:
+            return self._continue_on(decode)
+        self._decode = decode
+        return self._prefill_on(source)
 
     def on_batch(self, batch: TokenBatch) -> list[TokenEvent | FinalEvent]:
         """A batch from the decode worker: what to pass on, the phase it moves to."""

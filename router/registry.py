@@ -11,7 +11,8 @@ through a registry method::
     node (where Ray placed it)          the pools: placed
     restarts (Ray's restarts of it)     the pools: restarted
     given_up (registry, not a record)   the pools: give_up
-    alive, stopped, stats, error, prefix poll() (the router's poller, status calls)
+    alive, stopped, stats, error, prefix poll() (the router's poller, status calls);
+                                        alive, error also unreachable() (the dispatcher)
     steps (a decode worker's step times) poll()
     info (validator, handshakes)        activate
     prefilling / decoding / unpolled    the dispatcher: prefilling(), prefill_done(), decoding()
@@ -258,6 +259,9 @@ class WorkerRegistry:
         seen = set(w.unpolled)  # requests the answer will include
         try:
             stats = await asyncio.wait_for(w.client.stats(w.prefix.cursor), self.poll_timeout_s)
+        except TimeoutError:  # no answer says nothing of it: alive stays (a restarting worker, unroutable)
+            w.error = f"no answer to a poll within {self.poll_timeout_s:g} s"
+            return
         except Exception as e:
             w.alive = not isinstance(e, WorkerLost)
             w.stopped = isinstance(e, WorkerStopped)
@@ -269,6 +273,11 @@ class WorkerRegistry:
             w.prefix.apply(stats.prefix)
         if isinstance(stats, DecodeStats):
             w.steps.add(stats.engine.decode_batch, stats.engine.decode_step_s)
+
+    def unreachable(self, w: WorkerRecord, reason: str) -> None:
+        """A request's start on ``w`` failed (``WorkerUnreachable``): out of routing at once,
+        until a poll hears from it again."""
+        w.alive, w.error = False, reason
 
     # ---- router load (the dispatcher) ----------------------------------------------------
     @contextlib.contextmanager

@@ -2,12 +2,17 @@
 
 Converts protos to the router's typed inputs and back; every error becomes a
 status through ``router.errors.status_for``, and nothing else here decides codes.
+Every handler ends its call with a status, whatever is raised inside it: a stray
+``CancelledError`` (one its caller did not ask for: a call inside the cluster cut
+off) is answered like any error, since grpc.aio would end the call without one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import uuid
@@ -33,6 +38,7 @@ from splitserve.router.tools import (
     with_forced_call,
 )
 from splitserve.router.trace import RequestTrace
+from splitserve.wire.background import cancelled_by_caller
 from splitserve.wire.chat import ChatTemplating
 from splitserve.wire.decode import DecodeStats
 from splitserve.wire.defaults import DEFAULTED
@@ -214,6 +220,30 @@ def _final_proto(e: FinalEvent) -> pb.Final:
     )
 
 
+async def _answer(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+    """End the call with ``error``'s status and sentence (``status_for``). A cancellation
+    of the call itself (its client left) is raised again: nobody is left to answer.
+    An abort already under way passes through."""
+    if isinstance(error, grpc.aio.AbortError) or (
+        isinstance(error, asyncio.CancelledError) and cancelled_by_caller()
+    ):
+        raise error
+    await context.abort(*status_for(error))
+
+
+def _answered(handler):
+    """A unary handler that ends with a status whatever it raises (``_answer``)."""
+
+    @functools.wraps(handler)
+    async def run(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except (Exception, asyncio.CancelledError) as e:
+            await _answer(context, e)
+
+    return run
+
+
 Routers = Callable[[], Awaitable[list[RouterInfo]]]
 # a rolling upgrade (config YAML or "", model or "", pace) -> its report (cluster.upgrade):
 # started and removed worker ids, and the new workers' revisions
@@ -259,56 +289,50 @@ class SplitserveService(pb_grpc.SplitserveServicer):
                             pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls
                         )
                     yield pb.GenerateResponse(request_id=rid, final=final)
-        except Exception as e:
-            await context.abort(*status_for(e))
+        except (Exception, asyncio.CancelledError) as e:
+            await _answer(context, e)
 
+    @_answered
     async def Tokenize(self, request, context):
-        try:
-            self.dispatcher.check_model(request.model)
-            ids = self.dispatcher.validator.encode(*_input_of(request))
-        except Exception as e:
-            await context.abort(*status_for(e))
+        self.dispatcher.check_model(request.model)
+        ids = self.dispatcher.validator.encode(*_input_of(request))
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.dispatcher.validator.max_model_len)
 
+    @_answered
     async def Detokenize(self, request, context):
-        try:
-            self.dispatcher.check_model(request.model)
-            text = self.dispatcher.validator.decode(list(request.token_ids))
-        except Exception as e:
-            await context.abort(*status_for(e))
+        self.dispatcher.check_model(request.model)
+        text = self.dispatcher.validator.decode(list(request.token_ids))
         return pb.DetokenizeResponse(text=text)
 
+    @_answered
     async def ListModels(self, request, context):
         v, name = self.dispatcher.validator, self.dispatcher.served_model
         model = pb.ModelInfo(id=name, max_model_len=v.max_model_len, vocab_size=v.vocab_size)
         return pb.ListModelsResponse(models=[model])
 
+    @_answered
     async def Drain(self, request, context):
         """Drain a decode or colocated worker and move its requests off (``move_off``)."""
         d, wid = self.dispatcher, request.worker_id
-        try:
-            w = d.registry.get(wid)
-            if w is None or w.role == Role.PREFILL:
-                raise InvalidRequest(f"no decode or colocated worker {wid!r}: see splitserve status")
-            d.registry.drain(wid)
-            moved = await d.moves.move_off(wid, request.by or "kv", request.timeout_s or DRAIN_TIMEOUT_S)
-        except Exception as e:
-            await context.abort(*status_for(e))
+        w = d.registry.get(wid)
+        if w is None or w.role == Role.PREFILL:
+            raise InvalidRequest(f"no decode or colocated worker {wid!r}: see splitserve status")
+        d.registry.drain(wid)
+        moved = await d.moves.move_off(wid, request.by or "kv", request.timeout_s or DRAIN_TIMEOUT_S)
         return pb.DrainResponse(moved=moved, left=d.moves.on_worker(wid))
 
+    @_answered
     async def Upgrade(self, request, context):
         """Replace every worker by one of the new config or model, a few at a time."""
         if self.upgrade is None:
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED, "this router runs no pools: ask the cluster's first router"
             )
-        try:
-            report = await self.upgrade(request.config_yaml, request.model, request.pace or 1)
-        except Exception as e:
-            await context.abort(*status_for(e))
+        report = await self.upgrade(request.config_yaml, request.model, request.pace or 1)
         revisions = sorted(set(report.revisions.values()))
         return pb.UpgradeResponse(started=report.started, removed=report.removed, revisions=revisions)
 
+    @_answered
     async def ClusterStatus(self, request, context):
         d = self.dispatcher
         registry = d.registry

@@ -14,6 +14,7 @@ and, when the request ends however it ends, hands one ``RequestTrace`` to every
     decode_admitted    the decode worker took the request into its batch, KV landed (worker)
     first_decode_token the decode worker's first own token reached the router (router)
     resumed            the request continued on another decode worker (a lost one)
+    redirected         its start on a decode worker failed; it was started on another (router)
     kv_recompute       the KV transfer failed; the decode worker prefilled the request itself
     finished           the request ended: last token, or the error (router)
 

@@ -15,12 +15,14 @@ router maps them to gRPC status codes in one place.
   rather than tried on a third.
 - ``ModelLoadError``: weights or a config could not be loaded or are unsupported.
 - ``Overloaded``: a resource is exhausted right now (KV blocks, queue space).
+- ``PreconditionFailed``: an operation cannot proceed as the cluster stands.
 - ``UnknownRequest``: an operation named a request the engine does not hold.
 - ``DeadlineExceeded``: a request ran past its deadline and was aborted.
 - ``EngineStopped``: the engine's loop stopped; its worker serves nothing more.
   ``GroupBroken``, one of them: a collective of its tensor-parallel group failed.
 - ``WorkerLost``: a worker died or became unreachable while it held a request
-  (``WorkerStopped``: it answers, but its engine stopped).
+  (``WorkerStopped``: it answers, but its engine stopped; ``WorkerUnreachable``: a
+  request's start on it failed, so the request never ran there).
 - ``PrefillLost``: the prefill worker a decode worker took a request's prompt to
   was lost before it handed any KV over (the request may prefill elsewhere).
 - ``KVTransferError`` and its subclasses: a KV transfer produced no usable KV.
@@ -89,6 +91,12 @@ class Overloaded(SplitserveError):
     """A resource (KV blocks, queue space) is exhausted right now; retry later."""
 
 
+class PreconditionFailed(SplitserveError):
+    """An operation cannot proceed as the cluster stands (no room to start a worker, a
+    role it would leave with none); nothing was changed. The message says what it needs,
+    what is there, and what to change."""
+
+
 class UnknownRequest(SplitserveError, KeyError):
     """An operation named a request id the engine does not hold."""
 
@@ -112,6 +120,13 @@ class GroupBroken(EngineStopped):
 
 class WorkerLost(SplitserveError):
     """A worker died or became unreachable while it held a request."""
+
+
+class WorkerUnreachable(WorkerLost):
+    """A request could not be started on a worker (it is dead, restarting, its engine has
+    stopped, or its connection broke before the start was answered): the request never
+    ran there and holds nothing there, so this is no loss the request was present at.
+    The router takes that worker out of routing and starts the request elsewhere."""
 
 
 class WorkerStopped(WorkerLost):

@@ -6,13 +6,15 @@ without a timeout makes exactly ``retries`` + 1 attempts."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent import futures
 
 import grpc
 import pytest
 
-from splitserve.client import AsyncClient, Client, Unavailable
+from splitserve.client import AsyncClient, Client, DeadlineExceeded, Unavailable
+from splitserve.client.client import DEADLINE_GRACE_S
 from splitserve.proto import splitserve_pb2_grpc as pb_grpc
 
 TIMEOUT_S = 3.0
@@ -93,3 +95,42 @@ def test_without_a_timeout_every_retry_is_made(down):
         c.list_models()
     assert len(servicer.attempts) == 3
     assert all(left > 10**9 for _, left in servicer.attempts)  # gRPC's "no deadline"
+
+
+class Silent(pb_grpc.SplitserveServicer):
+    """Takes a Generate call and never answers it (a server that lost track of it);
+    ``deadlines``: the time remaining each call arrived with."""
+
+    def __init__(self):
+        self.deadlines: list[float | None] = []
+        self.release = threading.Event()
+
+    def Generate(self, request, context):
+        self.deadlines.append(context.time_remaining())
+        self.release.wait(120)
+        yield from ()
+
+
+def test_a_request_with_timeout_ms_never_outlives_it_even_if_the_server_never_answers():
+    """No client ``timeout``, but the request's ``timeout_ms``: the call gets a deadline
+    of its own, ``DEADLINE_GRACE_S`` past it, sync and async alike."""
+    servicer = Silent()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_SplitserveServicer_to_server(servicer, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+
+    async def async_call():
+        async with AsyncClient(address, retries=0) as c:
+            await c.generate([1, 2], max_tokens=2, timeout_ms=300)
+
+    try:
+        with Client(address, retries=0) as c, pytest.raises(DeadlineExceeded):
+            c.generate([1, 2], max_tokens=2, timeout_ms=300)
+        with pytest.raises(DeadlineExceeded):
+            asyncio.run(async_call())
+        for left in servicer.deadlines:  # what the server was told: timeout_ms + the grace
+            assert left is not None and left <= 0.3 + DEADLINE_GRACE_S
+    finally:
+        servicer.release.set()
+        server.stop(None)

@@ -31,6 +31,7 @@ from splitserve.wire.errors import (
     PeerLost,
     RequestCrashesWorkers,
     WorkerLost,
+    WorkerUnreachable,
 )
 from splitserve.wire.prefill import PrefillStats
 from splitserve.wire.prefix import PrefixUpdate, prompt_block_hashes
@@ -437,6 +438,66 @@ def test_a_request_present_at_two_worker_losses_ends_with_internal_and_is_not_tr
     for w in d.registry.workers():  # nothing stays held for either request
         assert (w.prefilling, w.decoding) == ({}, {})
     assert d.num_inflight == 0
+
+
+def test_a_failed_start_is_no_loss_and_takes_the_worker_out_of_routing_at_once():
+    """d0 is routable but dead: the request's start there fails (it never ran there);
+    d1 is lost 4 tokens into it; d2 is healthy. One loss only: the request completes on
+    d2 with every token once, prefilled first by p0 (the start on d0 never reached it),
+    and d0 leaves routing at once instead of waiting for a poll."""
+
+    def unreachable(task):
+        raise WorkerUnreachable("a decode worker could not be reached (UNAVAILABLE: connection refused)")
+
+    d0, d1, d2 = FakeDecode("d0", fail=unreachable), FakeDecode("d1", lose_after=4), FakeDecode("d2")
+    d = _cluster([p0 := FakePrefill("p0")], [d0, d1, d2])
+    d.registry.get("d2").decoding["other"] = 0  # d1 looks emptier than d2: d0, then d1, then d2
+    prompt = [6, 5, 4, 3]
+    tokens, final = asyncio.run(_collect(d, prompt, max_tokens=10))
+    assert tokens == expected_tokens(prompt, 10) and final.decode_worker == "d2"
+    assert [t.source for t in d0.calls] == [p0] and [t.source for t in d1.calls] == [p0]
+    assert len(p0.calls) == 1  # asked once, by d1
+    (resumed,) = d2.calls
+    assert resumed.source is None and resumed.output_token_ids == expected_tokens(prompt, 5)
+    w0 = d.registry.get("d0")
+    assert not w0.routable and "connection refused" in w0.error
+    (trace,) = d.traces.latest(1)
+    assert [m.worker for m in trace.marks if m.name in ("redirected", "resumed")] == ["d1", "d2"]
+
+
+def test_a_request_whose_every_start_fails_ends_unavailable_after_trying_each_worker_once():
+    def unreachable(task):
+        raise WorkerUnreachable("connection refused")
+
+    decodes = [FakeDecode(f"d{i}", fail=unreachable) for i in range(3)]
+    d = _cluster([FakePrefill("p0")], decodes)
+    with pytest.raises(WorkerUnreachable) as caught:
+        asyncio.run(_collect(d, [1, 2]))
+    assert status_for(caught.value)[0] == grpc.StatusCode.UNAVAILABLE
+    assert [len(dw.calls) for dw in decodes] == [1, 1, 1]
+    assert d.registry.routable("decode") == []
+
+
+def test_a_poll_that_times_out_never_marks_a_worker_alive():
+    d0 = FakeDecode("d0")
+    d = _cluster([], [d0])
+    w = d.registry.get("d0")
+    d.registry.unreachable(w, "WorkerUnreachable: connection refused")
+    stalled = asyncio.Event()
+
+    async def no_answer(prefix_since=None):
+        await stalled.wait()
+
+    d0.stats = no_answer
+    d.registry.poll_timeout_s = 0.01
+    asyncio.run(d.registry.poll())
+    assert not w.alive and "no answer" in w.error
+    w.alive = True  # a busy worker that is alive stays so
+    asyncio.run(d.registry.poll())
+    assert w.alive
+    del d0.stats  # answers again: routable again
+    asyncio.run(d.registry.poll())
+    assert w.routable and w.error == ""
 
 
 def test_prefill_and_decode_losses_count_together():

@@ -12,11 +12,13 @@ import grpc
 import pytest
 
 from splitserve.client import Client, InvalidArgument, Unavailable
+from splitserve.client.errors import FailedPrecondition, ServerError
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
+from splitserve.wire.errors import PreconditionFailed
 from splitserve.wire.validation import RequestValidator
-from tests.unit.router.fakes import FakeDecode, FakePrefill
+from tests.unit.router.fakes import FakeDecode, FakePrefill, expected_tokens
 from tests.waiting import wait_until
 
 
@@ -34,7 +36,9 @@ class _Loop:
         self.thread.join(10)
 
 
-def _server(credentials=None, api_keys=None, stats_interval_s: float = 0.5) -> tuple[_Loop, RouterServer]:
+def _server(
+    credentials=None, api_keys=None, stats_interval_s: float = 0.5, upgrade=None
+) -> tuple[_Loop, RouterServer]:
     validator = RequestValidator("tiny", vocab_size=100, max_model_len=64, max_kv_tokens=1024, tokenizer=None)
     dispatcher = Dispatcher(WorkerRegistry(), validator, served_model="tiny")
     loop = _Loop()
@@ -46,6 +50,7 @@ def _server(credentials=None, api_keys=None, stats_interval_s: float = 0.5) -> t
         stats_interval_s=stats_interval_s,
         credentials=credentials,
         api_keys=api_keys,
+        upgrade=upgrade,
     )
     loop.run(server.start())
     return loop, server
@@ -201,7 +206,6 @@ def test_openai_http_errors_without_workers():
 
 def test_status_names_each_workers_node_or_says_it_waits_for_one_and_lists_given_up_workers():
     from splitserve.router.registry import NodePlacement
-    from tests.unit.router.fakes import FakeDecode, FakePrefill
 
     loop, server = _server()
     registry = server.dispatcher.registry
@@ -224,6 +228,61 @@ def test_status_names_each_workers_node_or_says_it_waits_for_one_and_lists_given
             "n-decode",
             "splitserve_decode",
         )
+    finally:
+        loop.run(server.stop(0))
+        loop.close()
+
+
+def _cancelled_at_start(task):
+    """What a start looks like when grpc.aio cancels it under the caller: the decode
+    worker's token stream broke and the inbox closed the channel with the call in flight."""
+    raise asyncio.CancelledError()
+
+
+@pytest.mark.parametrize("healthy_beside", [True, False])
+def test_a_start_cancelled_under_a_request_resumes_it_or_ends_it_with_a_status(healthy_beside):
+    """Nobody cancelled the request: a ``CancelledError`` from its decode worker's start
+    is that worker lost. Beside a healthy worker the request resumes there and completes;
+    alone it ends UNAVAILABLE. Either way the call ends well before the client's own
+    deadline (before the fix, it stayed open until then)."""
+    loop, server = _server()
+    registry = server.dispatcher.registry
+    fakes = [FakeDecode("d0", fail=_cancelled_at_start)] + ([FakeDecode("d1")] if healthy_beside else [])
+    try:
+        for fake in fakes:
+            registry.add(fake.worker_id, "decode", fake, 16)
+            loop.run(registry.activate(fake.worker_id))
+        with Client(server.address, retries=0, timeout=60) as c:
+            if healthy_beside:
+                out = c.generate([1, 2, 3], max_tokens=6, temperature=0)
+                assert out.token_ids == expected_tokens([1, 2, 3], 6) and out.final.decode_worker == "d1"
+            else:
+                with pytest.raises(Unavailable, match="decode worker d0"):
+                    c.generate([1, 2, 3], max_tokens=6, temperature=0)
+        assert len(fakes[0].calls) == 1
+    finally:
+        loop.run(server.stop(0))
+        loop.close()
+
+
+def test_an_error_raised_inside_an_rpc_reaches_the_client_as_its_own_status_and_sentence():
+    raised: list[BaseException] = []
+
+    async def upgrade(config_yaml: str, model: str, pace: int):
+        raise raised[-1]
+
+    loop, server = _server(upgrade=upgrade)
+    try:
+        with Client(server.address, retries=0, timeout=60) as c:
+            raised.append(PreconditionFailed("no room for a decode worker: it needs {CPU: 1}, 0 free"))
+            with pytest.raises(FailedPrecondition, match=r"no room for a decode worker: it needs \{CPU: 1\}"):
+                c.upgrade("pools: {}")
+            raised.append(RuntimeError("Ray cannot place prefill-1: it needs 1 x {CPU: 1.0} on one node"))
+            with pytest.raises(ServerError, match=r"RuntimeError\): Ray cannot place prefill-1"):
+                c.upgrade("pools: {}")
+            raised.append(asyncio.CancelledError())  # a stray one: still a status, never an open call
+            with pytest.raises(Unavailable, match="cut off"):
+                c.upgrade("pools: {}")
     finally:
         loop.run(server.stop(0))
         loop.close()
