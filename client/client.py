@@ -14,8 +14,9 @@ so no token is ever delivered twice. Leaving a ``stream`` early cancels the
 request on the server, which frees its KV everywhere. ``timeout`` (seconds)
 is the call's deadline, retries included: each attempt gets what is left of it,
 and no retry starts after it. A request with ``timeout_ms`` (the server's deadline
-for it) gets a deadline of its own too, ``DEADLINE_GRACE_S`` later (or ``timeout``,
-if sooner): no call outlives its deadline, even if the server never answers.
+for it) and no call ``timeout`` gets a client-side deadline ``DEADLINE_GRACE_S``
+past it (or the client's ``timeout``, if sooner): no call outlives its deadline,
+even if the server never answers.
 ``api_key`` (default: the ``SPLITSERVE_API_KEY`` environment variable) is sent
 as ``authorization: Bearer KEY`` on every call; a server that wants one and does
 not get it raises ``Unauthenticated``.
@@ -59,8 +60,9 @@ DEADLINE_GRACE_S = 2.0  # past a request's timeout_ms, for the server's own answ
 
 
 def _call_timeout(timeout: float | None, timeout_ms: int) -> float | None:
-    """The call's deadline in seconds: ``timeout``, bounded by ``timeout_ms`` (the server's
-    deadline for the request; 0: none) plus ``DEADLINE_GRACE_S``."""
+    """A call's deadline in seconds without one of its own: the client's ``timeout``,
+    bounded by ``timeout_ms`` (the server's deadline for the request; 0: none) plus
+    ``DEADLINE_GRACE_S``."""
     if not timeout_ms:
         return timeout
     bound = timeout_ms / 1000 + DEADLINE_GRACE_S
@@ -273,7 +275,7 @@ class Client:
                 raise err from None
 
     def _attempts(self, timeout: float | None, timeout_ms: int = 0) -> _Attempts:
-        timeout = _call_timeout(timeout if timeout is not None else self.timeout, timeout_ms)
+        timeout = timeout if timeout is not None else _call_timeout(self.timeout, timeout_ms)
         return _Attempts(self.retries, self.backoff_s, timeout)
 
     def close(self) -> None:
@@ -388,7 +390,7 @@ class AsyncClient:
                 raise err from None
 
     def _attempts(self, timeout: float | None, timeout_ms: int = 0) -> _Attempts:
-        timeout = _call_timeout(timeout if timeout is not None else self.timeout, timeout_ms)
+        timeout = timeout if timeout is not None else _call_timeout(self.timeout, timeout_ms)
         return _Attempts(self.retries, self.backoff_s, timeout)
 
     async def close(self) -> None:
