@@ -27,8 +27,9 @@ from splitserve.cluster.planner import Planner
 from splitserve.cluster.pools import START_TIMEOUT_S, WorkerPool
 from splitserve.cluster.replicas import Ports, Replicas, reachable, share
 from splitserve.cluster.role_switch import RoleLedger, switch_role
+from splitserve.cluster.room import WorkerNeed, free_per_node
 from splitserve.cluster.slo_autoscale import PlannerLoop
-from splitserve.cluster.upgrade import UpgradeReport, rolling_upgrade
+from splitserve.cluster.upgrade import PoolView, UpgradeReport, Way, plan_upgrade, rolling_upgrade
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_hf_config, resolve_source
 from splitserve.engine.model.parallel_fit import check_ep_compatible, check_tp_compatible
@@ -283,9 +284,30 @@ class ServingCluster:
         except (ValueError, yaml.YAMLError) as e:
             raise InvalidRequest(f"the upgrade's config: {e}") from None
         async with self._upgrading:
+            if pace < 1:
+                raise InvalidRequest(f"pace must be at least 1 worker at a time, not {pace}")
+            way = await self._upgrade_way(config, pace)
             scaling = [p.spec.autoscaling for p in self.pools.values() if p.spec.autoscaling is not None]
             timeout = max((a.drain_timeout_s for a in scaling), default=UPGRADE_DRAIN_TIMEOUT_S)
-            return await rolling_upgrade(self.pools, config, pace, timeout, self.progress)
+            return await rolling_upgrade(self.pools, config, pace, timeout, self.progress, way)
+
+    async def _upgrade_way(self, config: ClusterConfig, pace: int) -> Way:
+        """How an upgrade to ``config`` runs with the room Ray has now (``plan_upgrade``;
+        ``PreconditionFailed`` when it cannot). Room is known on a Ray instance of its own
+        (no ``ray.address``); a cluster attached by address may have an autoscaler."""
+        new_pools = config.pools()
+        views = [
+            PoolView(
+                role,
+                [(w.worker_id, w.node.node_id if w.node else "") for w in pool.workers],
+                WorkerNeed.of(role, pool.spec),
+                WorkerNeed.of(role, new_pools[role]) if role in new_pools else WorkerNeed.of(role, pool.spec),
+                may_be_empty=role == Role.PREFILL,
+            )
+            for role, pool in self.pools.items()
+        ]
+        free = await asyncio.to_thread(free_per_node)
+        return plan_upgrade(views, pace, free, room_known=not self.config.ray.address)
 
     async def switch_role(self, worker_id: str, role: Role) -> float:
         """Elastic mode: worker ``worker_id`` takes ``role`` (``cluster.role_switch``): its

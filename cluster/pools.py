@@ -57,6 +57,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from splitserve.cluster.config import ClusterConfig, PoolSpec
+from splitserve.cluster.room import bundle
 from splitserve.cluster.worker_client import RayDecodeRank, RayDecodeWorker, RayPrefillWorker, unwrap
 from splitserve.decode_worker.tp import DecodeRank
 from splitserve.decode_worker.worker import DecodeWorker
@@ -321,8 +322,7 @@ class WorkerPool:
         elastic = self.config.mode == "elastic"
         worker_id = f"{'elastic-' if elastic else ''}{self.role}-{self._next_index}"
         self._next_index += 1
-        bundle = {"CPU": s.num_cpus} | ({"GPU": s.num_gpus} if s.num_gpus else {}) | s.resources
-        pg = placement_group([bundle] * s.ranks, strategy="STRICT_PACK", name=f"splitserve-{worker_id}")
+        pg = placement_group([bundle(s)] * s.ranks, strategy="STRICT_PACK", name=f"splitserve-{worker_id}")
         spec = self._worker_spec(worker_id)
         member = self._members[worker_id] = _Member(worker_id, pg)
         cls = PrefillWorker if self.role == Role.PREFILL else DecodeWorker
