@@ -241,6 +241,45 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+class _WorkerChanges:
+    """While a long call runs: the cluster's workers as they start, change state and stop,
+    a line each (read from ``ClusterStatus`` every ``every_s``, on a thread of its own)."""
+
+    def __init__(self, server: str, api_key: str | None, every_s: float = 1.0):
+        import threading
+
+        self._server, self._api_key, self._every_s = server, api_key, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="worker-changes")
+
+    def __enter__(self) -> _WorkerChanges:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10 * self._every_s)
+
+    def _watch(self) -> None:
+        from splitserve.client import Client, SplitserveClientError
+
+        seen: dict[str, str] | None = None
+        with Client(self._server, retries=0, timeout=10, api_key=self._api_key) as client:
+            while not self._stop.wait(self._every_s):
+                try:
+                    st = client.cluster_status()
+                except SplitserveClientError:
+                    continue
+                now = {w.worker_id: w.state for p in st.pools for w in p.workers}
+                if seen is not None:
+                    for wid, state in now.items():
+                        if seen.get(wid) != state:
+                            print(f"  {time.strftime('%H:%M:%S')} {wid}: {state}", flush=True)
+                    for wid in seen.keys() - now.keys():
+                        print(f"  {time.strftime('%H:%M:%S')} {wid}: stopped", flush=True)
+                seen = now
+
+
 def _upgrade(args: argparse.Namespace) -> int:
     from splitserve.client import Client, SplitserveClientError
 
@@ -250,7 +289,8 @@ def _upgrade(args: argparse.Namespace) -> int:
     config = Path(args.config).read_text() if args.config else ""
     try:
         with Client(args.server, retries=0, timeout=args.timeout, api_key=args.api_key) as client:
-            r = client.upgrade(config, args.model or "", args.pace)
+            with _WorkerChanges(args.server, args.api_key):
+                r = client.upgrade(config, args.model or "", args.pace)
     except SplitserveClientError as e:
         _err(f"{args.server}: {e}")
         return 1
@@ -449,7 +489,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="A rolling upgrade: per pool, start PACE workers built from the new config (or the "
         "running one with --model), let them serve, drain PACE old ones (their requests move to "
         "workers of their revision, or finish) and stop them, until none is left; workers of two "
-        "revisions never exchange KV. A failure rolls back.",
+        "revisions never exchange KV. Without room for new workers beside the old ones, each old one "
+        "goes before its replacement starts (in place); where that would leave the only decode "
+        "worker's role empty, it refuses at once, saying what it needs. Workers are printed as they "
+        "start and stop. A failure rolls back.",
     )
     up.add_argument("--config", default=None, help="the new cluster config (YAML); default: the running one")
     up.add_argument("--model", default=None, help="the new model (directory, .gguf or name)")

@@ -96,3 +96,78 @@ def test_every_worker_is_replaced_under_load_and_no_request_mixes_revisions(
         if t.prefill_revision:
             assert t.prefill_revision == t.decode_revision, t.request_id
     assert served["B"] >= 1  # the upgrade ran under load: both revisions served
+
+
+def _load(address: str, done: threading.Event, outcomes: list, k: int) -> None:
+    """Greedy requests one after another until ``done``: (prompt index, tokens or error)."""
+    i = k
+    with Client(address, timeout=120) as c:
+        while not done.is_set():
+            try:
+                out = c.generate(PROMPTS[i % len(PROMPTS)], max_tokens=24, ignore_eos=True, temperature=0.0)
+                outcomes.append((i % len(PROMPTS), out.token_ids))
+            except Exception as e:  # counted: the goal is none
+                outcomes.append((i % len(PROMPTS), e))
+            i += 1
+
+
+def test_with_no_room_to_surge_the_workers_are_replaced_in_place_under_load(checkpoint, revision_b, capsys):
+    """One prefill (0.5 CPU) and two decode workers (0.75 each) fill the 2 CPUs: no new
+    worker fits beside them, so each old one goes (its requests move to the other decode
+    worker; while the prefill worker is replaced, the decode workers prefill) before its
+    replacement starts in its room. No request fails, none mixes revisions."""
+    decode = {**POOL, "num_cpus": 0.75, "replicas": 2}
+    with live_cluster(tiny_config(checkpoint, prefill=POOL, decode=decode)) as cluster:
+        want = {"A": _reference(checkpoint), "B": _reference(revision_b)}
+        with Client(cluster.address, timeout=120) as client:
+            before = {w.worker_id for p in client.cluster_status().pools for w in p.workers}
+        done, outcomes = threading.Event(), []
+        threads = [
+            threading.Thread(target=_load, args=(cluster.address, done, outcomes, k)) for k in range(2)
+        ]
+        for t in threads:
+            t.start()
+        try:
+            assert main(["upgrade", "--model", revision_b, "--server", cluster.address]) == 0
+        finally:
+            done.set()
+            for t in threads:
+                t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        printed = capsys.readouterr().out
+        assert "upgraded: 3 worker(s) started" in printed and "3 stopped" in printed
+        assert ": stopped" in printed and ": active" in printed  # progress, worker by worker
+        errors = [o for _, o in outcomes if isinstance(o, Exception)]
+        assert errors == [] and len(outcomes) >= 4
+        for i, tokens in outcomes:
+            assert tokens in (want["A"][i], want["B"][i])  # one revision's, whole
+        with Client(cluster.address, timeout=120) as client:
+            st = client.cluster_status(traces=100)
+            wait_kv_free(client)
+        after = {w.worker_id: w.revision for p in st.pools for w in p.workers}
+        assert not set(after) & before and len(after) == 3 and len(set(after.values())) == 1
+        for t in st.traces:
+            if t.prefill_revision:
+                assert t.prefill_revision == t.decode_revision, t.request_id
+
+
+def test_an_upgrade_that_cannot_start_is_refused_at_once_naming_what_it_needs(checkpoint, revision_b):
+    """The default cluster's shape (one prefill and one decode worker of 1 CPU each) on 2
+    CPUs: no room to surge, and in place would leave no decode worker. The upgrade is
+    refused with FAILED_PRECONDITION and a sentence, and nothing changed."""
+    from splitserve.client.errors import FailedPrecondition
+
+    pool = {**POOL, "num_cpus": 1}
+    with live_cluster(tiny_config(checkpoint, prefill=pool, decode=pool)) as cluster:
+        with Client(cluster.address, timeout=120) as client:
+            before = {w.worker_id: w.revision for p in client.cluster_status().pools for w in p.workers}
+            with pytest.raises(FailedPrecondition) as caught:
+                client.upgrade("", revision_b, 1)
+            message = caught.value.details
+            assert "1 decode worker(s) of 1 x {CPU: 1}" in message and "CPU 0 free" in message
+            assert "leave the decode pool with no worker" in message and "nothing was changed" in message
+            assert main(["upgrade", "--model", revision_b, "--server", cluster.address]) == 1
+            after = {w.worker_id: w.revision for p in client.cluster_status().pools for w in p.workers}
+            out = client.generate(PROMPTS[0], max_tokens=24, ignore_eos=True, temperature=0.0)
+        assert after == before
+        assert out.token_ids == _reference(checkpoint)[0]  # still serving, still revision A
