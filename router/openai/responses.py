@@ -6,6 +6,7 @@ and vLLM's ``prompt_logprobs`` its own."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -19,6 +20,7 @@ from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.openai.logprobs import LogprobsWriter, vllm_prompt_logprobs
 from splitserve.router.openai.protocol import OpenAIRequest, StreamOptions
 from splitserve.router.tools import OutputFormat, OutputStream, parse
+from splitserve.wire.background import cancelled_by_caller
 
 
 class Responses:
@@ -155,7 +157,9 @@ class Responses:
                             await send(env | {"choices": [], "usage": usage(finals)})
                         break
                 ev = await events.__anext__()
-        except Exception as e:  # mid-stream: the status is already sent; report in-band
+        except (Exception, asyncio.CancelledError) as e:  # mid-stream: the status is sent; in-band
+            if isinstance(e, asyncio.CancelledError) and cancelled_by_caller():
+                raise  # the client left: nobody to answer
             status, kind, message = http_status_for(e)
             await send({"error": {"message": message, "type": kind, "code": status}})
         finally:

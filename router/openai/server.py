@@ -54,6 +54,7 @@ from splitserve.router.tools import (
     ToolParser,
     template_messages,
 )
+from splitserve.wire.background import cancelled_by_caller
 from splitserve.wire.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -209,8 +210,10 @@ class OpenAIServer:
             return web.json_response(
                 self.responses.envelope(rid, chat, False) | {"choices": choices, "usage": counts}
             )
-        except Exception as e:
-            return _error(e)
+        except (Exception, asyncio.CancelledError) as e:
+            if isinstance(e, asyncio.CancelledError) and cancelled_by_caller():
+                raise  # the client left: nobody to answer
+            return _error(e)  # a stray cancellation too: an answer, never a dropped connection
 
     def _parse(self, raw: bytes, cls: type[OpenAIRequest]) -> OpenAIRequest:
         """The body as ``cls``; ``InvalidRequest`` naming every refused field, and every
