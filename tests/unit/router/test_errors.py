@@ -1,5 +1,7 @@
 """One mapping from exceptions to gRPC codes (router) and back to types (client)."""
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -12,6 +14,7 @@ from splitserve.wire.errors import (
     InvalidRequest,
     Overloaded,
     PeerLost,
+    PreconditionFailed,
     PrefillLost,
     UnknownRequest,
     WorkerLost,
@@ -34,6 +37,11 @@ from splitserve.wire.errors import (
         (IntegrityError("bad bytes"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),
         (PeerLost("restarted"), grpc.StatusCode.UNAVAILABLE, client_errors.Unavailable),
         (UnknownRequest("r1"), grpc.StatusCode.NOT_FOUND, client_errors.NotFound),
+        (
+            PreconditionFailed("no room"),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            client_errors.FailedPrecondition,
+        ),
         (ZeroDivisionError("bug"), grpc.StatusCode.INTERNAL, client_errors.ServerError),
     ],
 )
@@ -42,8 +50,8 @@ def test_status_and_client_type(exc, code, client_cls):
     assert got_code == code
     if code != grpc.StatusCode.INTERNAL:
         assert message == str(exc)
-    else:
-        assert "internal error" in message
+    else:  # its type and its own sentence, never "see the server log" alone
+        assert message == f"internal error ({type(exc).__name__}): {exc}"
 
     class FakeRpcError(grpc.RpcError):
         def code(self):
@@ -54,3 +62,8 @@ def test_status_and_client_type(exc, code, client_cls):
 
     err = client_errors.from_rpc_error(FakeRpcError())
     assert type(err) is client_cls and err.details == message
+
+
+def test_a_stray_cancellation_is_unavailable_with_a_sentence():
+    code, message = status_for(asyncio.CancelledError())
+    assert code == grpc.StatusCode.UNAVAILABLE and "cut off" in message and "retry" in message
