@@ -42,7 +42,7 @@ from splitserve.wire.background import cancelled_by_caller
 from splitserve.wire.chat import ChatTemplating
 from splitserve.wire.decode import DecodeStats
 from splitserve.wire.defaults import DEFAULTED
-from splitserve.wire.errors import InvalidRequest
+from splitserve.wire.errors import InvalidRequest, PreconditionFailed
 from splitserve.wire.outputs import TopLogprobs
 from splitserve.wire.prefill import PrefillStats
 from splitserve.wire.routers import RouterInfo
@@ -317,6 +317,13 @@ class SplitserveService(pb_grpc.SplitserveServicer):
         w = d.registry.get(wid)
         if w is None or w.role == Role.PREFILL:
             raise InvalidRequest(f"no decode or colocated worker {wid!r}: see splitserve status")
+        others = [o for o in d.registry.routable(w.role) if o is not w]
+        if w.routable and not others:  # checked before anything changes
+            raise PreconditionFailed(
+                f"{wid} is the only routable {w.role} worker: drained, it would leave no worker to "
+                f"serve new requests and none to move its {len(w.decoding)} request(s) to; start "
+                "another first (nothing was changed)"
+            )
         d.registry.drain(wid)
         moved = await d.moves.move_off(wid, request.by or "kv", request.timeout_s or DRAIN_TIMEOUT_S)
         return pb.DrainResponse(moved=moved, left=d.moves.on_worker(wid))

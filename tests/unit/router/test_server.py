@@ -286,3 +286,22 @@ def test_an_error_raised_inside_an_rpc_reaches_the_client_as_its_own_status_and_
     finally:
         loop.run(server.stop(0))
         loop.close()
+
+
+def test_draining_the_only_decode_worker_is_refused_at_once_and_changes_nothing():
+    loop, server = _server()
+    registry = server.dispatcher.registry
+    try:
+        for wid in ("d0", "d1"):
+            registry.add(wid, "decode", FakeDecode(wid), 16)
+        loop.run(registry.activate("d0"))
+        with Client(server.address, retries=0, timeout=60) as c:
+            with pytest.raises(FailedPrecondition, match="d0 is the only routable decode worker"):
+                c.drain("d0", timeout_s=30)
+            assert registry.get("d0").routable  # not drained
+            loop.run(registry.activate("d1"))
+            drained = c.drain("d0", timeout_s=30)  # d1 serves on: d0 drains, nothing to move
+            assert (drained.moved, drained.left) == (0, 0) and not registry.get("d0").routable
+    finally:
+        loop.run(server.stop(0))
+        loop.close()
