@@ -21,3 +21,10 @@ def reference(checkpoint):
 def client(cluster):
     with Client(cluster.address, timeout=60) as c:
         yield c
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules that start a Ray instance of their own (they call ``own_ray``, which
+    ends the suite's shared one) run last, in their order: the shared instance then
+    starts once for every other module instead of again after each of them."""
+    items.sort(key=lambda item: hasattr(getattr(item, "module", None), "own_ray"))
