@@ -23,11 +23,39 @@ KV of every worker drains. The report then states, against the goals:
   greedy output for that prompt, computed in this process (goal 0);
 - completed / sent (goal at least 99 %; a request the router ends because it was
   on two lost workers, ``MAX_WORKER_LOSSES``, is counted apart: its sentence
-  names them, and each must be a worker taken down by a different kill of this
-  run), and every failure's code and sentence (goal: only UNAVAILABLE or
-  DEADLINE_EXCEEDED, each with a sentence, or INTERNAL for a request that was on
-  two of the workers killed: the router ends those);
+  names them, and it must have been on each when a kill of its own took it down,
+  below), and every failure's code and sentence (goal: only UNAVAILABLE or
+  DEADLINE_EXCEEDED, each with a sentence, or INTERNAL for such a request: the
+  router ends those);
 - KV blocks still held on any worker afterwards (goal 0).
+
+Every call carries its own client-side deadline, ``--deadline`` + ``--grace`` +
+``CLIENT_MARGIN_S``: the load's bound (``_Load._bounded``: deadline + grace) sees a
+hang first and prints what the router holds of the request while it still holds
+it (``_router_view``): its lifecycle, whether the dispatcher still counts it in
+flight, its trace if it ended (a sink the harness adds to the dispatcher keeps
+every trace by request id, ``TracesById``), and the full await chain of every
+task on the router's loop that works on it (``await_chain``: ``task.get_stack()``
+gives only a suspended task's outermost frame). The SDK's deadline closes the call
+even if that bound were missed.
+
+A request the router ends at two losses is excused only if its trace places it on
+each worker named when a kill of this run took that worker down, a different kill
+for each (``killed_while_on``). Its stays come from its marks (``stays``)::
+
+    decode worker   from its admission, or the mark that sent it there (redirected,
+                    resumed, moved: each names the new one), to the next such mark
+                    or its end; the first one is named by a mark its batches made
+                    there (kv_exported, decode_admitted, first_decode_token,
+                    kv_recompute), the last one by the trace; one it was redirected
+                    away from never ran it: no stay
+    prefill worker  each prefill_started mark's worker, from the start of that
+                    decode stay until the KV landed (decode_admitted) or it ended
+
+A kill's time is ``time.time()`` as the kill was issued (``Kill.at``); the router's
+marks are on the same clock. A worker the trace does not name (the router marks
+no placement: a decode worker lost before any batch of its, a prefill worker lost
+before its first token) cannot be shown, and the request is not excused.
 
 ::
 
@@ -42,8 +70,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
-import io
+import gc
+import inspect
 import itertools
 import random
 import re
@@ -53,7 +83,9 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 
 import ray
 
@@ -63,6 +95,7 @@ from splitserve.cluster.app import BackgroundCluster, start_local_ray
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.pools import actor_state
 from splitserve.engine.engine import Engine
+from splitserve.router.trace import Mark, RequestTrace
 from splitserve.wire.sampling import SamplingParams
 
 KINDS = ("prefill", "decode", "tp_rank", "node")  # "node" only with LocalNodes; "tp_rank" with TP > 1
@@ -71,6 +104,11 @@ FAILURES_ALLOWED = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 # its sentence names the workers lost
 TWO_LOSSES = "workers that were lost while they ran it"
 _LOST_WORKERS = re.compile(re.escape(TWO_LOSSES) + r" \(([^)]*)\)")
+CLIENT_MARGIN_S = 5.0  # a call's own deadline is this long past the load's hang bound
+# marks after which the request is on the decode worker they name (router.lifecycle)
+SENT_TO = ("redirected", "resumed", "moved")
+# marks made from a decode worker's batches, naming it (router.trace)
+MADE_ON_DECODE = ("kv_exported", "decode_admitted", "first_decode_token", "kv_recompute")
 
 
 def log(msg: str) -> None:
@@ -97,14 +135,74 @@ class Outcome:
     message: str
     tokens: tuple[int, ...]
     elapsed_s: float
+    request_id: str = ""
 
 
 @dataclass(frozen=True)
 class Kill:
-    at_s: float  # since the load began
+    at_s: float  # since the load began, as it was issued
+    at: float  # time.time() as it was issued (the router's marks' clock)
     kind: str
     workers: tuple[str, ...]  # the workers it took down
     node: str = ""  # the node, for a node kill
+
+
+@dataclass(frozen=True)
+class Stay:
+    """The request on ``worker`` from ``start`` to ``end`` (time.time())."""
+
+    worker: str
+    start: float
+    end: float
+
+
+def stays(trace: RequestTrace) -> list[Stay]:
+    """Where ``trace``'s request was, as its marks say (see the module docstring)."""
+    runs = _decode_runs(trace.marks)
+    ends = [run[0].at for run in runs[1:]] + [trace.finished]
+    out = []
+    for i, (run, end) in enumerate(zip(runs, ends)):
+        start, last = run[0].at, i == len(runs) - 1
+        worker = _decode_worker(run) or (trace.decode_worker if last else "")
+        redirected_away = not last and runs[i + 1][0].name == "redirected"
+        if worker and not redirected_away:
+            out.append(Stay(worker, start, end))
+        for j, m in enumerate(run):
+            if m.name == "prefill_started" and m.worker:
+                landed = next((n.at for n in run[j:] if n.name == "decode_admitted"), end)
+                out.append(Stay(m.worker, start, landed))
+    return out
+
+
+def _decode_runs(marks: tuple[Mark, ...]) -> list[list[Mark]]:
+    """``marks`` in the order the router made them, cut before each mark that sent the
+    request to another decode worker: one run per decode worker it was sent to."""
+    runs: list[list[Mark]] = [[]]
+    for m in marks:
+        if m.name in SENT_TO:
+            runs.append([])
+        runs[-1].append(m)
+    return runs
+
+
+def _decode_worker(run: list[Mark]) -> str:
+    """The decode worker of ``run``: the one its first mark sent it to, or else one its
+    batches there named ("": none did)."""
+    if run[0].name in SENT_TO:
+        return run[0].worker
+    return next((m.worker for m in run if m.name in MADE_ON_DECODE and m.worker), "")
+
+
+def killed_while_on(workers: list[str], where: list[Stay], kills: list[Kill]) -> bool:
+    """Whether each of ``workers`` (two or more) was taken down by a kill of its own while
+    the request was on it (``where``)."""
+    hits = [{i for i, k in enumerate(kills) if _while_on(w, k, where)} for w in workers]
+    return len(workers) >= 2 and any(len(set(pick)) == len(pick) for pick in itertools.product(*hits))
+
+
+def _while_on(worker: str, kill: Kill, where: list[Stay]) -> bool:
+    """Whether ``kill`` took ``worker`` down while the request was on it."""
+    return worker in kill.workers and any(s.worker == worker and s.start <= kill.at < s.end for s in where)
 
 
 @dataclass
@@ -116,6 +214,7 @@ class ChaosReport:
     kv_held: dict[str, int]  # worker -> KV blocks still held after the drain
     duration_s: float
     recoveries: list[tuple[str, float]] = field(default_factory=list)  # (kind, s until its pool was whole)
+    traces: dict[str, RequestTrace] = field(default_factory=dict)  # request id -> its router trace
     max_elapsed_s: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -131,14 +230,27 @@ class ChaosReport:
         return sum(_ended_at_losses(o) for o in self.outcomes)
 
     def unexplained_two_losses(self) -> list[Outcome]:
-        """Requests ended at two losses whose workers were not taken down by two different
-        kills of this run (a loss counted twice, or one no kill caused)."""
-        return [o for o in self.outcomes if _ended_at_losses(o) and not self._two_kills(_lost_workers(o))]
+        """Requests ended at two losses whose trace does not place them on each worker
+        named when a kill of its own took it down (a loss counted where the request never
+        ran, counted twice, or one no kill caused), or that have no trace."""
+        return [o for o in self.outcomes if _ended_at_losses(o) and not self._excused(o)]
 
-    def _two_kills(self, workers: list[str]) -> bool:
-        """Whether each of ``workers`` went down in a kill of its own."""
-        hits = [{i for i, k in enumerate(self.kills) if w in k.workers} for w in workers]
-        return len(workers) >= 2 and any(a != b for a, b in itertools.product(*hits[:2]))
+    def _excused(self, o: Outcome) -> bool:
+        trace = self.traces.get(o.request_id)
+        return trace is not None and killed_while_on(_lost_workers(o), stays(trace), self.kills)
+
+    def _why_unexplained(self, o: Outcome) -> str:
+        """What ``o``'s trace and the kills of its workers say (seconds since its admission)."""
+        trace = self.traces.get(o.request_id)
+        if trace is None:
+            return f"request {o.request_id or '?'} has no trace"
+        t0 = trace.admitted
+        where = ", ".join(f"{s.worker} {s.start - t0:.2f}..{s.end - t0:.2f}" for s in stays(trace))
+        killed = ", ".join(
+            f"{w} at {k.at - t0:.2f}" for k in self.kills for w in _lost_workers(o) if w in k.workers
+        )
+        where, killed = where or "no worker it names", killed or "none of them"
+        return f"request {o.request_id}, s since its admission: on {where}; killed: {killed}"
 
     @property
     def completed(self) -> float:
@@ -156,7 +268,10 @@ class ChaosReport:
             out.append(f"only {self.completed:.1%} of requests completed (goal 99 %)")
         if unexplained := self.unexplained_two_losses():
             n, e = len(unexplained), unexplained[0]
-            out.append(f"{n} request(s) ended at two losses that no two kills explain: {e.message}")
+            out.append(
+                f"{n} request(s) ended at two losses, not on each worker named when a kill took it down: "
+                f"{e.message}; {self._why_unexplained(e)}"
+            )
         bad = [
             o
             for o in self.outcomes
@@ -175,12 +290,13 @@ class ChaosReport:
         kinds = Counter(k.kind for k in self.kills)
         failed = Counter((o.code, o.message) for o in self.outcomes if o.code != "OK")
         by_kind = ", ".join(f"{k} {n}" for k, n in kinds.items())
+        unexcused = len(self.unexplained_two_losses())
         lines = [
             f"{len(self.kills)} kills in {self.duration_s:.0f} s ({by_kind}); "
             f"workers replaced by the pools: {self.replaced}",
             f"{len(self.outcomes)} requests: {self.codes['OK']} completed ({self.completed:.2%}), "
             f"{len(self.wrong)} wrong, {self.codes['HUNG']} hung, {self.ended_at_two_losses} ended at two "
-            f"worker losses; longest call {self.max_elapsed_s:.1f} s",
+            f"worker losses ({unexcused} not on each at its kill); longest call {self.max_elapsed_s:.1f} s",
             *(f"  {n} x {code}: {message}" for (code, message), n in failed.most_common()),
             f"KV held afterwards: {sum(self.kv_held.values())} blocks",
             *(
@@ -211,7 +327,8 @@ def _pct(values: list[float], q: int) -> float:
 
 class _Load:
     """``clients`` coroutines on a loop of their own (a thread), each sending one request
-    after another until stopped; every call is timed and bounded by its deadline + grace."""
+    after another until stopped; every call is timed and bounded by its deadline + grace
+    here, and by its own client-side deadline ``CLIENT_MARGIN_S`` later."""
 
     def __init__(self, address: str, prompts, params, spec: ChaosSpec, on_hang=None):
         """``on_hang(request_id)``: called (from the load's thread) when a call is found
@@ -252,6 +369,7 @@ class _Load:
                     max_tokens=p.max_tokens,
                     stop_token_ids=list(p.stop_token_ids),
                     timeout_ms=int(spec.deadline_s * 1000),
+                    timeout=spec.deadline_s + spec.grace_s + CLIENT_MARGIN_S,  # after _bounded's
                 )
                 out = await self._bounded(asyncio.ensure_future(call), request_id)
                 code, message = "OK", ""
@@ -259,7 +377,8 @@ class _Load:
                 code, message = "HUNG", f"request {request_id}: no end {spec.grace_s:g} s past the deadline"
             except SplitserveClientError as e:
                 code, message = e.code.name, e.details
-            self.outcomes.append(Outcome(i, code, message, tuple(out.token_ids), time.monotonic() - start))
+            elapsed = time.monotonic() - start
+            self.outcomes.append(Outcome(i, code, message, tuple(out.token_ids), elapsed, request_id))
 
     async def _bounded(self, call: asyncio.Future, request_id: str):
         """``call``'s result, or TimeoutError past the deadline + grace (what the router
@@ -375,14 +494,15 @@ def _time_recovery(cluster: BackgroundCluster, kind: str, since: float, out: lis
     out.append((kind, time.monotonic() - since))
 
 
-def _kill(cluster: BackgroundCluster, victim: Victim, nodes: LocalNodes | None) -> None:
-    """Kill ``victim`` as a crash would (Ray restarts what it may), and return once Ray
-    has seen its actors die and the router no longer counts its workers as routable, or
-    they have come back (restarted): so the next pick, which spares a pool's last
-    routable worker, sees the pools as they are. (The 100-kill run before this wait
-    killed a TP group whose rank had just died, still routable for a moment, and its
-    sibling: both down.)"""
+def _kill(cluster: BackgroundCluster, victim: Victim, nodes: LocalNodes | None) -> float:
+    """Kill ``victim`` as a crash would (Ray restarts what it may). Returns the
+    ``time.time()`` of the kill once Ray has seen its actors die and the router no
+    longer counts its workers as routable, or they have come back (restarted): so the
+    next pick, which spares a pool's last routable worker, sees the pools as they are.
+    (The 100-kill run before this wait killed a TP group whose rank had just died,
+    still routable for a moment, and its sibling: both down.)"""
     before = {a: actor_state(a) for a in victim.actors}
+    at = time.time()
     if victim.node_id:
         nodes.replace(victim.node_id)
     else:
@@ -405,6 +525,7 @@ def _kill(cluster: BackgroundCluster, victim: Victim, nodes: LocalNodes | None) 
         return gone or all(map(back, victim.actors))
 
     _wait(noticed, f"the router did not notice {victim.name}'s death", 180)
+    return at
 
 
 def _wait(cond, what: str, timeout: float) -> None:
@@ -439,62 +560,145 @@ def run_chaos(
     tp = cluster.cluster.config.prefill.tp_size
     kinds = [k for k in spec.kinds if (k != "tp_rank" or tp > 1) and (k != "node" or nodes is not None)]
     start = time.monotonic()
-    load = _Load(cluster.address, prompts, params, spec, functools.partial(_router_view, cluster))
-    kills: list[Kill] = []
-    recoveries: list[tuple[str, float]] = []  # (kind, s until its pool was whole again)
-    timers: list[threading.Thread] = []
-    try:
-        for kind in itertools.islice(itertools.cycle(kinds), spec.kills):
-            time.sleep(rng.expovariate(1 / spec.gap_s))
-            try:
-                victim = _pick(cluster, kind, rng, recover_timeout_s, nodes)
-                killed_at = time.monotonic()
-                _kill(cluster, victim, nodes)
-            except Exception as e:  # said here too: a test's captured output shows it
-                log(f"[{time.monotonic() - start:6.1f} s] kill {len(kills) + 1} ({kind}) failed: {e!r}")
-                raise
-            args = (cluster, kind, killed_at, recoveries, recover_timeout_s)
-            timers.append(threading.Thread(target=_time_recovery, args=args, daemon=True))
-            timers[-1].start()
-            kills.append(Kill(time.monotonic() - start, kind, victim.worker_ids, victim.node_id))
-            log(f"[{kills[-1].at_s:6.1f} s] killed {kind}: {victim.name} ({len(kills)}/{spec.kills})")
-    finally:
-        load.stop(timeout=spec.deadline_s + 2 * spec.grace_s)
-    duration = time.monotonic() - start
-    try:
-        _wait(lambda: _settled(cluster), "the pools did not return to their size", recover_timeout_s)
-        _wait(lambda: not any(kv_held(cluster.address).values()), "the KV did not drain", 120)
-    except TimeoutError as e:
-        log(str(e))
-    for t in timers:
-        t.join(recover_timeout_s)
+    with _keeping_traces(cluster) as traces:
+        load = _Load(cluster.address, prompts, params, spec, functools.partial(_router_view, cluster, traces))
+        kills: list[Kill] = []
+        recoveries: list[tuple[str, float]] = []  # (kind, s until its pool was whole again)
+        timers: list[threading.Thread] = []
+        try:
+            for kind in itertools.islice(itertools.cycle(kinds), spec.kills):
+                time.sleep(rng.expovariate(1 / spec.gap_s))
+                try:
+                    victim = _pick(cluster, kind, rng, recover_timeout_s, nodes)
+                    killed_at = time.monotonic()
+                    at = _kill(cluster, victim, nodes)
+                except Exception as e:  # said here too: a test's captured output shows it
+                    log(f"[{time.monotonic() - start:6.1f} s] kill {len(kills) + 1} ({kind}) failed: {e!r}")
+                    raise
+                args = (cluster, kind, killed_at, recoveries, recover_timeout_s)
+                timers.append(threading.Thread(target=_time_recovery, args=args, daemon=True))
+                timers[-1].start()
+                kills.append(Kill(killed_at - start, at, kind, victim.worker_ids, victim.node_id))
+                log(f"[{kills[-1].at_s:6.1f} s] killed {kind}: {victim.name} ({len(kills)}/{spec.kills})")
+        finally:
+            load.stop(timeout=spec.deadline_s + 2 * spec.grace_s)
+        duration = time.monotonic() - start
+        try:
+            _wait(lambda: _settled(cluster), "the pools did not return to their size", recover_timeout_s)
+            _wait(lambda: not any(kv_held(cluster.address).values()), "the KV did not drain", 120)
+        except TimeoutError as e:
+            log(str(e))
+        for t in timers:
+            t.join(recover_timeout_s)
     outcomes = load.outcomes
     wrong = [o for o in outcomes if o.code == "OK" and list(o.tokens) != reference[o.prompt]]
     replaced = {role: pool.replaced for role, pool in cluster.cluster.pools.items()}
-    return ChaosReport(outcomes, kills, wrong, replaced, kv_held(cluster.address), duration, recoveries)
+    held = kv_held(cluster.address)
+    return ChaosReport(outcomes, kills, wrong, replaced, held, duration, recoveries, traces.by_id)
 
 
-def _router_view(cluster: BackgroundCluster, request_id: str) -> str:
-    """What the router holds of ``request_id``: its lifecycle, and the stack of every task
-    on the router's loop that mentions it (where a hung request waits)."""
+@contextlib.contextmanager
+def _keeping_traces(cluster: BackgroundCluster) -> Iterator[TracesById]:
+    """A ``TracesById`` among the dispatcher's sinks for the duration."""
+    traces = TracesById()
+
+    async def add() -> None:
+        cluster.dispatcher.sinks.append(traces)
+
+    async def remove() -> None:
+        cluster.dispatcher.sinks.remove(traces)
+
+    cluster.run(add(), timeout=60)
+    try:
+        yield traces
+    finally:
+        cluster.run(remove(), timeout=60)
+
+
+class TracesById:
+    """A ``TraceSink`` that keeps every request's trace by its id, the last one for an id
+    sent again (the router's ``TraceLog`` keeps only the latest 100)."""
+
+    def __init__(self):
+        self.by_id: dict[str, RequestTrace] = {}
+
+    def record(self, trace: RequestTrace) -> None:
+        self.by_id[trace.request_id] = trace
+
+
+def _router_view(cluster: BackgroundCluster, traces: TracesById, request_id: str) -> str:
+    """What the router holds of ``request_id``: its lifecycle, whether the dispatcher counts
+    it in flight, its trace if it ended there, and the await chain of every task on the
+    router's loop that works on it (where a hung request waits)."""
 
     async def read() -> str:
         life = cluster.dispatcher.moves.lives.get(request_id)
+        trace = traces.by_id.get(request_id)
+        ended = f"{_marks(trace)}; ended {trace.outcome}" if trace else "none (not ended on the router)"
         lines = [
             f"lifecycle: {life.phase.value if life else None}, on "
-            f"{life.decode_worker.worker_id if life and life.decode_worker else None}"
+            f"{life.decode_worker.worker_id if life and life.decode_worker else None}",
+            f"in flight (the dispatcher's _inflight): {request_id in cluster.dispatcher._inflight}",
+            f"trace: {ended}",
         ]
         if life is not None:
-            lines.append(f"marks: {[(m.name, m.worker) for m in life.trace('-', False).marks]}")
+            lines.append(f"marks so far: {_marks(life.trace('-', False))}")
         for task in asyncio.all_tasks():
-            frames = task.get_stack(limit=60)
-            if any(_mentions(f, request_id) for f in frames):
-                text = io.StringIO()
-                task.print_stack(file=text)
-                lines.append(f"task {task.get_name()}: {text.getvalue()}")
+            chain = await_chain(task)
+            if task is not asyncio.current_task() and any(_mentions(f, request_id) for f in chain):
+                lines.append(f"task {task.get_name()}, outermost first:")
+                lines.extend(f"  {f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_qualname}" for f in chain)
         return "\n".join(lines)
 
     return cluster.run(read(), timeout=30)
+
+
+def _marks(trace: RequestTrace) -> str:
+    t0 = trace.admitted
+    return ", ".join(f"{m.name}{'@' + m.worker if m.worker else ''} {m.at - t0:+.2f}" for m in trace.marks)
+
+
+def await_chain(task: asyncio.Task) -> list[FrameType]:
+    """The frames ``task`` is suspended in, outermost first: its coroutine's, then those of
+    what each awaits, down to the innermost (``task.get_stack()`` gives only the first)."""
+    frames = (_frame(link) for link in _awaits(task.get_coro()))
+    return [f for f in frames if f is not None]
+
+
+def _awaits(obj) -> Iterator[object]:
+    """``obj``, what it awaits, what that awaits, and so on, until a future or something
+    awaiting nothing."""
+    seen: set[int] = set()
+    while obj is not None and id(obj) not in seen:
+        seen.add(id(obj))
+        yield obj
+        obj = _awaited(obj)
+
+
+def _awaited(obj) -> object | None:
+    """What ``obj`` awaits: a coroutine's, async generator's or generator's own field (an
+    awaited task: its coroutine). A wrapper (``async_generator_asend``, ``anext``'s
+    awaitable, a future's iterator) is opaque, but what it drives is among its referents."""
+    if isinstance(obj, asyncio.Task):
+        return obj.get_coro()
+    if isinstance(obj, asyncio.Future):
+        return None
+    for name in ("cr_await", "ag_await", "gi_yieldfrom"):
+        if hasattr(obj, name):
+            return getattr(obj, name)
+    return next((r for r in gc.get_referents(obj) if _awaitable(r)), None)
+
+
+def _awaitable(obj) -> bool:
+    return inspect.isawaitable(obj) or inspect.isasyncgen(obj) or inspect.isgenerator(obj)
+
+
+def _frame(link) -> FrameType | None:
+    """The frame of a coroutine, async generator or generator (None: another link, or ended)."""
+    for name in ("cr_frame", "ag_frame", "gi_frame"):
+        if (frame := getattr(link, name, None)) is not None:
+            return frame
+    return None
 
 
 def _mentions(frame, request_id: str) -> bool:

@@ -3,10 +3,11 @@ TP=2 prefill groups and two decode workers under continuous concurrent load
 while prefill workers, decode workers and TP ranks are killed; every completed
 output must equal the monolithic engine's greedy tokens, at least 99 % must
 complete (the rest fail with UNAVAILABLE or DEADLINE_EXCEEDED and a sentence, or
-INTERNAL for a request that was on two of the killed workers), no call may hang,
-and no KV may stay held. The same on three Ray nodes on localhost, killing whole
-nodes (each followed by a fresh node, as Ray's autoscaler would add). The large
-runs (100+ kills) are the same harness by hand:
+INTERNAL for a request whose router trace places it on each of two workers when a
+kill took that worker down), no call may hang, and no KV may stay held. The same
+on three Ray nodes on localhost, killing whole nodes (each followed by a fresh node,
+as Ray's autoscaler would add). The large runs (100+ kills) are the same harness by
+hand:
 ``python -m splitserve.bench.chaos --kills 100 [--nodes 3]``."""
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def test_kills_under_load_complete_99_percent_and_corrupt_no_output(checkpoint):
     assert len(report.kills) == KILLS
     assert {k.kind for k in report.kills} == {"prefill", "decode", "tp_rank"}
     assert report.problems() == []
+    assert all(o.request_id in report.traces for o in report.outcomes if o.code == "OK")  # the harness's sink
     # the prefill groups never restart (a TP group cannot): each killed one was replaced
     assert report.replaced["prefill"] == sum(k.kind != "decode" for k in report.kills)
     assert len(report.outcomes) > 2 * KILLS
