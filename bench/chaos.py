@@ -15,8 +15,9 @@ victim at random among those that leave every pool a routable worker (a pool
 with none left cannot serve, whatever the router does). Ray restarts what it
 restarts; the pools replace what it does not (``WorkerPool.keep``).
 
-After ``--kills`` kills the load stops, the pools return to their size and the
-KV of every worker drains. The report then states, against the goals:
+After ``--kills`` kills (or at a kill that could not be made: the report says why,
+a problem) the load stops, the pools return to their size and the KV of every
+worker drains. The report then states, against the goals:
 
 - hung requests: calls still open ``--grace`` s past their deadline (goal 0);
 - wrong outputs: completed requests whose tokens differ from the engine's
@@ -215,6 +216,7 @@ class ChaosReport:
     duration_s: float
     recoveries: list[tuple[str, float]] = field(default_factory=list)  # (kind, s until its pool was whole)
     traces: dict[str, RequestTrace] = field(default_factory=dict)  # request id -> its router trace
+    stopped: str = ""  # why the kills stopped before the number asked for ("": they did not)
     max_elapsed_s: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -259,7 +261,7 @@ class ChaosReport:
 
     def problems(self) -> list[str]:
         """Each goal this run missed, as a sentence (empty: every goal met)."""
-        out = []
+        out = [f"the kills stopped after {len(self.kills)}: {self.stopped}"] if self.stopped else []
         if self.codes["HUNG"]:
             out.append(f"{self.codes['HUNG']} request(s) hung past their deadline")
         if self.wrong:
@@ -463,9 +465,20 @@ def _pick(cluster: BackgroundCluster, kind: str, rng: random.Random, timeout: fl
     deadline = time.monotonic() + timeout
     while (victim := _victim(cluster, kind, rng, nodes)) is None:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no {kind} to kill: the pools did not recover within {timeout:g} s")
+            pools = cluster.run(_pools_view(cluster), timeout=60)
+            raise TimeoutError(f"no {kind} to kill: the pools did not recover within {timeout:g} s ({pools})")
         time.sleep(0.2)
     return victim
+
+
+async def _pools_view(cluster: BackgroundCluster) -> str:
+    """Each pool's workers as the registry has them: state, alive, and the last poll's error."""
+
+    def worker(w) -> str:
+        return f"{w.worker_id} {w.state.value}{'' if w.alive else ' dead'} {w.error}".strip()
+
+    pools = cluster.cluster.pools
+    return "; ".join(f"{r}: {', '.join(map(worker, cluster.registry.workers(r)))}" for r in pools)
 
 
 def _settled(cluster: BackgroundCluster, roles: tuple[str, ...] = ("prefill", "decode")) -> bool:
@@ -565,6 +578,7 @@ def run_chaos(
         kills: list[Kill] = []
         recoveries: list[tuple[str, float]] = []  # (kind, s until its pool was whole again)
         timers: list[threading.Thread] = []
+        stopped = ""  # why the kills stopped before spec.kills
         try:
             for kind in itertools.islice(itertools.cycle(kinds), spec.kills):
                 time.sleep(rng.expovariate(1 / spec.gap_s))
@@ -572,9 +586,10 @@ def run_chaos(
                     victim = _pick(cluster, kind, rng, recover_timeout_s, nodes)
                     killed_at = time.monotonic()
                     at = _kill(cluster, victim, nodes)
-                except Exception as e:  # said here too: a test's captured output shows it
-                    log(f"[{time.monotonic() - start:6.1f} s] kill {len(kills) + 1} ({kind}) failed: {e!r}")
-                    raise
+                except Exception as e:  # the kills stop; the report says why, and what the load saw
+                    stopped = f"kill {len(kills) + 1} ({kind}) failed: {e!r}"
+                    log(f"[{time.monotonic() - start:6.1f} s] {stopped}")
+                    break
                 args = (cluster, kind, killed_at, recoveries, recover_timeout_s)
                 timers.append(threading.Thread(target=_time_recovery, args=args, daemon=True))
                 timers[-1].start()
@@ -594,7 +609,7 @@ def run_chaos(
     wrong = [o for o in outcomes if o.code == "OK" and list(o.tokens) != reference[o.prompt]]
     replaced = {role: pool.replaced for role, pool in cluster.cluster.pools.items()}
     held = kv_held(cluster.address)
-    return ChaosReport(outcomes, kills, wrong, replaced, held, duration, recoveries, traces.by_id)
+    return ChaosReport(outcomes, kills, wrong, replaced, held, duration, recoveries, traces.by_id, stopped)
 
 
 @contextlib.contextmanager

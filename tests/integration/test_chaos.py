@@ -38,9 +38,9 @@ def test_kills_under_load_complete_99_percent_and_corrupt_no_output(checkpoint):
     with live_cluster(config) as cluster:
         report = run_chaos(cluster, prompts, params, reference, ChaosSpec(kills=KILLS, gap_s=1.5, clients=6))
     print(report.summary())
+    assert report.problems() == []
     assert len(report.kills) == KILLS
     assert {k.kind for k in report.kills} == {"prefill", "decode", "tp_rank"}
-    assert report.problems() == []
     assert all(o.request_id in report.traces for o in report.outcomes if o.code == "OK")  # the harness's sink
     # the prefill groups never restart (a TP group cannot): each killed one was replaced
     assert report.replaced["prefill"] == sum(k.kind != "decode" for k in report.kills)
@@ -69,8 +69,8 @@ def test_node_kills_under_load_complete_99_percent_and_corrupt_no_output(checkpo
     finally:
         ray.shutdown()
         nodes.cluster.shutdown()
-    assert [k.kind for k in report.kills] == ["node"] * NODE_KILLS
     assert report.problems() == []
+    assert [k.kind for k in report.kills] == ["node"] * NODE_KILLS
     assert len({k.node for k in report.kills}) == NODE_KILLS  # a fresh node each time
     # every TP group on a killed node was replaced (Ray restarts no TP group)
     assert report.replaced["prefill"] == sum(w.startswith("prefill") for k in report.kills for w in k.workers)

@@ -142,3 +142,9 @@ def test_an_unnamed_first_decode_worker_cannot_be_shown():
 def test_other_internal_errors_are_problems():
     report = _report([("OK", "")] * 98 + [("INTERNAL", "internal error (KeyError); see the server log")] * 2)
     assert report.completed < 0.99 and len(report.problems()) == 2
+
+
+def test_kills_that_stopped_early_are_a_problem():
+    why = "kill 4 (prefill) failed: TimeoutError('no prefill to kill')"
+    report = ChaosReport([Outcome(0, "OK", "", (), 0.1, "r0")], KILLS, [], {}, {}, 1.0, stopped=why)
+    assert report.problems() == [f"the kills stopped after 3: {why}"]
