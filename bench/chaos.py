@@ -44,19 +44,20 @@ A request the router ends at two losses is excused only if its trace places it o
 each worker named when a kill of this run took that worker down, a different kill
 for each (``killed_while_on``). Its stays come from its marks (``stays``)::
 
-    decode worker   from its admission, or the mark that sent it there (redirected,
-                    resumed, moved: each names the new one), to the next such mark
-                    or its end; the first one is named by a mark its batches made
-                    there (kv_exported, decode_admitted, first_decode_token,
-                    kv_recompute), the last one by the trace; one it was redirected
-                    away from never ran it: no stay
-    prefill worker  each prefill_started mark's worker, from the start of that
-                    decode stay until the KV landed (decode_admitted) or it ended
+    decode worker   from the mark that sent it there (placed, redirected, resumed,
+                    moved: each names the worker), to the next such mark or its
+                    end (a trace without a placed mark, from its admission, named by
+                    a mark its batches made there: kv_exported, decode_admitted,
+                    first_decode_token, kv_recompute); one it was redirected away
+                    from never ran it: no stay
+    prefill worker  each prefill_sent mark's worker (prefill_started's, in a trace
+                    without them), from that mark (the decode stay's start) until
+                    the KV landed (decode_admitted), the prompt went to another
+                    prefill worker, or the decode stay ended
 
 A kill's time is ``time.time()`` as the kill was issued (``Kill.at``); the router's
-marks are on the same clock. A worker the trace does not name (the router marks
-no placement: a decode worker lost before any batch of its, a prefill worker lost
-before its first token) cannot be shown, and the request is not excused.
+marks are on the same clock. A worker the trace does not name cannot be shown,
+and the request is not excused.
 
 ::
 
@@ -107,7 +108,7 @@ TWO_LOSSES = "workers that were lost while they ran it"
 _LOST_WORKERS = re.compile(re.escape(TWO_LOSSES) + r" \(([^)]*)\)")
 CLIENT_MARGIN_S = 5.0  # a call's own deadline is this long past the load's hang bound
 # marks after which the request is on the decode worker they name (router.lifecycle)
-SENT_TO = ("redirected", "resumed", "moved")
+SENT_TO = ("placed", "redirected", "resumed", "moved")
 # marks made from a decode worker's batches, naming it (router.trace)
 MADE_ON_DECODE = ("kv_exported", "decode_admitted", "first_decode_token", "kv_recompute")
 
@@ -165,13 +166,16 @@ def stays(trace: RequestTrace) -> list[Stay]:
     for i, (run, end) in enumerate(zip(runs, ends)):
         start, last = run[0].at, i == len(runs) - 1
         worker = _decode_worker(run) or (trace.decode_worker if last else "")
-        redirected_away = not last and runs[i + 1][0].name == "redirected"
-        if worker and not redirected_away:
+        if not last and runs[i + 1][0].name == "redirected":
+            continue  # its start there failed: neither that worker nor its prefill worker ran it
+        if worker:
             out.append(Stay(worker, start, end))
+        sent = any(m.name == "prefill_sent" for m in run)  # else an older trace: prefill_started
         for j, m in enumerate(run):
-            if m.name == "prefill_started" and m.worker:
-                landed = next((n.at for n in run[j:] if n.name == "decode_admitted"), end)
-                out.append(Stay(m.worker, start, landed))
+            if m.worker and m.name == ("prefill_sent" if sent else "prefill_started"):
+                after = run[j + 1 :]
+                left = next((n.at for n in after if n.name in ("decode_admitted", "prefill_sent")), end)
+                out.append(Stay(m.worker, m.at if sent else start, left))
     return out
 
 

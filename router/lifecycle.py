@@ -147,6 +147,7 @@ class RequestLifecycle:
         the source is the holder itself)."""
         self._expect(Phase.ADMITTED)
         self._decode, self._phase, self._pull = decode, Phase.PREFILLING, pull
+        self._mark("placed", worker=decode.worker_id)
         return self._prefill_on(source)
 
     def retry_prefill(self, source: WorkerRecord | None) -> DecodeTask:
@@ -332,6 +333,8 @@ class RequestLifecycle:
 
     def _prefill_on(self, source: WorkerRecord | None) -> DecodeTask:
         self._source = source
+        if source is not None:
+            self._mark("prefill_sent", worker=source.worker_id)
         pull = self._pull
         if source is None or (pull is not None and pull.holder_id == source.worker_id):
             pull = None

@@ -8,6 +8,8 @@ and, when the request ends however it ends, hands one ``RequestTrace`` to every
     mark               when (time.time(), on the clock named)
     ----------------   ---------------------------------------------------------------
     admitted           the router accepted the request (router)
+    placed             the router sent it to a decode worker (router; the worker named)
+    prefill_sent       its prompt went to a prefill worker (router; named; again on a retry)
     prefill_started    the prefilling engine scheduled the prompt (prefill or decode worker)
     first_token        the router passed the first token on (router)
     kv_exported        the prefill worker's KV handoff reached the decode worker (decode worker)

@@ -71,9 +71,26 @@ def _ended(workers: str, trace: RequestTrace | None) -> ChaosReport:
     return _report(ok + [_twice(workers)], trace and dataclasses.replace(trace, request_id="r20"))
 
 
+def _placed_then_lost(decode_at: float) -> RequestTrace:
+    """Placed on decode-1 at 0.5 and sent to prefill-0, which was lost before its first
+    token (killed at 0.65: no batch names either worker); retried on prefill-2 at 0.8;
+    decode-1 lost at ``decode_at`` (the node kill is at 2.0)."""
+    return _trace(
+        "r",
+        "decode-1",
+        ("admitted", 0.5, ""),
+        ("placed", 0.5, "decode-1"),
+        ("prefill_sent", 0.5, "prefill-0"),
+        ("prefill_sent", 0.8, "prefill-2"),
+        ("finished", decode_at, ""),
+    )
+
+
 @pytest.mark.parametrize(
     ("workers", "trace"),
     [
+        # placed on decode-1, prefilling on prefill-0 when it was killed, then on decode-1 at its kill
+        ("prefill-0, decode-1", _placed_then_lost(2.1)),
         # on decode-0 when it was killed (1.0), resumed on decode-1, on it at the node kill (2.0)
         ("decode-0, decode-1", _on("decode-0", "decode-1")),
         # prefilling on prefill-0 when it was killed (0.65, before the KV landed at 0.7)
@@ -93,6 +110,8 @@ def test_a_two_loss_ending_on_each_worker_at_its_kill_is_excused(workers, trace)
         ("decode-0, decode-1", _on("decode-0", "decode-1", at=1.1)),
         # never on decode-0: on decode-2 when decode-0 was killed
         ("decode-0, decode-1", _on("decode-2", "decode-1")),
+        # ended (1.9) before the node kill took decode-1 down (2.0)
+        ("prefill-0, decode-1", _placed_then_lost(1.9)),
         # prefilled on prefill-0, but its KV had landed (0.3) before prefill-0 was killed (0.65)
         ("prefill-0, decode-1", _on("decode-0", "decode-1", at=0.1)),
         # on prefill-1 and decode-1 when one kill (the node's) took both down: one loss, counted twice
