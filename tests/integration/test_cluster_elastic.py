@@ -1,8 +1,9 @@
 """An elastic cluster (``mode: elastic``) on real Ray actors: three elastic workers of
 the tiny model (one prefill, two decode at first), NIXL, the router's gRPC door.
 While a client streams from a decode worker, that worker switches to prefill (its
-request moves to the other decode worker with its KV); then the first prefill worker
-switches to decode. The stream's tokens equal the monolithic engine's greedy tokens;
+request moves to the other decode worker with its KV: its trace shows the pull, no
+transfer failed); then the first prefill worker switches to decode. The stream's
+tokens equal the monolithic engine's greedy tokens;
 requests after the switches are prefilled by the worker that was a decode worker;
 ``/metrics`` counts one switch into each role and time spent in each; nothing stays
 held. The planner's own switching (``PlannerLoop._split``) is tested without Ray, in
@@ -19,7 +20,17 @@ from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
-from tests.integration.cluster_util import VOCAB, live_cluster, scrape, tiny_config, total, wait_kv_free
+from tests.integration.cluster_util import (
+    VOCAB,
+    assert_move_pulled,
+    live_cluster,
+    scrape,
+    tiny_config,
+    total,
+    trace_of,
+    transfer_failures,
+    wait_kv_free,
+)
 
 SLO = {"policy": "slo", "min_replicas": 1, "max_replicas": 3}
 POOL = {
@@ -49,6 +60,7 @@ def test_elastic_workers_switch_role_under_a_stream_and_lose_nothing(cluster, ch
     want = [c.token_ids for c in engine.generate(prompts, params)]
     tokens, final, switched = [], None, None
     with Client(cluster.address, timeout=120) as client:
+        failures = transfer_failures(client)
         options = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0, request_id="switching")
         for item in client.stream(prompts[0], **options):
             if isinstance(item, Final):
@@ -64,14 +76,17 @@ def test_elastic_workers_switch_role_under_a_stream_and_lose_nothing(cluster, ch
         ]
         cluster.run(cluster.cluster.switch_role(first_prefill, Role.DECODE), timeout=120)
         later = [client.generate(prompts[i], max_tokens=8, temperature=0.0) for i in (1, 2, 3)]
-        st = client.cluster_status(traces=3)
+        st = client.cluster_status(traces=4)
         wait_kv_free(client)
+        assert transfer_failures(client) == failures  # no pull failed, the move's included
     assert tokens == want[0]  # nothing repeated, skipped or changed by the switch
     assert final.decode_worker not in ("", switched)
+    assert_move_pulled(trace_of(st.traces, "switching"), to=final.decode_worker)  # with its KV
     assert [c.token_ids for c in later] == want[1:]
     roles = {w.worker_id: w.role for w in cluster.registry.workers()}
     assert roles[switched] == Role.PREFILL and roles[first_prefill] == Role.DECODE
-    assert {t.prefill_worker for t in st.traces} == {switched}  # the only prefill worker now
+    later_traces = [t for t in st.traces if t.request_id != "switching"]
+    assert {t.prefill_worker for t in later_traces} == {switched}  # the only prefill worker now
     metrics = scrape(cluster)
     assert total(metrics, "splitserve:role_switches_total", role="prefill") == 1
     assert total(metrics, "splitserve:role_switches_total", role="decode") == 1

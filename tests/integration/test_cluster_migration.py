@@ -3,9 +3,13 @@ workers of the tiny model), NIXL, the router's gRPC door. ``splitserve drain``
 on the decode worker a request streams from moves it to the other with its KV
 (``RayDecodeWorker.move_out``, the new worker pulling from the old one through
 ``RayDecodePeer``, most of it ahead of the switch): the client's tokens equal the monolithic engine's greedy
-tokens, none repeated or skipped, the trace says it moved, and no KV stays held."""
+tokens, none repeated or skipped, the trace says its KV was pulled (no transfer failed,
+nothing computed again), and no KV stays held. A worker killed during a move leaves the
+request whole by computing it again: the trace says so."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -13,9 +17,19 @@ from splitserve.cli.main import main
 from splitserve.client import Client, Final
 from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import WorkerLost
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
-from tests.integration.cluster_util import VOCAB, live_cluster, tiny_config, wait_kv_free, wait_until
+from tests.integration.cluster_util import (
+    VOCAB,
+    assert_move_pulled,
+    live_cluster,
+    tiny_config,
+    trace_of,
+    transfer_failures,
+    wait_kv_free,
+    wait_until,
+)
 
 POOL = {"num_cpus": 0.5, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
 MAX_TOKENS = 600  # long enough to be mid-stream when the drain comes
@@ -34,6 +48,7 @@ def test_draining_the_worker_a_request_streams_from_moves_it_whole(cluster, chec
     (want,) = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     tokens, final, drained = [], None, None
     with Client(cluster.address, timeout=120) as client:
+        failures = transfer_failures(client)
         options = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0, request_id="moving")
         for item in client.stream(prompt, **options):
             if isinstance(item, Final):
@@ -48,11 +63,11 @@ def test_draining_the_worker_a_request_streams_from_moves_it_whole(cluster, chec
                 assert main(["drain", drained, "--server", cluster.address]) == 0
         st = client.cluster_status(traces=1)
         wait_kv_free(client)
+        assert transfer_failures(client) == failures  # the move's pull did not fail
     assert tokens == want.token_ids  # nothing repeated, skipped or changed
     assert final.decode_worker not in ("", drained)
     assert f"{drained} drained: 1 request(s) moved off, 0 left" in capsys.readouterr().out
-    (trace,) = st.traces
-    assert "moved" in [m.name for m in trace.marks]
+    assert_move_pulled(trace_of(st.traces, "moving"), to=final.decode_worker)
     taker = cluster.run(cluster.registry.get(final.decode_worker).client.stats(), timeout=60).engine
     assert taker.import_precopied_tokens > 0  # its full blocks were copied ahead of the switch
     cluster.run(cluster.registry.activate(drained))  # routed to again, for the tests below
@@ -73,12 +88,14 @@ def _moving_stream(cluster, prompt, rid: str, on_tokens) -> tuple[list[int], Fin
 
 
 @pytest.mark.parametrize("killed", ["source", "destination"])
-def test_a_worker_killed_during_a_move_leaves_the_request_whole(cluster, checkpoint, killed):
-    """The worker a request moves from is killed right after it exported the KV (the new
-    one's link or pull fails: it recomputes the request), or the one it moves to is
-    killed as the move starts (the request resumes on the other, by recompute): either
-    way the client's tokens are the engine's greedy tokens, whole; nothing hangs and no
-    KV stays held. The pool replaces the killed worker."""
+def test_a_worker_killed_during_a_move_leaves_the_request_whole(cluster, checkpoint, killed, monkeypatch):
+    """The worker a request moves from is killed right after it exported the KV, and
+    gone before the new one pulls (the new one recomputes the request: its pull fails,
+    a transfer failure, or, where its stream there broke before it let the request go,
+    it resumes it), or the one it moves to is killed as the move starts (the old one
+    recomputes it: redirected, its start there failed, or resumed, if it had started):
+    either way the client's tokens are the engine's greedy tokens, whole; nothing hangs
+    and no KV stays held. The pool replaces the killed worker."""
     import ray
 
     (prompt,) = random_prompts([60], VOCAB, seed=43 if killed == "source" else 47)
@@ -86,29 +103,54 @@ def test_a_worker_killed_during_a_move_leaves_the_request_whole(cluster, checkpo
     (want,) = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     d, rid, moved = cluster.dispatcher, f"killed-{killed}", []
 
+    async def until_gone(w) -> None:
+        """Until ``w``'s actor answers no more (Ray kills an actor asynchronously)."""
+        while True:
+            try:
+                await w.client.stats()
+            except WorkerLost:
+                return
+            await asyncio.sleep(0.05)
+
     def kill_during_move(n: int) -> None:
         if moved or n < 10:
             return
         life = d.moves.lives[rid]
         old = life.decode_worker
         (new,) = [w for w in cluster.registry.routable("decode") if w is not old]
-        victim = old if killed == "source" else new
         if killed == "source":
             real = old.client.move_out
 
             async def move_out_then_die(request_id, export=True, from_block=0):
                 out = await real(request_id, export, from_block)
                 ray.kill(old.client.actor, no_restart=True)
+                await asyncio.wait_for(until_gone(old), 60)  # no pull can reach it now
                 return out
 
-            old.client.move_out = move_out_then_die
+            monkeypatch.setattr(old.client, "move_out", move_out_then_die)
         else:
             ray.kill(new.client.actor, no_restart=True)
-        moved.append((victim.worker_id, cluster.run(d.moves.migrate(rid, to=new.worker_id), timeout=60)))
+        cluster.run(d.moves.migrate(rid, to=new.worker_id), timeout=120)
+        moved.append((old.worker_id, new.worker_id))
 
-    tokens, final = _moving_stream(cluster, prompt, rid, kill_during_move)
-    assert moved and tokens == want.token_ids and final.finish_reason == "length"
     with Client(cluster.address, timeout=120) as client:
+        failures = transfer_failures(client)
+        tokens, final = _moving_stream(cluster, prompt, rid, kill_during_move)
+        trace = trace_of(client.cluster_status(traces=5).traces, rid)
+        failed = transfer_failures(client)
+        assert moved and tokens == want.token_ids and final.finish_reason == "length"
+        ((old, new),) = moved
+        marks = [(m.name, m.worker) for m in trace.marks]
+        if killed == "source":  # computed again on the new worker: nothing was pulled
+            recomputed = ("kv_recompute", new) in marks  # its pull from the killed worker failed
+            assert recomputed or ("resumed", new) in marks, marks
+            assert "move_pulled" not in [name for name, _ in marks], marks
+            assert final.decode_worker == new, final
+            assert sum(failed.values()) == sum(failures.values()) + recomputed, (failures, failed)
+        else:  # computed again on the old worker
+            assert ("redirected", old) in marks or ("resumed", old) in marks, marks
+            assert final.decode_worker == old, final
+            assert failed == failures
         wait_until(
             lambda: len(cluster.registry.routable("decode")) == 2, "the pool replaced the killed worker"
         )

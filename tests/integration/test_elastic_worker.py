@@ -27,6 +27,7 @@ from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec
 from splitserve.wire.prefill import PrefillWorkerSpec
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
+from tests.integration.cluster_util import assert_move_pulled
 from tests.waiting import until, wait_until
 
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -132,9 +133,10 @@ def three(checkpoint):
 def test_roles_switch_under_load_through_the_router_and_lose_nothing(three):
     """The router's dispatcher over three elastic workers (a: prefill; b, c: decode)
     while clients stream: c switches to prefill (its running requests move to b with
-    their KV), then a to decode (its exports pulled first). Every request's tokens equal
-    the monolithic engine's; after the switches c prefills requests and a decodes them;
-    c's decode half holds nothing; every worker frees every block."""
+    their KV: each one's trace shows the pull, and no transfer failed), then a to decode
+    (its exports pulled first). Every request's tokens equal the monolithic engine's;
+    after the switches c prefills requests and a decodes them; c's decode half holds
+    nothing; every worker frees every block."""
     engine, ws = three
     a, b, c = ws["a"], ws["b"], ws["c"]
     prompts = random_prompts([30 + 17 * i for i in range(18)], 512, seed=9)
@@ -174,11 +176,17 @@ def test_roles_switch_under_load_through_the_router_and_lose_nothing(three):
         third = wave(range(12, 18))
         await asyncio.gather(*first, *second, *third)
         roles = {w.worker_id: w.role for w in registry.workers()}
-        return streams, d.traces.latest(18), roles, d.moves.moved["drain"], took
+        return streams, d.traces.latest(18), roles, d.moves.moved["drain"], took, d.transfer_failures
 
-    streams, traces, roles, moved, took = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
+    streams, traces, roles, moved, took, failures = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
     print(f"switches took {', '.join(f'{t:.2f} s' for t in took)}; {moved} request(s) moved off c")
     assert [streams[i] for i in range(18)] == expected  # nothing lost, repeated or changed
+    # c's running requests moved, each with its KV: pulled on b, nothing recomputed
+    moved_off = [t for t in traces if any(m.name == "moved" for m in t.marks)]
+    assert moved > 0 and len(moved_off) == moved, (moved, [t.request_id for t in moved_off])
+    for t in moved_off:
+        assert_move_pulled(t, to="elastic-b")
+    assert not failures, failures  # no KV transfer failed (a failed pull is recomputed)
     assert roles == {"elastic-a": Role.DECODE, "elastic-b": Role.DECODE, "elastic-c": Role.PREFILL}
     late = [t for t in traces if int(t.request_id[1:]) >= 12]
     assert {t.prefill_worker for t in late} == {"elastic-c"}  # c prefills now (a is a decode worker)

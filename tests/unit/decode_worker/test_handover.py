@@ -35,6 +35,7 @@ from tests.waiting import until
 
 PROMPT = list(range(1, 40))
 SPEC = DecodeWorkerSpec("decode-0", EngineConfig(model="fake", block_size=16), "fake", 5.0, 8)
+DEADLINE_S = 60  # a handover here takes milliseconds; one that hangs fails its test
 
 
 class FakeSide:
@@ -154,6 +155,12 @@ async def _run(side: FakeSide, source, task=None, cancel_at: str | None = None):
     return result, handover.phase, outbox.batches
 
 
+def _run_bounded(side: FakeSide, source, task=None, cancel_at: str | None = None):
+    """``_run`` on a fresh event loop, within ``DEADLINE_S``: a handover that hangs fails
+    its test."""
+    return asyncio.run(asyncio.wait_for(_run(side, source, task, cancel_at), DEADLINE_S))
+
+
 def test_the_transition_table_is_the_documented_chain():
     chain = [Phase.HOLDING]
     while _NEXT[chain[-1]] - {Phase.ENDED}:
@@ -178,7 +185,7 @@ def test_the_transition_table_is_the_documented_chain():
 @pytest.mark.parametrize("delivered", [False, True])
 def test_a_handover_that_succeeds_runs_holding_what_it_pulled_and_confirms(streams, delivered):
     source, side = FakePrefill("prefill-0", streams=streams), FakeSide(delivered=delivered)
-    ending, phase, batches = asyncio.run(_run(side, source))
+    ending, phase, batches = _run_bounded(side, source)
     first = expected_tokens(PROMPT, 1)
     assert ending is None and phase is Phase.RUNNING
     assert side.held == {"r1": ["cached", "allocated"]} and side.activated == [("r1", first)]
@@ -192,7 +199,7 @@ def test_a_handover_that_succeeds_runs_holding_what_it_pulled_and_confirms(strea
 @pytest.mark.parametrize("streams", [False, True])
 def test_a_request_that_ends_at_its_first_token_frees_its_blocks_and_releases_nothing(streams):
     source, side = FakePrefill("prefill-0", streams=streams), FakeSide()
-    ending, phase, batches = asyncio.run(_run(side, source, _task(source, max_tokens=1)))
+    ending, phase, batches = _run_bounded(side, source, _task(source, max_tokens=1))
     assert ending == Ending(None) and phase is Phase.ENDED
     assert side.held == {} and side.activated == [] and source.aborted == []
     assert [b.finish_reason for b in batches] == ["length"]
@@ -221,7 +228,7 @@ def test_each_failure_ends_the_request_frees_its_blocks_and_releases_an_unconfir
 ):
     source = FakePrefill("prefill-0", fail=_lost if step == "prefill" else None)
     side = FakeSide(fail)
-    ending, phase, batches = asyncio.run(_run(side, source))
+    ending, phase, batches = _run_bounded(side, source)
     assert isinstance(ending.error, error) and phase is Phase.ENDED
     assert side.held == {} and not side.freed_while_landing
     assert source.aborted == (["r1"] if released else [])
@@ -232,7 +239,7 @@ def test_each_failure_ends_the_request_frees_its_blocks_and_releases_an_unconfir
 def test_a_source_lost_while_its_kv_streams_ends_the_request_after_the_pull_and_releases_it():
     source = FakePrefill("prefill-0", streams=True, fail=_lost)
     side = FakeSide({"pull": KVTransferError("the source went away mid-pull")})
-    ending, phase, batches = asyncio.run(_run(side, source))
+    ending, phase, batches = _run_bounded(side, source)
     assert isinstance(ending.error, KVTransferError) and phase is Phase.ENDED
     assert side.held == {} and not side.freed_while_landing and source.aborted == ["r1"]
     assert batches == []  # the source never sent a first token
@@ -242,7 +249,7 @@ def test_a_source_lost_after_every_layer_was_pulled_ends_the_request_with_peer_l
     """The pull had the whole KV (confirmed: the export is not released), but the
     source's result never comes: ACTIVATING ends with ``PeerLost``, blocks freed."""
     source, side = FakePrefill("prefill-0", streams=True, fail=_lost), FakeSide()
-    ending, phase, batches = asyncio.run(_run(side, source))
+    ending, phase, batches = _run_bounded(side, source)
     assert isinstance(ending.error, PeerLost) and phase is Phase.ENDED
     assert side.held == {} and side.activated == [] and batches == []
     assert source.aborted == [] and len(source.confirmed) == 1
@@ -250,7 +257,7 @@ def test_a_source_lost_after_every_layer_was_pulled_ends_the_request_with_peer_l
 
 def test_a_lease_that_ends_during_the_pull_fails_it_as_expired():
     source, side = ShortLease("prefill-0", lease_s=0.3), FakeSide(outlast_lease=True)
-    ending, phase, _ = asyncio.run(_run(side, source))
+    ending, phase, _ = _run_bounded(side, source)
     assert isinstance(ending.error, LeaseExpired) and phase is Phase.ENDED
     assert side.held == {} and source.aborted == ["r1"] and source.confirmed == []
 
@@ -260,7 +267,7 @@ def test_the_first_token_goes_out_before_a_failure_that_came_first():
     gets that first token, and the request ends only after it."""
     source = FakePrefill("prefill-0", streams=True, delay_s=0.2)
     side = FakeSide({"link": PeerLost("gone")})
-    ending, _, batches = asyncio.run(_run(side, source))
+    ending, _, batches = _run_bounded(side, source)
     assert isinstance(ending.error, PeerLost)
     assert [b.token_ids for b in batches] == [expected_tokens(PROMPT, 1)]
 
@@ -272,7 +279,7 @@ def test_a_cancelled_handover_frees_what_its_phase_held_after_the_pull_ended(ste
     """An abort or a deadline cancels the handover at each step: the blocks are freed
     (never while a pull's bytes are landing) and an unconfirmed export released."""
     source, side = FakePrefill("prefill-0"), FakeSide(gate=step)
-    result, phase, _ = asyncio.run(_run(side, source, cancel_at=step))
+    result, phase, _ = _run_bounded(side, source, cancel_at=step)
     assert result == "cancelled" and phase is Phase.ENDED
     assert side.held == {} and not side.freed_while_landing
     assert source.aborted == (["r1"] if released else [])

