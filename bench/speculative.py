@@ -14,16 +14,32 @@ runs the prompts one after the other. Each round measures both; the row shows th
 median ratio and the speculating engine's acceptance rate and mean accepted length
 over its runs. Goal (issue 53): >= 1.5x at batch 1 on the copy-heavy workload,
 never below 1.0x at batch 16.
+
+    python -m splitserve.bench.speculative --agreement [--dtypes float32,bfloat16]
+        [--tokens 64] [--batches 1,8] [--prompts 8] [--verification rows,chunk]
+
+``--agreement`` measures exactness instead of speed (issue 70): per dtype, the same
+prompts (``--prompts`` of each workload, ``batch`` at a time) decoded greedily with
+and without n-gram speculation; it prints the fraction of prompts whose outputs are
+identical and, for the others, the first output position that differs. ``rows``
+verifies a draft as k+1 one-token decode rows (``ModelRunner.spread_drafts``: the
+packing CUDA graphs replay), ``chunk`` as one k+1-token chunk through the prefill
+kernel (the CPU backend's packing).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
+
+import torch
 
 from splitserve.bench import harness
 from splitserve.engine.engine import Engine
+from splitserve.engine.model.cpu_linear import PackedLinear
 from splitserve.wire.config import EngineConfig, SpeculativeConfig
 from splitserve.wire.sampling import SamplingParams
 
@@ -99,6 +115,88 @@ def decode_rate(engine: Engine, chats: list[list[dict[str, str]]], tokens: int, 
     return generated / elapsed
 
 
+def greedy_outputs(
+    engine: Engine, chats: list[list[dict[str, str]]], tokens: int, batch: int
+) -> list[list[int]]:
+    """The greedy output tokens of ``chats``, run ``batch`` at a time."""
+    params = SamplingParams(max_tokens=tokens)
+    outputs = []
+    for at in range(0, len(chats), batch):
+        states = [
+            engine.requests[engine.add_request(messages=m, params=params)] for m in chats[at : at + batch]
+        ]
+        while engine.has_unfinished():
+            engine.step()
+        outputs += [s.seq.output_token_ids for s in states]
+    return outputs
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first output position where ``a`` and ``b`` differ (one ending before the
+    other counts), or None when they are identical."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def rows_invariant_up_to(engine: Engine, most: int = 96) -> int:
+    """The most rows a step may have for every distinct linear layer of ``engine``'s
+    model to give each row the bits it gives that row alone. A GEMM kernel may block
+    (and so sum) differently by row count, so a verification step (k+1 rows per
+    sequence) gives plain decode's bits only while both stay within this."""
+    torch.manual_seed(0)
+    layers = {(m.in_features, m.out_features): m for m in engine.runner.model.modules() if _is_linear(m)}
+    rows = most
+    with torch.inference_mode():
+        for layer in layers.values():
+            x = torch.randn(most, layer.in_features).to(engine.dtype)
+            alone = torch.cat([layer(x[i : i + 1]) for i in range(most)])
+            rows = next((m - 1 for m in range(2, rows + 1) if not torch.equal(layer(x[:m]), alone[:m])), rows)
+    return rows
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear | PackedLinear)
+
+
+HEADER = ["run", "identical", "rate", "drafts kept", "first differing"]
+
+
+def agreement(args: argparse.Namespace) -> int:
+    """Greedy outputs with and without n-gram speculation, per dtype, packing, workload
+    and batch (see the module docstring)."""
+    rows, figures = [], {}
+    for dtype in args.dtypes.split(","):
+        base = dict(model="smollm2", dtype=dtype, max_num_seqs=64, max_model_len=2048)
+        plain = Engine(EngineConfig(**base))
+        ngram = SpeculativeConfig("ngram", num_tokens=args.num_tokens)
+        spec = Engine(EngineConfig(**base, speculative=ngram))
+        invariant = rows_invariant_up_to(plain)
+        figures[f"{dtype}_linears_row_invariant_up_to"] = invariant
+        print(f"{dtype}: {plain.summary}; linear layers row-invariant up to {invariant} rows", flush=True)
+        for name in args.workloads.split(","):
+            chats = workload(name, args.prompts)
+            for batch in (int(b) for b in args.batches.split(",")):
+                reference = greedy_outputs(plain, chats, args.tokens, batch)
+                for packing in args.verification.split(","):
+                    spec.runner.spread_drafts = packing == "rows"
+                    before = spec.stats().speculation.accepted_tokens
+                    outputs = greedy_outputs(spec, chats, args.tokens, batch)
+                    accepted = spec.stats().speculation.accepted_tokens - before
+                    diffs = [first_difference(a, b) for a, b in zip(reference, outputs, strict=True)]
+                    same = diffs.count(None)
+                    split = [d for d in diffs if d is not None]
+                    key = f"{dtype}_{packing}_{name}_batch{batch}"
+                    figures[key] = dict(identical=same, prompts=len(chats), first_differences=split)
+                    rows.append([key, f"{same}/{len(chats)}", same / len(chats), accepted, split or "-"])
+                    print(harness.table(HEADER, rows[-1:]), flush=True)
+    print(f"n-gram speculation, at most {args.num_tokens} tokens per step, {args.tokens} tokens greedy:")
+    print(harness.table(HEADER, rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=128)
@@ -110,8 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts run one by one at batch 1")
     ap.add_argument("--methods", default="ngram,self", help="proposers measured: ngram, self")
     ap.add_argument("--draft-layers", type=int, default=8, help="self: the target's first layers drafting")
+    ap.add_argument("--agreement", action="store_true", help="measure exactness instead of speed")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="agreement: the dtypes compared")
+    ap.add_argument("--prompts", type=int, default=8, help="agreement: prompts of each workload")
+    ap.add_argument("--verification", default="rows,chunk", help="agreement: packings (rows, chunk)")
     harness.add_json_argument(ap)
     args = ap.parse_args(argv)
+    if args.agreement:
+        return agreement(args)
     base = dict(model="smollm2", dtype=args.dtype, max_num_seqs=64, max_model_len=2048)
     plain = Engine(EngineConfig(**base))
     specs = {
