@@ -133,7 +133,7 @@ FIELDS: tuple[ApiField, ...] = (
     _h(
         "repetition_penalty",
         BOTH,
-        "> 0, over prompt and output tokens (vLLM's, transformers'); unset: as top_p, else 1",
+        "in (0, 100], over prompt and output tokens (vLLM's, transformers'); unset: as top_p, else 1",
         "vLLM",
     ),
     _h(
