@@ -167,7 +167,9 @@ def agreement(args: argparse.Namespace) -> int:
     and batch (see the module docstring)."""
     rows, figures = [], {}
     for dtype in args.dtypes.split(","):
-        base = dict(model="smollm2", dtype=dtype, max_num_seqs=64, max_model_len=2048)
+        # a small KV cache: 16 prompts of ~200 tokens at most at once
+        base = dict(model="smollm2", dtype=dtype, max_num_seqs=16, max_model_len=2048)
+        base["kv_cache_memory_mib"] = 256
         plain = Engine(EngineConfig(**base))
         ngram = SpeculativeConfig("ngram", num_tokens=args.num_tokens)
         spec = Engine(EngineConfig(**base, speculative=ngram))
