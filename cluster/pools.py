@@ -42,6 +42,7 @@ import asyncio
 import dataclasses
 import logging
 import random
+import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -157,6 +158,10 @@ class WorkerPool:
         self.spec: PoolSpec = config.pools()[role]
         self._members: dict[str, _Member] = {}
         self._next_index = 0
+        # placement groups are named for ``ray list placement-groups``; Ray refuses a name
+        # already taken in the namespace, so each pool's names carry a token of their own
+        # (two clusters on one Ray both have a "decode-0")
+        self._pg_token = secrets.token_hex(3)
         self.replaced = 0  # workers replaced by ``keep`` after Ray gave them up
         self.engine_failures = 0  # of those, workers whose engine loop stopped (the process lived)
         # moves a worker's running requests to the others (the router's router.moves.Moves.move_off),
@@ -322,7 +327,8 @@ class WorkerPool:
         elastic = self.config.mode == "elastic"
         worker_id = f"{'elastic-' if elastic else ''}{self.role}-{self._next_index}"
         self._next_index += 1
-        pg = placement_group([bundle(s)] * s.ranks, strategy="STRICT_PACK", name=f"splitserve-{worker_id}")
+        name = f"splitserve-{worker_id}-{self._pg_token}"
+        pg = placement_group([bundle(s)] * s.ranks, strategy="STRICT_PACK", name=name)
         spec = self._worker_spec(worker_id)
         member = self._members[worker_id] = _Member(worker_id, pg)
         cls = PrefillWorker if self.role == Role.PREFILL else DecodeWorker
