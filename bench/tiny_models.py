@@ -15,7 +15,9 @@ def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024, k
     top 2 renormalised, layer 0 dense); qwen2_moe (8 experts, top 2 not renormalised,
     a gated shared expert); deepseek_v3 (MLA with a q bottleneck, 8 experts in 4
     groups of which 2 are searched, sigmoid routing with correction bias and scaling,
-    a shared expert, layer 0 dense)."""
+    a shared expert, layer 0 dense); gpt_oss (4 layers alternating sliding (window 16)
+    and full attention, attention sinks, q/k/v/o biases, YaRN, 4 experts top 2 with
+    biases and the clamped SwiGLU)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -87,6 +89,27 @@ def _tiny_moe_config(kind: str, common: dict):
             qk_rope_head_dim=8,
             v_head_dim=16,
         )
+    if kind == "gpt_oss":
+        from transformers import GptOssConfig
+
+        return GptOssConfig(
+            **{**common, "num_hidden_layers": 4, "intermediate_size": 32},
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": common["max_position_embeddings"] // 4,
+                "rope_theta": 150000.0,
+            },
+            tie_word_embeddings=False,
+        )
     raise ValueError(kind)
 
 
@@ -101,12 +124,15 @@ def make_hf_checkpoint(
 
     torch.manual_seed(seed)
     config = tiny_hf_config(kind, kv_heads=kv_heads, max_position=max_position)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    attention = "eager" if kind == "gpt_oss" else "sdpa"  # transformers runs its sinks eagerly only
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     # Larger weights than the default init make logits less flat, so greedy ties are rare.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:  # matrices, and stacked experts
                 p.normal_(0, 0.2)
+            elif kind == "gpt_oss" and name.endswith(("bias", "sinks")):  # ~0 at init: make them count
+                p.normal_(0, 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros at init: make it choose
                 b.uniform_(0, 0.5)

@@ -225,7 +225,8 @@ def _attention(
 ) -> tuple[AttentionBackend, bool]:
     """The attention backend, and whether decode runs in CUDA graphs; ``ValueError`` for
     a combination that does not run (MLA or MoE with CUDA graphs, an FP8 KV cache on a
-    backend that cannot read it, MLA with an FP8 KV cache). ``auto`` with an FP8 cache
+    backend that cannot read it, MLA with an FP8 KV cache, sliding windows or sinks on
+    a backend without them). ``auto`` with an FP8 cache
     is the Triton kernel on CUDA (it reads e4m3 in place; graphs capture it) and SDPA
     on CPU."""
     fp8_kv = config.kv_cache_dtype == "fp8"
@@ -237,10 +238,18 @@ def _attention(
     attention = config.attention_backend
     if fp8_kv and attention == "auto":
         attention = "triton" if device.type == "cuda" else "sdpa"
+    windows = mc.attn_sinks or mc.sliding_window is not None
+    if windows and attention == "auto" and device.type == "cuda":
+        attention = "sdpa"  # the GPU kernels have neither windows nor sinks yet
     if mc.mla is not None:
         backend: AttentionBackend = MlaBackend(mc.mla.kv_lora_rank)
     else:
         backend = get_backend(attention, device, config.native_kernels)
+    if windows and not backend.windows_and_sinks:
+        raise ValueError(
+            f"{mc.model_type}'s sliding windows and attention sinks run on the sdpa and cpu attention "
+            f"backends; {backend.name} has neither yet"
+        )
     if fp8_kv and not backend.reads_fp8_kv:
         raise ValueError(
             f"kv_cache_dtype fp8 runs on the sdpa and triton attention backends; {backend.name} cannot"

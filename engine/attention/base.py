@@ -44,6 +44,9 @@ def decode_tables(
 class AttentionBackend(ABC):
     name: str
     reads_fp8_kv: bool = False  # takes an FP8 cache with its scales
+    # takes ``window`` and ``sinks`` (sliding-window layers, attention sinks: gpt-oss);
+    # a model with either runs only on a backend that does (``engine.build``)
+    windows_and_sinks: bool = False
 
     @abstractmethod
     def prepare(self, spans: list[SeqSpan], num_decodes: int, block_size: int, device: torch.device) -> Any:
@@ -63,4 +66,7 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Causal attention of every query over its sequence's keys; returns [T, H, D].
         ``kv_scales`` ([2, kv_heads]) comes with an FP8 cache (``engine.kv_quant``), which
-        only backends that set ``reads_fp8_kv`` take."""
+        only backends that set ``reads_fp8_kv`` take. Backends that set
+        ``windows_and_sinks`` also take the keywords ``window`` (int or None: a query at
+        position p attends to keys in (p - window, p]) and ``sinks`` ([H] or None: one
+        more logit per head in the softmax, whose value is zero: gpt-oss's sinks)."""

@@ -2,8 +2,10 @@
 through the block tables instead of gathering them: decode
 (``engine/kernels/csrc/paged_decode.cpp``) and, where built with AVX-512 and the
 head size is 64 or 128, causal prefill (``paged_prefill.cpp``, 2.0-2.5x torch's
-SDPA on 256-512-token prompts); otherwise prefill as in the SDPA backend. Selected
-automatically on CPU when the kernels build."""
+SDPA on 256-512-token prompts); otherwise prefill as in the SDPA backend. Layers
+with a sliding window or attention sinks run the SDPA backend's way whole (the
+native kernels have neither yet). Selected automatically on CPU when the kernels
+build."""
 
 from __future__ import annotations
 
@@ -37,11 +39,14 @@ class CpuMetadata:
     # the prefill spans for SDPA (decode part empty): built by the first layer that
     # needs them (no native kernel, or a head size it lacks), then shared by the rest
     sdpa: SdpaMetadata | None = None
+    spans: list[SeqSpan] | None = None  # every span, for ``whole``
+    whole: SdpaMetadata | None = None  # every span for SDPA: windowed and sink layers
 
 
 class CpuBackend(SdpaBackend):
     name = "cpu"
     reads_fp8_kv = False  # the native kernels read the model's dtype
+    windows_and_sinks = True  # through SDPA (module docstring)
 
     def __init__(self) -> None:
         self.kernels = kernels.load()
@@ -63,9 +68,25 @@ class CpuBackend(SdpaBackend):
                 torch.tensor([s.q_len for s in prefills], dtype=torch.long),
                 ctx,
             )
-        return CpuMetadata(prefills, block_size, native, num_decodes, tables, lens)
+        return CpuMetadata(prefills, block_size, native, num_decodes, tables, lens, spans=spans)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float, kv_scales=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: CpuMetadata,
+        scale: float,
+        kv_scales=None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ):
+        if window is not None or sinks is not None:
+            if meta.whole is None:
+                meta.whole = super().prepare(meta.spans, meta.num_decodes, meta.block_size, q.device)
+            return super().forward(q, k, v, k_cache, v_cache, meta.whole, scale, window=window, sinks=sinks)
         nd = meta.num_decodes
         if nd == q.shape[0]:
             return self.kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)

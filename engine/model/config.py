@@ -3,10 +3,16 @@
 One dataclass covers every family the decoder (``engine.model.decoder``) builds:
 
 - attention: GQA (Llama 2/3 with their RoPE variants, Mistral, Qwen2 with q/k/v
-  bias, Qwen3 with per-head q/k RMSNorm, SmolLM2) or DeepSeek's multi-head latent
-  attention (``mla``: DeepSeek-V3);
+  bias, Qwen3 with per-head q/k RMSNorm, SmolLM2; gpt-oss with biases, attention
+  sinks and sliding-window layers) or DeepSeek's multi-head latent attention
+  (``mla``: DeepSeek-V3);
 - MLP: dense, or a mixture of experts (``moe``: Mixtral, Qwen2-MoE, Qwen3-MoE,
-  DeepSeek-V3), with the layers that stay dense listed.
+  DeepSeek-V3, gpt-oss), with the layers that stay dense listed.
+
+Sliding-window layers (``layer_types``, ``sliding_window``): a query at position p
+attends to the keys at positions (p - window, p], as transformers' masks do; the
+other layers attend to every earlier key. Every layer's cache still holds the
+whole sequence (a sliding layer's older blocks are not freed yet).
 
 With MLA the KV cache holds one latent row per token and layer instead of K and
 V heads: ``num_kv_heads`` is 1, ``head_dim`` is the row's width
@@ -25,12 +31,11 @@ from splitserve.engine.model.checkpoint_quant import CheckpointQuant
 from splitserve.wire.errors import ModelLoadError
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 # model types a user may try whose missing pieces we can name
 NOT_YET = {
     "deepseek_v2": "DeepSeek-V2's softmax routing with group-limited greedy top-k (DeepSeek-V3 is supported)",
-    "gpt_oss": "gpt-oss's attention sinks, alternating sliding-window layers and MXFP4 experts",
 }
 
 
@@ -44,7 +49,12 @@ class MoEConfig:
     best of ``num_groups`` groups (a group's score: the sum of its two best), and
     weighted by their scores, renormalised to sum to 1 if ``renormalize``, times
     ``routed_scaling``. Shared experts (one MLP of ``shared_intermediate_size``)
-    see every token; Qwen2-MoE gates theirs by ``sigmoid(shared_expert_gate(x))``."""
+    see every token; Qwen2-MoE gates theirs by ``sigmoid(shared_expert_gate(x))``.
+
+    gpt-oss: the router has a bias, each expert's projections have biases, and the
+    activation is ``clamped_swiglu``: gate clamped above at ``swiglu_limit``, up to
+    [-limit, limit], ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)`` (the
+    default ``silu``: ``silu(gate) * up``)."""
 
     num_experts: int
     top_k: int
@@ -58,6 +68,11 @@ class MoEConfig:
     shared_intermediate_size: int = 0  # 0: no shared experts
     shared_gate: bool = False
     dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense (of the model's intermediate_size)
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"  # "silu" | "clamped_swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +125,17 @@ class ModelConfig:
     # DeepSeek-V3's multi-token prediction layers after the decoder's (the checkpoint's
     # ``model.layers.{num_layers}.*``; ``num_nextn_predict_layers``): ``engine.model.mtp``
     num_mtp_layers: int = 0
+    # per layer "full_attention" or "sliding_attention" (empty: every layer full);
+    # a sliding layer attends to the last ``sliding_window`` positions (module docstring)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head beside the keys in the softmax
+
+    def window(self, i: int) -> int | None:
+        """Layer i's sliding window, or None where it attends to every earlier key."""
+        if i < len(self.layer_types) and self.layer_types[i] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def q_size(self) -> int:
@@ -161,7 +187,9 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         max_pos = hf.max_position_embeddings
         window = getattr(hf, "sliding_window", None)
-        if window and (mt in ("mistral", "mixtral") or getattr(hf, "use_sliding_window", False)):
+        layer_types, sliding = _layer_types(hf, mt, max_pos)
+        uses_window = mt in ("mistral", "mixtral") or getattr(hf, "use_sliding_window", False)
+        if window and not layer_types and uses_window:
             # Within the window, sliding-window attention equals full attention.
             max_pos = min(max_pos, window)
         quant = CheckpointQuant.from_config(getattr(hf, "quantization_config", None))
@@ -185,7 +213,7 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=mt in ("qwen2", "qwen2_moe") or attention_bias,
-            o_bias=mt in ("llama", "mistral", "mixtral") and attention_bias,
+            o_bias=mt in ("llama", "mistral", "mixtral", "gpt_oss") and attention_bias,
             qk_norm=mt in ("qwen3", "qwen3_moe"),
             rope=_rope_params(hf),
             eos_token_ids=eos_ids,
@@ -194,7 +222,41 @@ class ModelConfig:
             moe=moe,
             mla=mla,
             num_mtp_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0) if mt == "deepseek_v3" else 0,
+            layer_types=layer_types,
+            sliding_window=sliding,
+            attn_sinks=mt == "gpt_oss",
         )
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(hf: Any, mt: str, max_pos: int) -> tuple[tuple[str, ...], int | None]:
+    """(per-layer types, the sliding window) of a family whose layers differ (gpt-oss);
+    ((), None) for the others. ``ModelLoadError`` for an unknown type, a list of the
+    wrong length, or a window that is not a positive number within the context."""
+    if mt != "gpt_oss":
+        return (), None
+    types = tuple(getattr(hf, "layer_types", None) or ())
+    if len(types) != hf.num_hidden_layers:
+        raise ModelLoadError(
+            f"config.json: layer_types lists {len(types)} layers; the model has {hf.num_hidden_layers}"
+        )
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ModelLoadError(
+            f"config.json: layer_types has {unknown[0]!r}, which splitserve does not run "
+            f"(it runs {', '.join(LAYER_TYPES)})"
+        )
+    window = getattr(hf, "sliding_window", None)
+    if "sliding_attention" not in types:
+        return types, None
+    if not isinstance(window, int) or not 0 < window <= max_pos:
+        raise ModelLoadError(
+            f"config.json: sliding_window {window!r} is not a window within the context "
+            f"(1 to max_position_embeddings, {max_pos})"
+        )
+    return types, window
 
 
 def _moe_config(hf: Any, mt: str) -> MoEConfig | None:
@@ -216,6 +278,17 @@ def _moe_config(hf: Any, mt: str) -> MoEConfig | None:
             shared_intermediate_size=shared,
             shared_gate=bool(shared),
             dense_layers=dense,
+        )
+    if mt == "gpt_oss":
+        return MoEConfig(
+            hf.num_local_experts,
+            top_k,
+            hf.intermediate_size,
+            router_bias=True,
+            expert_bias=True,
+            activation="clamped_swiglu",
+            swiglu_alpha=float(hf.swiglu_alpha),
+            swiglu_limit=float(hf.swiglu_limit),
         )
     if mt == "deepseek_v3":
         if getattr(hf, "scoring_func", "sigmoid") != "sigmoid":

@@ -39,7 +39,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         tp = tp or TPGroup.single()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp)
+        self.self_attn = MLAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg, tp, ep) if cfg.is_moe_layer(index) else MLP(cfg, tp)
 

@@ -56,9 +56,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """This rank's query heads and the KV heads they attend to (``kv_head_range``)."""
+    """This rank's query heads and the KV heads they attend to (``kv_head_range``);
+    layer ``index``'s sliding window, if it has one (``ModelConfig.window``), and
+    with ``cfg.attn_sinks`` this rank's heads' sink logits (``sinks``)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None, index: int = 0):
         super().__init__()
         tp = tp or TPGroup.single()
         h0, h1 = tp.shard_range(cfg.num_heads)
@@ -70,6 +72,10 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window = cfg.window(index)
+        self.sinks = None
+        if cfg.attn_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.kernels: Any = None  # with ``rope_and_cache``: rotary + KV write in one kernel
 
     def forward(self, x, cos, sin, k_cache, v_cache, ctx: StepContext, kv_scales=None) -> torch.Tensor:
@@ -89,7 +95,10 @@ class Attention(nn.Module):
             q, k, v = self._rope_and_cache(
                 qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, kv_scales, ctx.calibrate_kv
             )
-        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale, kv_scales)
+        extra = {}  # only for a backend that takes them (``windows_and_sinks``)
+        if self.window is not None or self.sinks is not None:
+            extra = {"window": self.window, "sinks": self.sinks}
+        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale, kv_scales, **extra)
         return self.o_proj(o.view(T, self.q_size))
 
     def _rope_and_cache(

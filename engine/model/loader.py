@@ -41,6 +41,7 @@ from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.cpu_linear import pack_linears, packing_supported
 from splitserve.engine.model.decoder import DecoderModel
 from splitserve.engine.model.gguf_cache import converted_checkpoint
+from splitserve.engine.model.layouts import unstacked
 from splitserve.engine.model.placement import (
     Placement,
     canonical_name,
@@ -237,7 +238,7 @@ def load_weights(
     fp8_owner = {id(m.weight): m for m in model.modules() if isinstance(m, Fp8CheckpointLinear)}
     written: dict[int, int] = {}
     bar = _progress_bar(tp, progress_bytes)
-    for full_name, source in weights:
+    for full_name, source in unstacked(cfg, weights):
         full_name = canonical_name(cfg, full_name)
         name = full_name.removeprefix("model.")
         if bar is not None:

@@ -15,6 +15,9 @@ One step's tokens go through it as one packed batch::
 Expert weights keep their own layout, stacked: ``experts.gate_up_proj [E, 2I, H]``
 (gate rows, then up rows) and ``experts.down_proj [E, H, I]``, the checkpoint's
 ``experts.N.{gate,up,down}_proj`` (Mixtral's ``w1, w3, w2``) read into row N.
+gpt-oss's experts also have biases (``experts.gate_up_bias [E, 2I]``,
+``experts.down_bias [E, H]``) and its clamped SwiGLU (``ExpertForm``); its router
+a bias. The grouped kernel runs neither: such a layer runs the torch loop.
 
 Under tensor parallelism each rank holds every expert's slice of the intermediate
 width (gate/up rows and down columns [i0, i1), as a dense MLP's), and the partial
@@ -30,6 +33,7 @@ last ``take_routed`` (the expert load ``splitserve status`` shows).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +65,28 @@ def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, moe: MoECo
     return weights * moe.routed_scaling if moe.routed_scaling != 1.0 else weights, ids
 
 
+@dataclass(frozen=True)
+class ExpertForm:
+    """What an expert computes beside its two GEMMs (gpt-oss): biases stacked as the
+    experts are (``gate_up_bias`` [E, 2I], ``down_bias`` [E, H]; None: none, or
+    added by another tensor-parallel rank) and the activation of ``MoEConfig``."""
+
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def activate(self, h: torch.Tensor, inter: int) -> torch.Tensor:
+        """[n, 2I] gate and up (biased) -> [n, I]."""
+        gate, up = h[:, :inter], h[:, inter:]
+        if self.activation == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 def grouped_experts(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -69,13 +95,15 @@ def grouped_experts(
     ids: torch.Tensor,
     first_expert: int = 0,
     kernel: Callable | None = None,
+    form: ExpertForm | None = None,
 ) -> torch.Tensor:
     """Sum over each token's chosen experts of weight x expert(x), [T, H] in ``x``'s
     dtype. ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] hold experts
     [first_expert, first_expert + E); pairs routed to other experts add nothing
     (their expert lives on another rank). Tokens are grouped by expert (see the
     module docstring): a Python loop over the experts that got tokens, none over tokens,
-    or ``kernel`` (``kernels.triton_moe.grouped_experts_gemm``: two launches in all)."""
+    or ``kernel`` (``kernels.triton_moe.grouped_experts_gemm``: two launches in all),
+    which ``form`` (biases, another activation) rules out."""
     t, k = ids.shape
     held = gate_up.shape[0]
     local = ids.reshape(-1) - first_expert
@@ -84,7 +112,7 @@ def grouped_experts(
     counts = torch.bincount(local, minlength=held + 1)[:held].tolist()
     order = order[: sum(counts)]
     token = order // k
-    out = _grouped(x, token, counts, gate_up, down, kernel)
+    out = _grouped(x, token, counts, gate_up, down, kernel, form)
     out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
     return torch.zeros_like(x).index_add_(0, token, out)
 
@@ -95,13 +123,14 @@ def expert_rows(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     kernel: Callable | None = None,
+    form: ExpertForm | None = None,
 ):
     """Row i through expert ``expert[i]`` (an index into the stacks ``gate_up``
     [E, 2I, H] and ``down`` [E, H, I]), unweighted, [N, H] in the rows' order (what an
     expert-parallel rank computes for the rows other ranks sent it)."""
     order = expert.argsort(stable=True)
     counts = torch.bincount(expert, minlength=gate_up.shape[0]).tolist()
-    out = _grouped(rows, order, counts, gate_up, down, kernel)
+    out = _grouped(rows, order, counts, gate_up, down, kernel, form)
     return torch.empty_like(out).index_copy_(0, order, out)
 
 
@@ -112,47 +141,58 @@ def _grouped(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     kernel: Callable | None = None,
+    form: ExpertForm | None = None,
 ):
     """Rows ``x[token]``, sorted by expert, ``counts[e]`` of them for expert e, each
     through its expert: one GEMM pair per expert that has rows, in place of a loop
-    over tokens (or ``kernel``'s two grouped GEMMs)."""
-    if kernel is not None:
+    over tokens (or ``kernel``'s two grouped GEMMs, where there is no ``form``)."""
+    if kernel is not None and form is None:
         return kernel(x, token, counts, gate_up, down)
+    form = form or ExpertForm()
     rows = x.index_select(0, token)
     out = torch.empty_like(rows)
     inter = down.shape[2]
     start = 0
     for e, count in enumerate(counts):
         if count:
-            h = F.linear(rows[start : start + count], gate_up[e])
-            out[start : start + count] = F.linear(F.silu(h[:, :inter]) * h[:, inter:], down[e])
+            up_bias = None if form.gate_up_bias is None else form.gate_up_bias[e]
+            down_bias = None if form.down_bias is None else form.down_bias[e]
+            h = F.linear(rows[start : start + count], gate_up[e], up_bias)
+            out[start : start + count] = F.linear(form.activate(h, inter), down[e], down_bias)
             start += count
     return out
 
 
 class Router(nn.Module):
-    """``weight`` [E, H] (and DeepSeek-V3's ``e_score_correction_bias`` [E]); logits in
-    float32 whatever the model's dtype (the reference implementations route in float32).
-    Not an ``nn.Linear``, so quantization and CPU packing leave it alone."""
+    """``weight`` [E, H] (and DeepSeek-V3's ``e_score_correction_bias`` [E], gpt-oss's
+    ``bias`` [E]); logits in float32 whatever the model's dtype (the reference
+    implementations route in float32). Not an ``nn.Linear``, so quantization and CPU
+    packing leave it alone."""
 
-    def __init__(self, num_experts: int, hidden: int, correction_bias: bool):
+    def __init__(self, num_experts: int, hidden: int, correction_bias: bool, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(num_experts), requires_grad=False) if correction_bias else None
         )
+        self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias)
 
 
 class Experts(nn.Module):
     """The routed experts this rank holds, stacked (see the module docstring)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, bias: bool = False):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
+        self.gate_up_bias = self.down_bias = None
+        if bias:
+            self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * inter), requires_grad=False)
+            self.down_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
 
 
 class SparseMoE(nn.Module):
@@ -170,8 +210,8 @@ class SparseMoE(nn.Module):
             ExpertShard.of(moe.num_experts, ep.rank, ep.size) if self.ep else ExpertShard(0, moe.num_experts)
         )
         self.inter = moe.intermediate_size // tp.size
-        self.gate = Router(moe.num_experts, cfg.hidden_size, moe.correction_bias)
-        self.experts = Experts(self.shard.count, cfg.hidden_size, self.inter)
+        self.gate = Router(moe.num_experts, cfg.hidden_size, moe.correction_bias, moe.router_bias)
+        self.experts = Experts(self.shard.count, cfg.hidden_size, self.inter, moe.expert_bias)
         self.shared_experts = (
             MLP(cfg, tp, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         )
@@ -188,7 +228,7 @@ class SparseMoE(nn.Module):
                 self._count(ids.reshape(-1))
             gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
             out = self.group.all_reduce(
-                grouped_experts(x, gate_up, down, weights, ids, kernel=self.grouped_kernel)
+                grouped_experts(x, gate_up, down, weights, ids, kernel=self.grouped_kernel, form=self._form())
             )
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
@@ -206,7 +246,17 @@ class SparseMoE(nn.Module):
     def _held_experts(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         self._count(local_ids)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        return expert_rows(rows, local_ids, gate_up, down, self.grouped_kernel)
+        return expert_rows(rows, local_ids, gate_up, down, self.grouped_kernel, self._form())
+
+    def _form(self) -> ExpertForm | None:
+        """The experts' biases and activation where they have them (None: plain SwiGLU).
+        The down projection's bias is added by one rank of a tensor-parallel group (the
+        partial outputs are summed), by every expert-parallel rank for its own experts."""
+        moe, experts = self.moe, self.experts
+        if not moe.expert_bias and moe.activation == "silu":
+            return None
+        down_bias = experts.down_bias if self.ep is not None or self.group.is_driver else None
+        return ExpertForm(experts.gate_up_bias, down_bias, moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
 
     def _count(self, local_ids: torch.Tensor) -> None:
         counts = torch.bincount(local_ids, minlength=self.shard.count)

@@ -37,6 +37,7 @@ _RENAMES = {
         (".w2.", ".down_proj."),
     ),
     "qwen2_moe": (("mlp.shared_expert.", "mlp.shared_experts."),),
+    "gpt_oss": (("mlp.router.", "mlp.gate."),),  # its stacked experts: ``layouts.unstacked``
 }
 
 
@@ -81,6 +82,8 @@ def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     if cfg.qk_norm:
         out[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
         out[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
+    if cfg.attn_sinks:
+        out[p + "self_attn.sinks"] = (cfg.num_heads,)
     out[p + "self_attn.o_proj.weight"] = (h, cfg.q_size)
     if cfg.o_bias:
         out[p + "self_attn.o_proj.bias"] = (h,)
@@ -104,12 +107,15 @@ def _mla_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _mlp_shapes(h: int, inter: int, p: str) -> dict[str, tuple[int, ...]]:
-    return {
+def _mlp_shapes(h: int, inter: int, p: str, bias: bool = False) -> dict[str, tuple[int, ...]]:
+    out = {
         p + "gate_proj.weight": (inter, h),
         p + "up_proj.weight": (inter, h),
         p + "down_proj.weight": (h, inter),
     }
+    if bias:
+        out |= {p + "gate_proj.bias": (inter,), p + "up_proj.bias": (inter,), p + "down_proj.bias": (h,)}
+    return out
 
 
 def _moe_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
@@ -117,8 +123,10 @@ def _moe_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {p + "gate.weight": (moe.num_experts, h)}
     if moe.correction_bias:
         out[p + "gate.e_score_correction_bias"] = (moe.num_experts,)
+    if moe.router_bias:
+        out[p + "gate.bias"] = (moe.num_experts,)
     for e in range(moe.num_experts):
-        out.update(_mlp_shapes(h, moe.intermediate_size, f"{p}experts.{e}."))
+        out.update(_mlp_shapes(h, moe.intermediate_size, f"{p}experts.{e}.", moe.expert_bias))
     if moe.shared_intermediate_size:
         out.update(_mlp_shapes(h, moe.shared_intermediate_size, p + "shared_experts."))
     if moe.shared_gate:
@@ -211,8 +219,12 @@ def _mtp_placement(model: DecoderModel, tp: TPGroup, index: int, module: str, re
 
 def _attention(cfg: ModelConfig, layer, tp: TPGroup, rest: str) -> Placement | None:
     attn, d = layer.self_attn, cfg.head_dim
-    proj, kind = rest.rsplit(".", 1)
     h0, h1 = tp.shard_range(cfg.num_heads)
+    if rest == "sinks" and attn.sinks is not None:  # one per head: this rank's heads'
+        return Placement(attn.sinks, 0, 0, h0, h1)
+    if "." not in rest:
+        return None
+    proj, kind = rest.rsplit(".", 1)
     k0, k1 = kv_head_range(cfg.num_kv_heads, tp)
     match proj:
         case "q_proj":
@@ -261,6 +273,16 @@ def _mlp(mlp, tp: TPGroup, rest: str, index: int | None = None) -> Placement | N
             return Placement(gate_up, inter, 0, i0, i1, index=index)
         case "down_proj.weight":
             return Placement(down, 0, 1, i0, i1, index=index)
+    biases = None if index is None else (mlp.gate_up_bias, mlp.down_bias)  # an expert's (gpt-oss)
+    if biases is None or biases[0] is None:
+        return None
+    match rest:
+        case "gate_proj.bias":
+            return Placement(biases[0], 0, 0, i0, i1, index=index)
+        case "up_proj.bias":
+            return Placement(biases[0], inter, 0, i0, i1, index=index)
+        case "down_proj.bias":  # whole on every rank; one rank of a TP group adds it (moe.ExpertForm)
+            return Placement(biases[1], index=index)
     return None
 
 
@@ -269,6 +291,8 @@ def _moe_placement(moe, tp: TPGroup, rest: str) -> Placement | object | None:
         return Placement(moe.gate.weight)
     if rest == "gate.e_score_correction_bias" and moe.gate.e_score_correction_bias is not None:
         return Placement(moe.gate.e_score_correction_bias)
+    if rest == "gate.bias" and moe.gate.bias is not None:
+        return Placement(moe.gate.bias)
     if rest == "shared_expert_gate.weight" and moe.shared_expert_gate is not None:
         return Placement(moe.shared_expert_gate.weight)
     if rest.startswith("shared_experts.") and moe.shared_experts is not None:

@@ -8,6 +8,7 @@ prefix cache:
 | mixtral     | GQA       | 4 experts, softmax top 2                 | 2          | EP 2            |
 | qwen3_moe   | GQA, norm | 8 experts, layer 0 dense                 | 1          | EP 2            |
 | deepseek_v3 | MLA       | sigmoid, grouped, bias, shared, 0 dense  | 2          | TP 2            |
+| gpt_oss     | GQA, sinks, sliding 16 | 4 experts with biases, clamped SwiGLU | 2   | EP 2            |
 
 (DeepSeek-V3 under EP is the rank-loss test's case below, equal to transformers too;
 a TP=1 decode worker is every dense cluster test's.)
@@ -48,8 +49,9 @@ MAX_TOKENS = 8
         ("deepseek_v3", 2, {"tp_size": 2}),
         ("mixtral", 2, {"ep_size": 2}),
         ("qwen3_moe", 1, {"ep_size": 2}),
+        ("gpt_oss", 2, {"ep_size": 2}),
     ],
-    ids=["deepseek_v3-tp2-tp2", "mixtral-tp2-ep2", "qwen3_moe-tp1-ep2"],
+    ids=["deepseek_v3-tp2-tp2", "mixtral-tp2-ep2", "qwen3_moe-tp1-ep2", "gpt_oss-tp2-ep2"],
 )
 def test_moe_and_mla_through_the_cluster_equal_transformers(tmp_path, kind, prefill_tp, decode):
     model = make_hf_checkpoint(kind, tmp_path)
