@@ -15,9 +15,10 @@ def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024, k
     top 2 renormalised, layer 0 dense); qwen2_moe (8 experts, top 2 not renormalised,
     a gated shared expert); deepseek_v3 (MLA with a q bottleneck, 8 experts in 4
     groups of which 2 are searched, sigmoid routing with correction bias and scaling,
-    a shared expert, layer 0 dense); gpt_oss (4 layers alternating sliding (window 16)
-    and full attention, attention sinks, q/k/v/o biases, YaRN, 4 experts top 2 with
-    biases and the clamped SwiGLU)."""
+    a shared expert, layer 0 dense); gemma3_text (6 layers, 2 sliding (window 16) to
+    1 full, twice, a RoPE per kind, q/k norms, soft-capped logits); gpt_oss (4 layers
+    alternating sliding (window 16) and full attention, attention sinks, q/k/v/o
+    biases, YaRN, 4 experts top 2 with biases and the clamped SwiGLU)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -55,6 +56,22 @@ def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024, k
         return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True)
+    if kind == "gemma3_text":
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 6},
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=16,
+            layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        )
     return _tiny_moe_config(kind, common)
 
 
@@ -132,6 +149,8 @@ def make_hf_checkpoint(
             if p.dim() >= 2:  # matrices, and stacked experts
                 p.normal_(0, 0.2)
             elif kind == "gpt_oss" and name.endswith(("bias", "sinks")):  # ~0 at init: make them count
+                p.normal_(0, 0.5)
+            elif kind == "gemma3_text" and name.endswith("norm.weight"):  # zeros at init (scale 1 + w)
                 p.normal_(0, 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros at init: make it choose

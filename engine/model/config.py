@@ -4,10 +4,18 @@ One dataclass covers every family the decoder (``engine.model.decoder``) builds:
 
 - attention: GQA (Llama 2/3 with their RoPE variants, Mistral, Qwen2 with q/k/v
   bias, Qwen3 with per-head q/k RMSNorm, SmolLM2; gpt-oss with biases, attention
-  sinks and sliding-window layers) or DeepSeek's multi-head latent attention
+  sinks and sliding-window layers; Gemma 3 with q/k norms, 5 sliding layers to 1
+  full, each kind with its own RoPE) or DeepSeek's multi-head latent attention
   (``mla``: DeepSeek-V3);
 - MLP: dense, or a mixture of experts (``moe``: Mixtral, Qwen2-MoE, Qwen3-MoE,
   DeepSeek-V3, gpt-oss), with the layers that stay dense listed.
+
+Gemma 3's other differences are flags here: norms that scale by ``1 + weight``
+(``norm_unit_offset``), a norm after attention and around the MLP as well
+(``sandwich_norms``), the tanh-approximated GELU (``hidden_act``), embeddings
+scaled by sqrt(hidden) (``embed_scale``), a query scale of its own
+(``attn_scale``) and logits soft-capped where the config asks
+(``final_logit_softcap``).
 
 Sliding-window layers (``layer_types``, ``sliding_window``): a query at position p
 attends to the keys at positions (p - window, p], as transformers' masks do; the
@@ -30,7 +38,8 @@ from typing import Any
 from splitserve.engine.model.checkpoint_quant import CheckpointQuant
 from splitserve.wire.errors import ModelLoadError
 
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+WINDOWED_MODEL_TYPES = ("gpt_oss", "gemma3_text")  # per-layer ``layer_types``
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 # model types a user may try whose missing pieces we can name
@@ -130,6 +139,14 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
     attn_sinks: bool = False  # gpt-oss: a learned logit per head beside the keys in the softmax
+    rope_local: dict[str, Any] | None = None  # the sliding layers' RoPE where it differs (Gemma 3)
+    # Gemma 3 (module docstring)
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh"
+    embed_scale: float | None = None
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    final_logit_softcap: float | None = None
 
     def window(self, i: int) -> int | None:
         """Layer i's sliding window, or None where it attends to every earlier key."""
@@ -178,14 +195,20 @@ class ModelConfig:
             )
         if getattr(hf, "mlp_bias", False):
             raise ModelLoadError("MLP bias is not supported")
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"activation {hf.hidden_act!r} is not supported (only silu)")
+        act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ModelLoadError(f"activation {act!r} is not supported (only {', '.join(_ACTIVATIONS)})")
+        if getattr(hf, "attn_logit_softcapping", None) is not None:
+            raise ModelLoadError("attention logit soft-capping (Gemma 2's) is not supported yet")
+        if getattr(hf, "use_bidirectional_attention", False):
+            raise ModelLoadError("bidirectional attention is not supported (a decoder runs causal attention)")
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         attention_bias = bool(getattr(hf, "attention_bias", False))
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         max_pos = hf.max_position_embeddings
+        gemma = mt == "gemma3_text"
         window = getattr(hf, "sliding_window", None)
         layer_types, sliding = _layer_types(hf, mt, max_pos)
         uses_window = mt in ("mistral", "mixtral") or getattr(hf, "use_sliding_window", False)
@@ -214,8 +237,8 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=mt in ("qwen2", "qwen2_moe") or attention_bias,
             o_bias=mt in ("llama", "mistral", "mixtral", "gpt_oss") and attention_bias,
-            qk_norm=mt in ("qwen3", "qwen3_moe"),
-            rope=_rope_params(hf),
+            qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text"),
+            rope=_rope_params(hf, "full_attention" if gemma else None),
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf, "bos_token_id", None),
             checkpoint_quant=quant,
@@ -225,7 +248,18 @@ class ModelConfig:
             layer_types=layer_types,
             sliding_window=sliding,
             attn_sinks=mt == "gpt_oss",
+            rope_local=_rope_params(hf, "sliding_attention") if gemma else None,
+            norm_unit_offset=gemma,
+            sandwich_norms=gemma,
+            hidden_act=_ACTIVATIONS[act],
+            embed_scale=hf.hidden_size**0.5 if gemma else None,
+            attn_scale=hf.query_pre_attn_scalar**-0.5 if gemma else None,
+            final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
         )
+
+
+# config spellings -> the engine's (``llama.MLP``)
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -235,7 +269,7 @@ def _layer_types(hf: Any, mt: str, max_pos: int) -> tuple[tuple[str, ...], int |
     """(per-layer types, the sliding window) of a family whose layers differ (gpt-oss);
     ((), None) for the others. ``ModelLoadError`` for an unknown type, a list of the
     wrong length, or a window that is not a positive number within the context."""
-    if mt != "gpt_oss":
+    if mt not in WINDOWED_MODEL_TYPES:
         return (), None
     types = tuple(getattr(hf, "layer_types", None) or ())
     if len(types) != hf.num_hidden_layers:
@@ -325,11 +359,14 @@ def _mla_config(hf: Any, mt: str) -> MLAConfig | None:
     )
 
 
-def _rope_params(hf: Any) -> dict[str, Any]:
-    """RoPE parameters in one dict, from transformers 5's ``rope_parameters`` or
-    the older ``rope_theta`` + ``rope_scaling`` pair."""
+def _rope_params(hf: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """RoPE parameters in one dict, from transformers 5's ``rope_parameters`` (of
+    ``layer_type``'s layers where they are given per type: Gemma 3) or the older
+    ``rope_theta`` + ``rope_scaling`` pair."""
     params = getattr(hf, "rope_parameters", None)
-    if params:
+    if params and layer_type is not None and layer_type in params:
+        params = dict(params[layer_type])
+    elif params:
         params = dict(params)
     else:
         params = dict(getattr(hf, "rope_scaling", None) or {})

@@ -2,8 +2,9 @@
 over a paged KV cache, each rank of a tensor-parallel group building only its shard
 (``splitserve.engine.parallel.layers``).
 
-A layer is attention then MLP, each behind an RMSNorm on the residual stream;
-which kinds, ``ModelConfig`` says, layer by layer::
+A layer is attention then MLP, each behind an RMSNorm on the residual stream
+(Gemma 3: each also followed by one, ``sandwich_norms``); which kinds,
+``ModelConfig`` says, layer by layer::
 
     attention   GQA (``llama.Attention``)       or  MLA (``mla.MLAttention``: DeepSeek-V3)
     MLP         dense (``llama.MLP``)           or  mixture of experts (``moe.SparseMoE``)
@@ -38,16 +39,24 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup | None = None, ep: TPGroup | None = None):
         super().__init__()
         tp = tp or TPGroup.single()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        h, eps, unit = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset
+        self.input_layernorm = RMSNorm(h, eps, unit)
         self.self_attn = MLAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp, index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, eps, unit)
         self.mlp = SparseMoE(cfg, tp, ep) if cfg.is_moe_layer(index) else MLP(cfg, tp)
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if cfg.sandwich_norms:  # post_attention_layernorm then normalises attention's output
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, unit)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, unit)
 
     def forward(self, x, delta, cos, sin, k_cache, v_cache, ctx, kv_scales=None):
         """``x`` is the residual stream, still missing the previous layer's output
         ``delta``; returns this layer's output, to be added by the next norm."""
         attn = self.self_attn(self.input_layernorm(x, delta), cos, sin, k_cache, v_cache, ctx, kv_scales)
-        return self.mlp(self.post_attention_layernorm(x, attn))
+        if self.pre_feedforward_layernorm is None:
+            return self.mlp(self.post_attention_layernorm(x, attn))
+        mlp = self.mlp(self.pre_feedforward_layernorm(x, self.post_attention_layernorm(attn)))
+        return self.post_feedforward_layernorm(mlp)
 
 
 class DecoderModel(nn.Module):
@@ -73,11 +82,15 @@ class DecoderModel(nn.Module):
         self.max_position = max_position
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, ep) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.lm_head = VocabParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.linear.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope, max_position)
+        # the sliding layers' own RoPE (Gemma 3's local base), where they have one
+        self.local_rotary = None
+        if cfg.rope_local is not None:
+            self.local_rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope_local, max_position)
         self.mtp = MTPLayer(cfg, DecoderLayer(cfg, cfg.num_layers, tp, ep)) if mtp else None
 
     @torch.inference_mode()
@@ -92,10 +105,14 @@ class DecoderModel(nn.Module):
         if input_ids.numel() == 0:
             return self._no_tokens()
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.tables(positions, x.dtype)
+        if self.config.embed_scale is not None:  # Gemma: the scale rounded to the model's dtype
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        tables = self.rotary.tables(positions, x.dtype)
+        local = tables if self.local_rotary is None else self.local_rotary.tables(positions, x.dtype)
         delta = None
         for i, layer in enumerate(itertools.islice(self.layers, num_layers)):  # no new ModuleList
             k_cache, v_cache = kv_cache.layer(i)
+            cos, sin = local if self.config.window(i) is not None else tables
             delta = layer(x, delta, cos, sin, k_cache, v_cache, ctx, kv_cache.layer_scales(i))
             if ctx.on_layer is not None:
                 ctx.on_layer(i)
@@ -131,6 +148,8 @@ class DecoderModel(nn.Module):
         None: the Triton set on CUDA; the C++ set on CPU for bf16); with the Triton set,
         FP8 activations straight from the norms and SiLU·up (``_fp8_activations``)."""
         for m in self.modules():
+            if isinstance(m, RMSNorm) and m.unit_offset:
+                continue  # Gemma's norm: no kernel runs it
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.kernels = kernels
             elif isinstance(m, SparseMoE):
@@ -158,5 +177,8 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] logits in the model's dtype (the sampler upcasts what needs it)."""
-        return self.lm_head(hidden)
+        """[rows, vocab] logits in the model's dtype (the sampler upcasts what needs it),
+        soft-capped (``cap * tanh(logits / cap)``) where the model asks."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -30,16 +30,26 @@ class RMSNorm(nn.Module):
     stream) and normalises the sum, so each layer reads the stream once. With
     ``kernels`` set (C++ on CPU, Triton on CUDA) 2-D inputs take the fused kernel,
     which with ``fp8_group`` (the FP8 linear it feeds takes ``Fp8Rows`` in groups of
-    that many columns) returns ``Fp8Rows``."""
+    that many columns) returns ``Fp8Rows``.
 
-    def __init__(self, dim: int, eps: float):
+    With ``unit_offset`` (Gemma) the scale is ``1 + weight`` and is applied in float32
+    before the cast back, as Gemma's reference does; the kernels do not run it."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset
         self.kernels: Any = None
         self.fp8_group: int | None = None
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor | Fp8Rows:
+        if self.unit_offset:
+            if delta is not None:
+                x.add_(delta)
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         if self.kernels is not None and x.dim() == 2 and x.is_contiguous():
             if self.fp8_group is not None:
                 q, scale = self.kernels.add_rms_norm_fp8(
@@ -67,11 +77,12 @@ class Attention(nn.Module):
         k0, k1 = kv_head_range(cfg.num_kv_heads, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = h1 - h0, k1 - k0, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        norm = cfg.norm_unit_offset
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, norm) if cfg.qk_norm else None
         self.window = cfg.window(index)
         self.sinks = None
         if cfg.attn_sinks:
@@ -130,11 +141,14 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """This rank's slice of the intermediate width (gate and up rows, down columns);
-    ``intermediate_size`` defaults to the model's (MoE shared experts have their own)."""
+    ``intermediate_size`` defaults to the model's (MoE shared experts have their own).
+    ``act(gate) * up`` with the model's activation: SiLU, or (Gemma) GELU's tanh
+    approximation, which the fused kernels do not run."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None, intermediate_size: int | None = None):
         super().__init__()
         tp = tp or TPGroup.single()
+        self.gelu = cfg.hidden_act == "gelu_tanh"
         self.inter = (intermediate_size or cfg.intermediate_size) // tp.size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, False, tp)
@@ -143,6 +157,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         fused = getattr(self.kernels, "silu_mul", None)
         if fused is not None and gate_up.is_contiguous():
             if self.fp8_group is not None:

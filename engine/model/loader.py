@@ -50,6 +50,7 @@ from splitserve.engine.model.placement import (
 )
 from splitserve.engine.model.quant import FP8_DTYPE, Fp8CheckpointLinear, quantize_linears
 from splitserve.engine.model.replace import replace_children
+from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.wire.errors import ModelLoadError
 
@@ -204,7 +205,6 @@ def _materialize(model: DecoderModel, device: torch.device, dtype: torch.dtype) 
     weights, float32 scales); move the rotary tables there (computed in float32 on
     the CPU, kept in ``dtype`` as the kernels read them)."""
     made: dict[int, nn.Parameter] = {}
-    rotary = model.rotary  # its tables are real already (computed on the CPU: RotaryEmbedding)
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if id(p) not in made:
@@ -212,11 +212,11 @@ def _materialize(model: DecoderModel, device: torch.device, dtype: torch.dtype) 
                     torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False
                 )
             module.register_parameter(name, made[id(p)])
-        if module is rotary:
+        if isinstance(module, RotaryEmbedding):  # its tables are real already (computed on the CPU)
+            module.to(device=device, dtype=dtype)
             continue
         for name, b in list(module.named_buffers(recurse=False)):
             module.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device=device))
-    model.rotary = rotary.to(device=device, dtype=dtype)
 
 
 SKIPPED_SUFFIXES = (".input_scale",)  # static activation scales: not used

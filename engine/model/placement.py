@@ -58,6 +58,9 @@ def checkpoint_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes.update(_mla_shapes(cfg, p) if cfg.mla is not None else _attention_shapes(cfg, p))
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if cfg.is_moe_layer(i):
             shapes.update(_moe_shapes(cfg, p + "mlp."))
         else:
@@ -188,7 +191,9 @@ def placement(model: DecoderModel, tp: TPGroup, name: str) -> Placement | None:
 
 
 def _layer_placement(cfg: ModelConfig, layer, index: int, tp: TPGroup, module: str, rest: str):
-    if module in ("input_layernorm", "post_attention_layernorm"):
+    if module in ("input_layernorm", "post_attention_layernorm") or (
+        module in ("pre_feedforward_layernorm", "post_feedforward_layernorm") and cfg.sandwich_norms
+    ):
         return Placement(getattr(layer, module).weight)
     if module == "self_attn" and cfg.mla is not None:
         return _mla_placement(cfg, layer.self_attn, tp, rest)

@@ -8,6 +8,7 @@ side of the handoff (each case its own Ray instance and cluster, over NIXL):
 | mistral | untied     | 2        | 2          | 1         | merges two ranks' heads          |
 | qwen2   | tied, bias | 1        | 1          | 2         | both decode ranks read one head  |
 | qwen3   | tied, norm | 1        | 2          | 2         | rank to rank, head replicated    |
+| gemma3  | tied, scaled | 2      | 2          | 1         | merges heads; sliding layers too |
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ MAX_TOKENS = 8
 
 @pytest.mark.parametrize(
     "kind, kv_heads, prefill_tp, decode_tp",
-    [("llama3", 2, 1, 1), ("mistral", 2, 2, 1), ("qwen2", 1, 1, 2), ("qwen3", 1, 2, 2)],
+    [
+        ("llama3", 2, 1, 1),
+        ("mistral", 2, 2, 1),
+        ("qwen2", 1, 1, 2),
+        ("qwen3", 1, 2, 2),
+        ("gemma3_text", 2, 2, 1),
+    ],
 )
 def test_cluster_greedy_equals_transformers(tmp_path, kind, kv_heads, prefill_tp, decode_tp):
     model = make_hf_checkpoint(kind, tmp_path, kv_heads=kv_heads)

@@ -1,6 +1,7 @@
 """Greedy output of the engine equals transformers' generate, token for token.
 
-Random-weight tiny Llama / Qwen2 / Qwen3 checkpoints, 10 prompts of different
+Random-weight tiny Llama / Qwen2 / Qwen3 / Gemma 3 (sliding-window layers of 16
+tokens, a RoPE per layer kind, sandwich norms) checkpoints, 10 prompts of different
 lengths (several longer than the 32-token prefill chunk, several sharing a
 prefix), float32, under three cache regimes: prefix caching on (a second pass
 must hit the cache), off, and a cache too small for the batch (preemption).
@@ -26,7 +27,7 @@ def backend(request):
     return request.param
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "llama3", "qwen2", "qwen3", "gemma3_text"])
 def reference(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf = make_hf_checkpoint(request.param, directory)
