@@ -16,7 +16,9 @@ def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024, k
     a gated shared expert); deepseek_v3 (MLA with a q bottleneck, 8 experts in 4
     groups of which 2 are searched, sigmoid routing with correction bias and scaling,
     a shared expert, layer 0 dense); gemma3_text (6 layers, 2 sliding (window 16) to
-    1 full, twice, a RoPE per kind, q/k norms, soft-capped logits); gpt_oss (4 layers
+    1 full, twice, a RoPE per kind, q/k norms, soft-capped logits); glm4_moe
+    (DeepSeek-V3's routing in 2 groups of 4, q/k norms and biases, RoPE over half of
+    each 32-dim head, layer 0 dense); gpt_oss (4 layers
     alternating sliding (window 16) and full attention, attention sinks, q/k/v/o
     biases, YaRN, 4 experts top 2 with biases and the clamped SwiGLU)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
@@ -105,6 +107,24 @@ def _tiny_moe_config(kind: str, common: dict):
             qk_nope_head_dim=16,
             qk_rope_head_dim=8,
             v_head_dim=16,
+        )
+    if kind == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        return Glm4MoeConfig(
+            **common,
+            **moe,
+            head_dim=32,
+            n_routed_experts=8,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            use_qk_norm=True,
+            attention_bias=True,
+            num_nextn_predict_layers=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         )
     if kind == "gpt_oss":
         from transformers import GptOssConfig

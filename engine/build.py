@@ -77,6 +77,11 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         source = resolve_source(config.model)
         hf_config = load_hf_config(source)
     mc = ModelConfig.from_hf(hf_config)
+    if config.runs_mtp and mc.model_type != "deepseek_v3":
+        raise ValueError(
+            f"speculative method mtp runs DeepSeek-V3's multi-token prediction layer; {mc.model_type}'s "
+            "is not run yet (choose ngram or draft)"
+        )
     if config.runs_mtp and not mc.num_mtp_layers:
         raise ValueError(
             f"speculative method mtp needs a model with a multi-token prediction layer (DeepSeek-V3's "

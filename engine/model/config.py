@@ -8,7 +8,9 @@ One dataclass covers every family the decoder (``engine.model.decoder``) builds:
   full, each kind with its own RoPE) or DeepSeek's multi-head latent attention
   (``mla``: DeepSeek-V3);
 - MLP: dense, or a mixture of experts (``moe``: Mixtral, Qwen2-MoE, Qwen3-MoE,
-  DeepSeek-V3, gpt-oss), with the layers that stay dense listed.
+  DeepSeek-V3, gpt-oss, GLM-4.5 with DeepSeek-V3's routing over GQA attention
+  whose RoPE turns only part of each head, ``rotary_dim``), with the layers that
+  stay dense listed.
 
 Gemma 3's other differences are flags here: norms that scale by ``1 + weight``
 (``norm_unit_offset``), a norm after attention and around the MLP as well
@@ -40,7 +42,7 @@ from splitserve.wire.errors import ModelLoadError
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 WINDOWED_MODEL_TYPES = ("gpt_oss", "gemma3_text")  # per-layer ``layer_types``
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 # model types a user may try whose missing pieces we can name
 NOT_YET = {
@@ -140,6 +142,7 @@ class ModelConfig:
     sliding_window: int | None = None
     attn_sinks: bool = False  # gpt-oss: a learned logit per head beside the keys in the softmax
     rope_local: dict[str, Any] | None = None  # the sliding layers' RoPE where it differs (Gemma 3)
+    rotary_dim: int | None = None  # the leading dimensions of a head RoPE turns (GLM: half); None: all
     # Gemma 3 (module docstring)
     norm_unit_offset: bool = False
     sandwich_norms: bool = False
@@ -165,8 +168,11 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Dimensions the rotary embedding turns: a head's, or MLA's rotary key's."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        """Dimensions the rotary embedding turns: a head's (its first ``rotary_dim``
+        where set), or MLA's rotary key's."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return self.rotary_dim or self.head_dim
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -237,18 +243,19 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=mt in ("qwen2", "qwen2_moe") or attention_bias,
             o_bias=mt in ("llama", "mistral", "mixtral", "gpt_oss") and attention_bias,
-            qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text") or bool(getattr(hf, "use_qk_norm", False)),
             rope=_rope_params(hf, "full_attention" if gemma else None),
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf, "bos_token_id", None),
             checkpoint_quant=quant,
             moe=moe,
             mla=mla,
-            num_mtp_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0) if mt == "deepseek_v3" else 0,
+            num_mtp_layers=_mtp_layers(hf, mt),
             layer_types=layer_types,
             sliding_window=sliding,
             attn_sinks=mt == "gpt_oss",
             rope_local=_rope_params(hf, "sliding_attention") if gemma else None,
+            rotary_dim=_rotary_dim(hf, head_dim) if mla is None else None,
             norm_unit_offset=gemma,
             sandwich_norms=gemma,
             hidden_act=_ACTIVATIONS[act],
@@ -256,6 +263,28 @@ class ModelConfig:
             attn_scale=hf.query_pre_attn_scalar**-0.5 if gemma else None,
             final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
         )
+
+
+def _mtp_layers(hf: Any, mt: str) -> int:
+    """Multi-token prediction layers after the decoder's (DeepSeek-V3's; GLM-4.5's
+    checkpoints carry one of the same form, read only when the ``mtp`` method runs)."""
+    if mt not in ("deepseek_v3", "glm4_moe"):
+        return 0
+    return int(getattr(hf, "num_nextn_predict_layers", 0) or 0)
+
+
+def _rotary_dim(hf: Any, head_dim: int) -> int | None:
+    """The dimensions RoPE turns where ``partial_rotary_factor`` (top level, or in
+    ``rope_parameters``) makes it fewer than a head's; None where it turns all."""
+    factor = (getattr(hf, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(hf, "partial_rotary_factor", None) or 1.0
+    if factor == 1.0:
+        return None
+    dim = int(head_dim * factor)
+    if dim <= 0 or dim % 2:
+        raise ModelLoadError(f"partial_rotary_factor {factor} leaves {dim} rotary dimensions: not even, or 0")
+    return dim
 
 
 # config spellings -> the engine's (``llama.MLP``)
@@ -324,7 +353,7 @@ def _moe_config(hf: Any, mt: str) -> MoEConfig | None:
             swiglu_alpha=float(hf.swiglu_alpha),
             swiglu_limit=float(hf.swiglu_limit),
         )
-    if mt == "deepseek_v3":
+    if mt in ("deepseek_v3", "glm4_moe"):  # GLM-4.5 routes as DeepSeek-V3
         if getattr(hf, "scoring_func", "sigmoid") != "sigmoid":
             raise ModelLoadError(f"DeepSeek-V3 scoring {hf.scoring_func!r} is not supported (only sigmoid)")
         experts = getattr(hf, "n_routed_experts", None) or hf.num_local_experts
@@ -372,6 +401,5 @@ def _rope_params(hf: Any, layer_type: str | None = None) -> dict[str, Any]:
         params = dict(getattr(hf, "rope_scaling", None) or {})
         params["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    if getattr(hf, "partial_rotary_factor", 1.0) != 1.0:
-        raise ModelLoadError("partial rotary embeddings are not supported")
+    params.pop("partial_rotary_factor", None)  # ``_rotary_dim``
     return params

@@ -84,6 +84,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, norm) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, norm) if cfg.qk_norm else None
         self.window = cfg.window(index)
+        self.rotary_dim = cfg.rope_dim
         self.sinks = None
         if cfg.attn_sinks:
             self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
@@ -98,7 +99,8 @@ class Attention(nn.Module):
         fused = getattr(self.kernels, "rope_and_cache", None)
         # an FP8 cache only where the kernel writes e4m3 (the Triton set), not while calibrating
         fp8_ok = kv_scales is None or (getattr(self.kernels, "WRITES_FP8_KV", False) and not ctx.calibrate_kv)
-        if fused is not None and self.q_norm is None and k_cache.is_contiguous() and fp8_ok:
+        whole = self.rotary_dim == self.head_dim  # the kernels turn whole heads
+        if fused is not None and self.q_norm is None and whole and k_cache.is_contiguous() and fp8_ok:
             heads = (self.num_heads, self.num_kv_heads)
             fp8 = {} if kv_scales is None else {"kv_scales": kv_scales}
             q, k, v = fused(qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, *heads, **fp8)

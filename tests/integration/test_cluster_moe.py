@@ -9,6 +9,7 @@ prefix cache:
 | qwen3_moe   | GQA, norm | 8 experts, layer 0 dense                 | 1          | EP 2            |
 | deepseek_v3 | MLA       | sigmoid, grouped, bias, shared, 0 dense  | 2          | TP 2            |
 | gpt_oss     | GQA, sinks, sliding 16 | 4 experts with biases, clamped SwiGLU | 2   | EP 2            |
+| glm4_moe    | GQA, norm, half RoPE | as deepseek_v3, 2 groups            | 1          | TP 2            |
 
 (DeepSeek-V3 under EP is the rank-loss test's case below, equal to transformers too;
 a TP=1 decode worker is every dense cluster test's.)
@@ -43,15 +44,19 @@ ENGINE = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 64, "block_size":
 MAX_TOKENS = 8
 
 
+CASES = [
+    ("deepseek_v3", 2, {"tp_size": 2}),
+    ("mixtral", 2, {"ep_size": 2}),
+    ("qwen3_moe", 1, {"ep_size": 2}),
+    ("gpt_oss", 2, {"ep_size": 2}),
+    ("glm4_moe", 1, {"tp_size": 2}),
+]
+
+
 @pytest.mark.parametrize(
     "kind, prefill_tp, decode",
-    [
-        ("deepseek_v3", 2, {"tp_size": 2}),
-        ("mixtral", 2, {"ep_size": 2}),
-        ("qwen3_moe", 1, {"ep_size": 2}),
-        ("gpt_oss", 2, {"ep_size": 2}),
-    ],
-    ids=["deepseek_v3-tp2-tp2", "mixtral-tp2-ep2", "qwen3_moe-tp1-ep2", "gpt_oss-tp2-ep2"],
+    CASES,
+    ids=[f"{k}-tp{p}-{'ep' if 'ep_size' in d else 'tp'}{max(d.values())}" for k, p, d in CASES],
 )
 def test_moe_and_mla_through_the_cluster_equal_transformers(tmp_path, kind, prefill_tp, decode):
     model = make_hf_checkpoint(kind, tmp_path)

@@ -3,9 +3,11 @@ transformers' ``generate``, token for token.
 
 Random-weight tiny Mixtral, Qwen2-MoE (gated shared expert), Qwen3-MoE (a dense
 first layer), DeepSeek-V3 (MLA with a q bottleneck; sigmoid routing in groups
-with a correction bias, a shared expert, a dense first layer) and gpt-oss
+with a correction bias, a shared expert, a dense first layer), gpt-oss
 (sliding-window layers of 16 tokens beside full ones, attention sinks, biases
-everywhere, YaRN, the clamped SwiGLU; transformers' stacked-expert layout) checkpoints
+everywhere, YaRN, the clamped SwiGLU; transformers' stacked-expert layout) and
+GLM-4.5 (DeepSeek-V3's routing over GQA with q/k norms, RoPE over half of each
+head) checkpoints
 (``tests.conftest.tiny_hf_config``); 6 prompts, several longer than the 32-token
 prefill chunk and two sharing a prefix; prefix caching (the second pass hits the
 cache) and a cache too small for the batch (preemption).
@@ -24,7 +26,10 @@ MAX_NEW = 16
 PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def reference(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf = make_hf_checkpoint(request.param, directory)
