@@ -233,3 +233,41 @@ def _per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             out[name] = t.contiguous()
     return out
+
+
+def make_mxfp4_gpt_oss(directory, seed: int = 0):
+    """A tiny gpt-oss checkpoint laid out as the released ones are: each layer's two
+    expert weight stacks in MXFP4 (``*_blocks`` [E, rows, groups, 16] uint8 codes and
+    ``*_scales`` [E, rows, groups] E8M0 exponents, random), ``quantization_config``
+    ``mxfp4``; the rest as ``make_hf_checkpoint`` writes it. Returns the transformers
+    model holding the stacks as transformers itself dequantises them (its
+    ``convert_moe_packed_tensors``): the reference."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    directory = Path(directory)
+    model = make_hf_checkpoint("gpt_oss", directory, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    tensors = load_file(directory / "model.safetensors")
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for stack in ("gate_up_proj", "down_proj"):
+                param = getattr(layer.mlp.experts, stack)  # [E, inputs, outputs]
+                e, inputs, outputs = param.shape
+                blocks = torch.randint(0, 256, (e, outputs, inputs // 32, 16), generator=g, dtype=torch.uint8)
+                scales = torch.randint(121, 124, (e, outputs, inputs // 32), generator=g, dtype=torch.uint8)
+                param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                name = f"model.layers.{i}.mlp.experts.{stack}"
+                del tensors[name]
+                tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn"],
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return model

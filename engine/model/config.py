@@ -221,7 +221,10 @@ class ModelConfig:
         if window and not layer_types and uses_window:
             # Within the window, sliding-window attention equals full attention.
             max_pos = min(max_pos, window)
-        quant = CheckpointQuant.from_config(getattr(hf, "quantization_config", None))
+        quant_config = getattr(hf, "quantization_config", None)
+        if mt == "gpt_oss" and _quant_method(quant_config) == "mxfp4":
+            quant_config = None  # its experts are dequantised as they are read (``layouts``)
+        quant = CheckpointQuant.from_config(quant_config)
         moe, mla = _moe_config(hf, mt), _mla_config(hf, mt)
         if quant is not None and (moe is not None or mla is not None):
             raise ModelLoadError(f"FP8 checkpoints of {mt} models are not supported yet (dense models are)")
@@ -263,6 +266,12 @@ class ModelConfig:
             attn_scale=hf.query_pre_attn_scalar**-0.5 if gemma else None,
             final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
         )
+
+
+def _quant_method(qc: Any) -> str | None:
+    if qc is None:
+        return None
+    return qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
 
 
 def _mtp_layers(hf: Any, mt: str) -> int:
