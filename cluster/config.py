@@ -338,10 +338,12 @@ class OpenAISpec(_Strict):
         description="how chat output is read for tool calls under tool_choice auto: hermes (Hermes, Qwen: "
         "<tool_call>{...}</tool_call>) or llama3_json (Llama 3: the output one JSON call)",
     )
-    reasoning_parser: Literal["think"] | None = Field(
+    reasoning_parser: Literal["think", "harmony"] | None = Field(
         None,
         description="think: a chat output that begins with <think> is reasoning up to </think> "
-        "(reasoning_content), content after it (DeepSeek-R1, Qwen 3); null: all content",
+        "(reasoning_content), content after it (DeepSeek-R1, Qwen 3); harmony: gpt-oss's channels, "
+        "analysis as reasoning_content, final as content, messages to functions.NAME as tool_calls; "
+        "null: all content",
     )
 
 

@@ -19,6 +19,16 @@ output that begins with ``<think>`` is reasoning up to ``</think>`` and content
 after it (``reasoning_content`` beside ``content``); one that does not is all
 content (Qwen 3 with thinking off).
 
+gpt-oss's harmony format (``reasoning_parser: harmony``, which reads tool calls
+too, whatever ``tool_call_parser`` says): the output is messages, each a header
+and a body, ``[<|start|>assistant]<|channel|>CHANNEL[ to=RECIPIENT][ <|constrain|>json]
+<|message|>BODY`` ended by ``<|end|>``, ``<|return|>`` or ``<|call|>``. As vLLM
+reads it: the ``analysis`` channel is ``reasoning_content``, ``final`` (and
+``commentary`` addressed to no one: a preamble) is ``content``, and a message to
+``functions.NAME`` is a call of NAME with the body as its arguments. The output
+is detokenized with its special tokens kept (``keeps_special_tokens``), or the
+markers would be lost.
+
 ``parse`` reads a whole output; ``OutputStream`` reads it as it grows and gives
 the chunks' deltas, holding back only what may still turn out to be a marker.
 """
@@ -35,11 +45,13 @@ from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.sampling import SamplingParams, StructuredOutput
 
 ToolParser = Literal["hermes", "llama3_json"]
-ReasoningParser = Literal["think"]
+ReasoningParser = Literal["think", "harmony"]
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _THINK, _UNTHINK = "<think>", "</think>"
 _PYTHON_TAG = "<|python_tag|>"
+_H_START, _H_CHANNEL, _H_MESSAGE, _H_CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+_H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 
 
 @dataclass(frozen=True)
@@ -61,13 +73,18 @@ class OutputFormat:
 
     choice: ToolChoice = ToolChoice("none")
     tool_parser: ToolParser = "hermes"
-    reasoning: bool = False  # split a <think> block out as reasoning_content
+    reasoning: ReasoningParser | None = None  # how reasoning is split out as reasoning_content
     include_reasoning: bool = True  # vLLM's: False drops the reasoning from the response
 
     @property
     def plain(self) -> bool:
         """Nothing to read: no tools, no reasoning; the text is the content as it comes."""
-        return self.choice.mode == "none" and not self.reasoning
+        return self.choice.mode == "none" and self.reasoning is None
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The output must be detokenized with its special tokens (harmony's markers are)."""
+        return self.reasoning == "harmony"
 
 
 @dataclass
@@ -205,8 +222,13 @@ def _template_call(call: Any) -> dict[str, Any]:
 def parse(text: str, fmt: OutputFormat, final: bool = True) -> Parsed:
     """``text`` (the output so far) read as ``fmt`` says. Not ``final``: what might still
     become a marker, or an unfinished call, is held back (neither content nor call)."""
+    if fmt.reasoning == "harmony":
+        out = _harmony(text, final)
+        if not fmt.include_reasoning:
+            out.reasoning = ""
+        return out
     out = Parsed()
-    if fmt.reasoning:
+    if fmt.reasoning == "think":
         out.reasoning, text = _split_reasoning(text, final)
     mode = fmt.choice.mode
     if mode == "none":
@@ -238,6 +260,39 @@ def _split_reasoning(text: str, final: bool) -> tuple[str, str]:
         reasoning, rest = body.split(_UNTHINK, 1)
         return reasoning, rest.lstrip("\n") if final or rest.strip("\n") else ""
     return (body if final else _hold(body, (_UNTHINK,))), ""
+
+
+def _harmony(text: str, final: bool) -> Parsed:
+    """A harmony output's messages (module docstring). Not ``final``: a message still
+    being written gives its body so far (less a tail that may begin a marker), a call
+    only once it has ended."""
+    out = Parsed()
+    for i, chunk in enumerate(text.split(_H_START)):
+        if i:
+            chunk = chunk.removeprefix("assistant")  # the role of a later message
+        if _H_MESSAGE not in chunk:  # a header still being written (or nothing)
+            continue
+        header, body = chunk.split(_H_MESSAGE, 1)
+        ended = next((body.split(end, 1)[0] for end in _H_ENDS if end in body), None)
+        body = ended if ended is not None else (body if final else _hold(body, (*_H_ENDS, _H_START)))
+        channel, recipient = _harmony_header(header)
+        if recipient is not None and recipient.startswith("functions."):
+            if ended is not None or final:
+                out.calls.append(ToolCall(recipient.removeprefix("functions."), body.strip()))
+        elif channel == "analysis":
+            out.reasoning += body
+        elif recipient is None:  # final, or a preamble to the user (commentary)
+            out.content += body
+    return out
+
+
+def _harmony_header(header: str) -> tuple[str, str | None]:
+    """(channel, recipient or None) of a message header: ``<|channel|>commentary
+    to=functions.f <|constrain|>json`` or `` to=functions.f<|channel|>commentary json``."""
+    words = header.replace(_H_CHANNEL, " <|channel|> ").replace(_H_CONSTRAIN, " ").split()
+    channel = next((words[k + 1] for k, w in enumerate(words[:-1]) if w == _H_CHANNEL), "")
+    recipient = next((w.removeprefix("to=") for w in words if w.startswith("to=")), None)
+    return channel, recipient
 
 
 def _hold(text: str, markers: tuple[str, ...]) -> str:

@@ -223,7 +223,7 @@ class ChatRequest(OpenAIRequest):
     def output_format(
         self, tool_parser: ToolParser, reasoning_parser: ReasoningParser | None
     ) -> OutputFormat:
-        return OutputFormat(self.choice(), tool_parser, reasoning_parser is not None, self.include_reasoning)
+        return OutputFormat(self.choice(), tool_parser, reasoning_parser, self.include_reasoning)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

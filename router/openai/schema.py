@@ -219,7 +219,7 @@ FIELDS: tuple[ApiField, ...] = (
     _h(
         "include_reasoning",
         CHAT,
-        "false drops `reasoning_content` (with `router.openai.reasoning_parser: think`)",
+        "false drops `reasoning_content` (with `router.openai.reasoning_parser` think or harmony)",
         "vLLM",
     ),
     _r("web_search_options", CHAT, "web search is not supported"),

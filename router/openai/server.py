@@ -178,7 +178,10 @@ class OpenAIServer:
             if chat:
                 fmt = body.output_format(self.tool_parser, self.reasoning_parser)
                 messages, templating = body.template_messages(), body.templating()
-                inputs = [GenerateInput(body.params(), messages=messages, templating=templating)]
+                params = body.params()
+                if fmt.keeps_special_tokens:  # harmony's markers are special tokens
+                    params = dataclasses.replace(params, skip_special_tokens=False)
+                inputs = [GenerateInput(params, messages=messages, templating=templating)]
             else:
                 inputs = [GenerateInput(body.params(), prompt=p) for p in body.prompts()]
             inputs = [

@@ -71,27 +71,64 @@ def test_llama3_json_calls():
 
 
 def test_reasoning_is_split_from_content():
-    fmt = OutputFormat(ToolChoice("none"), reasoning=True)
+    fmt = OutputFormat(ToolChoice("none"), reasoning="think")
     out = parse("<think>2 + 2 is 4.</think>\n\nIt is 4.", fmt)
     assert (out.reasoning, out.content) == ("2 + 2 is 4.", "It is 4.")
     assert parse("It is 4.", fmt).reasoning == "" and parse("It is 4.", fmt).content == "It is 4."
     unfinished = parse("<think>still thinking", fmt)
     assert (unfinished.reasoning, unfinished.content) == ("still thinking", "")
-    hidden = OutputFormat(ToolChoice("none"), reasoning=True, include_reasoning=False)
+    hidden = OutputFormat(ToolChoice("none"), reasoning="think", include_reasoning=False)
     assert parse("<think>x</think>y", hidden).reasoning == ""
-    with_tools = OutputFormat(ToolChoice("auto"), "hermes", reasoning=True)
+    with_tools = OutputFormat(ToolChoice("auto"), "hermes", reasoning="think")
     out = parse("<think>need weather</think>" + HERMES, with_tools)
     assert out.reasoning == "need weather" and [c.name for c in out.calls] == ["get_weather", "get_time"]
 
 
+HARMONY = OutputFormat(ToolChoice("auto"), reasoning="harmony")
+# what gpt-oss writes after its prompt's <|start|>assistant (its chat format, "harmony")
+HARMONY_ANSWER = (
+    "<|channel|>analysis<|message|>The user asks 2+2. Easy: 4.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>It is 4.<|return|>"
+)
+HARMONY_CALLS = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Oslo"}<|call|>'
+    "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>"
+)
+
+
+def test_harmony_channels_are_reasoning_content_and_calls():
+    out = parse(HARMONY_ANSWER, HARMONY)
+    assert (out.reasoning, out.content, out.calls) == ("The user asks 2+2. Easy: 4.", "It is 4.", [])
+    out = parse(HARMONY_CALLS, HARMONY)
+    assert (out.reasoning, out.content) == ("Need the weather.", "Checking.")
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
+    # the stop token may be left out of the text: the last message ends with it all the same
+    assert parse(HARMONY_ANSWER.removesuffix("<|return|>"), HARMONY).content == "It is 4."
+    unfinished = parse("<|channel|>analysis<|message|>still thinking<|en", HARMONY, final=False)
+    assert (unfinished.reasoning, unfinished.content) == ("still thinking", "")
+    hidden = OutputFormat(ToolChoice("none"), reasoning="harmony", include_reasoning=False)
+    assert (
+        parse(HARMONY_ANSWER, hidden).reasoning == "" and parse(HARMONY_ANSWER, hidden).content == "It is 4."
+    )
+    assert HARMONY.keeps_special_tokens and not OutputFormat(reasoning="think").keeps_special_tokens
+
+
 CASES = [
     (OutputFormat(), "plain text, <tool_call> and <think> included, is all content"),
+    (HARMONY, HARMONY_ANSWER),
+    (HARMONY, HARMONY_CALLS),
     (AUTO, HERMES),
     (AUTO, "plain answer with < and <tool but no call"),
     (OutputFormat(ToolChoice("auto"), "llama3_json"), '{"name": "get_time", "parameters": {}}'),
     (OutputFormat(ToolChoice("auto"), "llama3_json"), "Sure, it is noon."),
-    (OutputFormat(ToolChoice("none"), reasoning=True), "<think>a</think>\n\nb<c"),
-    (OutputFormat(ToolChoice("auto"), "hermes", reasoning=True), "<think>x</thi</think>" + HERMES),
+    (OutputFormat(ToolChoice("none"), reasoning="think"), "<think>a</think>\n\nb<c"),
+    (OutputFormat(ToolChoice("auto"), "hermes", reasoning="think"), "<think>x</thi</think>" + HERMES),
     (OutputFormat(ToolChoice("named", "get_weather")), '{"city": "Paris"}'),
     (OutputFormat(ToolChoice("required")), '[{"name": "get_time", "parameters": {}}]'),
 ]
