@@ -6,7 +6,7 @@ One dataclass covers every family the decoder (``engine.model.decoder``) builds:
   bias, Qwen3 with per-head q/k RMSNorm, SmolLM2; gpt-oss with biases, attention
   sinks and sliding-window layers; Gemma 3 with q/k norms, 5 sliding layers to 1
   full, each kind with its own RoPE) or DeepSeek's multi-head latent attention
-  (``mla``: DeepSeek-V3);
+  (``mla``: DeepSeek-V3; V3.2 with its sparse attention's indexer);
 - MLP: dense, or a mixture of experts (``moe``: Mixtral, Qwen2-MoE, Qwen3-MoE,
   DeepSeek-V3, gpt-oss, GLM-4.5 with DeepSeek-V3's routing over GQA attention
   whose RoPE turns only part of each head, ``rotary_dim``), with the layers that
@@ -42,7 +42,7 @@ from splitserve.wire.errors import ModelLoadError
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 WINDOWED_MODEL_TYPES = ("gpt_oss", "gemma3_text")  # per-layer ``layer_types``
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss", "glm4_moe")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 # model types a user may try whose missing pieces we can name
 NOT_YET = {
@@ -92,7 +92,13 @@ class MLAConfig:
     head (through a ``q_lora_rank`` bottleneck, or one projection when None); per
     token one latent ``kv_lora_rank`` vector (normed) and one ``qk_rope`` key shared
     by every head, which is all the cache holds; ``kv_b_proj`` expands the latent
-    into each head's ``qk_nope`` key and ``v_head_dim`` value."""
+    into each head's ``qk_nope`` key and ``v_head_dim`` value.
+
+    DeepSeek-V3.2's sparse attention (``index_topk`` > 0): a lightning indexer of
+    ``index_n_heads`` heads of ``index_head_dim`` scores every earlier token and
+    each query attends only to its ``index_topk`` best (``engine.model.mla``); the
+    indexer's key of a token is kept at the end of its cache row, so the handoff,
+    migration and the host tier move it with the latent."""
 
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -100,15 +106,24 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     rope_interleave: bool = True  # rotary pairs are (x0, x1), (x2, x3), ...: de-interleaved before rotation
+    index_topk: int = 0  # 0: dense MLA (V3)
+    index_n_heads: int = 0
+    index_head_dim: int = 0
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
-    def latent_dim(self) -> int:
-        """Width of one token's cache row: the latent and the rotary key."""
+    def score_dim(self) -> int:
+        """Width of the latent and the rotary key: what a query scores against."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one token's cache row: the latent, the rotary key and (V3.2) the
+        indexer's key."""
+        return self.score_dim + self.index_head_dim
 
 
 @dataclass(frozen=True)
@@ -277,7 +292,7 @@ def _quant_method(qc: Any) -> str | None:
 def _mtp_layers(hf: Any, mt: str) -> int:
     """Multi-token prediction layers after the decoder's (DeepSeek-V3's; GLM-4.5's
     checkpoints carry one of the same form, read only when the ``mtp`` method runs)."""
-    if mt not in ("deepseek_v3", "glm4_moe"):
+    if mt not in ("deepseek_v3", "deepseek_v32", "glm4_moe"):
         return 0
     return int(getattr(hf, "num_nextn_predict_layers", 0) or 0)
 
@@ -362,7 +377,7 @@ def _moe_config(hf: Any, mt: str) -> MoEConfig | None:
             swiglu_alpha=float(hf.swiglu_alpha),
             swiglu_limit=float(hf.swiglu_limit),
         )
-    if mt in ("deepseek_v3", "glm4_moe"):  # GLM-4.5 routes as DeepSeek-V3
+    if mt in ("deepseek_v3", "deepseek_v32", "glm4_moe"):  # V3.2 and GLM-4.5 route as DeepSeek-V3
         if getattr(hf, "scoring_func", "sigmoid") != "sigmoid":
             raise ModelLoadError(f"DeepSeek-V3 scoring {hf.scoring_func!r} is not supported (only sigmoid)")
         experts = getattr(hf, "n_routed_experts", None) or hf.num_local_experts
@@ -385,8 +400,15 @@ def _moe_config(hf: Any, mt: str) -> MoEConfig | None:
 
 
 def _mla_config(hf: Any, mt: str) -> MLAConfig | None:
-    if mt != "deepseek_v3":
+    if mt not in ("deepseek_v3", "deepseek_v32"):
         return None
+    index = {}
+    if mt == "deepseek_v32":
+        if not hf.q_lora_rank:
+            raise ModelLoadError("config.json: DeepSeek-V3.2's indexer needs q_lora_rank (its q bottleneck)")
+        index = {k: getattr(hf, k) for k in ("index_topk", "index_n_heads", "index_head_dim")}
+        if min(index.values()) < 1 or hf.index_head_dim < hf.qk_rope_head_dim:
+            raise ModelLoadError(f"config.json: DeepSeek-V3.2's indexer settings {index} do not run")
     return MLAConfig(
         q_lora_rank=hf.q_lora_rank,
         kv_lora_rank=hf.kv_lora_rank,
@@ -394,6 +416,7 @@ def _mla_config(hf: Any, mt: str) -> MLAConfig | None:
         qk_rope_head_dim=hf.qk_rope_head_dim,
         v_head_dim=hf.v_head_dim,
         rope_interleave=bool(getattr(hf, "rope_interleave", True)),
+        **index,
     )
 
 

@@ -17,6 +17,13 @@ block) and value (``W_UV``, the last ``v``). Attention never expands the cache;
 which equals the reference's expanded form (``q . k = q_nope . (W_UK c) + q_pe . k_pe``).
 The same form serves prefill and decode (``engine.attention.mla``).
 
+DeepSeek-V3.2's sparse attention (``Indexer``): per token the row also holds the
+indexer's key ``k_idx`` (LayerNorm(wk x), its first ``qk_rope`` dimensions rotated
+half-split, not interleaved); a query's index score of an earlier token is
+``sum_h w[h] * relu(q_idx[h] . k_idx * d^-0.5)`` (``w = weights_proj(x) * H^-0.5``,
+``q_idx = wq_b(q bottleneck)``), and it attends only to its ``index_topk`` best
+tokens (all of them while it has fewer).
+
 Rotary: DeepSeek-V3's rotary pairs are interleaved ((x0, x1), (x2, x3), ...); they
 are de-interleaved before the usual half-split rotation, which is the same rotation
 (the cache holds the rotated key in the half-split order; any consistent order gives
@@ -30,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from splitserve.engine.attention.mla import IndexQuery
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.llama import RMSNorm, StepContext
 from splitserve.engine.model.rope import apply_rotary, yarn_mscale
@@ -59,6 +67,28 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer (see the module docstring), whole on every rank
+    (every rank must choose the same tokens)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.mla
+        self.n_heads, self.head_dim, self.topk = m.index_n_heads, m.index_head_dim, m.index_topk
+        self.wq_b = nn.Linear(m.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    def forward(self, x, q_resid, cos, sin) -> tuple[torch.Tensor, IndexQuery]:
+        """(each token's indexer key [T, d], to go into its cache row; its query)."""
+        t = x.shape[0]
+        q = apply_rotary(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_norm(self.wk(x))[:, None, :], cos, sin)[:, 0]
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        return k, IndexQuery(q, weights, self.head_dim**-0.5, self.topk)
+
+
 class MLAttention(nn.Module):
     """This rank's heads of one MLA layer (see the module docstring)."""
 
@@ -76,7 +106,8 @@ class MLAttention(nn.Module):
             self.q_b_proj = nn.Linear(m.q_lora_rank, self.num_heads * qk, bias=False)
         else:
             self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, m.latent_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, m.score_dim, bias=False)
+        self.indexer = Indexer(cfg) if m.index_topk else None
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps)
         per_head = m.qk_nope_head_dim + m.v_head_dim
         self.kv_b_proj = LatentProjection(self.num_heads * per_head, m.kv_lora_rank)
@@ -88,7 +119,8 @@ class MLAttention(nn.Module):
         ([num_blocks, block_size, 1, latent_dim]) at ``ctx.slot_mapping``."""
         m, t = self.mla, x.shape[0]
         if m.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         else:
             q = self.q_proj(x)
         q = q.view(t, self.num_heads, m.qk_head_dim)
@@ -98,12 +130,16 @@ class MLAttention(nn.Module):
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         q_pe = apply_rotary(q_pe, cos, sin)
         k_pe = apply_rotary(k_pe[:, None, :], cos, sin)
-        row = torch.cat((self.kv_a_layernorm(c_kv.contiguous()), k_pe[:, 0]), dim=-1)
-        cache.view(-1, m.latent_dim).index_copy_(0, ctx.slot_mapping, row)
+        parts, index = [self.kv_a_layernorm(c_kv.contiguous()), k_pe[:, 0]], None
+        if self.indexer is not None:
+            k_idx, index = self.indexer(x, q_resid, cos, sin)
+            parts.append(k_idx.to(c_kv.dtype))
+        cache.view(-1, m.latent_dim).index_copy_(0, ctx.slot_mapping, torch.cat(parts, dim=-1))
         w = self.kv_b_proj.weight.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
         q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
         q_rows = torch.cat((q_lat, q_pe), dim=-1)  # [T, heads, latent_dim]: a query of the rows
-        o_lat = ctx.backend.forward(q_rows, None, None, cache, None, ctx.attn_meta, self.scale)
+        extra = {} if index is None else {"index": index}
+        o_lat = ctx.backend.forward(q_rows, None, None, cache, None, ctx.attn_meta, self.scale, **extra)
         o = torch.einsum("thc,hvc->thv", o_lat, w_uv)
         return self.o_proj(o.reshape(t, self.num_heads * m.v_head_dim))

@@ -103,7 +103,13 @@ def _mla_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
         out[a + "q_b_proj.weight"] = (heads * m.qk_head_dim, m.q_lora_rank)
     else:
         out[a + "q_proj.weight"] = (heads * m.qk_head_dim, h)
-    out[a + "kv_a_proj_with_mqa.weight"] = (m.latent_dim, h)
+    out[a + "kv_a_proj_with_mqa.weight"] = (m.score_dim, h)
+    if m.index_topk:  # DeepSeek-V3.2's indexer
+        i = a + "indexer."
+        out[i + "wq_b.weight"] = (m.index_n_heads * m.index_head_dim, m.q_lora_rank)
+        out[i + "wk.weight"] = (m.index_head_dim, h)
+        out[i + "k_norm.weight"] = out[i + "k_norm.bias"] = (m.index_head_dim,)
+        out[i + "weights_proj.weight"] = (m.index_n_heads, h)
     out[a + "kv_a_layernorm.weight"] = (m.kv_lora_rank,)
     out[a + "kv_b_proj.weight"] = (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
     out[a + "o_proj.weight"] = (h, heads * m.v_head_dim)
@@ -250,6 +256,10 @@ def _attention(cfg: ModelConfig, layer, tp: TPGroup, rest: str) -> Placement | N
 def _mla_placement(cfg: ModelConfig, attn, tp: TPGroup, rest: str) -> Placement | None:
     m = cfg.mla
     h0, h1 = tp.shard_range(cfg.num_heads)
+    if rest.startswith("indexer.") and attn.indexer is not None:  # whole on every rank
+        module, kind = rest.removeprefix("indexer.").rsplit(".", 1)
+        found = getattr(attn.indexer, module, None)
+        return Placement(getattr(found, kind)) if found is not None and hasattr(found, kind) else None
     proj = rest.removesuffix(".weight")
     match proj:
         case "q_a_proj" | "kv_a_proj_with_mqa" | "q_a_layernorm" | "kv_a_layernorm":

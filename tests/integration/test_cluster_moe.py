@@ -10,6 +10,7 @@ prefix cache:
 | deepseek_v3 | MLA       | sigmoid, grouped, bias, shared, 0 dense  | 2          | TP 2            |
 | gpt_oss     | GQA, sinks, sliding 16 | 4 experts with biases, clamped SwiGLU | 2   | EP 2            |
 | glm4_moe    | GQA, norm, half RoPE | as deepseek_v3, 2 groups            | 1          | TP 2            |
+| deepseek_v32 | MLA + indexer (top 8) | as deepseek_v3                     | 2          | EP 2            |
 
 (DeepSeek-V3 under EP is the rank-loss test's case below, equal to transformers too;
 a TP=1 decode worker is every dense cluster test's.)
@@ -50,6 +51,7 @@ CASES = [
     ("qwen3_moe", 1, {"ep_size": 2}),
     ("gpt_oss", 2, {"ep_size": 2}),
     ("glm4_moe", 1, {"tp_size": 2}),
+    ("deepseek_v32", 2, {"ep_size": 2}),
 ]
 
 
@@ -96,14 +98,17 @@ def test_an_mla_handover_moves_one_latent_row_per_token_and_layer(tmp_path):
     decode workers pulled) for a DeepSeek-V3-shaped model and a GQA model of the same
     hidden size, against the formulas of ``docs/models.md``, computed here from the
     transformers configs: MLA ``layers x (kv_lora_rank + qk_rope_head_dim) x 4`` bytes
-    (float32), GQA ``layers x 2 x kv_heads x head_dim x 4``."""
+    (float32; DeepSeek-V3.2 ``+ index_head_dim``, the indexer's key), GQA
+    ``layers x 2 x kv_heads x head_dim x 4``."""
     measured = {}
     prompt = random_prompts([40], 512, seed=3)  # 5 whole blocks of 8
-    for kind in ("deepseek_v3", "llama"):
+    for kind in ("deepseek_v3", "deepseek_v32", "llama"):
         directory = tmp_path / kind
         hf = make_hf_checkpoint(kind, directory).config
         if kind == "deepseek_v3":
             formula = hf.num_hidden_layers * (hf.kv_lora_rank + hf.qk_rope_head_dim) * 4
+        elif kind == "deepseek_v32":  # the indexer's key beside the latent
+            formula = hf.num_hidden_layers * (hf.kv_lora_rank + hf.qk_rope_head_dim + hf.index_head_dim) * 4
         else:
             head_dim = hf.hidden_size // hf.num_attention_heads
             formula = hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * 4
@@ -120,7 +125,7 @@ def test_an_mla_handover_moves_one_latent_row_per_token_and_layer(tmp_path):
             shown = {w.kv_bytes_per_token for p in client.cluster_status().pools for w in p.workers}
         assert measured[kind] == formula, (kind, measured[kind], formula)
         assert shown == {formula}  # what `splitserve status` prints
-    assert measured["deepseek_v3"] < measured["llama"]
+    assert measured["deepseek_v3"] < measured["deepseek_v32"] < measured["llama"]
 
 
 def test_deepseek_v3_mtp_on_the_decode_side_only_equals_transformers(tmp_path):

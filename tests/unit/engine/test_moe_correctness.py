@@ -7,7 +7,8 @@ with a correction bias, a shared expert, a dense first layer), gpt-oss
 (sliding-window layers of 16 tokens beside full ones, attention sinks, biases
 everywhere, YaRN, the clamped SwiGLU; transformers' stacked-expert layout) and
 GLM-4.5 (DeepSeek-V3's routing over GQA with q/k norms, RoPE over half of each
-head) checkpoints
+head) and DeepSeek-V3.2 (V3 with the sparse attention's indexer keeping 8 tokens a
+query: every prompt and output here grows past it) checkpoints
 (``tests.conftest.tiny_hf_config``); 6 prompts, several longer than the 32-token
 prefill chunk and two sharing a prefix; prefix caching (the second pass hits the
 cache) and a cache too small for the batch (preemption).
@@ -26,7 +27,7 @@ MAX_NEW = 16
 PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss", "glm4_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
