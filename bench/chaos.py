@@ -273,10 +273,10 @@ class ChaosReport:
         if self.completed < 0.99:
             out.append(f"only {self.completed:.1%} of requests completed (goal 99 %)")
         if unexplained := self.unexplained_two_losses():
-            n, e = len(unexplained), unexplained[0]
+            each = " | ".join(f"{e.message}; {self._why_unexplained(e)}" for e in unexplained)
             out.append(
-                f"{n} request(s) ended at two losses, not on each worker named when a kill took it down: "
-                f"{e.message}; {self._why_unexplained(e)}"
+                f"{len(unexplained)} request(s) ended at two losses, not on each worker named when a kill "
+                f"took it down: {each}"
             )
         bad = [
             o

@@ -48,7 +48,7 @@ from splitserve.wire.decode import (
 from splitserve.wire.errors import EngineStopped, WorkerLost, WorkerStopped, WorkerUnreachable
 from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor, KVHandoff
 from splitserve.wire.prefill import (
-    KVStreaming,
+    PrefillEvent,
     PrefillResult,
     PrefillStats,
     PrefillTask,
@@ -131,7 +131,7 @@ class RayPrefillWorker(_EveryWorker):
     async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
         return await _call(self.actor, self.prefix + "lend_prefix", loan)
 
-    async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
+    async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[PrefillEvent]:
         stream = _remote(self.actor, self.prefix + "prefill_stream", task)
         finished = False
         try:

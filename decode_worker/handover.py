@@ -46,7 +46,8 @@ returns what the request ends with, for the worker to pass on (``Ending``).
 The failure paths, each with its phase and the error the consumer gets (under
 ``transfer.on_failure: recompute`` the router recomputes after a transfer error):
 
-- the source is lost before any KV came (PREFILLING): ``PrefillLost``;
+- the source is lost before any KV came (PREFILLING): ``PrefillLost``, or
+  ``PrefillUnreachable`` before it took the request (no ``PrefillAccepted`` came);
 - the source is lost while its KV streams: its pull fails (PULLING,
   ``KVTransferError``), or, every layer pulled, its result never comes
   (ACTIVATING, ``PeerLost``);
@@ -73,9 +74,15 @@ from typing import Protocol
 
 from splitserve.decode_worker.outbox import Outbox
 from splitserve.wire.decode import DecodePeer, DecodeTask, DecodeWorkerSpec, Prefilled, TokenBatch
-from splitserve.wire.errors import LeaseExpired, PeerLost, PrefillLost, WorkerLost
+from splitserve.wire.errors import LeaseExpired, PeerLost, PrefillLost, PrefillUnreachable, WorkerLost
 from splitserve.wire.kv import Confirmation, KVHandoff
-from splitserve.wire.prefill import KVStreaming, PrefillPeer, PrefillResult, PrefillTask
+from splitserve.wire.prefill import (
+    PrefillAccepted,
+    PrefillEvent,
+    PrefillPeer,
+    PrefillResult,
+    PrefillTask,
+)
 
 
 class Phase(enum.Enum):
@@ -243,7 +250,9 @@ class Handover:
                     await asyncio.wait([self._first])
 
     async def _hand_over(self, events) -> PrefillResult | None:
-        first = await _prefill_event(events, self.request_id, kv_began=False)
+        first = await _prefill_event(events, self.request_id, kv_began=False, accepted=False)
+        if isinstance(first, PrefillAccepted):
+            first = await _prefill_event(events, self.request_id, kv_began=False)
         handoff, exported_at = first.handoff, time.time()
         if isinstance(first, PrefillResult):
             self._pass_on(first, exported_at, streamed=False)
@@ -333,9 +342,10 @@ class Handover:
         )
 
 
-async def _prefill_event(events, rid: str, kv_began: bool) -> KVStreaming | PrefillResult:
+async def _prefill_event(events, rid: str, kv_began: bool, accepted: bool = True) -> PrefillEvent:
     """The source's next event. Lost (or its stream ended early) before any KV came,
-    ``PrefillLost``; after, ``PeerLost`` (the KV will not be whole)."""
+    ``PrefillLost`` (``PrefillUnreachable`` unless it had ``accepted`` the request);
+    after, ``PeerLost`` (the KV will not be whole)."""
     try:
         item = await anext(events, None)
     except WorkerLost as e:
@@ -345,6 +355,8 @@ async def _prefill_event(events, rid: str, kv_began: bool) -> KVStreaming | Pref
     if item is None or (kv_began and not isinstance(item, PrefillResult)):
         if kv_began:
             raise PeerLost(f"the prefill worker of request {rid} was lost while its KV streamed: {why}")
+        if not accepted:
+            raise PrefillUnreachable(f"the prefill worker of request {rid} was lost before it took it: {why}")
         raise PrefillLost(f"the prefill worker of request {rid} was lost before its KV came: {why}")
     return item
 

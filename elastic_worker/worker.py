@@ -33,8 +33,7 @@ from splitserve.wire.decode import DecodeWorkerSpec
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.outputs import RequestOutput
 from splitserve.wire.prefill import (
-    KVStreaming,
-    PrefillResult,
+    PrefillEvent,
     PrefillStats,
     PrefillTask,
     PrefillWorkerInfo,
@@ -92,7 +91,7 @@ class ElasticWorker(DecodeWorker):
     async def prefill_lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
         return await self.prefill.lend_prefix(loan)
 
-    async def prefill_prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
+    async def prefill_prefill_stream(self, task: PrefillTask) -> AsyncIterator[PrefillEvent]:
         async for item in self.prefill.prefill_stream(task):
             yield item
 

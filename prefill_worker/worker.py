@@ -21,8 +21,12 @@ export only publishes. With ``spec.stream_kv`` (a backend that streams, TP=1) th
 export opens as the prompt's last step begins, and ``prefill_stream`` yields its
 handoff at once, so the decode worker pulls layer k while layer k+1 computes::
 
-    prefill_stream(task) -> KVStreaming(handoff)   the last step's forward pass begins
+    prefill_stream(task) -> PrefillAccepted         the engine took the request
+                         -> KVStreaming(handoff)   the last step's forward pass begins
                          -> PrefillResult           first token sampled (same handoff)
+
+(``PrefillAccepted`` tells the decode worker the request reached this worker: a loss
+of it before then is no loss the request was present at.)
 
 Prefixes between prefill workers (TP=1): a task whose ``prefix_from`` names
 another prefill worker first copies the prompt's leading blocks from it
@@ -59,6 +63,8 @@ from splitserve.wire.kv import Confirmation, KVDescriptor, KVHandoff, TransferSt
 from splitserve.wire.outputs import RequestOutput
 from splitserve.wire.prefill import (
     KVStreaming,
+    PrefillAccepted,
+    PrefillEvent,
     PrefillResult,
     PrefillStats,
     PrefillTask,
@@ -141,14 +147,16 @@ class PrefillWorker:
         async with self._prefilling(task, stream=False) as waiter:
             return await waiter.within(task, waiter.future)
 
-    async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
-        """As ``prefill``, yielding the ``PrefillResult`` last; before it, where this worker
+    async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[PrefillEvent]:
+        """As ``prefill``: ``PrefillAccepted`` once the engine has the request, the
+        ``PrefillResult`` last; before it, where this worker
         streams KV (``info().streams_kv``), a ``KVStreaming`` as the prompt's last prefill
         step begins, unless that step has already finished when this coroutine wakes (the
         result is there: only it is yielded, and the KV goes whole). Its lease runs from
         then; a caller that leaves before the result releases it (the pull then fails
         with ``LeaseExpired``)."""
         async with self._prefilling(task, stream=self.streams_kv) as waiter:
+            yield PrefillAccepted(task.request_id)
             if waiter.streamed is not None:
                 either = asyncio.wait([waiter.streamed, waiter.future], return_when=asyncio.FIRST_COMPLETED)
                 await waiter.within(task, either)

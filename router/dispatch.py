@@ -21,7 +21,9 @@ deadline:
 
 - the prefill worker is lost before it hands any KV over (``PrefillLost`` from
   the decode worker): ``retry_prefill`` on another prefill worker, each tried
-  once; with none left, the decode worker prefills it;
+  once; with none left, the decode worker prefills it. Lost before it even took
+  the request (``PrefillUnreachable``), it leaves routing at once and no loss is
+  counted: the request never ran there;
 - the KV transfer fails (refused, corrupt, timed out, lease over, source gone:
   ``KVTransferError``): ``recompute``, the decode worker prefills the prompt
   (and the first token, if it was passed on) itself (``on_transfer_failure=
@@ -96,6 +98,7 @@ from splitserve.wire.errors import (
     KVTransferError,
     Overloaded,
     PrefillLost,
+    PrefillUnreachable,
     RequestCrashesWorkers,
     WorkerLost,
     WorkerUnreachable,
@@ -379,6 +382,10 @@ class Dispatcher:
             except WorkerUnreachable as e:  # its start failed: it never ran there, no loss
                 task = await self._redirect(life, e, prompt, n, unreachable)
                 continue
+            except PrefillUnreachable as e:  # it never took the request: no loss
+                if life.source is not None:
+                    self.registry.unreachable(life.source, f"{type(e).__name__}: {e}")
+                lost = e
             except (PrefillLost, WorkerLost) as e:
                 if losses.add(e, life) >= MAX_WORKER_LOSSES:
                     raise self._crashes_workers(life, losses.workers, e) from e

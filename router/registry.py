@@ -275,8 +275,8 @@ class WorkerRegistry:
             w.steps.add(stats.engine.decode_batch, stats.engine.decode_step_s)
 
     def unreachable(self, w: WorkerRecord, reason: str) -> None:
-        """A request's start on ``w`` failed (``WorkerUnreachable``): out of routing at once,
-        until a poll hears from it again."""
+        """A request's start on ``w`` failed (``WorkerUnreachable``; for a prefill worker
+        ``PrefillUnreachable``): out of routing at once, until a poll hears from it again."""
         w.alive, w.error = False, reason
 
     # ---- router load (the dispatcher) ----------------------------------------------------

@@ -24,7 +24,8 @@ router maps them to gRPC status codes in one place.
   (``WorkerStopped``: it answers, but its engine stopped; ``WorkerUnreachable``: a
   request's start on it failed, so the request never ran there).
 - ``PrefillLost``: the prefill worker a decode worker took a request's prompt to
-  was lost before it handed any KV over (the request may prefill elsewhere).
+  was lost before it handed any KV over (the request may prefill elsewhere);
+  ``PrefillUnreachable``, one of them: it was lost before it took the request.
 - ``KVTransferError`` and its subclasses: a KV transfer produced no usable KV.
 """
 
@@ -139,6 +140,12 @@ class PrefillLost(SplitserveError):
     """A decode worker's prefill worker was lost (or stopped) before it handed over any of
     the request's KV: nothing of the request is held anywhere, and it may be prefilled
     on another prefill worker. Not a ``WorkerLost``: the decode worker is alive."""
+
+
+class PrefillUnreachable(PrefillLost):
+    """The prefill worker was lost before it took the request (its stream failed before
+    ``PrefillAccepted``: dead, restarting, unreachable): the request never ran there,
+    so this is no loss it was present at. The router takes that worker out of routing."""
 
 
 # The KV transfer layer's errors: each one means the same thing to the caller: this

@@ -117,6 +117,15 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
+class PrefillAccepted:
+    """The prefill worker took the request (its engine has it): from here a loss of the
+    worker is a loss the request was present at; before it, the request never ran there
+    (``PrefillUnreachable``)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class KVStreaming:
     """The prompt's KV has begun to stream (its last prefill step is running): a decode
     worker may pull ``handoff`` now; its layers become ready as the forward pass
@@ -124,6 +133,10 @@ class KVStreaming:
 
     request_id: str
     handoff: KVHandoff
+
+
+# what a prefill worker's stream yields, in this order (``PrefillPeer.prefill_stream``)
+PrefillEvent = PrefillAccepted | KVStreaming | PrefillResult
 
 
 @dataclass(frozen=True)
@@ -163,9 +176,10 @@ class PrefillPeer(Protocol):
 
     async def info(self) -> PrefillWorkerInfo: ...
 
-    def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
-        """At most one ``KVStreaming``, then the ``PrefillResult``. Leaving early aborts
-        the request on the worker (its export too)."""
+    def prefill_stream(self, task: PrefillTask) -> AsyncIterator[PrefillEvent]:
+        """``PrefillAccepted`` once the worker took the request, at most one
+        ``KVStreaming``, then the ``PrefillResult``. Leaving early aborts the request on
+        the worker (its export too)."""
         ...
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:

@@ -26,6 +26,7 @@ from splitserve.wire.errors import (
     Overloaded,
     PeerLost,
     PrefillLost,
+    PrefillUnreachable,
     WorkerLost,
 )
 from splitserve.wire.kv import Confirmation, KVHandoff
@@ -234,6 +235,17 @@ def test_each_failure_ends_the_request_frees_its_blocks_and_releases_an_unconfir
     assert source.aborted == (["r1"] if released else [])
     if step != "prefill":  # the first token went out before the end
         assert batches[0].token_ids == expected_tokens(PROMPT, 1)
+
+
+@pytest.mark.parametrize("took_it", [True, False])
+def test_a_source_lost_before_it_took_the_request_is_unreachable_after_it_lost(took_it):
+    """A prefill worker's loss before its ``PrefillAccepted`` (already dead: the request
+    never ran there) is ``PrefillUnreachable``, which the router counts as no loss; after
+    it, ``PrefillLost``."""
+    source = FakePrefill("prefill-0", fail=_lost, takes=took_it)
+    ending, phase, _ = _run_bounded(FakeSide(), source)
+    assert isinstance(ending.error, PrefillLost) and phase is Phase.ENDED
+    assert isinstance(ending.error, PrefillUnreachable) is not took_it
 
 
 def test_a_source_lost_while_its_kv_streams_ends_the_request_after_the_pull_and_releases_it():

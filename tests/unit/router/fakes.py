@@ -13,11 +13,19 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from splitserve.router.registry import Membership, WorkerRecord
 from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, Prefilled, TokenBatch
-from splitserve.wire.errors import KVTransferError, PrefillLost, WorkerLost
+from splitserve.wire.errors import KVTransferError, PrefillLost, PrefillUnreachable, WorkerLost
 from splitserve.wire.kv import PROTOCOL_VERSION, CompatInfo, Confirmation, Handshake, KVDescriptor, KVHandoff
 from splitserve.wire.kv_layout import KVLayout
 from splitserve.wire.outputs import EngineStats
-from splitserve.wire.prefill import KVStreaming, PrefillResult, PrefillStats, PrefillTask, PrefillWorkerInfo
+from splitserve.wire.prefill import (
+    KVStreaming,
+    PrefillAccepted,
+    PrefillEvent,
+    PrefillResult,
+    PrefillStats,
+    PrefillTask,
+    PrefillWorkerInfo,
+)
 from splitserve.wire.sampling import FinishReason
 from splitserve.wire.validation import RequestValidator
 
@@ -87,9 +95,11 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
 
 class FakePrefill:
     """A prefill worker: samples the first token of ``expected_tokens`` and exports a
-    handoff; ``fail`` (a callable of the task) may raise instead. With ``streams``, its
-    ``prefill_stream`` hands the handoff over first, ``delay_s`` before the result (and
-    ``fail`` is called between them: a worker lost while its KV streams)."""
+    handoff; ``fail`` (a callable of the task) may raise instead. Its ``prefill_stream``
+    says it took the request first (``PrefillAccepted``), unless ``takes`` is False (a
+    worker already dead: ``fail`` then raises before anything comes). With ``streams``,
+    it hands the handoff over next, ``delay_s`` before the result (and ``fail`` is
+    called between them: a worker lost while its KV streams)."""
 
     def __init__(
         self,
@@ -98,9 +108,11 @@ class FakePrefill:
         delay_s: float = 0.0,
         streams: bool = False,
         revision: str = "",
+        takes: bool = True,
     ):
         self.worker_id = worker_id
         self.fail = fail
+        self.takes = takes
         self.delay_s = delay_s
         self.streams = streams
         self.revision = revision
@@ -140,7 +152,9 @@ class FakePrefill:
             self.fail(task)
         return self._result(task, self._handoff(task))
 
-    async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[KVStreaming | PrefillResult]:
+    async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[PrefillEvent]:
+        if self.takes:
+            yield PrefillAccepted(task.request_id)
         if not self.streams:
             yield await self.prefill(task)
             return
@@ -283,10 +297,14 @@ class FakeDecode:
         confirmed = False
         events = source.prefill_stream(PrefillTask(rid, task.prompt_token_ids, task.params, task.timeout_s))
         try:
+            accepted = False
             try:
                 first = await anext(events)
+                if isinstance(first, PrefillAccepted):
+                    accepted = True
+                    first = await anext(events)
             except WorkerLost as e:
-                raise PrefillLost(str(e)) from None
+                raise (PrefillLost if accepted else PrefillUnreachable)(str(e)) from None
             handoff = first.handoff
             result = first
             if isinstance(first, KVStreaming):

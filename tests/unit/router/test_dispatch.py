@@ -465,6 +465,24 @@ def test_a_failed_start_is_no_loss_and_takes_the_worker_out_of_routing_at_once()
     assert [m.worker for m in trace.marks if m.name in ("redirected", "resumed")] == ["d1", "d2"]
 
 
+def test_a_prefill_worker_dead_before_it_took_the_request_is_no_loss_and_leaves_routing():
+    """p0 is routable but already dead (its stream fails before ``PrefillAccepted``); the
+    request prefills on p1, then d0 is lost 4 tokens into it and it resumes on d1. One
+    loss only (d0): it completes with every token once, and p0 leaves routing at once.
+    (Counted as a loss, p0's death would have ended it with INTERNAL at d0's: the chaos
+    run's 10 two-loss INTERNALs of requests that never ran on the first worker.)"""
+    p0 = FakePrefill("p0", fail=_lost, takes=False)
+    p1, d0, d1 = FakePrefill("p1"), FakeDecode("d0", lose_after=4), FakeDecode("d1")
+    d = _cluster([p0, p1], [d0, d1])
+    d.registry.get("d1").decoding["other"] = 0  # d0 looks emptier: d0 first
+    prompt = [9, 8, 7, 6]
+    tokens, final = asyncio.run(_collect(d, prompt, max_tokens=10))
+    assert tokens == expected_tokens(prompt, 10) and final.decode_worker == "d1"
+    assert [t.source for t in d0.calls] == [p0, p1] and len(p1.calls) == 1
+    w0 = d.registry.get("p0")
+    assert not w0.routable and "PrefillUnreachable" in w0.error
+
+
 def test_a_request_whose_every_start_fails_ends_unavailable_after_trying_each_worker_once():
     def unreachable(task):
         raise WorkerUnreachable("connection refused")
