@@ -162,16 +162,26 @@ def _tiny_moe_config(kind: str, common: dict):
 
 
 def make_hf_checkpoint(
-    kind: str, directory, seed: int = 0, kv_heads: int = 2, max_position: int = 1024, mtp: bool = False
+    kind: str,
+    directory,
+    seed: int = 0,
+    kv_heads: int = 2,
+    max_position: int = 1024,
+    mtp: bool = False,
+    **config: object,
 ):
     """A random-weight HF model of ``kind``, saved as safetensors into ``directory``;
     with ``mtp`` (deepseek_v3) also a multi-token prediction layer
     (``add_mtp_layer``), which transformers does not run: the returned model then
-    carries what ``add_mtp_layer`` returned as ``mtp_layer``, for a test's reference."""
+    carries what ``add_mtp_layer`` returned as ``mtp_layer``, for a test's reference.
+    ``config``: attributes set on ``tiny_hf_config``'s config (another layer mix, window)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_hf_config(kind, kv_heads=kv_heads, max_position=max_position)
+    hf_config = tiny_hf_config(kind, kv_heads=kv_heads, max_position=max_position)
+    for name, value in config.items():
+        setattr(hf_config, name, value)
+    config = hf_config
     attention = "eager" if kind == "gpt_oss" else "sdpa"  # transformers runs its sinks eagerly only
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     # Larger weights than the default init make logits less flat, so greedy ties are rare.
