@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
@@ -276,19 +277,23 @@ class SplitserveService(pb_grpc.SplitserveServicer):
             inp = dataclasses.replace(inp, request_id=rid)
             fmt = OutputFormat(choice, self.tool_parser) if choice.mode != "none" else None
             texts: collections.defaultdict[int, list[str]] = collections.defaultdict(list)
-            async for event in self.dispatcher.generate(inp):
-                if isinstance(event, TokenEvent):
-                    if fmt is not None:  # the calls are read from the whole text at the end
-                        texts[event.index].append(event.text)
-                    yield _token_response(rid, event)
-                else:
-                    final = _final_proto(event)
-                    if fmt is not None:
-                        calls = parse("".join(texts[event.index]), fmt).calls
-                        final.tool_calls.extend(
-                            pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls
-                        )
-                    yield pb.GenerateResponse(request_id=rid, final=final)
+            # closed here, whatever ends the call: a call cancelled while this handler waits
+            # on its own yield would otherwise leave the request in flight (its id taken,
+            # its workers busy) until the event loop finalizes the generator
+            async with contextlib.aclosing(self.dispatcher.generate(inp)) as events:
+                async for event in events:
+                    if isinstance(event, TokenEvent):
+                        if fmt is not None:  # the calls are read from the whole text at the end
+                            texts[event.index].append(event.text)
+                        yield _token_response(rid, event)
+                    else:
+                        final = _final_proto(event)
+                        if fmt is not None:
+                            calls = parse("".join(texts[event.index]), fmt).calls
+                            final.tool_calls.extend(
+                                pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls
+                            )
+                        yield pb.GenerateResponse(request_id=rid, final=final)
         except (Exception, asyncio.CancelledError) as e:
             await _answer(context, e)
 

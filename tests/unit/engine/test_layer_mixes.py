@@ -29,7 +29,9 @@ def test_other_layer_mixes_equal_transformers(tmp_path, kind, seed, mix):
     prompts = random_prompts([6, 30, 75], 512, seed=seed)
     prompts += random_prompts([50], 512, seed=seed, shared_prefix=30)
     expected = [hf_greedy(hf, p, 12) for p in prompts]
-    config = EngineConfig(model=str(tmp_path), dtype="float32", block_size=8, max_num_batched_tokens=32)
+    config = EngineConfig(
+        model=str(tmp_path), dtype="float32", block_size=8, max_num_batched_tokens=32, kv_cache_memory_mib=16
+    )
     engine = Engine(config)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected

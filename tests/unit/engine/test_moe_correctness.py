@@ -39,7 +39,14 @@ def reference(request, tmp_path_factory):
 
 
 def make_engine(directory, **overrides) -> Engine:
-    cfg = dict(model=str(directory), dtype="float32", block_size=8, max_num_batched_tokens=32, max_num_seqs=8)
+    cfg = dict(
+        model=str(directory),
+        dtype="float32",
+        block_size=8,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        kv_cache_memory_mib=32,  # not the CPU default's 1 GiB an engine
+    )
     return Engine(EngineConfig(**(cfg | overrides)))
 
 

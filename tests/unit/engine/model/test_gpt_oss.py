@@ -69,7 +69,9 @@ def test_mxfp4_experts_load_and_equal_transformers_dequantised(tmp_path):
     reference = make_mxfp4_gpt_oss(tmp_path)
     prompts = random_prompts([3, 17, 47, 90], 512)  # past the 16-token window
     expected = [hf_greedy(reference, p, 12) for p in prompts]
-    config = EngineConfig(model=str(tmp_path), dtype="float32", block_size=8, max_num_batched_tokens=32)
+    config = EngineConfig(
+        model=str(tmp_path), dtype="float32", block_size=8, max_num_batched_tokens=32, kv_cache_memory_mib=16
+    )
     engine = Engine(config)
     out = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in out] == expected
