@@ -195,12 +195,14 @@ def kv_used(client: Client) -> dict[str, int]:
     return {w.worker_id: w.kv_blocks_used + w.kv_exports_held for p in st.pools for w in p.workers}
 
 
-def wait_kv_free(client: Client, timeout: float = 10.0) -> dict[str, int]:
+def wait_kv_free(client: Client, timeout: float = 60.0) -> dict[str, int]:
     """Poll the status service until no worker holds KV; returns that reading (KV
-    blocks used per worker: every one 0)."""
+    blocks used per worker: every one 0). Each reading replaces the last: a worker
+    gone from the status since (killed, replaced) holds nothing any more."""
     used: dict[str, int] = {}
 
     def free() -> bool:
+        used.clear()
         used.update(kv_used(client))
         return not any(used.values())
 
