@@ -91,6 +91,10 @@ class DecoderModel(nn.Module):
         self.local_rotary = None
         if cfg.rope_local is not None:
             self.local_rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope_local, max_position)
+        # per layer: whether it turns with ``local_rotary`` (a sliding layer, where there is one)
+        self._local = tuple(
+            self.local_rotary is not None and cfg.window(i) is not None for i in range(cfg.num_layers)
+        )
         self.mtp = MTPLayer(cfg, DecoderLayer(cfg, cfg.num_layers, tp, ep)) if mtp else None
 
     @torch.inference_mode()
@@ -108,11 +112,11 @@ class DecoderModel(nn.Module):
         if self.config.embed_scale is not None:  # Gemma: the scale rounded to the model's dtype
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         tables = self.rotary.tables(positions, x.dtype)
-        local = tables if self.local_rotary is None else self.local_rotary.tables(positions, x.dtype)
+        local = None if self.local_rotary is None else self.local_rotary.tables(positions, x.dtype)
         delta = None
         for i, layer in enumerate(itertools.islice(self.layers, num_layers)):  # no new ModuleList
             k_cache, v_cache = kv_cache.layer(i)
-            cos, sin = local if self.config.window(i) is not None else tables
+            cos, sin = local if self._local[i] else tables
             delta = layer(x, delta, cos, sin, k_cache, v_cache, ctx, kv_cache.layer_scales(i))
             if ctx.on_layer is not None:
                 ctx.on_layer(i)

@@ -53,6 +53,24 @@ def _load(address: str, done: threading.Event, outcomes: list, k: int) -> None:
             i += 1
 
 
+def _upgrade_under_load(address: str, model: str, clients: int) -> list:
+    """``splitserve upgrade --model model`` (it must succeed) while ``clients`` threads
+    send greedy requests without a pause; the requests' outcomes (``_load``'s), once
+    every thread has ended."""
+    done, outcomes = threading.Event(), []
+    threads = [threading.Thread(target=_load, args=(address, done, outcomes, k)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        assert main(["upgrade", "--model", model, "--server", address]) == 0
+    finally:
+        done.set()
+        for t in threads:
+            t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    return outcomes
+
+
 def test_every_worker_is_replaced_under_load_and_no_request_mixes_revisions(checkpoint, revision_b, capsys):
     """Room to surge (one prefill and one decode worker of 0.5 CPU on 2 CPUs): each
     replacement starts beside the worker it replaces."""
@@ -62,19 +80,7 @@ def test_every_worker_is_replaced_under_load_and_no_request_mixes_revisions(chec
         with Client(cluster.address, timeout=120) as client:
             before = {w.worker_id: w.revision for p in client.cluster_status().pools for w in p.workers}
         assert len(set(before.values())) == 1
-        done, outcomes = threading.Event(), []
-        threads = [
-            threading.Thread(target=_load, args=(cluster.address, done, outcomes, k)) for k in range(3)
-        ]
-        for t in threads:
-            t.start()
-        try:
-            assert main(["upgrade", "--model", revision_b, "--server", cluster.address]) == 0
-        finally:
-            done.set()
-            for t in threads:
-                t.join(120)
-        assert not any(t.is_alive() for t in threads)
+        outcomes = _upgrade_under_load(cluster.address, revision_b, clients=3)
         printed = capsys.readouterr().out
         assert "upgraded: 2 worker(s) started" in printed and "2 stopped" in printed
 
@@ -106,19 +112,7 @@ def test_with_no_room_to_surge_the_workers_are_replaced_in_place_under_load(chec
         want = {"A": _reference(checkpoint), "B": _reference(revision_b)}
         with Client(cluster.address, timeout=120) as client:
             before = {w.worker_id for p in client.cluster_status().pools for w in p.workers}
-        done, outcomes = threading.Event(), []
-        threads = [
-            threading.Thread(target=_load, args=(cluster.address, done, outcomes, k)) for k in range(2)
-        ]
-        for t in threads:
-            t.start()
-        try:
-            assert main(["upgrade", "--model", revision_b, "--server", cluster.address]) == 0
-        finally:
-            done.set()
-            for t in threads:
-                t.join(120)
-        assert not any(t.is_alive() for t in threads)
+        outcomes = _upgrade_under_load(cluster.address, revision_b, clients=2)
         printed = capsys.readouterr().out
         assert "upgraded: 3 worker(s) started" in printed and "3 stopped" in printed
         assert ": stopped" in printed and ": active" in printed  # progress, worker by worker
