@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.engine import Engine
 from splitserve.engine import kv_sizing
+from splitserve.engine.engine import Engine
 from splitserve.engine.kv_sizing import kv_budget_bytes
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import InvalidRequest
