@@ -430,11 +430,9 @@ class Dispatcher:
                     raise lost
                 log.warning("decode worker lost during %s; continuing on %s", life.request_id, dw.worker_id)
                 for holder in holders:  # an export it may still hold for it is of no use now
-                    if holder is dw:  # let go of first: it takes the request again
-                        with contextlib.suppress(Exception):
-                            await asyncio.wait_for(holder.client.abort(life.request_id), ABORT_TIMEOUT_S)
-                    elif holder is not None:
+                    if holder is not None and holder is not dw:
                         self._background.run(holder.client.abort(life.request_id))
+                await self._clear(life, dw)
                 task = life.resume(dw)
 
     async def _redirect(
@@ -455,12 +453,26 @@ class Dispatcher:
         if dw is None:
             raise error
         log.warning("%s: %s; starting %s on %s", gone.worker_id, error, life.request_id, dw.worker_id)
+        # a start whose answer was lost may run there unseen: it would decode for nobody
+        # and hold the request's id against a later return of the request there
+        self._background.run(gone.client.abort(life.request_id))
         for holder in (life.source, life.moved_from):
             if holder is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(holder.client.abort(life.request_id), ABORT_TIMEOUT_S)
+        await self._clear(life, dw)
         source = life.source if life.source is not None and life.source.revision == dw.revision else None
         return life.redirect(dw, source)
+
+    @staticmethod
+    async def _clear(life: RequestLifecycle, dw: WorkerRecord) -> None:
+        """Before ``life`` goes to ``dw`` again after a failure: a decode worker it was on
+        may still hold a leftover of it (a start whose answer was lost, the KV it exported
+        for a move, an abort not done yet), which would refuse the new start as a request
+        id in use; it lets go first (awaited, at most ``ABORT_TIMEOUT_S``)."""
+        if life.was_on(dw):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(dw.client.abort(life.request_id), ABORT_TIMEOUT_S)
 
     @staticmethod
     def _crashes_workers(life: RequestLifecycle, lost: list[str], last: Exception) -> RequestCrashesWorkers:

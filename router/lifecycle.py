@@ -95,6 +95,7 @@ class RequestLifecycle:
         self._move: asyncio.Future | None = None
         self._move_to: WorkerRecord | None = None
         self._moved_from: WorkerRecord | None = None  # holds its exported KV until the pull ended
+        self._placed_on: set[str] = set()  # every decode worker it was given to (ids)
 
     # ---- reads -----------------------------------------------------------------------------
     @property
@@ -114,6 +115,11 @@ class RequestLifecycle:
     def first_token_passed(self) -> bool:
         """The one flag for "the first token has been passed on"."""
         return self._first_passed_at is not None
+
+    def was_on(self, w: WorkerRecord) -> bool:
+        """Whether ``w`` was given this request before (it may still hold a leftover of
+        it: a start whose answer was lost, an export, an abort not yet done there)."""
+        return w.worker_id in self._placed_on
 
     @property
     def num_sent(self) -> int:
@@ -147,6 +153,7 @@ class RequestLifecycle:
         the source is the holder itself)."""
         self._expect(Phase.ADMITTED)
         self._decode, self._phase, self._pull = decode, Phase.PREFILLING, pull
+        self._placed_on.add(decode.worker_id)
         self._mark("placed", worker=decode.worker_id)
         return self._prefill_on(source)
 
@@ -217,6 +224,7 @@ class RequestLifecycle:
         if moved.handoff is None:  # by recompute: the new worker prefills the prompt and those tokens
             return self._continue_on(self._move_to)
         old, self._decode = self._decode, self._move_to
+        self._placed_on.add(self._decode.worker_id)
         self._moved_from = old
         return DecodeTask(
             self.request_id,
@@ -251,6 +259,7 @@ class RequestLifecycle:
         if self._sent or self._phase is Phase.MOVING:
             return self._continue_on(decode)
         self._decode = decode
+        self._placed_on.add(decode.worker_id)
         return self._prefill_on(source)
 
     def on_batch(self, batch: TokenBatch) -> list[TokenEvent | FinalEvent]:
@@ -349,6 +358,7 @@ class RequestLifecycle:
 
     def _continue_on(self, decode: WorkerRecord) -> DecodeTask:
         self._decode, self._source, self._phase, self._move = decode, None, Phase.PREFILLING, None
+        self._placed_on.add(decode.worker_id)
         self._moved_from = None
         if not self._sent:  # nothing passed on yet: a fresh local prefill
             self._prefill_worker, self._prefill_revision = "", ""

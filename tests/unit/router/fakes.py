@@ -13,7 +13,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from splitserve.router.registry import Membership, WorkerRecord
 from splitserve.wire.decode import DecodeStats, DecodeTask, DecodeWorkerInfo, Prefilled, TokenBatch
-from splitserve.wire.errors import KVTransferError, PrefillLost, PrefillUnreachable, WorkerLost
+from splitserve.wire.errors import (
+    InvalidRequest,
+    KVTransferError,
+    PrefillLost,
+    PrefillUnreachable,
+    WorkerLost,
+)
 from splitserve.wire.kv import PROTOCOL_VERSION, CompatInfo, Confirmation, Handshake, KVDescriptor, KVHandoff
 from splitserve.wire.kv_layout import KVLayout
 from splitserve.wire.outputs import EngineStats
@@ -202,7 +208,9 @@ class FakeDecode:
     source, and continues ``expected_tokens`` in batches of ``batch`` tokens; an export
     not confirmed is released on the source. Without a source it prefills itself.
     ``lose_after`` tokens into a request it raises ``WorkerLost`` (once per request);
-    ``fail`` may raise at the start. Its stats report the ``decode_steps`` (batch,
+    ``fail`` may raise at the start. It holds a request's id from its start to its end or
+    ``abort`` (``held``; a start whose answer is lost may add it there itself) and refuses
+    a start of an id it holds, as a real one does. Its stats report the ``decode_steps`` (batch,
     step s) in turn, then the last one again."""
 
     def __init__(
@@ -228,6 +236,7 @@ class FakeDecode:
         self.connect_calls = 0
         self.calls: list[DecodeTask] = []
         self.aborted: list[str] = []
+        self.held: set[str] = set()
 
     def restart(self) -> None:
         self.linked.clear()
@@ -242,6 +251,7 @@ class FakeDecode:
 
     async def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
+        self.held.discard(request_id)
         return True
 
     async def close(self) -> None:
@@ -249,10 +259,13 @@ class FakeDecode:
 
     async def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
         self.calls.append(task)
+        if task.request_id in self.held:
+            raise InvalidRequest(f"request id {task.request_id!r} is already in use")
         if self.fail is not None:
             self.fail(task)
         sent = list(task.output_token_ids)
         finished = False
+        self.held.add(task.request_id)
         try:
             if task.source is not None:
                 first = None
@@ -286,6 +299,7 @@ class FakeDecode:
                 finished = finish is not None
                 yield TokenBatch(task.request_id, ids, "", [0.0] * len(ids), [0.0] * len(ids), finish, 0)
         finally:
+            self.held.discard(task.request_id)
             if not finished:  # as the real client: leaving early aborts the request here
                 self.aborted.append(task.request_id)
 

@@ -465,6 +465,34 @@ def test_a_failed_start_is_no_loss_and_takes_the_worker_out_of_routing_at_once()
     assert [m.worker for m in trace.marks if m.name in ("redirected", "resumed")] == ["d1", "d2"]
 
 
+def test_a_start_whose_answer_was_lost_is_let_go_of_before_the_request_returns_there():
+    """d0 took the request but its answer was lost (``WorkerUnreachable``: it holds the
+    request unseen); the request starts on d1, and d0 is heard from again. d1 is lost 4
+    tokens in: the request resumes on d0, which is told to let go of its leftover first,
+    so the start is not refused as a request id in use (a false INVALID_ARGUMENT seen in
+    a chaos run), and the request completes there with every token once."""
+    d0, d1 = FakeDecode("d0"), FakeDecode("d1", lose_after=4)
+    d = _cluster([FakePrefill("p0")], [d0, d1])
+
+    def answer_lost(task):
+        if len(d0.calls) == 1:
+            d0.held.add(task.request_id)
+            raise WorkerUnreachable("a decode worker's connection closed before it answered the start")
+
+    def heard_from_d0_again(task):
+        w0 = d.registry.get("d0")
+        w0.alive, w0.error = True, ""
+
+    d0.fail, d1.fail = answer_lost, heard_from_d0_again
+    d.registry.get("d1").decoding["other"] = 0  # d0 looks emptier: d0 first
+    prompt = [6, 5, 4, 3]
+    tokens, final = asyncio.run(_collect(d, prompt, max_tokens=10))
+    assert tokens == expected_tokens(prompt, 10) and final.decode_worker == "d0"
+    assert len(d0.calls) == 2 and d0.calls[1].output_token_ids == expected_tokens(prompt, 5)  # 1 + 4
+    assert d0.aborted and d0.aborted[0] == d0.calls[0].request_id
+    assert not d0.held and not d1.held and d.num_inflight == 0
+
+
 def test_a_prefill_worker_dead_before_it_took_the_request_is_no_loss_and_leaves_routing():
     """p0 is routable but already dead (its stream fails before ``PrefillAccepted``); the
     request prefills on p1, then d0 is lost 4 tokens into it and it resumes on d1. One
