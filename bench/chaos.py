@@ -56,8 +56,14 @@ for each (``killed_while_on``). Its stays come from its marks (``stays``)::
                     prefill worker, or the decode stay ended
 
 A kill's time is ``time.time()`` as the kill was issued (``Kill.at``); the router's
-marks are on the same clock. A worker the trace does not name cannot be shown,
-and the request is not excused.
+marks are on the same clock. A killed process dies a moment after the kill is
+issued, and may take a request in that moment (the worker says so: a prefill
+worker answers ``PrefillAccepted``), so a process kill spans until Ray saw the
+actor die (``Kill.died_by``, polled every 0.2 s): a request that came to the worker
+in that span was on it when it died. A node kill stays an instant: Ray sees a
+node's death only once its heartbeats are missed, seconds later, and a worker
+dead but still routable meanwhile never runs what it is sent. A worker the trace
+does not name cannot be shown, and the request is not excused.
 
 ::
 
@@ -147,6 +153,12 @@ class Kill:
     kind: str
     workers: tuple[str, ...]  # the workers it took down
     node: str = ""  # the node, for a node kill
+    died_by: float | None = None  # a process kill: time.time() once Ray saw it dead (None: ``at``)
+
+    @property
+    def span(self) -> tuple[float, float]:
+        """When the workers died: from the kill's issue until Ray saw it done."""
+        return self.at, self.at if self.died_by is None else self.died_by
 
 
 @dataclass(frozen=True)
@@ -207,7 +219,10 @@ def killed_while_on(workers: list[str], where: list[Stay], kills: list[Kill]) ->
 
 def _while_on(worker: str, kill: Kill, where: list[Stay]) -> bool:
     """Whether ``kill`` took ``worker`` down while the request was on it."""
-    return worker in kill.workers and any(s.worker == worker and s.start <= kill.at < s.end for s in where)
+    issued, died_by = kill.span
+    return worker in kill.workers and any(
+        s.worker == worker and s.start <= died_by and issued < s.end for s in where
+    )
 
 
 @dataclass
@@ -511,9 +526,10 @@ def _time_recovery(cluster: BackgroundCluster, kind: str, since: float, out: lis
     out.append((kind, time.monotonic() - since))
 
 
-def _kill(cluster: BackgroundCluster, victim: Victim, nodes: LocalNodes | None) -> float:
+def _kill(cluster: BackgroundCluster, victim: Victim, nodes: LocalNodes | None) -> tuple[float, float]:
     """Kill ``victim`` as a crash would (Ray restarts what it may). Returns the
-    ``time.time()`` of the kill once Ray has seen its actors die and the router no
+    ``time.time()`` the kill was issued and the one Ray had seen its actors die by,
+    once Ray has seen that and the router no
     longer counts its workers as routable, or they have come back (restarted): so the
     next pick, which spares a pool's last routable worker, sees the pools as they are.
     (The 100-kill run before this wait killed a TP group whose rank had just died,
@@ -529,6 +545,7 @@ def _kill(cluster: BackgroundCluster, victim: Victim, nodes: LocalNodes | None) 
         return all(actor_state(a) != before[a] for a in victim.actors)
 
     _wait(died, f"Ray did not see {victim.name} die", 180)  # a node's death: missed heartbeats
+    died_by = time.time()
 
     async def routable() -> set[str]:
         return {w.worker_id for w in cluster.registry.routable()}
@@ -542,7 +559,7 @@ def _kill(cluster: BackgroundCluster, victim: Victim, nodes: LocalNodes | None) 
         return gone or all(map(back, victim.actors))
 
     _wait(noticed, f"the router did not notice {victim.name}'s death", 180)
-    return at
+    return at, died_by
 
 
 def _wait(cond, what: str, timeout: float) -> None:
@@ -589,7 +606,7 @@ def run_chaos(
                 try:
                     victim = _pick(cluster, kind, rng, recover_timeout_s, nodes)
                     killed_at = time.monotonic()
-                    at = _kill(cluster, victim, nodes)
+                    at, died_by = _kill(cluster, victim, nodes)
                 except Exception as e:  # the kills stop; the report says why, and what the load saw
                     stopped = f"kill {len(kills) + 1} ({kind}) failed: {e!r}"
                     log(f"[{time.monotonic() - start:6.1f} s] {stopped}")
@@ -597,7 +614,8 @@ def run_chaos(
                 args = (cluster, kind, killed_at, recoveries, recover_timeout_s)
                 timers.append(threading.Thread(target=_time_recovery, args=args, daemon=True))
                 timers[-1].start()
-                kills.append(Kill(killed_at - start, at, kind, victim.worker_ids, victim.node_id))
+                died = None if victim.node_id else died_by  # see the module docstring
+                kills.append(Kill(killed_at - start, at, kind, victim.worker_ids, victim.node_id, died))
                 log(f"[{kills[-1].at_s:6.1f} s] killed {kind}: {victim.name} ({len(kills)}/{spec.kills})")
         finally:
             load.stop(timeout=spec.deadline_s + 2 * spec.grace_s)

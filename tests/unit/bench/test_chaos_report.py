@@ -167,3 +167,29 @@ def test_kills_that_stopped_early_are_a_problem():
     why = "kill 4 (prefill) failed: TimeoutError('no prefill to kill')"
     report = ChaosReport([Outcome(0, "OK", "", (), 0.1, "r0")], KILLS, [], {}, {}, 1.0, stopped=why)
     assert report.problems() == [f"the kills stopped after 3: {why}"]
+
+
+@pytest.mark.parametrize(("died_by", "excused"), [(0.75, True), (None, False)])
+def test_a_process_kill_spans_until_ray_saw_it_die(died_by, excused):
+    """prefill-0's kill was issued at 0.65 and the request reached it at 0.67, before
+    its process had died: it took the request (run 2's case of session 38). With Ray
+    seeing it dead by 0.75 the request was on it when it died; with the kill an
+    instant (a node kill) it came after."""
+    kills = [
+        Kill(3.0, T0 + 0.65, "prefill", ("prefill-0",), "", None if died_by is None else T0 + died_by),
+        KILLS[1],  # the node kill at 2.0 takes decode-1
+    ]
+    trace = _trace(
+        "r20",
+        "decode-1",
+        ("admitted", 0.67, ""),
+        ("placed", 0.67, "decode-1"),
+        ("prefill_sent", 0.67, "prefill-0"),
+        ("prefill_sent", 0.9, "prefill-2"),
+        ("finished", 2.1, ""),
+    )
+    ok = [Outcome(i, "OK", "", (), 0.1, f"r{i}") for i in range(20)]
+    code, message = _twice("prefill-0, decode-1")
+    outcomes = [*ok, Outcome(20, code, message, (), 0.1, "r20")]
+    report = ChaosReport(outcomes, kills, [], {}, {}, 1.0, traces={"r20": trace})
+    assert (report.unexplained_two_losses() == []) is excused
