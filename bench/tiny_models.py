@@ -134,7 +134,7 @@ def _tiny_moe_config(kind: str, common: dict):
             first_k_dense_replace=1,
             use_qk_norm=True,
             attention_bias=True,
-            num_nextn_predict_layers=0,
+            num_nextn_predict_layers=1,  # as released: the MTP layer (when written) is layer 2
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         )
     if kind == "gpt_oss":
@@ -171,7 +171,7 @@ def make_hf_checkpoint(
     **config: object,
 ):
     """A random-weight HF model of ``kind``, saved as safetensors into ``directory``;
-    with ``mtp`` (deepseek_v3) also a multi-token prediction layer
+    with ``mtp`` (deepseek_v3, glm4_moe) also a multi-token prediction layer
     (``add_mtp_layer``), which transformers does not run: the returned model then
     carries what ``add_mtp_layer`` returned as ``mtp_layer``, for a test's reference.
     ``config``: attributes set on ``tiny_hf_config``'s config (another layer mix, window)."""
@@ -206,18 +206,22 @@ MTP_FILE = "model-mtp.safetensors"
 
 
 def add_mtp_layer(model, directory):
-    """Write a random DeepSeek-V3 multi-token prediction layer for ``model`` (a
-    transformers DeepseekV3ForCausalLM) into ``directory/MTP_FILE``, named as the
-    released checkpoints name it (``model.layers.{num_hidden_layers}.*``: an ordinary
-    layer's tensors, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, and
-    copies of the embedding and LM head). Returns (the layer as a transformers
-    ``DeepseekV3DecoderLayer``, {enorm, hnorm, eh_proj, norm: its other tensors})."""
+    """Write a random multi-token prediction layer for ``model`` (a transformers
+    DeepseekV3ForCausalLM or Glm4MoeForCausalLM: GLM-4.5's has DeepSeek-V3's form) into
+    ``directory/MTP_FILE``, named as the released checkpoints name it
+    (``model.layers.{num_hidden_layers}.*``: an ordinary layer's tensors, ``enorm``,
+    ``hnorm``, ``eh_proj``, ``shared_head.norm``, and copies of the embedding and LM
+    head). Returns (the layer as the model's own transformers decoder layer, {enorm,
+    hnorm, eh_proj, norm: its other tensors})."""
     from safetensors.torch import save_file
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     config, h = model.config, model.config.hidden_size
+    if config.model_type == "glm4_moe":
+        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer as Layer
+    else:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer as Layer
     index = config.num_hidden_layers
-    layer = DeepseekV3DecoderLayer(config, index).eval()
+    layer = Layer(config, index).eval()
     with torch.no_grad():
         for p in layer.parameters():
             if p.dim() >= 2:

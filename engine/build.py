@@ -44,6 +44,10 @@ from splitserve.wire.validation import RequestValidator
 
 log = logging.getLogger(__name__)
 
+# the models whose multi-token prediction layer the ``mtp`` method runs (``engine.model.mtp``:
+# GLM-4.5's layer has DeepSeek-V3's form; DeepSeek-V3.2's carries the sparse attention's
+# indexer, not built into it yet)
+MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
 PROGRESS_BAR_BYTES = 2**30  # checkpoints this large show a progress bar per rank while loading
 
 
@@ -77,15 +81,15 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         source = resolve_source(config.model)
         hf_config = load_hf_config(source)
     mc = ModelConfig.from_hf(hf_config)
-    if config.runs_mtp and mc.model_type != "deepseek_v3":
+    if config.runs_mtp and mc.model_type not in MTP_MODEL_TYPES:
         raise ValueError(
-            f"speculative method mtp runs DeepSeek-V3's multi-token prediction layer; {mc.model_type}'s "
-            "is not run yet (choose ngram or draft)"
+            f"speculative method mtp runs DeepSeek-V3's and GLM-4.5's multi-token prediction layers; "
+            f"{mc.model_type}'s is not run yet (choose ngram or draft)"
         )
     if config.runs_mtp and not mc.num_mtp_layers:
         raise ValueError(
             f"speculative method mtp needs a model with a multi-token prediction layer (DeepSeek-V3's "
-            f"num_nextn_predict_layers); {mc.model_type} here has none"
+            f"or GLM-4.5's num_nextn_predict_layers); {mc.model_type} here has none"
         )
     # expert parallelism: the group splits the routed experts; every other layer is whole
     # on every rank (a group of one to shard by), attention data-parallel

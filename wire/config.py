@@ -24,7 +24,7 @@ class SpeculativeConfig:
       or name as ``EngineConfig.model`` takes) decodes greedily on its own paged KV;
     - ``self``: the target's own first ``draft_layers`` layers, its final norm and LM
       head (no extra weights; their KV cache is the draft's own);
-    - ``mtp``: the checkpoint's multi-token prediction layer (DeepSeek-V3), which
+    - ``mtp``: the checkpoint's multi-token prediction layer (DeepSeek-V3, GLM-4.5), which
       predicts the token after next from the target's last hidden state: one token
       per step whatever ``num_tokens`` allows (``engine.speculative.mtp``).
 

@@ -1,11 +1,12 @@
-"""DeepSeek-V3's multi-token prediction (MTP) layer: from the target model's hidden
-state at position i and the token at i + 1, a prediction of the token at i + 2.
+"""DeepSeek-V3's multi-token prediction (MTP) layer, and GLM-4.5's of the same form:
+from the target model's hidden state at position i and the token at i + 1, a
+prediction of the token at i + 2.
 
     h_i (the target's last hidden state, after its final norm)   e = Emb(t_{i+1})
              hnorm                                                 enorm
                  \\__________ eh_proj([enorm(e); hnorm(h)]) _________/
                                        |
-                    one decoder layer (MLA + MoE), index num_layers,
+                    one decoder layer of the model's (V3: MLA + MoE), index num_layers,
                     its KV at position i in the cache's layer num_layers
                                        |
                          shared_head.norm -> the target's LM head -> t_{i+2}

@@ -1,4 +1,4 @@
-"""The MTP proposer: DeepSeek-V3's multi-token prediction layer as the draft.
+"""The MTP proposer: DeepSeek-V3's (or GLM-4.5's) multi-token prediction layer as the draft.
 
 The layer runs inside the target's own steps (``ModelRunner._predict_next``): after
 a step samples, it reads the target's last hidden states and the tokens after them,

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's multi-token prediction layer as the proposer (``speculative.mtp``):
+"""The multi-token prediction layer as the proposer (``speculative.mtp``), DeepSeek-V3's and GLM-4.5's:
 its predictions against the layer computed from transformers' modules, exactness
 against transformers' greedy tokens, the layer's KV through a handoff, and the
 checkpoints it loads from."""
@@ -25,9 +25,10 @@ MTP = SpeculativeConfig(method="mtp", num_tokens=1)
 
 
 class MTPReference:
-    """DeepSeek-V3's MTP layer by its definition (``engine.model.mtp``'s diagram), on
+    """The MTP layer by its definition (``engine.model.mtp``'s diagram), on
     transformers' modules: the model's last hidden states, its embedding and LM head,
-    and the layer as a ``DeepseekV3DecoderLayer``."""
+    and the layer as the model's own decoder layer (``DeepseekV3DecoderLayer``,
+    ``Glm4MoeDecoderLayer``)."""
 
     def __init__(self, hf, layer, extra: dict[str, torch.Tensor]):
         self.hf, self.layer, self.extra = hf, layer, extra
@@ -59,11 +60,12 @@ def _engine(directory, **overrides) -> Engine:
     return Engine(EngineConfig(**(cfg | overrides)))
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """(checkpoint directory, transformers model, the MTP layer's reference)."""
-    directory = tmp_path_factory.mktemp("dsv3-mtp")
-    hf = make_hf_checkpoint("deepseek_v3", directory, mtp=True)
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def model(request, tmp_path_factory):
+    """(checkpoint directory, transformers model, the MTP layer's reference): DeepSeek-V3,
+    and GLM-4.5 (its MTP layer has V3's form, around GLM's own decoder layer)."""
+    directory = tmp_path_factory.mktemp(f"{request.param}-mtp")
+    hf = make_hf_checkpoint(request.param, directory, mtp=True)
     return directory, hf, MTPReference(hf, *hf.mtp_layer)
 
 
@@ -90,7 +92,7 @@ def _check_predictions(seen, sequences: dict[str, list[int]], reference: MTPRefe
 
 def test_the_mtp_layer_predicts_what_transformers_modules_compute(model, monkeypatch):
     """Each step's prediction of the token after next, for every decoding sequence,
-    equals DeepSeek-V3's MTP layer computed from transformers' own modules over the
+    equals the MTP layer computed from transformers' own modules over the
     whole sequence (so the layer's KV of every earlier position, the prompt's
     included, is what it attends to); and greedy tokens stay transformers'."""
     monkeypatch.setattr(StepCost, "min_gain", property(lambda self: 0.0))  # propose every step
