@@ -273,6 +273,16 @@ class ChaosReport:
         where, killed = where or "no worker it names", killed or "none of them"
         return f"request {o.request_id}, s since its admission: on {where}; killed: {killed}"
 
+    def _marks_of(self, o: Outcome) -> str:
+        """``o``'s trace as its marks (name, worker, seconds since its admission)."""
+        trace = self.traces.get(o.request_id)
+        if trace is None:
+            return f"request {o.request_id or '?'} has no trace"
+        marks = ", ".join(
+            f"{m.name}{' ' + m.worker if m.worker else ''} {m.at - trace.admitted:.2f}" for m in trace.marks
+        )
+        return f"request {o.request_id}: {marks}"
+
     @property
     def completed(self) -> float:
         """Of the requests the router tried to complete (not those it ended at two losses)."""
@@ -301,8 +311,8 @@ class ChaosReport:
             and not _ended_at_losses(o)
         ]
         if bad:
-            e = bad[0]
-            out.append(f"{len(bad)} failure(s) of another code or without a sentence, {e.code}: {e.message}")
+            each = " | ".join(f"{e.code}: {e.message}; {self._marks_of(e)}" for e in bad[:5])
+            out.append(f"{len(bad)} failure(s) of another code or without a sentence: {each}")
         if any(self.kv_held.values()):
             out.append(f"KV still held afterwards: {self.kv_held}")
         return out

