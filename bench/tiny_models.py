@@ -20,7 +20,9 @@ def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024, k
     index score exactly 0 after the ReLU, and 24 of 900 queries of the tests' prompts
     tied at the 8th place, which transformers' topk and the engine's break
     differently; with 16, none did); gemma3_text (6 layers, 2 sliding (window 16) to
-    1 full, twice, a RoPE per kind, q/k norms, soft-capped logits); glm4_moe
+    1 full, twice, a RoPE per kind, q/k norms, soft-capped logits); gemma2 (4 layers
+    alternating sliding (window 16) and full, attention logits soft-capped at 2, final
+    ones at 30); glm4_moe
     (DeepSeek-V3's routing in 2 groups of 4, q/k norms and biases, RoPE over half of
     each 32-dim head, layer 0 dense); gpt_oss (4 layers
     alternating sliding (window 16) and full attention, attention sinks, q/k/v/o
@@ -75,6 +77,20 @@ def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024, k
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
             },
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        )
+    if kind == "gemma2":
+        from transformers import Gemma2Config
+
+        return Gemma2Config(
+            **{**common, "num_hidden_layers": 4},
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            attn_logit_softcapping=2.0,  # released: 50; here small enough to bite on random weights
             final_logit_softcapping=30.0,
             tie_word_embeddings=True,
         )
@@ -182,7 +198,8 @@ def make_hf_checkpoint(
     for name, value in config.items():
         setattr(hf_config, name, value)
     config = hf_config
-    attention = "eager" if kind == "gpt_oss" else "sdpa"  # transformers runs its sinks eagerly only
+    # transformers runs gpt-oss's sinks and Gemma 2's soft-capped logits eagerly only
+    attention = "eager" if kind in ("gpt_oss", "gemma2") else "sdpa"
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     # Larger weights than the default init make logits less flat, so greedy ties are rare.
     with torch.no_grad():
@@ -191,7 +208,7 @@ def make_hf_checkpoint(
                 p.normal_(0, 0.2)
             elif kind == "gpt_oss" and name.endswith(("bias", "sinks")):  # ~0 at init: make them count
                 p.normal_(0, 0.5)
-            elif kind == "gemma3_text" and name.endswith("norm.weight"):  # zeros at init (scale 1 + w)
+            elif kind in ("gemma2", "gemma3_text") and name.endswith("norm.weight"):  # 0 at init: 1 + w
                 p.normal_(0, 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros at init: make it choose

@@ -247,17 +247,17 @@ def _attention(
     attention = config.attention_backend
     if fp8_kv and attention == "auto":
         attention = "triton" if device.type == "cuda" else "sdpa"
-    windows = mc.attn_sinks or mc.sliding_window is not None
+    windows = mc.attn_sinks or mc.sliding_window is not None or mc.attn_softcap is not None
     if windows and attention == "auto" and device.type == "cuda":
-        attention = "sdpa"  # the GPU kernels have neither windows nor sinks yet
+        attention = "sdpa"  # the GPU kernels have no windows, sinks or soft caps yet
     if mc.mla is not None:
         backend: AttentionBackend = MlaBackend(mc.mla.kv_lora_rank)
     else:
         backend = get_backend(attention, device, config.native_kernels)
     if windows and not backend.windows_and_sinks:
         raise ValueError(
-            f"{mc.model_type}'s sliding windows and attention sinks run on the sdpa and cpu attention "
-            f"backends; {backend.name} has neither yet"
+            f"{mc.model_type}'s sliding windows, attention sinks and soft-capped logits run on the sdpa "
+            f"and cpu attention backends; {backend.name} has none of them yet"
         )
     if fp8_kv and not backend.reads_fp8_kv:
         raise ValueError(

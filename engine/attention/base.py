@@ -44,8 +44,9 @@ def decode_tables(
 class AttentionBackend(ABC):
     name: str
     reads_fp8_kv: bool = False  # takes an FP8 cache with its scales
-    # takes ``window`` and ``sinks`` (sliding-window layers, attention sinks: gpt-oss);
-    # a model with either runs only on a backend that does (``engine.build``)
+    # takes ``window``, ``sinks`` and ``softcap`` (sliding-window layers, attention sinks:
+    # gpt-oss; soft-capped logits: Gemma 2); a model with any runs only on a backend
+    # that does (``engine.build``)
     windows_and_sinks: bool = False
 
     @abstractmethod
@@ -68,5 +69,6 @@ class AttentionBackend(ABC):
         ``kv_scales`` ([2, kv_heads]) comes with an FP8 cache (``engine.kv_quant``), which
         only backends that set ``reads_fp8_kv`` take. Backends that set
         ``windows_and_sinks`` also take the keywords ``window`` (int or None: a query at
-        position p attends to keys in (p - window, p]) and ``sinks`` ([H] or None: one
-        more logit per head in the softmax, whose value is zero: gpt-oss's sinks)."""
+        position p attends to keys in (p - window, p]), ``sinks`` ([H] or None: one
+        more logit per head in the softmax, whose value is zero: gpt-oss's sinks) and
+        ``softcap`` (float or None: each logit becomes ``cap * tanh(logit / cap)``)."""

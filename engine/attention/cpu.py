@@ -82,11 +82,14 @@ class CpuBackend(SdpaBackend):
         kv_scales=None,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ):
-        if window is not None or sinks is not None:
+        if window is not None or sinks is not None or softcap is not None:
             if meta.whole is None:
                 meta.whole = super().prepare(meta.spans, meta.num_decodes, meta.block_size, q.device)
-            return super().forward(q, k, v, k_cache, v_cache, meta.whole, scale, window=window, sinks=sinks)
+            return super().forward(
+                q, k, v, k_cache, v_cache, meta.whole, scale, window=window, sinks=sinks, softcap=softcap
+            )
         nd = meta.num_decodes
         if nd == q.shape[0]:
             return self.kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)

@@ -19,6 +19,10 @@ dimension's unit vector with a zero value, so its logit is the head's sink and i
 adds nothing to the output (exact, at the price of an explicit mask and copies of
 q, k and v: a sink layer's attention costs about 2.5x a plain one's here).
 
+Soft-capped logits (``softcap``: Gemma 2) have no hook in SDPA: such a layer
+computes its logits, caps them (``cap * tanh(logit / cap)``), masks them and takes
+the softmax itself, in float32, as transformers' eager attention does.
+
 An FP8 cache's blocks are dequantized as they are gathered (``kv_scales``), and
 a prompt with no cached prefix attends over its fresh K/V rounded as the cache
 holds them (as vLLM, which reads them back from the cache): where a prompt's
@@ -96,6 +100,20 @@ def with_sink(q, k, v, mask, sinks, scale: float):
     return q, k, v, mask
 
 
+def _attend(q, k, v, mask, scale: float, softcap: float | None):
+    """SDPA of q over k and v (``mask``: True = attend; None: causal); with ``softcap``,
+    the same attention with each logit soft-capped first (module docstring)."""
+    if softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if mask is None:
+        mask = _causal_mask(q.shape[-2], k.shape[-2], device=q.device)
+    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    logits = (softcap * torch.tanh(logits / softcap)).masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(logits, dim=-1).to(v.dtype), v)
+
+
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     reads_fp8_kv = True  # the blocks it gathers are dequantized (engine.kv_quant)
@@ -138,6 +156,7 @@ class SdpaBackend(AttentionBackend):
         kv_scales=None,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ):
         num_heads, head_dim = q.shape[1], q.shape[2]
 
@@ -159,7 +178,7 @@ class SdpaBackend(AttentionBackend):
             if sinks is not None:
                 per_head = sinks.view(kv_heads, group)
                 qd, kd, vd, decode_mask = with_sink(qd, kd, vd, decode_mask, per_head, scale)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=decode_mask, scale=scale)
+            od = _attend(qd, kd, vd, decode_mask, scale, softcap)
             out[:nd] = od.reshape(nd, num_heads, head_dim)
         for p, mask in zip(meta.prefills, prefill_masks):
             qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)
@@ -181,9 +200,6 @@ class SdpaBackend(AttentionBackend):
                 if mask is None:
                     mask = _causal_mask(p.q_len, p.ctx_len, device=q.device)
                 qs, ks, vs, mask = with_sink(qs, ks, vs, mask, sinks[:, None], scale)
-            if mask is None:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
-            else:
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+            o = _attend(qs, ks, vs, mask, scale, softcap)
             out[p.q_start : p.q_start + p.q_len] = o[0].transpose(0, 1)
         return out

@@ -17,7 +17,9 @@ Gemma 3's other differences are flags here: norms that scale by ``1 + weight``
 (``sandwich_norms``), the tanh-approximated GELU (``hidden_act``), embeddings
 scaled by sqrt(hidden) (``embed_scale``), a query scale of its own
 (``attn_scale``) and logits soft-capped where the config asks
-(``final_logit_softcap``).
+(``final_logit_softcap``). Gemma 2 has the same, without q/k norms or a second
+RoPE, and also soft-caps each attention logit (``attn_softcap``:
+``cap * tanh(logit / cap)`` before the softmax).
 
 Sliding-window layers (``layer_types``, ``sliding_window``): a query at position p
 attends to the keys at positions (p - window, p], as transformers' masks do; the
@@ -40,8 +42,9 @@ from typing import Any
 from splitserve.engine.model.checkpoint_quant import CheckpointQuant
 from splitserve.wire.errors import ModelLoadError
 
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-WINDOWED_MODEL_TYPES = ("gpt_oss", "gemma3_text")  # per-layer ``layer_types``
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+WINDOWED_MODEL_TYPES = ("gpt_oss", "gemma2", "gemma3_text")  # per-layer ``layer_types``
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss", "glm4_moe")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 # model types a user may try whose missing pieces we can name
@@ -165,6 +168,7 @@ class ModelConfig:
     embed_scale: float | None = None
     attn_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcap: float | None = None
+    attn_softcap: float | None = None  # Gemma 2: each attention logit soft-capped
 
     def window(self, i: int) -> int | None:
         """Layer i's sliding window, or None where it attends to every earlier key."""
@@ -219,8 +223,6 @@ class ModelConfig:
         act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
         if act not in _ACTIVATIONS:
             raise ModelLoadError(f"activation {act!r} is not supported (only {', '.join(_ACTIVATIONS)})")
-        if getattr(hf, "attn_logit_softcapping", None) is not None:
-            raise ModelLoadError("attention logit soft-capping (Gemma 2's) is not supported yet")
         if getattr(hf, "use_bidirectional_attention", False):
             raise ModelLoadError("bidirectional attention is not supported (a decoder runs causal attention)")
         heads = hf.num_attention_heads
@@ -229,7 +231,13 @@ class ModelConfig:
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         max_pos = hf.max_position_embeddings
-        gemma = mt == "gemma3_text"
+        gemma, gemma3 = mt in GEMMA_MODEL_TYPES, mt == "gemma3_text"
+        attn_softcap = getattr(hf, "attn_logit_softcapping", None)
+        if attn_softcap is not None and (mt == "gpt_oss" or not attn_softcap > 0):
+            raise ModelLoadError(
+                f"config.json: attn_logit_softcapping {attn_softcap!r} runs with a positive cap, "
+                "and not beside gpt-oss's attention sinks"
+            )
         window = getattr(hf, "sliding_window", None)
         layer_types, sliding = _layer_types(hf, mt, max_pos)
         uses_window = mt in ("mistral", "mixtral") or getattr(hf, "use_sliding_window", False)
@@ -262,7 +270,7 @@ class ModelConfig:
             qkv_bias=mt in ("qwen2", "qwen2_moe") or attention_bias,
             o_bias=mt in ("llama", "mistral", "mixtral", "gpt_oss") and attention_bias,
             qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text") or bool(getattr(hf, "use_qk_norm", False)),
-            rope=_rope_params(hf, "full_attention" if gemma else None),
+            rope=_rope_params(hf, "full_attention" if gemma3 else None),
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf, "bos_token_id", None),
             checkpoint_quant=quant,
@@ -272,7 +280,7 @@ class ModelConfig:
             layer_types=layer_types,
             sliding_window=sliding,
             attn_sinks=mt == "gpt_oss",
-            rope_local=_rope_params(hf, "sliding_attention") if gemma else None,
+            rope_local=_rope_params(hf, "sliding_attention") if gemma3 else None,
             rotary_dim=_rotary_dim(hf, head_dim) if mla is None else None,
             norm_unit_offset=gemma,
             sandwich_norms=gemma,
@@ -280,6 +288,7 @@ class ModelConfig:
             embed_scale=hf.hidden_size**0.5 if gemma else None,
             attn_scale=hf.query_pre_attn_scalar**-0.5 if gemma else None,
             final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
+            attn_softcap=attn_softcap,
         )
 
 

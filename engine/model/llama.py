@@ -67,8 +67,9 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they attend to (``kv_head_range``);
-    layer ``index``'s sliding window, if it has one (``ModelConfig.window``), and
-    with ``cfg.attn_sinks`` this rank's heads' sink logits (``sinks``)."""
+    layer ``index``'s sliding window, if it has one (``ModelConfig.window``), with
+    ``cfg.attn_sinks`` this rank's heads' sink logits (``sinks``), and the cap on its
+    logits where the model soft-caps them (``softcap``: Gemma 2)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None, index: int = 0):
         super().__init__()
@@ -85,6 +86,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, norm) if cfg.qk_norm else None
         self.window = cfg.window(index)
         self.rotary_dim = cfg.rope_dim
+        self.softcap = cfg.attn_softcap
         self.sinks = None
         if cfg.attn_sinks:
             self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
@@ -109,8 +111,8 @@ class Attention(nn.Module):
                 qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, kv_scales, ctx.calibrate_kv
             )
         extra = {}  # only for a backend that takes them (``windows_and_sinks``)
-        if self.window is not None or self.sinks is not None:
-            extra = {"window": self.window, "sinks": self.sinks}
+        if self.window is not None or self.sinks is not None or self.softcap is not None:
+            extra = {"window": self.window, "sinks": self.sinks, "softcap": self.softcap}
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale, kv_scales, **extra)
         return self.o_proj(o.view(T, self.q_size))
 

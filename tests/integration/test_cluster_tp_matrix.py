@@ -32,6 +32,7 @@ MAX_TOKENS = 8
         ("qwen2", 1, 1, 2),
         ("qwen3", 1, 2, 2),
         ("gemma3_text", 2, 2, 1),
+        ("gemma2", 2, 1, 2),
     ],
 )
 def test_cluster_greedy_equals_transformers(tmp_path, kind, kv_heads, prefill_tp, decode_tp):

@@ -27,7 +27,7 @@ def backend(request):
     return request.param
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3", "qwen2", "qwen3", "gemma3_text"])
+@pytest.fixture(scope="module", params=["llama", "llama3", "qwen2", "qwen3", "gemma2", "gemma3_text"])
 def reference(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf = make_hf_checkpoint(request.param, directory)
