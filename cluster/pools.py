@@ -77,6 +77,9 @@ MAX_RESTARTS = 3  # Ray's restarts of one actor; past them the pool replaces the
 KEEP_INTERVAL_S = 1.0  # how often ``keep`` looks for lost workers
 KEEP_BACKOFF_MAX_S = 60.0  # the longest wait between failed replacements (doubling from 1 s)
 START_TIMEOUT_S = 900.0  # a worker's start, loading included (a first start compiles the CPU kernels)
+# a TP group's rendezvous task (in its placement group, once placed): a start whose node
+# died under it waits here for Ray to place the group again, which may never come
+RENDEZVOUS_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -387,11 +390,17 @@ class WorkerPool:
         """Start TP ranks 1.. of a group; returns rank 0's spec (with its ``TPInit``)."""
         s = self.spec
         await self._placed(m, deadline)
-        address = (
-            await ray.remote(num_cpus=0)(_rendezvous_address)
-            .options(scheduling_strategy=self._bundle(m.pg, 0))
-            .remote()
-        )
+        meet = ray.remote(num_cpus=0)(_rendezvous_address)
+        ref = meet.options(scheduling_strategy=self._bundle(m.pg, 0)).remote()
+        limit = max(0.1, min(RENDEZVOUS_TIMEOUT_S, deadline - time.monotonic()))
+        try:
+            address = await asyncio.wait_for(ref, limit)
+        except TimeoutError:
+            ray.cancel(ref, force=True)
+            raise RuntimeError(
+                f"{m.worker_id}'s ranks could not meet: its placement group ran no task within "
+                f"{limit:.0f} s (its node lost, and no room to place it again?)"
+            ) from None
         ranks = [
             dataclasses.replace(spec, tp=TPInit(r, s.ranks, address), cpu_ids=self._rank_cpus(m.worker_id, r))
             for r in range(s.ranks)
