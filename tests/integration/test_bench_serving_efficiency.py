@@ -30,7 +30,9 @@ def test_serving_efficiency_runs_both_paths(tmp_path_factory, capsys):
         r"TPOT p50 ([\d.]+) ms; .* decode step at batch (\d+): ([\d.]+) ms; TPOT / step = ([\d.]+)x", out
     )
     assert half is not None, out
-    assert float(half[1]) > 0 and int(half[2]) >= 1 and float(half[3]) > 0 and float(half[4]) > 0
+    # the client's TPOT may be 0.0: a client behind the stream gets a request's tokens
+    # coalesced into one message (seen on a loaded machine), all at one arrival time
+    assert float(half[1]) >= 0 and int(half[2]) >= 1 and float(half[3]) > 0 and float(half[4]) >= 0
     replay = re.search(r"TPOT p50 ([\d.]+) ms; served / replayed = ([\d.]+)x", out)
     assert replay is not None, out
-    assert float(replay[1]) > 0 and float(replay[2]) > 0
+    assert float(replay[1]) > 0 and float(replay[2]) >= 0

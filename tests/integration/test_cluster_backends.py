@@ -128,6 +128,16 @@ def test_prefill_kv_is_freed_at_the_pull_not_at_the_end(cluster, client):
     assert wait_kv_free(client) == IDLE
 
 
+def _incarnations(pw) -> tuple[str, ...] | None:
+    """The incarnations a prefill worker's handshakes name now; None while it does not
+    answer (dead, restarting)."""
+    try:
+        info = ray.get(pw.client.actor.info.remote(), timeout=30)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # unavailable included
+        return None
+    return tuple(hs.incarnation for hs in info.handshakes)
+
+
 def _decode_peers(cluster) -> dict[str, tuple[str, ...]]:
     """The prefill incarnations the decode worker holds handshakes of, as it reports them."""
     (dw,) = cluster.registry.workers("decode")
@@ -173,20 +183,21 @@ def test_a_restarted_prefill_worker_is_used_again(cluster, reference, client):
     prefilling them); none hangs. The test ends with the cluster
     serving again, so its place in the module does not matter."""
     (pw,) = cluster.registry.workers("prefill")
-    old = tuple(hs.incarnation for hs in ray.get(pw.client.actor.info.remote()).handshakes)
-    ray.kill(pw.client.actor, no_restart=False)
+    old = _incarnations(pw)
+    ray.kill(pw.client.actor, no_restart=False)  # it dies a moment later: it may serve one more
     prompt = random_prompts([40], VOCAB, seed=9)[0]
     (want,) = reference_tokens(reference, [prompt], [SamplingParams(max_tokens=6)])
 
     def prefilled_there() -> bool:
+        now = _incarnations(pw)  # before the request: a new one means the old one is gone
         try:
             got = client.generate(prompt, temperature=0, max_tokens=6, timeout=30)
         except Unavailable:
             return False
         assert got.token_ids == want  # meanwhile, with no prefill worker left, the decode worker prefills it
-        return got.final.prefill_worker == "prefill-0"
+        return now not in (None, old) and got.final.prefill_worker == "prefill-0"
 
     wait_until(prefilled_there, "the prefill worker back, prefilling", 120, 0.5)
-    new = tuple(hs.incarnation for hs in ray.get(pw.client.actor.info.remote()).handshakes)
-    assert new != old and _decode_peers(cluster)["prefill-0"] == new
+    new = _incarnations(pw)
+    assert new not in (None, old) and _decode_peers(cluster)["prefill-0"] == new
     assert wait_kv_free(client) == IDLE
