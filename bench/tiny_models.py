@@ -198,8 +198,9 @@ def make_hf_checkpoint(
     for name, value in config.items():
         setattr(hf_config, name, value)
     config = hf_config
-    # transformers runs gpt-oss's sinks and Gemma 2's soft-capped logits eagerly only
-    attention = "eager" if kind in ("gpt_oss", "gemma2") else "sdpa"
+    # transformers runs sinks and soft-capped attention logits eagerly only
+    capped = getattr(config, "attn_logit_softcapping", None) is not None
+    attention = "eager" if kind == "gpt_oss" or capped else "sdpa"
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     # Larger weights than the default init make logits less flat, so greedy ties are rare.
     with torch.no_grad():

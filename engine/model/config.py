@@ -19,7 +19,8 @@ scaled by sqrt(hidden) (``embed_scale``), a query scale of its own
 (``attn_scale``) and logits soft-capped where the config asks
 (``final_logit_softcap``). Gemma 2 has the same, without q/k norms or a second
 RoPE, and also soft-caps each attention logit (``attn_softcap``:
-``cap * tanh(logit / cap)`` before the softmax).
+``cap * tanh(logit / cap)`` before the softmax; a Gemma 3 config's
+``attn_logit_softcapping`` is not applied, as transformers does not).
 
 Sliding-window layers (``layer_types``, ``sliding_window``): a query at position p
 attends to the keys at positions (p - window, p], as transformers' masks do; the
@@ -232,12 +233,11 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         max_pos = hf.max_position_embeddings
         gemma, gemma3 = mt in GEMMA_MODEL_TYPES, mt == "gemma3_text"
-        attn_softcap = getattr(hf, "attn_logit_softcapping", None)
-        if attn_softcap is not None and (mt == "gpt_oss" or not attn_softcap > 0):
-            raise ModelLoadError(
-                f"config.json: attn_logit_softcapping {attn_softcap!r} runs with a positive cap, "
-                "and not beside gpt-oss's attention sinks"
-            )
+        # Gemma 2 caps its attention logits; transformers' Gemma 3 reads the field and never
+        # applies it (its released configs leave it null), so neither does the engine
+        attn_softcap = getattr(hf, "attn_logit_softcapping", None) if mt == "gemma2" else None
+        if attn_softcap is not None and not attn_softcap > 0:
+            raise ModelLoadError(f"config.json: attn_logit_softcapping {attn_softcap!r} is not positive")
         window = getattr(hf, "sliding_window", None)
         layer_types, sliding = _layer_types(hf, mt, max_pos)
         uses_window = mt in ("mistral", "mixtral") or getattr(hf, "use_sliding_window", False)
