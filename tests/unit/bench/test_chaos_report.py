@@ -193,3 +193,16 @@ def test_a_process_kill_spans_until_ray_saw_it_die(died_by, excused):
     outcomes = [*ok, Outcome(20, code, message, (), 0.1, "r20")]
     report = ChaosReport(outcomes, kills, [], {}, {}, 1.0, traces={"r20": trace})
     assert (report.unexplained_two_losses() == []) is excused
+
+
+def test_a_failure_of_another_code_is_reported_with_its_marks():
+    """So that the next run shows where such a request went (session 38's false
+    INVALID_ARGUMENT could not be traced: only its sentence was printed)."""
+    trace = _trace(
+        "r1", "decode-1", ("admitted", 0.5, ""), ("placed", 0.5, "decode-0"), ("resumed", 1.2, "decode-1")
+    )
+    outcomes = [Outcome(i, "OK", "", (), 0.1, f"ok{i}") for i in range(199)]  # 99.5 % completed
+    outcomes.append(Outcome(199, "INVALID_ARGUMENT", "request id 'r1' is already in use", (), 0.1, "r1"))
+    (problem,) = ChaosReport(outcomes, KILLS, [], {}, {}, 1.0, traces={"r1": trace}).problems()
+    assert "INVALID_ARGUMENT: request id 'r1' is already in use" in problem
+    assert "request r1: admitted 0.00, placed decode-0 0.00, resumed decode-1 0.70" in problem
