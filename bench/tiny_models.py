@@ -5,6 +5,8 @@ transformers (a test dependency; present on the GPU image)."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -117,6 +119,7 @@ def _tiny_moe_config(kind: str, common: dict):
         mha = {**common, "num_key_value_heads": common["num_attention_heads"]}  # MLA keys are per head
         if kind == "deepseek_v32":  # V3 with the sparse attention's indexer: 8 tokens kept a query
             cls, index = DeepseekV32Config, {"index_topk": 8, "index_n_heads": 16, "index_head_dim": 16}
+            index["num_nextn_predict_layers"] = 1  # as released (V3's config has it by default)
         else:
             cls, index = DeepseekV3Config, {}
         return cls(
@@ -236,9 +239,14 @@ def add_mtp_layer(model, directory):
     config, h = model.config, model.config.hidden_size
     if config.model_type == "glm4_moe":
         from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer as Layer
+    elif config.model_type == "deepseek_v32":
+        from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32DecoderLayer as Layer
     else:
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer as Layer
     index = config.num_hidden_layers
+    if getattr(config, "mlp_layer_types", None):  # V3.2's config lists its layers: the MTP one is MoE
+        config = copy.deepcopy(config)
+        config.mlp_layer_types = [*config.mlp_layer_types, "sparse"]
     layer = Layer(config, index).eval()
     with torch.no_grad():
         for p in layer.parameters():

@@ -45,9 +45,8 @@ from splitserve.wire.validation import RequestValidator
 log = logging.getLogger(__name__)
 
 # the models whose multi-token prediction layer the ``mtp`` method runs (``engine.model.mtp``:
-# GLM-4.5's layer has DeepSeek-V3's form; DeepSeek-V3.2's carries the sparse attention's
-# indexer, not built into it yet)
-MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
+# GLM-4.5's layer has DeepSeek-V3's form; DeepSeek-V3.2's is a V3.2 layer, indexer included)
+MTP_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm4_moe")
 PROGRESS_BAR_BYTES = 2**30  # checkpoints this large show a progress bar per rank while loading
 
 
@@ -83,7 +82,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     mc = ModelConfig.from_hf(hf_config)
     if config.runs_mtp and mc.model_type not in MTP_MODEL_TYPES:
         raise ValueError(
-            f"speculative method mtp runs DeepSeek-V3's and GLM-4.5's multi-token prediction layers; "
+            f"speculative method mtp runs DeepSeek-V3's, V3.2's and GLM-4.5's multi-token prediction layers; "
             f"{mc.model_type}'s is not run yet (choose ngram or draft)"
         )
     if config.runs_mtp and not mc.num_mtp_layers:
