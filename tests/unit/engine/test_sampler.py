@@ -42,6 +42,32 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert set(out.token_ids) == {0, 1}  # 0.5 < 0.75 so token 1 is needed; 0.8 >= 0.75 stops
 
 
+def _nucleus_by_full_sort(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """The reference: every token sorted; dropped once the mass before it reaches p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs) >= p
+    drop[:, 0] = False
+    return torch.zeros_like(logits, dtype=torch.bool).scatter(1, order, ~drop)
+
+
+@pytest.mark.parametrize("p", [0.5, 0.9, 0.999])
+def test_top_p_over_a_large_vocabulary_keeps_the_full_sorts_nucleus(p):
+    """Over 5,000 tokens the nucleus is looked for among each row's 1,024 likeliest
+    (``_TOP_P_CANDIDATES``) and over a full sort where they hold less than top_p: a
+    peaked row (inside), a flat one (the fallback) and one between, sampled in a batch
+    with a row that does not use top_p; each keeps exactly the full sort's nucleus."""
+    from splitserve.engine.sampler import _top_p
+
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, 5000, generator=g) * torch.tensor([[8.0], [0.1], [2.5], [1.0]])
+    got = _top_p(logits, [0, 1, 2], [p, p, p]) > float("-inf")
+    assert torch.equal(got[:3], _nucleus_by_full_sort(logits[:3], p))
+    assert got[3].all()  # not a top_p row: untouched
+    flat = logits[1].softmax(-1).topk(1024).values.sum()
+    assert flat < p  # the flat row needed the fallback
+
+
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().repeat(6000, 1)
