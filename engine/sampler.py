@@ -11,9 +11,9 @@ grammar forbids. Greedy rows take the argmax; the others go through top-k, top-p
 and min-p, then one draw by the exponential-race trick (argmax of p / E with
 E ~ Exp(1), drawn as -log U: a sixth of ``exponential_``'s time here), which
 equals sampling from p. Top-k takes each row's k-th logit from a ``topk``, and
-top-p looks for the nucleus among the row's 1,024 likeliest tokens (a full sort
-only where they hold less than top_p): a full sort of a 49k vocabulary cost ten
-times a step's other sampling work on these CPUs. Seeded rows draw their noise from a
+top-p needs only each row's sorted probabilities (``_top_p``), sorted by numpy on
+the CPU: torch's sort with indices of a 49k vocabulary cost ten times a step's
+other sampling work on these CPUs. Seeded rows draw their noise from a
 generator seeded with ``(seed, index of the token being generated)``, so a seeded
 request reproduces exactly whatever else is in the batch and whichever worker
 samples each token. Logprobs (the chosen token's, and the top-N's) are under the
@@ -31,6 +31,7 @@ import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from splitserve.engine.structured import Grammar
@@ -272,37 +273,40 @@ class Sampler:
         return (probs / noise.log_().neg_()).argmax(dim=-1)
 
 
-# the tokens ``_top_p`` ranks before falling back to a full sort: with any real model's
-# distribution the nucleus lies among them; a row whose top this many fall short of its
-# top_p is sorted whole
-_TOP_P_CANDIDATES = 1024
 _INF = float("inf")
 
 
 def _top_p(logits: torch.Tensor, rows: list[int], top_ps: list[float]) -> torch.Tensor:
-    """``logits`` with each of ``rows``' tokens outside its nucleus masked: in
-    descending order, a token is dropped once the mass before it reaches the row's
-    top_p (the first always stays: a top_p below float32's smallest value is 0 here).
-    The nucleus is found among the row's ``_TOP_P_CANDIDATES`` most likely tokens when
-    they hold at least top_p of the mass (then every token after them is dropped by the
-    same rule), else over a full sort."""
+    """``logits`` with each of ``rows``' tokens outside its nucleus masked: a token
+    stays when the tokens more likely than it hold less than the row's top_p of the
+    mass (the likeliest always stays: a top_p below float32's smallest value is 0
+    here). In descending order that is the prefix up to the first token whose mass
+    before it reaches top_p, and all the tokens as likely as its last one: so only the
+    sorted probabilities are needed (no argsort), and tokens tied at the edge stay or
+    go together."""
     idx = _index(rows, logits)
     sub = logits.index_select(0, idx)
     p = torch.tensor(top_ps, device=logits.device)[:, None]
     probs = sub.softmax(dim=-1)
-    n = min(_TOP_P_CANDIDATES, sub.shape[1])
-    top, order = probs.topk(n, dim=-1)
-    if not bool((top.sum(dim=-1, keepdim=True) >= p).all()):  # a flat row: all of them sorted
-        top, order = probs.sort(dim=-1, descending=True)
-    drop = (top.cumsum(dim=-1) - top) >= p
-    drop[:, 0] = False
-    kept = sub.gather(1, order).masked_fill(drop, -_INF)
-    masked = torch.full_like(sub, -_INF).scatter(1, order, kept)
+    ascending = _sorted(probs)
+    cum = ascending.cumsum(dim=-1)
+    above = cum[:, -1:] - cum  # the mass after each in ascending order: before it, descending
+    kept = (above < p).sum(dim=-1, keepdim=True).clamp(min=1)
+    edge = ascending.gather(1, probs.shape[1] - kept)  # the least likely token kept
+    masked = sub.masked_fill(probs < edge, -_INF)
     if len(rows) == logits.shape[0]:
         return masked
     out = logits.clone()
     out[idx] = masked
     return out
+
+
+def _sorted(x: torch.Tensor) -> torch.Tensor:
+    """Each row's values in ascending order. On the CPU numpy's sort: 1.5 ms for 16 x
+    49,152 float32 here, against 24 ms for torch's."""
+    if x.device.type != "cpu":
+        return x.sort(dim=-1).values
+    return torch.from_numpy(np.sort(x.numpy(), axis=-1))
 
 
 def _all_nan(logits: torch.Tensor) -> torch.Tensor:

@@ -53,10 +53,8 @@ def _nucleus_by_full_sort(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("p", [0.5, 0.9, 0.999])
 def test_top_p_over_a_large_vocabulary_keeps_the_full_sorts_nucleus(p):
-    """Over 5,000 tokens the nucleus is looked for among each row's 1,024 likeliest
-    (``_TOP_P_CANDIDATES``) and over a full sort where they hold less than top_p: a
-    peaked row (inside), a flat one (the fallback) and one between, sampled in a batch
-    with a row that does not use top_p; each keeps exactly the full sort's nucleus."""
+    """Over 5,000 tokens, rows peaked, flat and between, in a batch with a row that does
+    not use top_p: each keeps exactly the nucleus an argsort finds (no ties here)."""
     from splitserve.engine.sampler import _top_p
 
     g = torch.Generator().manual_seed(9)
@@ -64,8 +62,18 @@ def test_top_p_over_a_large_vocabulary_keeps_the_full_sorts_nucleus(p):
     got = _top_p(logits, [0, 1, 2], [p, p, p]) > float("-inf")
     assert torch.equal(got[:3], _nucleus_by_full_sort(logits[:3], p))
     assert got[3].all()  # not a top_p row: untouched
-    flat = logits[1].softmax(-1).topk(1024).values.sum()
-    assert flat < p  # the flat row needed the fallback
+
+
+def test_tokens_tied_at_the_nucleus_edge_stay_together():
+    """A token stays when the tokens likelier than it hold less than top_p: tokens tied
+    at the edge all stay (an argsort would keep an arbitrary one of them)."""
+    from splitserve.engine.sampler import _top_p
+
+    logits = torch.tensor([[0.4, 0.2, 0.2, 0.2, 0.0]]).log()
+    got = _top_p(logits, [0], [0.5]) > float("-inf")
+    assert got[0].tolist() == [True, True, True, True, False]
+    got = _top_p(logits, [0], [0.3]) > float("-inf")
+    assert got[0].tolist() == [True, False, False, False, False]
 
 
 def test_sampling_follows_the_distribution():
