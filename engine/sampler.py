@@ -270,6 +270,9 @@ class Sampler:
             r = rows[i]
             g = torch.Generator(device=probs.device).manual_seed(_row_seed(r.params.seed, r.output_index))
             noise[i].uniform_(generator=g)
+        # U >= the smallest normal float: E is finite, so a token of probability 0 never
+        # wins (a row's only token drawing U = 0 would leave every ratio 0, and argmax 0)
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise.log_().neg_()).argmax(dim=-1)
 
 
