@@ -190,7 +190,7 @@ def make_hf_checkpoint(
     **config: object,
 ):
     """A random-weight HF model of ``kind``, saved as safetensors into ``directory``;
-    with ``mtp`` (deepseek_v3, glm4_moe) also a multi-token prediction layer
+    with ``mtp`` (deepseek_v3, deepseek_v32, glm4_moe) also a multi-token prediction layer
     (``add_mtp_layer``), which transformers does not run: the returned model then
     carries what ``add_mtp_layer`` returned as ``mtp_layer``, for a test's reference.
     ``config``: attributes set on ``tiny_hf_config``'s config (another layer mix, window)."""
@@ -228,7 +228,7 @@ MTP_FILE = "model-mtp.safetensors"
 
 def add_mtp_layer(model, directory):
     """Write a random multi-token prediction layer for ``model`` (a transformers
-    DeepseekV3ForCausalLM or Glm4MoeForCausalLM: GLM-4.5's has DeepSeek-V3's form) into
+    DeepSeek-V3, V3.2 or GLM-4.5 model: GLM-4.5's has DeepSeek-V3's form) into
     ``directory/MTP_FILE``, named as the released checkpoints name it
     (``model.layers.{num_hidden_layers}.*``: an ordinary layer's tensors, ``enorm``,
     ``hnorm``, ``eh_proj``, ``shared_head.norm``, and copies of the embedding and LM

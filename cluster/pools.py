@@ -387,7 +387,10 @@ class WorkerPool:
     async def _start_ranks(
         self, m: _Member, spec: PrefillWorkerSpec | DecodeWorkerSpec, deadline: float
     ) -> PrefillWorkerSpec | DecodeWorkerSpec:
-        """Start TP ranks 1.. of a group; returns rank 0's spec (with its ``TPInit``)."""
+        """Start TP ranks 1.. of a group; returns rank 0's spec (with its ``TPInit``).
+        Raises ``RuntimeError`` when the ranks' rendezvous task has not run within
+        ``RENDEZVOUS_TIMEOUT_S`` (or the start's ``deadline``); the caller then frees
+        the group's placement group and any rank already started (``_launch``)."""
         s = self.spec
         await self._placed(m, deadline)
         meet = ray.remote(num_cpus=0)(_rendezvous_address)

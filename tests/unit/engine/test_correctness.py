@@ -45,7 +45,7 @@ def make_engine(directory, backend, **overrides) -> Engine:
         block_size=8,
         max_num_batched_tokens=CHUNK,
         max_num_seqs=16,
-        kv_cache_memory_mib=32,  # not the CPU default's 1 GiB an engine: dozens live at once here
+        kv_cache_memory_mib=32,  # below the suite's 128 MiB default: dozens live at once here
     )
     cfg.update(overrides)
     return Engine(EngineConfig(**cfg))
