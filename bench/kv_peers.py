@@ -84,6 +84,7 @@ class ExportRandom:
     num_tokens: int
     first_block: int = 0
     lease_s: float | None = None
+    window_from: int = 0  # a layout with sliding windows: their layers' blocks from there on
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ class SourceServer:
             n = -(-cmd.num_tokens // bs)
             blocks = list(range(cmd.first_block, cmd.first_block + n))
             t0 = time.perf_counter()
-            checksums = layer_checksums(source.cache, blocks)
+            checksums = layer_checksums(source.cache, blocks, source.compat.layout, cmd.window_from)
             t1 = time.perf_counter()
             desc = source.export(
                 f"rand-{cmd.first_block}-{n}-{time.time_ns()}",
@@ -217,6 +218,7 @@ class SourceServer:
                 cmd.num_tokens,
                 cmd.lease_s,
                 layer_checksums=checksums,
+                window_from=cmd.window_from,
             )
             return ExportedRandom(desc, time.perf_counter() - t1, t1 - t0)
         if isinstance(cmd, Corrupt):

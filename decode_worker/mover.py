@@ -36,6 +36,7 @@ from splitserve.kv_transfer.polling import SourcePoller
 from splitserve.wire.decode import MovedRequest, RunningLoan
 from splitserve.wire.errors import UnknownRequest
 from splitserve.wire.kv import Confirmation, Handshake, KVHandoff
+from splitserve.wire.outputs import PrefilledRequest
 from splitserve.wire.prefill import PrefixLoan
 
 
@@ -58,7 +59,7 @@ class RequestMover:
         blocks (the taker holds those) under a lease. Raises as ``Engine.suspend`` does
         (holding nothing)."""
         moved = engine.suspend(request_id, from_block)
-        handoff = self._export(engine, request_id, moved.block_ids, moved.num_kv_tokens)
+        handoff = self._export(engine, request_id, moved)
         return MovedRequest(request_id, self.worker_id, handoff, moved.output_token_ids, engine.revision)
 
     def lend_prefix(self, engine: Engine, loan: PrefixLoan) -> KVHandoff | None:  # engine thread
@@ -68,7 +69,7 @@ class RequestMover:
         lent = engine.lend_prefix(loan.request_id, loan.token_ids, loan.from_block)
         if lent is None:
             return None
-        return self._export(engine, loan.request_id, lent.block_ids, lent.num_kv_tokens)
+        return self._export(engine, loan.request_id, lent)
 
     def lend_running(self, engine: Engine, loan: RunningLoan) -> KVHandoff | None:  # engine thread
         """Export a running request's full blocks as ``loan`` asks under a lease
@@ -76,13 +77,16 @@ class RequestMover:
         lent = engine.lend_running(loan.loan_id, loan.request_id, loan.token_ids, loan.from_block)
         if lent is None:
             return None
-        return self._export(engine, loan.loan_id, lent.block_ids, lent.num_kv_tokens)
+        return self._export(engine, loan.loan_id, lent)
 
-    def _export(self, engine: Engine, request_id: str, blocks: list[int], num_tokens: int) -> KVHandoff:
-        """Export PREFILLED ``request_id``'s ``blocks``; its blocks are released if that fails."""
+    def _export(self, engine: Engine, request_id: str, kv: PrefilledRequest) -> KVHandoff:
+        """Export PREFILLED ``request_id``'s KV as ``kv`` names it; its blocks are released
+        if that fails."""
         try:
             with self._lock:
-                desc = self.source.export(request_id, blocks, num_tokens)
+                desc = self.source.export(
+                    request_id, kv.block_ids, kv.num_kv_tokens, window_from=kv.window_from
+                )
         except BaseException:
             engine.release(request_id)
             raise

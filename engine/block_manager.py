@@ -27,6 +27,11 @@ waiting prompt whose next full blocks are missing from the cache but held by the
 tier gets fresh blocks loaded from it (``tier_prefix`` then ``reload``) instead of
 computing them. The log keeps a hash while either tier holds it.
 
+Sliding windows: a block whose sliding layers' KV was never brought in (a request
+imported from another engine without the keys out of its windows:
+``Sequence.partial_from``) would give a later prompt wrong keys as a cached
+prefix, so ``commit_computed`` registers no block of that sequence from there on.
+
 Ownership: the sequence holds one reference per entry in its block table;
 ``free`` drops them all. A block returns to the free pool when its count is 0.
 
@@ -264,6 +269,8 @@ class BlockManager:
         hashes = self._seq_hashes.setdefault(seq.seq_no, [])
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
+        if seq.partial_from is not None:  # blocks without their sliding layers' KV: never a prefix
+            num_full = min(num_full, seq.partial_from)
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -297,6 +304,7 @@ class BlockManager:
             if self.ref_counts[b] == 0:
                 self._free[self.shard_of(b)][b] = None
         seq.block_table = []
+        seq.partial_from = None
         self._seq_hashes.pop(seq.seq_no, None)
 
     # ---- internals ---------------------------------------------------------

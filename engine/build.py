@@ -211,8 +211,10 @@ def _tokenizer_and_defaults(
 
 def _kv_layout(config: EngineConfig, mc: ModelConfig, layer_tp: TPGroup, kv_dtype: torch.dtype) -> KVLayout:
     """This rank's KV cache layout (its KV heads; the block count is set once sized),
-    the MTP layer's one more layer where it runs (``engine.model.mtp``)."""
+    the MTP layer's one more layer where it runs (``engine.model.mtp``), each layer's
+    sliding window where the model has them."""
     k0, k1 = kv_head_range(mc.num_kv_heads, layer_tp.size, layer_tp.rank)
+    windows = tuple(mc.window(i) or 0 for i in range(mc.num_layers)) + ((0,) if config.runs_mtp else ())
     return KVLayout(
         mc.num_layers + (1 if config.runs_mtp else 0),
         0,
@@ -225,6 +227,7 @@ def _kv_layout(config: EngineConfig, mc: ModelConfig, layer_tp: TPGroup, kv_dtyp
         model_kv_heads=mc.num_kv_heads,
         kv_scales=kv_quant.SCHEME if config.kv_cache_dtype == "fp8" else "none",
         planes=mc.kv_planes,
+        windows=windows if any(windows) else (),
     )
 
 

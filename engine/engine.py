@@ -345,12 +345,13 @@ class Engine(KVRequests):
         observer = self.layer_observer
         if observer is None:
             return None
-        bs = self.block_manager.block_size
+        bs, layout = self.block_manager.block_size, self.kv_cache.layout
         finishing = [
             FinishingPrefill(
                 s.seq.request_id,
                 tuple(s.seq.block_table[s.seq.export_from_block :]),
                 s.seq.num_tokens - s.seq.export_from_block * bs,
+                layout.window_from(s.seq.export_from_block, s.seq.num_tokens),
             )
             for s in scheduled
             if s.seq.prefill_only and s.samples

@@ -23,6 +23,8 @@ Every method validates first and raises ``InvalidRequest`` before touching state
 
 from __future__ import annotations
 
+import dataclasses
+
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.wire.errors import InvalidRequest, Overloaded, UnknownRequest
@@ -36,7 +38,9 @@ class KVRequests:
     # ---- prefill half ------------------------------------------------------
     def prefilled(self, request_id: str) -> PrefilledRequest:
         """A PREFILLED request's KV to export: its blocks after the ``export_from_block``
-        its reader holds, and the tokens in them."""
+        its reader holds, the tokens in them, and (a model with sliding windows) the
+        first of them whose sliding layers' KV the request still reads as it goes on
+        (``KVLayout.window_from``)."""
         seq = self._get(request_id, SequenceStatus.PREFILLED).seq
         skip = seq.export_from_block
         return PrefilledRequest(
@@ -46,6 +50,7 @@ class KVRequests:
             list(seq.block_table[skip:]),
             seq.num_computed_tokens - skip * self.block_manager.block_size,
             seq.num_cached_tokens,
+            self.kv_cache.layout.window_from(skip, seq.num_computed_tokens),
         )
 
     def release(self, request_id: str) -> None:
@@ -128,7 +133,8 @@ class KVRequests:
         seq.export_from_block = from_block
         self.requests[request_id] = state = RequestState(seq, self.tokenizer, seq.num_tokens)
         self._park_prefilled(state)
-        lent = self.prefilled(request_id)
+        # a prefix joins the borrower's cache, for prompts of any length: every layer's whole
+        lent = dataclasses.replace(self.prefilled(request_id), window_from=0)
         self.lent_tokens += lent.num_kv_tokens
         return lent
 
@@ -242,10 +248,20 @@ class KVRequests:
             )
         copied = (num_blocks - held) * bs
         seq.num_computed_tokens = num_blocks * bs
+        self._mark_partial(seq, held)
         self.block_manager.commit_computed(seq)
         self.import_moved_tokens += copied
         self.precopied_tokens += copied
         return copied
+
+    def _mark_partial(self, seq: Sequence, first_copied: int) -> None:
+        """The blocks of ``seq`` from ``first_copied`` on are copied in from another engine,
+        whose sliding layers' KV came only from ``KVLayout.window_from`` on (what the
+        other engine sends): none of them is to be a cached prefix. The same rule as the
+        sender's, at the sequence's KV now, which is never shorter than the sender's."""
+        if self.kv_cache.layout.window_from(first_copied, seq.num_computed_tokens):
+            held = seq.partial_from
+            seq.partial_from = first_copied if held is None else min(held, first_copied)
 
     def _hold(self, seq: Sequence, whole: bool = False, reused: bool = True) -> int:
         """Give the fresh ``seq`` the leading blocks of its tokens this engine holds:
@@ -314,6 +330,7 @@ class KVRequests:
         for t in outputs:
             seq.append_token(t)
         seq.num_computed_tokens = total
+        self._mark_partial(seq, have // self.block_manager.block_size)
         seq.status, seq.awaiting_import = SequenceStatus.IMPORTING, False
         self.import_held_tokens += seq.num_cached_tokens
         self.import_moved_tokens += total - have

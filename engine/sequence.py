@@ -70,6 +70,11 @@ class Sequence:
         # IMPORTING with KV held or copied ahead (hold_prefix, reserve_moving): the
         # request's import (import_request) is still to come
         self.awaiting_import = False
+        # the first block whose sliding layers' KV this engine does not hold (imported
+        # without the keys out of their windows: KVLayout.window_from); None: every block
+        # whole. The prefix cache registers no block from there on; freeing the blocks
+        # (preemption: recomputed whole) resets it
+        self.partial_from: int | None = None
         self.scheduled_at: float | None = None  # time.time() when first scheduled (or imported)
 
     def mark_scheduled(self) -> None:

@@ -7,6 +7,8 @@ of consecutive block ids is one contiguous byte range. A request's blocks are
 hashed and moved as such runs, in the order (layer, k/v, run). The checksum
 is one xxh3-64 per layer, so a sink can verify layer by layer while later
 layers are still moving (and a source can hash each layer as prefill writes it).
+A sliding layer of a transfer with ``window_from`` moves and hashes only the
+blocks from there on (``KVLayout.layer_blocks``; ``layer_groups``, ``pack``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import xxhash
 
 from splitserve.wire.kv import CompatInfo
+from splitserve.wire.kv_layout import KVLayout
 
 
 def check_cache(cache: torch.Tensor, compat: CompatInfo) -> None:
@@ -74,6 +77,73 @@ def layer_checksum(cache: torch.Tensor, layer: int, block_ids: list[int] | tuple
     return h.intdigest()
 
 
-def layer_checksums(cache: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> tuple[int, ...]:
-    """``layer_checksum`` of every layer, in layer order."""
-    return tuple(layer_checksum(cache, layer, block_ids) for layer in range(cache.shape[0]))
+def layer_checksums(
+    cache: torch.Tensor,
+    block_ids: list[int] | tuple[int, ...],
+    layout: KVLayout | None = None,
+    window_from: int = 0,
+) -> tuple[int, ...]:
+    """``layer_checksum`` of every layer, in layer order; with ``layout``, a sliding
+    layer's over its blocks from ``window_from`` on (``KVLayout.layer_blocks``)."""
+    return tuple(
+        layer_checksum(
+            cache, layer, block_ids if layout is None else layout.layer_blocks(layer, block_ids, window_from)
+        )
+        for layer in range(cache.shape[0])
+    )
+
+
+def layer_groups(layout: KVLayout, layers: range, window_from: int) -> list[tuple[int, int, int]]:
+    """``layers`` as maximal runs of consecutive layers that move the same blocks, as
+    (first layer, end layer, index of their first block moved): one run of all of them
+    from 0 for a model without windows, a run per layer where sliding and full layers
+    alternate."""
+    out: list[tuple[int, int, int]] = []
+    for layer in layers:
+        first = window_from if layout.windowed(layer) else 0
+        if out and out[-1][2] == first:
+            out[-1] = (out[-1][0], layer + 1, first)
+        else:
+            out.append((layer, layer + 1, first))
+    return out
+
+
+def pack(
+    cache: torch.Tensor,
+    layout: KVLayout,
+    block_ids: list[int] | tuple[int, ...],
+    window_from: int,
+    layers: range,
+) -> torch.Tensor:
+    """The bytes of ``layers`` of the blocks a transfer moves, one flat host tensor in the
+    order (layer group, layer, k/v, block): what a two-sided backend sends."""
+    parts = []
+    for lo, hi, first in layer_groups(layout, layers, window_from):
+        idx = torch.tensor(list(block_ids[first:]), dtype=torch.long, device=cache.device)
+        parts.append(cache[lo:hi].index_select(2, idx).reshape(-1))
+    return torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu().contiguous()
+
+
+def unpack(
+    cache: torch.Tensor,
+    layout: KVLayout,
+    block_ids: list[int] | tuple[int, ...],
+    window_from: int,
+    layers: range,
+    data: torch.Tensor,
+) -> None:
+    """Inverse of ``pack``: scatter ``data`` into ``block_ids`` of ``layers``. ``ValueError``
+    unless it holds exactly those bytes."""
+    groups = layer_groups(layout, layers, window_from)
+    row = cache[0, :, 0].numel()  # one layer's K/V (or latent) of one block
+    need = sum((hi - lo) * (len(block_ids) - first) * row for lo, hi, first in groups)
+    if data.numel() != need:
+        raise ValueError(f"{data.numel()} KV elements arrived for {need}")
+    at = 0
+    for lo, hi, first in groups:
+        dst = block_ids[first:]
+        n = (hi - lo) * len(dst) * row
+        shape = (hi - lo, cache.shape[1], len(dst), *cache.shape[3:])
+        idx = torch.tensor(list(dst), dtype=torch.long, device=cache.device)
+        cache[lo:hi].index_copy_(2, idx, data[at : at + n].view(shape).to(cache.device))
+        at += n

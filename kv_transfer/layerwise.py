@@ -84,7 +84,7 @@ class LayerExporter(LayerObserver):
                     p = pending.prompt
                     readers = self._readers(p.request_id)
                     pending.streamed = self.source.begin_export(
-                        p.request_id, list(p.block_ids), p.num_kv_tokens, self.lease_s, readers
+                        p.request_id, list(p.block_ids), p.num_kv_tokens, self.lease_s, readers, p.window_from
                     )
         streamed = [p.streamed for p in self._step if p.streamed is not None]
         if streamed and self._on_stream is not None:
@@ -101,10 +101,13 @@ class LayerExporter(LayerObserver):
                     self.source.release(pending.streamed.transfer_id)
 
     def layer_done(self, layer: int) -> None:
-        cache = self.source.cache
+        cache, layout = self.source.cache, self.source.compat.layout
         if self.stream or cache.device.type == "cpu":
             for pending in self._step:
-                checksum = layer_checksum(cache, layer, pending.prompt.block_ids)
+                p = pending.prompt
+                checksum = layer_checksum(
+                    cache, layer, layout.layer_blocks(layer, p.block_ids, p.window_from)
+                )
                 pending.checksums.append(checksum)
                 if pending.streamed is not None:
                     with self._lock:
@@ -115,14 +118,17 @@ class LayerExporter(LayerObserver):
 
     # ---- after the step -------------------------------------------------------
     def export(
-        self, request_id: str, block_ids: list[int], num_tokens: int, readers: int = 1
+        self, request_id: str, block_ids: list[int], num_tokens: int, readers: int = 1, window_from: int = 0
     ) -> KVDescriptor:
         """The export of a prompt this observer saw completed: its streamed descriptor (opened
         for the ``readers`` the constructor's function gave), or a whole export for
-        ``readers`` with the checksums taken during prefill (hashed here otherwise)."""
+        ``readers`` with the checksums taken during prefill (hashed here otherwise);
+        ``window_from`` as ``KVSource.export``'s."""
         pending = self._done.pop(request_id, None)
         if pending is not None and (
-            list(pending.prompt.block_ids) != list(block_ids) or pending.prompt.num_kv_tokens != num_tokens
+            list(pending.prompt.block_ids) != list(block_ids)
+            or pending.prompt.num_kv_tokens != num_tokens
+            or pending.prompt.window_from != window_from
         ):
             raise RuntimeError(f"{request_id}: the blocks exported differ from those prefill wrote")
         if pending is not None and pending.streamed is not None:
@@ -131,7 +137,7 @@ class LayerExporter(LayerObserver):
         checksums = tuple(pending.checksums) if complete else None
         with self._lock:
             return self.source.export(
-                request_id, block_ids, num_tokens, self.lease_s, readers, layer_checksums=checksums
+                request_id, block_ids, num_tokens, self.lease_s, readers, checksums, window_from
             )
 
     def discard(self, request_id: str) -> None:

@@ -38,7 +38,8 @@ class KVSink:
     Subclasses implement ``_connect`` (set up a checked peer), ``_transfer``
     (move layers ``layers`` of ``desc`` into ``dst_blocks`` before ``deadline``,
     a ``time.monotonic()`` value, raising ``KVTransferError`` subclasses; only
-    ``range(0, num_layers)`` unless ``chunked``), ``_confirm`` (tell the source
+    ``range(0, num_layers)`` unless ``chunked``; a sliding layer's blocks from
+    ``desc.window_from`` on: ``integrity.layer_groups``), ``_confirm`` (tell the source
     through the backend; return False if the backend has no channel for it) and,
     for a backend that streams, ``_progress`` (read a streamed export's row)."""
 
@@ -203,6 +204,8 @@ class KVSink:
             raise IncompatiblePeer(f"descriptor {desc.transfer_id} was made for another model or layout")
         if len(dst_blocks) != len(desc.block_ids):
             raise ValueError(f"{len(desc.block_ids)} blocks to pull but {len(dst_blocks)} given")
+        if not 0 <= desc.window_from <= len(desc.block_ids):
+            raise IncompatiblePeer(f"descriptor {desc.transfer_id} names window_from {desc.window_from}")
         if desc.remaining_lease() <= 0:
             raise LeaseExpired(f"the lease on {desc.transfer_id} expired before the pull started")
 
@@ -267,5 +270,6 @@ class _Verifier:
         pool = self.sink._verify_pool()
         while self._submitted < min(self.num_moved, len(self.checksums)):
             layer = self._submitted
-            self._futures.append((layer, pool.submit(layer_checksum, self.sink.cache, layer, self.dst)))
+            blocks = self.sink.compat.layout.layer_blocks(layer, self.dst, self.desc.window_from)
+            self._futures.append((layer, pool.submit(layer_checksum, self.sink.cache, layer, blocks)))
             self._submitted += 1

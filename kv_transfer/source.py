@@ -82,22 +82,30 @@ class KVSource:
         lease_s: float | None = None,
         readers: int = 1,
         layer_checksums: tuple[int, ...] | None = None,
+        window_from: int = 0,
     ) -> KVDescriptor:
         """Start a lease and make the blocks readable. The caller must not write to or
         free ``block_ids`` until ``poll`` returns this transfer's ``LeaseEnd``.
         ``layer_checksums`` are the blocks' per-layer checksums if the caller took
         them while prefill wrote the KV; without them the blocks are hashed here.
+        ``window_from``: the sliding layers' KV moves only from that block on
+        (``KVDescriptor.window_from``; their checksums cover those blocks).
         The lease is confirmed once ``readers`` sinks have each confirmed it (more than
         one when decode ranks of a larger TP group each take some of its KV heads; none
         for a replica of KV heads another rank serves: its lease ends, confirmed, at
         once, and its descriptor, kept for the handoff's rank order, counts no bytes)."""
+        self._check_window(block_ids, window_from)
         if layer_checksums is None:
-            layer_checksums = integrity.layer_checksums(self.cache, block_ids)
+            layer_checksums = integrity.layer_checksums(
+                self.cache, block_ids, self.compat.layout, window_from
+            )
         if len(layer_checksums) != self.compat.layout.num_layers:
             raise ValueError(
                 f"{len(layer_checksums)} layer checksums for {self.compat.layout.num_layers} layers"
             )
-        return self._start(request_id, block_ids, num_tokens, lease_s, readers, tuple(layer_checksums), None)
+        return self._start(
+            request_id, block_ids, num_tokens, lease_s, readers, tuple(layer_checksums), None, window_from
+        )
 
     def can_stream(self) -> bool:
         """Whether ``begin_export`` can open one more streamed export now."""
@@ -110,6 +118,7 @@ class KVSource:
         num_tokens: int,
         lease_s: float | None = None,
         readers: int = 1,
+        window_from: int = 0,
     ) -> KVDescriptor:
         """Export blocks whose KV is still being computed (layer-wise streaming; check
         ``can_stream`` first). Sinks may start pulling at once and take each layer as
@@ -119,8 +128,9 @@ class KVSource:
             raise ValueError(f"backend {self.backend!r} cannot open a streamed export now")
         if readers < 1:
             raise ValueError("a streamed export needs a reader")
+        self._check_window(block_ids, window_from)
         ref = self.board.open()
-        return self._start(request_id, block_ids, num_tokens, lease_s, readers, (), ref)
+        return self._start(request_id, block_ids, num_tokens, lease_s, readers, (), ref, window_from)
 
     def layer_ready(self, transfer_id: str, layer: int, checksum: int) -> None:
         """Layer ``layer`` of a streamed export is final (call in layer order)."""
@@ -138,6 +148,7 @@ class KVSource:
         readers: int,
         layer_checksums: tuple[int, ...],
         stream: StreamSlot | None,
+        window_from: int,
     ) -> KVDescriptor:
         if not block_ids:
             raise ValueError("nothing to export: no blocks")
@@ -145,7 +156,7 @@ class KVSource:
             raise ValueError("readers must be >= 0")
         transfer_id = f"{request_id}:{uuid.uuid4().hex[:12]}"
         layout = self.compat.layout
-        num_bytes = layout.planes * layout.num_layers * layout.block_bytes * len(block_ids) if readers else 0
+        num_bytes = layout.moved_bytes(len(block_ids), window_from) if readers else 0
         desc = KVDescriptor(
             transfer_id=transfer_id,
             request_id=request_id,
@@ -159,6 +170,7 @@ class KVSource:
             layer_checksums=layer_checksums,
             lease_expiry=time.time() + (self.lease_s if lease_s is None else lease_s),
             stream=stream,
+            window_from=window_from,
         )
         if not readers:  # nobody reads it: never published, its lease over at once
             self._ended.append(LeaseEnd(transfer_id, request_id, desc.block_ids, TransferState.CONFIRMED))
@@ -215,6 +227,10 @@ class KVSource:
         self._unpublish(exp.descriptor)
         d = exp.descriptor
         self._ended.append(LeaseEnd(d.transfer_id, d.request_id, d.block_ids, state))
+
+    def _check_window(self, block_ids: list[int], window_from: int) -> None:
+        if not 0 <= window_from <= len(block_ids) or (window_from and not self.compat.layout.windows):
+            raise ValueError(f"window_from {window_from} for {len(block_ids)} blocks of a layout without it")
 
     def _is_live(self, transfer_id: str) -> bool:
         exp = self._exports.get(transfer_id)

@@ -59,6 +59,7 @@ class ExportShard:
     block_ids: list[int]
     num_tokens: int
     readers: tuple[int, ...]  # per rank: decode ranks that read its shard (0: a replica nobody reads)
+    window_from: int = 0  # the sliding layers' KV from that block on (wire.kv.KVDescriptor)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,12 @@ class OtherRanks:
         self.ledger = ledger
 
     def export(
-        self, request_id: str, block_ids: list[int], num_tokens: int, readers: tuple[int, ...]
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        readers: tuple[int, ...],
+        window_from: int = 0,
     ) -> tuple[KVDescriptor, ...]:
         """Every other rank exports its heads of the same blocks (``readers[r]``: the decode
         ranks that read rank r's); their descriptors in rank order. If one fails, every
@@ -94,7 +100,7 @@ class OtherRanks:
         caller's to release)."""
         if self.group.size == 1:
             return ()
-        self.group.broadcast_object(ExportShard(request_id, block_ids, num_tokens, readers))
+        self.group.broadcast_object(ExportShard(request_id, block_ids, num_tokens, readers, window_from))
         replies = self.group.gather_object(None)
         failed = next((d for d in replies[1:] if isinstance(d, Exception)), None)
         if failed is not None:
@@ -197,7 +203,13 @@ class PrefillRank:
         try:
             with self._lock:
                 readers = msg.readers[self.group.rank]
-                desc = self.source.export(msg.request_id, msg.block_ids, msg.num_tokens, readers=readers)
+                desc = self.source.export(
+                    msg.request_id,
+                    msg.block_ids,
+                    msg.num_tokens,
+                    readers=readers,
+                    window_from=msg.window_from,
+                )
                 self._exports[msg.request_id] = desc.transfer_id
             return desc
         except Exception as e:  # reported to rank 0, which fails the request

@@ -246,7 +246,9 @@ class PrefillWorker:
                 return None
             try:
                 with self._source_lock:
-                    desc = self.source.export(loan.request_id, lent.block_ids, lent.num_kv_tokens)
+                    desc = self.source.export(
+                        loan.request_id, lent.block_ids, lent.num_kv_tokens, window_from=lent.window_from
+                    )
             except BaseException:
                 engine.release(loan.request_id)
                 raise
@@ -359,10 +361,10 @@ class PrefillWorker:
         shard of the heads (``readers[r]``: the decode ranks that read rank r's). If a
         shard fails, every export of the request is released and the error raised."""
         rid, pre = out.request_id, self.engine.prefilled(out.request_id)
-        descriptor = self.exporter.export(rid, pre.block_ids, pre.num_kv_tokens, readers[0])
+        descriptor = self.exporter.export(rid, pre.block_ids, pre.num_kv_tokens, readers[0], pre.window_from)
         self.ledger.opened(rid, descriptor.transfer_id)
         try:
-            shards = self.shards.export(rid, pre.block_ids, pre.num_kv_tokens, readers)
+            shards = self.shards.export(rid, pre.block_ids, pre.num_kv_tokens, readers, pre.window_from)
         except KVTransferError:
             self._abort(rid)  # rank 0's own export
             raise

@@ -89,6 +89,13 @@ connects its sink (and its other TP ranks') to them; a source that restarted
 since it exported (its incarnations no longer those of the handoff) or is gone
 fails the handoff with ``PeerLost``.
 
+Sliding windows (``KVLayout.windows``): a request that goes on decoding elsewhere
+never reads its sliding layers' keys that fell out of the window, so its export
+names ``window_from`` and those layers move (and are hashed) only from that block
+on; the receiving engine never offers the blocks before it as a cached prefix
+(their sliding layers hold nothing). A prefix lent to another worker's cache moves
+whole (``window_from`` 0).
+
 Workers of different TP sizes meet through ``tp_mapping``, which pulls each
 source shard into a staging cache of exactly that shard's layout.
 """
@@ -216,6 +223,10 @@ class KVDescriptor:
     lease_expiry: float  # time.time() after which the source may reuse the blocks
     payload: object = None  # backend-specific (e.g. a Ray ObjectRef)
     stream: StreamSlot | None = None  # set when the export streams (layers still being computed)
+    # a model with sliding windows: its sliding layers' KV moves (and is hashed) only
+    # from block_ids[window_from:] on (KVLayout.window_from: the blocks before hold keys
+    # out of every window of what the request computes next); the full layers' whole
+    window_from: int = 0
 
     def remaining_lease(self, now: float | None = None) -> float:
         return self.lease_expiry - (time.time() if now is None else now)

@@ -40,6 +40,41 @@ class KVLayout:
     # planes per layer: 2 (K and V), or 1 (an MLA latent row; num_kv_heads 1, the
     # same on every TP rank)
     planes: int = 2
+    # each layer's sliding window in tokens, 0 for a layer that attends to every earlier
+    # key; () when no layer has one (``window_from``)
+    windows: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.windows and len(self.windows) != self.num_layers:
+            raise ValueError(f"{len(self.windows)} layer windows for {self.num_layers} layers")
+
+    def windowed(self, layer: int) -> bool:
+        """Whether ``layer`` keeps only a sliding window's KV."""
+        return bool(self.windows) and self.windows[layer] > 0
+
+    def window_from(self, first_block: int, kv_tokens: int) -> int:
+        """Of a run of blocks from ``first_block`` of a sequence holding the KV of its first
+        ``kv_tokens`` tokens, how many leading ones no sliding layer reads again as the
+        sequence goes on: the next token, at position ``kv_tokens``, attends to keys from
+        ``kv_tokens - window + 1`` (the widest window) on, and later ones to later keys.
+        A handoff or a move sends the sliding layers' KV only from there on; 0 for a
+        model without windows."""
+        widest = max(self.windows, default=0)
+        if not widest:
+            return 0
+        return max(0, max(0, kv_tokens - widest + 1) // self.block_size - first_block)
+
+    def layer_blocks(self, layer: int, blocks, window_from: int):
+        """The blocks of ``blocks`` whose KV of ``layer`` moves (and is hashed): all of them,
+        or for a sliding layer those from ``window_from`` on."""
+        return blocks[window_from:] if self.windowed(layer) else blocks
+
+    def moved_bytes(self, num_blocks: int, window_from: int) -> int:
+        """Bytes a transfer of ``num_blocks`` blocks moves, the sliding layers' from
+        ``window_from`` on."""
+        sliding = sum(1 for w in self.windows if w)
+        layer_blocks = (self.num_layers - sliding) * num_blocks + sliding * (num_blocks - window_from)
+        return layer_blocks * self.planes * self.block_bytes
 
     @property
     def total_kv_heads(self) -> int:

@@ -92,6 +92,8 @@ class PrefilledRequest:
     block_ids: list[int]
     num_kv_tokens: int
     num_cached_tokens: int
+    # the sliding layers' KV to send starts at block_ids[window_from] (wire.kv.KVDescriptor)
+    window_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ class FinishingPrefill:
     request_id: str
     block_ids: tuple[int, ...]
     num_kv_tokens: int
+    window_from: int = 0  # as PrefilledRequest's
 
 
 class LayerObserver:

@@ -87,6 +87,7 @@ def _self_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:
     layout = dataclasses.replace(
         target.kv_layout,
         num_layers=spec.draft_layers,
+        windows=target.kv_layout.windows[: spec.draft_layers],
         num_blocks=_blocks(spec, target),
         dtype=str(target.dtype).removeprefix("torch."),
         kv_scales="none",

@@ -151,7 +151,7 @@ class NixlSink(KVSink):
         self._row = torch.zeros(2 + compat.layout.num_layers, dtype=torch.int64)  # board reads land here
         self.agent, self._reg = _make_agent(f"{worker_id}/sink/{self.incarnation}", cache, self._row)
         self._remote: dict[str, tuple[str, NixlPeerInfo]] = {}  # worker id -> (agent name, info)
-        self._plan: tuple | None = None  # the last pull's (key, local rows, remote rows)
+        self._plan: tuple | None = None  # the last pull's (key, local rows, remote rows, layer starts)
 
     def _connect(self, hs: Handshake, replacing: Handshake | None) -> None:
         info = hs.payload
@@ -170,34 +170,59 @@ class NixlSink(KVSink):
         self, desc: KVDescriptor, dst_blocks: list[int], info: NixlPeerInfo, layers: range
     ) -> tuple[np.ndarray, np.ndarray]:
         """(local, remote) descriptor rows of ``layers``: one per (layer, K/V, run of
-        blocks contiguous on both sides). The rows of every layer are built once per
-        pull (the chunks of one pull share them)."""
+        blocks contiguous on both sides; a sliding layer's from ``desc.window_from``).
+        The rows of every layer are built once per pull (the chunks of one pull share
+        them)."""
         key = (desc.transfer_id, tuple(dst_blocks))
         if self._plan is None or self._plan[0] != key:
             self._plan = (key, *self._all_descs(desc, dst_blocks, info))
-        _, local, remote = self._plan
-        per_layer = len(local) // self.compat.layout.num_layers
-        rows = slice(layers.start * per_layer, layers.stop * per_layer)
+        _, local, remote, starts = self._plan
+        rows = slice(starts[layers.start], starts[layers.stop])
         return local[rows], remote[rows]
 
     def _all_descs(
         self, desc: KVDescriptor, dst_blocks: list[int], info: NixlPeerInfo
-    ) -> tuple[np.ndarray, np.ndarray]:
-        block_bytes = self.compat.layout.block_bytes
-        pairs = np.array(paired_runs(desc.block_ids, dst_blocks), dtype=np.uint64).reshape(-1, 3)
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every layer's rows, in layer order, and the row each layer starts at (one more
+        entry: the end). Built per set of layers that move the same blocks (all of them,
+        or the full and the sliding ones), then put in layer order."""
         lay = self.compat.layout
-        planes = np.arange(lay.planes * lay.num_layers, dtype=np.uint64)[:, None]  # (layer, k/v)
-        src_off = (planes * np.uint64(info.num_blocks) + pairs[None, :, 0]) * np.uint64(block_bytes)
-        dst_off = (planes * np.uint64(self.cache.shape[2]) + pairs[None, :, 1]) * np.uint64(block_bytes)
-        lengths = np.broadcast_to(pairs[None, :, 2] * np.uint64(block_bytes), src_off.shape)
+        block_bytes = np.uint64(lay.block_bytes)
+        firsts = np.array(
+            [desc.window_from if lay.windowed(layer) else 0 for layer in range(lay.num_layers)],
+            dtype=np.int64,
+        )
+        plane_ids, src_parts, dst_parts, len_parts = [], [], [], []
+        for first in np.unique(firsts):
+            runs = paired_runs(desc.block_ids[first:], dst_blocks[first:])
+            pairs = np.array(runs, dtype=np.uint64).reshape(-1, 3)
+            layers = np.flatnonzero(firsts == first).astype(np.uint64)
+            planes = (
+                layers[:, None] * np.uint64(lay.planes) + np.arange(lay.planes, dtype=np.uint64)
+            ).reshape(-1, 1)
+            plane_ids.append(np.broadcast_to(planes, (len(planes), len(pairs))).reshape(-1))
+            src_parts.append(
+                ((planes * np.uint64(info.num_blocks) + pairs[None, :, 0]) * block_bytes).reshape(-1)
+            )
+            dst_parts.append(
+                ((planes * np.uint64(self.cache.shape[2]) + pairs[None, :, 1]) * block_bytes).reshape(-1)
+            )
+            len_parts.append(
+                np.broadcast_to(pairs[None, :, 2] * block_bytes, (len(planes), len(pairs))).reshape(-1)
+            )
+        plane_of = np.concatenate(plane_ids)
+        order = np.argsort(plane_of, kind="stable")  # (layer, K/V, run), as the checksums read them
+        src_off, dst_off, lengths = (np.concatenate(p)[order] for p in (src_parts, dst_parts, len_parts))
         _, dev = _mem(self.cache)
         local = np.stack(
             [dst_off + np.uint64(self.cache.data_ptr()), lengths, np.full_like(dst_off, dev)], axis=-1
-        ).reshape(-1, 3)
+        )
         remote = np.stack(
             [src_off + np.uint64(info.base_addr), lengths, np.full_like(src_off, info.device_id)], axis=-1
-        ).reshape(-1, 3)
-        return local, remote
+        )
+        layer_of = plane_of[order] // np.uint64(lay.planes)
+        starts = np.searchsorted(layer_of, np.arange(lay.num_layers + 1, dtype=np.uint64))
+        return local, remote, starts
 
     def _read(
         self, desc: KVDescriptor, local, local_mem: str, remote, remote_mem: str, deadline: float, what: str

@@ -17,9 +17,10 @@ import warnings
 
 import torch
 
+from splitserve.kv_transfer.integrity import pack, unpack
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
-from splitserve.wire.errors import PeerLost, TransferTimeout
+from splitserve.wire.errors import KVTransferError, PeerLost, TransferTimeout
 from splitserve.wire.kv import CompatInfo, KVDescriptor
 
 
@@ -33,8 +34,8 @@ class RaySource(KVSource):
     def _publish(self, desc: KVDescriptor):
         import ray
 
-        idx = torch.tensor(desc.block_ids, device=self.cache.device)
-        packed = self.cache.index_select(2, idx).cpu()
+        layers = range(self.compat.layout.num_layers)
+        packed = pack(self.cache, self.compat.layout, desc.block_ids, desc.window_from, layers)
         ref = ray.put(packed.view(torch.uint8).numpy())  # uint8 view: numpy has no bfloat16
         self._refs[desc.transfer_id] = ref
         return ref
@@ -58,8 +59,10 @@ class RaySink(KVSink):
             ) from e
         except RayError as e:
             raise PeerLost(f"KV of {desc.transfer_id} is lost with {desc.source_worker}: {e}") from e
-        c = self.cache
         with warnings.catch_warnings():  # a read-only view of the object store; it is only read
             warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(arr).view(c.dtype)
-        c.index_copy_(2, torch.tensor(dst_blocks, device=c.device), data.to(c.device))
+            data = torch.from_numpy(arr).view(self.cache.dtype)
+        try:
+            unpack(self.cache, self.compat.layout, dst_blocks, desc.window_from, layers, data)
+        except ValueError as e:
+            raise KVTransferError(f"KV of {desc.transfer_id} from {desc.source_worker}: {e}") from e

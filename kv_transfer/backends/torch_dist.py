@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.kv_transfer.backends.two_sided import TransferNumbers, accepts_connections
+from splitserve.kv_transfer.integrity import pack, unpack
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
 from splitserve.wire.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
@@ -152,8 +153,8 @@ class TorchDistSource(KVSource):
             pair.pg.send([torch.tensor([GONE, 0])], 1, _DATA_TAG).wait()
             return
         desc = self._exports[transfer_id].descriptor
-        idx = torch.tensor(desc.block_ids, device=self.cache.device)
-        data = self.cache.index_select(2, idx).cpu()
+        layers = range(self.compat.layout.num_layers)
+        data = pack(self.cache, self.compat.layout, desc.block_ids, desc.window_from, layers)
         pair.pg.send([torch.tensor([OK, desc.num_bytes])], 1, _DATA_TAG).wait()
         pair.pg.send([data], 1, _DATA_TAG).wait()
 
@@ -235,14 +236,15 @@ class TorchDistSink(KVSink):
         self._wait(lambda: pg.recv([header], 0, _DATA_TAG), desc, deadline)
         if int(header[0]) != OK:
             raise LeaseExpired(f"{desc.source_worker} no longer holds {desc.transfer_id}")
-        c = self.cache
-        data = torch.empty((c.shape[0], c.shape[1], len(dst_blocks), *c.shape[3:]), dtype=c.dtype)
-        if data.numel() * data.element_size() != int(header[1]):
+        c, lay = self.cache, self.compat.layout
+        expected = lay.moved_bytes(len(dst_blocks), desc.window_from)
+        if expected != int(header[1]):
             raise KVTransferError(
-                f"{desc.source_worker} announced {int(header[1])} bytes, expected more/less"
+                f"{desc.source_worker} announced {int(header[1])} bytes, expected {expected}"
             )
+        data = torch.empty(expected // c.element_size(), dtype=c.dtype)
         self._wait(lambda: pg.recv([data], 0, _DATA_TAG), desc, deadline)
-        c.index_copy_(2, torch.tensor(dst_blocks, device=c.device), data.to(c.device))
+        unpack(c, lay, dst_blocks, desc.window_from, range(lay.num_layers), data)
 
     def _confirm(self, desc: KVDescriptor) -> bool:
         try:

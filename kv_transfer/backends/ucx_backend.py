@@ -67,6 +67,7 @@ import numpy as np
 import torch
 
 from splitserve.kv_transfer.backends.two_sided import TransferNumbers, accepts_connections
+from splitserve.kv_transfer.integrity import layer_groups, pack, unpack
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
 from splitserve.wire.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
@@ -261,8 +262,7 @@ class UcxSource(KVSource):
             pair.send(_message(GONE), tag)
             return
         desc = self._exports[transfer_id].descriptor
-        idx = torch.tensor(desc.block_ids, device=self.cache.device)
-        data = self.cache[lo:hi].index_select(2, idx).cpu().contiguous()
+        data = pack(self.cache, self.compat.layout, desc.block_ids, desc.window_from, range(lo, hi))
         pair.send(_message(OK, data.numel() * data.element_size()), tag)
         pair.send(_bytes_of(data), tag + 1)
 
@@ -380,17 +380,19 @@ class UcxSink(KVSink):
         header, data_tag = self._ask(source, request, what, deadline)
         if header[0] != OK:
             raise LeaseExpired(f"{source} no longer holds {desc.transfer_id}")
-        c = self.cache
-        data = torch.empty((len(layers), c.shape[1], len(dst_blocks), *c.shape[3:]), dtype=c.dtype)
+        c, lay = self.cache, self.compat.layout
+        row = c[0, :, 0].numel()  # one layer's K/V of one block
+        groups = layer_groups(lay, layers, desc.window_from)
+        data = torch.empty(
+            sum((hi - lo) * (len(dst_blocks) - f) * row for lo, hi, f in groups), dtype=c.dtype
+        )
         if data.numel() * data.element_size() != int(header[1]):
             raise KVTransferError(
                 f"{source} announced {int(header[1])} bytes for {desc.transfer_id}, not the layout's"
             )
         received = self._eps[source].tag_recv(Array(_bytes_of(data)), ucx_api.UCXXTag(data_tag))
         self._wait(source, received, what, deadline)
-        c[layers.start : layers.stop].index_copy_(
-            2, torch.tensor(dst_blocks, device=c.device), data.to(c.device)
-        )
+        unpack(c, lay, dst_blocks, desc.window_from, layers, data)
 
     def _confirm(self, desc: KVDescriptor) -> bool:
         source, what = desc.source_worker, f"confirming {desc.transfer_id}"

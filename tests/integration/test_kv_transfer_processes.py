@@ -205,12 +205,47 @@ def test_incompatible_peer_is_refused_at_handshake(prefill_source, decode_engine
     sink.close()
 
 
-def bare_pair(backend: str, name: str):
-    src = start_source(SourceSpec(backend, layout=SMALL))
-    cache = torch.zeros(2, 2, SMALL.num_blocks, 16, 2, 64, dtype=torch.bfloat16)
-    sink = get_backend(backend).sink(name, cache, CompatInfo(model="random", layout=SMALL))
+def bare_pair(backend: str, name: str, layout: KVLayout = SMALL):
+    src = start_source(SourceSpec(backend, layout=layout))
+    lay = layout
+    cache = torch.zeros(lay.num_layers, 2, lay.num_blocks, 16, 2, 64, dtype=torch.bfloat16)
+    sink = get_backend(backend).sink(name, cache, CompatInfo(model="random", layout=layout))
     sink.connect(src.handshake)
     return src, sink, cache
+
+
+# full, sliding, sliding, full, sliding: runs of either kind, as the transports group them
+WINDOWED = KVLayout(5, 32, 16, 2, 64, "bfloat16", windows=(0, 48, 48, 0, 48))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sliding_layer_moves_only_the_blocks_of_its_window(backend):
+    """An export of 200 tokens (13 blocks) whose sliding layers need blocks 9.. only: the
+    full layers arrive whole and verified, the sliding layers' blocks 9..12 too, their
+    blocks before that are not sent (the destination's bytes there stay as they were),
+    and the descriptor counts exactly the bytes sent."""
+    src, sink, cache = bare_pair(backend, "decode-w", WINDOWED)
+    cache.view(torch.uint8).fill_(0x5A)
+    untouched = cache.clone()
+    wf = WINDOWED.window_from(0, 200)
+    assert wf == 9  # keys from 200 - 48 + 1 = 153 on: block 9 (144..159) and after
+    desc = src.call(ExportRandom(num_tokens=200, window_from=wf)).descriptor
+    dst = list(range(31, 18, -1))  # reversed: no run is contiguous on both sides
+    try:
+        sink.pull(desc, dst, timeout=60.0)
+        assert desc.window_from == wf
+        assert desc.num_bytes == (2 * 13 + 3 * 4) * 2 * WINDOWED.block_bytes  # full layers' 13, sliding 4
+        assert layer_checksums(cache, dst, WINDOWED, wf) == desc.layer_checksums
+        for layer in range(5):
+            sent = dst if not WINDOWED.windowed(layer) else dst[wf:]
+            kept = [] if not WINDOWED.windowed(layer) else dst[:wf]
+            for b in sent:
+                assert not torch.equal(cache[layer, :, b], untouched[layer, :, b]), (layer, b)
+            for b in kept:
+                assert torch.equal(cache[layer, :, b], untouched[layer, :, b]), (layer, b)
+    finally:
+        sink.close()
+        assert src.stop() == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
