@@ -26,7 +26,10 @@ def tiny_hf_config(kind: str, vocab_size: int = 512, max_position: int = 1024, k
     alternating sliding (window 16) and full, attention logits soft-capped at 2, final
     ones at 30); glm4_moe
     (DeepSeek-V3's routing in 2 groups of 4, q/k norms and biases, RoPE over half of
-    each 32-dim head, layer 0 dense); gpt_oss (4 layers
+    each 32-dim head, layer 0 dense); qwen3_next and qwen3_5_text (hybrid: 3 Gated
+    DeltaNet layers of 2 key / 4 value heads, then a gated full-attention layer with
+    RoPE over a quarter of each 16-dim head; Qwen3-Next's MoE of 8 experts top 2 with a
+    gated shared expert, layer 1 dense; Qwen3.5 dense); gpt_oss (4 layers
     alternating sliding (window 16) and full attention, attention sinks, q/k/v/o
     biases, YaRN, 4 experts top 2 with biases and the clamped SwiGLU)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
@@ -156,6 +159,35 @@ def _tiny_moe_config(kind: str, common: dict):
             num_nextn_predict_layers=1,  # as released: the MTP layer (when written) is layer 2
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         )
+    if kind in ("qwen3_next", "qwen3_5_text"):
+        hybrid = dict(
+            **{**common, "num_hidden_layers": 4},
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            tie_word_embeddings=False,
+        )
+        if kind == "qwen3_5_text":
+            from transformers import Qwen3_5TextConfig
+
+            return Qwen3_5TextConfig(**hybrid)
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(
+            **hybrid,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )
     if kind == "gpt_oss":
         from transformers import GptOssConfig
 
@@ -178,6 +210,10 @@ def _tiny_moe_config(kind: str, common: dict):
             tie_word_embeddings=False,
         )
     raise ValueError(kind)
+
+
+# families whose norms scale by 1 + weight (weights 0 at init)
+UNIT_NORMS = ("gemma2", "gemma3_text", "qwen3_next", "qwen3_5_text")
 
 
 def make_hf_checkpoint(
@@ -212,8 +248,10 @@ def make_hf_checkpoint(
                 p.normal_(0, 0.2)
             elif kind == "gpt_oss" and name.endswith(("bias", "sinks")):  # ~0 at init: make them count
                 p.normal_(0, 0.5)
-            elif kind in ("gemma2", "gemma3_text") and name.endswith("norm.weight"):  # 0 at init: 1 + w
-                p.normal_(0, 0.5)
+            elif kind in ("gemma2", "gemma3_text", "qwen3_next", "qwen3_5_text") and name.endswith(
+                "norm.weight"
+            ):
+                p.normal_(0, 0.5)  # 0 at init (1 + w; a gated norm's 1): make them count
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros at init: make it choose
                 b.uniform_(0, 0.5)

@@ -32,6 +32,13 @@ imported from another engine without the keys out of its windows:
 ``Sequence.partial_from``) would give a later prompt wrong keys as a cached
 prefix, so ``commit_computed`` registers no block of that sequence from there on.
 
+A hybrid model (linear-attention layers beside full ones, ``engine.model.deltanet``)
+keeps each sequence's linear layers' memory in a state slot, not in blocks: with
+``state_slots`` every sequence that holds blocks also holds one slot
+(``Sequence.state_slot``), taken by ``allocate`` and given back by ``free``, and
+``can_allocate`` is False while none is free. No prefix caching then (a cached
+prefix would need the state at its end).
+
 Ownership: the sequence holds one reference per entry in its block table;
 ``free`` drops them all. A block returns to the free pool when its count is 0.
 
@@ -72,9 +79,12 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         shards: int = 1,
         tier: KVTier | None = None,
+        state_slots: int = 0,
     ):
         if num_blocks < 1 or block_size < 1 or shards < 1:
             raise ValueError("num_blocks, block_size and shards must be positive")
+        if state_slots and (enable_prefix_caching or shards > 1):
+            raise ValueError("a hybrid model's state slots go with one shard and no prefix caching")
         if num_blocks % shards:
             raise ValueError(f"{num_blocks} blocks do not split evenly into {shards} shards")
         if tier is not None and (shards > 1 or not enable_prefix_caching):
@@ -99,6 +109,8 @@ class BlockManager:
         self.tier = tier
         self.tier_hits = 0  # tokens reloaded from the tier since start (a metric)
         self.prefix_log = PrefixLog()
+        # a hybrid model's free state slots (rows of its linear layers' states), last freed first
+        self._free_slots: list[int] | None = list(range(state_slots))[::-1] if state_slots else None
 
     # ---- queries -----------------------------------------------------------
     @property
@@ -181,6 +193,8 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Whether ``seq`` (holding its current table, or about to take ``cached``)
         can grow to cover ``num_computed_tokens + num_new_tokens`` tokens."""
+        if self._free_slots is not None and seq.state_slot is None and not self._free_slots:
+            return False  # every state slot is held
         have = len(seq.block_table) + len(cached)
         computed = seq.num_computed_tokens + len(cached) * self.block_size
         need = self.blocks_needed(computed + num_new_tokens) - have
@@ -259,6 +273,10 @@ class BlockManager:
         free = self._free[self.home(seq)]
         if need > len(free):
             raise RuntimeError("allocate() called without enough free blocks")
+        if self._free_slots is not None and seq.state_slot is None:
+            if not self._free_slots:
+                raise RuntimeError("allocate() called without a free state slot")
+            seq.state_slot = self._free_slots.pop()
         for _ in range(need):
             seq.block_table.append(self._pop_free(free))
 
@@ -305,6 +323,9 @@ class BlockManager:
                 self._free[self.shard_of(b)][b] = None
         seq.block_table = []
         seq.partial_from = None
+        if seq.state_slot is not None:
+            self._free_slots.append(seq.state_slot)
+            seq.state_slot = None
         self._seq_hashes.pop(seq.seq_no, None)
 
     # ---- internals ---------------------------------------------------------

@@ -29,6 +29,7 @@ from splitserve.engine.kv_sizing import (
 from splitserve.engine.kv_tier import HostKVTier
 from splitserve.engine.model.checkpoint import checkpoint_bytes, safetensors_tensors
 from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.deltanet import state_bytes, state_pool
 from splitserve.engine.model.loader import build_model, load_hf_config, resolve_source
 from splitserve.engine.model.parallel_fit import check_ep_compatible, check_tp_compatible
 from splitserve.engine.model.revision import checkpoint_revision, random_revision, with_quantization
@@ -96,6 +97,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     layer_tp = TPGroup.single() if ep is not None else tp
     check_ep_compatible(mc, config.ep_size, config.kv_cache_dtype)
     check_tp_compatible(mc, layer_tp.size)
+    _check_hybrid(config, mc)
     context = model_context(config, mc.max_position_embeddings)  # lowered to what the KV holds below
     weights, progress = None, 0
     if not (config.random_weights or source is None):
@@ -125,14 +127,26 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     layout = _kv_layout(config, mc, layer_tp, kv_quant.FP8 if fp8_kv else dtype)
     per_token = layout.bytes_per_token
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    num_blocks = blocks_for(config, kv_budget_bytes(config, device.type, free), per_token)
+    # a hybrid model's states: a slot per sequence that may run at once, out of the KV's budget
+    slots = config.max_num_seqs if mc.linear is not None else 0
+    states = slots * state_bytes(mc, dtype) if slots else 0
+    budget = kv_budget_bytes(config, device.type, free) - states
+    if slots and budget < per_token * config.block_size and config.num_kv_blocks is None:
+        raise ValueError(
+            f"the linear layers' states of {slots} sequences (max_num_seqs) take {states / 2**20:.0f} MiB, "
+            "all the KV cache's memory: lower max_num_seqs or give the cache more"
+        )
+    num_blocks = blocks_for(config, budget, per_token)
     num_blocks = tp.min_int(num_blocks)  # every rank the same block ids
     backend, use_graphs = _attention(config, mc, device, tp.size)
+    use_graphs = use_graphs and mc.linear is None  # a hybrid step's states are not captured
     # a CUDA graph's padding rows write to the last block: requests get the others
     usable = num_blocks - 1 if use_graphs else num_blocks
     capacity = size_kv_cache(config, usable, per_token, context)
     max_model_len = capacity.max_model_len
     kv_cache = KVCache(dataclasses.replace(layout, num_blocks=num_blocks), device)
+    if slots:
+        kv_cache.states = state_pool(mc, slots, dtype, device)
     graphs = None
     if use_graphs:
         # a verification step's draft tokens are decode rows too (``ModelRunner.spread_drafts``)
@@ -144,8 +158,9 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     tier = None
     if config.host_kv_tier_mib:
         tier = HostKVTier.of_size(kv_cache, config.host_kv_tier_mib)
+    prefix_caching = config.enable_prefix_caching and not slots  # a cached prefix has no state
     block_manager = BlockManager(
-        capacity.num_blocks * shards, config.block_size, config.enable_prefix_caching, shards, tier
+        capacity.num_blocks * shards, config.block_size, prefix_caching, shards, tier, state_slots=slots
     )
     scheduler = Scheduler(block_manager, config.max_num_batched_tokens, config.max_num_seqs)
     native = kernels.load() if config.native_kernels and device.type == "cpu" else None
@@ -214,9 +229,9 @@ def _kv_layout(config: EngineConfig, mc: ModelConfig, layer_tp: TPGroup, kv_dtyp
     the MTP layer's one more layer where it runs (``engine.model.mtp``), each layer's
     sliding window where the model has them."""
     k0, k1 = kv_head_range(mc.num_kv_heads, layer_tp.size, layer_tp.rank)
-    windows = tuple(mc.window(i) or 0 for i in range(mc.num_layers)) + ((0,) if config.runs_mtp else ())
+    windows = tuple(mc.window(i) or 0 for i in mc.kv_layers) + ((0,) if config.runs_mtp else ())
     return KVLayout(
-        mc.num_layers + (1 if config.runs_mtp else 0),
+        len(mc.kv_layers) + (1 if config.runs_mtp else 0),
         0,
         config.block_size,
         k1 - k0,
@@ -229,6 +244,23 @@ def _kv_layout(config: EngineConfig, mc: ModelConfig, layer_tp: TPGroup, kv_dtyp
         planes=mc.kv_planes,
         windows=windows if any(windows) else (),
     )
+
+
+def _check_hybrid(config: EngineConfig, mc: ModelConfig) -> None:
+    """``ValueError`` for what a hybrid model (linear-attention layers) does not run with
+    yet: speculative decoding (its state would need rolling back), a host KV tier (it
+    holds cached prefixes, and a hybrid model caches none)."""
+    if mc.linear is None:
+        return
+    if config.speculative is not None:
+        raise ValueError(
+            f"speculative decoding does not run with {mc.model_type} yet: its linear layers' state "
+            "would have to roll back the rejected tokens"
+        )
+    if config.host_kv_tier_mib:
+        raise ValueError(
+            f"host_kv_tier_mib: {mc.model_type} caches no prefixes (its state), so it has no tier"
+        )
 
 
 def _attention(

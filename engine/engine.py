@@ -158,6 +158,8 @@ class Engine(KVRequests):
         and seeded sampling goes on from the token after them, so the continuation
         equals the undisturbed run's."""
         params = params or SamplingParams()
+        if prefill_only:
+            self._refuse_hybrid()
         request_id = self._new_id(request_id)
         prompt_ids = self.validate_request(prompt, params, messages)
         done = list(output_token_ids or ())

@@ -54,6 +54,10 @@ class KVCache:
         self.scales: torch.Tensor | None = None
         if layout.kv_scales != "none":
             self.scales = torch.ones(layout.num_layers, 2, layout.num_kv_heads, device=device)
+        # a hybrid model's linear layers' states (``engine.model.deltanet.DeltaStates``), a
+        # row per state slot (``Sequence.state_slot``), set by the engine at build; the
+        # layout's layers are the others
+        self.states: list = []
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(k_cache, v_cache) of layer ``i``, each [num_blocks, block_size, kv_heads, head_dim];

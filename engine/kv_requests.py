@@ -67,6 +67,7 @@ class KVRequests:
         all its output tokens (``import_request``) and samples the next token as this
         engine would have. Raises ``UnknownRequest`` unless it is RUNNING, and
         ``InvalidRequest`` while its prompt is still being prefilled."""
+        self._refuse_hybrid()
         state = self._get(request_id, SequenceStatus.RUNNING)
         seq = state.seq
         if not seq.num_output_tokens or seq.num_computed_tokens != seq.num_tokens - 1:
@@ -89,6 +90,7 @@ class KVRequests:
         lets them go. None, holding nothing, when it has no more than ``from_block``.
         Raises ``UnknownRequest`` unless it is RUNNING, ``InvalidRequest`` when its
         tokens are not ``token_ids``."""
+        self._refuse_hybrid()
         seq, bs = self._get(request_id, SequenceStatus.RUNNING).seq, self.block_manager.block_size
         n = min(len(token_ids) // bs, seq.num_computed_tokens // bs)
         if seq.token_ids[: n * bs] != list(token_ids[: n * bs]):
@@ -124,6 +126,7 @@ class KVRequests:
         from ``from_block`` on (``prefilled``) for another worker to copy; ``release``
         (or ``abort``) lets them go. None, holding nothing, when it has no more than
         ``from_block`` of them. Lending computes nothing and counts as no reuse here."""
+        self._refuse_hybrid()
         request_id = self._new_id(request_id)
         ids = self.validate_request(list(token_ids), SamplingParams(max_tokens=1))
         seq = self._sequence(request_id, ids, SamplingParams(max_tokens=1), prefill_only=True)
@@ -145,6 +148,7 @@ class KVRequests:
         its blocks never evicted). Returns (blocks held, the ids of the others, to
         fill in order). Then ``adopt_prefix``, or ``abort`` to free them all. Raises
         ``Overloaded`` (holding nothing) when the cache has no room now."""
+        self._refuse_hybrid()
         request_id = self._new_id(request_id)
         ids = self.validate_request(list(token_ids), SamplingParams(max_tokens=1))
         if len(ids) % self.block_manager.block_size:
@@ -184,6 +188,7 @@ class KVRequests:
         them (never evicted) until ``import_request`` adds the rest, or ``abort``. Returns
         the tokens held, a whole number of blocks (0: none; no request is made). Never
         the block of the prompt's last token: its KV always comes from the prefill."""
+        self._refuse_hybrid()
         request_id = self._new_id(request_id)
         prompt_ids = self.validate_request(list(prompt_token_ids), params)
         seq = self._sequence(request_id, prompt_ids, params)
@@ -211,6 +216,7 @@ class KVRequests:
         by then: only the blocks after the filled ones are left to copy. ``abort`` frees
         them. Raises ``InvalidRequest`` (holding nothing) for a request with less than
         one full block to copy, ``Overloaded`` when the cache has no room now."""
+        self._refuse_hybrid()
         request_id = self._new_id(request_id)
         prompt_ids = self.validate_request(list(prompt_token_ids), params)
         outputs = list(output_token_ids)
@@ -253,6 +259,16 @@ class KVRequests:
         self.import_moved_tokens += copied
         self.precopied_tokens += copied
         return copied
+
+    def _refuse_hybrid(self) -> None:
+        """``InvalidRequest`` for a hybrid model (linear-attention layers): their state
+        does not move between engines yet, only KV does, so its requests neither hand
+        over, nor move, nor lend or borrow a prefix."""
+        if self.kv_cache.states:
+            raise InvalidRequest(
+                "this model's linear-attention state does not move between workers yet: its requests run "
+                "where they start (a colocated worker), without a prefill-to-decode handoff or a move"
+            )
 
     def _mark_partial(self, seq: Sequence, first_copied: int) -> None:
         """The blocks of ``seq`` from ``first_copied`` on are copied in from another engine,
@@ -301,6 +317,7 @@ class KVRequests:
         the engine it moves from (``suspend``): they count toward ``max_tokens``, the
         stop checks and the grammar, are never emitted again, and seeded sampling
         goes on after them."""
+        self._refuse_hybrid()
         held = self.requests.get(request_id)
         if held is not None and held.seq.status == SequenceStatus.IMPORTING and held.seq.awaiting_import:
             seq = held.seq  # held by hold_prefix or reserve_moving: their tokens lead these

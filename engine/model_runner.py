@@ -30,6 +30,7 @@ from splitserve.engine.attention import AttentionBackend, SeqSpan
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.decoder import DecoderModel
+from splitserve.engine.model.deltanet import DeltaSpan
 from splitserve.engine.model.llama import StepContext
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.sampler import Sampler, SampleRequest, SampleResult
@@ -51,6 +52,8 @@ class StepInputs:
     last_index: list[int]  # packed positions whose logits are sampled
     # packed positions whose logits give prompt logprobs (after last_index in the logits)
     prompt_index: list[int] = field(default_factory=list)
+    # a hybrid model: each span's sequence's state slot (``Sequence.state_slot``)
+    state_slots: list[int] = field(default_factory=list)
 
     def home(self, span: SeqSpan, blocks_per_rank: int) -> int:
         """The rank of an expert-parallel group holding ``span``'s sequence: the one whose
@@ -168,6 +171,8 @@ class ModelRunner:
                 )
             else:
                 inputs.spans.append(SeqSpan(len(inputs.input_ids), s.num_new_tokens, end, seq.block_table))
+            if seq.state_slot is not None:
+                inputs.state_slots.append(seq.state_slot)
             inputs.input_ids.extend(s.input_ids)
             inputs.positions.extend(range(start, end))
             table = seq.block_table
@@ -306,12 +311,19 @@ class ModelRunner:
         self, inputs: StepInputs, on_layer: Callable[[int], None] | None, calibrate_kv: bool
     ) -> StepContext:
         dev = self.device
+        delta_spans = None
+        if inputs.state_slots:  # a hybrid model's linear layers: each span's state, fresh at position 0
+            delta_spans = [
+                DeltaSpan(sp.q_start, sp.q_len, slot, inputs.positions[sp.q_start] == 0)
+                for sp, slot in zip(inputs.spans, inputs.state_slots, strict=True)
+            ]
         return StepContext(
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=dev),
             backend=self.backend,
             attn_meta=self.backend.prepare(inputs.spans, inputs.num_decodes, self.block_size, dev),
             on_layer=on_layer,
             calibrate_kv=calibrate_kv,
+            delta_spans=delta_spans,
         )
 
     def _rows(self, hidden: torch.Tensor, positions: list[int]) -> torch.Tensor:

@@ -75,6 +75,9 @@ class Sequence:
         # whole. The prefix cache registers no block from there on; freeing the blocks
         # (preemption: recomputed whole) resets it
         self.partial_from: int | None = None
+        # a hybrid model: the row of the linear layers' states this sequence holds while it
+        # holds blocks (``BlockManager``); None otherwise
+        self.state_slot: int | None = None
         self.scheduled_at: float | None = None  # time.time() when first scheduled (or imported)
 
     def mark_scheduled(self) -> None:

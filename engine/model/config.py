@@ -43,10 +43,21 @@ from typing import Any
 from splitserve.engine.model.checkpoint_quant import CheckpointQuant
 from splitserve.wire.errors import ModelLoadError
 
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_5_text")
 WINDOWED_MODEL_TYPES = ("gpt_oss", "gemma2", "gemma3_text")  # per-layer ``layer_types``
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss", "glm4_moe")
+MOE_MODEL_TYPES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v3",
+    "deepseek_v32",
+    "gpt_oss",
+    "glm4_moe",
+    "qwen3_next",
+)
+# linear-attention (Gated DeltaNet) layers beside full ones (``engine.model.deltanet``)
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 # model types a user may try whose missing pieces we can name
 NOT_YET = {
@@ -131,6 +142,22 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """A hybrid model's Gated DeltaNet layers (the config's ``linear_*`` fields):
+    ``k_heads`` query/key heads of ``k_head_dim``, ``v_heads`` value heads of
+    ``v_head_dim`` (a multiple of ``k_heads``), a causal convolution ``conv_width``
+    wide; ``fused``: Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` (Qwen3.5
+    projects each apart)."""
+
+    k_heads: int
+    v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_width: int
+    fused: bool
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -170,6 +197,20 @@ class ModelConfig:
     attn_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcap: float | None = None
     attn_softcap: float | None = None  # Gemma 2: each attention logit soft-capped
+    # hybrid models (Qwen3-Next, Qwen3.5): their "linear_attention" layers' shapes, and
+    # the full layers' output gate (q_proj gives each head's query and a gate whose
+    # sigmoid scales its output)
+    linear: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
+
+    def is_linear(self, i: int) -> bool:
+        """Whether layer i is a linear-attention (Gated DeltaNet) layer: no KV cache."""
+        return i < len(self.layer_types) and self.layer_types[i] == "linear_attention"
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache, in order (every layer but the linear ones)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
 
     def window(self, i: int) -> int | None:
         """Layer i's sliding window, or None where it attends to every earlier key."""
@@ -199,8 +240,9 @@ class ModelConfig:
         """Bytes one token's KV takes in the whole model's cache at 1 byte per element
         (multiply by the element size): layers x planes x KV heads x head_dim. For MLA
         ``num_layers x (kv_lora_rank + qk_rope_head_dim)``; for GQA
-        ``num_layers x 2 x num_kv_heads x head_dim``."""
-        return self.num_layers * self.kv_planes * self.num_kv_heads * self.head_dim
+        ``num_layers x 2 x num_kv_heads x head_dim``; a hybrid model's linear layers
+        hold none."""
+        return len(self.kv_layers) * self.kv_planes * self.num_kv_heads * self.head_dim
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and i not in self.moe.dense_layers
@@ -233,6 +275,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         max_pos = hf.max_position_embeddings
         gemma, gemma3 = mt in GEMMA_MODEL_TYPES, mt == "gemma3_text"
+        hybrid = mt in HYBRID_MODEL_TYPES
         # Gemma 2 caps its attention logits; transformers' Gemma 3 reads the field and never
         # applies it (its released configs leave it null), so neither does the engine
         attn_softcap = getattr(hf, "attn_logit_softcapping", None) if mt == "gemma2" else None
@@ -269,7 +312,8 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=mt in ("qwen2", "qwen2_moe") or attention_bias,
             o_bias=mt in ("llama", "mistral", "mixtral", "gpt_oss") and attention_bias,
-            qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text") or bool(getattr(hf, "use_qk_norm", False)),
+            qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_MODEL_TYPES)
+            or bool(getattr(hf, "use_qk_norm", False)),
             rope=_rope_params(hf, "full_attention" if gemma3 else None),
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf, "bos_token_id", None),
@@ -282,13 +326,15 @@ class ModelConfig:
             attn_sinks=mt == "gpt_oss",
             rope_local=_rope_params(hf, "sliding_attention") if gemma3 else None,
             rotary_dim=_rotary_dim(hf, head_dim) if mla is None else None,
-            norm_unit_offset=gemma,
+            norm_unit_offset=gemma or hybrid,
             sandwich_norms=gemma,
             hidden_act=_ACTIVATIONS[act],
             embed_scale=hf.hidden_size**0.5 if gemma else None,
             attn_scale=hf.query_pre_attn_scalar**-0.5 if gemma else None,
             final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
             attn_softcap=attn_softcap,
+            linear=_linear_config(hf, mt),
+            attn_output_gate=hybrid,
         )
 
 
@@ -325,24 +371,47 @@ _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+HYBRID_LAYER_TYPES = ("full_attention", "linear_attention")
+
+
+def _linear_config(hf: Any, mt: str) -> LinearAttentionConfig | None:
+    """A hybrid model's linear-attention shapes; ``ModelLoadError`` where they do not fit."""
+    if mt not in HYBRID_MODEL_TYPES:
+        return None
+    lin = LinearAttentionConfig(
+        k_heads=hf.linear_num_key_heads,
+        v_heads=hf.linear_num_value_heads,
+        k_head_dim=hf.linear_key_head_dim,
+        v_head_dim=hf.linear_value_head_dim,
+        conv_width=hf.linear_conv_kernel_dim,
+        fused=mt == "qwen3_next",
+    )
+    if min(lin.k_heads, lin.v_heads, lin.k_head_dim, lin.v_head_dim) < 1 or lin.v_heads % lin.k_heads:
+        raise ModelLoadError(
+            f"config.json: {lin.v_heads} linear value heads do not group over {lin.k_heads} key heads"
+        )
+    if lin.conv_width < 2:
+        raise ModelLoadError(f"config.json: linear_conv_kernel_dim {lin.conv_width} is below 2")
+    return lin
 
 
 def _layer_types(hf: Any, mt: str, max_pos: int) -> tuple[tuple[str, ...], int | None]:
     """(per-layer types, the sliding window) of a family whose layers differ (gpt-oss);
     ((), None) for the others. ``ModelLoadError`` for an unknown type, a list of the
     wrong length, or a window that is not a positive number within the context."""
-    if mt not in WINDOWED_MODEL_TYPES:
+    if mt not in WINDOWED_MODEL_TYPES + HYBRID_MODEL_TYPES:
         return (), None
     types = tuple(getattr(hf, "layer_types", None) or ())
     if len(types) != hf.num_hidden_layers:
         raise ModelLoadError(
             f"config.json: layer_types lists {len(types)} layers; the model has {hf.num_hidden_layers}"
         )
-    unknown = sorted(set(types) - set(LAYER_TYPES))
+    known = HYBRID_LAYER_TYPES if mt in HYBRID_MODEL_TYPES else LAYER_TYPES
+    unknown = sorted(set(types) - set(known))
     if unknown:
         raise ModelLoadError(
             f"config.json: layer_types has {unknown[0]!r}, which splitserve does not run "
-            f"(it runs {', '.join(LAYER_TYPES)})"
+            f"for {mt} (it runs {', '.join(known)})"
         )
     window = getattr(hf, "sliding_window", None)
     if "sliding_attention" not in types:
@@ -360,12 +429,12 @@ def _moe_config(hf: Any, mt: str) -> MoEConfig | None:
     top_k = getattr(hf, "num_experts_per_tok", 0)
     if mt == "mixtral":
         return MoEConfig(hf.num_local_experts, top_k, hf.intermediate_size)
-    if mt in ("qwen2_moe", "qwen3_moe"):
+    if mt in ("qwen2_moe", "qwen3_moe", "qwen3_next"):  # Qwen3-Next's: Qwen2-MoE's gated shared expert
         experts = getattr(hf, "num_experts", None) or hf.num_local_experts
         step = getattr(hf, "decoder_sparse_step", 1) or 1
         only = set(getattr(hf, "mlp_only_layers", None) or ())
         dense = tuple(i for i in range(hf.num_hidden_layers) if i in only or (i + 1) % step)
-        shared = getattr(hf, "shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0
+        shared = getattr(hf, "shared_expert_intermediate_size", 0) if mt != "qwen3_moe" else 0
         return MoEConfig(
             experts,
             top_k,

@@ -7,6 +7,9 @@ A layer is attention then MLP, each behind an RMSNorm on the residual stream
 ``ModelConfig`` says, layer by layer::
 
     attention   GQA (``llama.Attention``)       or  MLA (``mla.MLAttention``: DeepSeek-V3)
+                                                or  Gated DeltaNet (``deltanet``: a hybrid
+                                                    model's linear layers; their state in
+                                                    ``KVCache.states``, no KV)
     MLP         dense (``llama.MLP``)           or  mixture of experts (``moe.SparseMoE``)
                                                     except the layers ``moe.dense_layers`` names
 
@@ -26,6 +29,7 @@ from torch import nn
 
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.deltanet import GatedDeltaNet, delta_shape
 from splitserve.engine.model.llama import MLP, Attention, RMSNorm, StepContext
 from splitserve.engine.model.mla import MLAttention
 from splitserve.engine.model.moe import SparseMoE
@@ -41,7 +45,11 @@ class DecoderLayer(nn.Module):
         tp = tp or TPGroup.single()
         h, eps, unit = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset
         self.input_layernorm = RMSNorm(h, eps, unit)
-        self.self_attn = MLAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp, index)
+        self.self_attn = self.linear_attn = None
+        if cfg.is_linear(index):
+            self.linear_attn = GatedDeltaNet(delta_shape(cfg), cfg.linear.fused)
+        else:
+            self.self_attn = MLAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp, index)
         self.post_attention_layernorm = RMSNorm(h, eps, unit)
         self.mlp = SparseMoE(cfg, tp, ep) if cfg.is_moe_layer(index) else MLP(cfg, tp)
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
@@ -49,10 +57,16 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(h, eps, unit)
             self.post_feedforward_layernorm = RMSNorm(h, eps, unit)
 
-    def forward(self, x, delta, cos, sin, k_cache, v_cache, ctx, kv_scales=None):
+    def forward(self, x, delta, cos, sin, k_cache, v_cache, ctx, kv_scales=None, states=None):
         """``x`` is the residual stream, still missing the previous layer's output
-        ``delta``; returns this layer's output, to be added by the next norm."""
-        attn = self.self_attn(self.input_layernorm(x, delta), cos, sin, k_cache, v_cache, ctx, kv_scales)
+        ``delta``; returns this layer's output, to be added by the next norm. A
+        linear-attention layer reads and writes ``states`` (its ``DeltaStates``) for
+        ``ctx.delta_spans`` instead of a KV cache."""
+        normed = self.input_layernorm(x, delta)
+        if self.linear_attn is not None:
+            attn = self.linear_attn(normed, ctx.delta_spans, states)
+        else:
+            attn = self.self_attn(normed, cos, sin, k_cache, v_cache, ctx, kv_scales)
         if self.pre_feedforward_layernorm is None:
             return self.mlp(self.post_attention_layernorm(x, attn))
         mlp = self.mlp(self.pre_feedforward_layernorm(x, self.post_attention_layernorm(attn)))
@@ -96,6 +110,11 @@ class DecoderModel(nn.Module):
             self.local_rotary is not None and cfg.window(i) is not None for i in range(cfg.num_layers)
         )
         self.mtp = MTPLayer(cfg, DecoderLayer(cfg, cfg.num_layers, tp, ep)) if mtp else None
+        # per layer: its layer of the KV cache, or its row of ``KVCache.states`` (linear layers)
+        linear = [i for i in range(cfg.num_layers) if cfg.is_linear(i)]
+        self._cache_index = tuple(
+            linear.index(i) if cfg.is_linear(i) else cfg.kv_layers.index(i) for i in range(cfg.num_layers)
+        )
 
     @torch.inference_mode()
     def forward(
@@ -115,11 +134,15 @@ class DecoderModel(nn.Module):
         local = None if self.local_rotary is None else self.local_rotary.tables(positions, x.dtype)
         delta = None
         for i, layer in enumerate(itertools.islice(self.layers, num_layers)):  # no new ModuleList
-            k_cache, v_cache = kv_cache.layer(i)
+            c = self._cache_index[i]
+            if layer.linear_attn is not None:
+                delta = layer(x, delta, None, None, None, None, ctx, states=kv_cache.states[c])
+                continue
+            k_cache, v_cache = kv_cache.layer(c)
             cos, sin = local if self._local[i] else tables
-            delta = layer(x, delta, cos, sin, k_cache, v_cache, ctx, kv_cache.layer_scales(i))
+            delta = layer(x, delta, cos, sin, k_cache, v_cache, ctx, kv_cache.layer_scales(c))
             if ctx.on_layer is not None:
-                ctx.on_layer(i)
+                ctx.on_layer(c)
         return self.norm(x, delta)
 
     @torch.inference_mode()

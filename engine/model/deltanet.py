@@ -134,11 +134,13 @@ class DeltaStates:
 
 @dataclass(frozen=True)
 class DeltaSpan:
-    """A sequence's tokens in a packed step: [start, start + length), its state in ``slot``."""
+    """A sequence's tokens in a packed step: [start, start + length), its state in
+    ``slot``; ``fresh``: they are its first (the slot's old state is dropped first)."""
 
     start: int
     length: int
     slot: int
+    fresh: bool = False
 
 
 class RMSNormGated(nn.Module):
@@ -180,6 +182,38 @@ class DeltaShape:
     @property
     def conv_channels(self) -> int:
         return 2 * self.key_dim + self.value_dim
+
+
+def delta_shape(cfg) -> DeltaShape:
+    """The linear layers' shape of a hybrid ``ModelConfig``."""
+    lin = cfg.linear
+    return DeltaShape(
+        cfg.hidden_size,
+        lin.k_heads,
+        lin.v_heads,
+        lin.k_head_dim,
+        lin.v_head_dim,
+        lin.conv_width,
+        cfg.rms_norm_eps,
+    )
+
+
+def state_pool(cfg, slots: int, dtype: torch.dtype, device=None) -> list[DeltaStates]:
+    """Zeroed states of ``slots`` sequences for each linear layer of a hybrid ``ModelConfig``."""
+    s = delta_shape(cfg)
+    layers = sum(1 for i in range(cfg.num_layers) if cfg.is_linear(i))
+    return [
+        DeltaStates.empty(slots, s.conv_channels, s.conv_width, s.v_heads, s.dk, s.dv, dtype, device)
+        for _ in range(layers)
+    ]
+
+
+def state_bytes(cfg, dtype: torch.dtype) -> int:
+    """One sequence's state over every linear layer, in bytes."""
+    s = delta_shape(cfg)
+    layers = sum(1 for i in range(cfg.num_layers) if cfg.is_linear(i))
+    conv = s.conv_channels * (s.conv_width - 1) * torch.empty((), dtype=dtype).element_size()
+    return layers * (conv + s.v_heads * s.dk * s.dv * 4)
 
 
 class GatedDeltaNet(nn.Module):
@@ -228,6 +262,9 @@ class GatedDeltaNet(nn.Module):
         in order, continuing from the state in its slot); returns [T, hidden] and leaves
         each slot holding the state after its sequence's last token."""
         s = self.shape
+        for sp in spans:
+            if sp.fresh:
+                states.reset(sp.slot)
         qkv, z, b, a = self._project(x)
         mixed = self._convolve(qkv, spans, states.conv)
         q, k, v = mixed.float().split([s.key_dim, s.key_dim, s.value_dim], dim=-1)

@@ -68,8 +68,10 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they attend to (``kv_head_range``);
     layer ``index``'s sliding window, if it has one (``ModelConfig.window``), with
-    ``cfg.attn_sinks`` this rank's heads' sink logits (``sinks``), and the cap on its
-    logits where the model soft-caps them (``softcap``: Gemma 2)."""
+    ``cfg.attn_sinks`` this rank's heads' sink logits (``sinks``), the cap on its
+    logits where the model soft-caps them (``softcap``: Gemma 2), and with
+    ``cfg.attn_output_gate`` (Qwen3-Next, Qwen3.5) each head's output scaled by the
+    sigmoid of a gate ``q_proj`` gives beside its query."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None, index: int = 0):
         super().__init__()
@@ -79,7 +81,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h1 - h0, k1 - k0, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        # with an output gate (Qwen3-Next, Qwen3.5) each head's rows are its query, then its gate
+        self.gated = cfg.attn_output_gate
+        self.q_rows = self.q_size * (2 if self.gated else 1)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_rows + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         norm = cfg.norm_unit_offset
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, norm) if cfg.qk_norm else None
@@ -98,6 +103,11 @@ class Attention(nn.Module):
         ``x`` may come quantized (``Fp8Rows``) for an FP8 ``qkv_proj``."""
         qkv = self.qkv_proj(x)
         T = qkv.shape[0]
+        gate = None
+        if self.gated:
+            q_gate, kv = qkv.split([self.q_rows, 2 * self.kv_size], dim=-1)
+            q, gate = q_gate.view(T, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+            qkv = torch.cat([q.reshape(T, self.q_size), kv], dim=-1)
         fused = getattr(self.kernels, "rope_and_cache", None)
         # an FP8 cache only where the kernel writes e4m3 (the Triton set), not while calibrating
         fp8_ok = kv_scales is None or (getattr(self.kernels, "WRITES_FP8_KV", False) and not ctx.calibrate_kv)
@@ -114,7 +124,9 @@ class Attention(nn.Module):
         if self.window is not None or self.sinks is not None or self.softcap is not None:
             extra = {"window": self.window, "sinks": self.sinks, "softcap": self.softcap}
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_meta, self.scale, kv_scales, **extra)
-        return self.o_proj(o.view(T, self.q_size))
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(T, self.q_size))
 
     def _rope_and_cache(
         self, qkv, cos, sin, k_cache, v_cache, slot_mapping, kv_scales=None, calibrate: bool = False
@@ -184,9 +196,12 @@ class StepContext:
         attn_meta: Any,
         on_layer: Callable[[int], None] | None = None,
         calibrate_kv: bool = False,
+        delta_spans: list | None = None,
     ):
         self.slot_mapping = slot_mapping
         self.backend = backend
         self.attn_meta = attn_meta
         self.on_layer = on_layer  # called with i once layer i wrote its KV
         self.calibrate_kv = calibrate_kv  # an FP8 cache takes its scales from this step's K and V
+        # a hybrid model: each sequence's span and state slot (``deltanet.DeltaSpan``)
+        self.delta_spans = delta_spans

@@ -11,6 +11,11 @@ def check_tp_compatible(cfg: ModelConfig, tp_size: int) -> None:
     """Raise ``ValueError`` naming the dimension that does not split over ``tp_size`` ranks."""
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if cfg.linear is not None and tp_size > 1:
+        raise ValueError(
+            f"{cfg.model_type} (a hybrid model: linear-attention layers beside full ones) runs on one rank "
+            f"for now; tensor parallelism of {tp_size} does not split its linear layers yet"
+        )
     sizes = [("attention heads", cfg.num_heads), ("MLP intermediate size", cfg.intermediate_size)]
     if cfg.moe is not None:
         sizes.append(("expert intermediate size", cfg.moe.intermediate_size))
@@ -33,6 +38,10 @@ def check_ep_compatible(cfg: ModelConfig, ep_size: int, kv_cache_dtype: str = "a
     expert-parallel ranks (nothing for 1)."""
     if ep_size == 1:
         return
+    if cfg.linear is not None:
+        raise ValueError(
+            f"{cfg.model_type} (a hybrid model) runs on one rank for now; ep_size {ep_size} does not"
+        )
     if cfg.moe is None:
         raise ValueError(
             f"ep_size {ep_size} needs a mixture-of-experts model; {cfg.model_type} has no experts"

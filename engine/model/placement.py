@@ -37,6 +37,7 @@ _RENAMES = {
         (".w2.", ".down_proj."),
     ),
     "qwen2_moe": (("mlp.shared_expert.", "mlp.shared_experts."),),
+    "qwen3_next": (("mlp.shared_expert.", "mlp.shared_experts."),),
     "gpt_oss": (("mlp.router.", "mlp.gate."),),  # its stacked experts: ``layouts.unstacked``
 }
 
@@ -56,7 +57,10 @@ def checkpoint_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_layers + cfg.num_mtp_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes.update(_mla_shapes(cfg, p) if cfg.mla is not None else _attention_shapes(cfg, p))
+        if cfg.is_linear(i):
+            shapes.update(_linear_shapes(cfg, p + "linear_attn."))
+        else:
+            shapes.update(_mla_shapes(cfg, p) if cfg.mla is not None else _attention_shapes(cfg, p))
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if cfg.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
@@ -75,10 +79,31 @@ def checkpoint_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _linear_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors (``engine.model.deltanet``)."""
+    lin, h = cfg.linear, cfg.hidden_size
+    keys, values = lin.k_heads * lin.k_head_dim, lin.v_heads * lin.v_head_dim
+    channels = 2 * keys + values
+    out: dict[str, tuple[int, ...]] = {}
+    if lin.fused:
+        out[p + "in_proj_qkvz.weight"] = (channels + values, h)
+        out[p + "in_proj_ba.weight"] = (2 * lin.v_heads, h)
+    else:
+        out[p + "in_proj_qkv.weight"] = (channels, h)
+        out[p + "in_proj_z.weight"] = (values, h)
+        out[p + "in_proj_b.weight"] = out[p + "in_proj_a.weight"] = (lin.v_heads, h)
+    out[p + "conv1d.weight"] = (channels, 1, lin.conv_width)
+    out[p + "dt_bias"] = out[p + "A_log"] = (lin.v_heads,)
+    out[p + "norm.weight"] = (lin.v_head_dim,)
+    out[p + "out_proj.weight"] = (h, values)
+    return out
+
+
 def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     h = cfg.hidden_size
     out: dict[str, tuple[int, ...]] = {}
-    for proj, rows in (("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)):
+    q_rows = cfg.q_size * (2 if cfg.attn_output_gate else 1)  # each head's query, then its gate
+    for proj, rows in (("q_proj", q_rows), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)):
         out[f"{p}self_attn.{proj}.weight"] = (rows, h)
         if cfg.qkv_bias:
             out[f"{p}self_attn.{proj}.bias"] = (rows,)
@@ -201,6 +226,9 @@ def _layer_placement(cfg: ModelConfig, layer, index: int, tp: TPGroup, module: s
         module in ("pre_feedforward_layernorm", "post_feedforward_layernorm") and cfg.sandwich_norms
     ):
         return Placement(getattr(layer, module).weight)
+    if module == "linear_attn" and cfg.is_linear(index):  # whole (hybrid models run on one rank)
+        params = dict(layer.linear_attn.named_parameters())
+        return Placement(params[rest]) if rest in params else None
     if module == "self_attn" and cfg.mla is not None:
         return _mla_placement(cfg, layer.self_attn, tp, rest)
     if module == "self_attn":
@@ -238,12 +266,13 @@ def _attention(cfg: ModelConfig, layer, tp: TPGroup, rest: str) -> Placement | N
     proj, kind = rest.rsplit(".", 1)
     k0, k1 = kv_head_range(cfg.num_kv_heads, tp)
     match proj:
-        case "q_proj":
-            return Placement(getattr(attn.qkv_proj, kind), 0, 0, h0 * d, h1 * d)
+        case "q_proj":  # with an output gate, each head's 2d rows: its query, then its gate
+            g = 2 if cfg.attn_output_gate else 1
+            return Placement(getattr(attn.qkv_proj, kind), 0, 0, h0 * d * g, h1 * d * g)
         case "k_proj":
-            return Placement(getattr(attn.qkv_proj, kind), attn.q_size, 0, k0 * d, k1 * d)
+            return Placement(getattr(attn.qkv_proj, kind), attn.q_rows, 0, k0 * d, k1 * d)
         case "v_proj":
-            return Placement(getattr(attn.qkv_proj, kind), attn.q_size + attn.kv_size, 0, k0 * d, k1 * d)
+            return Placement(getattr(attn.qkv_proj, kind), attn.q_rows + attn.kv_size, 0, k0 * d, k1 * d)
         case "q_norm" | "k_norm":
             return Placement(getattr(attn, proj).weight)
         case "o_proj" if kind == "bias":

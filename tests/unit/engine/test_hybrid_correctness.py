@@ -1,0 +1,91 @@
+"""Hybrid models (Qwen3-Next, Qwen3.5: Gated DeltaNet layers beside gated full
+attention) in one engine: float32 greedy output equals transformers' ``generate``,
+token for token.
+
+Tiny random checkpoints of each (``tests.conftest.tiny_hf_config``: three linear
+layers to one full, two seeds), prompts longer than the 32-token prefill chunk (the
+linear layers' state carried from chunk to chunk), batched, fewer state slots than
+requests (slots reused as sequences end), and a cache too small for the batch
+(preemption: the state recomputed from scratch with the KV). Prefix caching is off
+for them (a cached prefix would need its state): a second pass reuses nothing and
+gives the same tokens. What they do not run yet is refused with a sentence.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine.engine import Engine
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.parallel_fit import check_tp_compatible
+from splitserve.wire.config import EngineConfig, SpeculativeConfig
+from splitserve.wire.errors import InvalidRequest, ModelLoadError
+from splitserve.wire.sampling import SamplingParams
+from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts, tiny_hf_config
+
+MAX_NEW = 12
+PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=[("qwen3_next", 0), ("qwen3_5_text", 0), ("qwen3_5_text", 1)])
+def reference(request, tmp_path_factory):
+    kind, seed = request.param
+    directory = tmp_path_factory.mktemp(f"{kind}-{seed}")
+    hf = make_hf_checkpoint(kind, directory, seed=seed)
+    prompts = random_prompts([3, 17, 47, 90], 512, seed=seed + 1)
+    prompts += random_prompts([60, 71], 512, seed=seed + 2, shared_prefix=40)
+    return directory, prompts, [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+
+
+def make_engine(directory, **overrides) -> Engine:
+    cfg = dict(
+        model=str(directory),
+        dtype="float32",
+        block_size=8,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        kv_cache_memory_mib=32,
+    )
+    return Engine(EngineConfig(**(cfg | overrides)))
+
+
+def test_hybrid_greedy_equals_transformers(reference):
+    directory, prompts, expected = reference
+    engine = make_engine(directory)
+    layout = engine.kv_cache.layout
+    assert layout.num_layers == 1 and len(engine.kv_cache.states) == 3  # KV for the full layer only
+    assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
+    again = engine.generate(prompts, PARAMS)  # prefix caching is off: nothing reused, the same tokens
+    assert [o.token_ids for o in again] == expected
+    assert all(o.num_cached_tokens == 0 for o in again)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_hybrid_greedy_equals_transformers_with_few_slots_and_preemption(reference):
+    directory, prompts, expected = reference
+    few = make_engine(directory, max_num_seqs=2)  # 6 requests through 2 state slots
+    assert [o.token_ids for o in few.generate(prompts, PARAMS)] == expected
+    tight = make_engine(directory, num_kv_blocks=24, kv_cache_memory_mib=None)  # < the batch's blocks
+    assert [o.token_ids for o in tight.generate(prompts, PARAMS)] == expected
+    assert tight.scheduler.num_preemptions > 0
+
+
+def test_what_a_hybrid_model_does_not_run_yet_is_refused(reference):
+    directory, prompts, _ = reference
+    engine = make_engine(directory)
+    with pytest.raises(InvalidRequest, match="linear-attention state does not move"):
+        engine.add_request(prompts[0], PARAMS, prefill_only=True)
+    with pytest.raises(InvalidRequest, match="linear-attention state does not move"):
+        engine.import_request("moved", prompts[0], [5], PARAMS)
+    with pytest.raises(ValueError, match="roll back"):
+        make_engine(directory, speculative=SpeculativeConfig(method="ngram", num_tokens=2))
+    cfg = ModelConfig.from_hf(tiny_hf_config("qwen3_next"))
+    with pytest.raises(ValueError, match="runs on one rank"):
+        check_tp_compatible(cfg, 2)
+
+
+def test_a_hybrid_config_with_an_unknown_layer_type_fails_at_load():
+    hf = tiny_hf_config("qwen3_5_text")
+    hf.layer_types = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
+    with pytest.raises(ModelLoadError, match="layer_types has 'sliding_attention'"):
+        ModelConfig.from_hf(hf)
