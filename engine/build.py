@@ -29,7 +29,6 @@ from splitserve.engine.kv_sizing import (
 from splitserve.engine.kv_tier import HostKVTier
 from splitserve.engine.model.checkpoint import checkpoint_bytes, safetensors_tensors
 from splitserve.engine.model.config import ModelConfig
-from splitserve.engine.model.deltanet import state_bytes, state_pool
 from splitserve.engine.model.loader import build_model, load_hf_config, resolve_source
 from splitserve.engine.model.parallel_fit import check_ep_compatible, check_tp_compatible
 from splitserve.engine.model.revision import checkpoint_revision, random_revision, with_quantization
@@ -37,6 +36,7 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.state_blocks import plan_states, state_views
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.defaults import GenerationDefaults
@@ -128,8 +128,9 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     per_token = layout.bytes_per_token
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     # a hybrid model's states: a slot per sequence that may run at once, out of the KV's budget
-    slots = config.max_num_seqs if mc.linear is not None else 0
-    states = slots * state_bytes(mc, dtype) if slots else 0
+    plan = plan_states(mc, layout, dtype) if mc.linear is not None else None
+    slots = config.max_num_seqs if plan is not None else 0
+    states = slots * plan.slot_bytes if plan is not None else 0
     budget = kv_budget_bytes(config, device.type, free) - states
     if slots and budget < per_token * config.block_size and config.num_kv_blocks is None:
         raise ValueError(
@@ -144,9 +145,13 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     usable = num_blocks - 1 if use_graphs else num_blocks
     capacity = size_kv_cache(config, usable, per_token, context)
     max_model_len = capacity.max_model_len
-    kv_cache = KVCache(dataclasses.replace(layout, num_blocks=num_blocks), device)
-    if slots:
-        kv_cache.states = state_pool(mc, slots, dtype, device)
+    if plan is None:
+        kv_cache = KVCache(dataclasses.replace(layout, num_blocks=num_blocks), device)
+    else:  # the slots' blocks past the KV ones (``engine.state_blocks``)
+        total = num_blocks + slots * plan.blocks_per_slot
+        kv_cache = KVCache(dataclasses.replace(layout, num_blocks=total, states=plan.signature()), device)
+        kv_cache.states = state_views(kv_cache.tensor, plan, mc, num_blocks, slots, dtype)
+        kv_cache.state_plan, kv_cache.kv_blocks = plan, num_blocks
     graphs = None
     if use_graphs:
         # a verification step's draft tokens are decode rows too (``ModelRunner.spread_drafts``)
@@ -256,6 +261,10 @@ def _check_hybrid(config: EngineConfig, mc: ModelConfig) -> None:
         raise ValueError(
             f"speculative decoding does not run with {mc.model_type} yet: its linear layers' state "
             "would have to roll back the rejected tokens"
+        )
+    if config.kv_cache_dtype == "fp8":
+        raise ValueError(
+            f"kv_cache_dtype fp8 does not run with {mc.model_type} yet (its states share the cache)"
         )
     if config.host_kv_tier_mib:
         raise ValueError(

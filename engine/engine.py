@@ -158,8 +158,6 @@ class Engine(KVRequests):
         and seeded sampling goes on from the token after them, so the continuation
         equals the undisturbed run's."""
         params = params or SamplingParams()
-        if prefill_only:
-            self._refuse_hybrid()
         request_id = self._new_id(request_id)
         prompt_ids = self.validate_request(prompt, params, messages)
         done = list(output_token_ids or ())
@@ -347,11 +345,11 @@ class Engine(KVRequests):
         observer = self.layer_observer
         if observer is None:
             return None
-        bs, layout = self.block_manager.block_size, self.kv_cache.layout
+        bs, layout, kv = self.block_manager.block_size, self.kv_cache.layout, self.kv_cache
         finishing = [
-            FinishingPrefill(
+            FinishingPrefill(  # a hybrid model's states go with its KV (``KVCache.slot_blocks``)
                 s.seq.request_id,
-                tuple(s.seq.block_table[s.seq.export_from_block :]),
+                tuple(s.seq.block_table[s.seq.export_from_block :] + kv.slot_blocks(s.seq.state_slot)),
                 s.seq.num_tokens - s.seq.export_from_block * bs,
                 layout.window_from(s.seq.export_from_block, s.seq.num_tokens),
             )

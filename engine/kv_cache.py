@@ -55,9 +55,18 @@ class KVCache:
         if layout.kv_scales != "none":
             self.scales = torch.ones(layout.num_layers, 2, layout.num_kv_heads, device=device)
         # a hybrid model's linear layers' states (``engine.model.deltanet.DeltaStates``), a
-        # row per state slot (``Sequence.state_slot``), set by the engine at build; the
-        # layout's layers are the others
+        # row per state slot (``Sequence.state_slot``), views of this tensor's blocks past
+        # the first ``kv_blocks`` (``engine.state_blocks``), set by the engine at build
         self.states: list = []
+        self.state_plan = None  # their ``StatePlan``
+        self.kv_blocks = layout.num_blocks
+
+    def slot_blocks(self, slot: int | None) -> list[int]:
+        """The block ids holding state slot ``slot``'s states ([] for None, or a model
+        without them): moved with a request's KV blocks."""
+        if slot is None or self.state_plan is None:
+            return []
+        return self.state_plan.slot_blocks(self.kv_blocks, slot)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(k_cache, v_cache) of layer ``i``, each [num_blocks, block_size, kv_heads, head_dim];

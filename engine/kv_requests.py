@@ -47,7 +47,7 @@ class KVRequests:
             request_id,
             list(seq.prompt_token_ids),
             seq.output_token_ids,
-            list(seq.block_table[skip:]),
+            list(seq.block_table[skip:]) + self.kv_cache.slot_blocks(seq.state_slot),
             seq.num_computed_tokens - skip * self.block_manager.block_size,
             seq.num_cached_tokens,
             self.kv_cache.layout.window_from(skip, seq.num_computed_tokens),
@@ -67,7 +67,6 @@ class KVRequests:
         all its output tokens (``import_request``) and samples the next token as this
         engine would have. Raises ``UnknownRequest`` unless it is RUNNING, and
         ``InvalidRequest`` while its prompt is still being prefilled."""
-        self._refuse_hybrid()
         state = self._get(request_id, SequenceStatus.RUNNING)
         seq = state.seq
         if not seq.num_output_tokens or seq.num_computed_tokens != seq.num_tokens - 1:
@@ -90,7 +89,6 @@ class KVRequests:
         lets them go. None, holding nothing, when it has no more than ``from_block``.
         Raises ``UnknownRequest`` unless it is RUNNING, ``InvalidRequest`` when its
         tokens are not ``token_ids``."""
-        self._refuse_hybrid()
         seq, bs = self._get(request_id, SequenceStatus.RUNNING).seq, self.block_manager.block_size
         n = min(len(token_ids) // bs, seq.num_computed_tokens // bs)
         if seq.token_ids[: n * bs] != list(token_ids[: n * bs]):
@@ -188,7 +186,6 @@ class KVRequests:
         them (never evicted) until ``import_request`` adds the rest, or ``abort``. Returns
         the tokens held, a whole number of blocks (0: none; no request is made). Never
         the block of the prompt's last token: its KV always comes from the prefill."""
-        self._refuse_hybrid()
         request_id = self._new_id(request_id)
         prompt_ids = self.validate_request(list(prompt_token_ids), params)
         seq = self._sequence(request_id, prompt_ids, params)
@@ -216,7 +213,6 @@ class KVRequests:
         by then: only the blocks after the filled ones are left to copy. ``abort`` frees
         them. Raises ``InvalidRequest`` (holding nothing) for a request with less than
         one full block to copy, ``Overloaded`` when the cache has no room now."""
-        self._refuse_hybrid()
         request_id = self._new_id(request_id)
         prompt_ids = self.validate_request(list(prompt_token_ids), params)
         outputs = list(output_token_ids)
@@ -261,13 +257,11 @@ class KVRequests:
         return copied
 
     def _refuse_hybrid(self) -> None:
-        """``InvalidRequest`` for a hybrid model (linear-attention layers): their state
-        does not move between engines yet, only KV does, so its requests neither hand
-        over, nor move, nor lend or borrow a prefix."""
+        """``InvalidRequest`` for a hybrid model (linear-attention layers): it caches no
+        prefix (a prefix would need its state), so it neither lends nor borrows one."""
         if self.kv_cache.states:
             raise InvalidRequest(
-                "this model's linear-attention state does not move between workers yet: its requests run "
-                "where they start (a colocated worker), without a prefill-to-decode handoff or a move"
+                "this model caches no prompt prefixes (its linear layers' state): none to lend"
             )
 
     def _mark_partial(self, seq: Sequence, first_copied: int) -> None:
@@ -317,7 +311,6 @@ class KVRequests:
         the engine it moves from (``suspend``): they count toward ``max_tokens``, the
         stop checks and the grammar, are never emitted again, and seeded sampling
         goes on after them."""
-        self._refuse_hybrid()
         held = self.requests.get(request_id)
         if held is not None and held.seq.status == SequenceStatus.IMPORTING and held.seq.awaiting_import:
             seq = held.seq  # held by hold_prefix or reserve_moving: their tokens lead these
@@ -352,7 +345,9 @@ class KVRequests:
         self.import_held_tokens += seq.num_cached_tokens
         self.import_moved_tokens += total - have
         self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
-        return list(seq.block_table[have // self.block_manager.block_size :])
+        return list(seq.block_table[have // self.block_manager.block_size :]) + self.kv_cache.slot_blocks(
+            seq.state_slot
+        )
 
     def activate(self, request_id: str, output_token_ids: list[int] | None = None) -> None:
         """The KV of an IMPORTING request is in place: start decoding it. The first

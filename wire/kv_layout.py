@@ -43,6 +43,9 @@ class KVLayout:
     # each layer's sliding window in tokens, 0 for a layer that attends to every earlier
     # key; () when no layer has one (``window_from``)
     windows: tuple[int, ...] = ()
+    # a hybrid model: how its linear layers' states lie in blocks past the KV ones
+    # (``engine.state_blocks.StatePlan.signature``); "" for a model without them
+    states: str = ""
 
     def __post_init__(self) -> None:
         if self.windows and len(self.windows) != self.num_layers:

@@ -198,24 +198,6 @@ def delta_shape(cfg) -> DeltaShape:
     )
 
 
-def state_pool(cfg, slots: int, dtype: torch.dtype, device=None) -> list[DeltaStates]:
-    """Zeroed states of ``slots`` sequences for each linear layer of a hybrid ``ModelConfig``."""
-    s = delta_shape(cfg)
-    layers = sum(1 for i in range(cfg.num_layers) if cfg.is_linear(i))
-    return [
-        DeltaStates.empty(slots, s.conv_channels, s.conv_width, s.v_heads, s.dk, s.dv, dtype, device)
-        for _ in range(layers)
-    ]
-
-
-def state_bytes(cfg, dtype: torch.dtype) -> int:
-    """One sequence's state over every linear layer, in bytes."""
-    s = delta_shape(cfg)
-    layers = sum(1 for i in range(cfg.num_layers) if cfg.is_linear(i))
-    conv = s.conv_channels * (s.conv_width - 1) * torch.empty((), dtype=dtype).element_size()
-    return layers * (conv + s.v_heads * s.dk * s.dv * 4)
-
-
 class GatedDeltaNet(nn.Module):
     """One linear-attention layer, its parameters named as the checkpoints name them:
     Qwen3-Next's fused ``in_proj_qkvz`` and ``in_proj_ba`` (grouped per key head), or

@@ -1,0 +1,127 @@
+"""A hybrid model's linear-layer states, kept in the KV cache's own blocks.
+
+A Gated DeltaNet layer's memory of a sequence is a fixed-size state (the
+convolution's last inputs and the recurrent matrix, ``engine.model.deltanet``), not
+KV. Each sequence that runs holds a state slot (``BlockManager``), and slot s is
+``blocks_per_slot`` blocks of the cache tensor past the KV blocks::
+
+    cache[kv layer, K/V, block, ...]
+    block ids   0 .. kv_blocks - 1                    the paged KV (the block manager's)
+                kv_blocks + s * R .. + R - 1          slot s's states (R = blocks_per_slot)
+
+Within slot s's R blocks, each (KV layer, plane) is a contiguous run of
+``R * block_bytes`` bytes, and holds the states of the linear layers that come
+before that KV layer in the model (and after the one before it), one after the
+other, each whole within one run: so when KV layer l is written, every state in
+its runs is final too, and a layer-wise export or hash of layer l covers them.
+
+So the states travel as blocks: a request's export names its KV blocks and its
+slot's R blocks, and every transfer backend, checksum, live migration and TP-1
+handoff moves and verifies them as it does KV (what vLLM does by sizing its
+state pages as its KV pages). The bytes cost: R blocks on every KV layer and
+plane for each of ``max_num_seqs`` slots, more than the states themselves where
+they do not pack evenly (``StatePlan.overhead``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.deltanet import DeltaStates, delta_shape
+from splitserve.wire.errors import ModelLoadError
+from splitserve.wire.kv_layout import KVLayout
+
+_ALIGN = 16  # bytes: every state part starts aligned for any dtype's view
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """Where each linear layer's state of a slot lies: ``places[j]`` = (KV layer, plane,
+    byte offset in that run) of the j-th linear layer; ``conv_bytes`` and
+    ``state_bytes`` (aligned) of one layer's state; ``blocks_per_slot`` (R)."""
+
+    blocks_per_slot: int
+    places: tuple[tuple[int, int, int], ...]
+    conv_bytes: int
+    state_bytes: int
+    block_bytes: int
+    planes: int
+    kv_layers: int
+
+    @property
+    def slot_bytes(self) -> int:
+        """Cache bytes one slot takes (its R blocks on every KV layer and plane)."""
+        return self.blocks_per_slot * self.block_bytes * self.planes * self.kv_layers
+
+    @property
+    def overhead(self) -> float:
+        """Cache bytes a slot takes over its states' own bytes."""
+        return self.slot_bytes / (len(self.places) * self.state_bytes)
+
+    def signature(self) -> str:
+        """What a peer must share for a slot's blocks to mean the same (``KVLayout.states``)."""
+        parts = f"{self.conv_bytes}+{self.state_bytes - self.conv_bytes}B"
+        return f"deltanet:{len(self.places)}x{parts}/{self.blocks_per_slot}"
+
+    def slot_blocks(self, kv_blocks: int, slot: int) -> list[int]:
+        """The block ids of ``slot``'s states, past ``kv_blocks`` KV blocks."""
+        first = kv_blocks + slot * self.blocks_per_slot
+        return list(range(first, first + self.blocks_per_slot))
+
+
+def plan_states(cfg: ModelConfig, layout: KVLayout, dtype: torch.dtype) -> StatePlan:
+    """Place a hybrid ``cfg``'s linear layers' states in slots of ``layout``'s blocks
+    (its layers are the model's KV layers): each linear layer with the first KV layer
+    after it. ``ModelLoadError`` for a model whose last layer is linear (its state
+    would follow every KV layer)."""
+    kv = cfg.kv_layers
+    linear = [i for i in range(cfg.num_layers) if cfg.is_linear(i)]
+    if linear and (not kv or linear[-1] > kv[-1]):
+        raise ModelLoadError(
+            f"{cfg.model_type}: a hybrid model whose last layer is a linear-attention one is not run yet"
+        )
+    s = delta_shape(cfg)
+    conv = _aligned(s.conv_channels * (s.conv_width - 1) * torch.empty((), dtype=dtype).element_size())
+    state = conv + _aligned(s.v_heads * s.dk * s.dv * 4)
+    groups: dict[int, list[int]] = {}
+    for j, layer in enumerate(linear):
+        groups.setdefault(next(c for c, k in enumerate(kv) if k > layer), []).append(j)
+    per_plane = -(-max(len(g) for g in groups.values()) // layout.planes)
+    blocks = -(-per_plane * state // layout.block_bytes)
+    places: list[tuple[int, int, int]] = [(0, 0, 0)] * len(linear)
+    for c, members in groups.items():
+        for k, j in enumerate(members):
+            places[j] = (c, k // per_plane, (k % per_plane) * state)
+    return StatePlan(blocks, tuple(places), conv, state, layout.block_bytes, layout.planes, layout.num_layers)
+
+
+def state_views(
+    cache: torch.Tensor, plan: StatePlan, cfg: ModelConfig, kv_blocks: int, slots: int, dtype: torch.dtype
+) -> list[DeltaStates]:
+    """Each linear layer's ``DeltaStates`` as views of ``cache`` (laid out with
+    ``kv_blocks + slots * plan.blocks_per_slot`` blocks), a row per slot."""
+    s = delta_shape(cfg)
+    out = []
+    for layer, plane, offset in plan.places:
+        run = cache[layer, plane, kv_blocks : kv_blocks + slots * plan.blocks_per_slot]
+        raw = run.view(torch.uint8).reshape(slots, plan.blocks_per_slot * plan.block_bytes)
+        conv = raw[:, offset : offset + s.conv_channels * (s.conv_width - 1) * _size(dtype)]
+        rec = raw[:, offset + plan.conv_bytes : offset + plan.conv_bytes + s.v_heads * s.dk * s.dv * 4]
+        out.append(
+            DeltaStates(
+                conv.view(dtype).view(slots, s.conv_channels, s.conv_width - 1),
+                rec.view(torch.float32).view(slots, s.v_heads, s.dk, s.dv),
+            )
+        )
+    return out
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
