@@ -9,6 +9,8 @@ side of the handoff (each case its own Ray instance and cluster, over NIXL):
 | qwen2   | tied, bias | 1        | 1          | 2         | both decode ranks read one head  |
 | qwen3   | tied, norm | 1        | 2          | 2         | rank to rank, head replicated    |
 | gemma3  | tied, scaled | 2      | 2          | 1         | merges heads; sliding layers too |
+| qwen3_next | untied, hybrid | 2   | 1          | 1         | KV and the linear layers' states |
+| qwen3_5 | untied, hybrid | 2      | 1          | 1         | KV and the linear layers' states |
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ MAX_TOKENS = 8
         ("qwen3", 1, 2, 2),
         ("gemma3_text", 2, 2, 1),
         ("gemma2", 2, 1, 2),
+        ("qwen3_next", 2, 1, 1),
+        ("qwen3_5_text", 2, 1, 1),
     ],
 )
 def test_cluster_greedy_equals_transformers(tmp_path, kind, kv_heads, prefill_tp, decode_tp):
