@@ -25,11 +25,17 @@ RoPE, and also soft-caps each attention logit (``attn_softcap``:
 Sliding-window layers (``layer_types``, ``sliding_window``): a query at position p
 attends to the keys at positions (p - window, p], as transformers' masks do; the
 other layers attend to every earlier key. Every layer's cache still holds the
-whole sequence (a sliding layer's older blocks are not freed yet).
+whole sequence (a sliding layer's older blocks are not freed yet; a handoff sends
+them only from the window on: ``KVLayout.window_from``).
 
 With MLA the KV cache holds one latent row per token and layer instead of K and
 V heads: ``num_kv_heads`` is 1, ``head_dim`` is the row's width
 (``kv_lora_rank + qk_rope_head_dim``) and ``kv_planes`` is 1 (2 for K and V).
+
+Hybrid models (Qwen3-Next, Qwen3.5): ``layer_types`` mixes "linear_attention"
+layers (Gated DeltaNet, ``linear``: no KV, a fixed-size state per sequence) with
+"full_attention" ones, whose attention output is gated (``attn_output_gate``);
+``kv_layers`` lists the layers with a KV cache.
 
 Anything outside what the model code implements is refused here with
 ``ModelLoadError`` rather than silently computing something else.
