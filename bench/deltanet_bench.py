@@ -59,9 +59,9 @@ def forward_theirs(layer, x: torch.Tensor) -> None:
 def forward_ours(layer: GatedDeltaNet, x: torch.Tensor, dtype: torch.dtype) -> None:
     """A fresh sequence (zero states) through ``layer``: a prefill, states included."""
     s = SHAPE
-    states = DeltaStates.empty(1, s.conv_channels, s.conv_width, s.v_heads, s.dk, s.dv, dtype)
+    states = DeltaStates.empty(2, s.conv_channels, s.conv_width, s.v_heads, s.dk, s.dv, dtype)
     with torch.no_grad():
-        layer(x, [DeltaSpan(0, x.shape[0], 0)], states)
+        layer(x, [DeltaSpan(0, x.shape[0], 0, 1, fresh=True)], states)
 
 
 def best(fn, repeats: int) -> float:

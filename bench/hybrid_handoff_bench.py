@@ -74,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg, layout, state_blocks = shapes()
     state_mb = state_blocks * layout.block_bytes * layout.planes * layout.num_layers / 1e6
-    print(
-        f"state slot: {state_blocks} blocks on each of {layout.num_layers} KV layers: {state_mb:.1f} MB"
-    )
+    print(f"state slot: {state_blocks} blocks on each of {layout.num_layers} KV layers: {state_mb:.1f} MB")
     print(
         "| prompt tokens | hybrid MB (KV + state) | full-attention MB | hybrid / full "
         "| hybrid bytes per token | full bytes per token | hybrid pull ms | full pull ms |"

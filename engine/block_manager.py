@@ -34,9 +34,10 @@ prefix, so ``commit_computed`` registers no block of that sequence from there on
 
 A hybrid model (linear-attention layers beside full ones, ``engine.model.deltanet``)
 keeps each sequence's linear layers' memory in a state slot, not in blocks: with
-``state_slots`` every sequence that holds blocks also holds one slot
-(``Sequence.state_slot``), taken by ``allocate`` and given back by ``free``, and
-``can_allocate`` is False while none is free. No prefix caching then (a cached
+``state_slots`` every sequence that holds blocks also holds two slots
+(``Sequence.state_slot``, its state, and ``state_spare``, where a step writes the
+next one), taken by ``allocate`` and given back by ``free``, and ``can_allocate``
+is False while two are not free. No prefix caching then (a cached
 prefix would need the state at its end).
 
 Ownership: the sequence holds one reference per entry in its block table;
@@ -193,7 +194,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Whether ``seq`` (holding its current table, or about to take ``cached``)
         can grow to cover ``num_computed_tokens + num_new_tokens`` tokens."""
-        if self._free_slots is not None and seq.state_slot is None and not self._free_slots:
+        if self._free_slots is not None and seq.state_slot is None and len(self._free_slots) < 2:
             return False  # every state slot is held
         have = len(seq.block_table) + len(cached)
         computed = seq.num_computed_tokens + len(cached) * self.block_size
@@ -274,9 +275,9 @@ class BlockManager:
         if need > len(free):
             raise RuntimeError("allocate() called without enough free blocks")
         if self._free_slots is not None and seq.state_slot is None:
-            if not self._free_slots:
-                raise RuntimeError("allocate() called without a free state slot")
-            seq.state_slot = self._free_slots.pop()
+            if len(self._free_slots) < 2:
+                raise RuntimeError("allocate() called without two free state slots")
+            seq.state_slot, seq.state_spare = self._free_slots.pop(), self._free_slots.pop()
         for _ in range(need):
             seq.block_table.append(self._pop_free(free))
 
@@ -324,8 +325,8 @@ class BlockManager:
         seq.block_table = []
         seq.partial_from = None
         if seq.state_slot is not None:
-            self._free_slots.append(seq.state_slot)
-            seq.state_slot = None
+            self._free_slots += [seq.state_spare, seq.state_slot]
+            seq.state_slot = seq.state_spare = None
         self._seq_hashes.pop(seq.seq_no, None)
 
     # ---- internals ---------------------------------------------------------

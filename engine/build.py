@@ -129,12 +129,12 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     # a hybrid model's states: a slot per sequence that may run at once, out of the KV's budget
     plan = plan_states(mc, layout, dtype) if mc.linear is not None else None
-    slots = config.max_num_seqs if plan is not None else 0
+    slots = 2 * config.max_num_seqs if plan is not None else 0  # a sequence's state and its next
     states = slots * plan.slot_bytes if plan is not None else 0
     budget = kv_budget_bytes(config, device.type, free) - states
     if slots and budget < per_token * config.block_size and config.num_kv_blocks is None:
         raise ValueError(
-            f"the linear layers' states of {slots} sequences (max_num_seqs) take {states / 2**20:.0f} MiB, "
+            f"the linear layers' states (two slots for each of max_num_seqs) take {states / 2**20:.0f} MiB, "
             "all the KV cache's memory: lower max_num_seqs or give the cache more"
         )
     num_blocks = blocks_for(config, budget, per_token)

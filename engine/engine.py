@@ -347,9 +347,9 @@ class Engine(KVRequests):
             return None
         bs, layout, kv = self.block_manager.block_size, self.kv_cache.layout, self.kv_cache
         finishing = [
-            FinishingPrefill(  # a hybrid model's states go with its KV (``KVCache.slot_blocks``)
+            FinishingPrefill(  # a hybrid model's states go with its KV: the slot this step writes
                 s.seq.request_id,
-                tuple(s.seq.block_table[s.seq.export_from_block :] + kv.slot_blocks(s.seq.state_slot)),
+                tuple(s.seq.block_table[s.seq.export_from_block :] + kv.slot_blocks(s.seq.state_spare)),
                 s.seq.num_tokens - s.seq.export_from_block * bs,
                 layout.window_from(s.seq.export_from_block, s.seq.num_tokens),
             )

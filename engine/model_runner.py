@@ -52,8 +52,9 @@ class StepInputs:
     last_index: list[int]  # packed positions whose logits are sampled
     # packed positions whose logits give prompt logprobs (after last_index in the logits)
     prompt_index: list[int] = field(default_factory=list)
-    # a hybrid model: each span's sequence's state slot (``Sequence.state_slot``)
-    state_slots: list[int] = field(default_factory=list)
+    # a hybrid model: each span's sequence's state slot and the one its next state goes to
+    # (``Sequence.state_slot``, ``state_spare``)
+    state_slots: list[tuple[int, int]] = field(default_factory=list)
 
     def home(self, span: SeqSpan, blocks_per_rank: int) -> int:
         """The rank of an expert-parallel group holding ``span``'s sequence: the one whose
@@ -172,7 +173,7 @@ class ModelRunner:
             else:
                 inputs.spans.append(SeqSpan(len(inputs.input_ids), s.num_new_tokens, end, seq.block_table))
             if seq.state_slot is not None:
-                inputs.state_slots.append(seq.state_slot)
+                inputs.state_slots.append((seq.state_slot, seq.state_spare))
             inputs.input_ids.extend(s.input_ids)
             inputs.positions.extend(range(start, end))
             table = seq.block_table
@@ -200,6 +201,7 @@ class ModelRunner:
             logits = graphs.run(inputs.input_ids, inputs.positions, inputs.slots, tables)
         else:
             logits = self.run(inputs, on_layer)
+        _swap_states(ordered)
         if logits is None:
             return ordered, None, {}
         prompt = _prompt_logprobs(logits[len(rows) :], prompt_rows) if prompt_rows else {}
@@ -314,8 +316,8 @@ class ModelRunner:
         delta_spans = None
         if inputs.state_slots:  # a hybrid model's linear layers: each span's state, fresh at position 0
             delta_spans = [
-                DeltaSpan(sp.q_start, sp.q_len, slot, inputs.positions[sp.q_start] == 0)
-                for sp, slot in zip(inputs.spans, inputs.state_slots, strict=True)
+                DeltaSpan(sp.q_start, sp.q_len, slot, out, inputs.positions[sp.q_start] == 0)
+                for sp, (slot, out) in zip(inputs.spans, inputs.state_slots, strict=True)
             ]
         return StepContext(
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=dev),
@@ -362,6 +364,16 @@ class ModelRunner:
         """Driver: release the other ranks from ``follow()``."""
         if self.tp.is_driver:
             self.tp.broadcast_object(None)
+
+
+def _swap_states(ordered: list[ScheduledSeq]) -> None:
+    """A step ran whole: each hybrid sequence's state is now the one it wrote (its spare
+    slot), and its old one the spare. Not before: a step that failed runs again from
+    the states it started from (``engine.containment``)."""
+    for s in ordered:
+        seq = s.seq
+        if seq.state_slot is not None:
+            seq.state_slot, seq.state_spare = seq.state_spare, seq.state_slot
 
 
 def _rows(s: ScheduledSeq) -> list[SampleRequest]:

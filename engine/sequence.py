@@ -75,9 +75,11 @@ class Sequence:
         # whole. The prefix cache registers no block from there on; freeing the blocks
         # (preemption: recomputed whole) resets it
         self.partial_from: int | None = None
-        # a hybrid model: the row of the linear layers' states this sequence holds while it
-        # holds blocks (``BlockManager``); None otherwise
+        # a hybrid model: the rows of the linear layers' states this sequence holds while it
+        # holds blocks (``BlockManager``): its state now, and the one a step writes its next
+        # state to (they swap once the step succeeded: ``ModelRunner``); None otherwise
         self.state_slot: int | None = None
+        self.state_spare: int | None = None
         self.scheduled_at: float | None = None  # time.time() when first scheduled (or imported)
 
     def mark_scheduled(self) -> None:

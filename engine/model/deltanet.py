@@ -114,8 +114,7 @@ def recurrent_delta_rule(
 class DeltaStates:
     """One linear-attention layer's states, a row per slot: ``conv`` [slots, channels,
     K - 1] (the last K - 1 inputs of the convolution, in the model's dtype) and
-    ``recurrent`` [slots, value heads, d_k, d_v] (float32). A fresh sequence's slot
-    must be zeroed first (``reset``)."""
+    ``recurrent`` [slots, value heads, d_k, d_v] (float32)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
@@ -127,19 +126,19 @@ class DeltaStates:
             torch.zeros(slots, heads, dk, dv, dtype=torch.float32, device=device),
         )
 
-    def reset(self, slot: int) -> None:
-        self.conv[slot].zero_()
-        self.recurrent[slot].zero_()
-
 
 @dataclass(frozen=True)
 class DeltaSpan:
-    """A sequence's tokens in a packed step: [start, start + length), its state in
-    ``slot``; ``fresh``: they are its first (the slot's old state is dropped first)."""
+    """A sequence's tokens in a packed step, [start, start + length): they continue from
+    the state in slot ``slot`` (zeros when ``fresh``: they are its first) and leave the
+    state after them in slot ``out``, another one, so that the step can run again
+    from the same state when it fails (``engine.containment``) and the sequence moves
+    to ``out`` only once it succeeded (``ModelRunner``)."""
 
     start: int
     length: int
     slot: int
+    out: int
     fresh: bool = False
 
 
@@ -241,12 +240,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, spans: list[DeltaSpan], states: DeltaStates) -> torch.Tensor:
         """``x`` [T, hidden], the packed tokens of ``spans`` (each sequence's new tokens,
-        in order, continuing from the state in its slot); returns [T, hidden] and leaves
-        each slot holding the state after its sequence's last token."""
+        in order, continuing from the state in its ``slot``); returns [T, hidden] and
+        writes each sequence's state after its last token to its ``out`` slot, leaving
+        ``slot`` as it was."""
         s = self.shape
-        for sp in spans:
-            if sp.fresh:
-                states.reset(sp.slot)
         qkv, z, b, a = self._project(x)
         mixed = self._convolve(qkv, spans, states.conv)
         q, k, v = mixed.float().split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
@@ -260,37 +257,51 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(t, s.v_heads, s.dv, dtype=torch.float32, device=x.device)
         ones = [sp for sp in spans if sp.length == 1]
         if ones:
-            rows = torch.tensor([sp.start for sp in ones], device=x.device)
-            slots = torch.tensor([sp.slot for sp in ones], device=x.device)
-            held = states.recurrent[slots]
+            rows, held, outs = _gather(ones, states.recurrent, x.device)
             out[rows] = recurrent_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], held)
-            states.recurrent[slots] = held
+            states.recurrent[outs] = held
         for sp in spans:
             if sp.length > 1:
                 r = slice(sp.start, sp.start + sp.length)
-                out[r] = chunked_delta_rule(q[r], k[r], v[r], g[r], beta[r], states.recurrent[sp.slot])
+                before = states.recurrent[sp.slot]
+                held = torch.zeros_like(before) if sp.fresh else before.clone()
+                out[r] = chunked_delta_rule(q[r], k[r], v[r], g[r], beta[r], held)
+                states.recurrent[sp.out] = held
         y = self.norm(out.to(x.dtype), z)
         return self.out_proj(y.reshape(t, s.value_dim))
 
     def _convolve(self, qkv: torch.Tensor, spans: list[DeltaSpan], conv: torch.Tensor) -> torch.Tensor:
         """The causal depthwise convolution (then SiLU) of each span's rows, continuing
-        from and updating its slot's last K - 1 inputs."""
+        from its ``slot``'s last K - 1 inputs and leaving them, moved on, in ``out``."""
         w = self.conv1d.weight[:, 0]  # [channels, K]
         width = w.shape[1]
         out = torch.empty_like(qkv)
         ones = [sp for sp in spans if sp.length == 1]
         if ones:  # one token each: the window is the state and the token, batched
-            rows = torch.tensor([sp.start for sp in ones], device=qkv.device)
-            slots = torch.tensor([sp.slot for sp in ones], device=qkv.device)
-            window = torch.cat([conv[slots], qkv[rows, :, None].to(conv.dtype)], dim=2)  # [B, channels, K]
-            conv[slots] = window[:, :, 1:]
+            rows, held, outs = _gather(ones, conv, qkv.device)
+            window = torch.cat([held, qkv[rows, :, None].to(conv.dtype)], dim=2)  # [B, channels, K]
+            conv[outs] = window[:, :, 1:]
             out[rows] = F.silu((window.to(w.dtype) * w).sum(-1)).to(qkv.dtype)
         for sp in spans:
             if sp.length == 1:
                 continue
             r = slice(sp.start, sp.start + sp.length)
-            window = torch.cat([conv[sp.slot], qkv[r].T.to(conv.dtype)], dim=1)  # [channels, K - 1 + L]
-            conv[sp.slot] = window[:, -(width - 1) :]
+            before = torch.zeros_like(conv[sp.slot]) if sp.fresh else conv[sp.slot]
+            window = torch.cat([before, qkv[r].T.to(conv.dtype)], dim=1)  # [channels, K - 1 + L]
+            conv[sp.out] = window[:, -(width - 1) :]
             y = F.conv1d(window[None].to(w.dtype), w[:, None], groups=w.shape[0])[0]  # [channels, L]
             out[r] = F.silu(y).T.to(qkv.dtype)
         return out
+
+
+def _gather(
+    spans: list[DeltaSpan], pool: torch.Tensor, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(their rows in the step, a copy of their slots' states (zeros for a fresh one),
+    their ``out`` slots) of one-token spans."""
+    rows = torch.tensor([sp.start for sp in spans], device=device)
+    held = pool[torch.tensor([sp.slot for sp in spans], device=device)]
+    fresh = [i for i, sp in enumerate(spans) if sp.fresh]
+    if fresh:
+        held[fresh] = 0
+    return rows, held, torch.tensor([sp.out for sp in spans], device=device)

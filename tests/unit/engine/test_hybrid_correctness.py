@@ -86,3 +86,26 @@ def test_a_hybrid_config_with_an_unknown_layer_type_fails_at_load():
     hf.layer_types = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
     with pytest.raises(ModelLoadError, match="layer_types has 'sliding_attention'"):
         ModelConfig.from_hf(hf)
+
+
+def test_a_step_that_fails_after_the_linear_layers_wrote_runs_again_exactly(reference):
+    """The full-attention layer (after the three linear ones) raises once mid-decode: the
+    step runs again (``engine.containment``) from the states it started from (a step
+    writes each sequence's next state to its spare slot, and the sequence takes it only
+    once the step ran whole), so every request still gives transformers' tokens."""
+    directory, prompts, expected = reference
+    engine = make_engine(directory)
+    layer = engine.runner.model.layers[3]
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:  # a decode step of the whole batch, its linear layers done
+            raise RuntimeError("the full layer broke")
+        return type(layer).forward(layer, *args, **kwargs)
+
+    layer.forward = failing
+    retried = engine.containment.retried
+    outs = engine.generate(prompts, PARAMS)
+    assert engine.containment.retried == retried + 1 and len(calls) > 6
+    assert [o.token_ids for o in outs] == expected

@@ -4,9 +4,11 @@ transformers' Qwen3-Next and Qwen3.5 linear-attention layers (random weights, fl
 run a whole sequence at once; ours runs the same weights over the same tokens in
 pieces, as an engine schedules them: a prompt in two prefill chunks (the second
 not a multiple of the 64-token chunk), then one token per step, beside a second
-sequence in another slot in the same steps. The outputs must equal the reference's
-rows, so the convolution and recurrent states carry across steps exactly, and the
-two sequences never touch each other's state.
+sequence in other slots in the same steps. The outputs must equal the reference's
+rows, so the convolution and recurrent states carry across steps exactly (each
+step reading a sequence's state from one slot and writing the next to another,
+so a step run again gives the same), and the two sequences never touch each
+other's state.
 """
 
 from __future__ import annotations
@@ -65,25 +67,42 @@ def test_a_sequence_in_pieces_equals_transformers_over_it_whole(kind, seed):
     a, b = torch.randn(1, 150, 64, generator=g), torch.randn(1, 40, 64, generator=g)
     with torch.no_grad():
         want_a = layer(a)[0]
-    states = DeltaStates.empty(3, shape.conv_channels, 4, 4, 16, 8, torch.float32)
+    states = DeltaStates.empty(5, shape.conv_channels, 4, 4, 16, 8, torch.float32)
+    slots = {"a": [3, 4], "b": [0, 1]}  # each sequence's state, and where a step writes the next
+
+    def span(name: str, start: int, length: int, fresh: bool = False) -> DeltaSpan:
+        return DeltaSpan(start, length, *slots[name], fresh)
+
+    def ran(*names: str) -> None:  # the step succeeded: the written states are the sequences' now
+        for n in names:
+            slots[n].reverse()
+
     got_a, got_b = [], []
     with torch.no_grad():
-        # step 1: a's first 70 tokens (slot 2); step 2: a's next 50 and all of b (slot 0)
-        got_a.append(ours(a[0, :70], [DeltaSpan(0, 70, 2)], states))
-        step = ours(torch.cat([a[0, 70:120], b[0]]), [DeltaSpan(0, 50, 2), DeltaSpan(50, 40, 0)], states)
+        # step 1: a's first 70 tokens; step 2: a's next 50 and all of b
+        got_a.append(ours(a[0, :70], [span("a", 0, 70, fresh=True)], states))
+        ran("a")
+        step = ours(
+            torch.cat([a[0, 70:120], b[0]]), [span("a", 0, 50), span("b", 50, 40, fresh=True)], states
+        )
+        ran("a", "b")
         got_a.append(step[:50])
         got_b.append(step[50:])
-        # then a one token a step, batched with b's continuation in the same steps
+        # then a one token a step, batched with b's continuation in the same steps; a step
+        # run twice (a failed one run again) gives the same, from the same states
         b_more = torch.randn(1, 30, 64, generator=g)
         want_b = layer(torch.cat([b, b_more], dim=1))[0]
         for i in range(30):
             x = torch.stack([b_more[0, i], a[0, 120 + i]])
-            out = ours(x, [DeltaSpan(0, 1, 0), DeltaSpan(1, 1, 2)], states)
+            out = ours(x, [span("b", 0, 1), span("a", 1, 1)], states)
+            if i % 7 == 0:
+                torch.testing.assert_close(ours(x, [span("b", 0, 1), span("a", 1, 1)], states), out)
+            ran("a", "b")
             got_b.append(out[:1])
             got_a.append(out[1:])
     torch.testing.assert_close(torch.cat(got_a), want_a, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(torch.cat(got_b), want_b, atol=2e-4, rtol=1e-4)
-    assert not states.recurrent[1].any() and not states.conv[1].any()  # the slot nobody used
+    assert not states.recurrent[2].any() and not states.conv[2].any()  # the slot nobody used
 
 
 def test_the_chunked_and_recurrent_forms_agree_from_a_state():
