@@ -253,14 +253,15 @@ def _kv_layout(config: EngineConfig, mc: ModelConfig, layer_tp: TPGroup, kv_dtyp
 
 def _check_hybrid(config: EngineConfig, mc: ModelConfig) -> None:
     """``ValueError`` for what a hybrid model (linear-attention layers) does not run with
-    yet: speculative decoding (its state would need rolling back), a host KV tier (it
-    holds cached prefixes, and a hybrid model caches none)."""
+    yet: speculative decoding but n-gram's (a draft model or the target's own layers
+    would need states of their own), an FP8 KV cache (the states share it), a host KV
+    tier (it holds cached prefixes, and a hybrid model caches none)."""
     if mc.linear is None:
         return
-    if config.speculative is not None:
+    if config.speculative is not None and config.speculative.method != "ngram":
         raise ValueError(
-            f"speculative decoding does not run with {mc.model_type} yet: its linear layers' state "
-            "would have to roll back the rejected tokens"
+            f"speculative method {config.speculative.method} does not run with {mc.model_type} yet "
+            "(its draft would need the linear layers' states too): choose ngram"
         )
     if config.kv_cache_dtype == "fp8":
         raise ValueError(

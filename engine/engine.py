@@ -292,6 +292,7 @@ class Engine(KVRequests):
         when it sampled nothing. A part that raises sets ``r.error`` (kind: where) and
         the sequence is failed by the caller."""
         seq, draft = r.entry.seq, r.entry.draft
+        computed_before = seq.num_computed_tokens
         part = "logprobs"
         try:
             seq.prompt_logprobs.extend(r.prompt_logprobs)
@@ -320,6 +321,8 @@ class Engine(KVRequests):
                     part = "kv_cache"
                     self.block_manager.commit_computed(seq)
                     self.block_manager.trim(seq)
+                    if seq.state_slot is not None and keep <= len(draft):
+                        _rewind_state(seq, computed_before)
                 if seq.prefill_only:
                     self._park_prefilled(state)
             return state.output(
@@ -442,3 +445,13 @@ class Engine(KVRequests):
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.requests.pop(seq.request_id, None)
+
+
+def _rewind_state(seq: Sequence, computed: int) -> None:
+    """A hybrid sequence's draft was cut short: the state its step left has taken in the
+    rejected tokens too, so it goes back to the state before the step (still in its
+    spare slot: ``ModelRunner``) and the tokens after ``computed`` are computed again
+    next step, the accepted ones with the new one (their KV is rewritten the same).
+    Exact, at the price of computing the accepted tokens twice."""
+    seq.state_slot, seq.state_spare = seq.state_spare, seq.state_slot
+    seq.num_computed_tokens = computed

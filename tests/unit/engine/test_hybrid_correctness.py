@@ -74,8 +74,8 @@ def test_what_a_hybrid_model_does_not_run_yet_is_refused(reference):
     directory, _, _ = reference
     with pytest.raises(ValueError, match="kv_cache_dtype fp8"):
         make_engine(directory, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="roll back"):
-        make_engine(directory, speculative=SpeculativeConfig(method="ngram", num_tokens=2))
+    with pytest.raises(ValueError, match="choose ngram"):
+        make_engine(directory, speculative=SpeculativeConfig(method="self", draft_layers=1))
     cfg = ModelConfig.from_hf(tiny_hf_config("qwen3_next"))
     with pytest.raises(ValueError, match="runs on one rank"):
         check_tp_compatible(cfg, 2)
@@ -109,3 +109,37 @@ def test_a_step_that_fails_after_the_linear_layers_wrote_runs_again_exactly(refe
     outs = engine.generate(prompts, PARAMS)
     assert engine.containment.retried == retried + 1 and len(calls) > 6
     assert [o.token_ids for o in outs] == expected
+
+
+def test_speculation_gives_the_tokens_of_decoding_without_it(reference):
+    """Drafts verified in one step: where all are kept, the state the step left is the
+    sequence's; where one is rejected, the state goes back to before the step and the
+    kept tokens are computed again (``engine._rewind_state``): both exact. The n-gram
+    proposer's drafts are rarely right on these random models, so a proposer that
+    knows transformers' tokens stands in for it, and spoils every other draft's last
+    token: drafts kept whole and drafts cut short, at every position."""
+    directory, prompts, expected = reference
+    spec = SpeculativeConfig(method="ngram", num_tokens=3, adaptive=False)
+    engine = make_engine(directory, speculative=spec)
+    assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected  # n-gram's own drafts
+    following = {tuple(p): p + e for p, e in zip(prompts, expected)}
+    calls = []
+
+    def oracle(requests):
+        drafts = []
+        for r in requests:
+            whole = next(w for p, w in following.items() if list(r.token_ids[: len(p)]) == list(p))
+            draft = whole[len(r.token_ids) : len(r.token_ids) + r.k]
+            calls.append(1)
+            if draft and len(calls) % 2:
+                draft[-1] = (draft[-1] + 1) % 512  # wrong: the target cuts the draft there
+            drafts.append(draft)
+        return drafts
+
+    engine.speculation.proposer.propose = oracle
+    before = engine.stats().speculation
+    assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
+    counted = engine.stats().speculation
+    proposed = counted.proposed_tokens - before.proposed_tokens
+    accepted = counted.accepted_tokens - before.accepted_tokens
+    assert proposed > accepted > proposed // 2  # most kept, some cut short
