@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from splitserve.engine.model.deltanet import DeltaShape, DeltaSpan, DeltaStates, GatedDeltaNet
+from splitserve.engine.model.deltanet import DeltaShape, DeltaSpan, DeltaStates, GatedDeltaNet, as_ours
 
 SHAPE = DeltaShape(hidden=2048, k_heads=16, v_heads=32, dk=128, dv=128, conv_width=4, eps=1e-6)
 
@@ -47,7 +47,7 @@ def layers(dtype: torch.dtype):
         for p in theirs.parameters():
             p.copy_(torch.randn_like(p) * 0.02)
     ours = GatedDeltaNet(s, fused=True)
-    ours.load_state_dict(theirs.state_dict())
+    ours.load_state_dict(as_ours(theirs.state_dict()))
     return theirs.to(dtype), ours.to(dtype)
 
 

@@ -54,6 +54,7 @@ class StatePlan:
     block_bytes: int
     planes: int
     kv_layers: int
+    tp_size: int = 1  # the rank's share of the heads (``deltanet.delta_shape``)
 
     @property
     def slot_bytes(self) -> int:
@@ -78,8 +79,8 @@ class StatePlan:
 
 def plan_states(cfg: ModelConfig, layout: KVLayout, dtype: torch.dtype) -> StatePlan:
     """Place a hybrid ``cfg``'s linear layers' states in slots of ``layout``'s blocks
-    (its layers are the model's KV layers): each linear layer with the first KV layer
-    after it. ``ModelLoadError`` for a model whose last layer is linear (its state
+    (its layers are the model's KV layers, its heads this rank's): each linear layer
+    with the first KV layer after it. ``ModelLoadError`` for a model whose last layer is linear (its state
     would follow every KV layer)."""
     kv = cfg.kv_layers
     linear = [i for i in range(cfg.num_layers) if cfg.is_linear(i)]
@@ -87,7 +88,7 @@ def plan_states(cfg: ModelConfig, layout: KVLayout, dtype: torch.dtype) -> State
         raise ModelLoadError(
             f"{cfg.model_type}: a hybrid model whose last layer is a linear-attention one is not run yet"
         )
-    s = delta_shape(cfg)
+    s = delta_shape(cfg, layout.tp_size)
     conv = _aligned(s.conv_channels * (s.conv_width - 1) * torch.empty((), dtype=dtype).element_size())
     state = conv + _aligned(s.v_heads * s.dk * s.dv * 4)
     groups: dict[int, list[int]] = {}
@@ -99,7 +100,16 @@ def plan_states(cfg: ModelConfig, layout: KVLayout, dtype: torch.dtype) -> State
     for c, members in groups.items():
         for k, j in enumerate(members):
             places[j] = (c, k // per_plane, (k % per_plane) * state)
-    return StatePlan(blocks, tuple(places), conv, state, layout.block_bytes, layout.planes, layout.num_layers)
+    return StatePlan(
+        blocks,
+        tuple(places),
+        conv,
+        state,
+        layout.block_bytes,
+        layout.planes,
+        layout.num_layers,
+        layout.tp_size,
+    )
 
 
 def state_views(
@@ -107,7 +117,7 @@ def state_views(
 ) -> list[DeltaStates]:
     """Each linear layer's ``DeltaStates`` as views of ``cache`` (laid out with
     ``kv_blocks + slots * plan.blocks_per_slot`` blocks), a row per slot."""
-    s = delta_shape(cfg)
+    s = delta_shape(cfg, plan.tp_size)
     out = []
     for layer, plane, offset in plan.places:
         run = cache[layer, plane, kv_blocks : kv_blocks + slots * plan.blocks_per_slot]

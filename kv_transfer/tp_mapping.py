@@ -293,6 +293,11 @@ class RankSink:
             if mapped is not None:
                 mapped.close()
             return
+        if me.states:  # a hybrid model's state blocks are not laid out by KV heads
+            raise IncompatiblePeer(
+                f"worker {source} runs this hybrid model on {len(handshakes)} TP ranks, this one on "
+                f"{me.tp_size}: its linear layers' states move only between groups of the same size"
+            )
         mapped = self._mapped.get(source)
         if mapped is None:
             name = f"{self.worker_id}<{source}"

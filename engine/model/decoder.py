@@ -47,7 +47,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps, unit)
         self.self_attn = self.linear_attn = None
         if cfg.is_linear(index):
-            self.linear_attn = GatedDeltaNet(delta_shape(cfg), cfg.linear.fused)
+            self.linear_attn = GatedDeltaNet(delta_shape(cfg, tp.size), cfg.linear.fused, tp)
         else:
             self.self_attn = MLAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp, index)
         self.post_attention_layernorm = RMSNorm(h, eps, unit)

@@ -30,6 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.parallel.layers import RowParallelLinear
+
 CHUNK = 64
 
 
@@ -183,13 +186,14 @@ class DeltaShape:
         return 2 * self.key_dim + self.value_dim
 
 
-def delta_shape(cfg) -> DeltaShape:
-    """The linear layers' shape of a hybrid ``ModelConfig``."""
+def delta_shape(cfg, tp_size: int = 1) -> DeltaShape:
+    """The linear layers' shape of a hybrid ``ModelConfig``, on each of ``tp_size``
+    ranks (each holds ``1 / tp_size`` of the key and value heads, and their states)."""
     lin = cfg.linear
     return DeltaShape(
         cfg.hidden_size,
-        lin.k_heads,
-        lin.v_heads,
+        lin.k_heads // tp_size,
+        lin.v_heads // tp_size,
         lin.k_head_dim,
         lin.v_head_dim,
         lin.conv_width,
@@ -197,14 +201,23 @@ def delta_shape(cfg) -> DeltaShape:
     )
 
 
+def as_ours(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers Gated DeltaNet layer's ``state_dict`` under ``GatedDeltaNet``'s
+    names (its row-parallel ``out_proj`` holds its weight one level down)."""
+    return {("out_proj.linear.weight" if k == "out_proj.weight" else k): v for k, v in state_dict.items()}
+
+
 class GatedDeltaNet(nn.Module):
     """One linear-attention layer, its parameters named as the checkpoints name them:
     Qwen3-Next's fused ``in_proj_qkvz`` and ``in_proj_ba`` (grouped per key head), or
     Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``
     (``fused``); ``conv1d.weight`` [channels, 1, K], ``dt_bias``, ``A_log``,
-    ``norm.weight``, ``out_proj``."""
+    ``norm.weight``, ``out_proj``. Under tensor parallelism ``shape`` is this rank's
+    (``delta_shape(cfg, tp.size)``): its key heads and their value heads, whose
+    projections, channels and states it holds, and ``out_proj`` row-parallel over
+    ``tp`` (``engine.model.placement`` reads each rank's rows)."""
 
-    def __init__(self, shape: DeltaShape, fused: bool):
+    def __init__(self, shape: DeltaShape, fused: bool, tp: TPGroup | None = None):
         super().__init__()
         self.shape, self.fused = shape, fused
         s = shape
@@ -222,7 +235,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(s.v_heads))
         self.A_log = nn.Parameter(torch.zeros(s.v_heads))
         self.norm = RMSNormGated(s.dv, s.eps)
-        self.out_proj = nn.Linear(s.value_dim, s.hidden, bias=False)
+        self.out_proj = RowParallelLinear(s.value_dim, s.hidden, False, tp or TPGroup.single())
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qkv [T, channels] in q | k | v order, z [T, v_heads, dv], b, a [T, v_heads])."""

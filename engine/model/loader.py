@@ -257,8 +257,7 @@ def load_weights(
                 raise ModelLoadError(f"checkpoint tensor {full_name} scales a weight that is not FP8")
             want = expected["model." + weight_name]
             piece = _scale_piece(source, quant, place, want, full_name)
-            dst, row0 = owner.weight_scale, place.row0
-            key = id(dst)
+            parts = [(piece, owner.weight_scale, place.row0, id(owner.weight_scale), place)]
         else:
             want = expected.get(full_name, expected.get("model." + name))
             if want is None:
@@ -268,21 +267,26 @@ def load_weights(
             place = placement(model, tp, name)
             if place is None:  # another expert-parallel rank's expert: not read
                 continue
-            if id(place.param) in fp8_owner and source.dtype != FP8_DTYPE:
+            places = place if isinstance(place, tuple) else (place,)
+            if id(places[0].param) in fp8_owner and source.dtype != FP8_DTYPE:
                 raise ModelLoadError(
                     f"checkpoint tensor {full_name} is {source.dtype}, but its quantization_config makes "
                     "every decoder linear float8_e4m3fn"
                 )
-            piece = source.read(place.dim, place.start, place.stop)
-            dst, row0, key = place.target, place.row0, id(place.param)  # a stack's rows count for it
-        if dst.dim() and (piece.dim() != dst.dim() or piece.shape[1:] != dst.shape[1:]):
-            raise ModelLoadError(f"tensor {full_name} has shape {tuple(source.shape)}, which does not fit")
-        (dst.narrow(0, row0, piece.shape[0]) if dst.dim() else dst).copy_(piece)
-        padded = 0
-        if place.pad_rows:
-            dst[row0 + piece.shape[0] :].zero_()
-            padded = place.pad_rows * (piece.numel() // max(1, piece.shape[0]))
-        written[key] = written.get(key, 0) + piece.numel() + padded
+            # a stack's rows count for it; a tensor may go to several places (a hybrid layer's
+            # q, k and v channels, each this rank's heads': ``placement``)
+            parts = [(source.read(p.dim, p.start, p.stop), p.target, p.row0, id(p.param), p) for p in places]
+        for piece, dst, row0, key, place in parts:
+            if dst.dim() and (piece.dim() != dst.dim() or piece.shape[1:] != dst.shape[1:]):
+                raise ModelLoadError(
+                    f"tensor {full_name} has shape {tuple(source.shape)}, which does not fit"
+                )
+            (dst.narrow(0, row0, piece.shape[0]) if dst.dim() else dst).copy_(piece)
+            padded = 0
+            if place.pad_rows:
+                dst[row0 + piece.shape[0] :].zero_()
+                padded = place.pad_rows * (piece.numel() // max(1, piece.shape[0]))
+            written[key] = written.get(key, 0) + piece.numel() + padded
     if bar is not None:
         bar.close()
     missing = [n for n, t in _loaded_tensors(model).items() if written.get(id(t), 0) != t.numel()]

@@ -11,10 +11,10 @@ def check_tp_compatible(cfg: ModelConfig, tp_size: int) -> None:
     """Raise ``ValueError`` naming the dimension that does not split over ``tp_size`` ranks."""
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    if cfg.linear is not None and tp_size > 1:
+    if cfg.linear is not None and cfg.linear.k_heads % tp_size:
         raise ValueError(
-            f"{cfg.model_type} (a hybrid model: linear-attention layers beside full ones) runs on one rank "
-            f"for now; tensor parallelism of {tp_size} does not split its linear layers yet"
+            f"tensor parallelism of {tp_size} needs the model's linear-attention key heads "
+            f"({cfg.linear.k_heads}) to divide by {tp_size}"
         )
     sizes = [("attention heads", cfg.num_heads), ("MLP intermediate size", cfg.intermediate_size)]
     if cfg.moe is not None:

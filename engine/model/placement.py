@@ -226,9 +226,8 @@ def _layer_placement(cfg: ModelConfig, layer, index: int, tp: TPGroup, module: s
         module in ("pre_feedforward_layernorm", "post_feedforward_layernorm") and cfg.sandwich_norms
     ):
         return Placement(getattr(layer, module).weight)
-    if module == "linear_attn" and cfg.is_linear(index):  # whole (hybrid models run on one rank)
-        params = dict(layer.linear_attn.named_parameters())
-        return Placement(params[rest]) if rest in params else None
+    if module == "linear_attn" and cfg.is_linear(index):
+        return _linear_placement(cfg, layer.linear_attn, tp, rest)
     if module == "self_attn" and cfg.mla is not None:
         return _mla_placement(cfg, layer.self_attn, tp, rest)
     if module == "self_attn":
@@ -237,6 +236,50 @@ def _layer_placement(cfg: ModelConfig, layer, index: int, tp: TPGroup, module: s
         return _moe_placement(layer.mlp, tp, rest)
     if module == "mlp":
         return _mlp(layer.mlp, tp, rest)
+    return None
+
+
+def _linear_placement(
+    cfg: ModelConfig, lin, tp: TPGroup, rest: str
+) -> Placement | tuple[Placement, ...] | None:
+    """A Gated DeltaNet tensor's rows of this rank's key heads (and their value heads:
+    ``deltanet.GatedDeltaNet``). Its q, k and v channels (the convolution's, Qwen3.5's
+    ``in_proj_qkv``) are three ranges of the tensor, one place each; Qwen3-Next's fused
+    projections are grouped by key head, one range."""
+    c = cfg.linear
+    k0, k1 = tp.shard_range(c.k_heads)
+    v0, v1 = tp.shard_range(c.v_heads)
+    keys, dk, dv = c.k_heads * c.k_head_dim, c.k_head_dim, c.v_head_dim
+    local_keys = (k1 - k0) * dk
+
+    def qkv(param) -> tuple[Placement, ...]:
+        return (
+            Placement(param, 0, 0, k0 * dk, k1 * dk),
+            Placement(param, local_keys, 0, keys + k0 * dk, keys + k1 * dk),
+            Placement(param, 2 * local_keys, 0, 2 * keys + v0 * dv, 2 * keys + v1 * dv),
+        )
+
+    per = c.v_heads // c.k_heads
+    match rest:
+        case "in_proj_qkvz.weight" if c.fused:
+            group = 2 * dk + 2 * per * dv
+            return Placement(lin.in_proj_qkvz.weight, 0, 0, k0 * group, k1 * group)
+        case "in_proj_ba.weight" if c.fused:
+            return Placement(lin.in_proj_ba.weight, 0, 0, k0 * 2 * per, k1 * 2 * per)
+        case "in_proj_qkv.weight" if not c.fused:
+            return qkv(lin.in_proj_qkv.weight)
+        case "in_proj_z.weight" if not c.fused:
+            return Placement(lin.in_proj_z.weight, 0, 0, v0 * dv, v1 * dv)
+        case "in_proj_b.weight" | "in_proj_a.weight" if not c.fused:
+            return Placement(getattr(lin, rest.removesuffix(".weight")).weight, 0, 0, v0, v1)
+        case "conv1d.weight":
+            return qkv(lin.conv1d.weight)
+        case "dt_bias" | "A_log":
+            return Placement(getattr(lin, rest), 0, 0, v0, v1)
+        case "norm.weight":
+            return Placement(lin.norm.weight)
+        case "out_proj.weight":
+            return Placement(lin.out_proj.linear.weight, 0, 1, v0 * dv, v1 * dv)
     return None
 
 

@@ -76,9 +76,9 @@ def test_what_a_hybrid_model_does_not_run_yet_is_refused(reference):
         make_engine(directory, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="choose ngram"):
         make_engine(directory, speculative=SpeculativeConfig(method="self", draft_layers=1))
-    cfg = ModelConfig.from_hf(tiny_hf_config("qwen3_next"))
-    with pytest.raises(ValueError, match="runs on one rank"):
-        check_tp_compatible(cfg, 2)
+    cfg = ModelConfig.from_hf(tiny_hf_config("qwen3_5_text"))  # 2 linear key heads
+    with pytest.raises(ValueError, match=r"linear-attention key heads \(2\) to divide by 4"):
+        check_tp_compatible(cfg, 4)
 
 
 def test_a_hybrid_config_with_an_unknown_layer_type_fails_at_load():

@@ -21,6 +21,7 @@ from splitserve.engine.model.deltanet import (
     DeltaSpan,
     DeltaStates,
     GatedDeltaNet,
+    as_ours,
     chunked_delta_rule,
     recurrent_delta_rule,
 )
@@ -55,7 +56,7 @@ def reference_layer(kind: str, seed: int):
         layer.A_log.copy_(torch.rand_like(layer.A_log) - 1.0)
     shape = DeltaShape(64, 2, 4, 16, 8, 4, cfg.rms_norm_eps)
     ours = GatedDeltaNet(shape, fused=kind == "qwen3_next")
-    ours.load_state_dict(layer.state_dict())
+    ours.load_state_dict(as_ours(layer.state_dict()))
     return layer, ours, shape
 
 
