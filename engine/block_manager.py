@@ -33,12 +33,12 @@ imported from another engine without the keys out of its windows:
 prefix, so ``commit_computed`` registers no block of that sequence from there on.
 
 A hybrid model (linear-attention layers beside full ones, ``engine.model.deltanet``)
-keeps each sequence's linear layers' memory in a state slot, not in blocks: with
-``state_slots`` every sequence that holds blocks also holds two slots
-(``Sequence.state_slot``, its state, and ``state_spare``, where a step writes the
-next one), taken by ``allocate`` and given back by ``free``, and ``can_allocate``
-is False while two are not free. No prefix caching then (a cached
-prefix would need the state at its end).
+keeps each sequence's linear layers' memory in state slots, not in blocks
+(``engine.state_slots``): with ``states`` every sequence that holds blocks holds
+its slots too, taken by ``allocate`` and given back by ``free``, and
+``can_allocate`` is False while they cannot be had. A cached prefix of such a
+model is found only up to a block whose state snapshot is kept, and a sequence
+that takes it starts from that snapshot.
 
 Ownership: the sequence holds one reference per entry in its block table;
 ``free`` drops them all. A block returns to the free pool when its count is 0.
@@ -57,6 +57,7 @@ from collections import OrderedDict
 from typing import Protocol
 
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.state_slots import StateSlots
 from splitserve.wire.prefix import PrefixCursor, PrefixLog, PrefixUpdate, block_hash
 
 
@@ -80,12 +81,12 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         shards: int = 1,
         tier: KVTier | None = None,
-        state_slots: int = 0,
+        states: StateSlots | None = None,
     ):
         if num_blocks < 1 or block_size < 1 or shards < 1:
             raise ValueError("num_blocks, block_size and shards must be positive")
-        if state_slots and (enable_prefix_caching or shards > 1):
-            raise ValueError("a hybrid model's state slots go with one shard and no prefix caching")
+        if states is not None and (shards > 1 or tier is not None):
+            raise ValueError("a hybrid model's state slots go with one shard and no host tier")
         if num_blocks % shards:
             raise ValueError(f"{num_blocks} blocks do not split evenly into {shards} shards")
         if tier is not None and (shards > 1 or not enable_prefix_caching):
@@ -110,8 +111,7 @@ class BlockManager:
         self.tier = tier
         self.tier_hits = 0  # tokens reloaded from the tier since start (a metric)
         self.prefix_log = PrefixLog()
-        # a hybrid model's free state slots (rows of its linear layers' states), last freed first
-        self._free_slots: list[int] | None = list(range(state_slots))[::-1] if state_slots else None
+        self.states = states  # a hybrid model's state slots and snapshots
 
     # ---- queries -----------------------------------------------------------
     @property
@@ -173,6 +173,8 @@ class BlockManager:
                 break  # a sequence's blocks are in one shard
             found.append(block)
             parent = h
+        if self.states is not None:  # a hybrid model's: only up to a block with a state snapshot
+            found = found[: self.states.snapshot_prefix([self.block_hashes[b] for b in found])]
         return found
 
     def tier_prefix(self, seq: Sequence, cached: list[int], whole: bool = False) -> int:
@@ -194,7 +196,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Whether ``seq`` (holding its current table, or about to take ``cached``)
         can grow to cover ``num_computed_tokens + num_new_tokens`` tokens."""
-        if self._free_slots is not None and seq.state_slot is None and len(self._free_slots) < 2:
+        if self.states is not None and not self.states.can_hold(seq):
             return False  # every state slot is held
         have = len(seq.block_table) + len(cached)
         computed = seq.num_computed_tokens + len(cached) * self.block_size
@@ -218,6 +220,8 @@ class BlockManager:
         seq.block_table = list(cached)
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
+        if self.states is not None and cached:  # its first step starts from the snapshot there
+            self.states.start_from(seq, self.block_hashes[cached[-1]])
         if count:
             self.prefix_hits += seq.num_computed_tokens
         self._seq_hashes[seq.seq_no] = hashes
@@ -274,10 +278,8 @@ class BlockManager:
         free = self._free[self.home(seq)]
         if need > len(free):
             raise RuntimeError("allocate() called without enough free blocks")
-        if self._free_slots is not None and seq.state_slot is None:
-            if len(self._free_slots) < 2:
-                raise RuntimeError("allocate() called without two free state slots")
-            seq.state_slot, seq.state_spare = self._free_slots.pop(), self._free_slots.pop()
+        if self.states is not None and seq.state_slot is None:
+            self.states.hold(seq)
         for _ in range(need):
             seq.block_table.append(self._pop_free(free))
 
@@ -303,6 +305,11 @@ class BlockManager:
             hashes.append(h)
             parent = h
 
+    def hash_of(self, seq: Sequence, block: int) -> int | None:
+        """The hash of ``seq``'s ``block``-th block, once registered (``commit_computed``)."""
+        hashes = self._seq_hashes.get(seq.seq_no, [])
+        return hashes[block] if block < len(hashes) else None
+
     def trim(self, seq: Sequence) -> None:
         """Give back the blocks past those ``seq``'s tokens need (a speculative step
         allocated room for a draft it did not keep). They hold no hashed block: the
@@ -324,9 +331,8 @@ class BlockManager:
                 self._free[self.shard_of(b)][b] = None
         seq.block_table = []
         seq.partial_from = None
-        if seq.state_slot is not None:
-            self._free_slots += [seq.state_spare, seq.state_slot]
-            seq.state_slot = seq.state_spare = None
+        if self.states is not None:
+            self.states.release(seq)
         self._seq_hashes.pop(seq.seq_no, None)
 
     # ---- internals ---------------------------------------------------------

@@ -37,6 +37,7 @@ from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.state_blocks import plan_states, state_views
+from splitserve.engine.state_slots import StateSlots
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.defaults import GenerationDefaults
@@ -127,15 +128,23 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     layout = _kv_layout(config, mc, layer_tp, kv_quant.FP8 if fp8_kv else dtype)
     per_token = layout.bytes_per_token
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    # a hybrid model's states: a slot per sequence that may run at once, out of the KV's budget
+    # a hybrid model's states: the slots of the sequences that may hold some at once (and,
+    # with prefix caching, as many snapshots: ``engine.state_slots``), out of the KV's
+    # budget: max_num_seqs of them, or as many as half the budget holds
+    budget = kv_budget_bytes(config, device.type, free)
     plan = plan_states(mc, layout, dtype) if mc.linear is not None else None
-    slots = 2 * config.max_num_seqs if plan is not None else 0  # a sequence's state and its next
+    slot_pool = None
+    if plan is not None:
+        per_sequence = (4 if config.enable_prefix_caching else 2) * plan.slot_bytes
+        sequences = max(1, min(config.max_num_seqs, budget // 2 // per_sequence))
+        slot_pool = StateSlots(sequences, sequences if config.enable_prefix_caching else 0)
+    slots = slot_pool.total if slot_pool is not None else 0
     states = slots * plan.slot_bytes if plan is not None else 0
-    budget = kv_budget_bytes(config, device.type, free) - states
+    budget -= states
     if slots and budget < per_token * config.block_size and config.num_kv_blocks is None:
         raise ValueError(
-            f"the linear layers' states (two slots for each of max_num_seqs) take {states / 2**20:.0f} MiB, "
-            "all the KV cache's memory: lower max_num_seqs or give the cache more"
+            f"the linear layers' states of one sequence ({slots} slots) take {states / 2**20:.0f} MiB, "
+            "all the KV cache's memory: give the cache more"
         )
     num_blocks = blocks_for(config, budget, per_token)
     num_blocks = tp.min_int(num_blocks)  # every rank the same block ids
@@ -163,9 +172,8 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     tier = None
     if config.host_kv_tier_mib:
         tier = HostKVTier.of_size(kv_cache, config.host_kv_tier_mib)
-    prefix_caching = config.enable_prefix_caching and not slots  # a cached prefix has no state
     block_manager = BlockManager(
-        capacity.num_blocks * shards, config.block_size, prefix_caching, shards, tier, state_slots=slots
+        capacity.num_blocks * shards, config.block_size, config.enable_prefix_caching, shards, tier, slot_pool
     )
     scheduler = Scheduler(block_manager, config.max_num_batched_tokens, config.max_num_seqs)
     native = kernels.load() if config.native_kernels and device.type == "cpu" else None
@@ -190,6 +198,11 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         defaults=defaults,
     )
     summary = _summary(config, mc, dtype, device, tp, ep is not None, runner.backend.name, capacity, tier)
+    if slot_pool is not None:
+        summary += (
+            f"; linear-layer states of {sequences} sequences at once ({states / 2**20:.0f} MiB"
+            f"{', with prefix snapshots' if slot_pool.snapshots else ''})"
+        )
     log.info("engine ready (TP rank %d), revision %s: %s", tp.rank, revision, summary)
     return EngineParts(
         summary=summary,
@@ -268,9 +281,7 @@ def _check_hybrid(config: EngineConfig, mc: ModelConfig) -> None:
             f"kv_cache_dtype fp8 does not run with {mc.model_type} yet (its states share the cache)"
         )
     if config.host_kv_tier_mib:
-        raise ValueError(
-            f"host_kv_tier_mib: {mc.model_type} caches no prefixes (its state), so it has no tier"
-        )
+        raise ValueError(f"host_kv_tier_mib: a host tier does not keep {mc.model_type}'s state snapshots yet")
 
 
 def _attention(

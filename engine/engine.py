@@ -299,6 +299,10 @@ class Engine(KVRequests):
             part = "kv_cache"
             seq.num_computed_tokens += r.entry.num_new_tokens - len(draft)
             self.block_manager.commit_computed(seq)
+            if self.block_manager.states is not None:
+                self.block_manager.states.started(seq)  # its snapshot is behind it now
+                if not draft:
+                    self._keep_snapshot(seq)
             if not r.tokens:
                 return None
             keep = kept(r.tokens, draft)
@@ -323,6 +327,8 @@ class Engine(KVRequests):
                     self.block_manager.trim(seq)
                     if seq.state_slot is not None and keep <= len(draft):
                         _rewind_state(seq, computed_before)
+                    elif seq.state_slot is not None:
+                        self._keep_snapshot(seq)
                 if seq.prefill_only:
                     self._park_prefilled(state)
             return state.output(
@@ -331,6 +337,15 @@ class Engine(KVRequests):
         except Exception as e:
             r.error = contained(part, e)
             return None
+
+    def _keep_snapshot(self, seq: Sequence) -> None:
+        """A hybrid sequence's step wrote the state at a block boundary to its mark slot
+        (``state_marked``): keep it as that block's snapshot, a cached prefix's start."""
+        marked, seq.state_marked = seq.state_marked, None
+        bm = self.block_manager
+        h = bm.hash_of(seq, marked // bm.block_size - 1) if marked else None
+        if h is not None:
+            bm.states.register(seq, h, in_prompt=marked <= seq.num_prompt_tokens)
 
     def _fail(self, state: RequestState, error: SequenceFailed) -> RequestOutput:
         """End a request whose own step failed: its blocks freed, its last output says why."""
@@ -455,3 +470,4 @@ def _rewind_state(seq: Sequence, computed: int) -> None:
     Exact, at the price of computing the accepted tokens twice."""
     seq.state_slot, seq.state_spare = seq.state_spare, seq.state_slot
     seq.num_computed_tokens = computed
+    seq.state_marked = None  # a boundary past the kept tokens' may hold rejected ones

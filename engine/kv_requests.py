@@ -341,6 +341,8 @@ class KVRequests:
             seq.append_token(t)
         seq.num_computed_tokens = total
         self._mark_partial(seq, have // self.block_manager.block_size)
+        if self.block_manager.states is not None:  # its state comes with the KV, not a snapshot
+            self.block_manager.states.started(seq)
         seq.status, seq.awaiting_import = SequenceStatus.IMPORTING, False
         self.import_held_tokens += seq.num_cached_tokens
         self.import_moved_tokens += total - have

@@ -52,9 +52,10 @@ class StepInputs:
     last_index: list[int]  # packed positions whose logits are sampled
     # packed positions whose logits give prompt logprobs (after last_index in the logits)
     prompt_index: list[int] = field(default_factory=list)
-    # a hybrid model: each span's sequence's state slot and the one its next state goes to
-    # (``Sequence.state_slot``, ``state_spare``)
-    state_slots: list[tuple[int, int]] = field(default_factory=list)
+    # a hybrid model, per span: the slot its state is read from, the one its next state
+    # goes to, and (with prefix caching) the one the state at the last block boundary it
+    # crosses goes to, with that boundary's tokens into the span (-1, 0: none)
+    state_slots: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def home(self, span: SeqSpan, blocks_per_rank: int) -> int:
         """The rank of an expert-parallel group holding ``span``'s sequence: the one whose
@@ -173,7 +174,7 @@ class ModelRunner:
             else:
                 inputs.spans.append(SeqSpan(len(inputs.input_ids), s.num_new_tokens, end, seq.block_table))
             if seq.state_slot is not None:
-                inputs.state_slots.append((seq.state_slot, seq.state_spare))
+                inputs.state_slots.append(_state_slots(seq, start, end, bs))
             inputs.input_ids.extend(s.input_ids)
             inputs.positions.extend(range(start, end))
             table = seq.block_table
@@ -201,7 +202,7 @@ class ModelRunner:
             logits = graphs.run(inputs.input_ids, inputs.positions, inputs.slots, tables)
         else:
             logits = self.run(inputs, on_layer)
-        _swap_states(ordered)
+        _swap_states(ordered, bs)
         if logits is None:
             return ordered, None, {}
         prompt = _prompt_logprobs(logits[len(rows) :], prompt_rows) if prompt_rows else {}
@@ -316,8 +317,8 @@ class ModelRunner:
         delta_spans = None
         if inputs.state_slots:  # a hybrid model's linear layers: each span's state, fresh at position 0
             delta_spans = [
-                DeltaSpan(sp.q_start, sp.q_len, slot, out, inputs.positions[sp.q_start] == 0)
-                for sp, (slot, out) in zip(inputs.spans, inputs.state_slots, strict=True)
+                DeltaSpan(sp.q_start, sp.q_len, slot, out, inputs.positions[sp.q_start] == 0, at, mark)
+                for sp, (slot, out, mark, at) in zip(inputs.spans, inputs.state_slots, strict=True)
             ]
         return StepContext(
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=dev),
@@ -366,14 +367,31 @@ class ModelRunner:
             self.tp.broadcast_object(None)
 
 
-def _swap_states(ordered: list[ScheduledSeq]) -> None:
+def _state_slots(seq: Sequence, start: int, end: int, block_size: int) -> tuple[int, int, int, int]:
+    """A hybrid sequence's slots for a step over its tokens [start, end): the state read
+    (its own, or the snapshot its cached prefix starts from), the one written, and the
+    mark slot with the tokens into the step of the last block boundary in (start, end]
+    (-1 and 0 when it has no mark slot or crosses none)."""
+    slot = seq.state_from if seq.state_from is not None else seq.state_slot
+    boundary = end // block_size * block_size
+    if seq.state_mark is None or boundary <= start:
+        return slot, seq.state_spare, -1, 0
+    return slot, seq.state_spare, seq.state_mark, boundary - start
+
+
+def _swap_states(ordered: list[ScheduledSeq], block_size: int) -> None:
     """A step ran whole: each hybrid sequence's state is now the one it wrote (its spare
-    slot), and its old one the spare. Not before: a step that failed runs again from
-    the states it started from (``engine.containment``)."""
+    slot), and its old one the spare; where it wrote a boundary's state to its mark
+    slot, ``state_marked`` says after how many tokens (the engine keeps it as a
+    snapshot). Not before: a step that failed runs again from the states it started
+    from (``engine.containment``)."""
     for s in ordered:
         seq = s.seq
         if seq.state_slot is not None:
             seq.state_slot, seq.state_spare = seq.state_spare, seq.state_slot
+            start = seq.num_computed_tokens
+            _, _, mark, at = _state_slots(seq, start, start + s.num_new_tokens, block_size)
+            seq.state_marked = start + at if mark >= 0 else None
 
 
 def _rows(s: ScheduledSeq) -> list[SampleRequest]:

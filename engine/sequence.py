@@ -80,6 +80,12 @@ class Sequence:
         # state to (they swap once the step succeeded: ``ModelRunner``); None otherwise
         self.state_slot: int | None = None
         self.state_spare: int | None = None
+        # with prefix caching, where a step writes the state at the last block boundary it
+        # crosses (``state_marked``: after how many tokens), and the snapshot its first step
+        # reads instead of its own slot (a cached prefix taken: ``engine.state_slots``)
+        self.state_mark: int | None = None
+        self.state_marked: int | None = None
+        self.state_from: int | None = None
         self.scheduled_at: float | None = None  # time.time() when first scheduled (or imported)
 
     def mark_scheduled(self) -> None:

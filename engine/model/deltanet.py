@@ -143,6 +143,10 @@ class DeltaSpan:
     slot: int
     out: int
     fresh: bool = False
+    # with ``mark`` > 0 the state after the span's first ``mark`` tokens (a block
+    # boundary) is also written to slot ``mark_slot`` (a prefix's snapshot to be)
+    mark: int = 0
+    mark_slot: int = -1
 
 
 class RMSNormGated(nn.Module):
@@ -273,12 +277,21 @@ class GatedDeltaNet(nn.Module):
             rows, held, outs = _gather(ones, states.recurrent, x.device)
             out[rows] = recurrent_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], held)
             states.recurrent[outs] = held
+            marked = [i for i, sp in enumerate(ones) if sp.mark]
+            if marked:
+                states.recurrent[[ones[i].mark_slot for i in marked]] = held[marked]
         for sp in spans:
             if sp.length > 1:
-                r = slice(sp.start, sp.start + sp.length)
                 before = states.recurrent[sp.slot]
                 held = torch.zeros_like(before) if sp.fresh else before.clone()
-                out[r] = chunked_delta_rule(q[r], k[r], v[r], g[r], beta[r], held)
+                first, end = sp.start + sp.mark, sp.start + sp.length  # mark 0: no boundary kept
+                if sp.mark:  # up to the block boundary, whose state is kept, then the rest
+                    r = slice(sp.start, first)
+                    out[r] = chunked_delta_rule(q[r], k[r], v[r], g[r], beta[r], held)
+                    states.recurrent[sp.mark_slot] = held
+                if first < end:
+                    r = slice(first, end)
+                    out[r] = chunked_delta_rule(q[r], k[r], v[r], g[r], beta[r], held)
                 states.recurrent[sp.out] = held
         y = self.norm(out.to(x.dtype), z)
         return self.out_proj(y.reshape(t, s.value_dim))
@@ -294,6 +307,9 @@ class GatedDeltaNet(nn.Module):
             rows, held, outs = _gather(ones, conv, qkv.device)
             window = torch.cat([held, qkv[rows, :, None].to(conv.dtype)], dim=2)  # [B, channels, K]
             conv[outs] = window[:, :, 1:]
+            marked = [i for i, sp in enumerate(ones) if sp.mark]
+            if marked:
+                conv[[ones[i].mark_slot for i in marked]] = window[marked, :, 1:]
             out[rows] = F.silu((window.to(w.dtype) * w).sum(-1)).to(qkv.dtype)
         for sp in spans:
             if sp.length == 1:
@@ -302,6 +318,8 @@ class GatedDeltaNet(nn.Module):
             before = torch.zeros_like(conv[sp.slot]) if sp.fresh else conv[sp.slot]
             window = torch.cat([before, qkv[r].T.to(conv.dtype)], dim=1)  # [channels, K - 1 + L]
             conv[sp.out] = window[:, -(width - 1) :]
+            if sp.mark:  # the K - 1 inputs before the boundary
+                conv[sp.mark_slot] = window[:, sp.mark : sp.mark + width - 1]
             y = F.conv1d(window[None].to(w.dtype), w[:, None], groups=w.shape[0])[0]  # [channels, L]
             out[r] = F.silu(y).T.to(qkv.dtype)
         return out

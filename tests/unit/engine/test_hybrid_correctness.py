@@ -6,9 +6,10 @@ Tiny random checkpoints of each (``tests.conftest.tiny_hf_config``: three linear
 layers to one full, two seeds), prompts longer than the 32-token prefill chunk (the
 linear layers' state carried from chunk to chunk), batched, fewer state slots than
 requests (slots reused as sequences end), and a cache too small for the batch
-(preemption: the state recomputed from scratch with the KV). Prefix caching is off
-for them (a cached prefix would need its state): a second pass reuses nothing and
-gives the same tokens. What they do not run yet is refused with a sentence.
+(preemption: the state recomputed from scratch with the KV). A cached prefix
+starts from the state snapshot kept at its last block: a prompt that extends an
+earlier one, and a conversation's next turn, reuse what came before and give the
+same tokens. What they do not run yet is refused with a sentence.
 """
 
 from __future__ import annotations
@@ -55,10 +56,9 @@ def test_hybrid_greedy_equals_transformers(reference):
     layout = engine.kv_cache.layout
     assert layout.num_layers == 1 and len(engine.kv_cache.states) == 3  # KV for the full layer only
     assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
-    again = engine.generate(prompts, PARAMS)  # prefix caching is off: nothing reused, the same tokens
-    assert [o.token_ids for o in again] == expected
-    assert all(o.num_cached_tokens == 0 for o in again)
     assert engine.block_manager.num_used_blocks == 0
+    plain = make_engine(directory, enable_prefix_caching=False)
+    assert [o.token_ids for o in plain.generate(prompts, PARAMS)] == expected
 
 
 def test_hybrid_greedy_equals_transformers_with_few_slots_and_preemption(reference):
@@ -143,3 +143,26 @@ def test_speculation_gives_the_tokens_of_decoding_without_it(reference):
     proposed = counted.proposed_tokens - before.proposed_tokens
     accepted = counted.accepted_tokens - before.accepted_tokens
     assert proposed > accepted > proposed // 2  # most kept, some cut short
+
+
+def test_a_prompt_that_extends_an_earlier_one_and_a_next_turn_start_from_its_state(reference, tmp_path):
+    """The state after a whole number of blocks is kept as a snapshot by the block's
+    hash: a prompt that extends an earlier prompt takes the earlier one's blocks and
+    starts from its snapshot at their end; a conversation's next turn (the first
+    turn's prompt and answer, then more) takes the first turn's blocks past its prompt
+    too, from the snapshot in its answer. The tokens are those computed without a
+    cache; transformers' for the first turn."""
+    directory, prompts, expected = reference
+    engine = make_engine(directory)
+    first = prompts[3]  # 90 tokens
+    out = engine.generate([first], PARAMS)[0]
+    assert out.token_ids == expected[3] and out.num_cached_tokens == 0
+    extended = first + [7, 8, 9, 10, 11]
+    turn = first + out.token_ids + [12, 13, 14]
+    fresh = make_engine(directory, enable_prefix_caching=False)
+    want = [o.token_ids for o in fresh.generate([extended, turn], PARAMS)]
+    got = engine.generate([extended], PARAMS) + engine.generate([turn], PARAMS)
+    assert [o.token_ids for o in got] == want
+    assert got[0].num_cached_tokens == len(first) // 8 * 8  # 88: the prompt's last whole block
+    assert got[1].num_cached_tokens > len(first)  # into the first turn's answer
+    assert engine.block_manager.states.registered > 0
