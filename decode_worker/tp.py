@@ -41,6 +41,7 @@ from splitserve.engine.device import resolve_device
 from splitserve.engine.engine import Engine
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.worker_group import Heartbeat, RankFollower, join_group
+from splitserve.engine.state_blocks import StateMapper
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.tp_mapping import RankSink
 from splitserve.wire.decode import DecodeWorkerSpec
@@ -59,7 +60,12 @@ def rank_sink(worker_id: str, spec: DecodeWorkerSpec, engine: Engine) -> RankSin
         return None
     compat = engine.kv_compat()
     max_blocks = -(-engine.max_model_len // engine.config.block_size)
-    return RankSink(worker_id, engine.kv_cache.tensor, compat, get_backend(spec.backend).sink, max_blocks)
+    states = None
+    if engine.kv_cache.state_plan is not None:  # a hybrid model: its states rebuilt across TP sizes
+        states = StateMapper(engine.model_config, compat.layout, engine.kv_cache.states[0].conv.dtype)
+        max_blocks += 2 * states.blocks_per_slot + 2  # a source rank's slot, of about as many blocks
+    sink = get_backend(spec.backend).sink
+    return RankSink(worker_id, engine.kv_cache.tensor, compat, sink, max_blocks, states)
 
 
 class DecodeRank:

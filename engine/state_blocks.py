@@ -135,3 +135,79 @@ def state_views(
 
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+class StateMapper:
+    """Rebuilds a hybrid request's states pulled from a source TP group of another size
+    (``kv_transfer.tp_mapping.HeadMappingSink``): each source rank holds the states of
+    its share of the linear layers' heads; this rank (``layout``: its cache's) takes
+    the heads of its own share from whichever source rank holds them."""
+
+    def __init__(self, cfg: ModelConfig, layout: KVLayout, dtype: torch.dtype):
+        self.cfg, self.layout, self.dtype = cfg, layout, dtype
+        self.plan = plan_states(cfg, layout, dtype)
+
+    @property
+    def blocks_per_slot(self) -> int:
+        """The blocks of a slot here: the last of a pull's destination blocks."""
+        return self.plan.blocks_per_slot
+
+    def copy(
+        self,
+        staged: dict[int, tuple[torch.Tensor, KVLayout]],
+        first: int,
+        cache: torch.Tensor,
+        dst: list[int],
+    ) -> None:
+        """Fill the slot at blocks ``dst`` (consecutive) of ``cache`` from the source ranks'
+        staging caches (rank -> (cache, its layout)), each holding its slot's blocks from
+        block ``first`` on."""
+        lin = self.cfg.linear
+        mine = state_views(cache, self.plan, self.cfg, dst[0], 1, self.dtype)
+        k_mine, v_mine = _heads(lin.k_heads, self.layout), _heads(lin.v_heads, self.layout)
+        for staging, src in staged.values():
+            theirs = state_views(
+                staging, plan_states(self.cfg, src, self.dtype), self.cfg, first, 1, self.dtype
+            )
+            k_src, v_src = _heads(lin.k_heads, src), _heads(lin.v_heads, src)
+            k0, k1 = max(k_mine[0], k_src[0]), min(k_mine[1], k_src[1])
+            v0, v1 = max(v_mine[0], v_src[0]), min(v_mine[1], v_src[1])
+            for to, fro in zip(mine, theirs):
+                if v1 > v0:
+                    to.recurrent[0, v0 - v_mine[0] : v1 - v_mine[0]] = fro.recurrent[
+                        0, v0 - v_src[0] : v1 - v_src[0]
+                    ]
+                for rows_to, rows_fro in _conv_rows(lin, k_mine, v_mine, k_src, v_src, (k0, k1), (v0, v1)):
+                    to.conv[0, rows_to] = fro.conv[0, rows_fro]
+
+
+def _heads(total: int, layout: KVLayout) -> tuple[int, int]:
+    """The heads [start, stop) of ``total`` that rank ``layout.tp_rank`` of ``tp_size`` holds."""
+    per = total // layout.tp_size
+    return layout.tp_rank * per, (layout.tp_rank + 1) * per
+
+
+def _conv_rows(lin, k_to, v_to, k_fro, v_fro, ks, vs):
+    """(rows here, rows there) of the convolution channels of key heads ``ks`` (their q
+    and k channels) and value heads ``vs`` (their v channels), on two ranks whose heads
+    are ``k_to``/``v_to`` and ``k_fro``/``v_fro``: each rank's channels are its q, then
+    its k, then its v."""
+    dk, dv = lin.k_head_dim, lin.v_head_dim
+    keys_to, keys_fro = (k_to[1] - k_to[0]) * dk, (k_fro[1] - k_fro[0]) * dk
+    out = []
+    if ks[1] > ks[0]:
+        for base_to, base_fro in ((0, 0), (keys_to, keys_fro)):  # q, then k
+            out.append(
+                (
+                    slice(base_to + (ks[0] - k_to[0]) * dk, base_to + (ks[1] - k_to[0]) * dk),
+                    slice(base_fro + (ks[0] - k_fro[0]) * dk, base_fro + (ks[1] - k_fro[0]) * dk),
+                )
+            )
+    if vs[1] > vs[0]:
+        out.append(
+            (
+                slice(2 * keys_to + (vs[0] - v_to[0]) * dv, 2 * keys_to + (vs[1] - v_to[0]) * dv),
+                slice(2 * keys_fro + (vs[0] - v_fro[0]) * dv, 2 * keys_fro + (vs[1] - v_fro[0]) * dv),
+            )
+        )
+    return out

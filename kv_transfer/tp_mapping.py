@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +46,9 @@ from splitserve.kv_transfer.sink import KVSink
 from splitserve.wire.errors import IncompatiblePeer, PeerLost
 from splitserve.wire.kv import CompatInfo, Confirmation, Handshake, KVDescriptor
 from splitserve.wire.kv_layout import KVLayout, kv_head_range
+
+if TYPE_CHECKING:
+    from splitserve.engine.state_blocks import StateMapper
 
 # Fields that differ between the shards of one model's KV cache under different TP.
 # (``model_kv_heads`` is the same in every shard, but may be left unset: the model's
@@ -136,9 +140,12 @@ def kv_scales(compat: CompatInfo, device: torch.device | str = "cpu") -> torch.T
 
 
 def check_same_model(mine: CompatInfo, theirs: CompatInfo, worker: str) -> None:
-    """Raise ``IncompatiblePeer`` unless the two caches are shards of the same model's KV."""
+    """Raise ``IncompatiblePeer`` unless the two caches are shards of the same model's KV
+    (a hybrid model's state blocks differ by shard too: both have them, or neither)."""
     a, b = mine.fields(), theirs.fields()
-    diff = [k for k in a if k not in _SHARD_FIELDS and a[k] != b.get(k)]
+    diff = [k for k in a if k not in (*_SHARD_FIELDS, "states") and a[k] != b.get(k)]
+    if bool(a["states"]) != bool(b.get("states")):
+        diff.append("states")
     if mine.layout.total_kv_heads != theirs.layout.total_kv_heads:
         diff.append("total_kv_heads")
     if diff:
@@ -163,9 +170,11 @@ class HeadMappingSink:
         compat: CompatInfo,
         make_sink: SinkFactory,
         max_blocks: int,
+        states: StateMapper | None = None,
     ):
         if max_blocks < 1:
             raise ValueError("max_blocks must be >= 1")
+        self.states = states  # a hybrid model's: rebuilds the states from the source ranks'
         self.worker_id = worker_id
         self.cache = as_bytes(cache)
         self.compat = compat
@@ -194,6 +203,11 @@ class HeadMappingSink:
         for hs in handshakes:
             check_same_model(self.compat, hs.compat, hs.worker_id)
         plan = plan_head_copies(src_tp, self.compat.layout)
+        if self.states is not None and len({c.src_rank for c in plan}) < src_tp:
+            raise IncompatiblePeer(
+                f"worker {handshakes[0].worker_id}: a hybrid model's states on {src_tp} ranks whose KV "
+                f"heads are replicas cannot be rebuilt on {self.compat.layout.tp_size}"
+            )
         by_rank = {hs.compat.layout.tp_rank: hs for hs in handshakes}
         if src_tp != self.src_tp:
             self._close_sinks()
@@ -215,15 +229,17 @@ class HeadMappingSink:
             raise PeerLost("no source group connected; connect() first")
         if len(descs) != self.src_tp:
             raise ValueError(f"{len(descs)} descriptors given for a source group of {self.src_tp} ranks")
-        n = len(dst_blocks)
-        if n > self.max_blocks:
-            raise ValueError(f"{n} blocks exceed this sink's staging room of {self.max_blocks}")
-        dst = torch.tensor(dst_blocks, dtype=torch.long, device=self.cache.device)
-        staged = list(range(n))
+        # a hybrid model's last blocks are a state slot: rebuilt, not head-copied (the
+        # source ranks' slots may have another number of blocks)
+        n = len(dst_blocks) - (self.states.blocks_per_slot if self.states is not None else 0)
+        if max(len(d.block_ids) for d in descs) > self.max_blocks:
+            raise ValueError(f"{len(dst_blocks)} blocks exceed this sink's staging room of {self.max_blocks}")
+        dst = torch.tensor(dst_blocks[:n], dtype=torch.long, device=self.cache.device)
         confirmations = []
         self.last_wait_s = 0.0
         for copy in self.plan:
             sink = self._sinks[copy.src_rank]
+            staged = list(range(len(descs[copy.src_rank].block_ids)))
             confirmations.append(sink.pull(descs[copy.src_rank], staged, timeout=timeout))
             self.last_wait_s += sink.last_stats.wait_s
             src_heads, dst_heads = slice(copy.src_start, copy.src_stop), slice(copy.dst_start, copy.dst_stop)
@@ -233,6 +249,9 @@ class HeadMappingSink:
                 requantize(
                     self.cache, dst, dst_heads, src_scales[:, :, src_heads], self.scales[:, :, dst_heads]
                 )
+        if self.states is not None:
+            staged_by_rank = {r: (sink.cache, sink.compat.layout) for r, sink in self._sinks.items()}
+            self.states.copy(staged_by_rank, n, self.cache, dst_blocks[n:])
         return confirmations
 
     def close(self) -> None:
@@ -263,8 +282,15 @@ class RankSink:
     after their checksums were verified. Not thread-safe, like ``KVSink``."""
 
     def __init__(
-        self, worker_id: str, cache: torch.Tensor, compat: CompatInfo, make_sink: SinkFactory, max_blocks: int
+        self,
+        worker_id: str,
+        cache: torch.Tensor,
+        compat: CompatInfo,
+        make_sink: SinkFactory,
+        max_blocks: int,
+        states: StateMapper | None = None,
     ):
+        self.states = states  # a hybrid model's (``HeadMappingSink``)
         self.worker_id = worker_id
         self.cache = cache
         self.compat = compat
@@ -293,7 +319,7 @@ class RankSink:
             if mapped is not None:
                 mapped.close()
             return
-        if me.states:  # a hybrid model's state blocks are not laid out by KV heads
+        if me.states and self.states is None:  # its state blocks are not laid out by KV heads
             raise IncompatiblePeer(
                 f"worker {source} runs this hybrid model on {len(handshakes)} TP ranks, this one on "
                 f"{me.tp_size}: its linear layers' states move only between groups of the same size"
@@ -302,7 +328,7 @@ class RankSink:
         if mapped is None:
             name = f"{self.worker_id}<{source}"
             mapped = self._mapped[source] = HeadMappingSink(
-                name, self.cache, self.compat, self.make_sink, self.max_blocks
+                name, self.cache, self.compat, self.make_sink, self.max_blocks, self.states
             )
         mapped.connect(list(handshakes))
 
