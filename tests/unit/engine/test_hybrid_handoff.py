@@ -138,3 +138,34 @@ def test_a_peer_without_the_state_blocks_is_refused_at_the_handshake(model):
         sink.connect(source.handshake())
     with pytest.raises(InvalidRequest, match="caches no prompt prefixes"):
         pre.lend_prefix("loan", list(range(40)), 0)
+
+
+def test_a_decode_engine_holding_a_prefix_takes_only_the_rest_and_the_state(model):
+    """The decode engine has served a prompt (its blocks cached, a state snapshot at the
+    last one): a prompt that extends it holds those blocks there (``hold_prefix``), the
+    prefill engine exports only the blocks after them and its final state, and the
+    request decodes to the tokens of a run without any cache."""
+    directory, prompts, _ = model
+    pre, dec = make_engine(directory), make_engine(directory)
+    first = prompts[1]  # 90 tokens
+    dec.generate([first], PARAMS)
+    extended = first + [3, 1, 4, 1, 5]
+    (want,) = make_engine(directory).generate([extended], PARAMS)
+    held = dec.hold_prefix("ext", extended, PARAMS)
+    assert held == 88  # the first prompt's whole blocks, up to its snapshot
+    rid = pre.add_request(extended, PARAMS, request_id="ext", prefill_only=True, export_from_block=held // 8)
+    while pre.has_unfinished():
+        pre.step()
+    done = pre.prefilled(rid)
+    source, sink = pair(pre, dec, LocalHub(), "held")
+    desc = source.export(rid, done.block_ids, done.num_kv_tokens)
+    blocks = dec.import_request(rid, done.prompt_token_ids, done.output_token_ids, PARAMS)
+    assert len(blocks) == len(done.block_ids)  # the blocks after the held ones, and the state slot
+    sink.pull(desc, blocks, timeout=30.0)
+    pre.release(rid)
+    dec.activate(rid)
+    tokens = list(done.output_token_ids)
+    while dec.has_unfinished():
+        for o in dec.step():
+            tokens.extend(o.new_token_ids)
+    assert tokens == want.token_ids
