@@ -55,7 +55,7 @@ def sweep(
     """Every (KV dtype, batch, tile, warps, splits) launch, timed; the default shape's
     row carries ``default``. A shape this GPU cannot run (registers, shared memory) is
     logged and skipped."""
-    from splitserve.bench.gpu_bench import cuda_time_ms  # (gpu_bench imports this module)
+    from splitserve.bench.cuda_timing import cuda_time_ms
     from splitserve.engine.attention.triton_decode import (
         FP8_TILE_KEYS,
         TILE_KEYS,

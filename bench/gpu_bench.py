@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from functools import partial
 
 import torch
 
+from splitserve.bench.cuda_timing import cuda_time_ms
 from splitserve.engine import kv_quant
 from splitserve.engine.attention import SeqSpan, get_backend
 from splitserve.engine.cuda_graphs import cuda_graph_recorder
@@ -171,21 +171,6 @@ class Report:
         ]
         d["goals"] = {k: {"measured": m, "goal": g, "met": ok} for k, (m, g, ok) in self.goals().items()}
         return d
-
-
-def cuda_time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
-    """Median milliseconds of ``fn`` by CUDA events, after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def hbm_bandwidth(device: torch.device, nbytes: int = 2**31) -> float:

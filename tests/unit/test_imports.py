@@ -145,3 +145,57 @@ def test_the_request_core_imports_no_front_door():
     }
     assert found == {}
     assert any(n.startswith("splitserve.router.") for n in _imported(ROOT / "router" / "dispatch.py"))
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the splitserve modules it imports at run time (any depth, not under
+    ``if TYPE_CHECKING:``; ``from package import module`` counts the module only)."""
+    files = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", ".venv") or rel.parts[0].startswith(".") or "egg-info" in rel.parts[0]:
+            continue
+        name = ".".join(("splitserve", *rel.with_suffix("").parts)).removesuffix(".__init__")
+        files[name] = path
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+            for n in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & files.keys()
+                graph[name] |= subs or ({node.module} & files.keys())
+        graph[name].discard(name)  # a function run elsewhere (``cluster.worker_client``) reads its own
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No import circle between modules anywhere, the studies in ``bench/`` included (a
+    circle works only in the order its modules happen to load)."""
+    graph = _module_graph()
+    assert "splitserve.engine.model.loader" in graph["splitserve.engine.build"]  # the walk sees imports
+    seen: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        seen[module] = 1
+        for dep in sorted(graph[module]):
+            if seen.get(dep) == 1:
+                circles.append(path[path.index(dep) :] + [dep])
+            elif dep not in seen:
+                visit(dep, [*path, dep])
+        seen[module] = 2
+
+    for module in sorted(graph):
+        if module not in seen:
+            visit(module, [module])
+    assert circles == []
