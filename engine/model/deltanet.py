@@ -17,9 +17,12 @@ the layer's whole memory of a sequence: ``DeltaStates`` holds them per slot.
 Prefill runs the chunked form (chunks of ``CHUNK`` tokens: within a chunk the
 writes are solved as one unit-triangular system, across chunks the state carries
 on; no Python loop per token), decode the recurrent form batched over sequences.
-Both take and leave the state of the sequence's slot, so a prompt prefilled in
-chunks over several steps carries its state across them. Everything inside runs in
-float32, as the reference does.
+A step reads each sequence's state from one slot and writes the next to another
+(``DeltaSpan``: the runner swaps them once the step ran whole, so a failed step runs
+again from the same state), so a prompt prefilled in chunks over several steps
+carries its state across them; with prefix caching the state at the last block
+boundary a step crosses also goes to a third slot, a snapshot to be
+(``engine.state_slots``). Everything inside runs in float32, as the reference does.
 """
 
 from __future__ import annotations
