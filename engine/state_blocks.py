@@ -2,8 +2,9 @@
 
 A Gated DeltaNet layer's memory of a sequence is a fixed-size state (the
 convolution's last inputs and the recurrent matrix, ``engine.model.deltanet``), not
-KV. Each sequence that runs holds a state slot (``BlockManager``), and slot s is
-``blocks_per_slot`` blocks of the cache tensor past the KV blocks::
+KV. Each sequence that runs holds state slots (its state, the next one, a
+snapshot to be: ``engine.state_slots``), and slot s is ``blocks_per_slot`` blocks
+of the cache tensor past the KV blocks::
 
     cache[kv layer, K/V, block, ...]
     block ids   0 .. kv_blocks - 1                    the paged KV (the block manager's)
@@ -16,7 +17,7 @@ other, each whole within one run: so when KV layer l is written, every state in
 its runs is final too, and a layer-wise export or hash of layer l covers them.
 
 So the states travel as blocks: a request's export names its KV blocks and its
-slot's R blocks, and every transfer backend, checksum, live migration and TP-1
+current slot's R blocks, and every transfer backend, checksum, live migration and TP-1
 handoff moves and verifies them as it does KV (what vLLM does by sizing its
 state pages as its KV pages). The bytes cost: R blocks on every KV layer and
 plane for each of ``max_num_seqs`` slots, more than the states themselves where
