@@ -21,6 +21,7 @@ from splitserve.wire.prefill import PrefillWorkerSpec
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.faults import Injected
+from tests.waiting import wait_until
 
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
 DEADLINE_S = 300  # a broken hook must fail the test, not hang it
@@ -51,6 +52,18 @@ def test_a_sequence_failing_alone_leaves_a_streamed_import_in_flight_whole(check
         return sample_batch(logits, rows)
 
     sampler._sample_batch = failing
+
+    # the import's pull stays in flight (its bytes landed) until the fault met it: the two
+    # overlap whatever the machine's speed (a pull faster than a decode step would not)
+    sink = decode.puller.sink
+    pull = sink.pull
+
+    def held_pull(*args, **kwargs):
+        result = pull(*args, **kwargs)
+        wait_until(lambda: bool(seen_in_flight), "the local request's sampling met the pull", 120, 0.01)
+        return result
+
+    sink.pull = held_pull
 
     async def run() -> dict:
         tasks = [
