@@ -17,17 +17,13 @@ of ``--repeats``, both in the same run::
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
-from splitserve.bench.kv_peers import ExportRandom, SourceSpec, start_source
+from splitserve.bench.kv_peers import timed_pulls
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.state_blocks import plan_states
-from splitserve.kv_transfer import get_backend
-from splitserve.wire.kv import CompatInfo
 from splitserve.wire.kv_layout import KVLayout
 
 BLOCK = 16
@@ -41,29 +37,6 @@ def shapes() -> tuple[ModelConfig, KVLayout, int]:
     layout = KVLayout(len(cfg.kv_layers), 0, BLOCK, cfg.num_kv_heads, cfg.head_dim, "bfloat16")
     plan = plan_states(cfg, layout, torch.bfloat16)
     return cfg, layout, plan.blocks_per_slot
-
-
-def pull(layout: KVLayout, blocks: int, repeats: int, backend: str) -> tuple[int, float]:
-    """(bytes moved, median seconds) of a pull of ``blocks`` blocks under ``layout``."""
-    src = start_source(SourceSpec(backend, layout=layout))
-    try:
-        lay = layout
-        cache = torch.zeros(
-            lay.num_layers, 2, lay.num_blocks, BLOCK, lay.num_kv_heads, lay.head_dim, dtype=torch.bfloat16
-        )
-        sink = get_backend(backend).sink("bench-decode", cache, CompatInfo(model="random", layout=layout))
-        sink.connect(src.handshake)
-        times, moved = [], 0
-        for _ in range(repeats + 1):  # the first also sets up the connection: not counted
-            desc = src.call(ExportRandom(num_tokens=blocks * BLOCK)).descriptor
-            t0 = time.perf_counter()
-            sink.pull(desc, list(range(blocks)), timeout=300.0)
-            times.append(time.perf_counter() - t0)
-            moved = sink.last_stats.num_bytes
-        sink.close()
-    finally:
-        src.stop()
-    return moved, statistics.median(times[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             "bfloat16",
         )
         full = KVLayout(cfg.num_layers, kv_blocks, BLOCK, layout.num_kv_heads, layout.head_dim, "bfloat16")
-        hb, ht = pull(hybrid, kv_blocks + state_blocks, args.repeats, args.backend)
-        fb, ft = pull(full, kv_blocks, args.repeats, args.backend)
+        hb, ht = timed_pulls(hybrid, (kv_blocks + state_blocks) * BLOCK, args.repeats, args.backend)
+        fb, ft = timed_pulls(full, kv_blocks * BLOCK, args.repeats, args.backend)
         print(
             f"| {tokens} | {hb / 1e6:.1f} | {fb / 1e6:.1f} | {hb / fb:.3f} | {hb / tokens:,.0f} "
             f"| {fb / tokens:,.0f} | {ht * 1e3:.1f} | {ft * 1e3:.1f} |",

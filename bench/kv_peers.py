@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import stat
+import statistics
 import subprocess
 import threading
 import time
@@ -371,3 +372,28 @@ class SourceActor:
 def start_source(spec: SourceSpec) -> SourceProcess | SourceActor:
     """A source in another process: a Ray actor for the ray backend, else a spawned child."""
     return SourceActor(spec) if spec.backend == "ray" else SourceProcess(spec)
+
+
+def timed_pulls(layout: KVLayout, num_tokens: int, repeats: int, backend: str, window_from: int = 0):
+    """(bytes a pull moved, median seconds of ``repeats`` pulls) of ``num_tokens`` tokens'
+    blocks of a bare pool of ``layout`` in a source process (``ExportRandom``, sliding
+    layers from ``window_from``) into this process, each verified; the first pull, which
+    also sets up the connection, is not counted. The source stops after."""
+    src = start_source(SourceSpec(backend, layout=layout))
+    try:
+        lay = layout
+        shape = (lay.num_layers, lay.planes, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        cache = torch.zeros(shape, dtype=getattr(torch, lay.dtype))
+        sink = get_backend(backend).sink("bench-decode", cache, CompatInfo(model="random", layout=layout))
+        sink.connect(src.handshake)
+        times, moved = [], 0
+        for _ in range(repeats + 1):
+            desc = src.call(ExportRandom(num_tokens=num_tokens, window_from=window_from)).descriptor
+            t0 = time.perf_counter()
+            sink.pull(desc, list(range(len(desc.block_ids))), timeout=300.0)
+            times.append(time.perf_counter() - t0)
+            moved = sink.last_stats.num_bytes
+        sink.close()
+    finally:
+        src.stop()
+    return moved, statistics.median(times[1:])

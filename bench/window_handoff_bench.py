@@ -18,45 +18,15 @@ against full in the same run::
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
-import torch
-
-from splitserve.bench.kv_peers import ExportRandom, SourceSpec, start_source
-from splitserve.kv_transfer import get_backend
-from splitserve.wire.kv import CompatInfo
+from splitserve.bench.kv_peers import timed_pulls
 from splitserve.wire.kv_layout import KVLayout
 
 WINDOW = 128
 BLOCK = 16
 SHAPE = dict(num_layers=24, num_kv_heads=8, head_dim=64)  # gpt-oss-20b
 WINDOWS = tuple(WINDOW if i % 2 == 0 else 0 for i in range(24))  # its layer_types: sliding first
-
-
-def pull(layout: KVLayout, tokens: int, repeats: int, backend: str) -> tuple[int, float]:
-    """(bytes moved, median seconds of a pull) of ``tokens`` tokens' KV under ``layout``."""
-    nblocks = layout.num_blocks
-    src = start_source(SourceSpec(backend, layout=layout))
-    try:
-        cache = torch.zeros(
-            layout.num_layers, 2, nblocks, BLOCK, layout.num_kv_heads, layout.head_dim, dtype=torch.bfloat16
-        )
-        sink = get_backend(backend).sink("bench-decode", cache, CompatInfo(model="random", layout=layout))
-        sink.connect(src.handshake)
-        times, moved = [], 0
-        wf = layout.window_from(0, tokens)
-        for _ in range(repeats + 1):  # the first also sets up the connection: not counted
-            desc = src.call(ExportRandom(num_tokens=tokens, window_from=wf)).descriptor
-            t0 = time.perf_counter()
-            sink.pull(desc, list(range(len(desc.block_ids))), timeout=120.0)
-            times.append(time.perf_counter() - t0)
-            moved = sink.last_stats.num_bytes
-        sink.close()
-    finally:
-        src.stop()
-    return moved, statistics.median(times[1:])
 
 
 def needed_bytes(layout: KVLayout, tokens: int) -> int:
@@ -83,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         nblocks = -(-tokens // BLOCK)
         windowed = KVLayout(num_blocks=nblocks, block_size=BLOCK, dtype="bfloat16", windows=WINDOWS, **SHAPE)
         full = KVLayout(num_blocks=nblocks, block_size=BLOCK, dtype="bfloat16", **SHAPE)
-        wb, wt = pull(windowed, tokens, args.repeats, args.backend)
-        fb, ft = pull(full, tokens, args.repeats, args.backend)
+        wb, wt = timed_pulls(windowed, tokens, args.repeats, args.backend, windowed.window_from(0, tokens))
+        fb, ft = timed_pulls(full, tokens, args.repeats, args.backend)
         need = needed_bytes(windowed, tokens)
         print(
             f"| {tokens} | {wb / 1e6:.1f} | {need / 1e6:.1f} | {fb / 1e6:.1f} | {wb / fb:.3f} "

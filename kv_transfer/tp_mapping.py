@@ -159,9 +159,13 @@ class HeadMappingSink:
     ``connect`` takes the handshakes of all ranks of one source group; ``pull``
     takes their descriptors for one request (one per rank, in rank order) and
     fills ``dst_blocks`` of ``cache`` with this rank's heads. ``max_blocks``
-    bounds the blocks of one request (it sizes the staging caches). Errors are
-    those of ``KVSink.pull``; on any, ``dst_blocks`` are undefined and the
-    caller frees them. Not thread-safe, like ``KVSink``."""
+    bounds the blocks of one request (it sizes the staging caches). With ``states``
+    (a hybrid model's ``engine.state_blocks.StateMapper``) the last
+    ``states.blocks_per_slot`` of ``dst_blocks`` are the request's state slot: the
+    source ranks' slots (the last blocks of their descriptors, of their own number)
+    are staged whole and this rank's heads' states rebuilt from them, not
+    head-copied. Errors are those of ``KVSink.pull``; on any, ``dst_blocks`` are
+    undefined and the caller frees them. Not thread-safe, like ``KVSink``."""
 
     def __init__(
         self,
@@ -232,8 +236,9 @@ class HeadMappingSink:
         # a hybrid model's last blocks are a state slot: rebuilt, not head-copied (the
         # source ranks' slots may have another number of blocks)
         n = len(dst_blocks) - (self.states.blocks_per_slot if self.states is not None else 0)
-        if max(len(d.block_ids) for d in descs) > self.max_blocks:
-            raise ValueError(f"{len(dst_blocks)} blocks exceed this sink's staging room of {self.max_blocks}")
+        most = max(len(d.block_ids) for d in descs)
+        if most > self.max_blocks:
+            raise ValueError(f"{most} blocks exceed this sink's staging room of {self.max_blocks}")
         dst = torch.tensor(dst_blocks[:n], dtype=torch.long, device=self.cache.device)
         confirmations = []
         self.last_wait_s = 0.0

@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.client import Chunk, Client, Completion, Unavailable
+from splitserve.cli.main import main
+from splitserve.client import Chunk, Client, Completion, Final, Unavailable
 from splitserve.cluster.app import BackgroundCluster, start_local_ray
 from splitserve.cluster.config import ClusterConfig
 from splitserve.engine.engine import Engine
@@ -188,6 +189,25 @@ def assert_move_pulled(trace, to: str) -> None:
     assert "kv_recompute" not in names, f"{trace.request_id} was recomputed: {names}"
     assert names.count("moved") == len(pulled) >= 1, f"{trace.request_id}: a move pulled no KV: {names}"
     assert pulled[-1] == to, f"{trace.request_id} pulled on {pulled}, ended on {to}"
+
+
+def drain_mid_stream(cluster, client: Client, prompt: list[int], request_id: str, max_tokens: int):
+    """A greedy stream of ``prompt`` whose decode worker is drained (``splitserve drain``)
+    once 10 tokens came: (its tokens, its ``Final``, the drained worker's id)."""
+    tokens, final, drained = [], None, None
+    options = dict(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, request_id=request_id)
+    for item in client.stream(prompt, **options):
+        if isinstance(item, Final):
+            final = item
+            continue
+        tokens += item.token_ids
+        if drained is None and len(tokens) >= 10:
+            st = client.cluster_status()
+            (drained,) = [
+                w.worker_id for p in st.pools for w in p.workers if w.role == "decode" and w.running
+            ]
+            assert main(["drain", drained, "--server", cluster.address]) == 0
+    return tokens, final, drained
 
 
 def kv_used(client: Client) -> dict[str, int]:

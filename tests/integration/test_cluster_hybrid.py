@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import ray
 
-from splitserve.cli.main import main
-from splitserve.client import Chunk, Client, Completion, Final
+from splitserve.client import Chunk, Client, Completion
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
 from tests.integration.cluster_util import (
     assert_move_pulled,
+    drain_mid_stream,
     kv_used,
     live_cluster,
     tiny_config,
@@ -45,21 +45,9 @@ def cluster(model):
 
 def test_draining_a_hybrid_stream_s_worker_moves_its_kv_and_states(cluster, model, capsys):
     _, prompts, expected = model
-    tokens, final, drained = [], None, None
     with Client(cluster.address, timeout=120) as client:
         failures = transfer_failures(client)
-        options = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0, request_id="moving")
-        for item in client.stream(prompts[0], **options):
-            if isinstance(item, Final):
-                final = item
-                continue
-            tokens += item.token_ids
-            if drained is None and len(tokens) >= 10:
-                st = client.cluster_status()
-                (drained,) = [
-                    w.worker_id for p in st.pools for w in p.workers if w.role == "decode" and w.running
-                ]
-                assert main(["drain", drained, "--server", cluster.address]) == 0
+        tokens, final, drained = drain_mid_stream(cluster, client, prompts[0], "moving", MAX_TOKENS)
         st = client.cluster_status(traces=1)
         wait_kv_free(client)
         assert transfer_failures(client) == failures  # the move's pull did not fail

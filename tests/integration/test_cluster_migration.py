@@ -13,7 +13,6 @@ import asyncio
 
 import pytest
 
-from splitserve.cli.main import main
 from splitserve.client import Client, Final
 from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
@@ -23,6 +22,7 @@ from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
     assert_move_pulled,
+    drain_mid_stream,
     live_cluster,
     tiny_config,
     trace_of,
@@ -46,21 +46,9 @@ def test_draining_the_worker_a_request_streams_from_moves_it_whole(cluster, chec
     (prompt,) = random_prompts([60], VOCAB, seed=31)
     engine = Engine(EngineConfig(model=checkpoint, dtype="float32", kv_cache_memory_mib=16))
     (want,) = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-    tokens, final, drained = [], None, None
     with Client(cluster.address, timeout=120) as client:
         failures = transfer_failures(client)
-        options = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0, request_id="moving")
-        for item in client.stream(prompt, **options):
-            if isinstance(item, Final):
-                final = item
-                continue
-            tokens += item.token_ids
-            if drained is None and len(tokens) >= 10:
-                st = client.cluster_status()
-                (drained,) = [
-                    w.worker_id for p in st.pools for w in p.workers if w.role == "decode" and w.running
-                ]
-                assert main(["drain", drained, "--server", cluster.address]) == 0
+        tokens, final, drained = drain_mid_stream(cluster, client, prompt, "moving", MAX_TOKENS)
         st = client.cluster_status(traces=1)
         wait_kv_free(client)
         assert transfer_failures(client) == failures  # the move's pull did not fail
