@@ -24,13 +24,16 @@ from tests.faults import Injected
 from tests.waiting import wait_until
 
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+# the local request decodes on while the import is prefilled and pulled, however slow the
+# machine: it ends at the fault, long before these tokens (CI once saw it end first)
+LOCAL = SamplingParams(max_tokens=600, ignore_eos=True)
 DEADLINE_S = 300  # a broken hook must fail the test, not hang it
 
 
 def test_a_sequence_failing_alone_leaves_a_streamed_import_in_flight_whole(checkpoint):
     engine = EngineConfig(model=checkpoint, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64)
     prompts = random_prompts([30, 300, 50], 512, seed=21)
-    expected = [c.token_ids for c in Engine(engine).generate(prompts, PARAMS)]
+    expected = [c.token_ids for c in Engine(engine).generate(prompts, [LOCAL, PARAMS, PARAMS])]
     source = PrefillWorkerSpec("prefill-0", engine, "nixl", 30.0, torch_threads=1, stream_kv=True)
     prefill = PrefillWorker(source)
     decode = DecodeWorker(DecodeWorkerSpec("decode-0", engine, "nixl", 30.0, 8, torch_threads=1))
@@ -67,7 +70,7 @@ def test_a_sequence_failing_alone_leaves_a_streamed_import_in_flight_whole(check
 
     async def run() -> dict:
         tasks = [
-            DecodeTask("local", prompts[0], PARAMS),
+            DecodeTask("local", prompts[0], LOCAL),
             DecodeTask("imported", prompts[1], PARAMS, source=prefill),
             DecodeTask("bystander", prompts[2], PARAMS),
         ]
