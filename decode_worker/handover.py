@@ -39,6 +39,9 @@ frees what the phase held, in this order, and nobody else frees it:
 3. an export not confirmed (LINKING to PULLING) is released on the source
    (``source.abort``, not awaited): no KV block stays held there.
 
+(The export's pull is a ``kv_transfer.leased_pull.LeasedPull``, the one way KV
+comes in, which keeps this order for every caller.)
+
 The consumer always gets the source's first token first, once the source sends
 it: a failure after the handoff waits for it before the request ends. ``run``
 returns what the request ends with, for the worker to pass on (``Ending``).
@@ -73,8 +76,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from splitserve.decode_worker.outbox import Outbox
+from splitserve.kv_transfer.leased_pull import LeasedPull
 from splitserve.wire.decode import DecodePeer, DecodeTask, DecodeWorkerSpec, Prefilled, TokenBatch
-from splitserve.wire.errors import LeaseExpired, PeerLost, PrefillLost, PrefillUnreachable, WorkerLost
+from splitserve.wire.errors import PeerLost, PrefillLost, PrefillUnreachable, WorkerLost
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.prefill import (
     PrefillAccepted,
@@ -117,13 +121,12 @@ _NEXT = transitions(
         Phase.RUNNING,
     )
 )
-# the phases in which the source still holds an export the request has not confirmed
-EXPORT_UNCONFIRMED = frozenset({Phase.LINKING, Phase.WAITING_FOR_BLOCKS, Phase.PULLING})
 
 
 class DecodeSide(Protocol):
     """What a handover asks of the decode worker it runs on (``DecodeWorker``'s, or a
-    fake in tests). Every call is made on the worker's event loop."""
+    fake in tests); its ``link`` and ``pull`` are the ``Puller`` its leased pull runs
+    on. Every call is made on the worker's event loop."""
 
     spec: DecodeWorkerSpec
 
@@ -152,22 +155,14 @@ class DecodeSide(Protocol):
         """Run a call to a source without awaiting it (its failure is logged)."""
 
 
-async def free_held(
-    side: DecodeSide,
-    request_id: str,
-    pull: asyncio.Future | None,
-    export_holder: PrefillPeer | DecodePeer | None,
-) -> None:
-    """What a request that ends before RUNNING frees, in this order: a pull in flight is
-    awaited (bytes may still be landing in its blocks), the engine frees the blocks, and
-    an export not yet confirmed is released on the worker holding it (``export_holder``;
-    None when there is none), not awaited."""
-    if pull is not None:
-        with contextlib.suppress(BaseException):
-            await pull
-    side.free(request_id)
-    if export_holder is not None:
-        side.background(export_holder.abort(request_id))
+async def end_import(side: DecodeSide, request_id: str, lease: LeasedPull | None) -> None:
+    """What a request that ends before RUNNING frees: its blocks in the engine, after a
+    pull in flight ended, and an export not yet confirmed released on the worker
+    holding it, in ``LeasedPull.end``'s order (no lease yet: the blocks alone)."""
+    if lease is None:
+        side.free(request_id)
+    else:
+        await lease.end(lambda: side.free(request_id))
 
 
 @dataclass(frozen=True)
@@ -194,7 +189,7 @@ class Handover:
         self._side = side
         self._phase = Phase.HOLDING
         self._first: asyncio.Future[PrefillResult] | None = None  # the source's result, once on its way
-        self._pull: asyncio.Future | None = None  # the pull, from PULLING on
+        self._lease: LeasedPull | None = None  # the export's pull, from LINKING on
         self._pulled_s = 0.0  # the pull's own time, once it ended
 
     @property
@@ -263,22 +258,14 @@ class Handover:
         if handoff is None:  # it ended at its first token: nothing was exported
             return None
         self._to(Phase.LINKING)
-        await self._side.link(self.task.source, handoff)
+        side, rid = self._side, self.request_id
+        self._lease = LeasedPull(side, self.task.source, rid, side.background, f"request {rid}")
+        await self._lease.link(handoff)
         self._to(Phase.WAITING_FOR_BLOCKS)
-        blocks = await self._side.admit(self.task, self._deadline, handoff.remaining_lease())
+        blocks = await side.admit(self.task, self._deadline, handoff.remaining_lease())
         self._to(Phase.PULLING)
-        timeout = self._side.spec.transfer_timeout_s
-        if self._deadline is not None:
-            timeout = max(0.001, min(timeout, self._deadline - time.monotonic()))
-        t0 = time.perf_counter()
-        self._pull = asyncio.ensure_future(self._side.pull(handoff, blocks, timeout))
-        confirmations, waited = await asyncio.shield(self._pull)
-        self._pulled_s = time.perf_counter() - t0 - waited  # not the time the source took to compute
-        if handoff.remaining_lease() <= 0:
-            raise LeaseExpired(f"the KV lease of request {self.request_id} ran out")
-        undelivered = tuple(c for c in confirmations if not c.delivered)
-        if undelivered:
-            self._side.background(self.task.source.confirm(undelivered))
+        pulled = await self._lease.pull(handoff, blocks, pull_timeout(side.spec, self._deadline))
+        self._pulled_s = pulled.pulled_s - pulled.waited_s  # not the time the source took to compute
         self._to(Phase.ACTIVATING)
         return await self._first
 
@@ -292,8 +279,7 @@ class Handover:
 
     async def _end(self) -> None:
         """ENDED, freeing what the phase held (the module docstring's order)."""
-        holder = self.task.source if self._phase in EXPORT_UNCONFIRMED else None
-        await free_held(self._side, self.request_id, self._pull, holder)
+        await end_import(self._side, self.request_id, self._lease)
         self._to(Phase.ENDED)
 
     def _to(self, phase: Phase) -> None:
@@ -340,6 +326,14 @@ class Handover:
                 prompt_logprobs=result.prompt_logprobs,
             )
         )
+
+
+def pull_timeout(spec: DecodeWorkerSpec, deadline: float | None) -> float:
+    """How long a pull may take: the worker's ``transfer_timeout_s``, within the request's
+    ``deadline`` (``time.monotonic()``; None: none)."""
+    if deadline is None:
+        return spec.transfer_timeout_s
+    return max(0.001, min(spec.transfer_timeout_s, deadline - time.monotonic()))
 
 
 async def _prefill_event(events, rid: str, kv_began: bool, accepted: bool = True) -> PrefillEvent:

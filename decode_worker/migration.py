@@ -31,17 +31,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from splitserve.decode_worker.handover import (
-    EXPORT_UNCONFIRMED,
-    DecodeSide,
-    Ending,
-    Phase,
-    free_held,
-    transitions,
-)
+from splitserve.decode_worker.handover import DecodeSide, Ending, Phase, end_import, pull_timeout, transitions
 from splitserve.decode_worker.outbox import Outbox
+from splitserve.kv_transfer.leased_pull import LeasedPull
 from splitserve.wire.decode import DecodeTask, TokenBatch
-from splitserve.wire.errors import LeaseExpired
 
 _NEXT = transitions((Phase.LINKING, Phase.WAITING_FOR_BLOCKS, Phase.PULLING, Phase.ACTIVATING, Phase.RUNNING))
 
@@ -60,7 +53,10 @@ class Migration:
         self._outbox = outbox
         self._side = side
         self._phase = Phase.LINKING
-        self._pull: asyncio.Future | None = None
+        # the export's pull, from LINKING on: the other worker holds the export from the start
+        self._lease = LeasedPull(
+            side, task.moved_from, task.request_id, side.background, f"moved request {task.request_id}"
+        )
 
     @property
     def phase(self) -> Phase:
@@ -80,35 +76,22 @@ class Migration:
         return ending
 
     async def _take_over(self) -> None:
-        moved, peer, side = self.task.moved, self.task.moved_from, self._side
-        handoff = moved.handoff
-        await side.link(peer, handoff)
+        handoff, side = self.task.moved.handoff, self._side
+        await self._lease.link(handoff)
         self._to(Phase.WAITING_FOR_BLOCKS)
         blocks = await side.admit(self.task, self._deadline, handoff.remaining_lease())
         self._to(Phase.PULLING)
-        timeout = side.spec.transfer_timeout_s
-        if self._deadline is not None:
-            timeout = max(0.001, min(timeout, self._deadline - time.monotonic()))
-        t0 = time.perf_counter()
-        self._pull = asyncio.ensure_future(side.pull(handoff, blocks, timeout))
-        confirmations, _ = await asyncio.shield(self._pull)
-        pulled_s = time.perf_counter() - t0
-        if handoff.remaining_lease() <= 0:
-            raise LeaseExpired(f"the KV lease of moved request {self.request_id} ran out")
-        undelivered = tuple(c for c in confirmations if not c.delivered)
-        if undelivered:
-            side.background(peer.confirm(undelivered))
+        pulled = await self._lease.pull(handoff, blocks, pull_timeout(side.spec, self._deadline))
         self._to(Phase.ACTIVATING)
         # before any token: the pull's time, and when this worker took the request into its batch
         self._outbox.put(
-            TokenBatch(self.request_id, [], "", [], [], None, 0, pulled_s, started_at=time.time())
+            TokenBatch(self.request_id, [], "", [], [], None, 0, pulled.pulled_s, started_at=time.time())
         )
         await side.activate(self.request_id, [])
         self._to(Phase.RUNNING)
 
     async def _end(self) -> None:
-        holder = self.task.moved_from if self._phase in EXPORT_UNCONFIRMED else None
-        await free_held(self._side, self.request_id, self._pull, holder)
+        await end_import(self._side, self.request_id, self._lease)
         self._to(Phase.ENDED)
 
     def _to(self, phase: Phase) -> None:

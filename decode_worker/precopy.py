@@ -25,12 +25,11 @@ move does not follow within the lease (the router gave up, or is gone) is freed
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from splitserve.decode_worker.pulls import KVPuller
+from splitserve.kv_transfer.leased_pull import LeasedPull, Puller
 from splitserve.wire.background import Background
 from splitserve.wire.decode import PreCopy, RunningLoan
 from splitserve.wire.errors import PeerLost, SplitserveError
@@ -44,7 +43,7 @@ class PreCopier:
     """Copies moving requests' KV into one engine ahead of their moves. On the worker's
     asyncio loop."""
 
-    def __init__(self, worker_id: str, puller: KVPuller, block_size: int, call: EngineCall, lease_s: float):
+    def __init__(self, worker_id: str, puller: Puller, block_size: int, call: EngineCall, lease_s: float):
         """``lease_s``: how long a copy waits for its move before it is freed."""
         self.worker_id = worker_id
         self.block_size = block_size
@@ -75,31 +74,25 @@ class PreCopier:
             raise
         except SplitserveError as e:  # no room, or nothing to copy yet: the move copies it all
             return self._failed(task, e)
-        loan_id, moving, asked = f"{rid}/precopy", None, False
+        loan_id, lease = f"{rid}/precopy", None
         try:
             async with asyncio.timeout(task.timeout_s):
                 if blocks:
                     tokens = [*task.prompt_token_ids, *task.output_token_ids][: (held + len(blocks)) * bs]
-                    asked = True
+                    what = f"the KV copied ahead of moving request {rid}"
+                    lease = LeasedPull(self._puller, task.holder, loan_id, self._background.run, what)
                     loaned = await task.holder.lend_running(RunningLoan(loan_id, rid, tokens, held))
                     if loaned is None:
                         raise PeerLost(f"{task.holder_id} holds none of the blocks it was asked for")
-                    (desc,) = loaned.descriptors
-                    got = blocks[: len(desc.block_ids)]
-                    await self._puller.link(task.holder, loaned)
-                    timeout = max(0.001, desc.remaining_lease())
-                    moving = asyncio.ensure_future(self._puller.pull(loaned, got, timeout))
-                    confirmations, _ = await asyncio.shield(moving)
-                    undelivered = tuple(c for c in confirmations if not c.delivered)
-                    if undelivered:
-                        self._background.run(task.holder.confirm(undelivered))
-                    blocks = got
+                    blocks = blocks[: len(loaned.descriptors[0].block_ids)]
+                    await lease.link(loaned)
+                    await lease.pull(loaned, blocks, task.timeout_s)
                 await self._call(lambda e: e.fill_moving(rid, held + len(blocks)))
         except asyncio.CancelledError:
-            await self._give_up(task, loan_id, asked, moving)
+            await self._give_up(rid, lease)
             raise
         except Exception as e:  # whatever it was, the move copies it all
-            await self._give_up(task, loan_id, asked, moving)
+            await self._give_up(rid, lease)
             return self._failed(task, e)
         self.copies += 1
         self.held[rid] = asyncio.get_running_loop().call_later(self.lease_s, self._expire, rid)
@@ -125,15 +118,11 @@ class PreCopier:
             )
             self._background.run(self._call(lambda e: e.abort(request_id)))
 
-    async def _give_up(self, task: PreCopy, loan_id: str, asked: bool, moving) -> None:
+    async def _give_up(self, rid: str, lease: LeasedPull | None) -> None:
         """Free the reserved blocks once no pull writes into them; release the loan if the
         holder was asked for one (it may have lent it after this side gave up)."""
-        if moving is not None:
-            with contextlib.suppress(BaseException):
-                await moving
-        if asked:
-            self._background.run(task.holder.abort(loan_id))
-        await self._call(lambda e: e.abort(task.request_id))
+        free = lambda: self._call(lambda e: e.abort(rid))  # noqa: E731
+        await (free() if lease is None else lease.end(free))
 
     def _failed(self, task: PreCopy, error: Exception) -> int:
         self.failures += 1

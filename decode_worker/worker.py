@@ -14,7 +14,7 @@ A request's life here::
         (decode_worker.handover, its phases as SGLang's decode side names its queues)
         prefills it there, passes the first token on at once, links, waits in the
         admission queue (decode_worker.admission) for blocks, pulls the KV on every
-        rank (decode_worker.pulls), confirms it, and activates it --RUNNING-- tokens
+        rank (kv_transfer.puller), confirms it, and activates it --RUNNING-- tokens
         --> finished
     start(outbox, task) without one (colocated, a short prompt by policy, a request
     resumed or recomputed):
@@ -67,12 +67,12 @@ from splitserve.decode_worker.migration import Migration
 from splitserve.decode_worker.mover import RequestMover
 from splitserve.decode_worker.outbox import Outbox
 from splitserve.decode_worker.precopy import PreCopier
-from splitserve.decode_worker.pulls import KVPuller
 from splitserve.decode_worker.token_server import TokenServer
 from splitserve.decode_worker.tp import join_decode_group, rank_sink
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.parallel.worker_group import Heartbeats
+from splitserve.kv_transfer.puller import KVPuller
 from splitserve.wire.background import Background
 from splitserve.wire.decode import (
     DecodePeer,

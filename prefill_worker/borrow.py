@@ -7,8 +7,9 @@ the prompt enters the engine, ``PrefixBorrower.borrow``::
 
     engine.reserve_prefix   hold the prefix blocks this engine has, allocate the rest
     holder.lend_prefix      the holder exports the blocks after those (a lease)
-    link                    the holder's handshake, once per holder incarnation
-    sink.pull               the bytes over the transfer backend, verified per layer;
+    link, pull              a leased pull (``kv_transfer.leased_pull``) by the worker's
+                            ``KVPuller``: the holder's handshake once per incarnation,
+                            the bytes over the transfer backend, verified per layer,
                             confirmed to the holder (by the backend, or by confirm)
     -> Borrowed             the caller adopts the blocks (engine.adopt_prefix) and adds
                             the prompt in the same engine call: the prompt finds them cached
@@ -26,17 +27,14 @@ otherwise (it returns None).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.kv_transfer.sink import KVSink
+from splitserve.kv_transfer.leased_pull import LeasedPull, Puller
 from splitserve.wire.background import Background
 from splitserve.wire.errors import Overloaded, PeerLost, SplitserveError
-from splitserve.wire.kv import KVHandoff
 from splitserve.wire.prefill import PrefillTask, PrefixLoan, PrefixPull
 
 log = logging.getLogger(__name__)
@@ -56,19 +54,17 @@ class Borrowed:
 
 
 class PrefixBorrower:
-    """Pulls prefixes into one engine's cache. Used from the worker's asyncio loop;
-    ``sink`` is driven by one thread of its own."""
+    """Pulls prefixes into one engine's cache. Used from the worker's asyncio loop."""
 
-    def __init__(self, worker_id: str, sink: KVSink, block_size: int, call: EngineCall, timeout_s: float):
-        """``timeout_s`` bounds one borrow (the loan, the link and the pull; a task's own
-        ``timeout_s``, if shorter)."""
+    def __init__(self, worker_id: str, puller: Puller, block_size: int, call: EngineCall, timeout_s: float):
+        """``puller``: the worker's (its handshakes and transfer thread); ``timeout_s``
+        bounds one borrow (the loan, the link and the pull; a task's own ``timeout_s``,
+        if shorter)."""
         self.worker_id = worker_id
-        self.sink = sink
         self.block_size = block_size
         self.timeout_s = timeout_s
+        self._puller = puller
         self._call = call
-        self._transfer = ThreadPoolExecutor(1, thread_name_prefix=f"{worker_id}-borrow")
-        self._peers: dict[str, tuple[str, ...]] = {}  # holder id -> incarnations the sink is linked to
         self._background = Background()  # confirmations and releases to holders, not awaited
         self.pulls = 0  # borrows that moved KV in
         self.failures = 0  # borrows that moved nothing (the prompt computed it)
@@ -88,61 +84,27 @@ class PrefixBorrower:
             return self._failed(task, pull, e)
         if not blocks:  # it holds them all already
             return Borrowed(loan_id, held, 0, "")
-        asked = False
-        moving = None
         limit = self.timeout_s if task.timeout_s is None else min(self.timeout_s, task.timeout_s)
+        what = f"the prefix of request {task.request_id}"
+        lease = LeasedPull(self._puller, pull.holder, loan_id, self._background.run, what)
         try:
             async with asyncio.timeout(limit):
-                asked = True
                 loaned = await pull.holder.lend_prefix(PrefixLoan(loan_id, prefix, held))
                 if loaned is None:
                     raise PeerLost(f"{pull.holder_id} holds none of the blocks it was asked for")
-                (desc,) = loaned.descriptors
-                got = blocks[: len(desc.block_ids)]
-                await self._link(pull, loaned)
-                timeout = max(0.001, min(limit, desc.remaining_lease()))
-                moving = asyncio.get_running_loop().run_in_executor(
-                    self._transfer, self.sink.pull, desc, got, timeout
-                )
-                confirmation = await asyncio.shield(moving)
+                got = blocks[: len(loaned.descriptors[0].block_ids)]
+                await lease.link(loaned)
+                await lease.pull(loaned, got, limit)
         except asyncio.CancelledError:
-            await self._give_up(loan_id, pull, asked, moving)
+            await lease.end(lambda: self._call(lambda e: e.abort(loan_id)))
             raise
         except Exception as e:  # whatever it was, the prompt is computed instead
-            await self._give_up(loan_id, pull, asked, moving)
+            await lease.end(lambda: self._call(lambda e: e.abort(loan_id)))
             return self._failed(task, pull, e)
-        if not confirmation.delivered:
-            self._background.run(pull.holder.confirm((confirmation,)))
         self.pulls += 1
         return Borrowed(loan_id, held + len(got), len(got) * bs, pull.holder_id)
 
-    def close(self) -> None:
-        self._transfer.shutdown(wait=True)
-        self.sink.close()
-
     # ---- internals ---------------------------------------------------------------
-    async def _link(self, pull: PrefixPull, loaned: KVHandoff) -> None:
-        """Hold the handshake of the holder's incarnation that lent ``loaned``."""
-        if self._peers.get(pull.holder_id) == loaned.incarnations:
-            return
-        info = await pull.holder.info()
-        if tuple(hs.incarnation for hs in info.handshakes) != loaned.incarnations:
-            raise PeerLost(f"prefill worker {pull.holder_id} restarted since it lent the prefix")
-        loop = asyncio.get_running_loop()
-        for hs in info.handshakes:
-            await loop.run_in_executor(self._transfer, self.sink.connect, hs)
-        self._peers[pull.holder_id] = loaned.incarnations
-
-    async def _give_up(self, loan_id: str, pull: PrefixPull, asked: bool, moving) -> None:
-        """Free the reserved blocks here once no pull writes into them; release the loan
-        if the holder was asked for one (it may have lent it after this side gave up)."""
-        if moving is not None:
-            with contextlib.suppress(BaseException):
-                await moving
-        if asked:
-            self._background.run(pull.holder.abort(loan_id))
-        await self._call(lambda e: e.abort(loan_id))
-
     def _failed(self, task: PrefillTask, pull: PrefixPull, error: Exception) -> None:
         self.failures += 1
         why = f"{error.__class__.__name__}: {error}" if str(error) else error.__class__.__name__

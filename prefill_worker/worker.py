@@ -54,7 +54,8 @@ from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.exports import ExportLedger
 from splitserve.kv_transfer.layerwise import LayerExporter
 from splitserve.kv_transfer.polling import SourcePoller
-from splitserve.kv_transfer.tp_mapping import readers_per_rank
+from splitserve.kv_transfer.puller import KVPuller
+from splitserve.kv_transfer.tp_mapping import RankSink, readers_per_rank
 from splitserve.prefill_worker.borrow import PrefixBorrower
 from splitserve.prefill_worker.tp import OtherRanks, join_prefill_group
 from splitserve.prefill_worker.waiter import Waiter
@@ -118,12 +119,17 @@ class PrefillWorker:
             readers=self._stream_readers,
         )
         self.borrower: PrefixBorrower | None = None  # pulls prefixes from other prefill workers
+        self.puller: KVPuller | None = None  # what the borrower pulls them with
         if self.tp.size == 1:
             self.engine.layer_observer = self.exporter
-            sink = backend.sink(f"{spec.worker_id}/borrow", self.engine.kv_cache.tensor, compat)
+            most = -(-self.engine.max_model_len // spec.engine.block_size)  # a loan's blocks at most
+            sink = RankSink(
+                f"{spec.worker_id}/borrow", self.engine.kv_cache.tensor, compat, backend.sink, most
+            )
+            self.puller = KVPuller(spec.worker_id, sink, (), None)
             call = lambda fn: asyncio.wrap_future(self.loop.call(fn))  # noqa: E731
             timeout = spec.transfer_timeout_s or spec.lease_s
-            self.borrower = PrefixBorrower(spec.worker_id, sink, spec.engine.block_size, call, timeout)
+            self.borrower = PrefixBorrower(spec.worker_id, self.puller, spec.engine.block_size, call, timeout)
         # before the loop starts: its first tick takes the lease ends the poller reported
         self._poller = SourcePoller(self.source, self._source_lock, f"{spec.worker_id}-kv-poll")
         if loop is None:
@@ -296,8 +302,8 @@ class PrefillWorker:
             self.engine.stop_followers()
         with self._source_lock:
             self.source.close()
-        if self.borrower is not None:
-            self.borrower.close()
+        if self.puller is not None:
+            self.puller.close()
         self.tp.destroy()
 
     # ---- the engine loop thread ----------------------------------------------------

@@ -1,12 +1,14 @@
-"""A decode worker's end of the KV data plane: the handshakes it holds per source,
-and each pull run on every rank that takes the KV.
+"""A worker's end of the KV data plane: the handshakes it holds per source, and each
+pull run on every rank that takes the KV. One per worker that takes KV from elsewhere
+(a decode worker; a prefill worker borrowing prefixes), under every leased pull it
+makes (``kv_transfer.leased_pull``).
 
 ``KVPuller`` owns rank 0's ``RankSink`` (driven by one transfer thread, since a
-sink is not thread-safe: pulls overlap the engine's decode steps) and calls the
-other ranks of a TP group (``decode_worker.tp``) to pull their KV heads at the
-same time. Handshakes cross once per source incarnation (``link``); a pull
-returns or raises only once every rank's pull ended, because until then bytes
-may be landing in the blocks. On the worker's event loop.
+sink is not thread-safe: pulls overlap the engine's steps) and calls the other
+ranks of a TP group (``decode_worker.tp``) to pull their KV heads at the same
+time. Handshakes cross once per source incarnation (``link``); a pull returns or
+raises only once every rank's pull ended, because until then bytes may be landing
+in the blocks. On the worker's event loop.
 """
 
 from __future__ import annotations
