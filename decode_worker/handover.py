@@ -76,7 +76,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from splitserve.decode_worker.outbox import Outbox
-from splitserve.kv_transfer.leased_pull import LeasedPull
+from splitserve.kv_transfer.leased_pull import LeasedPull, Pulled
 from splitserve.wire.decode import DecodePeer, DecodeTask, DecodeWorkerSpec, Prefilled, TokenBatch
 from splitserve.wire.errors import PeerLost, PrefillLost, PrefillUnreachable, WorkerLost
 from splitserve.wire.kv import Confirmation, KVHandoff
@@ -155,16 +155,6 @@ class DecodeSide(Protocol):
         """Run a call to a source without awaiting it (its failure is logged)."""
 
 
-async def end_import(side: DecodeSide, request_id: str, lease: LeasedPull | None) -> None:
-    """What a request that ends before RUNNING frees: its blocks in the engine, after a
-    pull in flight ended, and an export not yet confirmed released on the worker
-    holding it, in ``LeasedPull.end``'s order (no lease yet: the blocks alone)."""
-    if lease is None:
-        side.free(request_id)
-    else:
-        await lease.end(lambda: side.free(request_id))
-
-
 @dataclass(frozen=True)
 class Ending:
     """How a handover that did not reach RUNNING ends its request: with ``error``, or,
@@ -173,7 +163,79 @@ class Ending:
     error: Exception | None
 
 
-class Handover:
+class WayIn:
+    """What a request's way into this worker's batch with KV from elsewhere (a
+    ``Handover``, a ``decode_worker.migration.Migration``) is made of: its phases, from
+    ``first`` along ``next`` (a ``transitions`` table), the export's leased pull from
+    LINKING to ACTIVATING, and its end, which frees what the phase held."""
+
+    def __init__(
+        self,
+        task: DecodeTask,
+        deadline: float | None,
+        outbox: Outbox,
+        side: DecodeSide,
+        first: Phase,
+        next: dict[Phase, frozenset[Phase]],
+    ):
+        """``deadline``: the request's, in ``time.monotonic()``, or None."""
+        self.task = task
+        self.request_id = task.request_id
+        self._deadline = deadline
+        self._outbox = outbox
+        self._side = side
+        self._phase = first
+        self._next = next
+        self._lease: LeasedPull | None = None  # the export's pull, from LINKING on
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    async def _pull_in(self, lender: PrefillPeer | DecodePeer, handoff: KVHandoff) -> Pulled:
+        """LINKING to ACTIVATING: the export ``lender`` holds, pulled into blocks from the
+        admission queue, verified and confirmed."""
+        side, rid = self._side, self.request_id
+        what = f"{type(self).__name__.lower()} of request {rid}"
+        self._lease = LeasedPull(side, lender, rid, side.background, what)
+        await self._lease.link(handoff)
+        self._to(Phase.WAITING_FOR_BLOCKS)
+        blocks = await side.admit(self.task, self._deadline, handoff.remaining_lease())
+        self._to(Phase.PULLING)
+        pulled = await self._lease.pull(handoff, blocks, pull_timeout(side.spec, self._deadline))
+        self._to(Phase.ACTIVATING)
+        return pulled
+
+    async def _activate(self, pulled_s: float, output_token_ids: list[int]) -> None:
+        """ACTIVATING to RUNNING. The pull's time and when this worker took the request into
+        its batch are reported first, so that they reach the consumer before any token."""
+        self._outbox.put(
+            TokenBatch(self.request_id, [], "", [], [], None, 0, pulled_s, started_at=time.time())
+        )
+        await self._side.activate(self.request_id, output_token_ids)
+        self._to(Phase.RUNNING)
+
+    async def _end(self) -> None:
+        """ENDED, freeing what the phase held: the blocks in the engine, after a pull in
+        flight ended, and an export not yet confirmed released on the worker holding it
+        (``LeasedPull.end``'s order; before LINKING, the blocks alone)."""
+        rid = self.request_id
+        if self._lease is None:
+            self._side.free(rid)
+        else:
+            await self._lease.end(lambda: self._side.free(rid))
+        self._to(Phase.ENDED)
+
+    def _to(self, phase: Phase) -> None:
+        if phase not in self._next[self._phase]:
+            raise RuntimeError(
+                f"{type(self).__name__.lower()} of {self.request_id}: "
+                f"no transition {self._phase.name} -> {phase.name}"
+            )
+        self._phase = phase
+
+
+class Handover(WayIn):
     """One imported request from its start to RUNNING or ENDED. The worker makes it when
     it accepts the task and runs ``run`` as a task; cancelling that task (abort,
     deadline) ends the handover, freeing what its phase held."""
@@ -182,19 +244,8 @@ class Handover:
         """``deadline``: the request's, in ``time.monotonic()``, or None."""
         if task.source is None:
             raise ValueError("a handover takes a request from a source")
-        self.task = task
-        self.request_id = task.request_id
-        self._deadline = deadline
-        self._outbox = outbox
-        self._side = side
-        self._phase = Phase.HOLDING
+        super().__init__(task, deadline, outbox, side, Phase.HOLDING, _NEXT)
         self._first: asyncio.Future[PrefillResult] | None = None  # the source's result, once on its way
-        self._lease: LeasedPull | None = None  # the export's pull, from LINKING on
-        self._pulled_s = 0.0  # the pull's own time, once it ended
-
-    @property
-    def phase(self) -> Phase:
-        return self._phase
 
     async def run(self) -> Ending | None:
         """Take the request over: None once it is RUNNING; else, ENDED, how it ends (its
@@ -203,7 +254,7 @@ class Handover:
         try:
             result = await self._take_over()
             if result is not None and result.finish_reason is None:
-                await self._activate(result)
+                await self._activate(self._pulled_s, result.output_token_ids)
                 return None
             ending = Ending(None)  # it ended at its first token: the consumer has that end
         except asyncio.CancelledError:
@@ -258,36 +309,9 @@ class Handover:
         if handoff is None:  # it ended at its first token: nothing was exported
             return None
         self._to(Phase.LINKING)
-        side, rid = self._side, self.request_id
-        self._lease = LeasedPull(side, self.task.source, rid, side.background, f"request {rid}")
-        await self._lease.link(handoff)
-        self._to(Phase.WAITING_FOR_BLOCKS)
-        blocks = await side.admit(self.task, self._deadline, handoff.remaining_lease())
-        self._to(Phase.PULLING)
-        pulled = await self._lease.pull(handoff, blocks, pull_timeout(side.spec, self._deadline))
+        pulled = await self._pull_in(self.task.source, handoff)
         self._pulled_s = pulled.pulled_s - pulled.waited_s  # not the time the source took to compute
-        self._to(Phase.ACTIVATING)
         return await self._first
-
-    async def _activate(self, result: PrefillResult) -> None:
-        # Reported before activation, so that it reaches the consumer before any token.
-        self._outbox.put(
-            TokenBatch(self.request_id, [], "", [], [], None, 0, self._pulled_s, started_at=time.time())
-        )
-        await self._side.activate(self.request_id, result.output_token_ids)
-        self._to(Phase.RUNNING)
-
-    async def _end(self) -> None:
-        """ENDED, freeing what the phase held (the module docstring's order)."""
-        await end_import(self._side, self.request_id, self._lease)
-        self._to(Phase.ENDED)
-
-    def _to(self, phase: Phase) -> None:
-        if phase not in _NEXT[self._phase]:
-            raise RuntimeError(
-                f"handover of {self.request_id}: no transition {self._phase.name} -> {phase.name}"
-            )
-        self._phase = phase
 
     # ---- the source's first token --------------------------------------------------
     async def _first_token(self, events, handoff: KVHandoff, exported_at: float) -> PrefillResult:

@@ -29,17 +29,15 @@ with its tokens instead, as after any failed transfer).
 from __future__ import annotations
 
 import asyncio
-import time
 
-from splitserve.decode_worker.handover import DecodeSide, Ending, Phase, end_import, pull_timeout, transitions
+from splitserve.decode_worker.handover import DecodeSide, Ending, Phase, WayIn, transitions
 from splitserve.decode_worker.outbox import Outbox
-from splitserve.kv_transfer.leased_pull import LeasedPull
-from splitserve.wire.decode import DecodeTask, TokenBatch
+from splitserve.wire.decode import DecodeTask
 
 _NEXT = transitions((Phase.LINKING, Phase.WAITING_FOR_BLOCKS, Phase.PULLING, Phase.ACTIVATING, Phase.RUNNING))
 
 
-class Migration:
+class Migration(WayIn):
     """One moved request from its start here to RUNNING or ENDED; run as a task by the
     worker (cancelling it ends the migration, freeing what its phase held)."""
 
@@ -47,25 +45,13 @@ class Migration:
         """``deadline``: the request's, in ``time.monotonic()``, or None."""
         if task.moved is None or task.moved_from is None:
             raise ValueError("a migration takes a request moved from another decode worker")
-        self.task = task
-        self.request_id = task.request_id
-        self._deadline = deadline
-        self._outbox = outbox
-        self._side = side
-        self._phase = Phase.LINKING
-        # the export's pull, from LINKING on: the other worker holds the export from the start
-        self._lease = LeasedPull(
-            side, task.moved_from, task.request_id, side.background, f"moved request {task.request_id}"
-        )
-
-    @property
-    def phase(self) -> Phase:
-        return self._phase
+        super().__init__(task, deadline, outbox, side, Phase.LINKING, _NEXT)
 
     async def run(self) -> Ending | None:
         """None once the request is RUNNING here; else, ENDED, the error it ends with."""
         try:
-            await self._take_over()
+            pulled = await self._pull_in(self.task.moved_from, self.task.moved.handoff)
+            await self._activate(pulled.pulled_s, [])
             return None
         except asyncio.CancelledError:
             await self._end()
@@ -74,29 +60,3 @@ class Migration:
             ending = Ending(e)
         await self._end()
         return ending
-
-    async def _take_over(self) -> None:
-        handoff, side = self.task.moved.handoff, self._side
-        await self._lease.link(handoff)
-        self._to(Phase.WAITING_FOR_BLOCKS)
-        blocks = await side.admit(self.task, self._deadline, handoff.remaining_lease())
-        self._to(Phase.PULLING)
-        pulled = await self._lease.pull(handoff, blocks, pull_timeout(side.spec, self._deadline))
-        self._to(Phase.ACTIVATING)
-        # before any token: the pull's time, and when this worker took the request into its batch
-        self._outbox.put(
-            TokenBatch(self.request_id, [], "", [], [], None, 0, pulled.pulled_s, started_at=time.time())
-        )
-        await side.activate(self.request_id, [])
-        self._to(Phase.RUNNING)
-
-    async def _end(self) -> None:
-        await end_import(self._side, self.request_id, self._lease)
-        self._to(Phase.ENDED)
-
-    def _to(self, phase: Phase) -> None:
-        if phase not in _NEXT[self._phase]:
-            raise RuntimeError(
-                f"migration of {self.request_id}: no transition {self._phase.name} -> {phase.name}"
-            )
-        self._phase = phase

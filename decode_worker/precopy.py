@@ -29,7 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from splitserve.kv_transfer.leased_pull import LeasedPull, Puller
+from splitserve.kv_transfer.leased_pull import LeasedPull, Puller, why_failed
 from splitserve.wire.background import Background
 from splitserve.wire.decode import PreCopy, RunningLoan
 from splitserve.wire.errors import PeerLost, SplitserveError
@@ -126,14 +126,13 @@ class PreCopier:
 
     def _failed(self, task: PreCopy, error: Exception) -> int:
         self.failures += 1
-        why = f"{error.__class__.__name__}: {error}" if str(error) else error.__class__.__name__
-        expected = isinstance(error, SplitserveError | TimeoutError)  # others: with their traceback
+        why, traceback = why_failed(error)
         log.warning(
             "%s: copying %s's KV of moving request %s ahead failed (%s); the move copies it all",
             self.worker_id,
             task.holder_id,
             task.request_id,
             why,
-            exc_info=None if expected else error,
+            exc_info=traceback,
         )
         return 0

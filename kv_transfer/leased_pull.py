@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from splitserve.wire.errors import LeaseExpired
+from splitserve.wire.errors import LeaseExpired, SplitserveError
 from splitserve.wire.kv import Confirmation, KVHandoff
 
 
@@ -167,3 +167,12 @@ class LeasedPull:
     def _require(self, state: LeaseState, step: str) -> None:
         if self._state is not state:
             raise RuntimeError(f"leased pull of {self.what}: {step} in state {self._state.name}")
+
+
+def why_failed(error: BaseException) -> tuple[str, BaseException | None]:
+    """How a caller that falls back after a failed pull logs it: the error's class and
+    message, and the error itself where its traceback is worth logging (not one of
+    splitserve's own errors, nor a timeout)."""
+    why = f"{error.__class__.__name__}: {error}" if str(error) else error.__class__.__name__
+    expected = isinstance(error, SplitserveError | TimeoutError)
+    return why, None if expected else error

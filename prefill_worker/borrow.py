@@ -32,9 +32,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.kv_transfer.leased_pull import LeasedPull, Puller
+from splitserve.kv_transfer.leased_pull import LeasedPull, Puller, why_failed
 from splitserve.wire.background import Background
-from splitserve.wire.errors import Overloaded, PeerLost, SplitserveError
+from splitserve.wire.errors import Overloaded, PeerLost
 from splitserve.wire.prefill import PrefillTask, PrefixLoan, PrefixPull
 
 log = logging.getLogger(__name__)
@@ -107,14 +107,13 @@ class PrefixBorrower:
     # ---- internals ---------------------------------------------------------------
     def _failed(self, task: PrefillTask, pull: PrefixPull, error: Exception) -> None:
         self.failures += 1
-        why = f"{error.__class__.__name__}: {error}" if str(error) else error.__class__.__name__
-        expected = isinstance(error, SplitserveError | TimeoutError)  # others: with their traceback
+        why, traceback = why_failed(error)
         log.warning(
             "%s: pulling %s's prefix of %s failed (%s); computing it",
             self.worker_id,
             pull.holder_id,
             task.request_id,
             why,
-            exc_info=None if expected else error,
+            exc_info=traceback,
         )
         return None
