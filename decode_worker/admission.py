@@ -17,7 +17,8 @@ it, and nothing starves. The head is tried again when the engine frees blocks
 - its lease had (all but) ended when it arrived: ``LeaseExpired``, a transfer
   failure (the router recomputes, under ``transfer.on_failure: recompute``).
 
-One asyncio loop owns the queue; ``wake_threadsafe`` may be called from any thread.
+One asyncio loop owns the queue, the one its first ``admit`` ran on (it may be made
+before); ``wake_threadsafe`` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class AdmissionQueue:
         self.lease_margin_s = lease_margin_s
         self._queue: deque[_Waiting] = deque()
         self._wake = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the owner's, from the first admit on
         self._runner: asyncio.Task | None = None
 
     def __len__(self) -> int:
@@ -77,6 +78,7 @@ class AdmissionQueue:
                 f"decode worker {self.worker_id} has {len(self._queue)} requests waiting for KV blocks; "
                 "retry later"
             )
+        self._loop = asyncio.get_running_loop()
         lease_end = time.monotonic() + lease_s - self.lease_margin_s
         entry = _Waiting(request_id, allocate, deadline, lease_end)
         self._queue.append(entry)
@@ -97,7 +99,9 @@ class AdmissionQueue:
         self._wake.set()
 
     def wake_threadsafe(self) -> None:
-        self._loop.call_soon_threadsafe(self._wake.set)
+        """``wake`` from any thread (before any request came, nothing waits: no-op)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     def _drop(self, entry: _Waiting) -> None:
         with contextlib.suppress(ValueError):

@@ -56,17 +56,18 @@ clients the pool gave the constructor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 
 from splitserve.decode_worker.admission import AdmissionQueue
 from splitserve.decode_worker.handover import Handover, Phase
 from splitserve.decode_worker.migration import Migration
 from splitserve.decode_worker.mover import RequestMover
-from splitserve.decode_worker.outbox import Outbox
 from splitserve.decode_worker.precopy import PreCopier
+from splitserve.decode_worker.requests import RequestTable
+from splitserve.decode_worker.side import WorkerSide
 from splitserve.decode_worker.token_server import TokenServer
 from splitserve.decode_worker.tp import join_decode_group, rank_sink
 from splitserve.engine.engine import Engine
@@ -75,7 +76,6 @@ from splitserve.engine.parallel.worker_group import Heartbeats
 from splitserve.kv_transfer.puller import KVPuller
 from splitserve.wire.background import Background
 from splitserve.wire.decode import (
-    DecodePeer,
     DecodeRankPeer,
     DecodeStats,
     DecodeTask,
@@ -86,10 +86,10 @@ from splitserve.wire.decode import (
     RunningLoan,
     TokenBatch,
 )
-from splitserve.wire.errors import DeadlineExceeded, InvalidRequest, Overloaded, UnknownRequest, WorkerLost
+from splitserve.wire.errors import InvalidRequest, UnknownRequest, WorkerLost
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.outputs import RequestOutput
-from splitserve.wire.prefill import PrefillPeer, PrefixLoan
+from splitserve.wire.prefill import PrefixLoan
 from splitserve.wire.prefix import PrefixCursor
 
 log = logging.getLogger(__name__)
@@ -100,17 +100,6 @@ log = logging.getLogger(__name__)
 # Without them it would go by the prefill pool's rate, measured on other prompts (long ones,
 # slower per token), and allow no stall, which can keep every prompt away from here for good.
 RATE_PROBE_TOKENS = 128
-
-
-@dataclass(eq=False)
-class _Request:
-    """A request started here and not yet ended. On the actor's loop."""
-
-    request_id: str
-    outbox: Outbox
-    deadline: asyncio.TimerHandle | None = None  # ends it with DeadlineExceeded
-    handover: Handover | Migration | None = None  # an imported or moved-in request's way in
-    importing: asyncio.Task | None = None  # runs the handover
 
 
 class DecodeWorker:
@@ -156,12 +145,15 @@ class DecodeWorker:
             self.mover = RequestMover(spec.worker_id, self.engine, spec.backend, spec.lease_s)
             bs = self.engine.block_manager.block_size
             self.precopier = PreCopier(spec.worker_id, self.puller, bs, self._call, spec.lease_s)
-        self._side = _Side(self)  # what its handovers ask of it
         self._background = Background()  # confirmations and releases to sources, not awaited
-        self._admission: AdmissionQueue | None = None  # made on the actor's loop
+        # imported and moved-in requests wait here for blocks (on the actor's loop)
+        self._admission = AdmissionQueue(spec.worker_id, spec.max_admission_queue)
+        self._side: WorkerSide | None = None  # what its handovers ask of it (None: colocated)
+        if self.puller is not None:
+            parts = self._call, self._admission, self.puller, self._abort_in_engine, self._background.run
+            self._side = WorkerSide(spec, *parts)
         self._aloop: asyncio.AbstractEventLoop | None = None  # the actor's loop, once a request came
-        self._outboxes: dict[str, Outbox] = {}  # by outbox id (one per consumer)
-        self._requests: dict[str, _Request] = {}  # started and not yet ended
+        self.requests = RequestTable(self._abort_in_engine)  # started and not yet ended, and their outboxes
         self._tokens: TokenServer | None = None  # serves stream() over gRPC, from token_address()
         if own:
             self.start_engine()
@@ -199,23 +191,15 @@ class DecodeWorker:
         """The batches of the requests started on ``outbox_id``, every step's as one item
         (one ``TokenBatch`` per request that has news). Runs until the consumer closes
         it; then every request of the outbox still running is aborted."""
-        outbox = self._outbox(outbox_id)
-        if outbox.reading:
-            raise InvalidRequest(f"outbox {outbox_id!r} already has a reader")
-        outbox.reading = True
-        try:
-            while True:
-                yield await outbox.take()
-        finally:
-            for rid in [rid for rid, req in self._requests.items() if req.outbox is outbox]:
-                self._end(rid)
-            self._outboxes.pop(outbox_id, None)
+        async with contextlib.aclosing(self.requests.stream(outbox_id)) as batches:
+            async for batch in batches:
+                yield batch
 
     async def start(self, outbox_id: str, task: DecodeTask) -> None:
         """Accept ``task``; its tokens and its end come through ``outbox_id``'s stream.
         Raises (holding nothing) ``InvalidRequest``."""
         rid = task.request_id
-        if rid in self._requests:
+        if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         if task.source is not None or task.moved is not None:
             self._require_sink()
@@ -223,20 +207,15 @@ class DecodeWorker:
                 raise InvalidRequest("a task prefilled or moved elsewhere brings no output tokens of its own")
             if (task.moved is None) != (task.moved_from is None) or (task.moved and task.source):
                 raise InvalidRequest("a moved request comes with the worker it moved from, and no source")
-        self._aloop = loop = asyncio.get_running_loop()
+        self._aloop = asyncio.get_running_loop()
         if self.precopier is not None:  # a copy made ahead of its move is the move's now
             self.precopier.taken(rid)
-        outbox = self._outbox(outbox_id)
-        req = self._requests[rid] = _Request(rid, outbox)
-        deadline = None
-        if task.timeout_s is not None:
-            deadline = time.monotonic() + task.timeout_s
-            error = DeadlineExceeded(f"request {rid} ran past its {task.timeout_s:.3g} s")
-            req.deadline = loop.call_at(loop.time() + task.timeout_s, self._fail, rid, error)
+        req = self.requests.add(rid, outbox_id, task.timeout_s)
         if task.source is not None or task.moved is not None:
+            deadline = None if task.timeout_s is None else time.monotonic() + task.timeout_s
             way_in = Handover if task.source is not None else Migration
-            req.handover = way_in(task, deadline, outbox, self._side)
-            req.importing = asyncio.ensure_future(self._import(req))
+            req.handover = way_in(task, deadline, req.outbox, self._side)
+            req.importing = asyncio.ensure_future(self.requests.run_way_in(req))
             return
         try:
             await self._call(
@@ -245,7 +224,7 @@ class DecodeWorker:
                 )
             )
         except BaseException:
-            self._end(rid)
+            self.requests.end(rid)
             raise
 
     async def move_out(self, request_id: str, export: bool = True, from_block: int = 0) -> MovedRequest:
@@ -259,7 +238,7 @@ class DecodeWorker:
         being prefilled or handed over, ``UnknownRequest`` when it is not here (it ended)."""
         if export and self.mover is None:
             raise InvalidRequest(f"worker {self.worker_id} cannot move requests with their KV")
-        req = self._requests.get(request_id)
+        req = self.requests.get(request_id)
         if req is None:
             raise UnknownRequest(f"no request {request_id!r} runs on {self.worker_id}")
         if req.handover is not None and req.handover.phase != Phase.RUNNING:
@@ -273,7 +252,7 @@ class DecodeWorker:
         )
         # every step's tokens reached the outbox before this call's result did (one FIFO loop)
         req.outbox.put(TokenBatch.moved_away(request_id))
-        self._end(request_id, abort=False)
+        self.requests.end(request_id, abort=False)
         return moved
 
     async def precopy(self, task: PreCopy) -> int:
@@ -282,7 +261,7 @@ class DecodeWorker:
         leading blocks of it this worker holds now, for the move (``move_out``'s
         ``from_block``); 0, holding nothing, where it copied none (it cannot take KV this
         way, the request runs here, no room, the copy failed)."""
-        if self.precopier is None or task.request_id in self._requests:
+        if self.precopier is None or task.request_id in self.requests:
             return 0
         return await self.precopier.copy(task)
 
@@ -316,21 +295,21 @@ class DecodeWorker:
         Idempotent."""
         if self.precopier is not None:
             self.precopier.taken(request_id)
-        req = self._requests.get(request_id)
+        req = self.requests.get(request_id)
         if req is not None:
             req.outbox.drop(request_id)
             importing = req.importing
             if importing is not None and not importing.done():
-                self._end(request_id)  # its handover frees what its phase held (after a pull)
+                self.requests.end(request_id)  # its handover frees what its phase held (after a pull)
                 await asyncio.wait([importing])
                 return True
-            self._end(request_id, abort=False)
+            self.requests.end(request_id, abort=False)
         return await asyncio.wrap_future(self._abort_in_engine(request_id))
 
     async def stats(self, prefix_since: PrefixCursor | None = None) -> DecodeStats:
         """Load figures, and the prefix cache's changes since ``prefix_since``."""
         engine, prefix = await self._call(lambda e: (e.stats(), e.prefix_update(prefix_since)))
-        phases = [r.handover.phase for r in self._requests.values() if r.handover is not None]
+        phases = self.requests.phases()
         return DecodeStats(
             self.worker_id,
             engine,
@@ -355,35 +334,6 @@ class DecodeWorker:
     async def _call(self, fn):
         return await asyncio.wrap_future(self.loop.call(fn))
 
-    def _outbox(self, outbox_id: str) -> Outbox:
-        outbox = self._outboxes.get(outbox_id)
-        if outbox is None:
-            outbox = self._outboxes[outbox_id] = Outbox(outbox_id)
-        return outbox
-
-    def _end(self, rid: str, abort: bool = True) -> bool:
-        """Forget request ``rid``; with ``abort``, free what it holds in the engine (an
-        import in flight is cancelled and frees it once its pull is over). Returns
-        whether the request was here."""
-        req = self._requests.pop(rid, None)
-        if req is None:
-            return False
-        if req.deadline is not None:
-            req.deadline.cancel()
-        importing = req.importing
-        if importing is not None and not importing.done() and importing is not asyncio.current_task():
-            importing.cancel()
-        elif abort:
-            self._abort_in_engine(rid)
-        return True
-
-    def _fail(self, rid: str, error: Exception, abort: bool = True) -> None:
-        """End ``rid`` with ``error``, the last batch its consumer gets."""
-        req = self._requests.get(rid)
-        if req is not None:
-            req.outbox.put(TokenBatch.failure(rid, error))
-            self._end(rid, abort)
-
     def _require_sink(self) -> None:
         if self.puller is None:
             raise InvalidRequest(f"worker {self.worker_id} is colocated and takes no KV from elsewhere")
@@ -399,20 +349,8 @@ class DecodeWorker:
             return e.abort(request_id)
 
         future = self.loop.call(abort)
-        if self._admission is not None:
-            future.add_done_callback(lambda _: self._admission.wake_threadsafe())
+        future.add_done_callback(lambda _: self._admission.wake_threadsafe())
         return future
-
-    async def _import(self, req: _Request) -> None:
-        """Run ``req``'s handover; once it ended before RUNNING, end the request as it says
-        (its blocks are free already)."""
-        ending = await req.handover.run()
-        if ending is None:
-            return
-        if ending.error is None:  # the consumer has its end already
-            self._end(req.request_id, abort=False)
-        else:
-            self._fail(req.request_id, ending.error, abort=False)
 
     def tick(self) -> None:  # engine thread
         self._heartbeats.tick()  # idle ranks must hear from rank 0 within the group's timeout
@@ -424,11 +362,7 @@ class DecodeWorker:
         ``WorkerLost`` (the router resumes it on another decode worker)."""
         if self._aloop is not None:
             lost = WorkerLost(f"decode worker {self.worker_id} stopped: {error}")
-            self._aloop.call_soon_threadsafe(self._fail_all, lost)
-
-    def _fail_all(self, error: Exception) -> None:  # the actor's loop
-        for rid in list(self._requests):
-            self._fail(rid, error)
+            self._aloop.call_soon_threadsafe(self.requests.fail_all, lost)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:  # engine thread
         """One hand-over to the actor's loop per step, whatever the batch size."""
@@ -436,59 +370,5 @@ class DecodeWorker:
             self._aloop.call_soon_threadsafe(self._deliver, outputs, time.time())
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:  # the actor's loop
-        finished = False
-        for out in outputs:
-            req = self._requests.get(out.request_id)
-            if req is None:
-                continue
-            req.outbox.put(TokenBatch.of_output(out, now))
-            if out.finished:
-                finished = True
-                self._end(out.request_id, abort=False)
-        if finished and self._admission is not None:
+        if self.requests.deliver(outputs, now):
             self._admission.wake()  # blocks were freed
-
-
-class _Side:
-    """The worker as its handovers see it (``handover.DecodeSide``): engine calls on the
-    engine's thread, the admission queue, the KV puller, calls left running."""
-
-    def __init__(self, worker: DecodeWorker):
-        self._worker = worker
-        self.spec = worker.spec
-
-    async def hold_prefix(self, task: DecodeTask) -> int:
-        rid, prompt, params = task.request_id, task.prompt_token_ids, task.params
-        return await self._worker._call(lambda e: e.hold_prefix(rid, prompt, params))
-
-    async def admit(self, task: DecodeTask, deadline: float | None, lease_s: float) -> list[int]:
-        worker = self._worker
-        if worker._admission is None:
-            worker._admission = AdmissionQueue(worker.worker_id, self.spec.max_admission_queue)
-        rid, prompt, params = task.request_id, task.prompt_token_ids, task.params
-        outputs = task.moved.output_token_ids if task.moved is not None else []  # a moved request's
-
-        async def allocate() -> list[int] | None:
-            try:
-                return await worker._call(lambda e: e.import_request(rid, prompt, outputs, params))
-            except Overloaded:
-                return None
-
-        return await worker._admission.admit(rid, allocate, deadline, lease_s)
-
-    async def link(self, source: PrefillPeer | DecodePeer, handoff: KVHandoff) -> None:
-        await self._worker.puller.link(source, handoff)
-
-    async def pull(
-        self, handoff: KVHandoff, blocks: list[int], timeout: float
-    ) -> tuple[list[Confirmation], float]:
-        return await self._worker.puller.pull(handoff, blocks, timeout)
-
-    async def activate(self, request_id: str, output_token_ids: list[int]) -> None:
-        await self._worker._call(lambda e: e.activate(request_id, output_token_ids))
-
-    def free(self, request_id: str) -> None:
-        self._worker._abort_in_engine(request_id)
-
-    def background(self, call: Coroutine) -> None:
-        self._worker._background.run(call)

@@ -44,7 +44,7 @@ def test_a_sequence_failing_alone_leaves_a_streamed_import_in_flight_whole(check
     sample_batch = sampler._sample_batch
 
     def state() -> Phase | None:
-        req = decode._requests.get("imported")
+        req = decode.requests.get("imported")
         return req.handover.phase if req is not None else None
 
     def failing(logits, rows):

@@ -1,0 +1,72 @@
+"""The decode worker as a request's way in sees it (``handover.DecodeSide``): engine
+calls on the engine's thread, the admission queue, the worker's KV puller, and calls
+left running. Made by the worker with each part it lends, so a handover or a
+migration reaches nothing of the worker's beyond them."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from splitserve.decode_worker.admission import AdmissionQueue
+from splitserve.kv_transfer.puller import KVPuller
+from splitserve.wire.decode import DecodePeer, DecodeTask, DecodeWorkerSpec
+from splitserve.wire.errors import Overloaded
+from splitserve.wire.kv import Confirmation, KVHandoff
+from splitserve.wire.prefill import PrefillPeer
+
+EngineCall = Callable[[Callable[[Any], Any]], Awaitable[Any]]  # runs fn(engine) on the engine thread
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        spec: DecodeWorkerSpec,
+        call: EngineCall,
+        admission: AdmissionQueue,
+        puller: KVPuller,
+        free: Callable[[str], object],
+        background: Callable[[Coroutine], None],
+    ):
+        """``free``: frees a request's blocks in the engine, not awaited (and wakes the
+        admission queue once they are free); ``background``: runs a call to a source
+        without awaiting it."""
+        self.spec = spec
+        self._call = call
+        self._admission = admission
+        self._puller = puller
+        self._free = free
+        self._background = background
+
+    async def hold_prefix(self, task: DecodeTask) -> int:
+        rid, prompt, params = task.request_id, task.prompt_token_ids, task.params
+        return await self._call(lambda e: e.hold_prefix(rid, prompt, params))
+
+    async def admit(self, task: DecodeTask, deadline: float | None, lease_s: float) -> list[int]:
+        rid, prompt, params = task.request_id, task.prompt_token_ids, task.params
+        outputs = task.moved.output_token_ids if task.moved is not None else []  # a moved request's
+
+        async def allocate() -> list[int] | None:
+            try:
+                return await self._call(lambda e: e.import_request(rid, prompt, outputs, params))
+            except Overloaded:
+                return None
+
+        return await self._admission.admit(rid, allocate, deadline, lease_s)
+
+    async def link(self, source: PrefillPeer | DecodePeer, handoff: KVHandoff) -> None:
+        await self._puller.link(source, handoff)
+
+    async def pull(
+        self, handoff: KVHandoff, blocks: list[int], timeout: float
+    ) -> tuple[list[Confirmation], float]:
+        return await self._puller.pull(handoff, blocks, timeout)
+
+    async def activate(self, request_id: str, output_token_ids: list[int]) -> None:
+        await self._call(lambda e: e.activate(request_id, output_token_ids))
+
+    def free(self, request_id: str) -> None:
+        self._free(request_id)
+
+    def background(self, call: Coroutine) -> None:
+        self._background(call)
