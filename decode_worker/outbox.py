@@ -5,7 +5,7 @@ worker (``DecodeWorker.stream(outbox_id)``) and starts requests on it
 (``DecodeWorker.start(outbox_id, task)``). Each engine step puts one
 ``TokenBatch`` per request into that request's outbox; the stream yields
 everything put since the previous item as one tuple, merged per request. So the
-cost of crossing processes (one Ray item, one pickle) is paid per step and not
+cost of crossing processes (one gRPC message, one pickle: ``wire.token_stream``) is paid per step and not
 per token of every request, and a consumer slower than the steps gets several
 tokens per request in one item instead of falling behind::
 

@@ -60,15 +60,11 @@ class PreCopier:
         leading blocks of the request this engine holds now (0: none; nothing held)."""
         rid, bs = task.request_id, self.block_size
         self.taken(rid)  # a stale copy of it (its move failed) is dropped first
-
-        def reserve(engine) -> tuple[int, list[int]]:
-            stale = engine.requests.get(rid)
-            if stale is not None and stale.seq.awaiting_import:  # copied ahead of a move that failed
-                engine.abort(rid)
-            return engine.reserve_moving(rid, task.prompt_token_ids, task.output_token_ids, task.params)
-
+        prompt, outputs, params = task.prompt_token_ids, task.output_token_ids, task.params
         try:
-            held, blocks = await asyncio.shield(self._call(reserve))
+            held, blocks = await asyncio.shield(
+                self._call(lambda e: e.reserve_moving(rid, prompt, outputs, params))
+            )
         except asyncio.CancelledError:  # it may hold the blocks now: they are freed
             await self._call(lambda e: e.abort(rid))
             raise

@@ -135,15 +135,16 @@ class DecodeWorker:
         # another TP size hold one request of max_model_len per source rank, for good), and
         # has the other ranks pull theirs. None: colocated, it takes no KV from elsewhere.
         sink = rank_sink(spec.worker_id, spec, self.engine)
-        locate = self.engine.block_manager.locate if spec.engine.ep_size > 1 else None
+        locate = self.engine.locate if spec.engine.ep_size > 1 else None
         self.puller = None if sink is None else KVPuller(spec.worker_id, sink, self.ranks, locate)
-        # Exports the KV of the requests it moves away (live migration): a worker of one
-        # process that takes KV from elsewhere (a TP or EP group's move by recompute).
-        # and copies the KV of requests moving here ahead of their moves, the same workers
+        # The mover exports the KV of the requests it moves away (live migration), and the
+        # pre-copier copies the KV of requests moving here ahead of their moves: both on a
+        # worker of one process that takes KV from elsewhere (a TP or EP group moves a
+        # request by recompute).
         self.mover = self.precopier = None
         if sink is not None and group_size == 1 and spec.engine.ep_size == 1:
             self.mover = RequestMover(spec.worker_id, self.engine, spec.backend, spec.lease_s)
-            bs = self.engine.block_manager.block_size
+            bs = spec.engine.block_size
             self.precopier = PreCopier(spec.worker_id, self.puller, bs, self._call, spec.lease_s)
         self._background = Background()  # confirmations and releases to sources, not awaited
         # imported and moved-in requests wait here for blocks (on the actor's loop)

@@ -435,6 +435,11 @@ class Engine(KVRequests):
             seq.grammar = self.validator.grammar(params.structured)
         return seq
 
+    def observe_layers(self, observer: LayerObserver | None) -> None:
+        """Have ``observer`` told as each layer of a completing prefill-only prompt is
+        written (a prefill worker's exporter; driver rank only)."""
+        self.layer_observer = observer
+
     def _new_id(self, request_id: str | None) -> str:
         if request_id is None:
             return uuid.uuid4().hex

@@ -211,8 +211,12 @@ class KVRequests:
         the others, to fill in order with KV copied from the other engine). Then
         ``fill_moving``, and at the move ``import_request`` with every token it generated
         by then: only the blocks after the filled ones are left to copy. ``abort`` frees
-        them. Raises ``InvalidRequest`` (holding nothing) for a request with less than
-        one full block to copy, ``Overloaded`` when the cache has no room now."""
+        them. A stale copy of the same request (copied ahead of a move that failed) is
+        dropped first. Raises ``InvalidRequest`` (holding nothing) for a request with less
+        than one full block to copy, ``Overloaded`` when the cache has no room now."""
+        stale = self.requests.get(request_id)
+        if stale is not None and stale.seq.awaiting_import:
+            self.abort(request_id)
         request_id = self._new_id(request_id)
         prompt_ids = self.validate_request(list(prompt_token_ids), params)
         outputs = list(output_token_ids)
@@ -236,6 +240,12 @@ class KVRequests:
         seq.status, seq.awaiting_import = SequenceStatus.IMPORTING, True
         self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
         return held, list(seq.block_table[held:])
+
+    def locate(self, blocks: list[int]) -> tuple[int, list[int]]:
+        """Under expert parallelism (each rank caches its own sequences): the rank whose
+        share of the cache holds one sequence's ``blocks``, and their ids within it.
+        Safe from any thread (arithmetic on values fixed at construction)."""
+        return self.block_manager.locate(blocks)
 
     def fill_moving(self, request_id: str, num_blocks: int) -> int:
         """The first ``num_blocks`` blocks ``reserve_moving`` made for ``request_id`` hold

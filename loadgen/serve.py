@@ -1,11 +1,11 @@
 """``splitserve bench serve``: an open-loop load generator against a running
-server, through the SDK, reporting the field's metrics (``bench.metrics``).
+server, through the SDK, reporting the field's metrics (``loadgen.metrics``).
 
     splitserve bench serve --server 127.0.0.1:50051 --dataset random \\
         --input-len 256 --output-len 128 --num-prompts 200 --request-rate 4 \\
         --goodput tpot:100 --result-json out.json --plot-dir plots/
 
-Open loop: send times are fixed before the run (``bench.workloads.arrival_times``)
+Open loop: send times are fixed before the run (``loadgen.workloads.arrival_times``)
 and a slow server does not slow the arrivals (unless ``--max-concurrency``
 caps requests in flight, which makes it a closed loop of that size).
 ``--request-rate`` takes several values for a sweep; each rate gets its own

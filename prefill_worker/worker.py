@@ -11,8 +11,8 @@ chunks long ones)::
 A decode worker confirms through the backend's own channel (nixl, torch_dist,
 ucx), or by calling ``confirm`` itself right after its pull (ray); either way the
 blocks are freed at the pull: the source reports the lease's end (a thread polls
-it, ``prefill_worker.polling``), the ledger says every rank's lease ended
-(``prefill_worker.exports``), and the engine thread releases the blocks on its
+it, ``kv_transfer.polling``), the ledger says every rank's lease ended
+(``kv_transfer.exports``), and the engine thread releases the blocks on its
 next tick. A cancelled or timed-out ``prefill`` aborts its request, so no path
 leaves blocks behind.
 
@@ -121,7 +121,7 @@ class PrefillWorker:
         self.borrower: PrefixBorrower | None = None  # pulls prefixes from other prefill workers
         self.puller: KVPuller | None = None  # what the borrower pulls them with
         if self.tp.size == 1:
-            self.engine.layer_observer = self.exporter
+            self.engine.observe_layers(self.exporter)
             most = -(-self.engine.max_model_len // spec.engine.block_size)  # a loan's blocks at most
             sink = RankSink(
                 f"{spec.worker_id}/borrow", self.engine.kv_cache.tensor, compat, backend.sink, most
@@ -358,7 +358,7 @@ class PrefillWorker:
             except Exception as e:  # export failed: give the blocks back, tell the caller
                 log.exception("exporting the KV of %s failed", rid)
                 self.exporter.discard(rid)  # what it hashed (or began streaming) for it
-                if rid in self.engine.requests:
+                with contextlib.suppress(UnknownRequest):  # it may be gone already
                     self.engine.release(rid)
                 waiter.resolve(error=e)
 

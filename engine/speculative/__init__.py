@@ -14,8 +14,9 @@ cheaply, and the engine's target model checks them all in one step.
                       given back (``BlockManager.trim``)
 
 Proposers (``Proposer``, built by ``speculative.build``): ``ngram`` (prompt lookup,
-no model), ``draft`` (a smaller model) and ``self`` (the target's first layers),
-the last two ``speculative.draft``'s model proposers. No torch in this package's
+no model), ``draft`` (a smaller model), ``self`` (the target's first layers), the
+last two ``speculative.draft``'s model proposers, and ``mtp`` (the checkpoint's own
+multi-token-prediction layer: ``speculative.mtp``). No torch in this package's
 bookkeeping; a model proposer brings its own.
 """
 
