@@ -196,7 +196,7 @@ class WayIn:
         """LINKING to ACTIVATING: the export ``lender`` holds, pulled into blocks from the
         admission queue, verified and confirmed."""
         side, rid = self._side, self.request_id
-        what = f"{type(self).__name__.lower()} of request {rid}"
+        what = f"moved request {rid}" if self.task.moved is not None else f"request {rid}"
         self._lease = LeasedPull(side, lender, rid, side.background, what)
         await self._lease.link(handoff)
         self._to(Phase.WAITING_FOR_BLOCKS)
