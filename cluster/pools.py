@@ -359,6 +359,7 @@ class WorkerPool:
                 max_restarts=MAX_RESTARTS if s.ranks == 1 else 0,
                 max_concurrency=4096,
                 scheduling_strategy=self._bundle(pg, 0),
+                **self._runtime_env(),
             )
             .remote(spec, *args)
         )
@@ -415,9 +416,15 @@ class WorkerPool:
                 num_gpus=s.num_gpus,
                 resources=s.resources,
                 scheduling_strategy=self._bundle(m.pg, r),
+                **self._runtime_env(),
             )
             m.ranks.append(handle.remote(ranks[r]))
         return ranks[0]
+
+    def _runtime_env(self) -> dict:
+        """The actor options that give a worker process the pool's ``env`` (none without
+        one: a runtime env keeps Ray from reusing the processes it started ahead)."""
+        return {"runtime_env": {"env_vars": dict(self.spec.env)}} if self.spec.env else {}
 
     def _rank_cpus(self, worker_id: str, rank: int) -> tuple[int, ...] | None:
         """Cores of one TP rank: the pool's ``cpu_ids`` dealt out rank by rank."""

@@ -4,6 +4,8 @@ disaggregated cluster. One Ray instance and one cluster for the module."""
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 import ray
@@ -26,12 +28,25 @@ from tests.integration.cluster_util import (
 )
 
 IDLE = {"colocated-0": 0, "colocated-1": 0}
+POOL_ENV = {"SPLITSERVE_POOL_MARK": "colocated", "GOMP_SPINCOUNT": "2000"}  # the pool's env
 
 
 @pytest.fixture(scope="module")
 def cluster(checkpoint):
-    with live_cluster(tiny_config(checkpoint, mode="colocated")) as c:
+    config = tiny_config(checkpoint, mode="colocated")
+    config = config.model_copy(update={"colocated": config.colocated.model_copy(update={"env": POOL_ENV})})
+    with live_cluster(config) as c:
         yield c
+
+
+def test_every_worker_process_has_its_pools_env(cluster):
+    workers = cluster.registry.workers("colocated")
+    assert len(workers) == 2
+    for w in workers:
+        seen = w.client.actor.__ray_call__.remote(
+            lambda _, names: {n: os.environ.get(n) for n in names}, POOL_ENV
+        )
+        assert ray.get(seen, timeout=60) == POOL_ENV
 
 
 def test_32_concurrent_streams_equal_monolithic_greedy(cluster, reference, client):

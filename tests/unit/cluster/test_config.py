@@ -48,6 +48,7 @@ def test_every_field_is_described():
         ("prefill: {resources: {GPU: 1}}\n", "reserve GPU with num_cpus / num_gpus"),
         ("decode: {resources: {splitserve_decode: 0}}\n", "resources.splitserve_decode must be positive"),
         ("decode: {placement_timeout_s: 0}\n", "placement_timeout_s"),
+        ("decode: {env: {'A=B': '1'}}\n", "env: 'A=B' is not an environment variable's name"),
         ("limits: {max_inflight_requests: 0}\n", "max_inflight_requests"),
         ("modle: {name: x}\n", "modle"),
         ("router: {chat_template: /nonexistent/template.jinja}\n", "router.chat_template: no file"),
