@@ -1,7 +1,7 @@
 """Does the cluster simulator predict the real cluster? The same trace (arrival
 times, prompt and output lengths) is sent to a real cluster through the SDK and
 run through ``cluster.simulator`` with the cluster's measured profile
-(``loadgen.profiling``); the p50 and p90 TTFT and TPOT of each are printed
+(``cluster.profiling``); the p50 and p90 TTFT and TPOT of each are printed
 side by side, at each request rate, with their ratio::
 
     python -m splitserve.bench.sim_check --config cluster_configs/sim_check.yaml \\
@@ -23,11 +23,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from splitserve.client import Client
+from splitserve.cluster import profiling
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.planner import percentile
 from splitserve.cluster.sim_trace import SimRequest
 from splitserve.cluster.simulator import PoolLimits, SimProfile, Simulation
-from splitserve.loadgen import profiling, workloads
+from splitserve.loadgen import workloads
 from splitserve.loadgen.compare import Server
 from splitserve.loadgen.serve import run_load
 

@@ -432,12 +432,13 @@ def _print_trace(t) -> None:
 
 # ---- bench -------------------------------------------------------------------------------
 def _add_bench_arguments(serve: argparse.ArgumentParser, compare: argparse.ArgumentParser) -> None:
+    from splitserve.cluster.config import CONFIG_DIR
     from splitserve.loadgen import compare as compare_mod
     from splitserve.loadgen import serve as serve_bench
 
     serve_bench.add_arguments(serve)
     serve.set_defaults(func=lambda a: _run_bench(serve_bench.main, a))
-    compare_mod.add_arguments(compare)
+    compare_mod.add_arguments(compare, CONFIG_DIR)
     compare.set_defaults(func=lambda a: _run_bench(compare_mod.main, a))
 
 

@@ -10,12 +10,12 @@ import dataclasses
 import math
 from pathlib import Path
 
+from splitserve.cluster import profiling
 from splitserve.cluster.config import CONFIG_DIR, AutoscalingSpec, ClusterConfig
 from splitserve.cluster.planner import PlannerSpec, percentile
+from splitserve.cluster.profiling import ProfilePlan
 from splitserve.cluster.sim_trace import bursty_trace
 from splitserve.cluster.simulator import PoolLimits, SimProfile, SimResult, Simulation
-from splitserve.loadgen import profiling
-from splitserve.loadgen.profiling import ProfilePlan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

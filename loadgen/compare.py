@@ -43,7 +43,6 @@ from pathlib import Path
 import yaml
 
 from splitserve.client import Client
-from splitserve.cluster.config import CONFIG_DIR
 from splitserve.loadgen import serve
 
 RATIO_KEYS = (
@@ -260,15 +259,16 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, config_dir: Path) -> None:
+    """``bench compare``'s arguments; its configs default to ``config_dir``'s bench ones."""
     serve.add_arguments(p)
     p.add_argument(
         "--disaggregated",
         nargs="+",
-        default=[str(CONFIG_DIR / "bench_disaggregated.yaml")],
+        default=[str(config_dir / "bench_disaggregated.yaml")],
         help="disaggregated config(s), each compared with the colocated one (labelled by file name)",
     )
-    p.add_argument("--colocated", default=str(CONFIG_DIR / "bench_colocated.yaml"))
+    p.add_argument("--colocated", default=str(config_dir / "bench_colocated.yaml"))
     p.add_argument(
         "--splits",
         nargs="+",

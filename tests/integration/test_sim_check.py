@@ -15,8 +15,8 @@ import pytest
 
 from splitserve.bench import sim_check
 from splitserve.cli.plan import add_profile_arguments, main_profile
+from splitserve.cluster import profiling
 from splitserve.cluster.simulator import SimProfile
-from splitserve.loadgen import profiling
 from tests.integration.cluster_util import live_cluster, tiny_config
 
 PLAN = profiling.ProfilePlan(
