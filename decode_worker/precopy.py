@@ -32,24 +32,25 @@ from typing import Any
 from splitserve.kv_transfer.leased_pull import LeasedPull, Puller, why_failed
 from splitserve.wire.background import Background
 from splitserve.wire.decode import PreCopy, RunningLoan
+from splitserve.wire.engine_commands import Abort, EngineCommand, FillMoving, ReserveMoving
 from splitserve.wire.errors import PeerLost, SplitserveError
 
 log = logging.getLogger(__name__)
 
-EngineCall = Callable[[Callable[[Any], Any]], Awaitable[Any]]  # runs fn(engine) on the engine thread
+Submit = Callable[[EngineCommand], Awaitable[Any]]  # runs a command on the engine's thread
 
 
 class PreCopier:
     """Copies moving requests' KV into one engine ahead of their moves. On the worker's
     asyncio loop."""
 
-    def __init__(self, worker_id: str, puller: Puller, block_size: int, call: EngineCall, lease_s: float):
+    def __init__(self, worker_id: str, puller: Puller, block_size: int, submit: Submit, lease_s: float):
         """``lease_s``: how long a copy waits for its move before it is freed."""
         self.worker_id = worker_id
         self.block_size = block_size
         self.lease_s = lease_s
         self._puller = puller
-        self._call = call
+        self._submit = submit
         self._background = Background()  # confirmations and releases to holders, not awaited
         self.held: dict[str, asyncio.TimerHandle] = {}  # copies waiting for their move -> expiry
         self.copies = 0  # copies that moved KV in
@@ -62,11 +63,9 @@ class PreCopier:
         self.taken(rid)  # a stale copy of it (its move failed) is dropped first
         prompt, outputs, params = task.prompt_token_ids, task.output_token_ids, task.params
         try:
-            held, blocks = await asyncio.shield(
-                self._call(lambda e: e.reserve_moving(rid, prompt, outputs, params))
-            )
+            held, blocks = await asyncio.shield(self._submit(ReserveMoving(rid, prompt, outputs, params)))
         except asyncio.CancelledError:  # it may hold the blocks now: they are freed
-            await self._call(lambda e: e.abort(rid))
+            await self._submit(Abort(rid))
             raise
         except SplitserveError as e:  # no room, or nothing to copy yet: the move copies it all
             return self._failed(task, e)
@@ -83,7 +82,7 @@ class PreCopier:
                     blocks = blocks[: len(loaned.descriptors[0].block_ids)]
                     await lease.link(loaned)
                     await lease.pull(loaned, blocks, task.timeout_s)
-                await self._call(lambda e: e.fill_moving(rid, held + len(blocks)))
+                await self._submit(FillMoving(rid, held + len(blocks)))
         except asyncio.CancelledError:
             await self._give_up(rid, lease)
             raise
@@ -112,12 +111,12 @@ class PreCopier:
             log.warning(
                 "%s: the move of %s did not come; its pre-copied KV is freed", self.worker_id, request_id
             )
-            self._background.run(self._call(lambda e: e.abort(request_id)))
+            self._background.run(self._submit(Abort(request_id)))
 
     async def _give_up(self, rid: str, lease: LeasedPull | None) -> None:
         """Free the reserved blocks once no pull writes into them; release the loan if the
         holder was asked for one (it may have lent it after this side gave up)."""
-        free = lambda: self._call(lambda e: e.abort(rid))  # noqa: E731
+        free = lambda: self._submit(Abort(rid))  # noqa: E731
         await (free() if lease is None else lease.end(free))
 
     def _failed(self, task: PreCopy, error: Exception) -> int:

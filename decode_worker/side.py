@@ -11,18 +11,19 @@ from typing import Any
 from splitserve.decode_worker.admission import AdmissionQueue
 from splitserve.kv_transfer.puller import KVPuller
 from splitserve.wire.decode import DecodePeer, DecodeTask, DecodeWorkerSpec
+from splitserve.wire.engine_commands import Activate, EngineCommand, HoldPrefix, ImportRequest
 from splitserve.wire.errors import Overloaded
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.prefill import PrefillPeer
 
-EngineCall = Callable[[Callable[[Any], Any]], Awaitable[Any]]  # runs fn(engine) on the engine thread
+Submit = Callable[[EngineCommand], Awaitable[Any]]  # runs a command on the engine's thread
 
 
 class WorkerSide:
     def __init__(
         self,
         spec: DecodeWorkerSpec,
-        call: EngineCall,
+        submit: Submit,
         admission: AdmissionQueue,
         puller: KVPuller,
         free: Callable[[str], object],
@@ -32,7 +33,7 @@ class WorkerSide:
         admission queue once they are free); ``background``: runs a call to a source
         without awaiting it."""
         self.spec = spec
-        self._call = call
+        self._submit = submit
         self._admission = admission
         self._puller = puller
         self._free = free
@@ -40,7 +41,7 @@ class WorkerSide:
 
     async def hold_prefix(self, task: DecodeTask) -> int:
         rid, prompt, params = task.request_id, task.prompt_token_ids, task.params
-        return await self._call(lambda e: e.hold_prefix(rid, prompt, params))
+        return await self._submit(HoldPrefix(rid, prompt, params))
 
     async def admit(self, task: DecodeTask, deadline: float | None, lease_s: float) -> list[int]:
         rid, prompt, params = task.request_id, task.prompt_token_ids, task.params
@@ -48,7 +49,7 @@ class WorkerSide:
 
         async def allocate() -> list[int] | None:
             try:
-                return await self._call(lambda e: e.import_request(rid, prompt, outputs, params))
+                return await self._submit(ImportRequest(rid, prompt, outputs, params))
             except Overloaded:
                 return None
 
@@ -63,7 +64,7 @@ class WorkerSide:
         return await self._puller.pull(handoff, blocks, timeout)
 
     async def activate(self, request_id: str, output_token_ids: list[int]) -> None:
-        await self._call(lambda e: e.activate(request_id, output_token_ids))
+        await self._submit(Activate(request_id, output_token_ids))
 
     def free(self, request_id: str) -> None:
         self._free(request_id)

@@ -86,6 +86,7 @@ from splitserve.wire.decode import (
     RunningLoan,
     TokenBatch,
 )
+from splitserve.wire.engine_commands import AddRequest, EngineCommand, MeasureRates, Snapshot, Withdraw
 from splitserve.wire.errors import InvalidRequest, UnknownRequest, WorkerLost
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.outputs import RequestOutput
@@ -145,13 +146,13 @@ class DecodeWorker:
         if sink is not None and group_size == 1 and spec.engine.ep_size == 1:
             self.mover = RequestMover(spec.worker_id, self.engine, spec.backend, spec.lease_s)
             bs = spec.engine.block_size
-            self.precopier = PreCopier(spec.worker_id, self.puller, bs, self._call, spec.lease_s)
+            self.precopier = PreCopier(spec.worker_id, self.puller, bs, self._submit, spec.lease_s)
         self._background = Background()  # confirmations and releases to sources, not awaited
         # imported and moved-in requests wait here for blocks (on the actor's loop)
         self._admission = AdmissionQueue(spec.worker_id, spec.max_admission_queue)
         self._side: WorkerSide | None = None  # what its handovers ask of it (None: colocated)
         if self.puller is not None:
-            parts = self._call, self._admission, self.puller, self._abort_in_engine, self._background.run
+            parts = self._submit, self._admission, self.puller, self._abort_in_engine, self._background.run
             self._side = WorkerSide(spec, *parts)
         self._aloop: asyncio.AbstractEventLoop | None = None  # the actor's loop, once a request came
         self.requests = RequestTable(self._abort_in_engine)  # started and not yet ended, and their outboxes
@@ -164,7 +165,7 @@ class DecodeWorker:
         set up), and measure the rates a decode worker that takes KV reports."""
         self.loop.start()
         if self.puller is not None:  # before any request (its outputs reach no outbox)
-            self.loop.call(lambda e: e.measure_rates(RATE_PROBE_TOKENS)).result()
+            self.loop.submit(MeasureRates(RATE_PROBE_TOKENS)).result()
 
     # ---- called by the router (asyncio) ------------------------------------------
     async def info(self) -> DecodeWorkerInfo:
@@ -219,11 +220,7 @@ class DecodeWorker:
             req.importing = asyncio.ensure_future(self.requests.run_way_in(req))
             return
         try:
-            await self._call(
-                lambda e: e.add_request(
-                    task.prompt_token_ids, task.params, rid, output_token_ids=task.output_token_ids
-                )
-            )
+            await self._submit(AddRequest(rid, task.prompt_token_ids, task.params, task.output_token_ids))
         except BaseException:
             self.requests.end(rid)
             raise
@@ -244,13 +241,11 @@ class DecodeWorker:
             raise UnknownRequest(f"no request {request_id!r} runs on {self.worker_id}")
         if req.handover is not None and req.handover.phase != Phase.RUNNING:
             raise InvalidRequest(f"request {request_id} is still being handed over to {self.worker_id}")
-
-        def withdraw(e: Engine) -> MovedRequest:
-            return MovedRequest(request_id, self.worker_id, None, e.withdraw(request_id), e.revision)
-
-        moved = await self._call(
-            (lambda e: self.mover.export(e, request_id, from_block)) if export else withdraw
-        )
+        if export:
+            moved = await self._call(lambda e: self.mover.export(e, request_id, from_block))
+        else:
+            outputs = await self._submit(Withdraw(request_id))
+            moved = MovedRequest(request_id, self.worker_id, None, outputs, self.engine.revision)
         # every step's tokens reached the outbox before this call's result did (one FIFO loop)
         req.outbox.put(TokenBatch.moved_away(request_id))
         self.requests.end(request_id, abort=False)
@@ -309,7 +304,7 @@ class DecodeWorker:
 
     async def stats(self, prefix_since: PrefixCursor | None = None) -> DecodeStats:
         """Load figures, and the prefix cache's changes since ``prefix_since``."""
-        engine, prefix = await self._call(lambda e: (e.stats(), e.prefix_update(prefix_since)))
+        engine, prefix = await self._submit(Snapshot(prefix_since))
         phases = self.requests.phases()
         return DecodeStats(
             self.worker_id,
@@ -332,7 +327,13 @@ class DecodeWorker:
         self.tp.destroy()
 
     # ---- internals ------------------------------------------------------------
+    async def _submit(self, command: EngineCommand):
+        """Run an engine command (``wire.engine_commands``) on the engine's thread."""
+        return await asyncio.wrap_future(self.loop.submit(command))
+
     async def _call(self, fn):
+        """Run ``fn(engine)`` on the engine's thread: the mover's work, which exports
+        through the worker's KV source there."""
         return await asyncio.wrap_future(self.loop.call(fn))
 
     def _require_sink(self) -> None:

@@ -2,7 +2,9 @@
 
 The engine is not thread-safe, and a worker has other things to do (an asyncio
 loop answering calls, a transfer thread). ``EngineLoop`` owns the engine on
-its own thread; everything else reaches the engine through ``call``::
+its own thread; everything else reaches the engine through ``submit`` (a command
+record, ``wire.engine_commands``) or ``call`` (a function of the engine, for the
+worker's own parts that run on this thread: its KV source, its export ledger)::
 
     loop thread, forever:
         run every queued call(fn)          # add_request, abort, import_request, ...
@@ -34,7 +36,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from splitserve.engine import commands
 from splitserve.engine.engine import Engine
+from splitserve.wire.engine_commands import EngineCommand
 from splitserve.wire.errors import EngineStopped
 from splitserve.wire.outputs import RequestOutput
 
@@ -87,6 +91,11 @@ class EngineLoop:
         self.build()
         self._go.set()
         return self
+
+    def submit(self, command: EngineCommand) -> Future:
+        """Run ``command`` (``wire.engine_commands``) on the loop thread before the next
+        step: what a worker asks of its engine. The future holds its result or error."""
+        return self.call(lambda engine: commands.run(engine, command))
 
     def call(self, fn: Callable[[Engine], T]) -> Future[T]:
         """Run ``fn(engine)`` on the loop thread before the next step; the future

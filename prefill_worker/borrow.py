@@ -34,12 +34,13 @@ from typing import Any
 
 from splitserve.kv_transfer.leased_pull import LeasedPull, Puller, why_failed
 from splitserve.wire.background import Background
+from splitserve.wire.engine_commands import Abort, EngineCommand, ReservePrefix
 from splitserve.wire.errors import Overloaded, PeerLost
 from splitserve.wire.prefill import PrefillTask, PrefixLoan, PrefixPull
 
 log = logging.getLogger(__name__)
 
-EngineCall = Callable[[Callable[[Any], Any]], Awaitable[Any]]  # runs fn(engine) on the engine thread
+Submit = Callable[[EngineCommand], Awaitable[Any]]  # runs a command on the engine's thread
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Borrowed:
 class PrefixBorrower:
     """Pulls prefixes into one engine's cache. Used from the worker's asyncio loop."""
 
-    def __init__(self, worker_id: str, puller: Puller, block_size: int, call: EngineCall, timeout_s: float):
+    def __init__(self, worker_id: str, puller: Puller, block_size: int, submit: Submit, timeout_s: float):
         """``puller``: the worker's (its handshakes and transfer thread); ``timeout_s``
         bounds one borrow (the loan, the link and the pull; a task's own ``timeout_s``,
         if shorter)."""
@@ -64,7 +65,7 @@ class PrefixBorrower:
         self.block_size = block_size
         self.timeout_s = timeout_s
         self._puller = puller
-        self._call = call
+        self._submit = submit
         self._background = Background()  # confirmations and releases to holders, not awaited
         self.pulls = 0  # borrows that moved KV in
         self.failures = 0  # borrows that moved nothing (the prompt computed it)
@@ -79,7 +80,7 @@ class PrefixBorrower:
             return None
         loan_id, prefix = f"{task.request_id}/prefix", prompt[: num_blocks * bs]
         try:
-            held, blocks = await self._call(lambda e: e.reserve_prefix(loan_id, prefix))
+            held, blocks = await self._submit(ReservePrefix(loan_id, prefix))
         except Overloaded as e:
             return self._failed(task, pull, e)
         if not blocks:  # it holds them all already
@@ -96,10 +97,10 @@ class PrefixBorrower:
                 await lease.link(loaned)
                 await lease.pull(loaned, got, limit)
         except asyncio.CancelledError:
-            await lease.end(lambda: self._call(lambda e: e.abort(loan_id)))
+            await lease.end(lambda: self._submit(Abort(loan_id)))
             raise
         except Exception as e:  # whatever it was, the prompt is computed instead
-            await lease.end(lambda: self._call(lambda e: e.abort(loan_id)))
+            await lease.end(lambda: self._submit(Abort(loan_id)))
             return self._failed(task, pull, e)
         self.pulls += 1
         return Borrowed(loan_id, held + len(got), len(got) * bs, pull.holder_id)

@@ -59,6 +59,7 @@ from splitserve.kv_transfer.tp_mapping import RankSink, readers_per_rank
 from splitserve.prefill_worker.borrow import PrefixBorrower
 from splitserve.prefill_worker.tp import OtherRanks, join_prefill_group
 from splitserve.prefill_worker.waiter import Waiter
+from splitserve.wire.engine_commands import Abort, AddRequest
 from splitserve.wire.errors import EngineStopped, InvalidRequest, KVTransferError, UnknownRequest
 from splitserve.wire.kv import Confirmation, KVDescriptor, KVHandoff, TransferState
 from splitserve.wire.outputs import RequestOutput
@@ -127,9 +128,11 @@ class PrefillWorker:
                 f"{spec.worker_id}/borrow", self.engine.kv_cache.tensor, compat, backend.sink, most
             )
             self.puller = KVPuller(spec.worker_id, sink, (), None)
-            call = lambda fn: asyncio.wrap_future(self.loop.call(fn))  # noqa: E731
+            submit = lambda command: asyncio.wrap_future(self.loop.submit(command))  # noqa: E731
             timeout = spec.transfer_timeout_s or spec.lease_s
-            self.borrower = PrefixBorrower(spec.worker_id, self.puller, spec.engine.block_size, call, timeout)
+            self.borrower = PrefixBorrower(
+                spec.worker_id, self.puller, spec.engine.block_size, submit, timeout
+            )
         # before the loop starts: its first tick takes the lease ends the poller reported
         self._poller = SourcePoller(self.source, self._source_lock, f"{spec.worker_id}-kv-poll")
         if loop is None:
@@ -184,26 +187,25 @@ class PrefillWorker:
         streamed = loop.create_future() if stream else None
         waiter = Waiter(loop, loop.create_future(), streamed, deadline, readers)
 
-        def add(engine: Engine) -> str:  # raises InvalidRequest, e.g. for an id still held here
-            if waiter.borrowed is not None:  # in the same call: the prompt finds them cached
-                engine.adopt_prefix(waiter.borrowed.loan_id, waiter.borrowed.num_blocks)
-            return engine.add_request(
-                task.prompt_token_ids,
-                task.params,
-                rid,
-                prefill_only=True,
-                export_from_block=task.export_from_block,
-            )
-
         self._waiters[rid] = waiter  # before the engine sees the request: no output is missed
         try:
             if task.prefix_from is not None and self.borrower is not None:
                 waiter.borrowed = await self.borrower.borrow(task)
-            try:
-                await asyncio.wrap_future(self.loop.call(add))
+            borrowed = waiter.borrowed  # adopted in the same call: the prompt finds them cached
+            adopt = None if borrowed is None else (borrowed.loan_id, borrowed.num_blocks)
+            add = AddRequest(
+                rid,
+                task.prompt_token_ids,
+                task.params,
+                prefill_only=True,
+                export_from_block=task.export_from_block,
+                adopt=adopt,
+            )
+            try:  # raises InvalidRequest, e.g. for an id still held here
+                await asyncio.wrap_future(self.loop.submit(add))
             except BaseException:
-                if waiter.borrowed is not None:  # not adopted if add never ran (idempotent)
-                    self.loop.call(lambda e: e.abort(waiter.borrowed.loan_id))
+                if borrowed is not None:  # not adopted if add never ran (idempotent)
+                    self.loop.submit(Abort(borrowed.loan_id))
                 raise
             try:
                 yield waiter

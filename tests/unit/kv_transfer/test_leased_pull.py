@@ -20,6 +20,7 @@ from splitserve.decode_worker.handover import Handover
 from splitserve.decode_worker.migration import Migration
 from splitserve.decode_worker.outbox import Outbox
 from splitserve.decode_worker.precopy import PreCopier
+from splitserve.engine import commands
 from splitserve.kv_transfer.leased_pull import LeasedPull, LeaseState
 from splitserve.prefill_worker.borrow import PrefixBorrower
 from splitserve.wire.config import EngineConfig
@@ -168,8 +169,8 @@ class Side:
         self.calls.append(asyncio.ensure_future(call))
 
 
-async def _call_on(engine: Engine, fn):
-    return fn(engine)
+async def _submit_to(engine: Engine, command):
+    return commands.run(engine, command)
 
 
 def _start(caller: str, lender: Lender, engine: Engine):
@@ -187,7 +188,7 @@ def _start(caller: str, lender: Lender, engine: Engine):
             task = DecodeTask(rid, PROMPT, PARAMS, moved=moved, moved_from=lender)
             way_in = Migration(task, None, Outbox("test"), side)
         return way_in.run(), rid, rid, lambda ending: (ending is not None, ending and ending.error)
-    call = lambda fn: _call_on(engine, fn)  # noqa: E731
+    call = lambda command: _submit_to(engine, command)  # noqa: E731
     if caller == "precopy":
         copier = PreCopier("decode-1", engine.puller, 16, call, LONG_LEASE_S)
         task = PreCopy(rid, PROMPT, [7], PARAMS, lender, lender.worker_id, 30.0)

@@ -1,0 +1,126 @@
+"""What a worker asks of its engine, one record per operation: the engine runs it on
+its own thread (``EngineLoop.submit``, ``engine.commands.run``) and the caller gets
+its result or its error. Plain data (no torch, no callables), so the same records
+could cross a pipe to an engine in a process of its own.
+
+Each record names the ``Engine`` method it runs; that method's docstring is its
+contract (what it holds, frees and raises).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.wire.prefix import PrefixCursor
+from splitserve.wire.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """``Engine.add_request`` with token ids; with ``adopt`` (loan id, blocks), the
+    blocks a prefix borrow filled are adopted into the cache first, in the same call,
+    so the prompt finds them cached (``Engine.adopt_prefix``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    prefill_only: bool = False
+    export_from_block: int = 0
+    adopt: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class Abort:
+    """``Engine.abort``: True if the request was there."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class HoldPrefix:
+    """``Engine.hold_prefix``: the tokens of the prompt's cached leading blocks, held."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ImportRequest:
+    """``Engine.import_request``: the block ids to pull the rest of the KV into."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Activate:
+    """``Engine.activate``: an imported request, its KV in place, joins the batch."""
+
+    request_id: str
+    output_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ReserveMoving:
+    """``Engine.reserve_moving``: (blocks held, blocks to fill) ahead of a move."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class FillMoving:
+    """``Engine.fill_moving``: the first ``num_blocks`` reserved blocks hold their KV."""
+
+    request_id: str
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class ReservePrefix:
+    """``Engine.reserve_prefix``: (blocks held, blocks to fill) for a borrowed prefix."""
+
+    loan_id: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Withdraw:
+    """``Engine.withdraw``: a running request's output tokens, its blocks freed."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class MeasureRates:
+    """``Engine.measure_rates`` on a prompt of ``num_tokens``."""
+
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """``(Engine.stats(), Engine.prefix_update(prefix_since))``, taken together."""
+
+    prefix_since: PrefixCursor | None = None
+
+
+EngineCommand = (
+    AddRequest
+    | Abort
+    | HoldPrefix
+    | ImportRequest
+    | Activate
+    | ReserveMoving
+    | FillMoving
+    | ReservePrefix
+    | Withdraw
+    | MeasureRates
+    | Snapshot
+)
