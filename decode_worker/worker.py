@@ -122,14 +122,9 @@ class DecodeWorker:
         self.ranks = tuple(ranks)
         self.tp = join_decode_group(spec)
         self._heartbeats = Heartbeats(self.tp, spec.tp)
-        # the engine is built on the loop's thread, the one that steps it (engine/loop.py says why)
         own = loop is None
-        self.loop = loop or EngineLoop(
-            lambda: Engine(spec.engine, tp=self.tp),
-            self.on_outputs,
-            self.tick,
-            name=f"{spec.worker_id}-engine",
-            on_error=self.on_error,
+        self.loop = loop or EngineLoop.for_worker(
+            spec.worker_id, spec.engine, self.tp, self.on_outputs, self.tick, self.on_error
         )
         self.engine = self.loop.build()
         # Pulls this rank's KV heads from any source group (its staging caches for sources of

@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from splitserve.decode_worker.worker import DecodeWorker
-from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
 from splitserve.prefill_worker.worker import PrefillWorker
 from splitserve.wire.decode import DecodeWorkerSpec
@@ -57,13 +56,8 @@ class ElasticWorker(DecodeWorker):
             raise ValueError("an elastic worker is one process (TP=1, no expert parallelism)")
         if decode.backend is None:
             raise ValueError("an elastic worker's decode half takes KV from elsewhere: it needs a backend")
-        # the engine is built on the loop's thread, the one that steps it (engine/loop.py says why)
-        loop = EngineLoop(
-            lambda: Engine(decode.engine),
-            self._both_outputs,
-            self._both_tick,
-            name=f"{decode.worker_id}-engine",
-            on_error=self._both_error,
+        loop = EngineLoop.for_worker(
+            decode.worker_id, decode.engine, None, self._both_outputs, self._both_tick, self._both_error
         )
         loop.build()
         self.prefill: PrefillWorker | None = None  # set once both halves are built

@@ -38,6 +38,8 @@ from typing import TypeVar
 
 from splitserve.engine import commands
 from splitserve.engine.engine import Engine
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.wire.config import EngineConfig
 from splitserve.wire.engine_commands import EngineCommand
 from splitserve.wire.errors import EngineStopped
 from splitserve.wire.outputs import RequestOutput
@@ -91,6 +93,22 @@ class EngineLoop:
         self.build()
         self._go.set()
         return self
+
+    @classmethod
+    def for_worker(
+        cls,
+        worker_id: str,
+        config: EngineConfig,
+        tp: TPGroup | None,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        on_tick: Callable[[], None],
+        on_error: Callable[[BaseException], None],
+    ) -> EngineLoop:
+        """A worker's loop, named after it, whose engine (``config`` on ``tp``) is built
+        on the loop's own thread by ``build`` (the module docstring says why)."""
+        return cls(
+            lambda: Engine(config, tp=tp), on_outputs, on_tick, name=f"{worker_id}-engine", on_error=on_error
+        )
 
     def submit(self, command: EngineCommand) -> Future:
         """Run ``command`` (``wire.engine_commands``) on the loop thread before the next

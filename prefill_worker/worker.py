@@ -90,13 +90,8 @@ class PrefillWorker:
         self.spec = spec
         self.worker_id = spec.worker_id
         self.tp = join_prefill_group(spec)
-        # the engine is built on the loop's thread, the one that steps it (engine/loop.py says why)
-        self.loop = loop or EngineLoop(
-            lambda: Engine(spec.engine, tp=self.tp),
-            self.on_outputs,
-            self.tick,
-            name=f"{spec.worker_id}-engine",
-            on_error=self.on_error,
+        self.loop = loop or EngineLoop.for_worker(
+            spec.worker_id, spec.engine, self.tp, self.on_outputs, self.tick, self.on_error
         )
         self.engine = self.loop.build()
         compat = self.engine.kv_compat()
