@@ -56,7 +56,6 @@ clients the pool gave the constructor.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -184,13 +183,12 @@ class DecodeWorker:
             self._tokens = tokens
         return self._tokens.address
 
-    async def stream(self, outbox_id: str) -> AsyncIterator[tuple[TokenBatch, ...]]:
+    def stream(self, outbox_id: str) -> AsyncIterator[tuple[TokenBatch, ...]]:
         """The batches of the requests started on ``outbox_id``, every step's as one item
-        (one ``TokenBatch`` per request that has news). Runs until the consumer closes
-        it; then every request of the outbox still running is aborted."""
-        async with contextlib.aclosing(self.requests.stream(outbox_id)) as batches:
-            async for batch in batches:
-                yield batch
+        (one ``TokenBatch`` per request that has news): an async generator that runs
+        until the consumer closes it; then every request of the outbox still running is
+        aborted (``RequestTable.stream``)."""
+        return self.requests.stream(outbox_id)
 
     async def start(self, outbox_id: str, task: DecodeTask) -> None:
         """Accept ``task``; its tokens and its end come through ``outbox_id``'s stream.
