@@ -34,6 +34,9 @@ class StartedRequest:
 
 
 class RequestTable:
+    """The decode worker's started requests by id, and its outboxes by id (the module
+    docstring); on the actor's loop."""
+
     def __init__(self, abort_in_engine: Callable[[str], object]):
         """``abort_in_engine``: frees a request's blocks in the engine (not awaited)."""
         self._abort_in_engine = abort_in_engine

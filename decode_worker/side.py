@@ -1,6 +1,6 @@
 """The decode worker as a request's way in sees it (``handover.DecodeSide``): engine
-calls on the engine's thread, the admission queue, the worker's KV puller, and calls
-left running. Made by the worker with each part it lends, so a handover or a
+commands (``wire.engine_commands``) run on the engine's thread, the admission queue,
+the worker's KV puller, and calls left running. Made by the worker with each part it lends, so a handover or a
 migration reaches nothing of the worker's beyond them."""
 
 from __future__ import annotations
