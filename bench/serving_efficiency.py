@@ -25,6 +25,7 @@ against two references measured in this process on the same engine config:
 
     python -m splitserve.bench.serving_efficiency                      # SmolLM2, 48 x 256/128
     python -m splitserve.bench.serving_efficiency --requests 16 --output-len 64
+    python -m splitserve.bench.serving_efficiency --worker-env GOMP_SPINCOUNT=2000
 """
 
 from __future__ import annotations
@@ -183,16 +184,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--worker-env",
+        nargs="*",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment of the served worker's process only (its pool's env), e.g. GOMP_SPINCOUNT=2000",
+    )
     harness.add_json_argument(ap)
     args = ap.parse_args(argv)
     if args.output_len < 2:
         ap.error("--output-len must be at least 2 (TPOT needs two tokens)")
     cpus = os.cpu_count() or 1
+    if any("=" not in pair for pair in args.worker_env):
+        ap.error("--worker-env takes NAME=VALUE pairs")
+    env = dict(pair.split("=", 1) for pair in args.worker_env)
     config = ClusterConfig.model_validate(
         {
             "mode": "colocated",
             "model": {"name": args.model},
-            "colocated": {"replicas": 1, "num_cpus": cpus},
+            "colocated": {"replicas": 1, "num_cpus": cpus, "env": env},
             "router": {"port": 0, "http_port": None},
         }
     )
