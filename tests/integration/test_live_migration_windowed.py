@@ -14,6 +14,8 @@ from splitserve.wire.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
 from tests.integration.cluster_util import assert_move_pulled, trace_of
 
+TOKENS = 96
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
@@ -24,13 +26,15 @@ def model(tmp_path_factory):
 def test_a_gpt_oss_request_moved_mid_stream_keeps_transformers_tokens(model):
     directory, hf = model
     prompt = random_prompts([50], 512, seed=21)[0]  # past the 16-token window
-    expected = hf_greedy(hf, prompt, 24)
+    # enough tokens that the request still decodes when the move (after its pre-copy)
+    # reaches the old worker: with 24 it once ended first, and the move found nothing to move
+    expected = hf_greedy(hf, prompt, TOKENS)
     engine = EngineConfig(model=str(directory), dtype="float32", kv_cache_memory_mib=16, block_size=8)
     pair = DecodePair(engine)
     try:
         d = pair.dispatcher
         failures = dict(d.transfer_failures)
-        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
         run = pair.run(stream(d, "moved", prompt, params, by="kv"))
         assert run.moved_at is not None and len(run.tokens) > MOVE_AFTER
         assert run.tokens == expected  # nothing repeated, skipped or changed by the move
