@@ -166,7 +166,8 @@ class Ending:
 class WayIn:
     """What a request's way into this worker's batch with KV from elsewhere (a
     ``Handover``, a ``decode_worker.migration.Migration``) is made of: its phases, from
-    ``first`` along ``next`` (a ``transitions`` table), the export's leased pull from
+    ``first`` along ``allowed`` (a ``transitions`` table; any other step is a bug and
+    raises ``RuntimeError``), the export's leased pull from
     LINKING to ACTIVATING, and its end, which frees what the phase held."""
 
     def __init__(
@@ -176,7 +177,7 @@ class WayIn:
         outbox: Outbox,
         side: DecodeSide,
         first: Phase,
-        next: dict[Phase, frozenset[Phase]],
+        allowed: dict[Phase, frozenset[Phase]],
     ):
         """``deadline``: the request's, in ``time.monotonic()``, or None."""
         self.task = task
@@ -185,7 +186,7 @@ class WayIn:
         self._outbox = outbox
         self._side = side
         self._phase = first
-        self._next = next
+        self._allowed = allowed
         self._lease: LeasedPull | None = None  # the export's pull, from LINKING on
 
     @property
@@ -227,7 +228,7 @@ class WayIn:
         self._to(Phase.ENDED)
 
     def _to(self, phase: Phase) -> None:
-        if phase not in self._next[self._phase]:
+        if phase not in self._allowed[self._phase]:
             raise RuntimeError(
                 f"{type(self).__name__.lower()} of {self.request_id}: "
                 f"no transition {self._phase.name} -> {phase.name}"

@@ -11,7 +11,6 @@ every request of its outbox.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -127,10 +126,10 @@ class RequestTable:
         else:
             self.fail(req.request_id, ending.error, abort=False)
 
-    def deliver(self, outputs: list[RequestOutput], now: float | None = None) -> bool:
-        """One engine step's outputs to their requests' outboxes; whether any request
-        finished (its blocks were freed)."""
-        now = time.time() if now is None else now
+    def deliver(self, outputs: list[RequestOutput], now: float) -> bool:
+        """One engine step's outputs to their requests' outboxes (``now``: when the step
+        handed them over, ``time.time()``); whether any request finished (its blocks were
+        freed)."""
         finished = False
         for out in outputs:
             req = self._requests.get(out.request_id)

@@ -147,8 +147,11 @@ class LeasedPull:
         return Pulled(pulled_s, waited)
 
     async def end(self, free: Callable[[], Awaitable[Any] | None] | None = None) -> None:
-        """ENDED, in the module docstring's order: a pull in flight awaited, ``free`` run
-        (awaited if it returns an awaitable), an unconfirmed export released. Idempotent."""
+        """ENDED, in the module docstring's order: a pull in flight awaited (whatever it
+        ends with), ``free`` run (awaited if it returns an awaitable), an unconfirmed
+        export released. If ``free`` raises (or ``end`` is cancelled while freeing), the
+        export is still released and the error passes on. Idempotent: a second call does
+        nothing."""
         if self._state is LeaseState.ENDED:
             return
         release, self._state = self.unconfirmed, LeaseState.ENDED
