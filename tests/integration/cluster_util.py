@@ -300,3 +300,13 @@ def streams_through_a_fault(
         return outcomes
 
     return finish
+
+
+def process_exited(pid: int) -> bool:
+    """Whether process ``pid`` (of this machine) has exited: gone, or a zombie (its
+    memory freed; only its parent has yet to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

@@ -10,6 +10,7 @@ request whole by computing it again: the trace says so."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -24,12 +25,14 @@ from tests.integration.cluster_util import (
     assert_move_pulled,
     drain_mid_stream,
     live_cluster,
+    process_exited,
     tiny_config,
     trace_of,
     transfer_failures,
     wait_kv_free,
     wait_until,
 )
+from tests.waiting import until
 
 POOL = {"num_cpus": 0.5, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
 MAX_TOKENS = 600  # long enough to be mid-stream when the drain comes
@@ -91,14 +94,17 @@ def test_a_worker_killed_during_a_move_leaves_the_request_whole(cluster, checkpo
     (want,) = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     d, rid, moved = cluster.dispatcher, f"killed-{killed}", []
 
-    async def until_gone(w) -> None:
-        """Until ``w``'s actor answers no more (Ray kills an actor asynchronously)."""
+    async def until_gone(w, pid: int) -> None:
+        """Until ``w``'s actor answers no more and its process ``pid`` has exited (Ray
+        kills an actor asynchronously, and calls it dead before its process is: until
+        then the process still serves pulls of its memory)."""
         while True:
             try:
                 await w.client.stats()
             except WorkerLost:
-                return
+                break
             await asyncio.sleep(0.05)
+        await until(lambda: process_exited(pid), f"{w.worker_id}'s process {pid} exited")
 
     def kill_during_move(n: int) -> None:
         if moved or n < 10:
@@ -108,11 +114,12 @@ def test_a_worker_killed_during_a_move_leaves_the_request_whole(cluster, checkpo
         (new,) = [w for w in cluster.registry.routable("decode") if w is not old]
         if killed == "source":
             real = old.client.move_out
+            pid = ray.get(old.client.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
 
             async def move_out_then_die(request_id, export=True, from_block=0):
                 out = await real(request_id, export, from_block)
                 ray.kill(old.client.actor, no_restart=True)
-                await asyncio.wait_for(until_gone(old), 60)  # no pull can reach it now
+                await asyncio.wait_for(until_gone(old, pid), 60)  # no pull can reach it now
                 return out
 
             monkeypatch.setattr(old.client, "move_out", move_out_then_die)
@@ -121,6 +128,7 @@ def test_a_worker_killed_during_a_move_leaves_the_request_whole(cluster, checkpo
         cluster.run(d.moves.migrate(rid, to=new.worker_id), timeout=120)
         moved.append((old.worker_id, new.worker_id))
 
+    wait_until(lambda: len(cluster.registry.routable("decode")) == 2, "two decode workers to move between")
     with Client(cluster.address, timeout=120) as client:
         failures = transfer_failures(client)
         tokens, final = _moving_stream(cluster, prompt, rid, kill_during_move)
@@ -131,12 +139,12 @@ def test_a_worker_killed_during_a_move_leaves_the_request_whole(cluster, checkpo
         marks = [(m.name, m.worker) for m in trace.marks]
         if killed == "source":  # computed again on the new worker: nothing was pulled
             recomputed = ("kv_recompute", new) in marks  # its pull from the killed worker failed
-            assert recomputed or ("resumed", new) in marks, marks
-            assert "move_pulled" not in [name for name, _ in marks], marks
+            assert recomputed or ("resumed", new) in marks, str(marks)
+            assert "move_pulled" not in [name for name, _ in marks], str(marks)
             assert final.decode_worker == new, final
             assert sum(failed.values()) == sum(failures.values()) + recomputed, (failures, failed)
         else:  # computed again on the old worker
-            assert ("redirected", old) in marks or ("resumed", old) in marks, marks
+            assert ("redirected", old) in marks or ("resumed", old) in marks, str(marks)
             assert final.decode_worker == old, final
             assert failed == failures
         wait_until(
