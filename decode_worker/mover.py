@@ -3,10 +3,11 @@
 ``RequestMover`` owns the worker's KV source (its whole cache registered with the
 transfer backend, as a prefill worker's is), the thread that keeps it moving
 (``kv_transfer.polling``) and the ledger of what it holds under a lease
-(``kv_transfer.exports``). A request moves away in one engine call, between two
-steps (``export``): the engine suspends it (``Engine.suspend``: it stops decoding,
-its blocks held) and the source exports its blocks under a lease (after those the
-taker copied ahead, ``from_block``); the taker pulls them, then confirms, or the
+(``kv_transfer.exports``). A request moves away in one engine command, between two
+steps (``MoveOut``, run by ``engine.commands`` through this mover, the worker's
+lender named ``"moves"``): the engine suspends it (``Engine.suspend``: it stops
+decoding, its blocks held) and the source exports its blocks under a lease (``lend``;
+after those the taker copied ahead, ``from_block``); the taker pulls them, then confirms, or the
 worker releases them (``release``, on abort: the blocks at once) or the lease runs
 out. On each engine tick the requests whose leases ended give their blocks back
 (``tick``)::
@@ -14,10 +15,10 @@ out. On each engine tick the requests whose leases ended give their blocks back
     RUNNING --export--> held, exported --(confirmed | released | expired)--> freed
 
 Before the move the taker may copy the request's full blocks while it still decodes
-here (``decode_worker.precopy``): ``lend_running`` exports them under a loan of their own
+here (``decode_worker.precopy``): ``LendRunning`` exports them under a loan of their own
 (``Engine.lend_running``: the loan shares the blocks, the request decodes on), freed
 the same ways. A prefill worker computing a conversation's next turn may copy its
-earlier turns from this worker's cache (``lend_prefix``), as from another prefill
+earlier turns from this worker's cache (``LendPrefix``), as from another prefill
 worker's.
 
 Only a worker of one process (TP=1) moves requests this way; a TP group's would
@@ -33,11 +34,9 @@ from splitserve.engine.engine import Engine
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.exports import ExportLedger
 from splitserve.kv_transfer.polling import SourcePoller
-from splitserve.wire.decode import MovedRequest, RunningLoan
 from splitserve.wire.errors import UnknownRequest
-from splitserve.wire.kv import Confirmation, Handshake, KVHandoff
+from splitserve.wire.kv import Confirmation, Handshake, KVHandoff, Leases
 from splitserve.wire.outputs import PrefilledRequest
-from splitserve.wire.prefill import PrefixLoan
 
 
 class RequestMover:
@@ -54,34 +53,10 @@ class RequestMover:
     def handshake(self) -> Handshake:
         return self.source.handshake()
 
-    def export(self, engine: Engine, request_id: str, from_block: int = 0) -> MovedRequest:  # engine thread
-        """Suspend RUNNING ``request_id`` and export its KV after its first ``from_block``
-        blocks (the taker holds those) under a lease. Raises as ``Engine.suspend`` does
-        (holding nothing)."""
-        moved = engine.suspend(request_id, from_block)
-        handoff = self._export(engine, request_id, moved)
-        return MovedRequest(request_id, self.worker_id, handoff, moved.output_token_ids, engine.revision)
-
-    def lend_prefix(self, engine: Engine, loan: PrefixLoan) -> KVHandoff | None:  # engine thread
-        """Export the cached blocks of ``loan`` from ``loan.from_block`` on under a lease
-        (``Engine.lend_prefix``: a finished request's blocks stay cached); None when the
-        cache holds none of them."""
-        lent = engine.lend_prefix(loan.request_id, loan.token_ids, loan.from_block)
-        if lent is None:
-            return None
-        return self._export(engine, loan.request_id, lent)
-
-    def lend_running(self, engine: Engine, loan: RunningLoan) -> KVHandoff | None:  # engine thread
-        """Export a running request's full blocks as ``loan`` asks under a lease
-        (``Engine.lend_running``); None when it has none past ``loan.from_block``."""
-        lent = engine.lend_running(loan.loan_id, loan.request_id, loan.token_ids, loan.from_block)
-        if lent is None:
-            return None
-        return self._export(engine, loan.loan_id, lent)
-
-    def _export(self, engine: Engine, request_id: str, kv: PrefilledRequest) -> KVHandoff:
-        """Export PREFILLED ``request_id``'s KV as ``kv`` names it; its blocks are released
-        if that fails."""
+    def lend(self, engine: Engine, request_id: str, kv: PrefilledRequest) -> KVHandoff:  # engine thread
+        """Export PREFILLED ``request_id``'s KV as ``kv`` names it under a lease; its blocks
+        are released if that fails (``engine.commands.Lender``: the engine's side of the
+        ``MoveOut``, ``LendRunning`` and ``LendPrefix`` commands runs before)."""
         try:
             with self._lock:
                 desc = self.source.export(
@@ -93,6 +68,9 @@ class RequestMover:
         self.ledger.opened(request_id, desc.transfer_id)
         self._poller.wake()
         return KVHandoff(self.worker_id, (desc,))
+
+    def leases(self) -> Leases:  # engine thread
+        return self.ledger.leases()
 
     def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:  # any thread
         """The taker holds verified copies: their leases end (the poller reports it)."""

@@ -69,7 +69,6 @@ from splitserve.decode_worker.requests import RequestTable
 from splitserve.decode_worker.side import WorkerSide
 from splitserve.decode_worker.token_server import TokenServer
 from splitserve.decode_worker.tp import join_decode_group, rank_sink
-from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.parallel.worker_group import Heartbeats
 from splitserve.kv_transfer.puller import KVPuller
@@ -85,7 +84,17 @@ from splitserve.wire.decode import (
     RunningLoan,
     TokenBatch,
 )
-from splitserve.wire.engine_commands import AddRequest, EngineCommand, MeasureRates, Snapshot, Withdraw
+from splitserve.wire.engine_commands import (
+    Abort,
+    AddRequest,
+    EngineCommand,
+    LendPrefix,
+    LendRunning,
+    MeasureRates,
+    MoveOut,
+    Snapshot,
+    Withdraw,
+)
 from splitserve.wire.errors import InvalidRequest, UnknownRequest, WorkerLost
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.outputs import RequestOutput
@@ -100,6 +109,7 @@ log = logging.getLogger(__name__)
 # Without them it would go by the prefill pool's rate, measured on other prompts (long ones,
 # slower per token), and allow no stall, which can keep every prompt away from here for good.
 RATE_PROBE_TOKENS = 128
+MOVES = "moves"  # the name of the mover, this worker's lender, on its engine loop
 
 
 class DecodeWorker:
@@ -139,6 +149,7 @@ class DecodeWorker:
         self.mover = self.precopier = None
         if sink is not None and group_size == 1 and spec.engine.ep_size == 1:
             self.mover = RequestMover(spec.worker_id, self.engine, spec.backend, spec.lease_s)
+            self.loop.add_lender(MOVES, self.mover)
             bs = spec.engine.block_size
             self.precopier = PreCopier(spec.worker_id, self.puller, bs, self._submit, spec.lease_s)
         self._background = Background()  # confirmations and releases to sources, not awaited
@@ -235,7 +246,7 @@ class DecodeWorker:
         if req.handover is not None and req.handover.phase != Phase.RUNNING:
             raise InvalidRequest(f"request {request_id} is still being handed over to {self.worker_id}")
         if export:
-            moved = await self._call(lambda e: self.mover.export(e, request_id, from_block))
+            moved = await self._submit(MoveOut(request_id, from_block, MOVES))
         else:
             outputs = await self._submit(Withdraw(request_id))
             moved = MovedRequest(request_id, self.worker_id, None, outputs, self.engine.revision)
@@ -261,7 +272,7 @@ class DecodeWorker:
         cannot export (a TP or EP group)."""
         if self.mover is None:
             return None
-        return await self._call(lambda e: self.mover.lend_running(e, loan))
+        return await self._submit(LendRunning(loan, MOVES))
 
     async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
         """Export the cached blocks of ``loan`` from ``loan.from_block`` on (a
@@ -270,7 +281,7 @@ class DecodeWorker:
         frees them. None when it holds none of them or cannot export (a TP or EP group)."""
         if self.mover is None:
             return None
-        return await self._call(lambda e: self.mover.lend_prefix(e, loan))
+        return await self._submit(LendPrefix(loan, MOVES))
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
         """A worker that took over requests from here holds verified copies of these
@@ -297,7 +308,7 @@ class DecodeWorker:
 
     async def stats(self, prefix_since: PrefixCursor | None = None) -> DecodeStats:
         """Load figures, and the prefix cache's changes since ``prefix_since``."""
-        engine, prefix = await self._submit(Snapshot(prefix_since))
+        engine, prefix, _ = await self._submit(Snapshot(prefix_since))
         phases = self.requests.phases()
         return DecodeStats(
             self.worker_id,
@@ -324,26 +335,15 @@ class DecodeWorker:
         """Run an engine command (``wire.engine_commands``) on the engine's thread."""
         return await asyncio.wrap_future(self.loop.submit(command))
 
-    async def _call(self, fn):
-        """Run ``fn(engine)`` on the engine's thread: the mover's work, which exports
-        through the worker's KV source there."""
-        return await asyncio.wrap_future(self.loop.call(fn))
-
     def _require_sink(self) -> None:
         if self.puller is None:
             raise InvalidRequest(f"worker {self.worker_id} is colocated and takes no KV from elsewhere")
 
     def _abort_in_engine(self, request_id: str):
-        """Abort on the engine thread (a request moved away: release its export and its
-        blocks); once its blocks are free, the admission queue's
-        head is offered them. Returns the engine call's future."""
-
-        def abort(e: Engine) -> bool:
-            if self.mover is not None and self.mover.release(e, request_id):
-                return True
-            return e.abort(request_id)
-
-        future = self.loop.call(abort)
+        """Abort on the engine thread (a request moved away: its export released, and its
+        blocks: ``RequestMover.release``); once its blocks are free, the admission queue's
+        head is offered them. Returns the engine command's future."""
+        future = self.loop.submit(Abort(request_id, MOVES if self.mover is not None else None))
         future.add_done_callback(lambda _: self._admission.wake_threadsafe())
         return future
 

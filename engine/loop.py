@@ -76,6 +76,7 @@ class EngineLoop:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None  # set when a step failed and the loop stopped
+        self._lenders: dict[str, commands.Lender] = {}  # by name: add_lender
 
     def build(self) -> Engine:
         """Start the loop thread and build the engine there; return it once built (or
@@ -113,7 +114,11 @@ class EngineLoop:
     def submit(self, command: EngineCommand) -> Future:
         """Run ``command`` (``wire.engine_commands``) on the loop thread before the next
         step: what a worker asks of its engine. The future holds its result or error."""
-        return self.call(lambda engine: commands.run(engine, command))
+        return self.call(lambda engine: commands.run(engine, command, self._lenders))
+
+    def add_lender(self, name: str, lender: commands.Lender) -> None:
+        """Let commands naming ``name`` lend KV through ``lender`` (before ``start``)."""
+        self._lenders[name] = lender
 
     def call(self, fn: Callable[[Engine], T]) -> Future[T]:
         """Run ``fn(engine)`` on the loop thread before the next step; the future

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from splitserve.wire.kv import LeaseEnd, TransferState
+from splitserve.wire.kv import LeaseEnd, Leases, TransferState
 
 
 class ExportLedger:
@@ -55,6 +55,16 @@ class ExportLedger:
     def held(self) -> set[str]:
         """Requests with a lease still open on some rank, or blocks not yet given back."""
         return self._transfers.keys() | self._shards.keys()
+
+    def leases(self) -> Leases:
+        """``held`` and ``lease_ends``, as one record."""
+        ends = self.lease_ends
+        return Leases(
+            tuple(sorted(self.held())),
+            ends[TransferState.CONFIRMED],
+            ends[TransferState.EXPIRED],
+            ends[TransferState.RELEASED],
+        )
 
     @property
     def shards_open(self) -> bool:

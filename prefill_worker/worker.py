@@ -59,10 +59,10 @@ from splitserve.kv_transfer.tp_mapping import RankSink, readers_per_rank
 from splitserve.prefill_worker.borrow import PrefixBorrower
 from splitserve.prefill_worker.tp import OtherRanks, join_prefill_group
 from splitserve.prefill_worker.waiter import Waiter
-from splitserve.wire.engine_commands import Abort, AddRequest
+from splitserve.wire.engine_commands import Abort, AddRequest, LendPrefix, Snapshot
 from splitserve.wire.errors import EngineStopped, InvalidRequest, KVTransferError, UnknownRequest
-from splitserve.wire.kv import Confirmation, KVDescriptor, KVHandoff, TransferState
-from splitserve.wire.outputs import RequestOutput
+from splitserve.wire.kv import Confirmation, KVDescriptor, KVHandoff, Leases
+from splitserve.wire.outputs import PrefilledRequest, RequestOutput
 from splitserve.wire.prefill import (
     KVStreaming,
     PrefillAccepted,
@@ -78,6 +78,8 @@ from splitserve.wire.prefix import PrefixCursor
 from splitserve.wire.sampling import FinishReason
 
 log = logging.getLogger(__name__)
+
+PREFILL = "prefill"  # the name of this worker, the lender of its KV, on its engine loop
 
 
 class PrefillWorker:
@@ -130,6 +132,7 @@ class PrefillWorker:
             )
         # before the loop starts: its first tick takes the lease ends the poller reported
         self._poller = SourcePoller(self.source, self._source_lock, f"{spec.worker_id}-kv-poll")
+        self.loop.add_lender(PREFILL, self)
         if loop is None:
             self.loop.start()
 
@@ -232,7 +235,7 @@ class PrefillWorker:
     async def abort(self, request_id: str) -> bool:
         """Stop ``request_id`` wherever it is here: queued, prefilling, or exported
         and waiting for a decode worker (its lease is released). Idempotent."""
-        return await asyncio.wrap_future(self.loop.call(lambda e: self._abort(request_id)))
+        return await asyncio.wrap_future(self.loop.submit(Abort(request_id, PREFILL)))
 
     async def lend_prefix(self, loan: PrefixLoan) -> KVHandoff | None:
         """Export the cached blocks of ``loan`` this worker holds from ``loan.from_block``
@@ -242,23 +245,7 @@ class PrefillWorker:
         shard; not done)."""
         if self.tp.size > 1:
             return None
-
-        def lend(engine: Engine) -> KVHandoff | None:
-            lent = engine.lend_prefix(loan.request_id, loan.token_ids, loan.from_block)
-            if lent is None:
-                return None
-            try:
-                with self._source_lock:
-                    desc = self.source.export(
-                        loan.request_id, lent.block_ids, lent.num_kv_tokens, window_from=lent.window_from
-                    )
-            except BaseException:
-                engine.release(loan.request_id)
-                raise
-            self.ledger.opened(loan.request_id, desc.transfer_id)
-            return KVHandoff(self.worker_id, (desc,))
-
-        return await asyncio.wrap_future(self.loop.call(lend))
+        return await asyncio.wrap_future(self.loop.submit(LendPrefix(loan, PREFILL)))
 
     async def confirm(self, confirmations: tuple[Confirmation, ...]) -> None:
         """A decode worker holds verified copies of these transfers (for backends that
@@ -276,21 +263,18 @@ class PrefillWorker:
     async def stats(self, prefix_since: PrefixCursor | None = None) -> PrefillStats:
         """Load and lease figures, and the prefix cache's changes since ``prefix_since``."""
 
-        def snapshot(engine: Engine) -> PrefillStats:
-            ends = self.ledger.lease_ends
-            return PrefillStats(
-                self.worker_id,
-                engine.stats(),
-                tuple(sorted(self.ledger.held())),
-                leases_confirmed=ends[TransferState.CONFIRMED],
-                leases_expired=ends[TransferState.EXPIRED],
-                leases_released=ends[TransferState.RELEASED],
-                prefix=engine.prefix_update(prefix_since),
-                prefix_pulls=self.borrower.pulls if self.borrower is not None else 0,
-                prefix_pull_failures=self.borrower.failures if self.borrower is not None else 0,
-            )
-
-        return await asyncio.wrap_future(self.loop.call(snapshot))
+        engine, prefix, leases = await asyncio.wrap_future(self.loop.submit(Snapshot(prefix_since, PREFILL)))
+        return PrefillStats(
+            self.worker_id,
+            engine,
+            leases.held,
+            leases_confirmed=leases.confirmed,
+            leases_expired=leases.expired,
+            leases_released=leases.released,
+            prefix=prefix,
+            prefix_pulls=self.borrower.pulls if self.borrower is not None else 0,
+            prefix_pull_failures=self.borrower.failures if self.borrower is not None else 0,
+        )
 
     def shutdown(self) -> None:
         self._poller.stop()
@@ -305,20 +289,41 @@ class PrefillWorker:
 
     # ---- the engine loop thread ----------------------------------------------------
     def _abort_later(self, request_id: str) -> None:
-        self.loop.call(lambda e: self._abort(request_id))
+        self.loop.submit(Abort(request_id, PREFILL))
 
     def on_error(self, error: BaseException) -> None:
         """The engine loop died (a bug, or a lost TP rank): fail every waiting request now."""
         for waiter in list(self._waiters.values()):
             waiter.resolve(error=EngineStopped(f"prefill worker {self.worker_id} stopped: {error}"))
 
-    def _abort(self, request_id: str) -> bool:
-        transfer_id = self.ledger.transfer(request_id)
-        if transfer_id is not None:
+    def lend(self, engine: Engine, request_id: str, kv: PrefilledRequest) -> KVHandoff:
+        """Export PREFILLED ``request_id``'s KV as ``kv`` names it under a lease (a loan of
+        cached blocks: ``LendPrefix``, run by ``engine.commands`` through this worker, its
+        lender named ``"prefill"``); its blocks are released if that fails."""
+        try:
             with self._source_lock:
-                self.source.release(transfer_id)  # the lease end frees the blocks on a later tick
-            return True
-        return self.engine.abort(request_id)
+                desc = self.source.export(
+                    request_id, kv.block_ids, kv.num_kv_tokens, window_from=kv.window_from
+                )
+        except BaseException:
+            engine.release(request_id)
+            raise
+        self.ledger.opened(request_id, desc.transfer_id)
+        return KVHandoff(self.worker_id, (desc,))
+
+    def leases(self) -> Leases:
+        return self.ledger.leases()
+
+    def release(self, engine: Engine, request_id: str) -> bool:
+        """Release ``request_id``'s export if its lease is open (whether it was): the
+        source reports the lease's end, and a later tick frees its blocks (the other
+        ranks' shards are told to release theirs then)."""
+        transfer_id = self.ledger.transfer(request_id)
+        if transfer_id is None:
+            return False
+        with self._source_lock:
+            self.source.release(transfer_id)
+        return True
 
     def _on_stream(self, descriptors: list[KVDescriptor]) -> None:
         """A step begins whose forward pass completes these prompts, and their exports
@@ -369,7 +374,7 @@ class PrefillWorker:
         try:
             shards = self.shards.export(rid, pre.block_ids, pre.num_kv_tokens, readers, pre.window_from)
         except KVTransferError:
-            self._abort(rid)  # rank 0's own export
+            self.release(self.engine, rid)  # rank 0's own export
             raise
         return KVHandoff(self.worker_id, (descriptor, *shards))
 

@@ -4,13 +4,20 @@ its result or its error. Plain data (no torch, no callables), so the same record
 could cross a pipe to an engine in a process of its own.
 
 Each record names the ``Engine`` method it runs; that method's docstring is its
-contract (what it holds, frees and raises).
+contract (what it holds, frees and raises). The records that lend KV to another
+worker (``MoveOut``, ``LendRunning``, ``LendPrefix``, and ``Abort`` of a lent
+request) also name the lender: the worker's KV source, which exports what the
+engine holds for it under a lease (``engine.commands.Lender``), by the name the
+worker gave it on its loop (``EngineLoop.add_lender``; one engine may serve two:
+an elastic worker's halves).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve.wire.decode import RunningLoan
+from splitserve.wire.prefill import PrefixLoan
 from splitserve.wire.prefix import PrefixCursor
 from splitserve.wire.sampling import SamplingParams
 
@@ -32,9 +39,11 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class Abort:
-    """``Engine.abort``: True if the request was there."""
+    """``Engine.abort``: True if the request was there. With ``lender``, first its export
+    there, if one is open: released (``Lender.release``), True."""
 
     request_id: str
+    lender: str | None = None
 
 
 @dataclass(frozen=True)
@@ -106,9 +115,41 @@ class MeasureRates:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """``(Engine.stats(), Engine.prefix_update(prefix_since))``, taken together."""
+    """``(Engine.stats(), Engine.prefix_update(prefix_since), leases)``, taken together;
+    ``leases``: ``lender``'s (``Lender.leases``), None without one."""
 
     prefix_since: PrefixCursor | None = None
+    lender: str | None = None
+
+
+@dataclass(frozen=True)
+class MoveOut:
+    """``Engine.suspend`` (a running request stops here, its KV after its first
+    ``from_block`` blocks held), then those blocks lent by ``lender``: a
+    ``MovedRequest``."""
+
+    request_id: str
+    from_block: int
+    lender: str
+
+
+@dataclass(frozen=True)
+class LendRunning:
+    """``Engine.lend_running`` (a running request's full blocks held under the loan's id
+    while it decodes on), lent by ``lender``: a ``KVHandoff``, or None where it holds
+    none past ``loan.from_block``."""
+
+    loan: RunningLoan
+    lender: str
+
+
+@dataclass(frozen=True)
+class LendPrefix:
+    """``Engine.lend_prefix`` (the cached blocks of ``loan.token_ids`` held), lent by
+    ``lender``: a ``KVHandoff``, or None where the cache holds none of them."""
+
+    loan: PrefixLoan
+    lender: str
 
 
 EngineCommand = (
@@ -123,4 +164,7 @@ EngineCommand = (
     | Withdraw
     | MeasureRates
     | Snapshot
+    | MoveOut
+    | LendRunning
+    | LendPrefix
 )

@@ -290,6 +290,17 @@ class LeaseEnd:
     state: TransferState  # CONFIRMED, EXPIRED or RELEASED
 
 
+@dataclass(frozen=True)
+class Leases:
+    """What a worker lends under leases now (request ids, every rank's lease open or
+    its blocks not yet given back), and its lease ends by state since it started."""
+
+    held: tuple[str, ...]
+    confirmed: int
+    expired: int
+    released: int
+
+
 @dataclass
 class TransferStats:
     """Timings of one pull (seconds), for benchmarks and logs."""

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import types
 import typing
 
 import pytest
 
 from splitserve.engine import commands
 from splitserve.wire import engine_commands
+from splitserve.wire.decode import RunningLoan
+from splitserve.wire.errors import InvalidRequest
+from splitserve.wire.prefill import PrefixLoan
 from splitserve.wire.sampling import SamplingParams
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -84,17 +88,39 @@ def test_what_a_worker_asks_of_the_engine_alone_is_a_command():
 
 class _Recorder:
     """Records the engine methods a command runs (a stand-in for the engine, to test the
-    dispatcher)."""
+    dispatcher); each returns a record of KV held (as ``suspend`` and the lends do)."""
 
-    def __init__(self):
-        self.called: list[str] = []
+    def __init__(self, called: list[str] | None = None):
+        self.called: list[str] = [] if called is None else called
 
     def __getattr__(self, name):
         def method(*args, **kwargs):
             self.called.append(name)
-            return name
+            return types.SimpleNamespace(method=name, output_token_ids=[3])
 
         return method
+
+
+class _Lender:
+    """A lender recording its calls into the engine's list; ``holds``: the requests whose
+    export ``release`` finds open."""
+
+    worker_id = "w0"
+
+    def __init__(self, called: list[str], holds: tuple[str, ...] = ()):
+        self.called, self.holds = called, holds
+
+    def lend(self, engine, request_id, kv):
+        self.called.append("lend")
+        return ("handoff", request_id, kv.method)
+
+    def release(self, engine, request_id):
+        self.called.append("release")
+        return request_id in self.holds
+
+    def leases(self):
+        self.called.append("leases")
+        return "leases"
 
 
 P = SamplingParams(max_tokens=4)
@@ -111,6 +137,15 @@ EXAMPLES = {
     engine_commands.Withdraw: (engine_commands.Withdraw("r1"), ["withdraw"]),
     engine_commands.MeasureRates: (engine_commands.MeasureRates(128), ["measure_rates"]),
     engine_commands.Snapshot: (engine_commands.Snapshot(None), ["stats", "prefix_update"]),
+    engine_commands.MoveOut: (engine_commands.MoveOut("r1", 2, "moves"), ["suspend", "lend"]),
+    engine_commands.LendRunning: (
+        engine_commands.LendRunning(RunningLoan("r1/loan", "r1", [1, 2], 0), "moves"),
+        ["lend_running", "lend"],
+    ),
+    engine_commands.LendPrefix: (
+        engine_commands.LendPrefix(PrefixLoan("r1", [1, 2], 0), "moves"),
+        ["lend_prefix", "lend"],
+    ),
 }
 
 
@@ -118,17 +153,56 @@ EXAMPLES = {
 def test_each_command_runs_the_engine_method_it_names(kind):
     engine = _Recorder()
     command, methods = EXAMPLES[kind]
-    commands.run(engine, command)
+    commands.run(engine, command, {"moves": _Lender(engine.called)})
     assert engine.called == methods
+
+
+def test_a_move_lends_what_the_engine_suspended_and_names_the_lender():
+    engine = _Recorder()
+    moved = commands.run(engine, engine_commands.MoveOut("r1", 2, "moves"), {"moves": _Lender(engine.called)})
+    assert moved.request_id == "r1" and moved.worker_id == "w0" and moved.output_token_ids == [3]
+    assert moved.handoff == ("handoff", "r1", "suspend")
+
+
+def test_an_abort_naming_a_lender_releases_an_open_export_instead():
+    for holds, methods in ((("r1",), ["release"]), ((), ["release", "abort"])):
+        engine = _Recorder()
+        lenders = {"prefill": _Lender(engine.called, holds)}
+        commands.run(engine, engine_commands.Abort("r1", "prefill"), lenders)
+        assert engine.called == methods
+
+
+def test_a_snapshot_naming_a_lender_takes_its_leases_in_the_same_call():
+    engine = _Recorder()
+    lenders = {"prefill": _Lender(engine.called)}
+    *_, leases = commands.run(engine, engine_commands.Snapshot(None, "prefill"), lenders)
+    assert leases == "leases" and engine.called == ["stats", "prefix_update", "leases"]
+
+
+def test_a_lend_the_engine_holds_nothing_for_lends_nothing():
+    class Empty(_Recorder):
+        def lend_prefix(self, *args):
+            self.called.append("lend_prefix")
+            return None
+
+    engine = Empty()
+    loan = engine_commands.LendPrefix(PrefixLoan("r1", [1, 2], 0), "moves")
+    assert commands.run(engine, loan, {"moves": _Lender(engine.called)}) is None
+    assert engine.called == ["lend_prefix"]
+
+
+def test_a_command_naming_a_lender_the_worker_lacks_is_refused():
+    with pytest.raises(InvalidRequest, match="lends no KV through 'moves'"):
+        commands.run(_Recorder(), engine_commands.MoveOut("r1", 0, "moves"), {})
 
 
 def test_a_borrowed_prefix_is_adopted_in_the_call_that_adds_its_prompt():
     engine = _Recorder()
     add = engine_commands.AddRequest("r1", [1, 2], SamplingParams(), adopt=("r1/prefix", 2))
-    commands.run(engine, add)
+    commands.run(engine, add, {})
     assert engine.called == ["adopt_prefix", "add_request"]
 
 
 def test_anything_else_is_refused():
     with pytest.raises(TypeError, match="not an engine command"):
-        commands.run(_Recorder(), "abort r1")
+        commands.run(_Recorder(), "abort r1", {})

@@ -170,7 +170,7 @@ class Side:
 
 
 async def _submit_to(engine: Engine, command):
-    return commands.run(engine, command)
+    return commands.run(engine, command, {})
 
 
 def _start(caller: str, lender: Lender, engine: Engine):
