@@ -161,7 +161,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         found: list[int] = []
-        parent = None
+        parent = seq.hash_root
         bs = self.block_size
         for i in range(self.reusable_blocks(seq, whole)):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -183,7 +183,7 @@ class BlockManager:
         whole)``; 0 without a tier."""
         if self.tier is None or seq.params.prompt_logprobs is not None:  # a tier implies prefix caching
             return 0
-        parent = self.block_hashes[cached[-1]] if cached else None
+        parent = self.block_hashes[cached[-1]] if cached else seq.hash_root
         bs, n = self.block_size, 0
         for i in range(len(cached), self.reusable_blocks(seq, whole)):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -245,7 +245,7 @@ class BlockManager:
         when ``reused``. Check ``can_allocate`` for ``count`` blocks' tokens first."""
         bs, free = self.block_size, self._free[0]
         hashes = self._seq_hashes.setdefault(seq.seq_no, [])
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else seq.hash_root
         loaded = 0
         for i in range(len(seq.block_table), len(seq.block_table) + count):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -292,7 +292,7 @@ class BlockManager:
         num_full = seq.num_computed_tokens // bs
         if seq.partial_from is not None:  # blocks without their sliding layers' KV: never a prefix
             num_full = min(num_full, seq.partial_from)
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else seq.hash_root
         for i in range(len(hashes), num_full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)

@@ -27,6 +27,7 @@ from splitserve.engine.kv_sizing import (
     size_kv_cache,
 )
 from splitserve.engine.kv_tier import HostKVTier
+from splitserve.engine.lora import LoRAAdapters
 from splitserve.engine.model.checkpoint import checkpoint_bytes, safetensors_tensors
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import build_model, load_hf_config, resolve_source
@@ -70,6 +71,7 @@ class EngineParts:
     validator: RequestValidator
     summary: str  # what was chosen (dtype, threads or device, attention, KV), for logs and status
     revision: str  # which weights it serves (engine.model.revision): part of the KV compatibility hash
+    loras: LoRAAdapters | None = None  # its LoRA adapters (config.enable_lora)
 
 
 def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, tp: TPGroup) -> EngineParts:
@@ -123,6 +125,11 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         ep=ep,
         mtp=config.runs_mtp,
     )
+    loras = None
+    if config.enable_lora:  # every targeted projection wrapped, then each adapter in a slot
+        loras = LoRAAdapters(model, config.num_lora_slots, config.max_lora_rank, dtype, device)
+        for name, path in config.lora_modules.items():
+            loras.load(name, path)
     tokenizer, defaults, eos_token_ids = _tokenizer_and_defaults(config, source, mc, tokenizer)
     fp8_kv = config.kv_cache_dtype == "fp8"
     layout = _kv_layout(config, mc, layer_tp, kv_quant.FP8 if fp8_kv else dtype)
@@ -186,6 +193,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         tp,
         graphs,
         data_parallel=ep is not None,
+        loras=loras,
     )
     if kv_cache.scales is not None:
         set_kv_scales(runner, mc, source.directory if weights is not None else None, config.seed)
@@ -221,6 +229,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         scheduler=scheduler,
         runner=runner,
         validator=validator,
+        loras=loras,
     )
 
 

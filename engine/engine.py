@@ -106,6 +106,7 @@ class Engine(KVRequests):
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.validator = parts.validator
+        self.loras = parts.loras  # its LoRA adapters (engine.lora), or None
         self.summary = parts.summary  # one line: dtype, threads or device, attention backend, KV blocks
         self.revision = parts.revision  # which weights (engine.model.revision): in the KV compat hash
         self.requests: dict[str, RequestState] = {}
@@ -188,6 +189,17 @@ class Engine(KVRequests):
         request: ``n`` > 1 is the router's to fork (``SamplingParams.sequence``)."""
         if params.n != 1:
             raise InvalidRequest(f"this engine runs one sequence per request, not n={params.n}")
+        if params.adapter is not None:
+            if self.loras is None:
+                raise InvalidRequest(
+                    f"request names LoRA adapter {params.adapter!r}, but LoRA adapters are not enabled "
+                    "on this engine (enable_lora)"
+                )
+            if self.loras.slot(params.adapter) is None:
+                loaded = ", ".join(sorted(self.loras.slots)) or "none"
+                raise InvalidRequest(
+                    f"no LoRA adapter named {params.adapter!r} is loaded here (loaded: {loaded})"
+                )
         return self.validator.validate(prompt, params, messages)
 
     def abort(self, request_id: str) -> bool:

@@ -29,6 +29,7 @@ import torch
 from splitserve.engine.attention import AttentionBackend, SeqSpan
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.lora import LoRAAdapters
 from splitserve.engine.model.decoder import DecoderModel
 from splitserve.engine.model.deltanet import DeltaSpan
 from splitserve.engine.model.llama import StepContext
@@ -56,6 +57,8 @@ class StepInputs:
     # goes to, and (with prefix caching) the one the state at the last block boundary it
     # crosses goes to, with that boundary's tokens into the span (-1, 0: none)
     state_slots: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # rows under a LoRA adapter: (first packed row, rows, the adapter's slot)
+    lora_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
     def home(self, span: SeqSpan, blocks_per_rank: int) -> int:
         """The rank of an expert-parallel group holding ``span``'s sequence: the one whose
@@ -123,12 +126,14 @@ class ModelRunner:
         tp: TPGroup | None = None,
         graphs: DecodeGraphs | None = None,
         data_parallel: bool = False,
+        loras: LoRAAdapters | None = None,
     ):
         """``tp`` is the group the steps go to; with ``data_parallel`` (expert
         parallelism) it is an expert-parallel group whose ranks each run their own
         sequences of a step (``StepInputs.for_rank``) and the driver gathers the rows
         it samples from."""
         self.model = model
+        self.loras = loras  # the model's LoRA adapters: each step's rows go to theirs
         self.data_parallel = data_parallel and tp is not None and tp.size > 1
         self.graphs = graphs
         self.kv_cache = kv_cache
@@ -175,6 +180,9 @@ class ModelRunner:
                 inputs.spans.append(SeqSpan(len(inputs.input_ids), s.num_new_tokens, end, seq.block_table))
             if seq.state_slot is not None:
                 inputs.state_slots.append(_state_slots(seq, start, end, bs))
+            if seq.params.adapter is not None and self.loras is not None:
+                slot = self.loras.slot(seq.params.adapter)
+                inputs.lora_rows.append((len(inputs.input_ids), s.num_new_tokens, slot))
             inputs.input_ids.extend(s.input_ids)
             inputs.positions.extend(range(start, end))
             table = seq.block_table
@@ -314,6 +322,8 @@ class ModelRunner:
         self, inputs: StepInputs, on_layer: Callable[[int], None] | None, calibrate_kv: bool
     ) -> StepContext:
         dev = self.device
+        if self.loras is not None:
+            self.loras.begin_step(inputs.lora_rows)
         delta_spans = None
         if inputs.state_slots:  # a hybrid model's linear layers: each span's state, fresh at position 0
             delta_spans = [

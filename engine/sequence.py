@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.wire.outputs import PromptLogprob, TopLogprobs
+from splitserve.wire.prefix import prefix_root
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ class Sequence:
         self.state_marked: int | None = None
         self.state_from: int | None = None
         self.scheduled_at: float | None = None  # time.time() when first scheduled (or imported)
+        # the parent of its first block's hash: its LoRA adapter's (``wire.prefix.prefix_root``)
+        self.hash_root: int | None = prefix_root(self.params.adapter)
 
     def mark_scheduled(self) -> None:
         """The engine takes this sequence into its running batch (the first time counts)."""

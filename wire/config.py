@@ -5,7 +5,7 @@ Plain data (a router unpickles worker specs without torch); what ``device`` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "fp8", "int8")
@@ -107,6 +107,13 @@ class EngineConfig:
     # engine a prefill hands its KV to (``engine.model.mtp``; the layer is a layer of
     # the KV cache, so both ends must agree)
     mtp_layer: bool = False
+    # multi-LoRA (engine.lora): PEFT adapters by name (a request picks one:
+    # SamplingParams.adapter), loaded at start into max_loras slots (None: one per
+    # adapter), each of rank at most max_lora_rank
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int | None = None
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
@@ -148,11 +155,41 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self._check_lora()
         if self.runs_mtp and self.group_size > 1:
             raise ValueError(
                 "the multi-token prediction layer (speculative method mtp, mtp_layer) runs on engines "
                 f"without tensor or expert parallelism; tp_size x ep_size is {self.group_size}"
             )
+
+    def _check_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        if not self.enable_lora:
+            return
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_loras is not None and self.max_loras < max(1, len(self.lora_modules)):
+            raise ValueError(
+                f"lora_modules names {len(self.lora_modules)} adapters; max_loras ({self.max_loras}) "
+                "slots hold them all at once here (none is swapped in and out yet): raise it"
+            )
+        why = (
+            "tensor or expert parallelism"
+            if self.group_size > 1
+            else "weight quantization"
+            if self.quantization != "none"
+            else "CUDA graphs"
+            if self.cuda_graphs
+            else None
+        )
+        if why is not None:
+            raise ValueError(f"LoRA adapters (enable_lora) do not run with {why} yet")
+
+    @property
+    def num_lora_slots(self) -> int:
+        """The adapters an engine holds at once: ``max_loras``, or one per adapter."""
+        return self.max_loras if self.max_loras is not None else max(1, len(self.lora_modules))
 
     @property
     def runs_mtp(self) -> bool:

@@ -43,10 +43,19 @@ def block_hash(parent: int | None, tokens: tuple[int, ...] | list[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """The hash chain of every full block of ``token_ids``."""
+def prefix_root(adapter: str | None) -> int | None:
+    """The parent of a prompt's first block under LoRA adapter ``adapter`` (None: the
+    base model's, no parent): every chain of an adapter's blocks starts from it, so
+    the prefix cache never gives one adapter's KV to another, or to the base."""
+    if adapter is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(b"lora:" + adapter.encode(), digest_size=8).digest(), "little")
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int, root: int | None = None) -> list[int]:
+    """The hash chain of every full block of ``token_ids`` (from ``root``: ``prefix_root``)."""
     hashes: list[int] = []
-    parent = None
+    parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = block_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)

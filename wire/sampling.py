@@ -118,6 +118,9 @@ class SamplingParams:
     # False: a worker that speculates (engine.speculative) decodes this request without
     # (its tokens are the same either way; speculation only changes how fast they come)
     speculate: bool = True
+    # the LoRA adapter (by the name the engine loaded it under) the request runs under;
+    # None: the base model
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and dicts from callers but keep the dataclass hashable and immutable.
@@ -195,6 +198,8 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise InvalidRequest(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise InvalidRequest(f"adapter must be a LoRA adapter's name, got {self.adapter!r}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty strings")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):

@@ -1,0 +1,285 @@
+"""Multi-LoRA: PEFT adapters over one base model, several in one batch.
+
+An adapter (PEFT's format: ``adapter_config.json`` and ``adapter_model.safetensors``)
+adds to a projection ``W`` of the base the low-rank ``scaling * B @ A``; a request
+names the adapter it runs under (``SamplingParams.adapter``), or none (the base).
+``LoRAAdapters`` loads adapters into ``max_loras`` slots; each targeted projection of
+the model is wrapped in a ``LoRALinear`` holding every slot's ``A`` and ``B``. A step
+(``LoRAAdapters.begin_step``) groups its rows by slot, and each wrapped projection
+adds, per slot present, ``(x[rows] @ A.T) @ B.T`` into its output at those rows: two
+matmuls per adapter in the batch, no per-row Python; base rows cost nothing.
+
+The engine's projections fuse PEFT's modules: ``qkv_proj`` holds q, k and v (in that
+order), ``gate_up_proj`` gate and up. A fused projection's ``A`` stacks its parts'
+``A`` (rank ``parts x max_lora_rank``) and its ``B`` places each part's ``B`` in that
+part's output rows and rank columns (block-diagonal), so one pair of matmuls serves
+every part. ``scaling`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) is folded
+into ``B`` at load.
+
+Refused, with a sentence naming the file: a rank above ``max_lora_rank``, a target
+the model lacks (a MoE layer has no ``gate_proj``), DoRA, per-module rank or alpha
+patterns, trained biases, ``modules_to_save``, ``fan_in_fan_out`` weights, a layer
+outside the model, a tensor whose shape does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from splitserve.wire.errors import ModelLoadError
+
+# PEFT's module name -> (the engine's module in a decoder layer, the part of its output)
+TARGETS: dict[str, tuple[str, str]] = {
+    "q_proj": ("self_attn.qkv_proj", "q"),
+    "k_proj": ("self_attn.qkv_proj", "k"),
+    "v_proj": ("self_attn.qkv_proj", "v"),
+    "o_proj": ("self_attn.o_proj", "o"),
+    "gate_proj": ("mlp.gate_up_proj", "gate"),
+    "up_proj": ("mlp.gate_up_proj", "up"),
+    "down_proj": ("mlp.down_proj", "down"),
+}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """One adapter as loaded: per (layer, PEFT module) its ``A`` [r, in] and its ``B``
+    [out, r] with the scaling folded in (float32)."""
+
+    name: str
+    path: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def load_adapter(name: str, path: str | Path, num_layers: int, max_rank: int) -> LoRAAdapter:
+    """Read a PEFT LoRA adapter from directory ``path``. ``ModelLoadError`` naming the
+    file (and tensor) for what this engine cannot run (see the module docstring)."""
+    directory = Path(path)
+    config_file, weights_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    for f in (config_file, weights_file):
+        if not f.is_file():
+            raise ModelLoadError(f"LoRA adapter {name!r}: {f} is missing (a PEFT adapter directory has it)")
+    cfg = json.loads(config_file.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ModelLoadError(
+            f"LoRA adapter {name!r}: {config_file} is a {cfg['peft_type']} adapter, not LoRA"
+        )
+    unsupported = {
+        "use_dora": "DoRA",
+        "rank_pattern": "per-module ranks (rank_pattern)",
+        "alpha_pattern": "per-module alphas (alpha_pattern)",
+        "modules_to_save": "whole modules saved beside the adapter (modules_to_save)",
+        "fan_in_fan_out": "fan_in_fan_out weights",
+        "lora_bias": "trained LoRA biases",
+    }
+    for key, what in unsupported.items():
+        if cfg.get(key):
+            raise ModelLoadError(f"LoRA adapter {name!r}: {config_file} uses {what}, which is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise ModelLoadError(f"LoRA adapter {name!r}: {config_file} trains biases (bias={cfg['bias']!r})")
+    rank = int(cfg["r"])
+    if not 1 <= rank <= max_rank:
+        raise ModelLoadError(
+            f"LoRA adapter {name!r}: {config_file} has rank {rank}, above max_lora_rank {max_rank}"
+        )
+    alpha = float(cfg.get("lora_alpha", rank))
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(weights_file)).items():
+        m = _KEY.search(key)
+        if m is None or m.group(2) not in TARGETS:
+            raise ModelLoadError(
+                f"LoRA adapter {name!r}: {weights_file} holds {key}, which targets no projection this "
+                f"engine adapts ({', '.join(TARGETS)} of a decoder layer)"
+            )
+        layer = int(m.group(1))
+        if layer >= num_layers:
+            raise ModelLoadError(
+                f"LoRA adapter {name!r}: {weights_file} holds {key}, but the model has {num_layers} layers"
+            )
+        halves.setdefault((layer, m.group(2)), {})[m.group(3)] = tensor.float()
+    weights = {}
+    for (layer, module), pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            raise ModelLoadError(
+                f"LoRA adapter {name!r}: {weights_file} has lora_{''.join(pair)} of layer {layer}'s "
+                f"{module} without its other half"
+            )
+        a, b = pair["A"], pair["B"]
+        if a.shape[0] != rank or b.shape[1] != rank:
+            raise ModelLoadError(
+                f"LoRA adapter {name!r}: {weights_file}: layer {layer}'s {module} has rank "
+                f"{a.shape[0]}/{b.shape[1]}, the config says {rank}"
+            )
+        weights[(layer, module)] = (a, b * scaling)
+    if not weights:
+        raise ModelLoadError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
+    return LoRAAdapter(name, str(directory), rank, weights)
+
+
+class LoRAStep:
+    """The current step's rows by adapter slot, shared by every ``LoRALinear`` of a
+    model: ``groups`` is [(slot, row indices)], one entry per slot present (none: a
+    step of base rows only)."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, torch.Tensor]] = []
+
+
+class LoRALinear(nn.Module):
+    """``base`` (a projection of the model, any implementation taking 2-D input) plus
+    each step row's adapter: ``parts`` [(name, first output row, rows)] are the PEFT
+    modules it fuses, in output order."""
+
+    def __init__(
+        self,
+        base: nn.Module,
+        in_features: int,
+        parts: list[tuple[str, int, int]],
+        max_loras: int,
+        max_rank: int,
+        step: LoRAStep,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.base = base
+        self.parts = {name: (i, first, rows) for i, (name, first, rows) in enumerate(parts)}
+        self.max_rank = max_rank
+        self.step = step
+        out = sum(rows for _, _, rows in parts)
+        width = len(parts) * max_rank
+        self.register_buffer("a", torch.zeros(max_loras, width, in_features, dtype=dtype, device=device))
+        self.register_buffer("b", torch.zeros(max_loras, out, width, dtype=dtype, device=device))
+
+    def set(self, slot: int, part: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Slot ``slot``'s ``A`` and ``B`` for ``part`` (None: zeros: the adapter leaves it)."""
+        i, first, rows = self.parts[part]
+        cols = slice(i * self.max_rank, (i + 1) * self.max_rank)
+        self.a[slot, cols].zero_()
+        self.b[slot, first : first + rows, cols].zero_()
+        if a is None:
+            return
+        if a.shape[1] != self.a.shape[2] or b.shape[0] != rows:
+            raise ValueError(
+                f"{part}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit ({rows} x {self.a.shape[2]})"
+            )
+        r = a.shape[0]
+        self.a[slot, i * self.max_rank : i * self.max_rank + r] = a.to(self.a.dtype)
+        self.b[slot, first : first + rows, i * self.max_rank : i * self.max_rank + r] = b.to(self.b.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for slot, rows in self.step.groups:
+            xs = x.index_select(0, rows)
+            y.index_add_(0, rows, (xs @ self.a[slot].T) @ self.b[slot].T)
+        return y
+
+
+class LoRAAdapters:
+    """The adapters an engine serves: up to ``max_loras`` loaded, each in a slot of every
+    ``LoRALinear`` the model was wrapped with (``wrap``)."""
+
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ):
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.num_layers = len(model.layers)
+        self.step = LoRAStep()
+        self.device = device
+        self.slots: dict[str, int] = {}  # adapter name -> its slot
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self._modules: dict[tuple[int, str], LoRALinear] = {}  # (layer, engine module path) -> wrapper
+        for index, layer in enumerate(model.layers):
+            for path, parts in _fused_parts(layer).items():
+                owner_path, attr = path.rsplit(".", 1)
+                owner = layer.get_submodule(owner_path)
+                base = getattr(owner, attr)
+                inner = getattr(base, "linear", None)  # a row-parallel projection: its shard
+                target = inner if inner is not None else base
+                wrapped = LoRALinear(
+                    target, _in_features(target), parts, max_loras, max_rank, self.step, dtype, device
+                )
+                if inner is not None:
+                    base.linear = wrapped
+                else:
+                    setattr(owner, attr, wrapped)
+                self._modules[(index, path)] = wrapped
+
+    def load(self, name: str, path: str | Path) -> None:
+        """Load adapter ``name`` from ``path`` into a free slot (replacing one of that name).
+        ``ModelLoadError`` as ``load_adapter``, for a target this model lacks, or when every
+        slot is taken."""
+        adapter = load_adapter(name, path, self.num_layers, self.max_rank)
+        for layer, module in adapter.weights:
+            if (layer, TARGETS[module][0]) not in self._modules:
+                raise ModelLoadError(
+                    f"LoRA adapter {name!r} ({adapter.path}) adapts layer {layer}'s {module}, which this "
+                    "model does not have there"
+                )
+        slot = self.slots.get(name)
+        if slot is None:
+            free = sorted(set(range(self.max_loras)) - set(self.slots.values()))
+            if not free:
+                raise ModelLoadError(
+                    f"LoRA adapter {name!r}: all {self.max_loras} slots (max_loras) hold adapters "
+                    f"({', '.join(sorted(self.slots))})"
+                )
+            slot = free[0]
+        for (layer, path), wrapped in self._modules.items():
+            for part in wrapped.parts:
+                module = next(m for m, (p, pt) in TARGETS.items() if p == path and pt == part)
+                pair = adapter.weights.get((layer, module))
+                try:
+                    wrapped.set(slot, part, *(pair if pair is not None else (None, None)))
+                except ValueError as e:
+                    raise ModelLoadError(
+                        f"LoRA adapter {name!r} ({adapter.path}): layer {layer}'s {e}"
+                    ) from None
+        self.slots[name], self.adapters[name] = slot, adapter
+
+    def slot(self, name: str | None) -> int | None:
+        """The slot of adapter ``name`` (None: the base model, or no such adapter)."""
+        return None if name is None else self.slots.get(name)
+
+    def begin_step(self, rows: list[tuple[int, int, int]]) -> None:
+        """The next forward's rows by adapter: ``rows`` [(first packed row, rows, slot)]."""
+        by_slot: dict[int, list[int]] = {}
+        for first, count, slot in rows:
+            by_slot.setdefault(slot, []).extend(range(first, first + count))
+        self.step.groups = [
+            (slot, torch.tensor(idx, dtype=torch.long, device=self.device)) for slot, idx in by_slot.items()
+        ]
+
+
+def _fused_parts(layer: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
+    """The projections of decoder ``layer`` an adapter may adapt: engine module path ->
+    its PEFT parts [(part, first output row, rows)]."""
+    out: dict[str, list[tuple[str, int, int]]] = {}
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is not None and hasattr(attn, "qkv_proj") and hasattr(attn, "q_size") and not attn.gated:
+        q, kv = attn.q_size, attn.kv_size
+        out["self_attn.qkv_proj"] = [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)]
+        out["self_attn.o_proj"] = [("o", 0, _out_features(attn.o_proj))]
+    if mlp is not None and hasattr(mlp, "gate_up_proj") and hasattr(mlp, "inter"):
+        out["mlp.gate_up_proj"] = [("gate", 0, mlp.inter), ("up", mlp.inter, mlp.inter)]
+        out["mlp.down_proj"] = [("down", 0, _out_features(mlp.down_proj))]
+    return out
+
+
+def _in_features(m: nn.Module) -> int:
+    return m.in_features if hasattr(m, "in_features") else m.weight.shape[1]
+
+
+def _out_features(m: nn.Module) -> int:
+    m = getattr(m, "linear", m)
+    return m.out_features if hasattr(m, "out_features") else m.weight.shape[0]

@@ -1,0 +1,158 @@
+"""Multi-LoRA in the engine (``engine.lora``): one batch mixes requests of the base
+model and of several PEFT adapters (different ranks, targets, rsLoRA); each request's
+float32 greedy tokens equal transformers + PEFT's (the adapter merged) token for
+token, with chunked prefill and prefix caching. The prefix cache never serves one
+adapter's KV to another or to the base. Adapters this engine cannot run are refused
+at load with a sentence naming the file; a request naming no loaded adapter is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import InvalidRequest, ModelLoadError
+from splitserve.wire.sampling import SamplingParams
+from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
+
+peft = pytest.importorskip("peft")
+
+MAX_NEW = 16
+LENGTHS = [5, 19, 40, 3, 33, 11]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# name -> (rank, alpha, targets, rsLoRA)
+ADAPTERS = {
+    "a1": (4, 8, ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], False),
+    "a2": (8, 4, [*ATTENTION, "gate_proj", "up_proj", "down_proj"], True),
+}
+MOE_ADAPTERS = {"a1": (4, 8, ["q_proj", "v_proj"], False), "a2": (8, 4, ATTENTION, True)}
+
+
+def make_adapter(kind: str, checkpoint, directory, rank, alpha, targets, rslora, seed) -> None:
+    """A PEFT LoRA adapter of the checkpoint's model with random A and B (B non-zero:
+    it changes the tokens), saved to ``directory``."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
+    )
+    model = peft.get_peft_model(base, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(str(directory))
+
+
+def merged_greedy(checkpoint, adapter_dir, prompts) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    model = base if adapter_dir is None else peft.PeftModel.from_pretrained(base, str(adapter_dir))
+    model = model if adapter_dir is None else model.merge_and_unload()
+    return [hf_greedy(model, p, MAX_NEW) for p in prompts]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
+def served(request, tmp_path_factory):
+    """(checkpoint, {adapter: directory}, prompts, {adapter or None: expected tokens})."""
+    kind = request.param
+    checkpoint = tmp_path_factory.mktemp(kind)
+    make_hf_checkpoint(kind, checkpoint)
+    specs = MOE_ADAPTERS if kind == "qwen3_moe" else ADAPTERS
+    dirs = {}
+    for i, (name, spec) in enumerate(specs.items()):
+        dirs[name] = tmp_path_factory.mktemp(f"{kind}-{name}")
+        make_adapter(kind, checkpoint, dirs[name], *spec, seed=10 + i)
+    prompts = random_prompts(LENGTHS, 128, seed=5)
+    expected = {None: merged_greedy(checkpoint, None, prompts)}
+    expected.update({name: merged_greedy(checkpoint, d, prompts) for name, d in dirs.items()})
+    return checkpoint, dirs, prompts, expected
+
+
+def make_engine(checkpoint, dirs, **overrides) -> Engine:
+    cfg = dict(
+        model=str(checkpoint),
+        dtype="float32",
+        block_size=8,
+        max_num_batched_tokens=32,  # the longer prompts are chunked
+        kv_cache_memory_mib=16,
+        enable_lora=True,
+        lora_modules={name: str(d) for name, d in dirs.items()},
+        max_lora_rank=8,
+    )
+    cfg.update(overrides)
+    return Engine(EngineConfig(**cfg))
+
+
+def params(adapter: str | None) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, adapter=adapter)
+
+
+def test_one_batch_mixes_adapters_and_the_base_each_as_transformers_and_peft(served):
+    checkpoint, dirs, prompts, expected = served
+    for name in dirs:  # each adapter changes the tokens: a base forward would fail here
+        assert expected[name] != expected[None], name
+    engine = make_engine(checkpoint, dirs)
+    names = [None, *dirs]
+    which = [names[i % len(names)] for i in range(len(prompts))] + [names[(i + 1) % 3] for i in range(3)]
+    batch = prompts + prompts[:3]
+    outs = engine.generate(batch, [params(n) for n in which])
+    for i, (out, name) in enumerate(zip(outs, which)):
+        assert out.token_ids == expected[name][i % len(prompts)], (i, name)
+
+
+def test_the_prefix_cache_serves_a_prompt_only_under_the_adapter_that_computed_it(served):
+    checkpoint, dirs, prompts, expected = served
+    engine = make_engine(checkpoint, dirs, enable_prefix_caching=True)
+    prompt = prompts[2]  # 40 tokens: 4 full blocks to reuse
+    (first,) = engine.generate([prompt], params("a1"))
+    (other,) = engine.generate([prompt], params("a2"))
+    (base,) = engine.generate([prompt], params(None))
+    (again,) = engine.generate([prompt], params("a1"))
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
+    assert again.num_cached_tokens > 0
+    assert first.token_ids == again.token_ids == expected["a1"][2]
+    assert other.token_ids == expected["a2"][2] and base.token_ids == expected[None][2]
+
+
+def test_a_request_naming_no_loaded_adapter_is_refused_and_the_engine_serves_on(served):
+    checkpoint, dirs, prompts, expected = served
+    engine = make_engine(checkpoint, dirs)
+    with pytest.raises(InvalidRequest, match="no LoRA adapter named 'nope'"):
+        engine.add_request(prompts[0], params("nope"))
+    plain = make_engine(checkpoint, {}, enable_lora=False)
+    with pytest.raises(InvalidRequest, match="LoRA adapters are not enabled"):
+        plain.add_request(prompts[0], params("a1"))
+    (out,) = engine.generate([prompts[1]], params("a1"))
+    assert out.token_ids == expected["a1"][1]
+
+
+def _rewrite_config(directory, **changes) -> None:
+    path = directory / "adapter_config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def test_an_adapter_the_engine_cannot_run_is_refused_at_load_naming_its_file(served, tmp_path):
+    checkpoint, dirs, _, _ = served
+    some = next(iter(dirs.values()))
+    with pytest.raises(ModelLoadError, match="rank 8, above max_lora_rank 4"):
+        make_engine(checkpoint, {"a2": dirs["a2"]}, max_lora_rank=4)
+    with pytest.raises(ModelLoadError, match="adapter_config.json is missing"):
+        make_engine(checkpoint, {"empty": tmp_path})
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (dora / f).write_bytes((some / f).read_bytes())
+    _rewrite_config(dora, use_dora=True)
+    with pytest.raises(ModelLoadError, match=r"adapter_config.json uses DoRA"):
+        make_engine(checkpoint, {"dora": dora})
+    with pytest.raises(ValueError, match="max_loras"):
+        make_engine(checkpoint, dirs, max_loras=1)
