@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -55,6 +56,12 @@ def serve_config(args: argparse.Namespace, config):
         "generation_config": None if args.generation_config is None else args.generation_config == "auto",
     }
     data["model"].update({k: v for k, v in model.items() if v is not None})
+    lora = {"max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
+    if args.lora_modules:
+        lora["lora_modules"] = lora_modules(args.lora_modules, data["model"])
+    if args.enable_lora or args.lora_modules:
+        lora["enable_lora"] = True
+    data["model"].update({k: v for k, v in lora.items() if v is not None})
     if args.model is not None and args.served_model_name is None:
         data["model"]["served_name"] = args.model  # clients name the model as the user did
     router = {"host": args.host, "port": args.port, "http_port": args.http_port}
@@ -76,6 +83,29 @@ def serve_config(args: argparse.Namespace, config):
         if args.expert_parallel_size is not None and role != Role.PREFILL:
             data[role]["ep_size"] = args.expert_parallel_size
     return ClusterConfig.model_validate(data)
+
+
+def lora_modules(specs: list[str], model: dict) -> dict[str, str]:
+    """``--lora-modules`` as {name: path}: each ``NAME=PATH``, or vLLM's JSON form (whose
+    ``base_model_name``, if given, must be the served model's). ``ValueError`` otherwise."""
+    out = {}
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                item = json.loads(spec)
+                name, path = item["name"], item["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules {spec}: the JSON form needs a name and a path") from None
+            base = item.get("base_model_name")
+            if base and base not in (model.get("name"), model.get("served_name")):
+                served = model.get("name")
+                raise ValueError(f"--lora-modules: adapter {name!r} is for {base!r}, not {served!r}")
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {spec}: give NAME=PATH")
+        out[name] = path
+    return out
 
 
 async def _serve_until_signal(config) -> int:
@@ -594,6 +624,19 @@ def _add_serve_parser(sub) -> None:
         help="auto: the model's generation_config.json sets defaults of unset sampling fields; "
         "vllm: ignore it",
     )
+    srv.add_argument(
+        "--enable-lora", action="store_true", default=None, help="serve LoRA adapters (vLLM's flag)"
+    )
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) a request names as its model; each NAME=PATH, or vLLM's "
+        'JSON form {"name": ..., "path": ..., "base_model_name": ...}',
+    )
+    srv.add_argument("--max-loras", type=int, default=None, help="adapters a worker holds at once")
+    srv.add_argument("--max-lora-rank", type=int, default=None, help="the highest adapter rank taken")
     srv.add_argument("--help-config", action="store_true", help="list every config field and exit")
     srv.set_defaults(func=_serve)
 

@@ -65,6 +65,24 @@ class ModelSpec(_Strict):
         description="apply the model's generation_config.json (temperature, top_p, top_k, EOS ids) to "
         "requests that leave those unset; false: the server's own defaults (vLLM's --generation-config vllm)",
     )
+    enable_lora: bool = Field(
+        _engine_default("enable_lora"),
+        description="serve LoRA adapters over the model (vLLM's --enable-lora): a request names one as "
+        "its model (docs/models.md)",
+    )
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters by name: a PEFT adapter directory each, loaded by every worker at start "
+        "(vLLM's --lora-modules NAME=PATH)",
+    )
+    max_loras: int | None = Field(
+        _engine_default("max_loras"),
+        ge=1,
+        description="adapters a worker holds at once (a batch mixes them); unset: one per adapter",
+    )
+    max_lora_rank: int = Field(
+        _engine_default("max_lora_rank"), ge=1, description="the highest adapter rank a worker takes"
+    )
 
     @property
     def public_name(self) -> str:

@@ -32,6 +32,7 @@ def dispatcher(
         policy=routing_policy(config),
         traces_kept=config.router.traces_kept,
         on_transfer_failure=config.transfer.on_failure,
+        adapters=tuple(config.model.lora_modules),
     )
 
 

@@ -133,10 +133,14 @@ class Dispatcher:
         policy: PolicySpec | None = None,
         traces_kept: int = 100,
         on_transfer_failure: Literal["recompute", "fail"] = "recompute",
+        adapters: tuple[str, ...] = (),
     ):
+        """``adapters``: the LoRA adapters every worker loaded (``EngineConfig.lora_modules``),
+        which a request names as its model."""
         self.registry = registry
         self.validator = validator
         self.served_model = served_model
+        self.adapters = adapters
         self.colocated = colocated  # every worker does both phases; no prefill pool
         self.limits = limits or LimitsSpec()
         self.policy = policy or PolicySpec()
@@ -164,10 +168,15 @@ class Dispatcher:
     def num_inflight(self) -> int:
         return len(self._inflight)
 
-    def check_model(self, name: str) -> None:
-        """``InvalidRequest`` unless ``name`` is the served model (or empty: the served one)."""
-        if name and name != self.served_model:
-            raise InvalidRequest(f"unknown model {name!r}; this server serves {self.served_model!r}")
+    def check_model(self, name: str) -> str | None:
+        """The LoRA adapter a request naming model ``name`` runs under (None: the served
+        model, or an empty name). ``InvalidRequest`` for any other name."""
+        if not name or name == self.served_model:
+            return None
+        if name in self.adapters:
+            return name
+        served = ", ".join(repr(n) for n in (self.served_model, *self.adapters))
+        raise InvalidRequest(f"unknown model {name!r}; this server serves {served}")
 
     def unroutable_roles(self) -> list[Role]:
         """The pools this router cannot serve without that have no routable worker now:
@@ -179,10 +188,15 @@ class Dispatcher:
     def validate(self, inp: GenerateInput) -> tuple[list[int], SamplingParams]:
         """The request's prompt token ids and its sampling parameters with the fields it
         left unset defaulted (``RequestValidator.prepare``: once, for both front doors)."""
-        self.check_model(inp.model)
+        adapter = self.check_model(inp.model)
         if inp.timeout_s is not None and inp.timeout_s <= 0:
             raise InvalidRequest("the timeout must be positive")
-        return self.validator.prepare(inp.prompt, inp.params, inp.messages, inp.unset, inp.templating)
+        prompt_ids, params = self.validator.prepare(
+            inp.prompt, inp.params, inp.messages, inp.unset, inp.templating
+        )
+        if adapter is not None:  # what it names as its model is the adapter its workers run
+            params = dataclasses.replace(params, adapter=adapter)
+        return prompt_ids, params
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Run one request; yields its tokens, then one ``FinalEvent``. Raises

@@ -162,7 +162,11 @@ class OpenAIServer:
             "owned_by": "splitserve",
             "max_model_len": self.dispatcher.validator.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [model]})
+        adapters = [  # vLLM's listing of LoRA adapters: each with its base model as parent
+            {"id": a, "object": "model", "created": 0, "owned_by": "splitserve", "parent": name, "root": name}
+            for a in self.dispatcher.adapters
+        ]
+        return web.json_response({"object": "list", "data": [model, *adapters]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, ChatRequest, chat=True)

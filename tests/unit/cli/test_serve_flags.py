@@ -85,3 +85,29 @@ def test_router_replicas_flag_sets_the_count_and_a_bad_one_is_refused():
     assert _config("--router-replicas", "3").router.replicas == 3
     with pytest.raises(ValueError, match="replicas"):
         _config("--router-replicas", "0")
+
+
+def test_vllm_lora_flags_give_every_worker_the_adapters():
+    chat = '{"name": "chat", "path": "/adapters/chat", "base_model_name": "/models/llama"}'
+    cfg = _config(
+        "/models/llama",
+        "--lora-modules", "sql=/adapters/sql", chat,
+        "--max-loras", "2",
+        "--max-lora-rank", "32",
+    )  # fmt: skip
+    assert cfg.model.enable_lora  # --lora-modules implies it, as in vLLM
+    assert cfg.model.lora_modules == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+    for role in ("prefill", "decode"):
+        engine = cfg.engine_config(role)
+        assert (engine.enable_lora, engine.lora_modules, engine.max_loras, engine.max_lora_rank) == (
+            True,
+            {"sql": "/adapters/sql", "chat": "/adapters/chat"},
+            2,
+            32,
+        )
+    with pytest.raises(ValueError, match="give NAME=PATH"):
+        _config("--lora-modules", "sql")
+    with pytest.raises(ValueError, match="is for 'other'"):
+        _config("/models/llama", "--lora-modules", '{"name": "a", "path": "/a", "base_model_name": "other"}')
+    with pytest.raises(ValueError, match="raise it"):  # more adapters than slots
+        _config("--lora-modules", "a=/a", "b=/b", "--max-loras", "1").engine_config("decode")

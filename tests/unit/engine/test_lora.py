@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import InvalidRequest, ModelLoadError
 from splitserve.wire.sampling import SamplingParams
-from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
+from tests.conftest import make_hf_checkpoint, random_prompts
+from tests.lora_util import make_adapter, merged_greedy
 
 peft = pytest.importorskip("peft")
 
@@ -31,33 +31,6 @@ ADAPTERS = {
 MOE_ADAPTERS = {"a1": (4, 8, ["q_proj", "v_proj"], False), "a2": (8, 4, ATTENTION, True)}
 
 
-def make_adapter(kind: str, checkpoint, directory, rank, alpha, targets, rslora, seed) -> None:
-    """A PEFT LoRA adapter of the checkpoint's model with random A and B (B non-zero:
-    it changes the tokens), saved to ``directory``."""
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
-    config = peft.LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
-    )
-    model = peft.get_peft_model(base, config)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.3)
-    model.save_pretrained(str(directory))
-
-
-def merged_greedy(checkpoint, adapter_dir, prompts) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    model = base if adapter_dir is None else peft.PeftModel.from_pretrained(base, str(adapter_dir))
-    model = model if adapter_dir is None else model.merge_and_unload()
-    return [hf_greedy(model, p, MAX_NEW) for p in prompts]
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
 def served(request, tmp_path_factory):
     """(checkpoint, {adapter: directory}, prompts, {adapter or None: expected tokens})."""
@@ -68,10 +41,10 @@ def served(request, tmp_path_factory):
     dirs = {}
     for i, (name, spec) in enumerate(specs.items()):
         dirs[name] = tmp_path_factory.mktemp(f"{kind}-{name}")
-        make_adapter(kind, checkpoint, dirs[name], *spec, seed=10 + i)
+        make_adapter(checkpoint, dirs[name], *spec, seed=10 + i)
     prompts = random_prompts(LENGTHS, 128, seed=5)
-    expected = {None: merged_greedy(checkpoint, None, prompts)}
-    expected.update({name: merged_greedy(checkpoint, d, prompts) for name, d in dirs.items()})
+    expected = {None: merged_greedy(checkpoint, None, prompts, MAX_NEW)}
+    expected.update({name: merged_greedy(checkpoint, d, prompts, MAX_NEW) for name, d in dirs.items()})
     return checkpoint, dirs, prompts, expected
 
 
