@@ -36,6 +36,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.parallel.layers import kv_head_range
 from splitserve.wire.errors import ModelLoadError
 
 # PEFT's module name -> (the engine's module in a decoder layer, the part of its output)
@@ -206,8 +209,17 @@ class LoRAAdapters:
     ``LoRALinear`` the model was wrapped with (``wrap``)."""
 
     def __init__(
-        self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: nn.Module,
+        mc: ModelConfig,
+        tp: TPGroup,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ):
+        """``model``, this rank's shard of ``mc`` in group ``tp``: each projection takes
+        its share of an adapter as of its base weights (``_shards``)."""
         self.max_loras, self.max_rank = max_loras, max_rank
         self.num_layers = len(model.layers)
         self.step = LoRAStep()
@@ -215,6 +227,7 @@ class LoRAAdapters:
         self.slots: dict[str, int] = {}  # adapter name -> its slot
         self.adapters: dict[str, LoRAAdapter] = {}
         self._modules: dict[tuple[int, str], LoRALinear] = {}  # (layer, engine module path) -> wrapper
+        self._shards = _shards(mc, tp)
         for index, layer in enumerate(model.layers):
             for path, parts in _fused_parts(layer).items():
                 owner_path, attr = path.rsplit(".", 1)
@@ -256,7 +269,8 @@ class LoRAAdapters:
                 module = next(m for m, (p, pt) in TARGETS.items() if p == path and pt == part)
                 pair = adapter.weights.get((layer, module))
                 try:
-                    wrapped.set(slot, part, *(pair if pair is not None else (None, None)))
+                    a, b = (None, None) if pair is None else self._shards[module].of(*pair)
+                    wrapped.set(slot, part, a, b)
                 except ValueError as e:
                     raise ModelLoadError(
                         f"LoRA adapter {name!r} ({adapter.path}): layer {layer}'s {e}"
@@ -288,6 +302,49 @@ class LoRAAdapters:
         st.gather, st.rows = as_tensor(gather), as_tensor(real)
         st.valid = None if len(valid) == len(gather) else as_tensor(valid)
         st.slots = None if slots == list(range(self.max_loras)) else as_tensor(slots)
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """This rank's share of a PEFT module's ``A`` [r, in] and ``B`` [out, r]: the rows of
+    ``B`` (a column-parallel projection) or the columns of ``A`` (row-parallel) its base
+    weights hold, ``span`` of the model's ``full``."""
+
+    of_b: bool
+    span: tuple[int, int]
+    full: int
+
+    def of(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ValueError`` for a tensor of another size than the model's."""
+        side = b.shape[0] if self.of_b else a.shape[1]
+        if side != self.full:
+            what = "B has" if self.of_b else "A has"
+            raise ValueError(
+                f"{what} {side} {'rows' if self.of_b else 'columns'}; the model's has {self.full}"
+            )
+        s0, s1 = self.span
+        return (a, b[s0:s1]) if self.of_b else (a[:, s0:s1], b)
+
+
+def _shards(mc: ModelConfig, tp: TPGroup) -> dict[str, _Shard]:
+    """Each PEFT module's share on rank ``tp.rank``, as the engine shards its weights
+    (``engine.model.placement``): query heads and KV heads (replicated where fewer
+    than ranks), the intermediate width; ``o_proj`` and ``down_proj`` by input."""
+    hd = mc.head_dim
+    h0, h1 = tp.shard_range(mc.num_heads)
+    k0, k1 = kv_head_range(mc.num_kv_heads, tp)
+    out = {
+        "q_proj": _Shard(True, (h0 * hd, h1 * hd), mc.num_heads * hd),
+        "k_proj": _Shard(True, (k0 * hd, k1 * hd), mc.num_kv_heads * hd),
+        "v_proj": _Shard(True, (k0 * hd, k1 * hd), mc.num_kv_heads * hd),
+        "o_proj": _Shard(False, (h0 * hd, h1 * hd), mc.num_heads * hd),
+    }
+    if mc.intermediate_size and mc.intermediate_size % tp.size == 0:
+        i0, i1 = tp.shard_range(mc.intermediate_size)
+        for module in ("gate_proj", "up_proj"):
+            out[module] = _Shard(True, (i0, i1), mc.intermediate_size)
+        out["down_proj"] = _Shard(False, (i0, i1), mc.intermediate_size)
+    return out
 
 
 def _fused_parts(layer: nn.Module) -> dict[str, list[tuple[str, int, int]]]:

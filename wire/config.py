@@ -175,8 +175,8 @@ class EngineConfig:
                 "slots hold them all at once here (none is swapped in and out yet): raise it"
             )
         why = (
-            "tensor or expert parallelism"
-            if self.group_size > 1
+            "expert parallelism"
+            if self.ep_size > 1
             else "weight quantization"
             if self.quantization != "none"
             else "CUDA graphs"

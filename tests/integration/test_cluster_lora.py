@@ -1,10 +1,11 @@
-"""Multi-LoRA through the cluster: real Ray actors (a prefill and a decode worker of
-the tiny model, each with two PEFT adapters loaded), NIXL, the router's gRPC door and
-its OpenAI door. A request names an adapter as its model; its prompt is prefilled
-under that adapter, the KV handed over and decoded under it: the client's greedy
-tokens equal transformers + PEFT (the adapter merged), and the KV was pulled (no
-transfer failed). An unknown model name is refused naming it; ``/v1/models`` lists
-the adapters with their parent."""
+"""Multi-LoRA through the cluster: real Ray actors (a prefill worker and a TP=2
+decode group of the tiny model, each rank with its share of two PEFT adapters),
+NIXL, the router's gRPC door and its OpenAI door. A request names an adapter as
+its model; its prompt is prefilled under that adapter, the KV handed over (each
+decode rank pulling its KV head) and decoded under it: the client's greedy tokens
+equal transformers + PEFT (the adapter merged), and the KV was pulled (no transfer
+failed). An unknown model name is refused naming it; ``/v1/models`` lists the
+adapters with their parent."""
 
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ def served(checkpoint, tmp_path_factory):
     expected = {None: merged_greedy(checkpoint, None, prompts, MAX_NEW)}
     expected.update({n: merged_greedy(checkpoint, d, prompts, MAX_NEW) for n, d in dirs.items()})
     lora = {"enable_lora": True, "lora_modules": {n: str(d) for n, d in dirs.items()}, "max_lora_rank": 8}
-    config = tiny_config(
-        checkpoint, model={"name": checkpoint, "dtype": "float32", "served_name": "tiny", **lora}
-    )
+    model = {"name": checkpoint, "dtype": "float32", "served_name": "tiny", **lora}
+    engine = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}
+    decode = {"num_cpus": 0.5, "tp_size": 2, "engine": engine}  # each rank its share of each adapter
+    config = tiny_config(checkpoint, model=model, prefill={"num_cpus": 0.5, "engine": engine}, decode=decode)
     with live_cluster(config) as c:
         yield c, prompts, expected
 
