@@ -333,6 +333,7 @@ class RequestLifecycle:
             prefix_pulled_from=self._prefix_pulled_from,
             prefill_revision=self._prefill_revision,
             decode_revision=self._decode.revision if decoded else "",
+            adapter=self.params.adapter or "",
         )
 
     # ---- internals ---------------------------------------------------------------------------

@@ -155,6 +155,18 @@ class RequestMetrics:
         self.failure = counter("request_failure", "Requests that failed, by gRPC code.", "code")
         self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in a prefix cache.")
         self.cache_hits = counter("prefix_cache_hits", "Prompt tokens served from a prefix cache.")
+        # requests under LoRA adapters, by adapter (the base model's are in the series above only)
+        self.lora_requests = counter("lora_requests", "Requests under a LoRA adapter that ended.", "adapter")
+        self.lora_tokens = counter(
+            "lora_generation_tokens", "Output tokens sent under a LoRA adapter.", "adapter"
+        )
+        self.lora_ttft = Histogram(
+            "splitserve:lora_time_to_first_token_seconds",
+            "Time to first token under a LoRA adapter.",
+            ["model_name", "adapter"],
+            registry=prom,
+            buckets=_LATENCY,
+        )
 
     def record(self, trace: RequestTrace) -> None:
         m = self.model_name
@@ -169,6 +181,11 @@ class RequestMetrics:
             self.e2e.labels(m).observe(trace.e2e_s)
         self.generation_tokens.labels(m).inc(trace.output_tokens)
         ttft = trace.ttft_s
+        if trace.adapter:
+            self.lora_requests.labels(m, trace.adapter).inc()
+            self.lora_tokens.labels(m, trace.adapter).inc(trace.output_tokens)
+            if ttft is not None:
+                self.lora_ttft.labels(m, trace.adapter).observe(ttft)
         if ttft is not None:
             self.ttft.labels(m).observe(ttft)
             if trace.ok and trace.output_tokens > 1:

@@ -86,6 +86,7 @@ class RequestTrace:
     prefix_pulled_from: str = ""  # that other prefill worker
     prefill_revision: str = ""  # the weights that prefilled it, as its prefill worker said ("" locally)
     decode_revision: str = ""  # those of its (last) decode worker
+    adapter: str = ""  # the LoRA adapter it ran under ("": the base model)
 
     def at(self, name: str) -> float | None:
         """The first mark of that name, if there is one."""

@@ -18,7 +18,15 @@ import pytest
 from splitserve.client import Client
 from splitserve.client.errors import InvalidArgument
 from tests.conftest import random_prompts
-from tests.integration.cluster_util import VOCAB, assert_kv_moved, live_cluster, tiny_config
+from tests.integration.cluster_util import (
+    VOCAB,
+    assert_kv_moved,
+    live_cluster,
+    scrape,
+    tiny_config,
+    total,
+    wait_until,
+)
 from tests.lora_util import make_adapter, merged_greedy
 
 pytest.importorskip("peft")
@@ -63,6 +71,18 @@ def test_each_request_runs_under_the_adapter_it_names_through_the_handoff(served
                 assert out.token_ids == want, (i, model)
                 finals.append(out.final)
         assert_kv_moved(finals, client)
+        sent = {name: [0, 0] for name in ADAPTERS}  # requests, tokens: as the client saw them
+        for f, model in zip(finals, ["tiny", "a1", "a2"] * len(prompts)):
+            if model in sent:
+                sent[model][0] += 1
+                sent[model][1] += f.completion_tokens
+
+        def counted() -> bool:
+            values = scrape(cluster)
+            series = ("splitserve:lora_requests_total", "splitserve:lora_generation_tokens_total")
+            return all([total(values, m, adapter=a) for m in series] == want for a, want in sent.items())
+
+        wait_until(counted, "each adapter's requests and tokens in /metrics")
         with pytest.raises(InvalidArgument, match="unknown model 'a3'"):
             client.generate(prompts[0], model="a3", max_tokens=2)
 
