@@ -26,6 +26,7 @@ outside the model, a tensor whose shape does not fit.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -63,6 +64,7 @@ class LoRAAdapter:
     path: str
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    digest: str  # of its weights file and the config fields that change what it computes
 
 
 def load_adapter(name: str, path: str | Path, num_layers: int, max_rank: int) -> LoRAAdapter:
@@ -97,6 +99,8 @@ def load_adapter(name: str, path: str | Path, num_layers: int, max_rank: int) ->
             f"LoRA adapter {name!r}: {config_file} has rank {rank}, above max_lora_rank {max_rank}"
         )
     alpha = float(cfg.get("lora_alpha", rank))
+    h = hashlib.blake2b(weights_file.read_bytes(), digest_size=8)
+    h.update(json.dumps([rank, alpha, bool(cfg.get("use_rslora"))]).encode())
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in load_file(str(weights_file)).items():
@@ -128,7 +132,7 @@ def load_adapter(name: str, path: str | Path, num_layers: int, max_rank: int) ->
         weights[(layer, module)] = (a, b * scaling)
     if not weights:
         raise ModelLoadError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
-    return LoRAAdapter(name, str(directory), rank, weights)
+    return LoRAAdapter(name, str(directory), rank, weights, h.hexdigest())
 
 
 class LoRAStep:
@@ -276,6 +280,13 @@ class LoRAAdapters:
                         f"LoRA adapter {name!r} ({adapter.path}): layer {layer}'s {e}"
                     ) from None
         self.slots[name], self.adapters[name] = slot, adapter
+
+    def signature(self) -> str:
+        """A fingerprint of the adapters loaded (names and weights): part of the engine's
+        revision (``engine.build``), so that KV moves only between workers whose adapters
+        compute alike, and the router never mixes workers whose adapters differ."""
+        pairs = sorted((name, a.digest) for name, a in self.adapters.items())
+        return hashlib.blake2b(json.dumps(pairs).encode(), digest_size=6).hexdigest()
 
     def slot(self, name: str | None) -> int | None:
         """The slot of adapter ``name`` (None: the base model, or no such adapter)."""

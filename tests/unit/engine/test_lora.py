@@ -129,3 +129,15 @@ def test_an_adapter_the_engine_cannot_run_is_refused_at_load_naming_its_file(ser
         make_engine(checkpoint, {"dora": dora})
     with pytest.raises(ValueError, match="max_loras"):
         make_engine(checkpoint, dirs, max_loras=1)
+
+
+def test_kv_moves_only_between_engines_whose_adapters_are_alike(served, tmp_path):
+    """The adapters loaded are part of the engine's revision, hence of the KV
+    compatibility hash: the same files under the same names agree; other weights
+    under a name, or no adapters, do not (a handoff between them is refused)."""
+    checkpoint, dirs, _, _ = served
+    (name, first), (_, second) = list(dirs.items())[:2]
+    one = make_engine(checkpoint, {name: first}).kv_compat().hash
+    assert make_engine(checkpoint, {name: first}).kv_compat().hash == one
+    assert make_engine(checkpoint, {name: second}).kv_compat().hash != one  # other weights, same name
+    assert make_engine(checkpoint, {}, enable_lora=False).kv_compat().hash != one
