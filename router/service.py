@@ -312,8 +312,9 @@ class SplitserveService(pb_grpc.SplitserveServicer):
     @_answered
     async def ListModels(self, request, context):
         v, name = self.dispatcher.validator, self.dispatcher.served_model
-        model = pb.ModelInfo(id=name, max_model_len=v.max_model_len, vocab_size=v.vocab_size)
-        return pb.ListModelsResponse(models=[model])
+        names = (name, *self.dispatcher.adapters)  # the base, then its LoRA adapters
+        models = [pb.ModelInfo(id=n, max_model_len=v.max_model_len, vocab_size=v.vocab_size) for n in names]
+        return pb.ListModelsResponse(models=models)
 
     @_answered
     async def Drain(self, request, context):

@@ -86,7 +86,7 @@ class Responses:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         chat = fmt is not None
-        env = self.envelope(inp.request_id, chat, True)
+        env = self.envelope(inp.request_id, chat, True, inp.model)
         options = body.stream_options or StreamOptions()
         n = inp.params.n
         # per choice: its logprobs writer (completions' text_offset runs on), the prompt to
@@ -193,13 +193,15 @@ class Responses:
     def _logprobs(self, chat: bool) -> LogprobsWriter:
         return LogprobsWriter(chat, self.dispatcher.validator.token_text)
 
-    def envelope(self, request_id: str, chat: bool, chunk: bool) -> dict[str, Any]:
+    def envelope(self, request_id: str, chat: bool, chunk: bool, model: str = "") -> dict[str, Any]:
+        """The fields every response (or chunk) of a request starts with; ``model``: the
+        name the request gave (an adapter's), else the served model's."""
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
         return {
             "id": request_id,
             "object": kind,
             "created": int(time.time()),
-            "model": self.dispatcher.served_model,
+            "model": model or self.dispatcher.served_model,
         }
 
 

@@ -215,7 +215,7 @@ class OpenAIServer:
             choices = [c for cs, _ in done for c in cs]
             counts = usage([f for _, finals in done for f in finals])
             return web.json_response(
-                self.responses.envelope(rid, chat, False) | {"choices": choices, "usage": counts}
+                self.responses.envelope(rid, chat, False, body.model) | {"choices": choices, "usage": counts}
             )
         except (Exception, asyncio.CancelledError) as e:
             if isinstance(e, asyncio.CancelledError) and cancelled_by_caller():

@@ -83,6 +83,7 @@ def test_each_request_runs_under_the_adapter_it_names_through_the_handoff(served
             return all([total(values, m, adapter=a) for m in series] == want for a, want in sent.items())
 
         wait_until(counted, "each adapter's requests and tokens in /metrics")
+        assert [m.id for m in client.list_models()] == ["tiny", "a1", "a2"]
         with pytest.raises(InvalidArgument, match="unknown model 'a3'"):
             client.generate(prompts[0], model="a3", max_tokens=2)
 
@@ -100,7 +101,8 @@ def test_the_openai_door_lists_the_adapters_and_serves_them(served):
         f"{base}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(req, timeout=120) as r:
-        assert json.load(r)["usage"]["completion_tokens"] == MAX_NEW
+        answer = json.load(r)
+    assert answer["usage"]["completion_tokens"] == MAX_NEW and answer["model"] == "a2"  # as vLLM echoes it
     body["model"] = "a3"
     req = urllib.request.Request(
         f"{base}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
