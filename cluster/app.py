@@ -218,6 +218,7 @@ class ServingCluster:
                     lambda: dispatcher.admitted,
                     self.metrics.prom,
                     switch=self.switch_role if cfg.mode == "elastic" else None,
+                    admitted_prompt_tokens=lambda: dispatcher.admitted_prompt_tokens,
                 )
                 dispatcher.sinks.append(self.planner.window)
                 self._tasks.append(asyncio.create_task(self.planner.run()))

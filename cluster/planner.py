@@ -161,6 +161,8 @@ class PlannerInput:
     queued_prompt_tokens: int = 0  # now: uncached prompt tokens waiting for or in prefill
     queued_requests: int = 0  # now: the requests they belong to
     elastic_workers: int = 0  # elastic mode: the workers the two roles share (0: pools of their own)
+    # prompt tokens (cached ones included) of the requests admitted in the interval (0: unknown)
+    arrived_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -257,6 +259,11 @@ class Planner:
             self._output = _ewma(self._output, inp.output_tokens / inp.finished, w)
             held = (inp.context_tokens + inp.output_tokens / 2) / inp.finished  # it grows by the outputs
             self._context = _ewma(self._context, held, w)
+        if inp.arrivals and inp.arrived_prompt_tokens and self._prompt is not None:
+            # no more than the requests arriving now bring: after a shift to shorter prompts
+            # the mean of those served still remembers the long ones (requests finish late,
+            # the rate rises at once), and arrivals x that mean would grow prefill for nothing
+            self._prompt = min(self._prompt, inp.arrived_prompt_tokens / inp.arrivals)
         if inp.prefill_tokens_per_s > 0:  # up at once, down slowly: a capacity is what a busy
             # worker does, and one given a few short prompts reports far less (a step's fixed
             # cost over few tokens) while the prompt mean still remembers the long ones

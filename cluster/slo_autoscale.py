@@ -103,8 +103,10 @@ class PlannerLoop:
         prom: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
         switch: Callable[[str, Role], Awaitable[float]] | None = None,
+        admitted_prompt_tokens: Callable[[], int] | None = None,
     ):
-        """``switch``: elastic mode (a fixed set of workers, ``Cluster.switch_role``): a
+        """``admitted_prompt_tokens``: the router's count of their prompt tokens, ever
+        (None: not known). ``switch``: elastic mode (a fixed set of workers, ``Cluster.switch_role``): a
         decision moves a worker from the role above its target to the one below, instead
         of adding and draining workers."""
         self.planner = planner
@@ -119,6 +121,8 @@ class PlannerLoop:
             PlannerDecision
         ] = []  # the latest last (kept: the last 100), for tests and status
         self._last_admitted = admitted()
+        self.admitted_prompt_tokens = admitted_prompt_tokens
+        self._last_prompt_tokens = admitted_prompt_tokens() if admitted_prompt_tokens else 0
         self._last_at = clock()
         self._tasks: set[asyncio.Task] = set()
 
@@ -179,6 +183,9 @@ class PlannerLoop:
         now, admitted = self.clock(), self.admitted()
         interval, arrivals = max(now - self._last_at, 1e-6), admitted - self._last_admitted
         self._last_at, self._last_admitted = now, admitted
+        prompt_tokens = self.admitted_prompt_tokens() if self.admitted_prompt_tokens else 0
+        arrived_prompt_tokens = prompt_tokens - self._last_prompt_tokens
+        self._last_prompt_tokens = prompt_tokens
         traces = self.window.take()
         # per-request means come from the requests served whole: one refused because every
         # decode worker had its batch (counted in arrivals) has no output yet, and counting
@@ -219,6 +226,7 @@ class PlannerLoop:
             queued_prompt_tokens=sum(w.queued_prompt_tokens for w in registry.workers(Role.PREFILL)),
             queued_requests=sum(len(w.prefilling) for w in registry.workers(Role.PREFILL)),
             elastic_workers=len(registry.workers(Role.PREFILL, Role.DECODE)) if self.switch else 0,
+            arrived_prompt_tokens=arrived_prompt_tokens,
         )
 
     def _view(self, role: str) -> PoolView:

@@ -154,6 +154,7 @@ class Dispatcher:
         self.decider = Decider()
         self._inflight: set[str] = set()  # request ids admitted and not yet ended
         self.admitted = 0  # requests admitted since start (the planner's arrivals)
+        self.admitted_prompt_tokens = 0  # their prompt tokens
         self.traces = TraceLog(traces_kept)
         self.sinks: list[TraceSink] = [self.traces]  # each request's trace, when it ends
         # live migration: moving the sequences on decode workers now (their lifecycles) elsewhere
@@ -217,6 +218,7 @@ class Dispatcher:
             self._inflight.add(rid)
             admitted = True
             self.admitted += 1
+            self.admitted_prompt_tokens += len(prompt_ids)
             # a trace with no prompt is a request refused at the door
             life = RequestLifecycle(rid, prompt_ids, params.sequence(0), life.timeout_s)
             events = self._serve(life) if params.n == 1 else self._fork(life, params)

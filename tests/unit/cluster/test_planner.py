@@ -5,6 +5,8 @@ late and in steps, never reverses a pool quickly, and shares a budget."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from splitserve.cluster.planner import Planner, PlannerInput, PlannerProfile, PlannerSpec, PoolView
@@ -70,6 +72,22 @@ def test_an_output_heavy_step_grows_decode_not_prefill():
     # the decode capacity is the batch whose step is 80 % (decode_headroom) of 50 ms:
     # (0.04 - 0.01) / 0.001 = 30 sequences every 40 ms
     assert step.decode_capacity == pytest.approx(30 / 0.04, rel=0.01)
+
+
+def test_a_shift_to_short_prompts_does_not_grow_prefill_on_the_long_prompts_remembered():
+    """After a prompt-heavy phase, an output-heavy step whose requests have not finished
+    yet: the mean of the requests served still remembers the long prompts, but the
+    requests arriving bring short ones, and prefill is sized for those (the integration
+    test's flake: prefill grew during an output-heavy step)."""
+    planner = Planner(SPEC, PROFILE)
+    planner.decide(interval(0, rate=1, prompt=900, output=1))
+    step = interval(5, rate=20, finished=0, **pools(1, 1))  # none finished: the served mean stays 900
+    stale = planner.decide(step)
+    assert stale.prefill.desired > 1  # without the arrivals' prompt tokens: 20/s x 900
+    planner = Planner(SPEC, PROFILE)
+    planner.decide(interval(0, rate=1, prompt=900, output=1))
+    fresh = planner.decide(dataclasses.replace(step, arrived_prompt_tokens=step.arrivals * 8))
+    assert fresh.prefill.desired == 1 and fresh.prompt_tokens == 8
 
 
 def test_decode_batches_are_bounded_by_the_kv_cache_at_the_observed_context():
