@@ -179,17 +179,22 @@ class LoRALinear(nn.Module):
         self.register_buffer("at", torch.zeros(max_loras, in_features, width, dtype=dtype, device=device))
         self.register_buffer("bt", torch.zeros(max_loras, width, out, dtype=dtype, device=device))
 
+    def check(self, part: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """``ValueError`` unless ``A`` and ``B`` fit ``part`` (None: the adapter leaves it)."""
+        _, _, rows = self.parts[part]
+        if a is not None and (a.shape[1] != self.at.shape[1] or b.shape[0] != rows):
+            fits = f"{rows} x {self.at.shape[1]}"
+            raise ValueError(f"{part}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit ({fits})")
+
     def set(self, slot: int, part: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Slot ``slot``'s ``A`` and ``B`` for ``part`` (None: zeros: the adapter leaves it)."""
+        self.check(part, a, b)
         i, first, rows = self.parts[part]
         r0 = i * self.max_rank
         self.at[slot, :, r0 : r0 + self.max_rank].zero_()
         self.bt[slot, r0 : r0 + self.max_rank, first : first + rows].zero_()
         if a is None:
             return
-        if a.shape[1] != self.at.shape[1] or b.shape[0] != rows:
-            fits = f"{rows} x {self.at.shape[1]}"
-            raise ValueError(f"{part}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit ({fits})")
         r = a.shape[0]
         self.at[slot, :, r0 : r0 + r] = a.T.to(self.at.dtype)
         self.bt[slot, r0 : r0 + r, first : first + rows] = b.T.to(self.bt.dtype)
@@ -210,7 +215,7 @@ class LoRALinear(nn.Module):
 
 class LoRAAdapters:
     """The adapters an engine serves: up to ``max_loras`` loaded, each in a slot of every
-    ``LoRALinear`` the model was wrapped with (``wrap``)."""
+    ``LoRALinear`` the model's projections were wrapped in (at construction)."""
 
     def __init__(
         self,
@@ -268,17 +273,21 @@ class LoRAAdapters:
                     f"({', '.join(sorted(self.slots))})"
                 )
             slot = free[0]
+        writes = []  # every tensor checked before the slot changes: a refused adapter leaves it as it was
         for (layer, path), wrapped in self._modules.items():
             for part in wrapped.parts:
                 module = next(m for m, (p, pt) in TARGETS.items() if p == path and pt == part)
                 pair = adapter.weights.get((layer, module))
                 try:
                     a, b = (None, None) if pair is None else self._shards[module].of(*pair)
-                    wrapped.set(slot, part, a, b)
+                    wrapped.check(part, a, b)
                 except ValueError as e:
                     raise ModelLoadError(
                         f"LoRA adapter {name!r} ({adapter.path}): layer {layer}'s {e}"
                     ) from None
+                writes.append((wrapped, part, a, b))
+        for wrapped, part, a, b in writes:
+            wrapped.set(slot, part, a, b)
         self.slots[name], self.adapters[name] = slot, adapter
 
     def signature(self) -> str:

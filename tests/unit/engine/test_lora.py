@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
@@ -129,6 +130,16 @@ def test_an_adapter_the_engine_cannot_run_is_refused_at_load_naming_its_file(ser
         make_engine(checkpoint, {"dora": dora})
     with pytest.raises(ValueError, match="max_loras"):
         make_engine(checkpoint, dirs, max_loras=1)
+    wrong = tmp_path / "wrong"  # an adapter of another model: one B a row short
+    wrong.mkdir()
+    (wrong / "adapter_config.json").write_bytes((some / "adapter_config.json").read_bytes())
+    tensors = load_file(str(some / "adapter_model.safetensors"))
+    key = next(k for k in tensors if k.endswith("lora_B.weight"))
+    tensors[key] = tensors[key][:-1].contiguous()
+    save_file(tensors, str(wrong / "adapter_model.safetensors"))
+    refusal = r"\(.*wrong\): layer \d+'s .*(do not fit|B has \d+ rows; the model's has)"
+    with pytest.raises(ModelLoadError, match=refusal):
+        make_engine(checkpoint, {"wrong": wrong})
 
 
 def test_kv_moves_only_between_engines_whose_adapters_are_alike(served, tmp_path):
