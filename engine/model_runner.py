@@ -162,7 +162,7 @@ class ModelRunner:
         and, by request id, the prompt logprobs this step computed for sequences that ask
         for them (the next ones after those they hold). ``on_layer(i)`` is called after
         layer ``i`` wrote its KV (never on a graph replay: those are pure-decode steps)."""
-        ordered = sorted(scheduled, key=self._packing_order)
+        ordered = sorted(scheduled, key=lambda s: not self._as_decodes(s))
         bs = self.block_size
         decodes = sum(s.num_new_tokens for s in ordered if self._as_decodes(s))
         inputs = StepInputs([], [], [], [], decodes, [])
@@ -262,14 +262,6 @@ class ModelRunner:
             logits = self.model.compute_logits(self._rows(states, [r for _, r, _ in heads]))
             tokens = logits.argmax(dim=-1).tolist()
             self.mtp_heads = {rid: MTPHead(t, n) for (rid, _, n), t in zip(heads, tokens)}
-
-    def _packing_order(self, s: ScheduledSeq) -> tuple[bool, int]:
-        """Decodes first; with LoRA adapters, each phase's rows of one adapter together
-        (the base's first), so that each adapter's rows are one run (``engine.lora``)."""
-        if self.loras is None:
-            return not self._as_decodes(s), 0
-        slot = self.loras.slot(s.seq.params.adapter)
-        return not self._as_decodes(s), -1 if slot is None else slot
 
     def _as_decodes(self, s: ScheduledSeq) -> bool:
         """Whether ``s`` runs as one-token decode spans: a decode, or (``spread_drafts``)
