@@ -32,7 +32,7 @@ import threading
 
 from splitserve.engine.engine import Engine
 from splitserve.kv_transfer import get_backend
-from splitserve.kv_transfer.exports import ExportLedger
+from splitserve.kv_transfer.exports import ExportLedger, lend
 from splitserve.kv_transfer.polling import SourcePoller
 from splitserve.wire.errors import UnknownRequest
 from splitserve.wire.kv import Confirmation, Handshake, KVHandoff, Leases
@@ -57,15 +57,7 @@ class RequestMover:
         """Export PREFILLED ``request_id``'s KV as ``kv`` names it under a lease; its blocks
         are released if that fails (``engine.commands.Lender``: the engine's side of the
         ``MoveOut``, ``LendRunning`` and ``LendPrefix`` commands runs before)."""
-        try:
-            with self._lock:
-                desc = self.source.export(
-                    request_id, kv.block_ids, kv.num_kv_tokens, window_from=kv.window_from
-                )
-        except BaseException:
-            engine.release(request_id)
-            raise
-        self.ledger.opened(request_id, desc.transfer_id)
+        desc = lend(self.source, self._lock, self.ledger, request_id, kv, lambda: engine.release(request_id))
         self._poller.wake()
         return KVHandoff(self.worker_id, (desc,))
 

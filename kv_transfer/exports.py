@@ -1,4 +1,5 @@
-"""What a prefill worker holds under a lease, and when it may give the blocks back.
+"""What a worker holds under a lease, and when it may give the blocks back (``lend``:
+an export opened in the ledger).
 
 One ``ExportLedger`` per prefill worker, used only on its engine thread. A request's
 KV is exported by rank 0 (one transfer, ``opened``) and, in a TP group, by every
@@ -24,9 +25,12 @@ The counts of rank 0's lease ends by state (``lease_ends``) are the worker's sta
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 
-from splitserve.wire.kv import LeaseEnd, Leases, TransferState
+from splitserve.kv_transfer.source import KVSource
+from splitserve.wire.kv import KVDescriptor, LeaseEnd, Leases, TransferState
+from splitserve.wire.outputs import PrefilledRequest
 
 
 class ExportLedger:
@@ -103,3 +107,24 @@ class ExportLedger:
             self._shards.pop(request_id, None)
             released.append(request_id)
         return released
+
+
+def lend(
+    source: KVSource,
+    lock: threading.Lock,
+    ledger: ExportLedger,
+    request_id: str,
+    kv: PrefilledRequest,
+    release: Callable[[], None],
+) -> KVDescriptor:
+    """Export the blocks ``kv`` names (held for ``request_id``) from ``source`` (under
+    ``lock``) under a lease, opened in ``ledger``; if the export fails, ``release()``
+    gives the blocks back to the engine and the error is raised (nothing is opened)."""
+    try:
+        with lock:
+            desc = source.export(request_id, kv.block_ids, kv.num_kv_tokens, window_from=kv.window_from)
+    except BaseException:
+        release()
+        raise
+    ledger.opened(request_id, desc.transfer_id)
+    return desc

@@ -51,7 +51,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.parallel.worker_group import Heartbeats
 from splitserve.kv_transfer import get_backend
-from splitserve.kv_transfer.exports import ExportLedger
+from splitserve.kv_transfer.exports import ExportLedger, lend
 from splitserve.kv_transfer.layerwise import LayerExporter
 from splitserve.kv_transfer.polling import SourcePoller
 from splitserve.kv_transfer.puller import KVPuller
@@ -300,15 +300,8 @@ class PrefillWorker:
         """Export PREFILLED ``request_id``'s KV as ``kv`` names it under a lease (a loan of
         cached blocks: ``LendPrefix``, run by ``engine.commands`` through this worker, its
         lender named ``"prefill"``); its blocks are released if that fails."""
-        try:
-            with self._source_lock:
-                desc = self.source.export(
-                    request_id, kv.block_ids, kv.num_kv_tokens, window_from=kv.window_from
-                )
-        except BaseException:
-            engine.release(request_id)
-            raise
-        self.ledger.opened(request_id, desc.transfer_id)
+        release = lambda: engine.release(request_id)  # noqa: E731
+        desc = lend(self.source, self._source_lock, self.ledger, request_id, kv, release)
         return KVHandoff(self.worker_id, (desc,))
 
     def leases(self) -> Leases:
