@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 from torch import nn
 
 from splitserve.engine.model.config import ModelConfig
@@ -99,11 +99,12 @@ def load_adapter(name: str, path: str | Path, num_layers: int, max_rank: int) ->
             f"LoRA adapter {name!r}: {config_file} has rank {rank}, above max_lora_rank {max_rank}"
         )
     alpha = float(cfg.get("lora_alpha", rank))
-    h = hashlib.blake2b(weights_file.read_bytes(), digest_size=8)
+    data = weights_file.read_bytes()  # read once: hashed and parsed
+    h = hashlib.blake2b(data, digest_size=8)
     h.update(json.dumps([rank, alpha, bool(cfg.get("use_rslora"))]).encode())
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(weights_file)).items():
+    for key, tensor in load_safetensors(data).items():
         m = _KEY.search(key)
         if m is None or m.group(2) not in TARGETS:
             raise ModelLoadError(
@@ -234,7 +235,9 @@ class LoRAAdapters:
         self.step = LoRAStep()
         self.device = device
         self.slots: dict[str, int] = {}  # adapter name -> its slot
-        self.adapters: dict[str, LoRAAdapter] = {}
+        self.digests: dict[
+            str, str
+        ] = {}  # adapter name -> ``LoRAAdapter.digest`` (its weights live in the slots)
         self._modules: dict[tuple[int, str], LoRALinear] = {}  # (layer, engine module path) -> wrapper
         self._shards = _shards(mc, tp)
         for index, layer in enumerate(model.layers):
@@ -288,13 +291,13 @@ class LoRAAdapters:
                 writes.append((wrapped, part, a, b))
         for wrapped, part, a, b in writes:
             wrapped.set(slot, part, a, b)
-        self.slots[name], self.adapters[name] = slot, adapter
+        self.slots[name], self.digests[name] = slot, adapter.digest
 
     def signature(self) -> str:
         """A fingerprint of the adapters loaded (names and weights): part of the engine's
         revision (``engine.build``), so that KV moves only between workers whose adapters
         compute alike, and the router never mixes workers whose adapters differ."""
-        pairs = sorted((name, a.digest) for name, a in self.adapters.items())
+        pairs = sorted(self.digests.items())
         return hashlib.blake2b(json.dumps(pairs).encode(), digest_size=6).hexdigest()
 
     def slot(self, name: str | None) -> int | None:
