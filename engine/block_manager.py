@@ -32,6 +32,18 @@ imported from another engine without the keys out of its windows:
 ``Sequence.partial_from``) would give a later prompt wrong keys as a cached
 prefix, so ``commit_computed`` registers no block of that sequence from there on.
 
+Layer groups (a sliding-window model, ``KVLayout.grouped``): besides its
+``block_table`` (the full layers' blocks) a sequence holds one table per group of
+sliding layers (``Sequence.window_tables``), of the blocks from ``window_start`` on:
+those a sliding layer still reads (``window_start``: a query at position p reads
+keys from p - window + 1). Every step's end gives back the older ones
+(``commit_computed``), so a sliding layer holds at most its window and one block
+per sequence. Each group's full, computed blocks are registered by the same hash
+chain as the full ones (a block is in one group at a time, and its group's table of
+hashes names it); a cached prefix of n blocks is taken only with every group's
+blocks of the window before position n (``find_cached_prefix``), which stay
+findable once given back, until reused. No host tier and no state slots with them.
+
 A hybrid model (linear-attention layers beside full ones, ``engine.model.deltanet``)
 keeps each sequence's linear layers' memory in state slots, not in blocks
 (``engine.state_slots``): with ``states`` every sequence that holds blocks holds
@@ -82,9 +94,13 @@ class BlockManager:
         shards: int = 1,
         tier: KVTier | None = None,
         states: StateSlots | None = None,
+        window: int = 0,
+        window_groups: int = 0,
     ):
         if num_blocks < 1 or block_size < 1 or shards < 1:
             raise ValueError("num_blocks, block_size and shards must be positive")
+        if window_groups and (tier is not None or states is not None or window < 1):
+            raise ValueError("sliding layer groups need a window, and go without a host tier or state slots")
         if states is not None and (shards > 1 or tier is not None):
             raise ValueError("a hybrid model's state slots go with one shard and no host tier")
         if num_blocks % shards:
@@ -112,6 +128,12 @@ class BlockManager:
         self.tier_hits = 0  # tokens reloaded from the tier since start (a metric)
         self.prefix_log = PrefixLog()
         self.states = states  # a hybrid model's state slots and snapshots
+        # layer groups: the widest sliding window (tokens), the sliding groups, each group's
+        # registered blocks by hash, and the group whose hash each block holds (0: the full one)
+        self.window = window
+        self.window_groups = window_groups
+        self._window_hashes: list[dict[int, int]] = [{} for _ in range(window_groups)]
+        self.block_group = [0] * num_blocks if window_groups else []
 
     # ---- queries -----------------------------------------------------------
     @property
@@ -149,6 +171,12 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def window_start(self, computed: int) -> int:
+        """The first block a sliding layer reads again once a sequence's first ``computed``
+        tokens have their KV: the next query, at position ``computed``, reaches back to
+        the key at ``computed - window + 1`` (``KVLayout.window_from``)."""
+        return max(0, computed - self.window + 1) // self.block_size
+
     def reusable_blocks(self, seq: Sequence, whole: bool = False) -> int:
         """How many of ``seq``'s leading full blocks a cache may give it: those before
         the block of its last token (whose logits it must compute), or with ``whole``
@@ -175,7 +203,26 @@ class BlockManager:
             parent = h
         if self.states is not None:  # a hybrid model's: only up to a block with a state snapshot
             found = found[: self.states.snapshot_prefix([self.block_hashes[b] for b in found])]
+        while found and self.window_groups and self._window_prefix(found) is None:
+            found.pop()  # each sliding group's blocks of the window before it are needed too
         return found
+
+    def _window_prefix(self, found: list[int]) -> list[list[int]] | None:
+        """Each sliding group's blocks of the window before the prefix ``found`` (cached
+        full blocks, from the first), by the same hashes, in the same shard; None when
+        one of them is not cached."""
+        n = len(found)
+        shard = self.shard_of(found[0]) if found else 0
+        out = []
+        for hashes in self._window_hashes:
+            ids = []
+            for b in found[self.window_start(n * self.block_size) : n]:
+                w = hashes.get(self.block_hashes[b])
+                if w is None or self.block_tokens[w] != self.block_tokens[b] or self.shard_of(w) != shard:
+                    return None
+                ids.append(w)
+            out.append(ids)
+        return out
 
     def tier_prefix(self, seq: Sequence, cached: list[int], whole: bool = False) -> int:
         """How many full blocks of ``seq``'s prompt right after ``cached`` (what
@@ -200,9 +247,16 @@ class BlockManager:
             return False  # every state slot is held
         have = len(seq.block_table) + len(cached)
         computed = seq.num_computed_tokens + len(cached) * self.block_size
-        need = self.blocks_needed(computed + num_new_tokens) - have
+        end = self.blocks_needed(computed + num_new_tokens)
+        need = end - have
         free = self._free[self.home(seq, cached)]
         taken_from_free = sum(1 for b in cached if b in free)
+        if self.window_groups:  # each sliding group's blocks from its window's start to the end
+            held = seq.window_start + len(seq.window_tables[0]) if seq.window_tables else 0
+            if cached:
+                taken_from_free += sum(1 for t in self._window_prefix(cached) for b in t if b in free)
+                held = len(cached)
+            need += self.window_groups * max(0, end - max(held, self.window_start(computed)))
         return need + taken_from_free <= len(free)
 
     # ---- actions -----------------------------------------------------------
@@ -220,6 +274,12 @@ class BlockManager:
         seq.block_table = list(cached)
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
+        if self.window_groups:
+            seq.window_tables = self._window_prefix(cached)
+            seq.window_start = self.window_start(seq.num_computed_tokens)
+            for table in seq.window_tables:
+                for b in table:
+                    self._ref(b)
         if self.states is not None and cached:  # its first step starts from the snapshot there
             self.states.start_from(seq, self.block_hashes[cached[-1]])
         if count:
@@ -229,9 +289,10 @@ class BlockManager:
     def share(self, seq: Sequence, blocks: list[int]) -> None:
         """Give a fresh ``seq`` references to ``blocks``: full, computed blocks another
         sequence holds (a running request's KV lent to another worker), counted computed.
-        Their hashes stay the other's to register; ``seq`` holds none."""
-        if seq.block_table or seq.num_computed_tokens:
-            raise ValueError("blocks can only be shared with a sequence holding none")
+        Their hashes stay the other's to register; ``seq`` holds none. Not with layer
+        groups (the full layers' blocks alone are not a sequence's KV)."""
+        if seq.block_table or seq.num_computed_tokens or self.window_groups:
+            raise ValueError("blocks can only be shared with a sequence holding none, without layer groups")
         for b in blocks:
             self._ref(b)
         seq.block_table = list(blocks)
@@ -274,17 +335,37 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Append blocks so ``seq`` covers its computed tokens plus ``num_new_tokens``.
         Call ``can_allocate`` first; raises ``RuntimeError`` if the pool is short."""
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        end = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        need = end - len(seq.block_table)
         free = self._free[self.home(seq)]
-        if need > len(free):
+        window_need = 0
+        if self.window_groups:
+            start = self.window_start(seq.num_computed_tokens)
+            self._release_window(seq, start)
+            if not seq.window_tables:
+                seq.window_tables = [[] for _ in range(self.window_groups)]
+            if not seq.window_tables[0]:
+                seq.window_start = start
+            window_need = max(0, end - seq.window_start - len(seq.window_tables[0]))
+        if need + self.window_groups * window_need > len(free):
             raise RuntimeError("allocate() called without enough free blocks")
         if self.states is not None and seq.state_slot is None:
             self.states.hold(seq)
         for _ in range(need):
             seq.block_table.append(self._pop_free(free))
+        for table in seq.window_tables:
+            for _ in range(window_need):
+                table.append(self._pop_free(free))
 
     def commit_computed(self, seq: Sequence) -> None:
-        """Register hashes of blocks that became full and computed (prefix caching)."""
+        """Register hashes of blocks that became full and computed (prefix caching); with
+        layer groups, each sliding group's too, then give back the sliding blocks no
+        window reaches any more (``window_start``)."""
+        self._commit_hashes(seq)
+        if self.window_groups:
+            self._release_window(seq, self.window_start(seq.num_computed_tokens))
+
+    def _commit_hashes(self, seq: Sequence) -> None:
         if not self.enable_prefix_caching:
             return
         hashes = self._seq_hashes.setdefault(seq.seq_no, [])
@@ -304,6 +385,14 @@ class BlockManager:
                 self.prefix_log.stored(h)
             hashes.append(h)
             parent = h
+        for i in range(seq.window_start, min(num_full, len(hashes))) if seq.window_tables else ():
+            h, tokens = hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            for g, table in enumerate(seq.window_tables):
+                block = table[i - seq.window_start]
+                if self.block_hashes[block] is None and h not in self._window_hashes[g]:
+                    self.block_hashes[block], self.block_tokens[block] = h, tokens
+                    self.block_group[block] = g + 1
+                    self._window_hashes[g][h] = block
 
     def hash_of(self, seq: Sequence, block: int) -> int | None:
         """The hash of ``seq``'s ``block``-th block, once registered (``commit_computed``)."""
@@ -315,27 +404,41 @@ class BlockManager:
         allocated room for a draft it did not keep). They hold no hashed block: the
         prefix cache only registers computed ones."""
         keep = self.blocks_needed(seq.num_tokens)
-        while len(seq.block_table) > keep:
-            b = seq.block_table.pop()
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                free = self._free[self.shard_of(b)]
-                free[b] = None
-                free.move_to_end(b, last=False)  # reused first: it holds nothing
+        tables = [(seq.block_table, keep)] + [(t, keep - seq.window_start) for t in seq.window_tables]
+        for table, n in tables:
+            while len(table) > max(n, 0):
+                b = table.pop()
+                self.ref_counts[b] -= 1
+                if self.ref_counts[b] == 0:
+                    free = self._free[self.shard_of(b)]
+                    free[b] = None
+                    free.move_to_end(b, last=False)  # reused first: it holds nothing
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references (last block first, so a prefix outlives its tail)."""
-        for b in reversed(seq.block_table):
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                self._free[self.shard_of(b)][b] = None
-        seq.block_table = []
+        for table in (*seq.window_tables, seq.block_table):
+            for b in reversed(table):
+                self._unref(b)
+        seq.block_table, seq.window_tables, seq.window_start = [], [], 0
         seq.partial_from = None
         if self.states is not None:
             self.states.release(seq)
         self._seq_hashes.pop(seq.seq_no, None)
 
     # ---- internals ---------------------------------------------------------
+    def _release_window(self, seq: Sequence, start: int) -> None:
+        """Give back ``seq``'s sliding blocks before position ``start`` (they keep their
+        hashes: findable until reused)."""
+        while seq.window_tables and seq.window_tables[0] and seq.window_start < start:
+            for table in seq.window_tables:
+                self._unref(table.pop(0))
+            seq.window_start += 1
+
+    def _unref(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self._free[self.shard_of(block)][block] = None
+
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self._free[self.shard_of(block)][block]
@@ -349,7 +452,13 @@ class BlockManager:
     def _pop_free(self, free: OrderedDict[int, None]) -> int:
         block, _ = free.popitem(last=False)
         h = self.block_hashes[block]
-        if h is not None:  # evict: its content is about to be overwritten
+        if h is not None and self.window_groups and self.block_group[block]:  # a sliding group's
+            hashes = self._window_hashes[self.block_group[block] - 1]
+            if hashes.get(h) == block:
+                del hashes[h]
+            self.block_hashes[block] = self.block_tokens[block] = None
+            self.block_group[block] = 0
+        elif h is not None:  # evict: its content is about to be overwritten
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
                 if self.tier is None:

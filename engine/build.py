@@ -158,9 +158,11 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     num_blocks = tp.min_int(num_blocks)  # every rank the same block ids
     backend, use_graphs = _attention(config, mc, device, tp.size)
     use_graphs = use_graphs and mc.linear is None  # a hybrid step's states are not captured
+    use_graphs = use_graphs and not layout.grouped  # a graph replays one block table per row
     # a CUDA graph's padding rows write to the last block: requests get the others
     usable = num_blocks - 1 if use_graphs else num_blocks
-    capacity = size_kv_cache(config, usable, per_token, context)
+    window = max(layout.windows, default=0)
+    capacity = size_kv_cache(config, usable, per_token, context, _window_blocks(config, layout, usable))
     max_model_len = capacity.max_model_len
     if plan is None:
         kv_cache = KVCache(dataclasses.replace(layout, num_blocks=num_blocks), device)
@@ -178,10 +180,21 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     # one shard of blocks per rank of an expert-parallel group (each rank caches its own sequences)
     shards = config.ep_size
     tier = None
+    if config.host_kv_tier_mib and layout.grouped:
+        raise ValueError(
+            f"host_kv_tier_mib: a host tier does not keep {mc.model_type}'s sliding layer groups yet"
+        )
     if config.host_kv_tier_mib:
         tier = HostKVTier.of_size(kv_cache, config.host_kv_tier_mib)
     block_manager = BlockManager(
-        capacity.num_blocks * shards, config.block_size, config.enable_prefix_caching, shards, tier, slot_pool
+        capacity.num_blocks * shards,
+        config.block_size,
+        config.enable_prefix_caching,
+        shards,
+        tier,
+        slot_pool,
+        window,
+        layout.window_groups,
     )
     scheduler = Scheduler(block_manager, config.max_num_batched_tokens, config.max_num_seqs)
     native = kernels.load() if config.native_kernels and device.type == "cpu" else None
@@ -271,7 +284,21 @@ def _kv_layout(config: EngineConfig, mc: ModelConfig, layer_tp: TPGroup, kv_dtyp
         kv_scales=kv_quant.SCHEME if config.kv_cache_dtype == "fp8" else "none",
         planes=mc.kv_planes,
         windows=windows if any(windows) else (),
+        # sliding and full layers: in layer groups, the sliding ones holding their window only
+        grouped=any(windows) and not all(windows),
     )
+
+
+def _window_blocks(config: EngineConfig, layout: KVLayout, usable: int) -> int:
+    """Of ``usable`` blocks, those the longest request's sliding layer groups may hold
+    beside its full layers' (``KVLayout.grouped``; 0 without them): each group its
+    blocks up to a step's tokens and its window (and one), or as many as the full ones."""
+    k = layout.window_groups
+    if not k:
+        return 0
+    reach = -(-(config.max_num_batched_tokens + max(layout.windows)) // config.block_size) + 1
+    full = usable // (1 + k) if usable <= (1 + k) * reach else usable - k * reach
+    return usable - full
 
 
 def _check_hybrid(config: EngineConfig, mc: ModelConfig) -> None:

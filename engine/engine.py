@@ -375,17 +375,20 @@ class Engine(KVRequests):
         observer = self.layer_observer
         if observer is None:
             return None
-        bs, layout, kv = self.block_manager.block_size, self.kv_cache.layout, self.kv_cache
-        finishing = [
-            FinishingPrefill(  # a hybrid model's states go with its KV: the slot this step writes
-                s.seq.request_id,
-                tuple(s.seq.block_table[s.seq.export_from_block :] + kv.slot_blocks(s.seq.state_spare)),
-                s.seq.num_tokens - s.seq.export_from_block * bs,
-                layout.window_from(s.seq.export_from_block, s.seq.num_tokens),
+        bs, kv = self.block_manager.block_size, self.kv_cache
+        finishing = []
+        for s in scheduled:
+            if not (s.seq.prefill_only and s.samples):
+                continue
+            ids, window_from = self.transfer_ids(s.seq, s.seq.export_from_block, s.seq.num_tokens)
+            finishing.append(
+                FinishingPrefill(  # a hybrid model's states go with its KV: the slot this step writes
+                    s.seq.request_id,
+                    tuple(ids + kv.slot_blocks(s.seq.state_spare)),
+                    s.seq.num_tokens - s.seq.export_from_block * bs,
+                    window_from,
+                )
             )
-            for s in scheduled
-            if s.seq.prefill_only and s.samples
-        ]
         if not finishing:
             return None
         observer.step_begins(finishing)

@@ -4,6 +4,9 @@ One tensor per engine::
 
     cache[layer, k_or_v, block, slot_in_block, kv_head, head_dim]
 
+(a sliding-window model's sliding and full layers share the first dimension's rows
+in layer groups, ``KVLayout.grouped``: ``cache[row(layer), ...]`` of its group's blocks)
+
 (an MLA model's cache has one plane per layer, its latent rows, and one "head":
 ``layout.planes`` is 1), so one block of one layer's K (or V) is a contiguous run of
 ``block_size * num_kv_heads * head_dim`` elements: the unit a transfer backend
@@ -39,15 +42,7 @@ class KVCache:
 
     def __init__(self, layout: KVLayout, device: torch.device):
         self.layout = layout
-        shape = (
-            layout.num_layers,
-            layout.planes,
-            layout.num_blocks,
-            layout.block_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-        )
-        self.tensor = allocate_zeros(shape, getattr(torch, layout.dtype), device)
+        self.tensor = allocate_zeros(layout.cache_shape, getattr(torch, layout.dtype), device)
         self.faulting_in = fault_in_background(self.tensor)  # None: nothing to fault in
         # An FP8 cache's scales, [num_layers, 2 (K, V), kv_heads] (engine.kv_quant), set
         # by the engine at start; None otherwise.
@@ -70,8 +65,10 @@ class KVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(k_cache, v_cache) of layer ``i``, each [num_blocks, block_size, kv_heads, head_dim];
-        with one plane (MLA) the latent rows and None."""
-        return self.tensor[i, 0], (self.tensor[i, 1] if self.layout.planes == 2 else None)
+        with one plane (MLA) the latent rows and None. In a grouped layout, the blocks of
+        the layer's group hold it (``KVLayout.row``)."""
+        r = self.layout.row(i)
+        return self.tensor[r, 0], (self.tensor[r, 1] if self.layout.planes == 2 else None)
 
     def scale_values(self) -> tuple[float, ...]:
         """An FP8 cache's scales, flattened [num_layers, 2, kv_heads] (what a handshake

@@ -19,6 +19,11 @@ defines).
   after those.
 
 Every method validates first and raises ``InvalidRequest`` before touching state.
+
+A sliding-window model's layer groups (``KVLayout.grouped``): a transfer names the
+full layers' blocks, then each sliding group's from ``window_from`` on, in one flat
+list (``transfer_ids``). Its running requests are not copied ahead of a move (the
+move copies them whole), and it neither lends nor borrows a prompt's prefix yet.
 """
 
 from __future__ import annotations
@@ -43,15 +48,32 @@ class KVRequests:
         (``KVLayout.window_from``)."""
         seq = self._get(request_id, SequenceStatus.PREFILLED).seq
         skip = seq.export_from_block
+        ids, window_from = self.transfer_ids(seq, skip, seq.num_computed_tokens)
         return PrefilledRequest(
             request_id,
             list(seq.prompt_token_ids),
             seq.output_token_ids,
-            list(seq.block_table[skip:]) + self.kv_cache.slot_blocks(seq.state_slot),
+            ids + self.kv_cache.slot_blocks(seq.state_slot),
             seq.num_computed_tokens - skip * self.block_manager.block_size,
             seq.num_cached_tokens,
-            self.kv_cache.layout.window_from(skip, seq.num_computed_tokens),
+            window_from,
         )
+
+    def transfer_ids(self, seq: Sequence, first: int, kv_tokens: int) -> tuple[list[int], int]:
+        """The block ids a transfer of ``seq``'s KV of its first ``kv_tokens`` tokens names,
+        from its block ``first`` on, and its ``window_from`` (``KVLayout.window_from``):
+        its blocks, and with layer groups each sliding group's from ``window_from`` on
+        (``KVLayout.transfer_ids``), which the sequence holds: no window reaches back
+        before them."""
+        layout = self.kv_cache.layout
+        window_from = layout.window_from(first, kv_tokens)
+        blocks = seq.block_table[first:]
+        if not layout.grouped:
+            return blocks, window_from
+        at = first + window_from - seq.window_start
+        if at < 0:
+            raise RuntimeError(f"{seq.request_id} gave back sliding blocks a transfer of it names")
+        return layout.transfer_ids(blocks, [t[at:] for t in seq.window_tables], window_from), window_from
 
     def release(self, request_id: str) -> None:
         """Free a PREFILLED request's blocks (its KV has been delivered or given up)."""
@@ -90,6 +112,7 @@ class KVRequests:
         Raises ``UnknownRequest`` unless it is RUNNING, ``InvalidRequest`` when its
         tokens are not ``token_ids``."""
         seq, bs = self._get(request_id, SequenceStatus.RUNNING).seq, self.block_manager.block_size
+        self._refuse_grouped("a running request's KV is not copied ahead of its move")
         n = min(len(token_ids) // bs, seq.num_computed_tokens // bs)
         if seq.token_ids[: n * bs] != list(token_ids[: n * bs]):
             raise InvalidRequest(f"request {request_id} here holds other tokens than those asked for")
@@ -125,6 +148,7 @@ class KVRequests:
         (or ``abort``) lets them go. None, holding nothing, when it has no more than
         ``from_block`` of them. Lending computes nothing and counts as no reuse here."""
         self._refuse_hybrid()
+        self._refuse_grouped("it lends no prompt prefix")
         request_id = self._new_id(request_id)
         ids = self.validate_request(list(token_ids), SamplingParams(max_tokens=1))
         seq = self._sequence(request_id, ids, SamplingParams(max_tokens=1), prefill_only=True)
@@ -147,6 +171,7 @@ class KVRequests:
         fill in order). Then ``adopt_prefix``, or ``abort`` to free them all. Raises
         ``Overloaded`` (holding nothing) when the cache has no room now."""
         self._refuse_hybrid()
+        self._refuse_grouped("it borrows no prompt prefix")
         request_id = self._new_id(request_id)
         ids = self.validate_request(list(token_ids), SamplingParams(max_tokens=1))
         if len(ids) % self.block_manager.block_size:
@@ -214,6 +239,7 @@ class KVRequests:
         them. A stale copy of the same request (copied ahead of a move that failed) is
         dropped first. Raises ``InvalidRequest`` (holding nothing) for a request with less
         than one full block to copy, ``Overloaded`` when the cache has no room now."""
+        self._refuse_grouped("a running request's KV is not copied ahead of its move")
         stale = self.requests.get(request_id)
         if stale is not None and stale.seq.awaiting_import:
             self.abort(request_id)
@@ -273,6 +299,12 @@ class KVRequests:
             raise InvalidRequest(
                 "this model caches no prompt prefixes (its linear layers' state): none to lend"
             )
+
+    def _refuse_grouped(self, what: str) -> None:
+        """``InvalidRequest`` under layer groups for a copy of part of a request's KV that
+        is not built for them yet (``what``)."""
+        if self.kv_cache.layout.grouped:
+            raise InvalidRequest(f"a model with sliding layer groups: {what} yet")
 
     def _mark_partial(self, seq: Sequence, first_copied: int) -> None:
         """The blocks of ``seq`` from ``first_copied`` on are copied in from another engine,
@@ -357,9 +389,8 @@ class KVRequests:
         self.import_held_tokens += seq.num_cached_tokens
         self.import_moved_tokens += total - have
         self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
-        return list(seq.block_table[have // self.block_manager.block_size :]) + self.kv_cache.slot_blocks(
-            seq.state_slot
-        )
+        ids, _ = self.transfer_ids(seq, have // self.block_manager.block_size, total)
+        return ids + self.kv_cache.slot_blocks(seq.state_slot)
 
     def activate(self, request_id: str, output_token_ids: list[int] | None = None) -> None:
         """The KV of an IMPORTING request is in place: start decoding it. The first

@@ -86,11 +86,14 @@ def model_context(config: EngineConfig, model_max_len: int) -> int:
     return config.max_model_len
 
 
-def size_kv_cache(config: EngineConfig, usable_blocks: int, bytes_per_token: int, context: int) -> KVCapacity:
+def size_kv_cache(
+    config: EngineConfig, usable_blocks: int, bytes_per_token: int, context: int, window_blocks: int = 0
+) -> KVCapacity:
     """The capacity of ``usable_blocks`` and the context it allows, given ``context``
-    (``model_context``'s answer; see the module docstring). Raises ``ValueError`` when a
-    configured ``max_model_len`` does not fit."""
-    tokens = usable_blocks * config.block_size
+    (``model_context``'s answer; see the module docstring), of which one request's
+    sliding layer groups may hold ``window_blocks`` (``KVLayout.grouped``). Raises
+    ``ValueError`` when a configured ``max_model_len`` does not fit."""
+    tokens = max(0, usable_blocks - window_blocks) * config.block_size
     max_len = context
     if context > tokens:
         if config.max_model_len is not None:

@@ -59,6 +59,23 @@ class StepInputs:
     state_slots: list[tuple[int, int, int, int]] = field(default_factory=list)
     # rows under a LoRA adapter: (first packed row, rows, the adapter's slot)
     lora_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    # layer groups (``KVLayout.grouped``): each sliding group's spans and slots, as
+    # ``spans`` and ``slots`` are the full layers' (its tables at the same positions)
+    window_spans: list[list[SeqSpan]] = field(default_factory=list)
+    window_slots: list[list[int]] = field(default_factory=list)
+
+    def add_windows(self, seq: Sequence, spans: list[SeqSpan], start: int, end: int, block_size: int) -> None:
+        """Each sliding group's spans and slots of ``seq``, those ``spans`` (just added for
+        the full layers) are with the group's table: its blocks before ``window_start``
+        (given back; a window never reaches them) read as its first."""
+        if not self.window_spans:
+            self.window_spans.extend([] for _ in seq.window_tables)
+            self.window_slots.extend([] for _ in seq.window_tables)
+        bs, skip = block_size, seq.window_start
+        for table, out, slots in zip(seq.window_tables, self.window_spans, self.window_slots, strict=True):
+            aligned = [table[0]] * skip + table
+            out.extend(SeqSpan(s.q_start, s.q_len, s.ctx_len, aligned) for s in spans)
+            slots.extend(aligned[p // bs] * bs + p % bs for p in range(start, end))
 
     def home(self, span: SeqSpan, blocks_per_rank: int) -> int:
         """The rank of an expert-parallel group holding ``span``'s sequence: the one whose
@@ -73,14 +90,22 @@ class StepInputs:
         base = rank * blocks_per_rank
         mine = [i for i, span in enumerate(self.spans) if self.home(span, blocks_per_rank) == rank]
         out = StepInputs([], [], [], [], sum(i < self.num_decodes for i in mine), [])
+        out.window_spans.extend([] for _ in self.window_spans)
+        out.window_slots.extend([] for _ in self.window_slots)
         moved: dict[int, int] = {}  # this step's packed position -> the rank's
-        for span in (self.spans[i] for i in mine):
+        for i in mine:
+            span = self.spans[i]
             q, end = len(out.input_ids), span.q_start + span.q_len
             moved.update((p, q + p - span.q_start) for p in range(span.q_start, end))
-            out.spans.append(SeqSpan(q, span.q_len, span.ctx_len, [b - base for b in span.block_table]))
+            groups = [(span, out.spans, self.slots, out.slots)]
+            groups += zip(
+                (w[i] for w in self.window_spans), out.window_spans, self.window_slots, out.window_slots
+            )
+            for s, spans, slots, rank_slots in groups:
+                spans.append(SeqSpan(q, s.q_len, s.ctx_len, [b - base for b in s.block_table]))
+                rank_slots.extend(x - base * block_size for x in slots[span.q_start : end])
             out.input_ids.extend(self.input_ids[span.q_start : end])
             out.positions.extend(self.positions[span.q_start : end])
-            out.slots.extend(s - base * block_size for s in self.slots[span.q_start : end])
         out.last_index.extend(moved[p] for p in self.last_index if p in moved)
         out.prompt_index.extend(moved[p] for p in self.prompt_index if p in moved)
         return out
@@ -171,6 +196,7 @@ class ModelRunner:
         for s in ordered:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
+            first = len(inputs.spans)
             if s.num_new_tokens > 1 and self._as_decodes(s):  # a draft's rows, each over its prefix
                 q = len(inputs.input_ids)
                 inputs.spans.extend(
@@ -178,6 +204,8 @@ class ModelRunner:
                 )
             else:
                 inputs.spans.append(SeqSpan(len(inputs.input_ids), s.num_new_tokens, end, seq.block_table))
+            if seq.window_tables:
+                inputs.add_windows(seq, inputs.spans[first:], start, end, bs)
             if seq.state_slot is not None:
                 inputs.state_slots.append(_state_slots(seq, start, end, bs))
             if seq.params.adapter is not None and self.loras is not None:
@@ -330,14 +358,21 @@ class ModelRunner:
                 DeltaSpan(sp.q_start, sp.q_len, slot, out, inputs.positions[sp.q_start] == 0, at, mark)
                 for sp, (slot, out, mark, at) in zip(inputs.spans, inputs.state_slots, strict=True)
             ]
-        return StepContext(
-            slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=dev),
-            backend=self.backend,
-            attn_meta=self.backend.prepare(inputs.spans, inputs.num_decodes, self.block_size, dev),
-            on_layer=on_layer,
-            calibrate_kv=calibrate_kv,
-            delta_spans=delta_spans,
-        )
+        groups = [(inputs.slots, inputs.spans), *zip(inputs.window_slots, inputs.window_spans)]
+        contexts = [
+            StepContext(
+                slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+                backend=self.backend,
+                attn_meta=self.backend.prepare(spans, inputs.num_decodes, self.block_size, dev),
+                on_layer=on_layer,
+                calibrate_kv=calibrate_kv,
+                delta_spans=delta_spans,
+            )
+            for slots, spans in groups
+        ]
+        if len(contexts) > 1:  # layer groups: each layer reads its group's (``StepContext.of``)
+            contexts[0].groups = contexts
+        return contexts[0]
 
     def _rows(self, hidden: torch.Tensor, positions: list[int]) -> torch.Tensor:
         return hidden.index_select(0, torch.tensor(positions, dtype=torch.long, device=self.device))

@@ -60,6 +60,11 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # a grouped layout (``KVLayout.grouped``): each sliding layer group's blocks, those
+        # of positions ``window_start`` on (the older ones out of every window were freed);
+        # ``block_table`` is the full layers' (``BlockManager``)
+        self.window_tables: list[list[int]] = []
+        self.window_start = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] = []

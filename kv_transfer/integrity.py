@@ -8,7 +8,9 @@ hashed and moved as such runs, in the order (layer, k/v, run). The checksum
 is one xxh3-64 per layer, so a sink can verify layer by layer while later
 layers are still moving (and a source can hash each layer as prefill writes it).
 A sliding layer of a transfer with ``window_from`` moves and hashes only the
-blocks from there on (``KVLayout.layer_blocks``; ``layer_groups``, ``pack``).
+blocks from there on, and a grouped layout's sliding layers their own group's
+blocks (``KVLayout.layer_blocks``, ``layer_runs``; ``pack``): the layer's row of
+the tensor (``KVLayout.row``) holds them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from splitserve.wire.kv_layout import KVLayout
 def check_cache(cache: torch.Tensor, compat: CompatInfo) -> None:
     """Raise ``ValueError`` unless ``cache`` is contiguous and laid out as ``compat`` says."""
     lay = compat.layout
-    expected = (lay.num_layers, lay.planes, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+    expected = lay.cache_shape
     if tuple(cache.shape) != expected or str(cache.dtype) != f"torch.{lay.dtype}":
         raise ValueError(f"KV cache {tuple(cache.shape)} {cache.dtype} does not match layout {lay}")
     if not cache.is_contiguous():
@@ -56,16 +58,19 @@ def paired_runs(
     return out
 
 
-def layer_checksum(cache: torch.Tensor, layer: int, block_ids: list[int] | tuple[int, ...]) -> int:
+def layer_checksum(
+    cache: torch.Tensor, layer: int, block_ids: list[int] | tuple[int, ...], layout: KVLayout | None = None
+) -> int:
     """xxh3-64 over one layer's bytes of the blocks: K of every block in order, then V
-    (an MLA cache: its latent rows).
+    (an MLA cache: its latent rows). ``layout``: where the layer's row is (a grouped
+    layout's, ``KVLayout.row``); without it, row ``layer``.
 
     A CPU tensor is hashed in place (~25-30 GB/s on one core here; the hash
     releases the GIL, so another thread can move bytes meanwhile); from a GPU
     cache only those blocks are copied to the host first (a device-side hash is
     future work)."""
     block_runs = runs(block_ids)
-    planes = cache[layer]  # [k/v, block, slot, head, dim]
+    planes = cache[layer if layout is None else layout.row(layer)]  # [k/v, block, slot, head, dim]
     if cache.device.type != "cpu":
         idx = torch.tensor(list(block_ids), device=cache.device)
         planes, block_runs = planes.index_select(1, idx).cpu(), [(0, len(block_ids))]
@@ -85,27 +90,12 @@ def layer_checksums(
 ) -> tuple[int, ...]:
     """``layer_checksum`` of every layer, in layer order; with ``layout``, a sliding
     layer's over its blocks from ``window_from`` on (``KVLayout.layer_blocks``)."""
+    if layout is None:
+        return tuple(layer_checksum(cache, layer, block_ids) for layer in range(cache.shape[0]))
     return tuple(
-        layer_checksum(
-            cache, layer, block_ids if layout is None else layout.layer_blocks(layer, block_ids, window_from)
-        )
-        for layer in range(cache.shape[0])
+        layer_checksum(cache, layer, layout.layer_blocks(layer, block_ids, window_from), layout)
+        for layer in range(layout.num_layers)
     )
-
-
-def layer_groups(layout: KVLayout, layers: range, window_from: int) -> list[tuple[int, int, int]]:
-    """``layers`` as maximal runs of consecutive layers that move the same blocks, as
-    (first layer, end layer, index of their first block moved): one run of all of them
-    from 0 for a model without windows, a run per layer where sliding and full layers
-    alternate."""
-    out: list[tuple[int, int, int]] = []
-    for layer in layers:
-        first = window_from if layout.windowed(layer) else 0
-        if out and out[-1][2] == first:
-            out[-1] = (out[-1][0], layer + 1, first)
-        else:
-            out.append((layer, layer + 1, first))
-    return out
 
 
 def pack(
@@ -116,11 +106,13 @@ def pack(
     layers: range,
 ) -> torch.Tensor:
     """The bytes of ``layers`` of the blocks a transfer moves, one flat host tensor in the
-    order (layer group, layer, k/v, block): what a two-sided backend sends."""
+    order (run of layers, layer, k/v, block: ``KVLayout.layer_runs``): what a two-sided
+    backend sends."""
     parts = []
-    for lo, hi, first in layer_groups(layout, layers, window_from):
-        idx = torch.tensor(list(block_ids[first:]), dtype=torch.long, device=cache.device)
-        parts.append(cache[lo:hi].index_select(2, idx).reshape(-1))
+    for lo, hi, start, stop in layout.layer_runs(layers, len(block_ids), window_from):
+        idx = torch.tensor(list(block_ids[start:stop]), dtype=torch.long, device=cache.device)
+        row = layout.row(lo)
+        parts.append(cache[row : row + hi - lo].index_select(2, idx).reshape(-1))
     return torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu().contiguous()
 
 
@@ -134,16 +126,17 @@ def unpack(
 ) -> None:
     """Inverse of ``pack``: scatter ``data`` into ``block_ids`` of ``layers``. ``ValueError``
     unless it holds exactly those bytes."""
-    groups = layer_groups(layout, layers, window_from)
-    row = cache[0, :, 0].numel()  # one layer's K/V (or latent) of one block
-    need = sum((hi - lo) * (len(block_ids) - first) * row for lo, hi, first in groups)
+    groups = layout.layer_runs(layers, len(block_ids), window_from)
+    per_block = cache[0, :, 0].numel()  # one layer's K/V (or latent) of one block
+    need = sum((hi - lo) * (stop - start) * per_block for lo, hi, start, stop in groups)
     if data.numel() != need:
         raise ValueError(f"{data.numel()} KV elements arrived for {need}")
     at = 0
-    for lo, hi, first in groups:
-        dst = block_ids[first:]
-        n = (hi - lo) * len(dst) * row
+    for lo, hi, start, stop in groups:
+        dst = block_ids[start:stop]
+        n = (hi - lo) * len(dst) * per_block
         shape = (hi - lo, cache.shape[1], len(dst), *cache.shape[3:])
         idx = torch.tensor(list(dst), dtype=torch.long, device=cache.device)
-        cache[lo:hi].index_copy_(2, idx, data[at : at + n].view(shape).to(cache.device))
+        row = layout.row(lo)
+        cache[row : row + hi - lo].index_copy_(2, idx, data[at : at + n].view(shape).to(cache.device))
         at += n

@@ -106,7 +106,7 @@ class LayerExporter(LayerObserver):
             for pending in self._step:
                 p = pending.prompt
                 checksum = layer_checksum(
-                    cache, layer, layout.layer_blocks(layer, p.block_ids, p.window_from)
+                    cache, layer, layout.layer_blocks(layer, p.block_ids, p.window_from), layout
                 )
                 pending.checksums.append(checksum)
                 if pending.streamed is not None:

@@ -39,8 +39,8 @@ class KVSink:
     (move layers ``layers`` of ``desc`` into ``dst_blocks`` before ``deadline``,
     a ``time.monotonic()`` value, raising ``KVTransferError`` subclasses; only
     ``range(0, num_layers)`` unless ``chunked``; a sliding layer's blocks from
-    ``desc.window_from`` on: ``integrity.layer_groups``), ``_confirm`` (tell the source
-    through the backend; return False if the backend has no channel for it) and,
+    ``desc.window_from`` on, a grouped layout's in its group: ``KVLayout.layer_runs``),
+    ``_confirm`` (tell the source through the backend; return False if the backend has no channel for it) and,
     for a backend that streams, ``_progress`` (read a streamed export's row)."""
 
     backend = ""
@@ -204,6 +204,13 @@ class KVSink:
             raise IncompatiblePeer(f"descriptor {desc.transfer_id} was made for another model or layout")
         if len(dst_blocks) != len(desc.block_ids):
             raise ValueError(f"{len(desc.block_ids)} blocks to pull but {len(dst_blocks)} given")
+        try:
+            self.compat.layout.layer_span(0, len(desc.block_ids), desc.window_from)
+        except ValueError:
+            raise IncompatiblePeer(
+                f"descriptor {desc.transfer_id} names window_from {desc.window_from} "
+                f"for {len(desc.block_ids)} blocks"
+            ) from None
         if not 0 <= desc.window_from <= len(desc.block_ids):
             raise IncompatiblePeer(f"descriptor {desc.transfer_id} names window_from {desc.window_from}")
         if desc.remaining_lease() <= 0:
@@ -271,5 +278,6 @@ class _Verifier:
         while self._submitted < min(self.num_moved, len(self.checksums)):
             layer = self._submitted
             blocks = self.sink.compat.layout.layer_blocks(layer, self.dst, self.desc.window_from)
-            self._futures.append((layer, pool.submit(layer_checksum, self.sink.cache, layer, blocks)))
+            lay = self.sink.compat.layout
+            self._futures.append((layer, pool.submit(layer_checksum, self.sink.cache, layer, blocks, lay)))
             self._submitted += 1

@@ -231,6 +231,7 @@ class KVSource:
     def _check_window(self, block_ids: list[int], window_from: int) -> None:
         if not 0 <= window_from <= len(block_ids) or (window_from and not self.compat.layout.windows):
             raise ValueError(f"window_from {window_from} for {len(block_ids)} blocks of a layout without it")
+        self.compat.layout.layer_span(0, len(block_ids), window_from)  # ValueError: no transfer's ids
 
     def _is_live(self, transfer_id: str) -> bool:
         exp = self._exports.get(transfer_id)

@@ -264,8 +264,7 @@ class HeadMappingSink:
 
     def _staging_sink(self, src: CompatInfo) -> KVSink:
         lay = dataclasses.replace(src.layout, num_blocks=self.max_blocks)
-        shape = (lay.num_layers, lay.planes, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
-        staging = torch.zeros(shape, dtype=getattr(torch, lay.dtype), device=self.cache.device)
+        staging = torch.zeros(lay.cache_shape, dtype=getattr(torch, lay.dtype), device=self.cache.device)
         name = f"{self.worker_id}/tp{lay.tp_rank}of{lay.tp_size}"
         return self.make_sink(name, staging, dataclasses.replace(src, layout=lay))
 

@@ -35,7 +35,7 @@ from typing import Any
 from splitserve.kv_transfer.leased_pull import LeasedPull, Puller, why_failed
 from splitserve.wire.background import Background
 from splitserve.wire.engine_commands import Abort, EngineCommand, ReservePrefix
-from splitserve.wire.errors import Overloaded, PeerLost
+from splitserve.wire.errors import InvalidRequest, Overloaded, PeerLost
 from splitserve.wire.prefill import PrefillTask, PrefixLoan, PrefixPull
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class PrefixBorrower:
         loan_id, prefix = f"{task.request_id}/prefix", prompt[: num_blocks * bs]
         try:
             held, blocks = await self._submit(ReservePrefix(loan_id, prefix))
-        except Overloaded as e:
+        except (Overloaded, InvalidRequest) as e:  # no room, or this model borrows no prefix
             return self._failed(task, pull, e)
         if not blocks:  # it holds them all already
             return Borrowed(loan_id, held, 0, "")

@@ -140,7 +140,8 @@ class DecoderModel(nn.Module):
                 continue
             k_cache, v_cache = kv_cache.layer(c)
             cos, sin = local if self._local[i] else tables
-            delta = layer(x, delta, cos, sin, k_cache, v_cache, ctx, kv_cache.layer_scales(c))
+            layer_ctx = ctx.of(kv_cache.layout.group(c))
+            delta = layer(x, delta, cos, sin, k_cache, v_cache, layer_ctx, kv_cache.layer_scales(c))
             if ctx.on_layer is not None:
                 ctx.on_layer(c)
         return self.norm(x, delta)

@@ -205,3 +205,10 @@ class StepContext:
         self.calibrate_kv = calibrate_kv  # an FP8 cache takes its scales from this step's K and V
         # a hybrid model: each sequence's span and state slot (``deltanet.DeltaSpan``)
         self.delta_spans = delta_spans
+        # layer groups (``KVLayout.grouped``): every group's context, this one first
+        self.groups: list[StepContext] | None = None
+
+    def of(self, group: int) -> StepContext:
+        """The context of the layers of layer group ``group`` (their slots and attention
+        metadata over their group's tables): this one without layer groups."""
+        return self if self.groups is None else self.groups[group]

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from splitserve.kv_transfer.integrity import layer_groups, paired_runs
+from splitserve.kv_transfer.integrity import paired_runs
 from splitserve.kv_transfer.progress import parse_row
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
@@ -74,9 +74,11 @@ class LocalSink(KVSink):
         src = self._source(desc)
         if not src._is_live(desc.transfer_id):
             raise LeaseExpired(f"transfer {desc.transfer_id} is no longer exported")
-        for lo, hi, first in layer_groups(self.compat.layout, layers, desc.window_from):
-            for s, d, n in paired_runs(desc.block_ids[first:], dst_blocks[first:]):
-                self.cache[lo:hi, :, d : d + n].copy_(src.cache[lo:hi, :, s : s + n], non_blocking=True)
+        lay = self.compat.layout
+        for lo, hi, start, stop in lay.layer_runs(layers, len(dst_blocks), desc.window_from):
+            r0, r1 = lay.row(lo), lay.row(lo) + hi - lo
+            for s, d, n in paired_runs(desc.block_ids[start:stop], dst_blocks[start:stop]):
+                self.cache[r0:r1, :, d : d + n].copy_(src.cache[r0:r1, :, s : s + n], non_blocking=True)
         if time.monotonic() > deadline:
             raise TransferTimeout(f"local copy of {desc.transfer_id} overran its deadline")
 

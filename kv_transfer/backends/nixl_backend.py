@@ -184,23 +184,23 @@ class NixlSink(KVSink):
         self, desc: KVDescriptor, dst_blocks: list[int], info: NixlPeerInfo
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every layer's rows, in layer order, and the row each layer starts at (one more
-        entry: the end). Built per set of layers that move the same blocks (all of them,
-        or the full and the sliding ones), then put in layer order."""
+        entry: the end). Built per set of layers that move the same ids (all of them, or
+        the full and the sliding ones, or each layer group's: ``KVLayout.layer_span``),
+        each layer at its row of the tensor, then put in layer order."""
         lay = self.compat.layout
         block_bytes = np.uint64(lay.block_bytes)
-        firsts = np.array(
-            [desc.window_from if lay.windowed(layer) else 0 for layer in range(lay.num_layers)],
-            dtype=np.int64,
-        )
+        spans = [lay.layer_span(layer, len(dst_blocks), desc.window_from) for layer in range(lay.num_layers)]
+        tensor_rows = np.array([lay.row(layer) for layer in range(lay.num_layers)], dtype=np.uint64)
         plane_ids, src_parts, dst_parts, len_parts = [], [], [], []
-        for first in np.unique(firsts):
-            runs = paired_runs(desc.block_ids[first:], dst_blocks[first:])
+        for start, stop in sorted(set(spans)):
+            runs = paired_runs(desc.block_ids[start:stop], dst_blocks[start:stop])
             pairs = np.array(runs, dtype=np.uint64).reshape(-1, 3)
-            layers = np.flatnonzero(firsts == first).astype(np.uint64)
-            planes = (
-                layers[:, None] * np.uint64(lay.planes) + np.arange(lay.planes, dtype=np.uint64)
-            ).reshape(-1, 1)
-            plane_ids.append(np.broadcast_to(planes, (len(planes), len(pairs))).reshape(-1))
+            layers = np.array([i for i, s in enumerate(spans) if s == (start, stop)], dtype=np.uint64)
+            plane_range = np.arange(lay.planes, dtype=np.uint64)
+            order_key = (layers[:, None] * np.uint64(lay.planes) + plane_range).reshape(-1, 1)
+            rows = tensor_rows[layers.astype(np.int64)]
+            planes = (rows[:, None] * np.uint64(lay.planes) + plane_range).reshape(-1, 1)
+            plane_ids.append(np.broadcast_to(order_key, (len(planes), len(pairs))).reshape(-1))
             src_parts.append(
                 ((planes * np.uint64(info.num_blocks) + pairs[None, :, 0]) * block_bytes).reshape(-1)
             )

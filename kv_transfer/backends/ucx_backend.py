@@ -67,7 +67,7 @@ import numpy as np
 import torch
 
 from splitserve.kv_transfer.backends.two_sided import TransferNumbers, accepts_connections
-from splitserve.kv_transfer.integrity import layer_groups, pack, unpack
+from splitserve.kv_transfer.integrity import pack, unpack
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.kv_transfer.source import KVSource
 from splitserve.wire.errors import KVTransferError, LeaseExpired, PeerLost, TransferTimeout
@@ -382,10 +382,8 @@ class UcxSink(KVSink):
             raise LeaseExpired(f"{source} no longer holds {desc.transfer_id}")
         c, lay = self.cache, self.compat.layout
         row = c[0, :, 0].numel()  # one layer's K/V of one block
-        groups = layer_groups(lay, layers, desc.window_from)
-        data = torch.empty(
-            sum((hi - lo) * (len(dst_blocks) - f) * row for lo, hi, f in groups), dtype=c.dtype
-        )
+        groups = lay.layer_runs(layers, len(dst_blocks), desc.window_from)
+        data = torch.empty(sum((hi - lo) * (b - a) * row for lo, hi, a, b in groups), dtype=c.dtype)
         if data.numel() * data.element_size() != int(header[1]):
             raise KVTransferError(
                 f"{source} announced {int(header[1])} bytes for {desc.transfer_id}, not the layout's"

@@ -4,11 +4,12 @@ Tiny random gpt-oss and Gemma 3 checkpoints (sliding layers of a 16-token window
 beside full ones, blocks of 4 tokens), two engines and the ``local`` backend (the
 sources' and sinks' own code, in one process). A 61-token prompt prefilled on one
 engine and handed to the other sends its full layers' 16 blocks and its sliding
-layers' last 4 (keys 46.. on: what the next token's window reaches) and no more;
-the decode engine's greedy tokens equal transformers' ``generate`` although the
-sliding layers' older blocks there were never written (they hold zeros). Those
-blocks must never serve a later prompt as a cached prefix: a prompt that is a
-prefix of the first one computes its own KV and gives transformers' tokens too.
+layers' last 5 (keys 44.. on: the block holding key 46, the first the next token's
+window reaches) and no more; the decode engine holds no block for its sliding
+layers' older keys (layer groups: ``KVLayout.grouped``) and its greedy tokens equal
+transformers' ``generate``. Its full blocks must never serve a later prompt as a
+cached prefix (their windows' KV is not there): a prompt that is a prefix of the
+first one computes its own KV and gives transformers' tokens too.
 Moved on mid-stream (live migration) from that decode engine to a third, the
 request keeps its tokens, its sliding layers' KV again sent from the window on.
 """
@@ -71,8 +72,12 @@ def test_a_windowed_handoff_sends_the_window_and_decodes_as_transformers(model):
     rid = pre.add_request(prompt, PARAMS, prefill_only=True)
     run(pre)
     done = pre.prefilled(rid)
-    # the next token (position 61) sees keys 46..61 through a 16-token window: blocks 11.. of 16
-    assert (len(done.block_ids), done.window_from) == (16, 11)
+    # the next token (position 61) sees keys 46..61 through a 16-token window: blocks 11.. of
+    # 16; the ids name the full layers' 16 blocks, then each sliding group's last 5
+    groups = layout.window_groups
+    assert layout.grouped and groups >= 1
+    assert (len(done.block_ids), done.window_from) == (16 + groups * 5, 11)
+    assert layout.token_blocks(len(done.block_ids), done.window_from) == 16
     desc = source.export(rid, done.block_ids, done.num_kv_tokens, window_from=done.window_from)
     full = layout.num_layers * 16 * layout.planes * layout.block_bytes
     sent = ((layout.num_layers - len(sliding)) * 16 + len(sliding) * 5) * layout.planes * layout.block_bytes
@@ -81,10 +86,13 @@ def test_a_windowed_handoff_sends_the_window_and_decodes_as_transformers(model):
     sink.pull(desc, blocks, timeout=30.0)
     pre.release(rid)
     dec.activate(rid)
+    seq = dec.requests[rid].seq  # its sliding groups hold the window's blocks, no more
+    assert seq.window_start == 11 and [len(t) for t in seq.window_tables] == [5] * groups
+    assert dec.block_manager.num_used_blocks == 16 + groups * 5
     cache = dec.kv_cache.tensor
-    for layer in sliding:  # nothing came for the sliding layers' blocks out of the window
-        assert not cache[layer, :, blocks[:11]].any()
-        assert cache[layer, :, blocks[11:]].any()
+    for layer in sliding:  # each sliding layer's KV came into its own group's blocks
+        group = seq.window_tables[layout.group(layer) - 1]
+        assert cache[layout.row(layer), :, group].any()
     stats = dec.stats()
 
     # decode a few tokens here, then move the request on (live migration) mid-stream
@@ -92,6 +100,7 @@ def test_a_windowed_handoff_sends_the_window_and_decodes_as_transformers(model):
     while len(head) < 4:
         for o in dec.step():
             head.extend(o.new_token_ids)
+        assert all(len(t) <= 16 // BS + 1 for t in seq.window_tables)  # the window and one block
     moved = dec.suspend(rid)
     assert moved.window_from > 0
     mover, taker = pair(dec, moved_to, hub, "move")
