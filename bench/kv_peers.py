@@ -80,7 +80,8 @@ class Exported:
 
 @dataclass(frozen=True)
 class ExportRandom:
-    """Export ``num_tokens`` tokens' worth of blocks of the bare pool (ids ``first..``)."""
+    """Export ``num_tokens`` tokens' worth of blocks of the bare pool (ids ``first..``; a
+    grouped layout's sliding groups' ids after those, ``KVLayout.transfer_ids``)."""
 
     num_tokens: int
     first_block: int = 0
@@ -159,8 +160,7 @@ class SourceServer:
             cache, compat = self.engine.kv_cache.tensor, self.engine.kv_compat()
         else:
             lay = spec.layout
-            shape = (lay.num_layers, 2, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
-            cache = allocate_zeros(shape, getattr(torch, lay.dtype), spec.device)
+            cache = allocate_zeros(lay.cache_shape, getattr(torch, lay.dtype), spec.device)
             cache.view(torch.uint8).random_()  # arbitrary bytes: only moved and hashed
             compat = CompatInfo(model=spec.model, layout=lay)
         self.source = get_backend(spec.backend).source(spec.worker_id, cache, compat, spec.lease_s)
@@ -207,9 +207,13 @@ class SourceServer:
     def _handle(self, cmd):
         source = self.source
         if isinstance(cmd, ExportRandom):
-            bs = source.compat.layout.block_size
-            n = -(-cmd.num_tokens // bs)
-            blocks = list(range(cmd.first_block, cmd.first_block + n))
+            lay = source.compat.layout
+            n, first = -(-cmd.num_tokens // lay.block_size), cmd.first_block
+            m = n - cmd.window_from  # each sliding group's blocks, in a grouped layout
+            windows = [
+                list(range(first + n + g * m, first + n + (g + 1) * m)) for g in range(lay.window_groups)
+            ]
+            blocks = lay.transfer_ids(list(range(first, first + n)), windows, cmd.window_from)
             t0 = time.perf_counter()
             checksums = layer_checksums(source.cache, blocks, source.compat.layout, cmd.window_from)
             t1 = time.perf_counter()
@@ -381,9 +385,7 @@ def timed_pulls(layout: KVLayout, num_tokens: int, repeats: int, backend: str, w
     also sets up the connection, is not counted. The source stops after."""
     src = start_source(SourceSpec(backend, layout=layout))
     try:
-        lay = layout
-        shape = (lay.num_layers, lay.planes, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
-        cache = torch.zeros(shape, dtype=getattr(torch, lay.dtype))
+        cache = torch.zeros(layout.cache_shape, dtype=getattr(torch, layout.dtype))
         sink = get_backend(backend).sink("bench-decode", cache, CompatInfo(model="random", layout=layout))
         sink.connect(src.handshake)
         times, moved = [], 0

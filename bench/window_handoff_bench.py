@@ -1,7 +1,9 @@
 """The handoff of a sliding-window model against a full-attention one of the same shape.
 
 gpt-oss-20b's KV shape (24 layers, alternating sliding (128-token window) and
-full, 8 KV heads of 64, bfloat16, 16-token blocks), and its twin without windows.
+full, 8 KV heads of 64, bfloat16, 16-token blocks) in layer groups as the engine
+lays it out (``KVLayout.grouped``: the sliding layers in blocks of their own),
+and its twin without windows.
 For each prompt length a source process (``kv_peers``, a pool of random bytes)
 exports one request's blocks as a prefill worker does (``KVLayout.window_from``:
 the sliding layers' blocks from the one holding key ``tokens - 128 + 1`` on) and
@@ -51,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for tokens in (int(t) for t in args.tokens.split(",")):
         nblocks = -(-tokens // BLOCK)
-        windowed = KVLayout(num_blocks=nblocks, block_size=BLOCK, dtype="bfloat16", windows=WINDOWS, **SHAPE)
+        windowed = KVLayout(
+            num_blocks=2 * nblocks, block_size=BLOCK, dtype="bfloat16", windows=WINDOWS, grouped=True, **SHAPE
+        )
         full = KVLayout(num_blocks=nblocks, block_size=BLOCK, dtype="bfloat16", **SHAPE)
         wb, wt = timed_pulls(windowed, tokens, args.repeats, args.backend, windowed.window_from(0, tokens))
         fb, ft = timed_pulls(full, tokens, args.repeats, args.backend)

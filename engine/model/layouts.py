@@ -128,6 +128,8 @@ def unstacked(cfg: ModelConfig, weights: Iterable[Named]) -> Iterator[Named]:
         stack = name.rsplit(".", 1)[-1]
         if cfg.model_type != "gpt_oss" or ".mlp.experts." not in name:
             yield name, source
+        elif name.split(".mlp.experts.", 1)[1].split(".", 1)[0].isdigit():
+            yield name, source  # one expert's already (random weights are drawn so)
         elif stack in _MXFP4_PARTS:
             base, part = name.rsplit("_", 1)
             got = halves.setdefault(base, {})

@@ -207,8 +207,7 @@ def test_incompatible_peer_is_refused_at_handshake(prefill_source, decode_engine
 
 def bare_pair(backend: str, name: str, layout: KVLayout = SMALL):
     src = start_source(SourceSpec(backend, layout=layout))
-    lay = layout
-    cache = torch.zeros(lay.num_layers, 2, lay.num_blocks, 16, 2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(layout.cache_shape, dtype=torch.bfloat16)
     sink = get_backend(backend).sink(name, cache, CompatInfo(model="random", layout=layout))
     sink.connect(src.handshake)
     return src, sink, cache
@@ -243,6 +242,41 @@ def test_a_sliding_layer_moves_only_the_blocks_of_its_window(backend):
                 assert not torch.equal(cache[layer, :, b], untouched[layer, :, b]), (layer, b)
             for b in kept:
                 assert torch.equal(cache[layer, :, b], untouched[layer, :, b]), (layer, b)
+    finally:
+        sink.close()
+        assert src.stop() == 0
+
+
+# the same layers in layer groups: full (0, 3) in rows 0 and 1, sliding (1, 2) and (4) in
+# groups of their own, each holding only its window's blocks
+GROUPED = KVLayout(5, 32, 16, 2, 64, "bfloat16", windows=(0, 48, 48, 0, 48), grouped=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_groups_move_each_group_s_window_into_its_own_blocks(backend):
+    """The same export in layer groups: the ids name the full layers' 13 blocks, then each
+    sliding group's 4 (blocks 9..12 of the sequence); each layer's bytes land in its
+    group's blocks at its row of the tensor, verified, and nothing else is written."""
+    assert (GROUPED.rows, GROUPED.window_groups) == (2, 2)
+    src, sink, cache = bare_pair(backend, "decode-g", GROUPED)
+    cache.view(torch.uint8).fill_(0x5A)
+    untouched = cache.clone()
+    wf = GROUPED.window_from(0, 200)
+    desc = src.call(ExportRandom(num_tokens=200, window_from=wf)).descriptor
+    dst = list(range(31, 10, -1))  # 13 + 2 * 4 ids, reversed
+    try:
+        assert len(desc.block_ids) == len(dst)
+        sink.pull(desc, dst, timeout=60.0)
+        assert desc.num_bytes == (2 * 13 + 3 * 4) * 2 * GROUPED.block_bytes
+        assert layer_checksums(cache, dst, GROUPED, wf) == desc.layer_checksums
+        written = {
+            (GROUPED.row(layer), b) for layer in range(5) for b in GROUPED.layer_blocks(layer, dst, wf)
+        }
+        assert len(written) == 2 * 13 + 3 * 4  # no two layers share a block of a row
+        for row in range(GROUPED.rows):
+            for b in range(GROUPED.num_blocks):
+                changed = not torch.equal(cache[row, :, b], untouched[row, :, b])
+                assert changed == ((row, b) in written), (row, b)
     finally:
         sink.close()
         assert src.stop() == 0

@@ -1,0 +1,188 @@
+"""Layer groups: a sliding-window model's sliding layers hold only their window's KV.
+
+``KVLayout.grouped``: the full layers and each group of as many sliding layers
+share the cache's rows, a block in one group at a time; a sequence holds the full
+layers' blocks and, per sliding group, only the blocks its window still reaches
+(``BlockManager``). Checked here: the layout's arithmetic; a tiny random gpt-oss
+(4 layers, sliding and full alternating, a 16-token window, 4-token blocks)
+holding at most the window and one block per sliding group after every step of a
+chunked prompt and its decode, with transformers' greedy tokens; cached prefixes
+found only with their windows (and then given), also after those blocks were given
+back; what does not run with layer groups yet refused with a sentence.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import GptOssConfig
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.engine import Engine
+from splitserve.engine.sequence import Sequence
+from splitserve.wire.config import EngineConfig, SpeculativeConfig
+from splitserve.wire.kv_layout import KVLayout
+from splitserve.wire.sampling import SamplingParams
+from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
+
+BS, WINDOW = 4, 16
+
+
+def test_the_layout_puts_every_layer_in_its_own_row_of_its_group():
+    """gpt-oss's alternation (two groups of 12 rows) and a Gemma 3 like 5:1 with a short
+    last group: each (group, row) holds one layer, the full layers are group 0, and a
+    transfer's flat ids split back into each layer's part."""
+    gpt = KVLayout(
+        24, 8, BS, 2, 8, "bfloat16", windows=tuple(128 if i % 2 == 0 else 0 for i in range(24)), grouped=True
+    )
+    gemma = KVLayout(
+        26, 8, BS, 2, 8, "bfloat16", windows=tuple(0 if i % 6 == 5 else 512 for i in range(26)), grouped=True
+    )
+    assert (gpt.rows, gpt.window_groups, gemma.rows, gemma.window_groups) == (12, 1, 4, 6)
+    for lay in (gpt, gemma):
+        places = [(lay.group(i), lay.row(i)) for i in range(lay.num_layers)]
+        assert len(set(places)) == lay.num_layers and all(r < lay.rows for _, r in places)
+        assert all((lay.group(i) == 0) == (not lay.windowed(i)) for i in range(lay.num_layers))
+        assert lay.cache_shape[0] == lay.rows
+        full, wf = list(range(10)), 7
+        windows = [[100 * (g + 1) + j for j in range(3)] for g in range(lay.window_groups)]
+        ids = lay.transfer_ids(full, windows, wf)
+        assert lay.token_blocks(len(ids), wf) == 10
+        for i in range(lay.num_layers):
+            g = lay.group(i)
+            assert lay.layer_blocks(i, ids, wf) == (full if g == 0 else windows[g - 1])
+        with pytest.raises(ValueError):
+            lay.token_blocks(len(ids) + 1, wf)
+    with pytest.raises(ValueError, match="both sliding and full"):
+        KVLayout(2, 8, BS, 2, 8, "bfloat16", windows=(16, 16), grouped=True)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gpt_oss")
+    return directory, make_hf_checkpoint("gpt_oss", directory)
+
+
+def engine_of(directory, **kw) -> Engine:
+    cfg = dict(model=str(directory), dtype="float32", block_size=BS, num_kv_blocks=96)
+    return Engine(EngineConfig(**{**cfg, **kw}))
+
+
+def held_per_group(engine: Engine) -> list[int]:
+    """The blocks each running sequence's sliding groups hold, every group, all sequences."""
+    return [len(t) for state in engine.requests.values() for t in state.seq.window_tables]
+
+
+def test_a_chunked_prompt_and_its_decode_hold_the_window_and_one_block(gpt_oss):
+    directory, hf = gpt_oss
+    (prompt,) = random_prompts([150], 512, seed=3)
+    engine = engine_of(directory, max_num_batched_tokens=24)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+    tokens, most = [], 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens.extend(o.new_token_ids)
+        if engine.requests:
+            seq = engine.requests[rid].seq
+            # every block the engine holds is the sequence's: its full ones and its windows
+            assert engine.block_manager.num_used_blocks == len(seq.block_table) + sum(held_per_group(engine))
+            assert seq.window_start == max(0, seq.num_computed_tokens - WINDOW + 1) // BS
+            most = max(most, *held_per_group(engine))
+    assert most == WINDOW // BS + 1  # the window and one block, reached and never passed
+    assert tokens == hf_greedy(hf, prompt, 20)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_prefix_is_cached_with_its_windows_given_back_mid_prompt(gpt_oss):
+    """The first prompt computes in chunks, each step giving back the sliding blocks it
+    left behind, registered first: a later prompt sharing its first 60 tokens finds the
+    full blocks and its window's, takes them, and gives transformers' tokens."""
+    directory, hf = gpt_oss
+    (first,) = random_prompts([120], 512, seed=4)
+    second = first[:60] + random_prompts([30], 512, seed=5)[0]
+    engine = engine_of(directory, max_num_batched_tokens=16)
+    engine.generate([first], SamplingParams(max_tokens=4, ignore_eos=True))
+    out = engine.generate([second], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert out.num_cached_tokens == 60
+    assert out.token_ids == hf_greedy(hf, second, 8)
+
+
+def seq_of(tokens: list[int]) -> Sequence:
+    return Sequence("r", tokens, SamplingParams(max_tokens=1))
+
+
+def test_a_prefix_whose_window_blocks_were_reused_is_found_only_up_to_its_windows():
+    """Block-manager level, every block counted: a finished sequence A of 16 blocks (its
+    sliding blocks out of its last window given back as it computed); B takes A's first
+    8 blocks with their window and lets them go later than the rest; a filler then reuses
+    the 12 blocks given back first: A's later sliding blocks. A prompt with all of A's
+    16 full blocks cached is given only the 8 whose window is still cached, and those
+    windows' very blocks."""
+    bm = BlockManager(32, BS, window=8, window_groups=1)  # a window reaches 2 blocks back, + 1
+    tokens = list(range(64))
+    a = seq_of(tokens)
+    assert bm.can_allocate(a, 64) and not bm.can_allocate(a, 65)  # 16 full + 16 sliding: all 32
+    bm.allocate(a, 64)
+    a.num_computed_tokens = 64
+    bm.commit_computed(a)
+    assert (a.window_start, len(a.window_tables[0])) == (14, 2)  # keys from 57 on: blocks 14, 15
+    sliding = {}  # A's sliding blocks by position, kept and given back alike
+    given_back = list(bm._free[0])
+    assert len(given_back) == 14
+    sliding.update(enumerate(given_back))  # given back in position order: 0..13
+    sliding.update({14: a.window_tables[0][0], 15: a.window_tables[0][1]})
+    bm.free(a)
+    b = seq_of(tokens[:32] + [999])
+    cached = bm.find_cached_prefix(b)
+    assert len(cached) == 8 and bm._window_prefix(cached) == [[sliding[6], sliding[7]]]
+    bm.take_cached_prefix(b, cached)
+    bm.allocate(b, 1)
+    b.num_computed_tokens += 1
+    bm.commit_computed(b)
+    bm.free(b)
+    filler = seq_of(list(range(1000, 1024)))  # 6 full + 6 sliding blocks: the 12 oldest free
+    bm.allocate(filler, 24)
+    again = seq_of(tokens + [999])
+    found = bm.find_cached_prefix(again)
+    assert len(found) == 8  # 9..16 would need sliding blocks 7..15: 8..15 were reused
+    assert bm._window_prefix(found) == [[sliding[6], sliding[7]]]
+    bm.take_cached_prefix(again, found)
+    assert (again.window_start, again.window_tables) == (6, [[sliding[6], sliding[7]]])
+    assert again.num_computed_tokens == 32
+
+
+def test_random_weights_load_for_gpt_oss():
+    """A gpt-oss made of random weights (the shapes of a real config, as the benchmarks
+    use) loads and generates: its experts are drawn one by one, as the model holds them."""
+    cfg = GptOssConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    engine = Engine(EngineConfig(model="random", random_weights=True, block_size=BS, num_kv_blocks=32), cfg)
+    assert engine.kv_cache.layout.grouped
+    out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
+
+
+def test_what_does_not_run_with_layer_groups_is_refused_with_a_sentence(gpt_oss):
+    directory, _ = gpt_oss
+    with pytest.raises(ValueError, match="host tier"):
+        engine_of(directory, host_kv_tier_mib=8)
+    with pytest.raises(ValueError, match="speculative method self"):
+        engine_of(directory, speculative=SpeculativeConfig(method="self", num_tokens=2, draft_layers=2))
+    engine = engine_of(directory)
+    (prompt,) = random_prompts([40], 512, seed=6)
+    from splitserve.wire.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="lends no prompt prefix"):
+        engine.lend_prefix("loan", prompt[:32], 0)
+    with pytest.raises(InvalidRequest, match="copied ahead"):
+        engine.reserve_moving("m", prompt, [1, 2], SamplingParams(max_tokens=8))
