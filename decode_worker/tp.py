@@ -59,7 +59,7 @@ def rank_sink(worker_id: str, spec: DecodeWorkerSpec, engine: Engine) -> RankSin
     if spec.backend is None:
         return None
     compat = engine.kv_compat()
-    max_blocks = -(-engine.max_model_len // engine.config.block_size)
+    max_blocks = compat.layout.most_ids(-(-engine.max_model_len // engine.config.block_size))
     states = None
     if engine.kv_cache.state_plan is not None:  # a hybrid model: its states rebuilt across TP sizes
         states = StateMapper(engine.model_config, compat.layout, engine.kv_cache.states[0].conv.dtype)

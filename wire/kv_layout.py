@@ -99,6 +99,12 @@ class KVLayout:
             return list(blocks)
         return [*blocks, *(b for table in windows for b in table)]
 
+    def most_ids(self, num_blocks: int) -> int:
+        """The most ids a transfer of ``num_blocks`` blocks of tokens names: a grouped
+        layout's sliding groups add at most their window's blocks and one each."""
+        reach = -(-max(self.windows, default=0) // self.block_size) + 1
+        return num_blocks + self.window_groups * min(num_blocks, reach)
+
     def token_blocks(self, num_ids: int, window_from: int) -> int:
         """Of a transfer's flat id list of ``num_ids`` ids, the full group's: the blocks
         of tokens it covers. ``ValueError`` for a count no transfer names."""

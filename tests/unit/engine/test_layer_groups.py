@@ -38,6 +38,7 @@ def test_the_layout_puts_every_layer_in_its_own_row_of_its_group():
         26, 8, BS, 2, 8, "bfloat16", windows=tuple(0 if i % 6 == 5 else 512 for i in range(26)), grouped=True
     )
     assert (gpt.rows, gpt.window_groups, gemma.rows, gemma.window_groups) == (12, 1, 4, 6)
+    assert (gpt.most_ids(10), gpt.most_ids(100)) == (20, 100 + 128 // BS + 1)  # a staging sink's room
     for lay in (gpt, gemma):
         places = [(lay.group(i), lay.row(i)) for i in range(lay.num_layers)]
         assert len(set(places)) == lay.num_layers and all(r < lay.rows for _, r in places)
