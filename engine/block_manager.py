@@ -240,9 +240,12 @@ class BlockManager:
             n += 1
         return n
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, cached: list[int] = (), full_only: bool = False
+    ) -> bool:
         """Whether ``seq`` (holding its current table, or about to take ``cached``)
-        can grow to cover ``num_computed_tokens + num_new_tokens`` tokens."""
+        can grow to cover ``num_computed_tokens + num_new_tokens`` tokens (with
+        ``full_only``, its full layers' blocks alone: ``allocate``)."""
         if self.states is not None and not self.states.can_hold(seq):
             return False  # every state slot is held
         have = len(seq.block_table) + len(cached)
@@ -251,7 +254,7 @@ class BlockManager:
         need = end - have
         free = self._free[self.home(seq, cached)]
         taken_from_free = sum(1 for b in cached if b in free)
-        if self.window_groups:  # each sliding group's blocks from its window's start to the end
+        if self.window_groups and not full_only:  # each sliding group's from its window's start on
             held = seq.window_start + len(seq.window_tables[0]) if seq.window_tables else 0
             if cached:
                 taken_from_free += sum(1 for t in self._window_prefix(cached) for b in t if b in free)
@@ -289,10 +292,11 @@ class BlockManager:
     def share(self, seq: Sequence, blocks: list[int]) -> None:
         """Give a fresh ``seq`` references to ``blocks``: full, computed blocks another
         sequence holds (a running request's KV lent to another worker), counted computed.
-        Their hashes stay the other's to register; ``seq`` holds none. Not with layer
-        groups (the full layers' blocks alone are not a sequence's KV)."""
-        if seq.block_table or seq.num_computed_tokens or self.window_groups:
-            raise ValueError("blocks can only be shared with a sequence holding none, without layer groups")
+        Their hashes stay the other's to register; ``seq`` holds none. With layer
+        groups only the full layers' blocks are shared: ``seq`` holds no window (a
+        pre-copy's loan of blocks no window of the other reaches)."""
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError("blocks can only be shared with a sequence holding none")
         for b in blocks:
             self._ref(b)
         seq.block_table = list(blocks)
@@ -332,14 +336,16 @@ class BlockManager:
             self.tier_hits += loaded * bs
         return loaded
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, full_only: bool = False) -> None:
         """Append blocks so ``seq`` covers its computed tokens plus ``num_new_tokens``.
-        Call ``can_allocate`` first; raises ``RuntimeError`` if the pool is short."""
+        Call ``can_allocate`` first; raises ``RuntimeError`` if the pool is short. With
+        layer groups and ``full_only``, the full layers' blocks alone (KV no window will
+        reach: a pre-copy's); the sliding groups' come with the next allocation."""
         end = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         need = end - len(seq.block_table)
         free = self._free[self.home(seq)]
         window_need = 0
-        if self.window_groups:
+        if self.window_groups and not full_only:
             start = self.window_start(seq.num_computed_tokens)
             self._release_window(seq, start)
             if not seq.window_tables:
@@ -385,7 +391,8 @@ class BlockManager:
                 self.prefix_log.stored(h)
             hashes.append(h)
             parent = h
-        for i in range(seq.window_start, min(num_full, len(hashes))) if seq.window_tables else ():
+        held = seq.window_start + len(seq.window_tables[0]) if seq.window_tables else 0
+        for i in range(seq.window_start, min(num_full, len(hashes), held)):
             h, tokens = hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs])
             for g, table in enumerate(seq.window_tables):
                 block = table[i - seq.window_start]

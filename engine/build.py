@@ -341,7 +341,7 @@ def _attention(
         attention = "triton" if device.type == "cuda" else "sdpa"
     windows = mc.attn_sinks or mc.sliding_window is not None or mc.attn_softcap is not None
     if windows and attention == "auto" and device.type == "cuda":
-        attention = "sdpa"  # the GPU kernels have no windows, sinks or soft caps yet
+        attention = "triton"  # its kernel has windows, sinks and soft caps; flash-attn's backend not yet
     if mc.mla is not None:
         backend: AttentionBackend = MlaBackend(mc.mla.kv_lora_rank)
     else:

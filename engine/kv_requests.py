@@ -22,8 +22,10 @@ Every method validates first and raises ``InvalidRequest`` before touching state
 
 A sliding-window model's layer groups (``KVLayout.grouped``): a transfer names the
 full layers' blocks, then each sliding group's from ``window_from`` on, in one flat
-list (``transfer_ids``). Its running requests are not copied ahead of a move (the
-move copies them whole), and it neither lends nor borrows a prompt's prefix yet.
+list (``transfer_ids``). A pre-copy copies only blocks no window of the request
+will reach again (those before the window of its tokens so far), their full
+layers' KV alone; the move sends the rest, the sliding layers' windows with it. It
+neither lends nor borrows a prompt's prefix yet.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class KVRequests:
         blocks = seq.block_table[first:]
         if not layout.grouped:
             return blocks, window_from
+        if not seq.window_tables:  # a pre-copy's loan: full layers' blocks no window reaches
+            return blocks, len(blocks)
         at = first + window_from - seq.window_start
         if at < 0:
             raise RuntimeError(f"{seq.request_id} gave back sliding blocks a transfer of it names")
@@ -112,7 +116,6 @@ class KVRequests:
         Raises ``UnknownRequest`` unless it is RUNNING, ``InvalidRequest`` when its
         tokens are not ``token_ids``."""
         seq, bs = self._get(request_id, SequenceStatus.RUNNING).seq, self.block_manager.block_size
-        self._refuse_grouped("a running request's KV is not copied ahead of its move")
         n = min(len(token_ids) // bs, seq.num_computed_tokens // bs)
         if seq.token_ids[: n * bs] != list(token_ids[: n * bs]):
             raise InvalidRequest(f"request {request_id} here holds other tokens than those asked for")
@@ -239,7 +242,6 @@ class KVRequests:
         them. A stale copy of the same request (copied ahead of a move that failed) is
         dropped first. Raises ``InvalidRequest`` (holding nothing) for a request with less
         than one full block to copy, ``Overloaded`` when the cache has no room now."""
-        self._refuse_grouped("a running request's KV is not copied ahead of its move")
         stale = self.requests.get(request_id)
         if stale is not None and stale.seq.awaiting_import:
             self.abort(request_id)
@@ -253,16 +255,18 @@ class KVRequests:
         seq = self._sequence(request_id, prompt_ids, params)
         for t in outputs:
             seq.append_token(t)
-        bm = self.block_manager
+        bm, grouped = self.block_manager, self.kv_cache.layout.grouped
         full = bm.reusable_blocks(seq)  # the blocks before the last token's
+        if grouped:  # only those no window reaches again: their full layers' KV is all that moves
+            full = min(full, bm.window_start(full * bm.block_size))
         if not full:
             raise InvalidRequest(f"request {request_id} has no full block of KV to copy yet")
         held = self._hold(seq, reused=False)
-        missing = full * bm.block_size - seq.num_computed_tokens
-        if not bm.can_allocate(seq, missing):
+        missing = max(0, full * bm.block_size - seq.num_computed_tokens)
+        if not bm.can_allocate(seq, missing, full_only=grouped):
             bm.free(seq)
             raise Overloaded(f"not enough free KV blocks to copy {missing} tokens of a moving request")
-        bm.allocate(seq, missing)
+        bm.allocate(seq, missing, full_only=grouped)
         seq.status, seq.awaiting_import = SequenceStatus.IMPORTING, True
         self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
         return held, list(seq.block_table[held:])
@@ -287,6 +291,8 @@ class KVRequests:
         copied = (num_blocks - held) * bs
         seq.num_computed_tokens = num_blocks * bs
         self._mark_partial(seq, held)
+        if self.kv_cache.layout.grouped and num_blocks > held:  # no sliding KV came with them
+            seq.partial_from = held if seq.partial_from is None else min(seq.partial_from, held)
         self.block_manager.commit_computed(seq)
         self.import_moved_tokens += copied
         self.precopied_tokens += copied

@@ -14,6 +14,14 @@ registers and applies its head's scales to the scores (K) and to the weighted
 sum (V), so FP8 KV moves half the bytes of bf16 KV and gathers nothing.
 The scales are powers of two, so this is exact against dequantizing first.
 
+Sliding windows, attention sinks and soft-capped logits (gpt-oss, Gemma 2 and 3):
+with ``window`` a program reads only the blocks from the one holding the window's
+first key (a split wholly before it sees no key and weighs nothing), and masks the
+keys before that key; ``softcap`` caps each scaled logit (``cap * tanh(x / cap)``)
+before the softmax; ``sinks`` (one logit per query head) enter in the combine:
+one more term ``exp(sink - M)`` in the denominator, none in the sum (a key with a
+zero value), exact.
+
 Every shape the kernel sees is fixed for a given batch size and table width, so
 a decode step that uses it can be captured in a CUDA graph (an FP8 cache's
 scales are a fixed tensor too). With
@@ -44,6 +52,8 @@ def _paged_decode_partial(
     acc_ptr,  # [B, H, S, D] float32
     scale,
     blocks_per_split,
+    window,  # keys a query reaches back (sliding layers), 0: every earlier key
+    softcap,  # logits become softcap * tanh(logit / softcap); 0: not capped
     stride_qb,
     stride_qh,
     stride_kb,
@@ -83,6 +93,10 @@ def _paged_decode_partial(
         scale = scale * tl.load(ks_ptr + kvh)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(ctx, BLOCK))
+    oldest = 0  # the first key position the query reaches
+    if window > 0:
+        oldest = tl.maximum(ctx - window, 0)
+        first = tl.maximum(first, oldest // BLOCK)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -90,7 +104,8 @@ def _paged_decode_partial(
         idx = i + t_block
         in_split = idx < last
         block = tl.load(tables_ptr + b * stride_tb + idx, mask=in_split, other=0).to(tl.int64)
-        s_ok = in_split & (idx * BLOCK + t_slot < ctx)
+        pos = idx * BLOCK + t_slot
+        s_ok = in_split & (pos < ctx) & (pos >= oldest)
         offs = block[:, None] * stride_kb + t_slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]
         kv_mask = s_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)  # [TILE, D]
@@ -103,6 +118,8 @@ def _paged_decode_partial(
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, TILE], float32
         else:
             scores = tl.dot(q, tl.trans(k)) * scale
+        if softcap > 0:  # tanh(x) = 1 - 2 / (exp(2x) + 1), finite for every x
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         scores = tl.where(s_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -143,9 +160,14 @@ def paged_decode(
     tile_keys: int | None = None,
     kv_scales: torch.Tensor | None = None,  # [2, KVH] float32 with an FP8 (e4m3) cache
     num_warps: int = 4,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [H]: one more logit per head, with a zero value
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V; returns [B, H, D].
     An FP8 cache comes with its K and V scales per KV head (``engine.kv_quant``).
+    ``window``, ``sinks`` and ``softcap`` as ``AttentionBackend.forward`` takes them
+    (the module docstring).
     ``tile_keys`` (default ``TILE_KEYS``, ``FP8_TILE_KEYS`` for FP8) and ``num_warps``
     are the launch's shape (``bench.decode_attention`` sweeps them)."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -174,6 +196,8 @@ def paged_decode(
         acc,
         scale,
         per_split,
+        window or 0,
+        softcap or 0.0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -197,6 +221,9 @@ def paged_decode(
         l_sum,
         acc,
         out,
+        sinks.float().contiguous() if sinks is not None else m,  # (a placeholder, never read)
+        heads,
+        HAS_SINKS=sinks is not None,
         SPLITS=num_splits,
         S_PAD=triton.next_power_of_2(num_splits),
         HEAD_DIM=dim,
@@ -211,21 +238,31 @@ def _combine_splits(
     l_ptr,
     acc_ptr,
     out_ptr,
+    sinks_ptr,  # [H] float32 (HAS_SINKS)
+    heads,
+    HAS_SINKS: tl.constexpr,
     SPLITS: tl.constexpr,
     S_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
-    """One (sequence, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m).
-    Splits past a sequence's end saw no keys: m = -inf, so their weight is 0."""
+    """One (sequence, head): out = sum_s w_s acc_s / (sum_s w_s l_s [+ exp(sink - M)]),
+    w_s = exp(m_s - M), M the largest of the m_s [and the sink]. Splits past a
+    sequence's end (or before its window) saw no keys: m = -inf, so their weight is 0."""
     row = tl.program_id(0)
     s = tl.arange(0, S_PAD)
     s_ok = s < SPLITS
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     m = tl.load(m_ptr + row * SPLITS + s, mask=s_ok, other=float("-inf"))
-    weight = tl.where(s_ok, tl.exp(m - tl.max(m, axis=0)), 0.0)
+    top = tl.max(m, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + row % heads)
+        top = tl.maximum(top, sink)
+    weight = tl.where(s_ok, tl.exp(m - top), 0.0)
     l_sum = tl.sum(tl.load(l_ptr + row * SPLITS + s, mask=s_ok, other=0.0) * weight, axis=0)
+    if HAS_SINKS:
+        l_sum += tl.exp(sink - top)
     acc = tl.load(
         acc_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
         mask=s_ok[:, None] & d_ok[None, :],

@@ -2,7 +2,9 @@
 gpt-oss): two real decode workers, NIXL between them. A request moved mid-stream,
 its prompt longer than the window, streams on with the tokens transformers'
 ``generate`` gives, and the move pulled its KV (no recompute: recompute would hide
-a broken move)."""
+a broken move), part of it copied ahead while the request still decoded (the
+pre-copy takes the blocks no window reaches again, their full layers' KV: layer
+groups, ``KVLayout.grouped``)."""
 
 from __future__ import annotations
 
@@ -34,11 +36,15 @@ def test_a_gpt_oss_request_moved_mid_stream_keeps_transformers_tokens(model):
     try:
         d = pair.dispatcher
         failures = dict(d.transfer_failures)
+        before = {wid: pair.run(c.stats()).engine for wid, c in pair.clients.items()}
         params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
         run = pair.run(stream(d, "moved", prompt, params, by="kv"))
         assert run.moved_at is not None and len(run.tokens) > MOVE_AFTER
         assert run.tokens == expected  # nothing repeated, skipped or changed by the move
         assert_move_pulled(trace_of(d.traces.latest(1), "moved"), to=run.worker)  # with its KV
         assert dict(d.transfer_failures) == failures
+        after = {wid: pair.run(c.stats()).engine for wid, c in pair.clients.items()}
+        precopied = sum(after[w].import_precopied_tokens - before[w].import_precopied_tokens for w in after)
+        assert precopied > 0  # copied ahead of the move
     finally:
         pair.close()

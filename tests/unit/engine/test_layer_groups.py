@@ -185,5 +185,56 @@ def test_what_does_not_run_with_layer_groups_is_refused_with_a_sentence(gpt_oss)
 
     with pytest.raises(InvalidRequest, match="lends no prompt prefix"):
         engine.lend_prefix("loan", prompt[:32], 0)
-    with pytest.raises(InvalidRequest, match="copied ahead"):
-        engine.reserve_moving("m", prompt, [1, 2], SamplingParams(max_tokens=8))
+    with pytest.raises(InvalidRequest, match="borrows no prompt prefix"):
+        engine.reserve_prefix("loan", prompt[:32])
+
+
+def test_a_pre_copy_copies_only_blocks_no_window_reaches_and_the_move_the_rest(gpt_oss):
+    """Live migration with its pre-copy, engine to engine over the ``local`` backend: the
+    copy ahead takes only the blocks before the window of the request's tokens so far,
+    their full layers' KV alone (its ids name no sliding block); the move sends the
+    rest, the sliding groups' windows with it; the request decodes on with
+    transformers' tokens and holds the window and one block per group there."""
+    from splitserve.kv_transfer import get_backend
+    from splitserve.kv_transfer.backends.local import LocalHub
+
+    directory, hf = gpt_oss
+    (prompt,) = random_prompts([70], 512, seed=7)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    here, there = engine_of(directory), engine_of(directory)
+    hub, backend = LocalHub(), get_backend("local")
+    source = backend.source("here", here.kv_cache.tensor, here.kv_compat(), lease_s=30.0, hub=hub)
+    sink = backend.sink("there", there.kv_cache.tensor, there.kv_compat(), hub=hub)
+    sink.connect(source.handshake())
+    rid = here.add_request(prompt, params)
+    tokens: list[int] = []
+    while len(tokens) < 4:
+        for o in here.step():
+            tokens.extend(o.new_token_ids)
+    held, reserved = there.reserve_moving(rid, prompt, tokens, params)
+    full = (len(prompt) + len(tokens) - 1) // BS  # blocks before the last token's: 18
+    no_window = max(0, full * BS - WINDOW + 1) // BS  # of those, before its window: 14
+    assert (held, len(reserved)) == (0, no_window)
+    loan = here.lend_running(f"{rid}/pre", rid, [*prompt, *tokens][: no_window * BS], 0)
+    assert (len(loan.block_ids), loan.window_from) == (no_window, no_window)  # full layers only
+    desc = source.export(loan.request_id, loan.block_ids, loan.num_kv_tokens, window_from=loan.window_from)
+    sink.pull(desc, reserved, timeout=30.0)
+    assert there.fill_moving(rid, no_window) == no_window * BS
+    here.release(loan.request_id)
+    for o in here.step():  # decodes on while the copy waits
+        tokens.extend(o.new_token_ids)
+    moved = here.suspend(rid, from_block=no_window)
+    desc = source.export(rid, moved.block_ids, moved.num_kv_tokens, window_from=moved.window_from)
+    taken = there.import_request(rid, moved.prompt_token_ids, moved.output_token_ids, params)
+    sink.pull(desc, taken, timeout=30.0)
+    here.release(rid)
+    there.activate(rid)
+    seq = there.requests[rid].seq
+    assert len(seq.block_table) == -(-seq.num_computed_tokens // BS)
+    assert max(len(t) for t in seq.window_tables) <= WINDOW // BS + 1
+    tokens = moved.output_token_ids
+    while there.has_unfinished():
+        for o in there.step():
+            tokens.extend(o.new_token_ids)
+    assert tokens == hf_greedy(hf, prompt, 16)
+    assert here.block_manager.num_used_blocks == there.block_manager.num_used_blocks == 0

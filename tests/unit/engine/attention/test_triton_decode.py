@@ -331,3 +331,74 @@ def test_decode_graphs_hold_the_rows_of_a_verification_step(tmp_path):
     assert tokens == expected
     assert engine.stats().speculation.accepted_tokens > 0
     assert max(replayed) > 3, replayed  # a step with drafts replayed a recording (3 sequences)
+
+
+@pytest.mark.parametrize(
+    "window, sinks, softcap",
+    [
+        (20, False, None),  # a window: contexts shorter, longer and far longer than it
+        (None, True, None),  # attention sinks alone
+        (33, True, None),  # gpt-oss: both
+        (None, False, 2.0),  # Gemma 2: soft-capped logits (a cap that bites)
+        (16, False, 2.0),  # its sliding layers: both
+    ],
+)
+@pytest.mark.parametrize("splits", [1, 6])
+def test_windows_sinks_and_soft_caps_decode_as_sdpa(window, sinks, softcap, splits):
+    """The kernel against the SDPA backend (masks, a sink key, capped logits in float32),
+    with a split count that leaves splits wholly before a window (they weigh nothing)."""
+    from splitserve.engine.attention import get_backend
+    from splitserve.engine.attention.triton_decode import paged_decode
+
+    q, k, v, k_cache, v_cache, spans = paged_case([1, 17, 40, 300], 8, 2, 64, seed=3)
+    head_sinks = torch.randn(8, generator=torch.Generator().manual_seed(9)) if sinks else None
+    extra = dict(window=window, sinks=head_sinks, softcap=softcap)
+    sdpa = get_backend("sdpa", CPU)
+    want = sdpa.forward(q, k, v, k_cache, v_cache, sdpa.prepare(spans, 4, 16, CPU), 0.125, **extra)
+    width = max(len(s.block_table) for s in spans)
+    tables = torch.tensor(
+        [s.block_table + [0] * (width - len(s.block_table)) for s in spans], dtype=torch.int32
+    )
+    lens = torch.tensor([s.ctx_len for s in spans], dtype=torch.int32)
+    got = paged_decode(q, k_cache, v_cache, tables, lens, 0.125, splits, **extra)
+    torch.testing.assert_close(got, want)
+    plain = sdpa.forward(q, k, v, k_cache, v_cache, sdpa.prepare(spans, 4, 16, CPU), 0.125)
+    assert not torch.allclose(got, plain, atol=1e-3)  # what was asked for changed the attention
+
+
+def test_a_window_reads_no_block_before_it():
+    """A table whose entries before the window name blocks full of NaN (a layer group's
+    given-back blocks, read as its first) decodes as if those keys were not there."""
+    from splitserve.engine.attention.triton_decode import paged_decode
+
+    q, k, v, k_cache, v_cache, spans = paged_case([300], 8, 2, 64, seed=4)
+    tables = torch.tensor([spans[0].block_table], dtype=torch.int32)
+    lens = torch.tensor([300], dtype=torch.int32)
+    want = paged_decode(q, k_cache, v_cache, tables, lens, 0.125, 4, window=40)
+    poisoned = k_cache.clone(), v_cache.clone()
+    for b in spans[0].block_table[: (300 - 40) // 16]:
+        poisoned[0][b] = float("nan")
+        poisoned[1][b] = float("nan")
+    got = paged_decode(q, *poisoned, tables, lens, 0.125, 4, window=40)
+    torch.testing.assert_close(got, want)
+
+
+def test_engine_with_a_sliding_window_model_on_the_triton_backend_equals_hf(tmp_path):
+    """gpt-oss (sliding and full layers in layer groups, sinks) on the triton backend:
+    transformers' greedy tokens, prompts past its 16-token window."""
+    from splitserve.engine.engine import Engine
+    from splitserve.wire.config import EngineConfig
+    from splitserve.wire.sampling import SamplingParams
+    from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
+
+    hf = make_hf_checkpoint("gpt_oss", tmp_path)
+    prompts = random_prompts([5, 40, 77], 512)
+    expected = [hf_greedy(hf, p, 8) for p in prompts]
+    engine = Engine(
+        EngineConfig(
+            model=str(tmp_path), dtype="float32", attention_backend="triton", num_kv_blocks=96, block_size=4
+        )
+    )
+    assert engine.runner.backend.name == "triton" and engine.kv_cache.layout.grouped
+    out = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in out] == expected
