@@ -74,3 +74,26 @@ def requantize(
     part = raw.index_select(2, blocks).view(FP8)
     fixed = (part.float() * ratio).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     raw.index_copy_(2, blocks, as_bytes(fixed))
+
+
+def requantize_ids(
+    cache: torch.Tensor, layout, ids: list[int], window_from: int, heads: slice, src, dst
+) -> None:
+    """``requantize`` over the blocks a transfer named (its flat ``ids`` and
+    ``window_from``, ``wire.kv_layout.KVLayout``): in a grouped layout each layer
+    group's blocks at its rows with its layers' scales (row i of a group holds its
+    i-th layer); otherwise every layer over every id."""
+    if torch.equal(src, dst):
+        return
+    device = cache.device
+    if not layout.grouped:
+        requantize(cache, torch.tensor(ids, dtype=torch.long, device=device), heads, src, dst)
+        return
+    groups: dict[int, list[int]] = {}
+    for layer in range(layout.num_layers):
+        groups.setdefault(layout.group(layer), []).append(layer)
+    for layers in groups.values():
+        start, stop = layout.layer_span(layers[0], len(ids), window_from)
+        if stop > start:
+            blocks = torch.tensor(ids[start:stop], dtype=torch.long, device=device)
+            requantize(cache[: len(layers)], blocks, heads, src[layers], dst[layers])

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.engine.kv_quant import as_bytes, requantize
+from splitserve.engine.kv_quant import as_bytes, requantize_ids
 from splitserve.kv_transfer.sink import KVSink
 from splitserve.wire.errors import IncompatiblePeer, PeerLost
 from splitserve.wire.kv import CompatInfo, Confirmation, Handshake, KVDescriptor
@@ -251,8 +251,14 @@ class HeadMappingSink:
             self.cache[:, :, :, :, dst_heads].index_copy_(2, dst, sink.cache[:, :, :n, :, src_heads])
             src_scales = self._src_scales[copy.src_rank]
             if self.scales is not None and src_scales is not None:
-                requantize(
-                    self.cache, dst, dst_heads, src_scales[:, :, src_heads], self.scales[:, :, dst_heads]
+                requantize_ids(
+                    self.cache,
+                    self.compat.layout,
+                    dst_blocks[:n],
+                    descs[copy.src_rank].window_from,
+                    dst_heads,
+                    src_scales[:, :, src_heads],
+                    self.scales[:, :, dst_heads],
                 )
         if self.states is not None:
             staged_by_rank = {r: (sink.cache, sink.compat.layout) for r, sink in self._sinks.items()}
@@ -350,8 +356,10 @@ class RankSink:
             confirmation = self.direct.pull(desc, dst_blocks, timeout)
             src_scales = self._direct_scales.get(desc.source_worker)
             if self.scales is not None and src_scales is not None:
-                blocks = torch.tensor(dst_blocks, dtype=torch.long, device=self.cache.device)
-                requantize(self.direct.cache, blocks, slice(None), src_scales, self.scales)
+                lay = self.direct.compat.layout
+                requantize_ids(
+                    self.direct.cache, lay, dst_blocks, desc.window_from, slice(None), src_scales, self.scales
+                )
             return [confirmation], self.direct.last_stats.wait_s
         mapped = self._mapped.get(descs[0].source_worker)
         if mapped is None:

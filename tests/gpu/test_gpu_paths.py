@@ -142,8 +142,9 @@ def test_decode_step_graph_replays_the_eager_result():
     assert eager.shape == (2, cfg.vocab_size) and torch.isfinite(eager).all()
 
 
+@pytest.mark.parametrize("extra", [{}, {"window": 128, "sinks": True}, {"softcap": 30.0, "window": 64}])
 @pytest.mark.parametrize("splits", [1, 7])
-def test_triton_paged_decode_compiled_matches_sdpa(splits):
+def test_triton_paged_decode_compiled_matches_sdpa(splits, extra):
     from splitserve.engine.attention import SeqSpan, get_backend
     from splitserve.engine.attention.triton_decode import paged_decode
 
@@ -159,12 +160,15 @@ def test_triton_paged_decode_compiled_matches_sdpa(splits):
         used += nb
     q = torch.randn(3, 8, 128, device=CUDA, dtype=torch.bfloat16)
     k = torch.zeros(3, 2, 128, device=CUDA, dtype=torch.bfloat16)  # decode reads only the cache
+    if extra.get("sinks"):  # gpt-oss's: one logit per query head
+        extra = {**extra, "sinks": torch.randn(8, device=CUDA)}
     sdpa = get_backend("sdpa", CUDA)
-    expected = sdpa.forward(q, k, k, k_cache, v_cache, sdpa.prepare(spans, 3, 16, CUDA), 128**-0.5)
+    meta = sdpa.prepare(spans, 3, 16, CUDA)
+    expected = sdpa.forward(q, k, k, k_cache, v_cache, meta, 128**-0.5, **extra)
     width = max(len(s.block_table) for s in spans)
     tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in spans], device=CUDA)
     got = paged_decode(
-        q, k_cache, v_cache, tables.int(), torch.tensor(lens, device=CUDA).int(), 128**-0.5, splits
+        q, k_cache, v_cache, tables.int(), torch.tensor(lens, device=CUDA).int(), 128**-0.5, splits, **extra
     )
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 

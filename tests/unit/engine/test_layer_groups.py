@@ -238,3 +238,29 @@ def test_a_pre_copy_copies_only_blocks_no_window_reaches_and_the_move_the_rest(g
             tokens.extend(o.new_token_ids)
     assert tokens == hf_greedy(hf, prompt, 16)
     assert here.block_manager.num_used_blocks == there.block_manager.num_used_blocks == 0
+
+
+def test_an_fp8_pull_rescales_each_layer_s_blocks_at_its_row_with_its_own_scales():
+    """A sink rescales pulled FP8 heads from the source's scales into its own
+    (``kv_quant.requantize_ids``): in layer groups each layer's blocks of the transfer,
+    at its row, by that layer's ratio, and nothing else; computed here layer by layer."""
+    import torch
+
+    from splitserve.engine.kv_quant import FP8, FP8_MAX, requantize_ids
+
+    lay = KVLayout(5, 32, 16, 2, 8, "float8_e4m3fn", windows=(0, 48, 48, 0, 48), grouped=True)
+    g = torch.Generator().manual_seed(0)
+    cache = (torch.randn(lay.cache_shape, generator=g) * 4).to(FP8)
+    src = torch.exp2(torch.randint(-3, 3, (5, 2, 2), generator=g).float())
+    dst = torch.exp2(torch.randint(-3, 3, (5, 2, 2), generator=g).float())
+    ids = lay.transfer_ids([3, 9, 4, 20, 7], [[21, 22, 23], [30, 1, 2]], 2)
+    expected = cache.float().clone()
+    for layer in range(5):
+        row, blocks = lay.row(layer), lay.layer_blocks(layer, ids, 2)
+        ratio = (src[layer] / dst[layer])[:, None, None, :, None]
+        for b in blocks:
+            expected[row, :, b] = (
+                (cache[row, :, b].float() * ratio[:, 0]).clamp(-FP8_MAX, FP8_MAX).to(FP8).float()
+            )
+    requantize_ids(cache, lay, ids, 2, slice(None), src, dst)
+    assert torch.equal(cache.float(), expected)
