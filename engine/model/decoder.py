@@ -140,7 +140,8 @@ class DecoderModel(nn.Module):
                 continue
             k_cache, v_cache = kv_cache.layer(c)
             cos, sin = local if self._local[i] else tables
-            layer_ctx = ctx.of(kv_cache.layout.group(c))
+            # layer groups: the layer's group's slots and tables (``StepContext.of``)
+            layer_ctx = ctx if ctx.groups is None else ctx.of(kv_cache.layout.group(c))
             delta = layer(x, delta, cos, sin, k_cache, v_cache, layer_ctx, kv_cache.layer_scales(c))
             if ctx.on_layer is not None:
                 ctx.on_layer(c)
