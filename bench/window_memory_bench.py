@@ -30,7 +30,7 @@ from splitserve.wire.sampling import SamplingParams
 LAYERS, WINDOW, BLOCK = 24, 128, 16
 
 
-def model_config(windowed: bool, context: int) -> GptOssConfig:
+def model_config(windowed: bool) -> GptOssConfig:
     kinds = ["sliding_attention" if windowed and i % 2 == 0 else "full_attention" for i in range(LAYERS)]
     return GptOssConfig(
         vocab_size=2048,
@@ -44,7 +44,7 @@ def model_config(windowed: bool, context: int) -> GptOssConfig:
         num_experts_per_tok=2,
         sliding_window=WINDOW,
         layer_types=kinds,
-        max_position_embeddings=context,
+        max_position_embeddings=131072,  # gpt-oss-20b's
     )
 
 
@@ -59,7 +59,7 @@ def measure(windowed: bool, tokens: int, decode: int, chunk: int, budget_mib: in
         max_num_batched_tokens=chunk,
         enable_prefix_caching=False,
     )
-    engine = Engine(cfg, model_config(windowed, 2 * (tokens + decode)))
+    engine = Engine(cfg, model_config(windowed))
     layout = engine.kv_cache.layout
     per_block = layout.rows * layout.planes * layout.block_bytes
     ids = torch.randint(100, 2048, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
