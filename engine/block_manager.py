@@ -241,7 +241,12 @@ class BlockManager:
         return n
 
     def can_allocate(
-        self, seq: Sequence, num_new_tokens: int, cached: list[int] = (), full_only: bool = False
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached: list[int] = (),
+        full_only: bool = False,
+        arriving: bool = False,
     ) -> bool:
         """Whether ``seq`` (holding its current table, or about to take ``cached``)
         can grow to cover ``num_computed_tokens + num_new_tokens`` tokens (with
@@ -259,7 +264,8 @@ class BlockManager:
             if cached:
                 taken_from_free += sum(1 for t in self._window_prefix(cached) for b in t if b in free)
                 held = len(cached)
-            need += self.window_groups * max(0, end - max(held, self.window_start(computed)))
+            start = self.window_start(computed + (num_new_tokens if arriving else 0))
+            need += self.window_groups * max(0, end - max(held, start))
         return need + taken_from_free <= len(free)
 
     # ---- actions -----------------------------------------------------------
@@ -336,17 +342,22 @@ class BlockManager:
             self.tier_hits += loaded * bs
         return loaded
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, full_only: bool = False) -> None:
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, full_only: bool = False, arriving: bool = False
+    ) -> None:
         """Append blocks so ``seq`` covers its computed tokens plus ``num_new_tokens``.
-        Call ``can_allocate`` first; raises ``RuntimeError`` if the pool is short. With
-        layer groups and ``full_only``, the full layers' blocks alone (KV no window will
-        reach: a pre-copy's); the sliding groups' come with the next allocation."""
+        Call ``can_allocate`` first (with the same flags); raises ``RuntimeError`` if the
+        pool is short. With layer groups: ``full_only``, the full layers' blocks alone
+        (KV no window will reach: a pre-copy's), the sliding groups' coming with the
+        next allocation; ``arriving``, the tokens' KV comes whole from elsewhere (no
+        query of this engine runs over them), so the sliding groups need blocks only
+        from the window of their end on."""
         end = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         need = end - len(seq.block_table)
         free = self._free[self.home(seq)]
         window_need = 0
         if self.window_groups and not full_only:
-            start = self.window_start(seq.num_computed_tokens)
+            start = self.window_start(seq.num_computed_tokens + (num_new_tokens if arriving else 0))
             self._release_window(seq, start)
             if not seq.window_tables:
                 seq.window_tables = [[] for _ in range(self.window_groups)]

@@ -24,8 +24,10 @@ A sliding-window model's layer groups (``KVLayout.grouped``): a transfer names t
 full layers' blocks, then each sliding group's from ``window_from`` on, in one flat
 list (``transfer_ids``). A pre-copy copies only blocks no window of the request
 will reach again (those before the window of its tokens so far), their full
-layers' KV alone; the move sends the rest, the sliding layers' windows with it. It
-neither lends nor borrows a prompt's prefix yet.
+layers' KV alone; the move sends the rest, the sliding layers' windows with it.
+KV that arrives whole (an import, a borrowed prefix) takes sliding blocks only
+from its end's window on. A prefix is lent all or nothing: the borrower's ids
+name every block it asked for.
 """
 
 from __future__ import annotations
@@ -149,20 +151,25 @@ class KVRequests:
         its host tier) for request ``request_id``, PREFILLED from here on, naming those
         from ``from_block`` on (``prefilled``) for another worker to copy; ``release``
         (or ``abort``) lets them go. None, holding nothing, when it has no more than
-        ``from_block`` of them. Lending computes nothing and counts as no reuse here."""
+        ``from_block`` of them (with layer groups: fewer than all of them, each with its
+        windows). Lending computes nothing and counts as no reuse here."""
         self._refuse_hybrid()
-        self._refuse_grouped("it lends no prompt prefix")
         request_id = self._new_id(request_id)
         ids = self.validate_request(list(token_ids), SamplingParams(max_tokens=1))
         seq = self._sequence(request_id, ids, SamplingParams(max_tokens=1), prefill_only=True)
-        if self._hold(seq, whole=True, reused=False) <= from_block:
+        held = self._hold(seq, whole=True, reused=False)
+        grouped = self.kv_cache.layout.grouped
+        if held <= from_block or (grouped and held < len(ids) // self.block_manager.block_size):
             self.block_manager.free(seq)
             return None
         seq.export_from_block = from_block
         self.requests[request_id] = state = RequestState(seq, self.tokenizer, seq.num_tokens)
         self._park_prefilled(state)
         # a prefix joins the borrower's cache, for prompts of any length: every layer's whole
-        lent = dataclasses.replace(self.prefilled(request_id), window_from=0)
+        # (layer groups: the sliding groups' windows before its end, all they hold)
+        lent = self.prefilled(request_id)
+        if not grouped:
+            lent = dataclasses.replace(lent, window_from=0)
         self.lent_tokens += lent.num_kv_tokens
         return lent
 
@@ -170,11 +177,11 @@ class KVRequests:
         """Before copying the KV of ``token_ids`` (whole blocks, a prompt's prefix) from
         another worker: hold its leading blocks this engine has (cache, host tier) and
         allocate the others, for request ``request_id`` (IMPORTING: never scheduled,
-        its blocks never evicted). Returns (blocks held, the ids of the others, to
-        fill in order). Then ``adopt_prefix``, or ``abort`` to free them all. Raises
+        its blocks never evicted). Returns (blocks held, the ids a transfer of the
+        others names: ``transfer_ids``, to fill in order). Then ``adopt_prefix``, or
+        ``abort`` to free them all. Raises
         ``Overloaded`` (holding nothing) when the cache has no room now."""
         self._refuse_hybrid()
-        self._refuse_grouped("it borrows no prompt prefix")
         request_id = self._new_id(request_id)
         ids = self.validate_request(list(token_ids), SamplingParams(max_tokens=1))
         if len(ids) % self.block_manager.block_size:
@@ -182,13 +189,13 @@ class KVRequests:
         seq = self._sequence(request_id, ids, SamplingParams(max_tokens=1))
         held = self._hold(seq, whole=True, reused=False)  # the prompt added next counts them
         missing = len(ids) - seq.num_computed_tokens
-        if not self.block_manager.can_allocate(seq, missing):
+        if not self.block_manager.can_allocate(seq, missing, arriving=True):
             self.block_manager.free(seq)
             raise Overloaded(f"not enough free KV blocks for a {missing}-token prefix")
-        self.block_manager.allocate(seq, missing)
+        self.block_manager.allocate(seq, missing, arriving=True)
         seq.status = SequenceStatus.IMPORTING
         self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
-        return held, list(seq.block_table[held:])
+        return held, self.transfer_ids(seq, held, len(ids))[0]
 
     def adopt_prefix(self, request_id: str, num_blocks: int) -> int:
         """The first ``num_blocks`` blocks of a prefix ``reserve_prefix`` made hold their
@@ -306,12 +313,6 @@ class KVRequests:
                 "this model caches no prompt prefixes (its linear layers' state): none to lend"
             )
 
-    def _refuse_grouped(self, what: str) -> None:
-        """``InvalidRequest`` under layer groups for a copy of part of a request's KV that
-        is not built for them yet (``what``)."""
-        if self.kv_cache.layout.grouped:
-            raise InvalidRequest(f"a model with sliding layer groups: {what} yet")
-
     def _mark_partial(self, seq: Sequence, first_copied: int) -> None:
         """The blocks of ``seq`` from ``first_copied`` on are copied in from another engine,
         whose sliding layers' KV came only from ``KVLayout.window_from`` on (what the
@@ -382,9 +383,9 @@ class KVRequests:
                 f"{self.max_model_len}"
             )
         have, total = seq.num_computed_tokens, seq.num_prompt_tokens + max(0, generated - 1)
-        if not self.block_manager.can_allocate(seq, total - have):
+        if not self.block_manager.can_allocate(seq, total - have, arriving=True):
             raise Overloaded(f"not enough free KV blocks for {total - have} tokens")
-        self.block_manager.allocate(seq, total - have)
+        self.block_manager.allocate(seq, total - have, arriving=True)
         for t in outputs:
             seq.append_token(t)
         seq.num_computed_tokens = total

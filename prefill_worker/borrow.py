@@ -81,7 +81,7 @@ class PrefixBorrower:
         loan_id, prefix = f"{task.request_id}/prefix", prompt[: num_blocks * bs]
         try:
             held, blocks = await self._submit(ReservePrefix(loan_id, prefix))
-        except (Overloaded, InvalidRequest) as e:  # no room, or this model borrows no prefix
+        except (Overloaded, InvalidRequest) as e:  # no room, or this model borrows no prefix (hybrid)
             return self._failed(task, pull, e)
         if not blocks:  # it holds them all already
             return Borrowed(loan_id, held, 0, "")
@@ -93,7 +93,8 @@ class PrefixBorrower:
                 loaned = await pull.holder.lend_prefix(PrefixLoan(loan_id, prefix, held))
                 if loaned is None:
                     raise PeerLost(f"{pull.holder_id} holds none of the blocks it was asked for")
-                got = blocks[: len(loaned.descriptors[0].block_ids)]
+                lent = loaned.descriptors[0]
+                got = blocks[: len(lent.block_ids)]  # the lender may hold fewer (never with layer groups)
                 await lease.link(loaned)
                 await lease.pull(loaned, got, limit)
         except asyncio.CancelledError:
@@ -103,7 +104,7 @@ class PrefixBorrower:
             await lease.end(lambda: self._submit(Abort(loan_id)))
             return self._failed(task, pull, e)
         self.pulls += 1
-        return Borrowed(loan_id, held + len(got), len(got) * bs, pull.holder_id)
+        return Borrowed(loan_id, held + lent.num_tokens // bs, lent.num_tokens, pull.holder_id)
 
     # ---- internals ---------------------------------------------------------------
     def _failed(self, task: PrefillTask, pull: PrefixPull, error: Exception) -> None:

@@ -181,12 +181,7 @@ def test_what_does_not_run_with_layer_groups_is_refused_with_a_sentence(gpt_oss)
         engine_of(directory, speculative=SpeculativeConfig(method="self", num_tokens=2, draft_layers=2))
     engine = engine_of(directory)
     (prompt,) = random_prompts([40], 512, seed=6)
-    from splitserve.wire.errors import InvalidRequest
-
-    with pytest.raises(InvalidRequest, match="lends no prompt prefix"):
-        engine.lend_prefix("loan", prompt[:32], 0)
-    with pytest.raises(InvalidRequest, match="borrows no prompt prefix"):
-        engine.reserve_prefix("loan", prompt[:32])
+    assert engine.lend_prefix("loan", prompt[:32], 0) is None  # holds none of it: lends nothing
 
 
 def test_a_pre_copy_copies_only_blocks_no_window_reaches_and_the_move_the_rest(gpt_oss):
@@ -264,3 +259,38 @@ def test_an_fp8_pull_rescales_each_layer_s_blocks_at_its_row_with_its_own_scales
             )
     requantize_ids(cache, lay, ids, 2, slice(None), src, dst)
     assert torch.equal(cache.float(), expected)
+
+
+def test_a_prefix_lent_between_engines_comes_with_its_windows_and_is_taken_whole(gpt_oss):
+    """A prefix borrowed from another engine (``lend_prefix`` there, ``reserve_prefix`` and
+    ``adopt_prefix`` here, the ``local`` backend between): the ids name the full blocks
+    and each sliding group's window before the prefix's end; the borrower holds no
+    other sliding block, the prompt then takes the whole prefix from its cache and
+    gives transformers' tokens. A lender holding only part of it lends nothing."""
+    from splitserve.kv_transfer import get_backend
+    from splitserve.kv_transfer.backends.local import LocalHub
+
+    directory, hf = gpt_oss
+    (prompt,) = random_prompts([90], 512, seed=8)
+    prefix = prompt[:80]  # 20 blocks
+    lender, borrower = engine_of(directory), engine_of(directory)
+    hub, backend = LocalHub(), get_backend("local")
+    source = backend.source("lender", lender.kv_cache.tensor, lender.kv_compat(), lease_s=30.0, hub=hub)
+    sink = backend.sink("borrower", borrower.kv_cache.tensor, borrower.kv_compat(), hub=hub)
+    sink.connect(source.handshake())
+    lender.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert lender.lend_prefix("too-long", prompt[:88] + [1] * 4, 0) is None  # its last block is not cached
+    held, ids = borrower.reserve_prefix("loan", prefix)
+    # each sliding group's blocks from the one holding key 80 - 16 + 1 = 65 on: 16..19
+    assert held == 0 and len(ids) == 20 + 4
+    seq = borrower.requests["loan"].seq
+    assert (seq.window_start, [len(t) for t in seq.window_tables]) == (16, [4])
+    lent = lender.lend_prefix("loan", prefix, 0)
+    assert (len(lent.block_ids), lent.window_from, lent.num_kv_tokens) == (24, 16, 80)
+    desc = source.export("loan", lent.block_ids, lent.num_kv_tokens, window_from=lent.window_from)
+    sink.pull(desc, ids, timeout=30.0)
+    lender.release("loan")
+    assert borrower.adopt_prefix("loan", 20) == 80
+    out = borrower.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert out.num_cached_tokens == 80
+    assert out.token_ids == hf_greedy(hf, prompt, 8)
