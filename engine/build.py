@@ -180,10 +180,6 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     # one shard of blocks per rank of an expert-parallel group (each rank caches its own sequences)
     shards = config.ep_size
     tier = None
-    if config.host_kv_tier_mib and layout.grouped:
-        raise ValueError(
-            f"host_kv_tier_mib: a host tier does not keep {mc.model_type}'s sliding layer groups yet"
-        )
     if config.host_kv_tier_mib:
         tier = HostKVTier.of_size(kv_cache, config.host_kv_tier_mib)
     block_manager = BlockManager(
@@ -284,9 +280,17 @@ def _kv_layout(config: EngineConfig, mc: ModelConfig, layer_tp: TPGroup, kv_dtyp
         kv_scales=kv_quant.SCHEME if config.kv_cache_dtype == "fp8" else "none",
         planes=mc.kv_planes,
         windows=windows if any(windows) else (),
-        # sliding and full layers: in layer groups, the sliding ones holding their window only
-        grouped=any(windows) and not all(windows),
+        grouped=_groups_layers(config, windows),
     )
+
+
+def _groups_layers(config: EngineConfig, windows: tuple[int, ...]) -> bool:
+    """Whether the cache holds sliding and full layers in layer groups, the sliding ones
+    holding their window only (``KVLayout.grouped``): for a model with both, unless a
+    host KV tier or ``self`` speculation is configured (neither keeps layer groups
+    yet: then every layer holds the whole sequence, as a full one does)."""
+    self_draft = config.speculative is not None and config.speculative.method == "self"
+    return any(windows) and not all(windows) and not config.host_kv_tier_mib and not self_draft
 
 
 def _window_blocks(config: EngineConfig, layout: KVLayout, usable: int) -> int:

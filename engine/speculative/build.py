@@ -84,11 +84,8 @@ def _self_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:
         )
     if target.config.group_size > 1:
         raise ValueError("self-speculation runs on engines without tensor or expert parallelism")
-    if target.kv_layout.grouped:
-        raise ValueError(
-            f"speculative method self does not run with {target.model_config.model_type}'s sliding "
-            "layer groups yet (its first layers' KV is copied from the target's cache): choose ngram or draft"
-        )
+    if target.kv_layout.grouped:  # never: the engine lays such a target out without groups
+        raise ValueError("speculative method self copies its KV from a target without layer groups")
     layout = dataclasses.replace(
         target.kv_layout,
         num_layers=spec.draft_layers,

@@ -173,14 +173,20 @@ def test_random_weights_load_for_gpt_oss():
     assert len(out.token_ids) == 3
 
 
-def test_what_does_not_run_with_layer_groups_is_refused_with_a_sentence(gpt_oss):
-    directory, _ = gpt_oss
-    with pytest.raises(ValueError, match="host tier"):
-        engine_of(directory, host_kv_tier_mib=8)
-    with pytest.raises(ValueError, match="speculative method self"):
-        engine_of(directory, speculative=SpeculativeConfig(method="self", num_tokens=2, draft_layers=2))
-    engine = engine_of(directory)
+def test_a_host_tier_or_self_speculation_keeps_every_layer_whole(gpt_oss):
+    """Neither keeps layer groups yet: with either, the cache holds every layer's whole
+    sequence (as before layer groups), and the model runs with transformers' tokens."""
+    directory, hf = gpt_oss
     (prompt,) = random_prompts([40], 512, seed=6)
+    expected = hf_greedy(hf, prompt, 8)
+    spec = SpeculativeConfig(method="self", num_tokens=2, draft_layers=2)
+    for kw in (dict(host_kv_tier_mib=8), dict(speculative=spec)):
+        engine = engine_of(directory, **kw)
+        layout = engine.kv_cache.layout
+        assert not layout.grouped and layout.rows == layout.num_layers and layout.windows
+        out = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        assert out.token_ids == expected, kw
+    engine = engine_of(directory)
     assert engine.lend_prefix("loan", prompt[:32], 0) is None  # holds none of it: lends nothing
 
 
