@@ -65,6 +65,12 @@ class ModelSpec(_Strict):
         description="apply the model's generation_config.json (temperature, top_p, top_k, EOS ids) to "
         "requests that leave those unset; false: the server's own defaults (vLLM's --generation-config vllm)",
     )
+    kv_layer_groups: bool = Field(
+        _engine_default("kv_layer_groups"),
+        description="a model with sliding-window and full layers (gpt-oss, Gemma 2 and 3): its KV cache in "
+        "layer groups, each sliding layer holding only its window's blocks (docs/models.md); false: every "
+        "layer the whole sequence, which a host KV tier and self speculation need",
+    )
     enable_lora: bool = Field(
         _engine_default("enable_lora"),
         description="serve LoRA adapters over the model (vLLM's --enable-lora): a request names one as "

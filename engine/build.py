@@ -286,11 +286,21 @@ def _kv_layout(config: EngineConfig, mc: ModelConfig, layer_tp: TPGroup, kv_dtyp
 
 def _groups_layers(config: EngineConfig, windows: tuple[int, ...]) -> bool:
     """Whether the cache holds sliding and full layers in layer groups, the sliding ones
-    holding their window only (``KVLayout.grouped``): for a model with both, unless a
-    host KV tier or ``self`` speculation is configured (neither keeps layer groups
-    yet: then every layer holds the whole sequence, as a full one does)."""
-    self_draft = config.speculative is not None and config.speculative.method == "self"
-    return any(windows) and not all(windows) and not config.host_kv_tier_mib and not self_draft
+    holding their window only (``KVLayout.grouped``): for a model with both, unless
+    ``kv_layer_groups`` is off. ``ValueError`` for what does not keep layer groups yet
+    (a host KV tier, ``self`` speculation): the sentence says how to run it."""
+    if not (config.kv_layer_groups and any(windows) and not all(windows)):
+        return False
+    off = "set kv_layer_groups false (the model section) to keep every layer's whole sequence and run it"
+    if config.host_kv_tier_mib:
+        raise ValueError(
+            f"host_kv_tier_mib: a host tier does not keep a sliding-window model's layer groups; {off}"
+        )
+    if config.speculative is not None and config.speculative.method == "self":
+        raise ValueError(
+            f"speculative method self does not run over a sliding-window model's layer groups; {off}"
+        )
+    return True
 
 
 def _window_blocks(config: EngineConfig, layout: KVLayout, usable: int) -> int:

@@ -120,7 +120,8 @@ class PrefillWorker:
         self.puller: KVPuller | None = None  # what the borrower pulls them with
         if self.tp.size == 1:
             self.engine.observe_layers(self.exporter)
-            most = -(-self.engine.max_model_len // spec.engine.block_size)  # a loan's blocks at most
+            # a loan's ids at most (a grouped layout's windows too: KVLayout.most_ids)
+            most = compat.layout.most_ids(-(-self.engine.max_model_len // spec.engine.block_size))
             sink = RankSink(
                 f"{spec.worker_id}/borrow", self.engine.kv_cache.tensor, compat, backend.sink, most
             )

@@ -88,6 +88,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # host memory (MiB) for prefix blocks evicted from the KV cache (engine.kv_tier); 0: none
     host_kv_tier_mib: int = 0
+    # a model with both sliding-window and full layers: its cache in layer groups, the
+    # sliding layers holding their window only (``KVLayout.grouped``); false: every layer
+    # the whole sequence (what a host KV tier and self speculation need). Part of the KV
+    # layout, so every worker of a cluster takes the same (the model section's)
+    kv_layer_groups: bool = True
     attention_backend: str = "auto"  # auto (CUDA: flash_attn if installed, else triton) | sdpa | cpu | ...
     native_kernels: bool = True  # splitserve's kernels: C++ on CPU, Triton on CUDA (else pure torch)
     quantization: str = "none"  # none | fp8 (W8A8, prefill) | int8 (weight-only, decode)

@@ -84,7 +84,7 @@ def _self_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:
         )
     if target.config.group_size > 1:
         raise ValueError("self-speculation runs on engines without tensor or expert parallelism")
-    if target.kv_layout.grouped:  # never: the engine lays such a target out without groups
+    if target.kv_layout.grouped:  # never: engine.build refuses it first
         raise ValueError("speculative method self copies its KV from a target without layer groups")
     layout = dataclasses.replace(
         target.kv_layout,
@@ -123,6 +123,7 @@ def _draft_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:
         cuda_graphs=False,
         seed=c.seed,
         generation_config=False,
+        kv_layer_groups=False,  # its proposer drives one table per sequence
     )
     parts = build_engine(config, None, None, TPGroup.single())
     return ModelProposer("draft", parts.runner, target.model_config.vocab_size, parts.max_model_len)

@@ -173,21 +173,40 @@ def test_random_weights_load_for_gpt_oss():
     assert len(out.token_ids) == 3
 
 
-def test_a_host_tier_or_self_speculation_keeps_every_layer_whole(gpt_oss):
-    """Neither keeps layer groups yet: with either, the cache holds every layer's whole
-    sequence (as before layer groups), and the model runs with transformers' tokens."""
+def test_a_host_tier_or_self_speculation_needs_layer_groups_off(gpt_oss):
+    """Neither keeps layer groups yet: with groups on (the default) each is refused with a
+    sentence naming the setting; with ``kv_layer_groups`` off the cache holds every
+    layer's whole sequence (as before layer groups) and the model gives transformers'
+    tokens. A draft model's own cache is never grouped (its proposer drives one table)."""
     directory, hf = gpt_oss
     (prompt,) = random_prompts([40], 512, seed=6)
     expected = hf_greedy(hf, prompt, 8)
     spec = SpeculativeConfig(method="self", num_tokens=2, draft_layers=2)
     for kw in (dict(host_kv_tier_mib=8), dict(speculative=spec)):
-        engine = engine_of(directory, **kw)
+        with pytest.raises(ValueError, match="set kv_layer_groups false"):
+            engine_of(directory, **kw)
+        engine = engine_of(directory, kv_layer_groups=False, **kw)
         layout = engine.kv_cache.layout
         assert not layout.grouped and layout.rows == layout.num_layers and layout.windows
         out = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
         assert out.token_ids == expected, kw
     engine = engine_of(directory)
     assert engine.lend_prefix("loan", prompt[:32], 0) is None  # holds none of it: lends nothing
+
+
+def test_a_sliding_window_draft_model_proposes_what_the_target_accepts(gpt_oss):
+    """The target drafting for itself (``draft_model`` the same checkpoint): every draft
+    token is the target's own greedy choice, so nearly all are accepted; a draft cache
+    laid out in layer groups (which its proposer does not drive) proposed garbage."""
+    directory, hf = gpt_oss
+    (prompt,) = random_prompts([40], 512, seed=10)
+    spec = SpeculativeConfig(method="draft", draft_model=str(directory), num_tokens=3, adaptive=False)
+    engine = engine_of(directory, speculative=spec)
+    assert engine.kv_cache.layout.grouped  # the target's own cache stays grouped
+    out = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 24)
+    stats = engine.stats().speculation
+    assert stats.proposed_tokens and stats.accepted_tokens >= 0.9 * stats.proposed_tokens, stats
 
 
 def test_a_pre_copy_copies_only_blocks_no_window_reaches_and_the_move_the_rest(gpt_oss):
