@@ -151,8 +151,9 @@ class KVRequests:
         its host tier) for request ``request_id``, PREFILLED from here on, naming those
         from ``from_block`` on (``prefilled``) for another worker to copy; ``release``
         (or ``abort``) lets them go. None, holding nothing, when it has no more than
-        ``from_block`` of them (with layer groups: fewer than all of them, each with its
-        windows). Lending computes nothing and counts as no reuse here."""
+        ``from_block`` of them, or, with layer groups, when it lacks any of them (with
+        its windows): it lends all or nothing. Lending computes nothing and counts as
+        no reuse here."""
         self._refuse_hybrid()
         request_id = self._new_id(request_id)
         ids = self.validate_request(list(token_ids), SamplingParams(max_tokens=1))
