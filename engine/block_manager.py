@@ -425,12 +425,7 @@ class BlockManager:
         tables = [(seq.block_table, keep)] + [(t, keep - seq.window_start) for t in seq.window_tables]
         for table, n in tables:
             while len(table) > max(n, 0):
-                b = table.pop()
-                self.ref_counts[b] -= 1
-                if self.ref_counts[b] == 0:
-                    free = self._free[self.shard_of(b)]
-                    free[b] = None
-                    free.move_to_end(b, last=False)  # reused first: it holds nothing
+                self._unref(table.pop(), empty=True)
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references (last block first, so a prefix outlives its tail)."""
@@ -452,10 +447,16 @@ class BlockManager:
                 self._unref(table.pop(0))
             seq.window_start += 1
 
-    def _unref(self, block: int) -> None:
+    def _unref(self, block: int, empty: bool = False) -> None:
+        """Drop one reference; a block no one holds goes back to the free pool, last to be
+        reused (it keeps its hash: a cached prefix), or with ``empty`` (it holds nothing)
+        first."""
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self._free[self.shard_of(block)][block] = None
+            free = self._free[self.shard_of(block)]
+            free[block] = None
+            if empty:
+                free.move_to_end(block, last=False)
 
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:

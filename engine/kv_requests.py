@@ -298,9 +298,8 @@ class KVRequests:
             )
         copied = (num_blocks - held) * bs
         seq.num_computed_tokens = num_blocks * bs
-        self._mark_partial(seq, held)
-        if self.kv_cache.layout.grouped and num_blocks > held:  # no sliding KV came with them
-            seq.partial_from = held if seq.partial_from is None else min(seq.partial_from, held)
+        if num_blocks > held:  # a grouped layout's pre-copy brings no sliding KV at all
+            self._mark_partial(seq, held, sliding=not self.kv_cache.layout.grouped)
         self.block_manager.commit_computed(seq)
         self.import_moved_tokens += copied
         self.precopied_tokens += copied
@@ -314,12 +313,13 @@ class KVRequests:
                 "this model caches no prompt prefixes (its linear layers' state): none to lend"
             )
 
-    def _mark_partial(self, seq: Sequence, first_copied: int) -> None:
+    def _mark_partial(self, seq: Sequence, first_copied: int, sliding: bool = True) -> None:
         """The blocks of ``seq`` from ``first_copied`` on are copied in from another engine,
         whose sliding layers' KV came only from ``KVLayout.window_from`` on (what the
-        other engine sends): none of them is to be a cached prefix. The same rule as the
-        sender's, at the sequence's KV now, which is never shorter than the sender's."""
-        if self.kv_cache.layout.window_from(first_copied, seq.num_computed_tokens):
+        other engine sends), or with ``sliding`` false not at all: none of them is to be
+        a cached prefix. The same rule as the sender's, at the sequence's KV now, which
+        is never shorter than the sender's."""
+        if not sliding or self.kv_cache.layout.window_from(first_copied, seq.num_computed_tokens):
             held = seq.partial_from
             seq.partial_from = first_copied if held is None else min(held, first_copied)
 

@@ -84,8 +84,6 @@ def _self_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:
         )
     if target.config.group_size > 1:
         raise ValueError("self-speculation runs on engines without tensor or expert parallelism")
-    if target.kv_layout.grouped:  # never: engine.build refuses it first
-        raise ValueError("speculative method self copies its KV from a target without layer groups")
     layout = dataclasses.replace(
         target.kv_layout,
         num_layers=spec.draft_layers,
