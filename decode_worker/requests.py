@@ -1,5 +1,11 @@
-"""The requests a decode worker started and has not ended, and the outboxes their
-consumers read: one owner for both (``RequestTable``), on the actor's loop.
+"""The requests a decode worker started and has not ended, the outboxes their
+consumers read, and their text: one owner for all three (``RequestTable``), on the
+actor's loop.
+
+The engine's steps emit token ids; their text is made here, as they are delivered
+(``engine.text``), off the engine's thread. A stop string found here ends the request:
+its consumer gets the last batch at once, and the engine is told to abort it (it may
+have run it one step further; that step's tokens reach no one).
 
 A request ends here once (``end``): its deadline timer is cancelled, a way in still
 running (a handover or a migration) is cancelled, and it frees what its phase held;
@@ -16,6 +22,9 @@ from dataclasses import dataclass
 
 from splitserve.decode_worker.handover import Phase, WayIn
 from splitserve.decode_worker.outbox import Outbox
+from splitserve.engine.containment import contained
+from splitserve.engine.text import Texts
+from splitserve.engine.tokenizer import Tokenizer
 from splitserve.wire.decode import TokenBatch
 from splitserve.wire.errors import DeadlineExceeded, InvalidRequest
 from splitserve.wire.outputs import RequestOutput
@@ -36,9 +45,11 @@ class RequestTable:
     """The decode worker's started requests by id, and its outboxes by id (the module
     docstring); on the actor's loop."""
 
-    def __init__(self, abort_in_engine: Callable[[str], object]):
-        """``abort_in_engine``: frees a request's blocks in the engine (not awaited)."""
+    def __init__(self, abort_in_engine: Callable[[str], object], tokenizer: Tokenizer | None):
+        """``abort_in_engine``: frees a request's blocks in the engine (not awaited);
+        ``tokenizer``: the engine's, which makes the requests' text."""
         self._abort_in_engine = abort_in_engine
+        self._texts = Texts(tokenizer)
         self._requests: dict[str, StartedRequest] = {}
         self._outboxes: dict[str, Outbox] = {}  # by outbox id (one per consumer)
 
@@ -95,6 +106,7 @@ class RequestTable:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self._texts.forget(request_id)
         if req.deadline is not None:
             req.deadline.cancel()
         importing = req.importing
@@ -127,16 +139,24 @@ class RequestTable:
             self.fail(req.request_id, ending.error, abort=False)
 
     def deliver(self, outputs: list[RequestOutput], now: float) -> bool:
-        """One engine step's outputs to their requests' outboxes (``now``: when the step
-        handed them over, ``time.time()``); whether any request finished (its blocks were
-        freed)."""
-        finished = False
+        """One engine step's outputs, their text made, to their requests' outboxes
+        (``now``: when the step handed them over, ``time.time()``); whether the engine
+        freed any request's blocks. A request whose text ends at a stop string, or whose
+        text cannot be made (it fails alone), ends here and is aborted in the engine."""
+        freed = False
         for out in outputs:
-            req = self._requests.get(out.request_id)
+            rid = out.request_id
+            req = self._requests.get(rid)
             if req is None:
+                continue
+            try:
+                stopped = self._texts.feed(out)
+            except Exception as e:
+                self.fail(rid, contained("detokenization", e), abort=not out.finished)
+                freed |= out.finished
                 continue
             req.outbox.put(TokenBatch.of_output(out, now))
             if out.finished:
-                finished = True
-                self.end(out.request_id, abort=False)
-        return finished
+                freed |= not stopped
+                self.end(rid, abort=stopped)
+        return freed

@@ -133,7 +133,7 @@ class DecodeWorker:
         self._heartbeats = Heartbeats(self.tp, spec.tp)
         own = loop is None
         self.loop = loop or EngineLoop.for_worker(
-            spec.worker_id, spec.engine, self.tp, self.on_outputs, self.tick, self.on_error
+            spec.worker_id, spec.engine, self.tp, self.on_outputs, self.tick, self.on_error, paced=True
         )
         self.engine = self.loop.build()
         # Pulls this rank's KV heads from any source group (its staging caches for sources of
@@ -160,7 +160,9 @@ class DecodeWorker:
             parts = self._submit, self._admission, self.puller, self._abort_in_engine, self._background.run
             self._side = WorkerSide(spec, *parts)
         self._aloop: asyncio.AbstractEventLoop | None = None  # the actor's loop, once a request came
-        self.requests = RequestTable(self._abort_in_engine)  # started and not yet ended, and their outboxes
+        self.requests = RequestTable(
+            self._abort_in_engine, self.engine.tokenizer
+        )  # started and not yet ended, and their outboxes
         self._tokens: TokenServer | None = None  # serves stream() over gRPC, from token_address()
         if own:
             self.start_engine()
@@ -360,10 +362,17 @@ class DecodeWorker:
             self._aloop.call_soon_threadsafe(self.requests.fail_all, lost)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:  # engine thread
-        """One hand-over to the actor's loop per step, whatever the batch size."""
-        if self._aloop is not None:
-            self._aloop.call_soon_threadsafe(self._deliver, outputs, time.time())
+        """One hand-over to the actor's loop per step, whatever the batch size, taken
+        there (its loop is paced: ``EngineLoop.taken``) once their text is made and they
+        are in their outboxes."""
+        if self._aloop is None:  # no request came yet: nobody to tell
+            self.loop.taken()
+            return
+        self._aloop.call_soon_threadsafe(self._deliver, outputs, time.time())
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:  # the actor's loop
-        if self.requests.deliver(outputs, now):
-            self._admission.wake()  # blocks were freed
+        try:
+            if self.requests.deliver(outputs, now):
+                self._admission.wake()  # blocks were freed
+        finally:
+            self.loop.taken()

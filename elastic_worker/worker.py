@@ -57,7 +57,13 @@ class ElasticWorker(DecodeWorker):
         if decode.backend is None:
             raise ValueError("an elastic worker's decode half takes KV from elsewhere: it needs a backend")
         loop = EngineLoop.for_worker(
-            decode.worker_id, decode.engine, None, self._both_outputs, self._both_tick, self._both_error
+            decode.worker_id,
+            decode.engine,
+            None,
+            self._both_outputs,
+            self._both_tick,
+            self._both_error,
+            paced=True,  # the decode half takes every hand-over (DecodeWorker.on_outputs)
         )
         loop.build()
         self.prefill: PrefillWorker | None = None  # set once both halves are built

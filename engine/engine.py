@@ -50,6 +50,7 @@ from splitserve.engine.speculative.build import Target
 from splitserve.engine.speculative.speculation import Speculation
 from splitserve.engine.speculative.verify import kept
 from splitserve.engine.step_rates import DecodeSteps, ExpertLoad, PrefillRate
+from splitserve.engine.text import Texts
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import InvalidRequest, SequenceFailed, UnknownRequest
@@ -110,6 +111,7 @@ class Engine(KVRequests):
         self.summary = parts.summary  # one line: dtype, threads or device, attention backend, KV blocks
         self.revision = parts.revision  # which weights (engine.model.revision): in the KV compat hash
         self.requests: dict[str, RequestState] = {}
+        self._texts = Texts(self.tokenizer)  # the text of the requests ``step`` runs (the library's)
         self._prefill_rate = PrefillRate()
         self._decode_steps = DecodeSteps()
         moe = self.model_config.moe
@@ -174,7 +176,7 @@ class Engine(KVRequests):
         seq.export_from_block = export_from_block
         for t in done:
             seq.append_token(t)
-        self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
+        self.requests[request_id] = RequestState(seq, seq.num_tokens)
         self.scheduler.add(seq)
         return request_id
 
@@ -208,6 +210,7 @@ class Engine(KVRequests):
         if state is None:
             return False
         self._finish(state, FinishReason.ABORT)
+        self._texts.forget(request_id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -255,14 +258,34 @@ class Engine(KVRequests):
 
     # ---- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; return what changed per request.
-        Driver rank only under tensor parallelism.
+        """``step_tokens`` with each output's text made in-line (``engine.text``): a
+        stop string ends its request in this step, and text that cannot be made fails
+        its request alone. The library's step; a worker's loop runs ``step_tokens`` and
+        makes text on its own thread. Use one or the other on an engine."""
+        outputs = self.step_tokens()
+        for out in outputs:
+            state = self.requests.get(out.request_id)
+            try:
+                stopped = self._texts.feed(out)
+            except Exception as e:
+                if state is not None:  # still running: it ends here, failed
+                    self._fail(state, contained("detokenization", e), out)
+                self._texts.forget(out.request_id)
+                continue
+            if stopped and state is not None:
+                state.num_kept = out.num_output_tokens
+                self._finish(state, FinishReason.STOP)
+        return outputs
+
+    def step_tokens(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; return what changed per request, as
+        token ids (no text: ``engine.text``). Driver rank only under tensor parallelism.
 
         A request can only fail itself (``engine.containment``): a sequence whose
-        sampling, grammar, detokenisation or stop check raises ends alone, its last
-        output carrying a ``SequenceFailed``; a model step that raises is run again
-        (no new admissions) and then sequence by sequence, and those that still fail
-        end alone. ``step`` raises only for a failure no sequence can be blamed for."""
+        sampling, grammar or stop check raises ends alone, its last output carrying a
+        ``SequenceFailed``; a model step that raises is run again (no new admissions)
+        and then sequence by sequence, and those that still fail end alone.
+        ``step_tokens`` raises only for a failure no sequence can be blamed for."""
         if not self.tp.is_driver:
             raise RuntimeError("only TP rank 0 steps the engine; the other ranks call follow()")
         spec = self.speculation
@@ -326,8 +349,7 @@ class Engine(KVRequests):
                     seq.num_computed_tokens += 1
                 part = "grammar"
                 seq.append_token(token, logprobs[j], tops[j])
-                part = "detokenization"
-                reason = state.update_text_and_check_stop(self.eos_token_ids, self.max_model_len)
+                reason = state.check_stop(self.eos_token_ids, self.max_model_len)
                 if reason is not None:
                     new, logprobs, tops = new[: j + 1], logprobs[: j + 1], tops[: j + 1]
                     self._finish(state, reason)
@@ -359,14 +381,18 @@ class Engine(KVRequests):
         if h is not None:
             bm.states.register(seq, h, in_prompt=marked <= seq.num_prompt_tokens)
 
-    def _fail(self, state: RequestState, error: SequenceFailed) -> RequestOutput:
-        """End a request whose own step failed: its blocks freed, its last output says why."""
+    def _fail(
+        self, state: RequestState, error: SequenceFailed, out: RequestOutput | None = None
+    ) -> RequestOutput:
+        """End a request whose own step failed: its blocks freed, its last output (``out``,
+        made finished, or a new one) says why."""
         self.sequence_errors[error.kind] += 1
         log.warning("request %s failed alone (%s): %s", state.seq.request_id, error.kind, error)
         self._finish(state, None)
         state.error = error
-        out = state.output([])
-        out.error = error
+        if out is None:
+            out = state.output([])
+        out.finished, out.finish_reason, out.error = True, None, error
         return out
 
     def _layer_hook(self, scheduled: list[ScheduledSeq]) -> Callable[[int], None] | None:
@@ -403,9 +429,12 @@ class Engine(KVRequests):
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         states = {i: self.requests[i] for i in ids}
+        texts = dict.fromkeys(ids, "")
         while self.has_unfinished():
-            self.step()
-        return [states[i].completion() for i in ids]
+            for out in self.step():
+                if out.request_id in texts:
+                    texts[out.request_id] += out.text
+        return [states[i].completion(texts[i], states[i].num_kept) for i in ids]
 
     def measure_rates(self, num_tokens: int, runs: int = 2, decode_steps: int = 8) -> tuple[float, float]:
         """Prefill ``runs`` prompts of ``num_tokens`` filler tokens, the last one then

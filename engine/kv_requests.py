@@ -129,7 +129,7 @@ class KVRequests:
         )
         self.block_manager.share(loan, seq.block_table[:n])
         loan.export_from_block = from_block
-        self.requests[loan_id] = state = RequestState(loan, self.tokenizer, loan.num_tokens)
+        self.requests[loan_id] = state = RequestState(loan, loan.num_tokens)
         self._park_prefilled(state)
         return self.prefilled(loan_id)
 
@@ -164,7 +164,7 @@ class KVRequests:
             self.block_manager.free(seq)
             return None
         seq.export_from_block = from_block
-        self.requests[request_id] = state = RequestState(seq, self.tokenizer, seq.num_tokens)
+        self.requests[request_id] = state = RequestState(seq, seq.num_tokens)
         self._park_prefilled(state)
         # a prefix joins the borrower's cache, for prompts of any length: every layer's whole
         # (layer groups: the sliding groups' windows before its end, all they hold)
@@ -195,7 +195,7 @@ class KVRequests:
             raise Overloaded(f"not enough free KV blocks for a {missing}-token prefix")
         self.block_manager.allocate(seq, missing, arriving=True)
         seq.status = SequenceStatus.IMPORTING
-        self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
+        self.requests[request_id] = RequestState(seq, seq.num_tokens)
         return held, self.transfer_ids(seq, held, len(ids))[0]
 
     def adopt_prefix(self, request_id: str, num_blocks: int) -> int:
@@ -228,7 +228,7 @@ class KVRequests:
         if not self._hold(seq):
             return 0
         seq.status, seq.awaiting_import = SequenceStatus.IMPORTING, True
-        self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
+        self.requests[request_id] = RequestState(seq, seq.num_tokens)
         return seq.num_computed_tokens
 
     def reserve_moving(
@@ -276,7 +276,7 @@ class KVRequests:
             raise Overloaded(f"not enough free KV blocks to copy {missing} tokens of a moving request")
         bm.allocate(seq, missing, full_only=grouped)
         seq.status, seq.awaiting_import = SequenceStatus.IMPORTING, True
-        self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
+        self.requests[request_id] = RequestState(seq, seq.num_tokens)
         return held, list(seq.block_table[held:])
 
     def locate(self, blocks: list[int]) -> tuple[int, list[int]]:
@@ -396,7 +396,7 @@ class KVRequests:
         seq.status, seq.awaiting_import = SequenceStatus.IMPORTING, False
         self.import_held_tokens += seq.num_cached_tokens
         self.import_moved_tokens += total - have
-        self.requests[request_id] = RequestState(seq, self.tokenizer, seq.num_tokens)
+        self.requests[request_id] = RequestState(seq, seq.num_tokens)
         ids, _ = self.transfer_ids(seq, have // self.block_manager.block_size, total)
         return ids + self.kv_cache.slot_blocks(seq.state_slot)
 
@@ -410,7 +410,7 @@ class KVRequests:
                 raise InvalidRequest(f"request {request_id} already has its first token")
             for t in output_token_ids:
                 seq.append_token(t)
-            self.requests[request_id] = state = RequestState(seq, self.tokenizer, seq.num_tokens)
+            self.requests[request_id] = state = RequestState(seq, seq.num_tokens)
         if not seq.num_output_tokens:
             raise InvalidRequest("an imported request needs its first sampled token")
         self.block_manager.commit_computed(state.seq)

@@ -8,14 +8,21 @@ worker's own parts that run on this thread: its KV source, its export ledger)::
 
     loop thread, forever:
         run every queued call(fn)          # add_request, abort, import_request, ...
-        step() if the engine has work      # one model step
-        on_outputs(outputs)                # the worker routes deltas to requests
+        step_tokens() if the engine has work   # one model step: token ids, no text
+        on_outputs(outputs)                # the worker makes text (engine.text), routes deltas
         on_tick()                          # leases, deadlines, transfer progress
         if idle: wait up to idle_s for a call
 
 ``on_tick`` runs at least every ``idle_s`` even when idle, which a NIXL source
 needs (its progress is driven by polling). Callbacks run on the loop thread and
 may use the engine directly.
+
+A ``paced`` loop's consumer takes the outputs on another thread (a worker makes their
+text there: ``engine.text``) and says so with ``taken()`` once per ``on_outputs``; the
+loop starts a step only once every hand-over but the last was taken, so the step that
+makes one batch of outputs overlaps the making of the previous one's text, and what
+the consumer asked on taking a batch (an abort at a stop string) runs before the step
+after next: a request ends within one step of the output that ended it.
 
 Workers give the loop a function that builds their engine, not an engine: it
 runs on the loop thread, so the thread that steps the engine is the one that
@@ -57,12 +64,13 @@ class EngineLoop:
         idle_s: float = 0.005,
         name: str = "engine-loop",
         on_error: Callable[[BaseException], None] | None = None,
+        paced: bool = False,
     ):
         """``engine``: the engine, or a function that builds it, which ``build`` runs on
         the loop thread (see the module docstring) before ``start`` starts the steps.
         ``on_error`` runs on the loop thread if a step or callback raises, or a call
         raises ``EngineStopped``, and the loop stops (after which every ``call`` fails at
-        once)."""
+        once). ``paced``: the consumer calls ``taken`` for each ``on_outputs``."""
         self._build = None if isinstance(engine, Engine) else engine
         self.engine: Engine | None = engine if isinstance(engine, Engine) else None
         self._built = threading.Event()
@@ -77,6 +85,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None  # set when a step failed and the loop stopped
         self._lenders: dict[str, commands.Lender] = {}  # by name: add_lender
+        self._paced = paced
+        self._untaken = 0  # hand-overs the consumer has not taken yet (paced)
+        self._taking = threading.Condition()
 
     def build(self) -> Engine:
         """Start the loop thread and build the engine there; return it once built (or
@@ -104,12 +115,12 @@ class EngineLoop:
         on_outputs: Callable[[list[RequestOutput]], None],
         on_tick: Callable[[], None],
         on_error: Callable[[BaseException], None],
+        paced: bool = False,
     ) -> EngineLoop:
         """A worker's loop, named after it, whose engine (``config`` on ``tp``) is built
         on the loop's own thread by ``build`` (the module docstring says why)."""
-        return cls(
-            lambda: Engine(config, tp=tp), on_outputs, on_tick, name=f"{worker_id}-engine", on_error=on_error
-        )
+        build = lambda: Engine(config, tp=tp)  # noqa: E731
+        return cls(build, on_outputs, on_tick, name=f"{worker_id}-engine", on_error=on_error, paced=paced)
 
     def submit(self, command: EngineCommand) -> Future:
         """Run ``command`` (``wire.engine_commands``) on the loop thread before the next
@@ -129,6 +140,12 @@ class EngineLoop:
             return fut
         self._calls.put((fn, fut))
         return fut
+
+    def taken(self) -> None:
+        """A paced loop's consumer took one ``on_outputs`` hand-over (any thread)."""
+        with self._taking:
+            self._untaken -= 1
+            self._taking.notify()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -151,12 +168,16 @@ class EngineLoop:
         try:
             while not self._stopping:
                 busy = self.engine.has_unfinished()
+                self._await_consumer()
                 self._run_calls(block=not busy)
                 if self._stopping:
                     break
                 if self.engine.has_unfinished():
-                    outputs = self.engine.step()
+                    outputs = self.engine.step_tokens()
                     if outputs:
+                        if self._paced:
+                            with self._taking:
+                                self._untaken += 1
                         self._on_outputs(outputs)
                 self._on_tick()
         except BaseException as e:  # a bug in the engine or a callback: stop loudly, fail callers
@@ -170,6 +191,17 @@ class EngineLoop:
                     log.exception("the engine loop's error callback failed")
         finally:
             self._fail_pending()
+
+    def _await_consumer(self) -> None:
+        """Paced: wait until at most the last hand-over is untaken (ticking meanwhile, as
+        idle; the loop's stop ends the wait)."""
+        while self._paced:
+            with self._taking:
+                if self._untaken <= 1 or self._stopping:
+                    return
+                if self._taking.wait(self._idle_s):
+                    continue
+            self._on_tick()
 
     def _run_calls(self, block: bool) -> None:
         try:

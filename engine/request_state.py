@@ -1,55 +1,41 @@
-"""Per-request output state: incremental text, stop conditions, output deltas."""
+"""Per-request state in the engine: its stop conditions by token, its output deltas
+(token ids; text is made off the step: ``engine.text``)."""
 
 from __future__ import annotations
 
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.speculative.adaptive import Acceptance
-from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from splitserve.engine.text import text_start
 from splitserve.wire.errors import SequenceFailed
-from splitserve.wire.outputs import CompletionOutput, PromptLogprob, RequestOutput, TopLogprobs
+from splitserve.wire.outputs import CompletionOutput, PromptLogprob, RequestOutput, TextStart, TopLogprobs
 from splitserve.wire.sampling import FinishReason
 
 
 class RequestState:
-    """Wraps a ``Sequence`` with its text. ``num_emitted`` tokens (the prompt, plus a
-    first token sampled elsewhere for imported requests) are never re-emitted."""
+    """Wraps a ``Sequence``. ``num_emitted`` tokens (the prompt, plus a first token
+    sampled elsewhere for imported requests) are never re-emitted; its first output
+    carries what making its text needs (``TextStart``)."""
 
-    def __init__(self, seq: Sequence, tokenizer: Tokenizer | None, num_emitted: int):
+    def __init__(self, seq: Sequence, num_emitted: int):
         self.seq = seq
-        skip = seq.params.skip_special_tokens
-        self.detok = (
-            IncrementalDetokenizer(tokenizer, seq.token_ids, num_emitted, skip) if tokenizer else None
+        self._text_start: TextStart | None = text_start(
+            seq.token_ids, seq.num_prompt_tokens, num_emitted, seq.params
         )
-        # Text of tokens emitted before this engine saw the request (context for stop strings).
-        done = seq.token_ids[seq.num_prompt_tokens : num_emitted]
-        self.text = tokenizer.decode(done, skip) if tokenizer else ""
-        self.emitted_chars = len(self.text)
         self._sent_prompt_logprobs = False
-        stops = seq.params.stop
-        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.stop_token = False  # it ended at an EOS or stop token id
+        self.num_kept: int | None = None  # output tokens kept where a stop string ended it
         self.error: SequenceFailed | None = None  # it failed alone (``Engine._fail``)
         # its speculation here (``engine.speculative``): set when it first may speculate
         self.acceptance: Acceptance | None = None
 
-    def update_text_and_check_stop(self, eos_token_ids: set[int], max_model_len: int) -> FinishReason | None:
-        """Account for the token just appended; return why the request ends, if it does."""
+    def check_stop(self, eos_token_ids: set[int], max_model_len: int) -> FinishReason | None:
+        """Why the request ends at the token just appended, if it does (stop strings are
+        ``engine.text``'s: they need its text)."""
         seq, params = self.seq, self.seq.params
         token = seq.token_ids[-1]
         if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
-            # the stop token's own text only when asked (vLLM's include_stop_str_in_output)
-            if params.include_stop_str_in_output and self.detok is not None:
-                self.text += self.detok.step(seq.token_ids)
+            self.stop_token = True
             return FinishReason.STOP
-        if self.detok is not None:
-            before = len(self.text)
-            self.text += self.detok.step(seq.token_ids)
-            if params.stop:
-                start = max(0, before - self.holdback)
-                hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in params.stop) if i >= 0]
-                if hits:
-                    at, stop = min(hits)
-                    self.text = self.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
-                    return FinishReason.STOP
         if seq.grammar is not None and seq.grammar.done:  # the structured output is complete
             return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
@@ -64,14 +50,11 @@ class RequestState:
     ) -> RequestOutput:
         seq = self.seq
         finished = seq.status in (SequenceStatus.FINISHED, SequenceStatus.PREFILLED)
-        # While running, hold back a tail that could be the start of a stop string.
-        end = len(self.text) if finished else max(self.emitted_chars, len(self.text) - self.holdback)
-        delta = self.text[self.emitted_chars : end]
-        self.emitted_chars = end
+        start, self._text_start = self._text_start, None
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_token_ids,
-            text=delta,
+            text="",
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             num_prompt_tokens=seq.num_prompt_tokens,
@@ -83,6 +66,8 @@ class RequestState:
             scheduled_at=seq.scheduled_at,
             draft_tokens=self.acceptance.proposed if self.acceptance is not None else 0,
             accepted_draft_tokens=self.acceptance.accepted if self.acceptance is not None else 0,
+            text_start=start,
+            stop_token=finished and self.stop_token,
         )
 
     def _prompt_logprobs_once(self) -> list[PromptLogprob] | None:
@@ -95,17 +80,20 @@ class RequestState:
         self._sent_prompt_logprobs = True
         return list(seq.prompt_logprobs)
 
-    def completion(self) -> CompletionOutput:
+    def completion(self, text: str, num_output: int | None = None) -> CompletionOutput:
+        """The finished request with its ``text`` (made by ``engine.text``) and its first
+        ``num_output`` output tokens (None: all; fewer where a stop string ended it)."""
         seq = self.seq
+        n = seq.num_output_tokens if num_output is None else num_output
         return CompletionOutput(
             seq.request_id,
             list(seq.prompt_token_ids),
-            seq.output_token_ids,
-            self.text,
+            seq.output_token_ids[:n],
+            text,
             seq.finish_reason,
             seq.num_cached_tokens,
-            list(seq.logprobs),
-            list(seq.top_logprobs),
+            list(seq.logprobs[:n]),
+            list(seq.top_logprobs[:n]),
             list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
             self.error,
         )

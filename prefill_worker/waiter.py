@@ -11,8 +11,10 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from splitserve.engine.containment import contained
+from splitserve.engine.text import Texts
 from splitserve.prefill_worker.borrow import Borrowed
-from splitserve.wire.errors import DeadlineExceeded
+from splitserve.wire.errors import DeadlineExceeded, SequenceFailed
 from splitserve.wire.kv import KVHandoff
 from splitserve.wire.outputs import RequestOutput
 from splitserve.wire.prefill import PrefillResult, PrefillTask
@@ -81,3 +83,13 @@ class Waiter:
             pulled_tokens=borrowed.pulled_tokens if borrowed is not None else 0,
             pulled_from=borrowed.holder_id if borrowed is not None and borrowed.pulled_tokens else "",
         )
+
+
+def first_text(texts: Texts, out: RequestOutput) -> SequenceFailed | None:
+    """Make the text of a prefilled request's first token (``out``, its one output, in
+    place: a stop string there ends it, ``STOP``); the failure to, as its own."""
+    try:
+        texts.feed(out)
+    except Exception as e:
+        return contained("detokenization", e)
+    return None

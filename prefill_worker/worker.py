@@ -50,6 +50,7 @@ from collections.abc import AsyncIterator
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.parallel.worker_group import Heartbeats
+from splitserve.engine.text import Texts
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.exports import ExportLedger, lend
 from splitserve.kv_transfer.layerwise import LayerExporter
@@ -58,7 +59,7 @@ from splitserve.kv_transfer.puller import KVPuller
 from splitserve.kv_transfer.tp_mapping import RankSink, readers_per_rank
 from splitserve.prefill_worker.borrow import PrefixBorrower
 from splitserve.prefill_worker.tp import OtherRanks, join_prefill_group
-from splitserve.prefill_worker.waiter import Waiter
+from splitserve.prefill_worker.waiter import Waiter, first_text
 from splitserve.wire.engine_commands import Abort, AddRequest, LendPrefix, Snapshot
 from splitserve.wire.errors import EngineStopped, InvalidRequest, KVTransferError, UnknownRequest
 from splitserve.wire.kv import Confirmation, KVDescriptor, KVHandoff, Leases
@@ -102,6 +103,7 @@ class PrefillWorker:
         self.handshakes = tuple(self.tp.gather_object(self.source.handshake()))  # every rank's
         self._readers_by_tp: dict[int, tuple[int, ...]] = {}  # see _readers
         self._waiters: dict[str, Waiter] = {}  # requests whose prefill() is awaiting
+        self._texts = Texts(self.engine.tokenizer)  # their first tokens' text (engine thread)
         self.ledger = ExportLedger()  # what is held under a lease (engine thread only)
         self.shards = OtherRanks(self.tp, self.ledger)  # the other TP ranks' exports
         self._heartbeats = Heartbeats(self.tp, spec.tp)
@@ -330,26 +332,33 @@ class PrefillWorker:
                 waiter.announce(KVHandoff(self.worker_id, (desc,)))
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Prefilled requests (engine thread): each has its first token's text made
+        (``engine.text``; a stop string may end it there), then its KV exported and its
+        caller answered; the KV of one nobody will take goes back to the engine."""
         for out in outputs:
             if not out.finished:
                 continue
             rid = out.request_id
             waiter = self._waiters.get(rid)
-            if waiter is None or out.finish_reason != FinishReason.PREFILL_DONE:
+            held = out.finish_reason == FinishReason.PREFILL_DONE  # the engine keeps its KV
+            error = out.error  # it failed alone in the engine (which freed its blocks)
+            if waiter is not None and error is None:
+                error = first_text(self._texts, out)
+            exporting = (
+                waiter is not None and error is None and out.finish_reason == FinishReason.PREFILL_DONE
+            )
+            if not exporting:
                 self.exporter.discard(rid)  # nothing will be exported
-            if waiter is None:  # its caller is gone: nobody will take the KV
-                if out.finish_reason == FinishReason.PREFILL_DONE:
-                    self.engine.release(rid)
+                if held:  # its caller is gone, or it ended at its first token's text
+                    with contextlib.suppress(UnknownRequest):
+                        self.engine.release(rid)
+            if waiter is None:
                 continue
-            if out.error is not None:  # it failed alone in the engine (which freed its blocks)
-                waiter.resolve(error=out.error)
+            if error is not None:
+                waiter.resolve(error=error)
                 continue
             try:
-                handoff = (
-                    None
-                    if out.finish_reason != FinishReason.PREFILL_DONE
-                    else self._export(out, waiter.readers)
-                )
+                handoff = self._export(out, waiter.readers) if exporting else None
                 waiter.resolve(waiter.result(out, self.worker_id, self.engine.revision, handoff))
             except Exception as e:  # export failed: give the blocks back, tell the caller
                 log.exception("exporting the KV of %s failed", rid)

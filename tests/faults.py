@@ -26,16 +26,17 @@ def fail_grammar(engine: Engine, request_id: str, at: int) -> None:
 
 
 def fail_detokenizer(engine: Engine, request_id: str, at: int) -> None:
-    """The request's detokeniser raises on its ``at``-th output token."""
-    state = engine.requests[request_id]
-    step = state.detok.step
+    """Making the request's text (``Engine.step``'s, in-line) raises at its ``at``-th
+    output token."""
+    texts = engine._texts
+    feed = texts.feed
 
-    def failing(token_ids):
-        if state.seq.num_output_tokens >= at:
+    def failing(out):
+        if out.request_id == request_id and out.num_output_tokens >= at:
             raise Injected("the detokenizer broke")
-        return step(token_ids)
+        return feed(out)
 
-    state.detok.step = failing
+    texts.feed = failing
 
 
 def fail_sampling(engine: Engine, prompt_ids: list[int], at: int) -> None:

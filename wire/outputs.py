@@ -37,9 +37,26 @@ class SpeculationCounters:
         return 1 + self.accepted_tokens / self.verified_steps if self.verified_steps else 0.0
 
 
+@dataclass(frozen=True)
+class TextStart:
+    """What making a request's text needs (``engine.text``), on its first output from an
+    engine: the tokens before that output's new ones, from a few prompt tokens on (the
+    incremental detokeniser's context), of which the last ``num_output`` are output
+    tokens emitted before this engine had the request (an imported or resumed one: their
+    text is what its stop strings are searched in from the start); and its text options."""
+
+    token_ids: tuple[int, ...]
+    num_output: int
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
 @dataclass
 class RequestOutput:
-    """One request's progress in one ``Engine.step()``: only what is new."""
+    """One request's progress in one engine step: only what is new. The step makes no
+    text (``Engine.step_tokens``); ``engine.text`` fills ``text`` and may end the request
+    at a stop string (``Engine.step`` does both)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -59,6 +76,11 @@ class RequestOutput:
     # speculative decoding of this request on this engine, so far: tokens proposed, kept
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # on the request's first output from this engine: what making its text needs
+    text_start: TextStart | None = None
+    # it ended at its last new token, an EOS or stop token id (whose text is left out
+    # unless ``include_stop_str_in_output``)
+    stop_token: bool = False
 
 
 @dataclass

@@ -10,6 +10,7 @@ from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import EngineStopped, GroupBroken, InvalidRequest
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint, random_prompts
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +116,30 @@ def test_a_failing_build_raises_from_build_and_start():
         loop.start()
     with pytest.raises(EngineStopped):
         loop.call(lambda e: None).result(1)
+
+
+def test_a_paced_loop_steps_at_most_once_past_the_outputs_not_taken(engine):
+    """A paced loop's consumer makes text on its own thread (``engine.text``): the loop
+    runs one step while the previous hand-over is being taken, never two, so what the
+    consumer asks on taking it (an abort at a stop string) runs within one step."""
+    handed, ticks = [], [0]
+
+    def tick():
+        ticks[0] += 1
+
+    loop = EngineLoop(engine, handed.append, on_tick=tick, paced=True).start()
+    try:
+        rid = loop.call(lambda e: e.add_request([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True)))
+        rid = rid.result(5)
+        wait_until(lambda: len(handed) == 2, 30)
+        seen = ticks[0]
+        wait_until(lambda: ticks[0] >= seen + 20, 30)  # the loop goes round, waiting for the consumer
+        assert len(handed) == 2
+        aborted = loop.call(lambda e: e.abort(rid))  # asked while taking the first: runs before a third step
+        loop.taken()
+        assert aborted.result(10) is True
+        loop.taken()
+        wait_until(lambda: not loop.call(lambda e: e.has_unfinished()).result(5), 30)
+        assert len(handed) == 2 and sum(len(o.new_token_ids) for outs in handed for o in outs) == 2
+    finally:
+        loop.stop()

@@ -74,15 +74,17 @@ def engine(smollm2):
 
 
 def _run(engine: Engine, params: list[SamplingParams], resumed: list[list[int]] | None = None) -> list:
-    ids = []
+    ids, texts = [], {}
     for i, p in enumerate(params):
         done = resumed[i] if resumed else None
         messages = [{"role": "user", "content": QUESTION}]
         ids.append(engine.add_request(messages=messages, params=p, output_token_ids=done))
+        texts[ids[-1]] = engine.tokenizer.decode(done) if done else ""  # what the client had
     states = {i: engine.requests[i] for i in ids}
     while engine.has_unfinished():
-        engine.step()
-    return [states[i].completion() for i in ids]
+        for out in engine.step():
+            texts[out.request_id] += out.text
+    return [states[i].completion(texts[i], states[i].num_kept) for i in ids]
 
 
 def _json(schema) -> SamplingParams:
