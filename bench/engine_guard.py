@@ -16,12 +16,14 @@ medians, this tree / the commit::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 WORKLOAD = r"""
@@ -56,24 +58,44 @@ print("RATES " + json.dumps({"tree": splitserve.__path__[0], **rates}))
 
 
 def run_side(package_dir: Path | None, args: argparse.Namespace) -> dict[str, float]:
-    """The workload in a fresh process, importing ``splitserve`` from ``package_dir`` (a
-    folder holding a ``splitserve`` link to a tree), or the installed one (None)."""
+    """The workload in a fresh process, with ``package_dir``'s ``splitserve`` (None: the
+    installed one)."""
+    sizes = (args.greedy_batch, args.sampled_batch, args.input_len, args.output_len)
+    return run_code(WORKLOAD, package_dir, [args.model, args.dtype, *map(str, sizes)])
+
+
+def run_code(code: str, package_dir: Path | None, argv: list[str]) -> dict[str, float]:
+    """Run ``code`` with ``argv`` in a fresh Python process importing ``splitserve`` from
+    ``package_dir`` (a folder holding a ``splitserve`` link to a tree: ``checked_out``),
+    or the installed one (None); the JSON object it printed after ``RATES ``."""
     env = dict(os.environ)
     if package_dir is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package_dir), env.get("PYTHONPATH")]))
-    cmd = [
-        sys.executable,
-        "-c",
-        WORKLOAD,
-        args.model,
-        args.dtype,
-        str(args.greedy_batch),
-        str(args.sampled_batch),
-    ]
-    cmd += [str(args.input_len), str(args.output_len)]
+    cmd = [sys.executable, "-c", code, *argv]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, check=True)
     line = next(x for x in out.stdout.splitlines() if x.startswith("RATES "))
     return json.loads(line.removeprefix("RATES "))
+
+
+@contextlib.contextmanager
+def checked_out(against: str | None) -> Iterator[Path | None]:
+    """A folder whose ``splitserve`` is commit ``against`` of this repository (a git
+    worktree, removed after), for ``run_code``; None for None."""
+    if against is None:
+        yield None
+        return
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="engine-guard-") as tmp:
+        tree, package = Path(tmp) / "tree", Path(tmp) / "package"
+        subprocess.run(
+            ["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), against], check=True
+        )
+        try:
+            package.mkdir()
+            (package / "splitserve").symlink_to(tree)
+            yield package
+        finally:
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,25 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     args = ap.parse_args(argv)
-    repo = Path(__file__).resolve().parents[1]
-    with tempfile.TemporaryDirectory(prefix="engine-guard-") as tmp:
-        tree, package = Path(tmp) / "tree", Path(tmp) / "package"
-        subprocess.run(
-            ["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), args.against], check=True
-        )
-        try:
-            package.mkdir()
-            (package / "splitserve").symlink_to(tree)
-            samples: dict[str, list[dict[str, float]]] = {"this tree": [], args.against: []}
-            for r in range(args.rounds):
-                sides = [("this tree", None), (args.against, package)]
-                for name, where in sides if r % 2 == 0 else reversed(sides):
-                    got = run_side(where, args)
-                    samples[name].append(got)
-                    rates = ", ".join(f"{k} {v:,.0f}" for k, v in got.items() if k != "tree")
-                    print(f"round {r + 1}: {name} ({got['tree']}): {rates} tok/s", flush=True)
-        finally:
-            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False)
+    with checked_out(args.against) as package:
+        samples: dict[str, list[dict[str, float]]] = {"this tree": [], args.against: []}
+        for r in range(args.rounds):
+            sides = [("this tree", None), (args.against, package)]
+            for name, where in sides if r % 2 == 0 else reversed(sides):
+                got = run_side(where, args)
+                samples[name].append(got)
+                rates = ", ".join(f"{k} {v:,.0f}" for k, v in got.items() if k != "tree")
+                print(f"round {r + 1}: {name} ({got['tree']}): {rates} tok/s", flush=True)
     print(f"\n| row | this tree tok/s | {args.against} tok/s | ratio |")
     print("|---|---|---|---|")
     for row in ("greedy", "sampled"):

@@ -1,0 +1,168 @@
+"""The engine's host time per token, on a host-bound workload (issue 69, item 4).
+
+A tiny random-weight Llama with SmolLM2's tokenizer and vocabulary (2 layers, hidden
+32), whose forward pass costs little next to the engine's own work: scheduling, the
+block manager, sampling, outputs, text. ``--batch`` random prompts of
+``--input-len`` tokens each generate ``--output-len`` tokens (greedy, ``ignore_eos``):
+
+- offline: ``Engine.generate`` in the process;
+- served: one colocated decode worker in the process (its engine thread, its actor
+  loop making text and filling outboxes), read by an in-process client: the worker's
+  serving path without Ray or gRPC (``bench.serving_efficiency`` measures those).
+
+For each: microseconds of wall time per output token, and of host time (wall time less
+the time inside the model's forward pass, ``ModelRunner.forward``). With ``--against
+REV`` the same workload runs with that commit's ``splitserve`` too (a temporary git
+worktree, fresh processes alternated round by round, as ``bench.engine_guard``), and
+the table gives both trees' medians::
+
+    python -m splitserve.bench.host_time
+    python -m splitserve.bench.host_time --against 735f172 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from splitserve.bench.engine_guard import checked_out, run_code
+
+WORKLOAD = r"""
+import asyncio, json, random, sys, time
+import torch
+import splitserve
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.sampling import SamplingParams
+
+model = sys.argv[1]
+batch, input_len, output_len, threads = map(int, sys.argv[2:6])
+torch.set_num_threads(threads)
+config = EngineConfig(model=model, dtype="float32", kv_cache_memory_mib=256)
+params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+rng = random.Random(0)
+prompts = [[rng.randrange(1000, 30000) for _ in range(input_len)] for _ in range(batch)]
+
+
+class Clock:
+    # seconds inside the runner's forward pass, wrapped on the instance
+    def __init__(self, runner):
+        self.s, forward = 0.0, runner.forward
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return forward(*a, **k)
+            finally:
+                self.s += time.perf_counter() - t
+
+        runner.forward = timed
+
+
+def offline():
+    engine = Engine(config)
+    clock = Clock(engine.runner)
+    engine.generate(prompts[:8], params)  # warm
+    clock.s = 0.0
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    wall = time.perf_counter() - t
+    return wall, clock.s, sum(len(o.token_ids) for o in outs)
+
+
+def served():
+    from splitserve.decode_worker.in_process import InProcessDecodeClient
+    from splitserve.decode_worker.worker import DecodeWorker
+    from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec
+
+    worker = DecodeWorker(DecodeWorkerSpec("host-time", config, None, 30.0, 8, torch_threads=threads))
+    clock = Clock(worker.engine.runner)
+    client = InProcessDecodeClient(worker)
+
+    async def one(rid, prompt):
+        n = 0
+        async for b in client.generate(DecodeTask(rid, prompt, params)):
+            n += len(b.token_ids)
+        return n
+
+    async def run(tag, some):
+        return sum(await asyncio.gather(*(one(f"{tag}-{i}", p) for i, p in enumerate(some))))
+
+    async def main():
+        await run("warm", prompts[:8])
+        clock.s = 0.0
+        t = time.perf_counter()
+        n = await run("run", prompts)
+        wall = time.perf_counter() - t
+        await client.close()
+        return wall, clock.s, n
+
+    try:
+        return asyncio.run(main())
+    finally:
+        worker.shutdown()
+
+
+got = {"tree": splitserve.__path__[0]}
+for name, fn in (("offline", offline), ("served", served)):
+    wall, model_s, n = fn()
+    got[name] = 1e6 * wall / n
+    got[name + "_host"] = 1e6 * (wall - model_s) / n
+print("RATES " + json.dumps(got))
+"""
+
+ROWS = ("offline", "offline_host", "served", "served_host")
+
+
+def make_model(directory: Path) -> str:
+    """The tiny model, saved with SmolLM2's tokenizer files; its path."""
+    from splitserve.bench.tiny_models import make_hf_checkpoint
+    from splitserve.engine.model.loader import resolve_source
+
+    source = resolve_source("smollm2").directory
+    make_hf_checkpoint(
+        "llama", directory, max_position=2048, vocab_size=49152, hidden_size=32, intermediate_size=64
+    )
+    for f in Path(source).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("vocab.json", "merges.txt"):
+            shutil.copy(f, directory / f.name)
+    return str(directory)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", help="also run this commit's engine, alternated")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="host-time-") as tmp:
+        model = make_model(Path(tmp) / "model")
+        argv_side = [model, *map(str, (args.batch, args.input_len, args.output_len, args.threads))]
+        with checked_out(args.against) as package:
+            sides = [("this tree", None)] + ([(args.against, package)] if args.against else [])
+            samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in sides}
+            for r in range(args.rounds):
+                for name, where in sides if r % 2 == 0 else list(reversed(sides)):
+                    got = run_code(WORKLOAD, where, argv_side)
+                    samples[name].append(got)
+                    figures = ", ".join(f"{k} {got[k]:.1f}" for k in ROWS)
+                    print(f"round {r + 1}: {name} ({got['tree']}): {figures} us/token", flush=True)
+    names = [name for name, _ in sides]
+    print("\n| us per output token | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for row in ROWS:
+        cells = [f"{statistics.median(s[row] for s in samples[n]):.1f}" for n in names]
+        print(f"| {row.replace('_', ' ')} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
