@@ -50,6 +50,7 @@ class RequestTable:
         ``tokenizer``: the engine's, which makes the requests' text."""
         self._abort_in_engine = abort_in_engine
         self._texts = Texts(tokenizer)
+        self.text_failures = 0  # requests failed here because their text could not be made
         self._requests: dict[str, StartedRequest] = {}
         self._outboxes: dict[str, Outbox] = {}  # by outbox id (one per consumer)
 
@@ -152,6 +153,7 @@ class RequestTable:
             try:
                 stopped = self._texts.feed(out)
             except Exception as e:
+                self.text_failures += 1
                 self.fail(rid, contained("detokenization", e), abort=not out.finished)
                 freed |= out.finished
                 continue

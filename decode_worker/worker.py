@@ -71,6 +71,7 @@ from splitserve.decode_worker.token_server import TokenServer
 from splitserve.decode_worker.tp import join_decode_group, rank_sink
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.parallel.worker_group import Heartbeats
+from splitserve.engine.text import with_text_failures
 from splitserve.kv_transfer.puller import KVPuller
 from splitserve.wire.background import Background
 from splitserve.wire.decode import (
@@ -314,7 +315,7 @@ class DecodeWorker:
         phases = self.requests.phases()
         return DecodeStats(
             self.worker_id,
-            engine,
+            with_text_failures(engine, self.requests.text_failures),
             num_waiting_for_blocks=phases.count(Phase.WAITING_FOR_BLOCKS),
             num_pulling=phases.count(Phase.PULLING),
             prefix=prefix,

@@ -20,8 +20,10 @@ request alone (``contained("detokenization", error)``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from splitserve.wire.outputs import RequestOutput, TextStart
+from splitserve.wire.outputs import EngineStats, RequestOutput, TextStart
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
 # prompt tokens before a request's first new token that its first text is decoded with
@@ -135,3 +137,14 @@ class Texts:
     def forget(self, request_id: str) -> None:
         """Drop a request's stream (it ended without a finished output reaching here)."""
         self._streams.pop(request_id, None)
+
+
+def with_text_failures(stats: EngineStats, failed: int) -> EngineStats:
+    """An engine's ``stats`` with ``failed`` requests whose text its consumer could not
+    make counted among those that failed alone (kind ``detokenization``), as they were
+    when the engine made text."""
+    if not failed:
+        return stats
+    errors = dict(stats.sequence_errors)
+    errors["detokenization"] = errors.get("detokenization", 0) + failed
+    return dataclasses.replace(stats, sequence_errors=tuple(sorted(errors.items())))

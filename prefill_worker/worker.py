@@ -50,7 +50,7 @@ from collections.abc import AsyncIterator
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.parallel.worker_group import Heartbeats
-from splitserve.engine.text import Texts
+from splitserve.engine.text import Texts, with_text_failures
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.exports import ExportLedger, lend
 from splitserve.kv_transfer.layerwise import LayerExporter
@@ -104,6 +104,7 @@ class PrefillWorker:
         self._readers_by_tp: dict[int, tuple[int, ...]] = {}  # see _readers
         self._waiters: dict[str, Waiter] = {}  # requests whose prefill() is awaiting
         self._texts = Texts(self.engine.tokenizer)  # their first tokens' text (engine thread)
+        self._text_failures = 0  # requests failed because that text could not be made
         self.ledger = ExportLedger()  # what is held under a lease (engine thread only)
         self.shards = OtherRanks(self.tp, self.ledger)  # the other TP ranks' exports
         self._heartbeats = Heartbeats(self.tp, spec.tp)
@@ -269,7 +270,7 @@ class PrefillWorker:
         engine, prefix, leases = await asyncio.wrap_future(self.loop.submit(Snapshot(prefix_since, PREFILL)))
         return PrefillStats(
             self.worker_id,
-            engine,
+            with_text_failures(engine, self._text_failures),
             leases.held,
             leases_confirmed=leases.confirmed,
             leases_expired=leases.expired,
@@ -344,6 +345,7 @@ class PrefillWorker:
             error = out.error  # it failed alone in the engine (which freed its blocks)
             if waiter is not None and error is None:
                 error = first_text(self._texts, out)
+                self._text_failures += error is not None
             exporting = (
                 waiter is not None and error is None and out.finish_reason == FinishReason.PREFILL_DONE
             )

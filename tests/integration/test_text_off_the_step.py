@@ -21,6 +21,7 @@ from splitserve.router.registry import WorkerRegistry
 from splitserve.router.roles import Role
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec
+from splitserve.wire.errors import SequenceFailed
 from splitserve.wire.prefill import PrefillWorkerSpec
 from splitserve.wire.sampling import FinishReason, SamplingParams
 from tests.waiting import wait_until
@@ -152,3 +153,54 @@ def test_stop_strings_through_a_handoff_at_the_first_token_and_after_it(smollm2)
     finally:
         decode.shutdown()
         prefill.shutdown()
+
+
+def test_text_that_cannot_be_made_fails_its_request_alone(smollm2):
+    """A request whose text the worker cannot make ends alone (``SequenceFailed``, kind
+    ``detokenization``, counted in the worker's stats as the engine counts a request
+    that failed alone), its blocks freed; the others' tokens and text are unchanged."""
+    library = Engine(CONFIG)
+    prompts = [_chat(library, q) for q in QUESTIONS]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = library.generate(prompts, params)
+    worker = DecodeWorker(DecodeWorkerSpec("decode-0", CONFIG, None, 30.0, 8, torch_threads=1))
+    texts = worker.requests._texts
+    feed = texts.feed
+
+    def failing(out):
+        if out.request_id == "broken" and out.num_output_tokens >= 4:
+            raise RuntimeError("the tokenizer broke")
+        return feed(out)
+
+    texts.feed = failing
+    client = InProcessDecodeClient(worker)
+
+    async def one(rid: str, prompt: list[int]):
+        tokens, text = [], ""
+        try:
+            async for batch in client.generate(DecodeTask(rid, prompt, params)):
+                tokens, text = tokens + batch.token_ids, text + batch.text
+        except SequenceFailed as e:
+            return tokens, text, e
+        return tokens, text, None
+
+    async def serve():
+        got = await asyncio.gather(
+            *(one(f"r{i}", p) for i, p in enumerate(prompts)), one("broken", prompts[1])
+        )
+        stats = await worker.stats()
+        await client.close()
+        return got, stats
+
+    try:
+        (*got, broken), stats = asyncio.run(asyncio.wait_for(serve(), DEADLINE_S))
+        assert [g[:2] for g in got] == [(w.token_ids, w.text) for w in want] and all(
+            g[2] is None for g in got
+        )
+        tokens, _, error = broken
+        assert isinstance(error, SequenceFailed) and error.kind == "detokenization"
+        assert "the tokenizer broke" in str(error) and tokens == want[1].token_ids[: len(tokens)]
+        assert dict(stats.engine.sequence_errors) == {"detokenization": 1}
+        wait_until(lambda: worker.loop.call(lambda e: e.block_manager.num_used_blocks).result(30) == 0, 60)
+    finally:
+        worker.shutdown()
