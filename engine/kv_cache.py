@@ -94,7 +94,8 @@ class KVCache:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: back pages with memory, contents unchanged
-_FAULT_IN_BLOCKS = 64  # blocks per step of fault_in_background
+_FAULT_IN_BLOCKS = 64  # blocks per step of fault_in_background, at least
+_FAULT_IN_BYTES = 4 << 20  # and at least this much of one plane per call
 
 
 def fault_in_background(cache: torch.Tensor) -> threading.Thread | None:
@@ -103,7 +104,9 @@ def fault_in_background(cache: torch.Tensor) -> threading.Thread | None:
     neither a worker's start nor (once it has run) the serving path pays the page
     faults: an untouched cache cost the first pull of 2,048 tokens' KV into it 200 ms
     here, against 20 ms into pages in memory. Blocks go in order, every layer of a run
-    of ``_FAULT_IN_BLOCKS`` blocks at a time (the order a fresh engine hands them out).
+    of ``_FAULT_IN_BLOCKS`` blocks (or ``_FAULT_IN_BYTES`` of a plane, if more) at a time
+    (the order a fresh engine hands them out): a small model's 1 KiB blocks took
+    16,000 calls for 1 GiB, each taking the GIL the engine's threads want.
     ``MADV_POPULATE_WRITE`` leaves a page already written as it is, so it runs beside
     the engine's writes; the thread only yields the CPU to every other thread (nice
     19). Returns the thread, or None: not a CPU tensor on Linux, or too small to have
@@ -136,8 +139,9 @@ def _fault_in(cache: torch.Tensor, stop: threading.Event) -> None:
     page = mmap.PAGESIZE
     planes = cache.flatten(0, 1)  # [layers * planes, blocks, ...]
     block_bytes = planes[0, 0].numel() * cache.element_size()
-    for start in range(0, cache.shape[2], _FAULT_IN_BLOCKS):
-        n = min(_FAULT_IN_BLOCKS, cache.shape[2] - start)
+    step = max(_FAULT_IN_BLOCKS, _FAULT_IN_BYTES // block_bytes)
+    for start in range(0, cache.shape[2], step):
+        n = min(step, cache.shape[2] - start)
         if stop.is_set():
             return
         for plane in planes:
