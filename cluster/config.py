@@ -352,6 +352,15 @@ class TransferSpec(_Strict):
         "the decode worker's pull overlaps prefill (nixl; other backends and TP prefill groups hand over "
         "whole caches); false: whole caches, once prefill ends",
     )
+    verify_meaning: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="the share of handed-over (and moved) requests whose KV the decode worker checks by "
+        "meaning before it runs them: it computes the prompt's last position again over the KV it received "
+        "and compares that position's K/V (and a greedy or seeded first token) with the source's; a "
+        "mismatch is a failed transfer (on_failure). 0: never, 1: every request",
+    )
     on_failure: Literal["recompute", "fail"] = Field(
         "recompute",
         description="a KV transfer that fails (refused, corrupt, timed out, lease over, source gone): "

@@ -202,7 +202,17 @@ class WorkerPool:
             )
         backend = t.backend if role == Role.DECODE else None
         queue = self.config.limits.max_admission_queue
-        return DecodeWorkerSpec(worker_id, eng, backend, t.timeout_s, queue, threads, cpus, lease_s=t.lease_s)
+        return DecodeWorkerSpec(
+            worker_id,
+            eng,
+            backend,
+            t.timeout_s,
+            queue,
+            threads,
+            cpus,
+            lease_s=t.lease_s,
+            verify_meaning=t.verify_meaning,
+        )
 
     async def add(self, n: int, timeout_s: float = START_TIMEOUT_S) -> list[WorkerRecord]:
         """Start ``n`` workers (STARTING in the registry), wait until each has loaded its

@@ -145,6 +145,10 @@ class DecodeSide(Protocol):
         """Pull and verify the KV into ``blocks``: the confirmations, and the seconds waited
         for a streamed source's layers. Returns or raises only once no byte is landing."""
 
+    async def verify(self, request_id: str, output_token_ids: list[int]) -> None:
+        """Check the pulled KV by meaning (``engine.meaning``), where the worker does."""
+        ...
+
     async def activate(self, request_id: str, output_token_ids: list[int]) -> None:
         """Put the request, its KV in place, into the engine's decode batch."""
 
@@ -208,8 +212,11 @@ class WayIn:
         return pulled
 
     async def _activate(self, pulled_s: float, output_token_ids: list[int]) -> None:
-        """ACTIVATING to RUNNING. The pull's time and when this worker took the request into
-        its batch are reported first, so that they reach the consumer before any token."""
+        """ACTIVATING to RUNNING, the KV checked by meaning first where the worker does (a
+        mismatch raises ``MeaningMismatch``: the pull failed). The pull's time and when this
+        worker took the request into its batch are reported next, so that they reach the
+        consumer before any token."""
+        await self._side.verify(self.request_id, output_token_ids)
         self._outbox.put(
             TokenBatch(self.request_id, [], "", [], [], None, 0, pulled_s, started_at=time.time())
         )

@@ -5,13 +5,14 @@ migration reaches nothing of the worker's beyond them."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from splitserve.decode_worker.admission import AdmissionQueue
 from splitserve.kv_transfer.puller import KVPuller
 from splitserve.wire.decode import DecodePeer, DecodeTask, DecodeWorkerSpec
-from splitserve.wire.engine_commands import Activate, EngineCommand, HoldPrefix, ImportRequest
+from splitserve.wire.engine_commands import Activate, EngineCommand, HoldPrefix, ImportRequest, VerifyImport
 from splitserve.wire.errors import Overloaded
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.prefill import PrefillPeer
@@ -62,6 +63,13 @@ class WorkerSide:
         self, handoff: KVHandoff, blocks: list[int], timeout: float
     ) -> tuple[list[Confirmation], float]:
         return await self._puller.pull(handoff, blocks, timeout)
+
+    async def verify(self, request_id: str, output_token_ids: list[int]) -> None:
+        """Check the request's KV by meaning, for the spec's share of requests
+        (``verify_meaning``); a mismatch raises ``MeaningMismatch`` (a transfer error: the
+        request is recomputed)."""
+        if random.random() < self.spec.verify_meaning:
+            await self._submit(VerifyImport(request_id, output_token_ids))
 
     async def activate(self, request_id: str, output_token_ids: list[int]) -> None:
         await self._submit(Activate(request_id, output_token_ids))

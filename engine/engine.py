@@ -125,6 +125,8 @@ class Engine(KVRequests):
         self.layer_observer: LayerObserver | None = None
         # requests that failed alone (SequenceFailed), by kind, since it started
         self.sequence_errors: collections.Counter[str] = collections.Counter()
+        # imported requests' KV checked by meaning (activate(verify=True)), by result
+        self.meaning_checks: collections.Counter[str] = collections.Counter()
         self.containment = Containment(self.runner, self.tp.size, lambda: self.layer_observer)
         spec = config.speculative
         self.speculation = None  # proposals are made and checked on the driver rank only
@@ -250,6 +252,7 @@ class Engine(KVRequests):
             steps_retried=self.containment.retried,
             host_tier=self.host_tier.counters() if self.host_tier is not None else TierCounters(),
             speculation=self.speculation.counters() if self.speculation else SpeculationCounters(),
+            meaning_checks=tuple(sorted(self.meaning_checks.items())),
         )
 
     def prefix_update(self, cursor: PrefixCursor | None) -> PrefixUpdate:

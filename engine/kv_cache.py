@@ -90,7 +90,11 @@ class KVCache:
         if tuple(data.shape) != expected:
             raise ValueError(f"KV data has shape {tuple(data.shape)}, expected {expected}")
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
-        self.tensor.index_copy_(2, idx, data.to(device=self.tensor.device, dtype=self.tensor.dtype))
+        data = data.to(device=self.tensor.device, dtype=self.tensor.dtype)
+        if self.tensor.element_size() == 1:  # e4m3: torch copies its bytes, not its values
+            self.tensor.view(torch.uint8).index_copy_(2, idx, data.view(torch.uint8))
+        else:
+            self.tensor.index_copy_(2, idx, data)
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: back pages with memory, contents unchanged

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from splitserve.engine.meaning import check_import
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.sequence import Sequence, SequenceStatus
-from splitserve.wire.errors import InvalidRequest, Overloaded, UnknownRequest
+from splitserve.wire.errors import InvalidRequest, MeaningMismatch, Overloaded, UnknownRequest
+from splitserve.wire.kv import MeaningCheck
 from splitserve.wire.outputs import PrefilledRequest
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
@@ -399,6 +401,24 @@ class KVRequests:
         self.requests[request_id] = RequestState(seq, seq.num_tokens)
         ids, _ = self.transfer_ids(seq, have // self.block_manager.block_size, total)
         return ids + self.kv_cache.slot_blocks(seq.state_slot)
+
+    def verify_import(self, request_id: str, output_token_ids: list[int] | None = None) -> MeaningCheck:
+        """Check the KV of an IMPORTING request, in place, by meaning (``engine.meaning``),
+        its first token the one it has or the first of ``output_token_ids`` (what
+        ``activate`` will bring; none: the K/V alone are checked). Returns the check; one
+        that fails raises ``MeaningMismatch`` (the request stays IMPORTING: ``abort``
+        frees it)."""
+        seq = self._get(request_id, SequenceStatus.IMPORTING).seq
+        first = seq.token_ids[seq.num_prompt_tokens] if seq.num_output_tokens else None
+        if first is None and output_token_ids:
+            first = output_token_ids[0]
+        check = check_import(seq, first, self.kv_cache, self.runner, self.block_manager.block_size)
+        self.meaning_checks["skipped" if check.skipped else "ok" if check.ok else "mismatch"] += 1
+        if not check.ok:
+            error = MeaningMismatch(f"the KV of request {request_id} failed its check: {check.describe()}")
+            error.check = check
+            raise error
+        return check
 
     def activate(self, request_id: str, output_token_ids: list[int] | None = None) -> None:
         """The KV of an IMPORTING request is in place: start decoding it. The first

@@ -47,6 +47,8 @@ Two sources, one registry (``prometheus_client``, never hand-written exposition)
                                                        sampling, unsampleable, grammar,
                                                        detokenization, logprobs, kv_cache, forward)
     splitserve:model_steps_retried_total{pool,worker}  model steps that failed and were run again
+    splitserve:kv_handoffs_verified_total{pool,worker,check,result}  taken-in KV checked before it
+                                                       ran (check: meaning; result: ok, mismatch, skipped)
     splitserve:spec_decode_draft_tokens_total{pool,worker,method}     speculative decoding: tokens
     splitserve:spec_decode_accepted_tokens_total{pool,worker,method}  proposed, of those kept, and the
     splitserve:spec_decode_drafts_total{pool,worker,method}           sequence-steps that checked a
@@ -299,6 +301,12 @@ class _ClusterCollector(Collector):
         retried = CounterMetricFamily(
             "splitserve:model_steps_retried", "Model steps that failed and were run again.", labels=labels
         )
+        verified = CounterMetricFamily(
+            "splitserve:kv_handoffs_verified",
+            "Handed-over (and moved) requests whose KV a decode worker checked before running them, by "
+            "check (meaning: the prompt's last position computed again) and result (ok, mismatch, skipped).",
+            labels=[*labels, "check", "result"],
+        )
         spec = {
             name: CounterMetricFamily(f"splitserve:spec_decode_{name}", what, labels=[*labels, "method"])
             for name, what in (
@@ -326,6 +334,8 @@ class _ClusterCollector(Collector):
             for kind, n in e.sequence_errors:
                 seq_errors.add_metric([*key, kind], n)
             retried.add_metric(key, e.steps_retried)
+            for result, n in e.meaning_checks:
+                verified.add_metric([*key, "meaning", result], n)
             if s := e.speculation.method:
                 spec["draft_tokens"].add_metric([*key, s], e.speculation.proposed_tokens)
                 spec["accepted_tokens"].add_metric([*key, s], e.speculation.accepted_tokens)
@@ -373,6 +383,7 @@ class _ClusterCollector(Collector):
             restarts,
             seq_errors,
             retried,
+            verified,
             *spec.values(),
             info,
         )

@@ -33,6 +33,9 @@ class DecodeWorkerSpec:
     tp: TPInit | None = None  # this process's rank in the worker's TP group (None: TP=1)
     # how long the KV of a request it moved away stays held for the taker (live migration)
     lease_s: float = DEFAULT_LEASE_S
+    # the share of the KV it takes in (a handoff, a move) checked by meaning before the
+    # request runs (``engine.meaning``): 0 never, 1 always
+    verify_meaning: float = 0.0
 
 
 class DecodeRankPeer(Protocol):

@@ -74,6 +74,15 @@ class Activate:
 
 
 @dataclass(frozen=True)
+class VerifyImport:
+    """``Engine.verify_import``: an imported request's KV, in place, checked by meaning
+    (``engine.meaning``) before it is activated."""
+
+    request_id: str
+    output_token_ids: list[int]
+
+
+@dataclass(frozen=True)
 class ReserveMoving:
     """``Engine.reserve_moving``: (blocks held, blocks to fill) ahead of a move."""
 
@@ -157,6 +166,7 @@ EngineCommand = (
     | Abort
     | HoldPrefix
     | ImportRequest
+    | VerifyImport
     | Activate
     | ReserveMoving
     | FillMoving

@@ -175,3 +175,9 @@ class IntegrityError(KVTransferError):
 
 class LeaseExpired(KVTransferError):
     """The source's lease on the blocks ran out, so it may have reused them."""
+
+
+class MeaningMismatch(KVTransferError):
+    """The KV received is not what the prompt computes here (``engine.meaning``): the
+    right bytes in the wrong place (a block table, a layer or head mapping, scales, a
+    prefix credited to other tokens), which the checksums cannot see."""

@@ -310,3 +310,33 @@ class TransferStats:
     verify_s: float = 0.0  # waiting for verification after the last chunk moved (the rest overlaps)
     wait_s: float = 0.0  # a streamed export: waiting for the source to finish layers
     total_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class MeaningCheck:
+    """What checking an imported request's KV by meaning found (``engine.meaning``): at
+    ``position`` (the prompt's last), ``ok``; or the check that failed, ``kv`` (the
+    first ``layer`` whose K/V differ, by relative L2 ``error`` above ``tolerance``) or
+    ``token`` (``detail`` says which); or why the check was ``skipped``."""
+
+    ok: bool
+    position: int
+    check: str = ""
+    layer: int = -1
+    error: float = 0.0
+    tolerance: float = 0.0
+    detail: str = ""
+    skipped: str = ""
+
+    def describe(self) -> str:
+        """One sentence for a log or an error."""
+        if self.skipped:
+            return f"not checked: {self.skipped}"
+        if self.ok:
+            return f"its K/V at position {self.position} agree with the source's"
+        if self.check == "kv":
+            return (
+                f"layer {self.layer}'s K/V at position {self.position} differ from the source's by "
+                f"{self.error:.3g} (relative; rounding stays within {self.tolerance:g})"
+            )
+        return f"{self.detail} (position {self.position})"

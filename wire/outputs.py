@@ -176,6 +176,8 @@ class EngineStats:
     sequence_errors: tuple[tuple[str, int], ...] = ()
     steps_retried: int = 0
     speculation: SpeculationCounters = SpeculationCounters()  # speculative decoding, since it started
+    # imported requests' KV checked by meaning (engine.meaning), by result: ok, mismatch, skipped
+    meaning_checks: tuple[tuple[str, int], ...] = ()
 
     @property
     def num_used_blocks(self) -> int:

@@ -131,6 +131,7 @@ EXAMPLES = {
     engine_commands.HoldPrefix: (engine_commands.HoldPrefix("r1", [1, 2], P), ["hold_prefix"]),
     engine_commands.ImportRequest: (engine_commands.ImportRequest("r1", [1, 2], [3], P), ["import_request"]),
     engine_commands.Activate: (engine_commands.Activate("r1", [3]), ["activate"]),
+    engine_commands.VerifyImport: (engine_commands.VerifyImport("r1", [3]), ["verify_import"]),
     engine_commands.ReserveMoving: (engine_commands.ReserveMoving("r1", [1, 2], [3], P), ["reserve_moving"]),
     engine_commands.FillMoving: (engine_commands.FillMoving("r1", 2), ["fill_moving"]),
     engine_commands.ReservePrefix: (engine_commands.ReservePrefix("r1/prefix", [1, 2]), ["reserve_prefix"]),

@@ -96,6 +96,9 @@ class FakeSide:
         descs = handoff.descriptors
         return [Confirmation(d.transfer_id, d.source_worker, self.delivered) for d in descs], 0.0
 
+    async def verify(self, request_id: str, output_token_ids: list[int]) -> None:
+        await self._step("verify")
+
     async def activate(self, request_id: str, output_token_ids: list[int]) -> None:
         await self._step("activate")
         self.activated.append((request_id, output_token_ids))

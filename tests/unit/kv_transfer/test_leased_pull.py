@@ -159,6 +159,9 @@ class Side:
     async def pull(self, handoff, blocks, timeout):
         return await self.engine.puller.pull(handoff, blocks, timeout)
 
+    async def verify(self, request_id, output_token_ids) -> None:
+        pass
+
     async def activate(self, request_id, output_token_ids) -> None:
         pass
 

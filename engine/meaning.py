@@ -1,0 +1,109 @@
+"""A handoff proven by meaning: the KV a request brought in, checked by computing its
+prompt's last position again over it (``check_import``; issue 68).
+
+The integrity hashes (``kv_transfer.integrity``) prove that the bytes a source sent
+are the bytes that landed; they cannot see right bytes in the wrong place: a wrong
+block table, layers or KV heads swapped by a mapping, FP8 scales of another layer, a
+prefix block credited to other tokens. This check can. With the KV in place and
+before the request runs, the engine runs the prompt's last token once more, at its
+position, over the KV it now holds for the positions before it, and compares
+
+- ``kv``: the K and V it computes for that position, layer by layer, with what it
+  received there (relative L2 error within ``TOLERANCE`` of the cache's dtype). Each
+  layer's K/V at a position come from the layer's input there, which attention made
+  from every position before it: a fault in any block the layers read, or at the
+  position itself, moves them by far more than rounding (about 1.4 for unrelated
+  vectors, against 1e-6 to 0.03 for the same computation by another path);
+- ``token``: where the first token was chosen deterministically (greedy, or seeded)
+  and no grammar steers it, the token this computation chooses with the request's own
+  sampling against the first token the prefill side sampled.
+
+It costs one token's forward pass, outside the batch. The K/V it computes replace
+the received ones at that position (equal within the tolerance when the check
+passes). Not checked (``MeaningCheck.skipped`` says why): a one-token prompt, a
+hybrid model (its linear layers' state is past the last position already, and would
+take that token twice), expert parallelism, a model with its MTP layer. Under tensor
+parallelism the driver checks its own share of the KV heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.scheduler import ScheduledSeq
+from splitserve.engine.sequence import Sequence
+from splitserve.wire.kv import MeaningCheck
+
+# The largest relative L2 error of one layer's K/V at a position, between the source's
+# computation and this one, that is rounding: by the cache's dtype (an FP8 cache's
+# values are rounded to 3 mantissa bits after the model's dtype rounded them).
+TOLERANCE = {"float32": 1e-3, "float16": 0.05, "bfloat16": 0.08, "float8_e4m3fn": 0.15}
+
+
+def check_import(
+    seq: Sequence, first: int | None, kv_cache: KVCache, runner, block_size: int
+) -> MeaningCheck:
+    """Check the KV an IMPORTING ``seq`` holds (the module docstring) by running its
+    prompt's last position again through ``runner`` (``ModelRunner.execute``); ``first``:
+    the first token the source sampled (None: the K/V alone are checked)."""
+    p = seq.num_prompt_tokens - 1
+    skipped = _why_not(seq, runner, p)
+    if skipped:
+        return MeaningCheck(True, p, skipped=skipped)
+    received = kv_at(kv_cache, seq, p, block_size)
+    shadow = Sequence(seq.request_id, list(seq.prompt_token_ids), seq.params)
+    shadow.block_table, shadow.window_tables = seq.block_table, seq.window_tables
+    shadow.window_start, shadow.num_computed_tokens = seq.window_start, p
+    _, sampled, _ = runner.execute([ScheduledSeq(shadow, 1)])
+    again = kv_at(kv_cache, seq, p, block_size)
+    tolerance = TOLERANCE.get(kv_cache.layout.dtype, 0.15)
+    for layer, (r, a) in enumerate(zip(received, again, strict=True)):
+        error = float((a - r).norm() / r.norm().clamp_min(1e-12))
+        if not error <= tolerance:  # NaN fails too
+            return MeaningCheck(False, p, "kv", layer, error, tolerance)
+    chosen = sampled.token_ids[0] if sampled is not None else None
+    if first is not None and _deterministic(seq) and chosen != first:
+        detail = f"the prompt's last position chooses token {chosen} here, {first} at the source"
+        return MeaningCheck(False, p, "token", detail=detail)
+    return MeaningCheck(True, p)
+
+
+def kv_at(kv_cache: KVCache, seq: Sequence, position: int, block_size: int) -> list[torch.Tensor]:
+    """Each layer's K and V (or MLA latent) of ``seq`` at ``position``, as float32
+    ``[planes, kv_heads, head_dim]`` (an FP8 cache's dequantized with its layer's scales)."""
+    layout = kv_cache.layout
+    tables = [seq.block_table] + [[t[0]] * seq.window_start + t for t in seq.window_tables]
+    out = []
+    for layer in range(layout.num_layers):
+        block = tables[layout.group(layer)][position // block_size]
+        planes = [x[block, position % block_size] for x in kv_cache.layer(layer) if x is not None]
+        values = torch.stack(planes).to(torch.float32)
+        scales = kv_cache.layer_scales(layer)
+        if scales is not None:
+            values = values * scales[: len(planes), :, None]
+        out.append(values)
+    return out
+
+
+def _why_not(seq: Sequence, runner, p: int) -> str:
+    if p < 1:
+        return "a one-token prompt: no position before its last"
+    if seq.state_slot is not None:
+        return "a hybrid model's state is past the prompt's last position"
+    if runner.data_parallel:
+        return "expert parallelism (attention data-parallel)"
+    if runner.model.mtp is not None:
+        return "a model with its MTP layer"
+    return ""
+
+
+def _deterministic(seq: Sequence) -> bool:
+    """Whether the prefill side's first token is what the same logits give here: greedy
+    or seeded sampling, no grammar."""
+    params = seq.params
+    return (
+        seq.grammar is None
+        and params.structured is None
+        and (params.temperature == 0 or params.seed is not None)
+    )

@@ -1,0 +1,143 @@
+"""A handoff checked by meaning (``engine.meaning``): a decode engine imports a prefill
+engine's KV for a prompt, with one placement fault at a time (the right bytes in the
+wrong place, which the transfer's checksums cannot see), and ``activate(verify=True)``
+catches each one; the KV as it was passes, and the request then generates the tokens
+the monolithic engine generates. Tiny random Llama (float32, and an FP8 cache) and
+DeepSeek-V3 (MLA's latent rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.bench.tiny_models import make_hf_checkpoint
+from splitserve.engine.engine import Engine
+from splitserve.wire.config import EngineConfig
+from splitserve.wire.errors import MeaningMismatch
+from splitserve.wire.sampling import SamplingParams
+from tests.conftest import random_prompts
+
+BLOCK = 8
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, seed=7)
+
+
+@pytest.fixture(scope="module", params=["llama", "llama-fp8", "deepseek_v3"])
+def engines(request, tmp_path_factory):
+    kind = request.param.split("-")[0]
+    directory = tmp_path_factory.mktemp(kind)
+    make_hf_checkpoint(kind, directory)
+    extra = {"kv_cache_dtype": "fp8"} if request.param.endswith("fp8") else {}
+    config = EngineConfig(model=str(directory), dtype="float32", block_size=BLOCK, num_kv_blocks=96, **extra)
+    return request.param, Engine(config), Engine(config)
+
+
+def _prefill(source: Engine, rid: str, prompt: list[int], params: SamplingParams):
+    """The prompt prefilled on ``source``: its KV blocks' contents and its first token."""
+    source.add_request(prompt, params, rid, prefill_only=True)
+    while source.has_unfinished():
+        source.step()
+    pre = source.prefilled(rid)
+    data = source.kv_cache.read_blocks(pre.block_ids)
+    source.release(rid)
+    return data, pre.output_token_ids
+
+
+def _import(sink: Engine, rid: str, prompt, first, params, data, ids_order=None):
+    ids = sink.import_request(rid, prompt, first, params)
+    sink.kv_cache.write_blocks([ids[i] for i in ids_order] if ids_order else ids, data)
+    return ids
+
+
+def _finish(engine: Engine, rid: str) -> list[int]:
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+    return tokens
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_the_kv_as_it_was_passes_and_the_request_runs_on(engines, params):
+    name, source, sink = engines
+    prompt = random_prompts([29], 512, seed=3)[0]
+    want = source.generate([prompt], params)[0].token_ids
+    data, first = _prefill(source, "ok", prompt, params)
+    _import(sink, "ok", prompt, first, params, data)
+    check = sink.verify_import("ok")
+    assert check.ok and not check.skipped and check.position == len(prompt) - 1
+    sink.activate("ok")
+    assert first + _finish(sink, "ok") == want
+    assert sink.block_manager.num_used_blocks == 0
+
+
+def _faults(name: str, source: Engine):
+    """Each placement fault, as (name, a function of the KV data giving the faulted data
+    or a block order to write it in, or a change to the sink's cache)."""
+    other = random_prompts([29], 512, seed=11)[0]
+    faults = {
+        # the first and the last block's places swapped (a permutation of whole blocks
+        # the position's attention reads is no fault to it: each key carries its position)
+        "block table permuted": lambda d: ("order", [3, 1, 2, 0]),
+        "two layers swapped": lambda d: ("data", d[[1, 0]]),
+        "a prefix block credited to other tokens": lambda d: ("data", _with_block0_of(d, source, other)),
+    }
+    if name.startswith("llama"):
+        faults["two KV heads swapped"] = lambda d: ("data", d[..., [1, 0], :])
+        faults["K and V swapped"] = lambda d: ("data", d[:, [1, 0]])
+    if name.endswith("fp8"):
+        faults["FP8 scales of two layers swapped"] = lambda d: ("scales", None)
+    if name == "deepseek_v3":
+        faults["MLA latent and rope parts swapped"] = lambda d: ("data", torch.roll(d, 16, dims=-1))
+    return faults
+
+
+def _with_block0_of(data: torch.Tensor, source: Engine, other: list[int]) -> torch.Tensor:
+    """``data`` with its first block from another prompt's KV (same positions)."""
+    other_data, _ = _prefill(source, "other", other, GREEDY)
+    out = data.clone()
+    out[:, :, 0] = other_data[:, :, 0]
+    return out
+
+
+def test_every_placement_fault_is_caught(engines):
+    name, source, sink = engines
+    prompt = random_prompts([29], 512, seed=3)[0]  # 4 blocks of 8
+    data, first = _prefill(source, "p", prompt, GREEDY)
+    caught = {}
+    for fault, make in _faults(name, source).items():
+        kind, value = make(data)
+        rid = f"fault-{len(caught)}"
+        order = value if kind == "order" else None
+        faulted = value if kind == "data" else data
+        _import(sink, rid, prompt, first, GREEDY, faulted, order)
+        scales = sink.kv_cache.scales
+        saved = None if scales is None else scales.clone()
+        if kind == "scales":
+            scales[[0, 1]] = saved[[1, 0]]
+        try:
+            with pytest.raises(MeaningMismatch) as info:
+                sink.verify_import(rid)
+            caught[fault] = info.value.check
+        finally:
+            if saved is not None:
+                scales.copy_(saved)
+            sink.abort(rid)
+    assert all(not c.ok for c in caught.values()), caught
+    assert len(caught) == len(_faults(name, source)), caught
+    assert sink.block_manager.num_used_blocks == 0
+    # the error names the layer, the position and by how much
+    kv = [c for c in caught.values() if c.check == "kv"]
+    assert kv and all(c.error > c.tolerance and c.position == len(prompt) - 1 for c in kv)
+
+
+def test_without_the_check_the_faulted_kv_goes_unseen(engines):
+    """The mutation the issue asks for: the same faults, activated unchecked, run without
+    an error (the checksums would have passed them: the bytes are the source's) and the
+    block table's fault changes the tokens."""
+    name, source, sink = engines
+    prompt = random_prompts([29], 512, seed=3)[0]
+    want = source.generate([prompt], GREEDY)[0].token_ids
+    data, first = _prefill(source, "p", prompt, GREEDY)
+    _import(sink, "unchecked", prompt, first, GREEDY, data, [3, 1, 2, 0])
+    sink.activate("unchecked")
+    assert first + _finish(sink, "unchecked") != want
