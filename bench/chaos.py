@@ -781,6 +781,7 @@ def chaos_config(model: str, prefill: int, decode: int, tp: int, dtype: str = "f
             "mode": "disaggregated",
             "model": {"name": model, "dtype": dtype},
             "policy": {"conditional_disaggregation": False},
+            "transfer": {"verify_meaning": 1.0},  # every handoff checked by meaning too
             "prefill": {"replicas": prefill, "tp_size": tp, **pool},
             "decode": {"replicas": decode, **pool},
             "router": {"port": 0, "http_port": None, "shutdown_grace_s": 1},

@@ -318,6 +318,7 @@ def soak_config(model: str, kv_mib: int, dtype: str = "float32") -> ClusterConfi
         {
             "mode": "disaggregated",
             "model": {"name": model, "dtype": dtype},
+            "transfer": {"verify_meaning": 1.0},  # every handoff checked by meaning too
             "prefill": pool,
             "decode": pool,
             "router": {"port": 0, "http_port": None, "shutdown_grace_s": 1},

@@ -315,9 +315,10 @@ class TransferStats:
 @dataclass(frozen=True)
 class MeaningCheck:
     """What checking an imported request's KV by meaning found (``engine.meaning``): at
-    ``position`` (the prompt's last), ``ok``; or the check that failed, ``kv`` (the
-    first ``layer`` whose K/V differ, by relative L2 ``error`` above ``tolerance``) or
-    ``token`` (``detail`` says which); or why the check was ``skipped``."""
+    ``position`` (the prompt's last), ``ok`` (``error``: the largest relative L2 error of
+    a layer's K/V, within ``tolerance``); or the check that failed, ``kv`` (the first
+    ``layer`` whose K/V differ, by ``error`` above ``tolerance``) or ``token`` (``detail``
+    says which); or why the check was ``skipped``."""
 
     ok: bool
     position: int
@@ -333,7 +334,7 @@ class MeaningCheck:
         if self.skipped:
             return f"not checked: {self.skipped}"
         if self.ok:
-            return f"its K/V at position {self.position} agree with the source's"
+            return f"its K/V at position {self.position} agree with the source's (within {self.error:.2g})"
         if self.check == "kv":
             return (
                 f"layer {self.layer}'s K/V at position {self.position} differ from the source's by "
