@@ -358,7 +358,7 @@ class TransferSpec(_Strict):
         le=1.0,
         description="the share of handed-over (and moved) requests whose KV the decode worker checks by "
         "meaning before it runs them: it computes the prompt's last position again over the KV it received "
-        "and compares that position's K/V (and a greedy or seeded first token) with the source's; a "
+        "and compares that position's K/V (and a greedy first token) with the source's; a "
         "mismatch is a failed transfer (on_failure). 0: never, 1: every request (decode 0.92x the tokens/s "
         "of none on SmolLM2 bf16 here; 0.25: 0.99x: bench/handoff_faults)",
     )

@@ -267,16 +267,19 @@ class Engine(KVRequests):
         makes text on its own thread. Use one or the other on an engine."""
         outputs = self.step_tokens()
         for out in outputs:
-            state = self.requests.get(out.request_id)
+            state = self.requests.get(out.request_id)  # None: it ended in this step
             try:
                 stopped = self._texts.feed(out)
             except Exception as e:
-                if state is not None:  # still running: it ends here, failed
-                    self._fail(state, contained("detokenization", e), out)
                 self._texts.forget(out.request_id)
+                error = contained("detokenization", e)
+                if state is not None:  # still running: it ends here, failed
+                    self._fail(state, error, out)
+                else:
+                    self.sequence_errors[error.kind] += 1
+                    out.finish_reason, out.error = None, error
                 continue
             if stopped and state is not None:
-                state.num_kept = out.num_output_tokens
                 self._finish(state, FinishReason.STOP)
         return outputs
 
@@ -432,12 +435,13 @@ class Engine(KVRequests):
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         states = {i: self.requests[i] for i in ids}
-        texts = dict.fromkeys(ids, "")
+        texts, last = dict.fromkeys(ids, ""), {}
         while self.has_unfinished():
             for out in self.step():
                 if out.request_id in texts:
                     texts[out.request_id] += out.text
-        return [states[i].completion(texts[i], states[i].num_kept) for i in ids]
+                    last[out.request_id] = out
+        return [states[i].completion(texts[i], last.get(i)) for i in ids]
 
     def measure_rates(self, num_tokens: int, runs: int = 2, decode_steps: int = 8) -> tuple[float, float]:
         """Prefill ``runs`` prompts of ``num_tokens`` filler tokens, the last one then

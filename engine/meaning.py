@@ -14,15 +14,19 @@ position, over the KV it now holds for the positions before it, and compares
   from every position before it: a fault in any block the layers read, or at the
   position itself, moves them by far more than rounding (about 1.4 for unrelated
   vectors, against 1e-6 to 0.03 for the same computation by another path);
-- ``token``: where the first token was chosen deterministically (greedy, or seeded)
-  and no grammar steers it, the token this computation chooses with the request's own
-  sampling against the first token the prefill side sampled.
+- ``token``: where the first token was the logits' argmax (greedy, nothing else
+  steering it), the token this computation chooses against the first token the
+  prefill side sampled, a near tie of the two allowed.
 
-It costs one token's forward pass, outside the batch. The K/V it computes replace
-the received ones at that position (equal within the tolerance when the check
-passes). Not checked (``MeaningCheck.skipped`` says why): a one-token prompt, a
-hybrid model (its linear layers' state is past the last position already, and would
-take that token twice), expert parallelism, a model with its MTP layer. Under tensor
+It costs one token's forward pass, outside the batch. The received K/V at that
+position are put back after it, so a checked request decodes on exactly what an
+unchecked one would (in bfloat16 the recomputed values, equal within the tolerance,
+could tip a later greedy choice). Not checked
+(``MeaningCheck.skipped`` says why): a one-token prompt, a hybrid model (its linear
+layers' state is past the last position already, and would take that token twice),
+a sliding-window model once its window has left the prompt's start (its sliding
+layers no longer hold every key that position read), expert parallelism, a model
+with its MTP layer. Under tensor
 parallelism the driver checks its own share of the KV heads.
 """
 
@@ -58,13 +62,19 @@ def check_import(
     skipped = _why_not(seq, runner, p)
     if skipped:
         return MeaningCheck(True, p, skipped=skipped)
-    received = kv_at(kv_cache, seq, p, block_size)
+    slots = _slots(kv_cache, seq, p, block_size)
+    held = [x.clone() for x in slots]  # the received bytes, put back after the check
+    received = _values(kv_cache, held)
     asked = dataclasses.replace(seq.params, logprobs=True, top_logprobs=MAX_TOP_LOGPROBS)
     shadow = Sequence(seq.request_id, list(seq.prompt_token_ids), asked)
     shadow.block_table, shadow.window_tables = seq.block_table, seq.window_tables
     shadow.window_start, shadow.num_computed_tokens = seq.window_start, p
-    _, sampled, _ = runner.execute([ScheduledSeq(shadow, 1)])
-    again = kv_at(kv_cache, seq, p, block_size)
+    try:
+        _, sampled, _ = runner.execute([ScheduledSeq(shadow, 1)])
+        again = _values(kv_cache, slots)
+    finally:  # the request decodes on what it received, as an unchecked one would
+        for slot, x in zip(slots, held, strict=True):
+            slot.copy_(x)
     tolerance, worst = TOLERANCE.get(kv_cache.layout.dtype, 0.15), 0.0
     for layer, (r, a) in enumerate(zip(received, again, strict=True)):
         error = float((a - r).norm() / r.norm().clamp_min(1e-12))
@@ -84,19 +94,26 @@ def check_import(
     return MeaningCheck(True, p, error=worst, tolerance=tolerance)
 
 
-def kv_at(kv_cache: KVCache, seq: Sequence, position: int, block_size: int) -> list[torch.Tensor]:
-    """Each layer's K and V (or MLA latent) of ``seq`` at ``position``, as float32
-    ``[planes, kv_heads, head_dim]`` (an FP8 cache's dequantized with its layer's scales)."""
+def _slots(kv_cache: KVCache, seq: Sequence, position: int, block_size: int) -> list[torch.Tensor]:
+    """Each layer's K and V (or MLA latent) of ``seq`` at ``position``: views of the cache,
+    ``[planes, kv_heads, head_dim]`` (its sliding layers' from their own blocks)."""
     layout = kv_cache.layout
     tables = [seq.block_table] + [[t[0]] * seq.window_start + t for t in seq.window_tables]
+    row = position // block_size
+    return [
+        kv_cache.tensor[layout.row(layer), :, tables[layout.group(layer)][row], position % block_size]
+        for layer in range(layout.num_layers)
+    ]
+
+
+def _values(kv_cache: KVCache, slots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``slots``' values as float32 (an FP8 cache's dequantized with its layer's scales)."""
     out = []
-    for layer in range(layout.num_layers):
-        block = tables[layout.group(layer)][position // block_size]
-        planes = [x[block, position % block_size] for x in kv_cache.layer(layer) if x is not None]
-        values = torch.stack(planes).to(torch.float32)
+    for layer, x in enumerate(slots):
+        values = x.to(torch.float32, copy=True)  # a copy, also of a float32 view of the cache
         scales = kv_cache.layer_scales(layer)
         if scales is not None:
-            values = values * scales[: len(planes), :, None]
+            values = values * scales[: x.shape[0], :, None]
         out.append(values)
     return out
 
@@ -106,6 +123,8 @@ def _why_not(seq: Sequence, runner, p: int) -> str:
         return "a one-token prompt: no position before its last"
     if seq.state_slot is not None:
         return "a hybrid model's state is past the prompt's last position"
+    if seq.window_tables and seq.window_start:
+        return "its sliding layers hold no longer every key the prompt's last position read"
     if runner.data_parallel:
         return "expert parallelism (attention data-parallel)"
     if runner.model.mtp is not None:
@@ -114,11 +133,8 @@ def _why_not(seq: Sequence, runner, p: int) -> str:
 
 
 def _deterministic(seq: Sequence) -> bool:
-    """Whether the prefill side's first token is what the same logits give here: greedy
-    or seeded sampling, no grammar."""
-    params = seq.params
-    return (
-        seq.grammar is None
-        and params.structured is None
-        and (params.temperature == 0 or params.seed is not None)
-    )
+    """Whether the source's first token is the raw logits' argmax, which a near tie of
+    their log-probabilities explains: greedy, and nothing but the logits choosing (a
+    seeded draw, penalties or a bias can turn a rounding difference into another token
+    far apart in raw log-probability)."""
+    return seq.params.greedy and not seq.params.processes_logits

@@ -23,7 +23,6 @@ class RequestState:
         )
         self._sent_prompt_logprobs = False
         self.stop_token = False  # it ended at an EOS or stop token id
-        self.num_kept: int | None = None  # output tokens kept where a stop string ended it
         self.error: SequenceFailed | None = None  # it failed alone (``Engine._fail``)
         # its speculation here (``engine.speculative``): set when it first may speculate
         self.acceptance: Acceptance | None = None
@@ -80,20 +79,22 @@ class RequestState:
         self._sent_prompt_logprobs = True
         return list(seq.prompt_logprobs)
 
-    def completion(self, text: str, num_output: int | None = None) -> CompletionOutput:
-        """The finished request with its ``text`` (made by ``engine.text``) and its first
-        ``num_output`` output tokens (None: all; fewer where a stop string ended it)."""
+    def completion(self, text: str, last: RequestOutput | None = None) -> CompletionOutput:
+        """The finished request with its ``text`` (made by ``engine.text``), as its ``last``
+        output ended it (its tokens cut and its reason ``STOP`` where the text ended at a
+        stop string; None: as the engine ended it)."""
         seq = self.seq
-        n = seq.num_output_tokens if num_output is None else num_output
+        n = seq.num_output_tokens if last is None else last.num_output_tokens
+        reason = seq.finish_reason if last is None else last.finish_reason
         return CompletionOutput(
             seq.request_id,
             list(seq.prompt_token_ids),
             seq.output_token_ids[:n],
             text,
-            seq.finish_reason,
+            reason,
             seq.num_cached_tokens,
             list(seq.logprobs[:n]),
             list(seq.top_logprobs[:n]),
             list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
-            self.error,
+            self.error if last is None else last.error,
         )

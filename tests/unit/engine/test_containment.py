@@ -47,12 +47,13 @@ def _add(engine: Engine, params: list[SamplingParams]) -> list[str]:
 
 def _drain(engine: Engine, ids: list[str]) -> dict:
     states = {i: engine.requests[i] for i in ids}
-    texts = dict.fromkeys(ids, "")
+    texts, last = dict.fromkeys(ids, ""), {}
     while engine.has_unfinished():
         for out in engine.step():
             texts[out.request_id] += out.text
+            last[out.request_id] = out
     assert not engine.requests, "a request was left in the engine"
-    return {i: states[i].completion(texts[i], states[i].num_kept) for i in ids}
+    return {i: states[i].completion(texts[i], last.get(i)) for i in ids}
 
 
 @pytest.fixture(scope="module")

@@ -62,9 +62,11 @@ def test_the_kv_as_it_was_passes_and_the_request_runs_on(engines, params):
     prompt = random_prompts([29], 512, seed=3)[0]
     want = source.generate([prompt], params)[0].token_ids
     data, first = _prefill(source, "ok", prompt, params)
-    _import(sink, "ok", prompt, first, params, data)
+    ids = _import(sink, "ok", prompt, first, params, data)
     check = sink.verify_import("ok")
     assert check.ok and not check.skipped and check.position == len(prompt) - 1
+    # the received bytes are put back: the request decodes on exactly what it received
+    assert torch.equal(sink.kv_cache.read_blocks(ids).view(torch.uint8), data.view(torch.uint8))
     sink.activate("ok")
     assert first + _finish(sink, "ok") == want
     assert sink.block_manager.num_used_blocks == 0
@@ -141,3 +143,18 @@ def test_without_the_check_the_faulted_kv_goes_unseen(engines):
     _import(sink, "unchecked", prompt, first, GREEDY, data, [3, 1, 2, 0])
     sink.activate("unchecked")
     assert first + _finish(sink, "unchecked") != want
+
+
+def test_a_sliding_window_past_the_prompts_start_is_not_checked(tmp_path):
+    """Its sliding layers no longer hold every key the prompt's last position read (the
+    blocks before the window are not moved): the check says so instead of failing."""
+    make_hf_checkpoint("gemma2", tmp_path)  # sliding windows of 16
+    config = EngineConfig(model=str(tmp_path), dtype="float32", block_size=BLOCK, num_kv_blocks=96)
+    source, sink = Engine(config), Engine(config)
+    prompt = random_prompts([45], 512, seed=3)[0]
+    data, first = _prefill(source, "w", prompt, GREEDY)
+    _import(sink, "w", prompt, first, GREEDY, data)
+    check = sink.verify_import("w")
+    assert check.ok and "sliding" in check.skipped
+    assert dict(sink.stats().meaning_checks) == {"skipped": 1}
+    sink.abort("w")

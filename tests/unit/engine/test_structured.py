@@ -80,11 +80,12 @@ def _run(engine: Engine, params: list[SamplingParams], resumed: list[list[int]] 
         messages = [{"role": "user", "content": QUESTION}]
         ids.append(engine.add_request(messages=messages, params=p, output_token_ids=done))
         texts[ids[-1]] = engine.tokenizer.decode(done) if done else ""  # what the client had
-    states = {i: engine.requests[i] for i in ids}
+    states, last = {i: engine.requests[i] for i in ids}, {}
     while engine.has_unfinished():
         for out in engine.step():
             texts[out.request_id] += out.text
-    return [states[i].completion(texts[i], states[i].num_kept) for i in ids]
+            last[out.request_id] = out
+    return [states[i].completion(texts[i], last.get(i)) for i in ids]
 
 
 def _json(schema) -> SamplingParams:
