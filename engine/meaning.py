@@ -81,9 +81,10 @@ def check_import(
         if not error <= tolerance:  # NaN fails too
             return MeaningCheck(False, p, "kv", layer, error, tolerance)
         worst = max(worst, error)
-    if first is not None and _deterministic(seq):
+    chosen = sampled.token_ids[0] if sampled is not None else -1  # -1: its row could not be sampled
+    if first is not None and chosen >= 0 and _deterministic(seq):
         margin = TIE_MARGIN.get(kv_cache.layout.dtype, 0.5)
-        chosen, tops = sampled.token_ids[0], dict(sampled.top_logprobs[0] or ())
+        tops = dict(sampled.top_logprobs[0] or ())
         best, theirs = tops.get(chosen, 0.0), tops.get(first, -float("inf"))  # not in the top 20: -inf
         if chosen != first and not best - theirs <= margin:
             detail = (
