@@ -161,9 +161,8 @@ class DecodeWorker:
             parts = self._submit, self._admission, self.puller, self._abort_in_engine, self._background.run
             self._side = WorkerSide(spec, *parts)
         self._aloop: asyncio.AbstractEventLoop | None = None  # the actor's loop, once a request came
-        self.requests = RequestTable(
-            self._abort_in_engine, self.engine.tokenizer
-        )  # started and not yet ended, and their outboxes
+        # the requests started and not yet ended, their outboxes and their text
+        self.requests = RequestTable(self._abort_in_engine, self.engine.tokenizer)
         self._tokens: TokenServer | None = None  # serves stream() over gRPC, from token_address()
         if own:
             self.start_engine()

@@ -125,7 +125,7 @@ class Engine(KVRequests):
         self.layer_observer: LayerObserver | None = None
         # requests that failed alone (SequenceFailed), by kind, since it started
         self.sequence_errors: collections.Counter[str] = collections.Counter()
-        # imported requests' KV checked by meaning (activate(verify=True)), by result
+        # imported requests' KV checked by meaning (verify_import), by result: ok, mismatch, skipped
         self.meaning_checks: collections.Counter[str] = collections.Counter()
         self.containment = Containment(self.runner, self.tp.size, lambda: self.layer_observer)
         spec = config.speculative

@@ -180,4 +180,7 @@ class LeaseExpired(KVTransferError):
 class MeaningMismatch(KVTransferError):
     """The KV received is not what the prompt computes here (``engine.meaning``): the
     right bytes in the wrong place (a block table, a layer or head mapping, scales, a
-    prefix credited to other tokens), which the checksums cannot see."""
+    prefix credited to other tokens), which the checksums cannot see. The engine that
+    raises it sets ``check``: the failed ``wire.kv.MeaningCheck`` (layer, position, error)."""
+
+    check = None  # the MeaningCheck, set where it is raised

@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import asyncio
 
-from splitserve.decode_worker.in_process import InProcessDecodeClient
 from splitserve.decode_worker.worker import DecodeWorker
 from splitserve.engine.engine import Engine
 from splitserve.prefill_worker.worker import PrefillWorker
-from splitserve.router.dispatch import Dispatcher
-from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
-from splitserve.router.policy import PolicySpec
-from splitserve.router.registry import WorkerRegistry
-from splitserve.router.roles import Role
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.decode import DecodeWorkerSpec
 from splitserve.wire.prefill import PrefillWorkerSpec
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
+from tests.integration.in_process import blocks_held, handing_over, run
 from tests.waiting import wait_until
 
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -50,21 +45,10 @@ def test_every_handoff_is_checked_and_a_placement_fault_is_recomputed(checkpoint
     side.pull = reversed_pull
 
     async def serve():
-        registry = WorkerRegistry()
-        registry.add("prefill-0", Role.PREFILL, prefill, engine.block_size)
-        registry.add("decode-0", Role.DECODE, InProcessDecodeClient(decode), engine.block_size)
-        for wid in ("prefill-0", "decode-0"):
-            await registry.activate(wid)
-        policy = PolicySpec(conditional_disaggregation=False)  # every request is handed over
-        d = Dispatcher(registry, decode.engine.validator, "tiny", policy=policy)
+        d = await handing_over(prefill, decode, "tiny")
         got = {}
         for rid, prompt in zip(("a", "faulted", "b"), prompts):
-            tokens, reason = [], None
-            async for event in d.generate(GenerateInput(PARAMS, prompt=prompt, request_id=rid)):
-                if isinstance(event, TokenEvent):
-                    tokens += event.token_ids
-                elif isinstance(event, FinalEvent):
-                    reason = event.finish_reason
+            tokens, _, reason = await run(d, rid, prompt, PARAMS)
             got[rid] = (tokens, reason, d.traces.latest(1)[0])
         return got, await decode.stats()
 
@@ -78,8 +62,7 @@ def test_every_handoff_is_checked_and_a_placement_fault_is_recomputed(checkpoint
         trace = got["faulted"][2]
         assert "kv_recompute" in [m.name for m in trace.marks], trace.marks
         for worker in (prefill, decode):
-            used = lambda w=worker: w.loop.call(lambda e: e.block_manager.num_used_blocks).result(30)  # noqa: E731
-            wait_until(lambda u=used: u() == 0, 60)
+            wait_until(lambda w=worker: blocks_held(w) == 0, 60)
     finally:
         decode.shutdown()
         prefill.shutdown()

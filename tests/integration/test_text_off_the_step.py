@@ -14,16 +14,12 @@ from splitserve.decode_worker.in_process import InProcessDecodeClient
 from splitserve.decode_worker.worker import DecodeWorker
 from splitserve.engine.engine import Engine
 from splitserve.prefill_worker.worker import PrefillWorker
-from splitserve.router.dispatch import Dispatcher
-from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
-from splitserve.router.policy import PolicySpec
-from splitserve.router.registry import WorkerRegistry
-from splitserve.router.roles import Role
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec
 from splitserve.wire.errors import SequenceFailed
 from splitserve.wire.prefill import PrefillWorkerSpec
 from splitserve.wire.sampling import FinishReason, SamplingParams
+from tests.integration.in_process import blocks_held, handing_over, run
 from tests.waiting import wait_until
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
@@ -92,7 +88,7 @@ def test_a_decode_worker_makes_text_off_the_engine_thread_and_stops_within_a_ste
         # text was made, never on the engine's thread
         assert threads and "decode-0-engine" not in threads
         # the engine sampled at most one step more for it than the client kept, then let it go
-        wait_until(lambda: worker.loop.call(lambda e: e.block_manager.num_used_blocks).result(30) == 0, 60)
+        wait_until(lambda: blocks_held(worker) == 0, 60)
         assert kept <= sum(sampled) <= kept + 1
     finally:
         worker.shutdown()
@@ -122,22 +118,10 @@ def test_stop_strings_through_a_handoff_at_the_first_token_and_after_it(smollm2)
     decode = DecodeWorker(DecodeWorkerSpec("decode-0", CONFIG, "nixl", 30.0, 8, torch_threads=1))
 
     async def serve():
-        registry = WorkerRegistry()
-        registry.add("prefill-0", Role.PREFILL, prefill, CONFIG.block_size)
-        registry.add("decode-0", Role.DECODE, InProcessDecodeClient(decode), CONFIG.block_size)
-        for wid in ("prefill-0", "decode-0"):
-            await registry.activate(wid)
-        policy = PolicySpec(conditional_disaggregation=False)  # every request is prefilled there
-        d = Dispatcher(registry, decode.engine.validator, "smollm2", policy=policy)
+        d = await handing_over(prefill, decode, "smollm2")
         got = {}
         for rid, (params, _) in cases.items():
-            tokens, text, reason = [], "", None
-            async for event in d.generate(GenerateInput(params, prompt=prompt, request_id=rid)):
-                if isinstance(event, TokenEvent):
-                    tokens, text = tokens + event.token_ids, text + event.text
-                elif isinstance(event, FinalEvent):
-                    reason = event.finish_reason
-            got[rid] = (tokens, text, reason, d.traces.latest(1)[0])
+            got[rid] = (*await run(d, rid, prompt, params), d.traces.latest(1)[0])
         return got
 
     try:
@@ -148,8 +132,7 @@ def test_stop_strings_through_a_handoff_at_the_first_token_and_after_it(smollm2)
             assert trace.prefill_worker == "prefill-0"
         assert got["at-first"][3].decode_worker == "" and got["later"][3].decode_worker == "decode-0"
         for worker in (prefill, decode):
-            used = lambda w=worker: w.loop.call(lambda e: e.block_manager.num_used_blocks).result(30)  # noqa: E731
-            wait_until(lambda u=used: u() == 0, 60)
+            wait_until(lambda w=worker: blocks_held(w) == 0, 60)
     finally:
         decode.shutdown()
         prefill.shutdown()
@@ -201,6 +184,6 @@ def test_text_that_cannot_be_made_fails_its_request_alone(smollm2):
         assert isinstance(error, SequenceFailed) and error.kind == "detokenization"
         assert "the tokenizer broke" in str(error) and tokens == want[1].token_ids[: len(tokens)]
         assert dict(stats.engine.sequence_errors) == {"detokenization": 1}
-        wait_until(lambda: worker.loop.call(lambda e: e.block_manager.num_used_blocks).result(30) == 0, 60)
+        wait_until(lambda: blocks_held(worker) == 0, 60)
     finally:
         worker.shutdown()

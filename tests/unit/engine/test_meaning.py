@@ -1,6 +1,6 @@
 """A handoff checked by meaning (``engine.meaning``): a decode engine imports a prefill
 engine's KV for a prompt, with one placement fault at a time (the right bytes in the
-wrong place, which the transfer's checksums cannot see), and ``activate(verify=True)``
+wrong place, which the transfer's checksums cannot see), and ``verify_import``
 catches each one; the KV as it was passes, and the request then generates the tokens
 the monolithic engine generates. Tiny random Llama (float32, and an FP8 cache) and
 DeepSeek-V3 (MLA's latent rows)."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from splitserve.bench.handoff_faults import faults, prefill
 from splitserve.bench.tiny_models import make_hf_checkpoint
 from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
@@ -32,17 +33,6 @@ def engines(request, tmp_path_factory):
     return request.param, Engine(config), Engine(config)
 
 
-def _prefill(source: Engine, rid: str, prompt: list[int], params: SamplingParams):
-    """The prompt prefilled on ``source``: its KV blocks' contents and its first token."""
-    source.add_request(prompt, params, rid, prefill_only=True)
-    while source.has_unfinished():
-        source.step()
-    pre = source.prefilled(rid)
-    data = source.kv_cache.read_blocks(pre.block_ids)
-    source.release(rid)
-    return data, pre.output_token_ids
-
-
 def _import(sink: Engine, rid: str, prompt, first, params, data, ids_order=None):
     ids = sink.import_request(rid, prompt, first, params)
     sink.kv_cache.write_blocks([ids[i] for i in ids_order] if ids_order else ids, data)
@@ -61,7 +51,7 @@ def test_the_kv_as_it_was_passes_and_the_request_runs_on(engines, params):
     name, source, sink = engines
     prompt = random_prompts([29], 512, seed=3)[0]
     want = source.generate([prompt], params)[0].token_ids
-    data, first = _prefill(source, "ok", prompt, params)
+    data, first = prefill(source, "ok", prompt, params)
     ids = _import(sink, "ok", prompt, first, params, data)
     check = sink.verify_import("ok")
     assert check.ok and not check.skipped and check.position == len(prompt) - 1
@@ -72,49 +62,24 @@ def test_the_kv_as_it_was_passes_and_the_request_runs_on(engines, params):
     assert sink.block_manager.num_used_blocks == 0
 
 
-def _faults(name: str, source: Engine):
-    """Each placement fault, as (name, a function of the KV data giving the faulted data
-    or a block order to write it in, or a change to the sink's cache)."""
-    other = random_prompts([29], 512, seed=11)[0]
-    faults = {
-        # the first and the last block's places swapped (a permutation of whole blocks
-        # the position's attention reads is no fault to it: each key carries its position)
-        "block table permuted": lambda d: ("order", [3, 1, 2, 0]),
-        "two layers swapped": lambda d: ("data", d[[1, 0]]),
-        "a prefix block credited to other tokens": lambda d: ("data", _with_block0_of(d, source, other)),
-    }
-    if name.startswith("llama"):
-        faults["two KV heads swapped"] = lambda d: ("data", d[..., [1, 0], :])
-        faults["K and V swapped"] = lambda d: ("data", d[:, [1, 0]])
-    if name.endswith("fp8"):
-        faults["FP8 scales of two layers swapped"] = lambda d: ("scales", None)
-    if name == "deepseek_v3":
-        faults["MLA latent and rope parts swapped"] = lambda d: ("data", torch.roll(d, 16, dims=-1))
-    return faults
-
-
-def _with_block0_of(data: torch.Tensor, source: Engine, other: list[int]) -> torch.Tensor:
-    """``data`` with its first block from another prompt's KV (same positions)."""
-    other_data, _ = _prefill(source, "other", other, GREEDY)
-    out = data.clone()
-    out[:, :, 0] = other_data[:, :, 0]
-    return out
-
-
 def test_every_placement_fault_is_caught(engines):
+    """Each fault of ``bench.handoff_faults``' list (what ``faults`` gives for the model)."""
     name, source, sink = engines
+    kind, fp8 = name.split("-")[0], name.endswith("fp8")
     prompt = random_prompts([29], 512, seed=3)[0]  # 4 blocks of 8
-    data, first = _prefill(source, "p", prompt, GREEDY)
+    data, first = prefill(source, "p", prompt, GREEDY)
+    other = prefill(source, "other", random_prompts([29], 512, seed=11)[0], GREEDY)[0][:, :, 0]
+    rows = faults(kind, fp8, other)
     caught = {}
-    for fault, make in _faults(name, source).items():
-        kind, value = make(data)
+    for fault, (how, change) in rows.items():
         rid = f"fault-{len(caught)}"
-        order = value if kind == "order" else None
-        faulted = value if kind == "data" else data
-        _import(sink, rid, prompt, first, GREEDY, faulted, order)
+        # "order": the first and the last block's places swapped (a permutation of whole
+        # blocks the position's attention reads is no fault to it: keys carry their positions)
+        order = [3, 1, 2, 0] if how == "order" else None
+        _import(sink, rid, prompt, first, GREEDY, change(data) if how == "data" else data, order)
         scales = sink.kv_cache.scales
         saved = None if scales is None else scales.clone()
-        if kind == "scales":
+        if how == "scales":
             scales[[0, 1]] = saved[[1, 0]]
         try:
             with pytest.raises(MeaningMismatch) as info:
@@ -125,7 +90,7 @@ def test_every_placement_fault_is_caught(engines):
                 scales.copy_(saved)
             sink.abort(rid)
     assert all(not c.ok for c in caught.values()), caught
-    assert len(caught) == len(_faults(name, source)), caught
+    assert len(caught) == len(rows) >= 4, caught
     assert sink.block_manager.num_used_blocks == 0
     # the error names the layer, the position and by how much
     kv = [c for c in caught.values() if c.check == "kv"]
@@ -139,7 +104,7 @@ def test_without_the_check_the_faulted_kv_goes_unseen(engines):
     name, source, sink = engines
     prompt = random_prompts([29], 512, seed=3)[0]
     want = source.generate([prompt], GREEDY)[0].token_ids
-    data, first = _prefill(source, "p", prompt, GREEDY)
+    data, first = prefill(source, "p", prompt, GREEDY)
     _import(sink, "unchecked", prompt, first, GREEDY, data, [3, 1, 2, 0])
     sink.activate("unchecked")
     assert first + _finish(sink, "unchecked") != want
@@ -152,7 +117,7 @@ def test_a_sliding_window_past_the_prompts_start_is_not_checked(tmp_path):
     config = EngineConfig(model=str(tmp_path), dtype="float32", block_size=BLOCK, num_kv_blocks=96)
     source, sink = Engine(config), Engine(config)
     prompt = random_prompts([45], 512, seed=3)[0]
-    data, first = _prefill(source, "w", prompt, GREEDY)
+    data, first = prefill(source, "w", prompt, GREEDY)
     _import(sink, "w", prompt, first, GREEDY, data)
     check = sink.verify_import("w")
     assert check.ok and "sliding" in check.skipped
