@@ -458,6 +458,9 @@ def _print_trace(t) -> None:
     for s in t.spans:
         start = time.strftime("%H:%M:%S", time.localtime(s.start)) + f".{int(s.start * 1000) % 1000:03d}"
         print(f"  {start}  {s.name:<12} {s.duration_ms:>9.1f} ms  {s.worker or 'router'}")
+    for m in t.marks:  # what went wrong on the way, in its own words
+        if m.detail:
+            print(f"  {m.name}: {m.detail}")
 
 
 # ---- bench -------------------------------------------------------------------------------

@@ -5,15 +5,25 @@ migration reaches nothing of the worker's beyond them."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from splitserve.decode_worker.admission import AdmissionQueue
 from splitserve.kv_transfer.puller import KVPuller
 from splitserve.wire.decode import DecodePeer, DecodeTask, DecodeWorkerSpec
-from splitserve.wire.engine_commands import Activate, EngineCommand, HoldPrefix, ImportRequest, VerifyImport
+from splitserve.wire.engine_commands import (
+    Activate,
+    EngineCommand,
+    HoldPrefix,
+    ImportRequest,
+    InjectFault,
+    VerifyImport,
+)
 from splitserve.wire.errors import Overloaded
+from splitserve.wire.faults import ArmedFaults
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.prefill import PrefillPeer
 
@@ -39,6 +49,7 @@ class WorkerSide:
         self._puller = puller
         self._free = free
         self._background = background
+        self.faults = ArmedFaults()  # a harness's, injected once each (``wire.faults``)
 
     async def hold_prefix(self, task: DecodeTask) -> int:
         rid, prompt, params = task.request_id, task.prompt_token_ids, task.params
@@ -62,12 +73,18 @@ class WorkerSide:
     async def pull(
         self, handoff: KVHandoff, blocks: list[int], timeout: float
     ) -> tuple[list[Confirmation], float]:
+        desc = handoff.descriptors[0]
+        if self.faults.take(desc.request_id, "pull") is not None:  # starts once its lease ended
+            await asyncio.sleep(max(d.lease_expiry for d in handoff.descriptors) - time.time() + 0.1)
         return await self._puller.pull(handoff, blocks, timeout)
 
     async def verify(self, request_id: str, output_token_ids: list[int]) -> None:
         """Check the request's KV by meaning, for the spec's share of requests
         (``verify_meaning``); a mismatch raises ``MeaningMismatch`` (a transfer error: the
-        request is recomputed)."""
+        request is recomputed). A fault a harness armed for it is injected first."""
+        fault = self.faults.take(request_id, "sink")
+        if fault is not None:
+            await self._submit(InjectFault(request_id, fault))
         if random.random() < self.spec.verify_meaning:
             await self._submit(VerifyImport(request_id, output_token_ids))
 

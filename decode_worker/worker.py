@@ -97,6 +97,7 @@ from splitserve.wire.engine_commands import (
     Withdraw,
 )
 from splitserve.wire.errors import InvalidRequest, UnknownRequest, WorkerLost
+from splitserve.wire.faults import ArmedFault
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.outputs import RequestOutput
 from splitserve.wire.prefill import PrefixLoan
@@ -307,6 +308,12 @@ class DecodeWorker:
                 return True
             self.requests.end(request_id, abort=False)
         return await asyncio.wrap_future(self._abort_in_engine(request_id))
+
+    async def arm_fault(self, armed: ArmedFault) -> None:
+        """Inject a harness's fault into the handoff of a request yet to come (``wire.faults``:
+        a pull after its lease, or a placement fault in its KV before its check)."""
+        self._require_sink()
+        self._side.faults.arm(armed)
 
     async def stats(self, prefix_since: PrefixCursor | None = None) -> DecodeStats:
         """Load figures, and the prefix cache's changes since ``prefix_since``."""

@@ -80,6 +80,8 @@ def run(engine: Engine, command: c.EngineCommand, lenders: Mapping[str, Lender])
             return engine.activate(command.request_id, command.output_token_ids)
         case c.VerifyImport():
             return engine.verify_import(command.request_id, command.output_token_ids)
+        case c.InjectFault():
+            return engine.inject_fault(command.request_id, command.fault)
         case c.ReserveMoving():
             return engine.reserve_moving(
                 command.request_id, command.prompt_token_ids, command.output_token_ids, command.params

@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from splitserve.engine import faults
 from splitserve.engine.meaning import check_import
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.wire.errors import InvalidRequest, MeaningMismatch, Overloaded, UnknownRequest
+from splitserve.wire.faults import HandoffFault
 from splitserve.wire.kv import MeaningCheck
 from splitserve.wire.outputs import PrefilledRequest
 from splitserve.wire.sampling import FinishReason, SamplingParams
@@ -419,6 +421,21 @@ class KVRequests:
             error.check = check
             raise error
         return check
+
+    def inject_fault(self, request_id: str, fault: HandoffFault) -> None:
+        """A harness's fault (``wire.faults``) applied to the KV this engine holds for
+        ``request_id`` (``engine.faults``): a PREFILLED request's exported blocks, or an
+        IMPORTING request's blocks, all of them. ``ValueError`` where it cannot apply."""
+        state = self.requests.get(request_id)
+        status = None if state is None else state.seq.status
+        if status is SequenceStatus.PREFILLED:
+            blocks = self.prefilled(request_id).block_ids
+        elif status is SequenceStatus.IMPORTING:
+            blocks = list(state.seq.block_table)
+        else:
+            raise UnknownRequest(f"no exported or importing request with id {request_id!r}")
+        mla = self.model_config.mla
+        faults.inject(fault, self.kv_cache, blocks, None if mla is None else mla.qk_rope_head_dim)
 
     def activate(self, request_id: str, output_token_ids: list[int] | None = None) -> None:
         """The KV of an IMPORTING request is in place: start decoding it. The first

@@ -8,13 +8,12 @@ chunks long ones)::
         --first token sampled--> PREFILLED --export--> EXPORTED (a lease; ExportLedger)
         --decode worker confirms | lease expires | abort()--> blocks released
 
-A decode worker confirms through the backend's own channel (nixl, torch_dist,
-ucx), or by calling ``confirm`` itself right after its pull (ray); either way the
-blocks are freed at the pull: the source reports the lease's end (a thread polls
-it, ``kv_transfer.polling``), the ledger says every rank's lease ended
-(``kv_transfer.exports``), and the engine thread releases the blocks on its
-next tick. A cancelled or timed-out ``prefill`` aborts its request, so no path
-leaves blocks behind.
+A decode worker confirms through the backend's own channel (nixl, torch_dist, ucx),
+or calls ``confirm`` right after its pull (ray); either way the blocks are freed at
+the pull: the source reports the lease's end (``kv_transfer.polling``), the ledger
+says every rank's lease ended (``kv_transfer.exports``), and the engine thread
+releases the blocks on its next tick. A cancelled or timed-out ``prefill`` aborts
+its request, so no path leaves blocks behind.
 
 Each layer is hashed as the forward pass writes it (``LayerExporter``), so the
 export only publishes. With ``spec.stream_kv`` (a backend that streams, TP=1) the
@@ -25,8 +24,7 @@ handoff at once, so the decode worker pulls layer k while layer k+1 computes::
                          -> KVStreaming(handoff)   the last step's forward pass begins
                          -> PrefillResult           first token sampled (same handoff)
 
-(``PrefillAccepted`` tells the decode worker the request reached this worker: a loss
-of it before then is no loss the request was present at.)
+(``PrefillAccepted``: the request reached this worker; a loss before it is not its.)
 
 Prefixes between prefill workers (TP=1): a task whose ``prefix_from`` names
 another prefill worker first copies the prompt's leading blocks from it
@@ -62,6 +60,7 @@ from splitserve.prefill_worker.tp import OtherRanks, join_prefill_group
 from splitserve.prefill_worker.waiter import Waiter, first_text
 from splitserve.wire.engine_commands import Abort, AddRequest, LendPrefix, Snapshot
 from splitserve.wire.errors import EngineStopped, InvalidRequest, KVTransferError, UnknownRequest
+from splitserve.wire.faults import ArmedFault, ArmedFaults
 from splitserve.wire.kv import Confirmation, KVDescriptor, KVHandoff, Leases
 from splitserve.wire.outputs import PrefilledRequest, RequestOutput
 from splitserve.wire.prefill import (
@@ -109,8 +108,8 @@ class PrefillWorker:
         self.shards = OtherRanks(self.tp, self.ledger)  # the other TP ranks' exports
         self._heartbeats = Heartbeats(self.tp, spec.tp)
         self._source_lock = threading.Lock()
-        # hashes each layer as prefill writes it, so exporting hashes nothing (TP=1: the
-        # other ranks of a TP group hash their shards at export)
+        self._faults = ArmedFaults()  # a harness's, injected once each after an export
+        # hashes each layer as prefill writes it (a TP group's other ranks: theirs at export)
         self.streams_kv = spec.stream_kv and self.source.streams and self.tp.size == 1
         self.exporter = LayerExporter(
             self.source,
@@ -160,12 +159,10 @@ class PrefillWorker:
 
     async def prefill_stream(self, task: PrefillTask) -> AsyncIterator[PrefillEvent]:
         """As ``prefill``: ``PrefillAccepted`` once the engine has the request, the
-        ``PrefillResult`` last; before it, where this worker
-        streams KV (``info().streams_kv``), a ``KVStreaming`` as the prompt's last prefill
-        step begins, unless that step has already finished when this coroutine wakes (the
-        result is there: only it is yielded, and the KV goes whole). Its lease runs from
-        then; a caller that leaves before the result releases it (the pull then fails
-        with ``LeaseExpired``)."""
+        ``PrefillResult`` last; before it, where this worker streams KV
+        (``info().streams_kv``), a ``KVStreaming`` as the prompt's last prefill step begins,
+        unless that step has ended when this coroutine wakes (then the KV goes whole). Its
+        lease runs from then; a caller that leaves before the result releases it."""
         async with self._prefilling(task, stream=self.streams_kv) as waiter:
             yield PrefillAccepted(task.request_id)
             if waiter.streamed is not None:
@@ -264,9 +261,13 @@ class PrefillWorker:
         if shards:
             self.loop.call(lambda e: self.shards.confirm(shards))
 
+    async def arm_fault(self, armed: ArmedFault) -> None:
+        """Inject a harness's fault into the export of a request yet to come
+        (``wire.faults``: its bytes changed after they were hashed, before the pull)."""
+        self._faults.arm(armed)
+
     async def stats(self, prefix_since: PrefixCursor | None = None) -> PrefillStats:
         """Load and lease figures, and the prefix cache's changes since ``prefix_since``."""
-
         engine, prefix, leases = await asyncio.wrap_future(self.loop.submit(Snapshot(prefix_since, PREFILL)))
         return PrefillStats(
             self.worker_id,
@@ -301,9 +302,8 @@ class PrefillWorker:
             waiter.resolve(error=EngineStopped(f"prefill worker {self.worker_id} stopped: {error}"))
 
     def lend(self, engine: Engine, request_id: str, kv: PrefilledRequest) -> KVHandoff:
-        """Export PREFILLED ``request_id``'s KV as ``kv`` names it under a lease (a loan of
-        cached blocks: ``LendPrefix``, run by ``engine.commands`` through this worker, its
-        lender named ``"prefill"``); its blocks are released if that fails."""
+        """Export PREFILLED ``request_id``'s KV as ``kv`` names it under a lease (``LendPrefix``
+        through this lender, ``"prefill"``); its blocks are released if that fails."""
         release = lambda: engine.release(request_id)  # noqa: E731
         desc = lend(self.source, self._source_lock, self.ledger, request_id, kv, release)
         return KVHandoff(self.worker_id, (desc,))
@@ -312,9 +312,8 @@ class PrefillWorker:
         return self.ledger.leases()
 
     def release(self, engine: Engine, request_id: str) -> bool:
-        """Release ``request_id``'s export if its lease is open (whether it was): the
-        source reports the lease's end, and a later tick frees its blocks (the other
-        ranks' shards are told to release theirs then)."""
+        """Release ``request_id``'s export if its lease is open (whether it was): a later
+        tick frees its blocks (and tells the other ranks to release their shards)."""
         transfer_id = self.ledger.transfer(request_id)
         if transfer_id is None:
             return False
@@ -376,6 +375,8 @@ class PrefillWorker:
         rid, pre = out.request_id, self.engine.prefilled(out.request_id)
         descriptor = self.exporter.export(rid, pre.block_ids, pre.num_kv_tokens, readers[0], pre.window_from)
         self.ledger.opened(rid, descriptor.transfer_id)
+        if (fault := self._faults.take(rid, "source")) is not None:
+            self.engine.inject_fault(rid, fault)
         try:
             shards = self.shards.export(rid, pre.block_ids, pre.num_kv_tokens, readers, pre.window_from)
         except KVTransferError:

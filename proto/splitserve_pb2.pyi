@@ -565,14 +565,16 @@ class TraceSpan(_message.Message):
     def __init__(self, name: _Optional[str] = ..., start: _Optional[float] = ..., duration_ms: _Optional[float] = ..., worker: _Optional[str] = ...) -> None: ...
 
 class TraceMark(_message.Message):
-    __slots__ = ("name", "at", "worker")
+    __slots__ = ("name", "at", "worker", "detail")
     NAME_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     name: str
     at: float
     worker: str
-    def __init__(self, name: _Optional[str] = ..., at: _Optional[float] = ..., worker: _Optional[str] = ...) -> None: ...
+    detail: str
+    def __init__(self, name: _Optional[str] = ..., at: _Optional[float] = ..., worker: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class GivenUpWorker(_message.Message):
     __slots__ = ("worker_id", "role", "reason", "at")

@@ -414,12 +414,12 @@ class Dispatcher:
                 if action == "fail":
                     raise
                 log.warning(
-                    "KV transfer of %s failed (%s); prefilling it on %s",
+                    "request %s: %s; prefilling it on %s",
                     life.request_id,
-                    e,
+                    life.transfer_failure(e),
                     life.decode_worker.worker_id,
                 )
-                task = life.recompute()
+                task = life.recompute(e)
                 continue
             if isinstance(lost, PrefillLost):  # nothing of it is held: another prefill worker, or dw
                 candidates = [

@@ -235,11 +235,11 @@ class RequestLifecycle:
             moved_from=old.client.peer(),
         )
 
-    def recompute(self) -> DecodeTask:
-        """The KV handover failed: the decode worker prefills the prompt and the tokens
-        already sent itself."""
+    def recompute(self, error: BaseException) -> DecodeTask:
+        """The KV handover failed with ``error``: the decode worker prefills the prompt and
+        the tokens already sent itself. The mark names the pair and the error."""
         self._expect(Phase.PREFILLING, Phase.HANDING_OVER, Phase.MOVING)
-        self._mark("kv_recompute", worker=self._decode.worker_id)
+        self._mark("kv_recompute", worker=self._decode.worker_id, detail=self.transfer_failure(error))
         return self._continue_on(self._decode)
 
     def resume(self, decode: WorkerRecord) -> DecodeTask:
@@ -371,8 +371,15 @@ class RequestLifecycle:
         router's own marks keep their true intervals even when the wall clock is stepped."""
         return self.accepted + (time.monotonic() - self._accepted_mono)
 
-    def _mark(self, name: str, at: float | None = None, worker: str = "") -> None:
-        mark = Mark(name, self._now() if at is None else at, worker)
+    def transfer_failure(self, error: BaseException) -> str:
+        """A failed KV transfer of this request as a sentence naming the worker it came from
+        (the prefill worker, or the decode worker a move left) and the one it went to."""
+        lender = self._moved_from if self.moving else self._source
+        came = f"from {lender.worker_id} " if lender is not None else ""
+        return f"the KV {came}to {self._decode.worker_id} failed: {type(error).__name__}: {error}"
+
+    def _mark(self, name: str, at: float | None = None, worker: str = "", detail: str = "") -> None:
+        mark = Mark(name, self._now() if at is None else at, worker, detail)
         self._marks.append(mark)
         self._first_marked.setdefault(name, mark.at)
 

@@ -419,7 +419,7 @@ def _trace_proto(t: RequestTrace) -> pb.RequestTrace:
             pb.TraceSpan(name=s.name, start=s.start, duration_ms=s.seconds * 1000, worker=s.worker)
             for s in t.spans
         ],
-        marks=[pb.TraceMark(name=m.name, at=m.at, worker=m.worker) for m in t.marks],
+        marks=[pb.TraceMark(name=m.name, at=m.at, worker=m.worker, detail=m.detail) for m in t.marks],
     )
 
 

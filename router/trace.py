@@ -49,6 +49,7 @@ class Mark:
     name: str
     at: float  # time.time()
     worker: str = ""  # the worker it happened on, if any
+    detail: str = ""  # what happened, where a mark says more (a failed transfer: its sentence)
 
 
 @dataclass(frozen=True)

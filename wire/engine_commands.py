@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.wire.decode import RunningLoan
+from splitserve.wire.faults import HandoffFault
 from splitserve.wire.prefill import PrefixLoan
 from splitserve.wire.prefix import PrefixCursor
 from splitserve.wire.sampling import SamplingParams
@@ -80,6 +81,15 @@ class VerifyImport:
 
     request_id: str
     output_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class InjectFault:
+    """``Engine.inject_fault``: a harness's fault (``wire.faults``) in an imported
+    request's KV, before its check."""
+
+    request_id: str
+    fault: HandoffFault
 
 
 @dataclass(frozen=True)
@@ -167,6 +177,7 @@ EngineCommand = (
     | HoldPrefix
     | ImportRequest
     | VerifyImport
+    | InjectFault
     | Activate
     | ReserveMoving
     | FillMoving

@@ -17,6 +17,7 @@ from splitserve.engine import commands
 from splitserve.wire import engine_commands
 from splitserve.wire.decode import RunningLoan
 from splitserve.wire.errors import InvalidRequest
+from splitserve.wire.faults import HandoffFault
 from splitserve.wire.prefill import PrefixLoan
 from splitserve.wire.sampling import SamplingParams
 
@@ -132,6 +133,10 @@ EXAMPLES = {
     engine_commands.ImportRequest: (engine_commands.ImportRequest("r1", [1, 2], [3], P), ["import_request"]),
     engine_commands.Activate: (engine_commands.Activate("r1", [3]), ["activate"]),
     engine_commands.VerifyImport: (engine_commands.VerifyImport("r1", [3]), ["verify_import"]),
+    engine_commands.InjectFault: (
+        engine_commands.InjectFault("r1", HandoffFault.LAYERS_SWAPPED),
+        ["inject_fault"],
+    ),
     engine_commands.ReserveMoving: (engine_commands.ReserveMoving("r1", [1, 2], [3], P), ["reserve_moving"]),
     engine_commands.FillMoving: (engine_commands.FillMoving("r1", 2), ["fill_moving"]),
     engine_commands.ReservePrefix: (engine_commands.ReservePrefix("r1/prefix", [1, 2]), ["reserve_prefix"]),

@@ -11,7 +11,7 @@ import pytest
 from splitserve.router.events import FinalEvent, TokenEvent
 from splitserve.router.lifecycle import Phase, RequestLifecycle
 from splitserve.wire.decode import Prefilled, TokenBatch
-from splitserve.wire.errors import DeadlineExceeded
+from splitserve.wire.errors import DeadlineExceeded, MeaningMismatch
 from splitserve.wire.sampling import FinishReason, SamplingParams
 from tests.unit.router.fakes import FakePrefill, record
 
@@ -67,7 +67,7 @@ def test_the_transitions_give_the_task_to_send_next_and_keep_what_was_sent():
     task = life.retry_prefill(p1)  # p0 lost before any KV came
     assert task.source is p1.client and life.source is p1 and life.phase == Phase.PREFILLING
     life.on_batch(_batch([7], prefilled=Prefilled("p1", 0.5, 0.6, False, 64)))
-    task = life.recompute()  # the pull failed after the first token went out
+    task = life.recompute(MeaningMismatch("layer 3 position 40"))  # the pull failed after the first token
     assert (task.source, task.output_token_ids, life.decode_worker) == (None, [7], d0)
     life.on_batch(_batch([8]))
     task = life.resume(d1)  # d0 lost
@@ -81,8 +81,11 @@ def test_the_transitions_give_the_task_to_send_next_and_keep_what_was_sent():
         life.place(d1, None)  # placed once
     _, final = life.on_batch(_batch([9], FinishReason.LENGTH))
     assert final.completion_tokens == 3 and final.decode_worker == "d1" and final.prefill_worker == "p1"
-    names = [m.name for m in life.trace("length", True).marks]
+    marks = life.trace("length", True).marks
+    names = [m.name for m in marks]
     assert names.count("kv_recompute") == 1 and names.count("resumed") == 1
+    (failed,) = [m for m in marks if m.name == "kv_recompute"]  # it names the pair and the error
+    assert failed.detail == "the KV from p1 to d0 failed: MeaningMismatch: layer 3 position 40"
 
 
 async def _within(life, awaitable):
