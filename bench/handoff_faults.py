@@ -1,14 +1,23 @@
-"""Placement faults in a handoff, and what the meaning check costs (issue 68).
+"""Faults in a handoff, each caught, and what the meaning check costs (issue 68).
 
-Two parts, in this process (two engines: a prefill engine whose KV a decode engine
-imports, as a handoff delivers it; ``tests/integration/test_meaning_check.py`` runs a
-fault through the real two-process path and the router):
+Three parts:
+
+- **cluster**: every fault of ``wire.faults`` through the real path (a prefill and a
+  decode worker as Ray actors, KV over NIXL, the router in front; ``bench.cluster_faults``),
+  one at a time, with the meaning check on, then the placement faults again with it off
+  (the mutation check: what the checksums alone would let through). Each row: the check
+  that caught it, the client's tokens against the monolithic engine's, the blocks held
+  afterwards, the time to detect, the trace's sentence.
+
+and in this process (two engines: a prefill engine whose KV a decode engine imports, as
+a handoff delivers it):
 
 - **faults**: a prompt's KV, imported with one placement fault at a time (the bytes the
-  source sent, so the transfer's checksums pass: a block table with its first and last
-  blocks swapped, two layers swapped, a prefix block holding another prompt's KV, two
-  KV heads swapped, K and V swapped, an FP8 cache's scales of two layers swapped, MLA's
-  latent and rope parts rotated), checked by meaning (``Engine.verify_import``). Each
+  source sent, so the transfer's checksums pass; every fault of ``wire.faults`` at the
+  sink the model's cache can have: a block table with its first and last blocks
+  swapped, two layers swapped, a prefix block holding the KV of other positions, two KV
+  heads swapped, K and V swapped, an FP8 cache's scales of two layers swapped, MLA's
+  latent and rope parts swapped), checked by meaning (``Engine.verify_import``). Each
   row: caught or not, by which check, its error against the tolerance, the time the
   check took. Tiny random Llama (float32 and an FP8 cache) and DeepSeek-V3 (MLA).
 - **cost**: decode tokens/s of ``--requests`` imported requests (``--input-len`` prompt
@@ -18,12 +27,13 @@ fault through the real two-process path and the router):
   takes all its requests by handoff.
 
     python -m splitserve.bench.handoff_faults
-    python -m splitserve.bench.handoff_faults --skip-cost
+    python -m splitserve.bench.handoff_faults --skip-cost --skip-cluster
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import sys
@@ -31,11 +41,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import MeaningMismatch
+from splitserve.wire.faults import HandoffFault
 from splitserve.wire.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -52,30 +61,12 @@ def prefill(source: Engine, rid: str, prompt: list[int], params: SamplingParams)
     return data, pre.output_token_ids
 
 
-def faults(kind: str, fp8: bool, other_block0: torch.Tensor) -> dict:
-    """name -> (how: "data" | "order" | "scales", a function of the KV data)."""
-    rows = {
-        "block table: first and last swapped": ("order", None),
-        "two layers swapped": ("data", lambda d: d[[1, 0]]),
-        "a prefix block of another prompt": ("data", lambda d: _block0(d, other_block0)),
-    }
-    if kind == "llama":
-        rows["two KV heads swapped"] = ("data", lambda d: d[..., [1, 0], :])
-        rows["K and V swapped"] = ("data", lambda d: d[:, [1, 0]])
-    if fp8:
-        rows["FP8 scales of two layers swapped"] = ("scales", None)
-    if kind == "deepseek_v3":
-        rows["MLA latent and rope parts rotated"] = ("data", lambda d: torch.roll(d, 16, dims=-1))
-    return rows
-
-
-def _block0(data: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    out = data.clone()
-    out[:, :, 0] = other
-    return out
+SINK_FAULTS = tuple(f for f in HandoffFault if f.side == "sink")  # right bytes, wrong place
 
 
 def fault_rows(kind: str, fp8: bool) -> list[list[str]]:
+    """A prompt's KV imported as sent, then with each placement fault its cache can have
+    (``Engine.inject_fault``), checked by meaning: a row each."""
     from splitserve.bench.tiny_models import make_hf_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,28 +74,24 @@ def fault_rows(kind: str, fp8: bool) -> list[list[str]]:
         extra = {"kv_cache_dtype": "fp8"} if fp8 else {}
         config = EngineConfig(model=tmp, dtype="float32", block_size=8, num_kv_blocks=96, **extra)
         source, sink = Engine(config), Engine(config)
-        rng = random.Random(3)
-        prompt, other = ([rng.randrange(1, 512) for _ in range(29)] for _ in range(2))
+        prompt = [random.Random(3).randrange(1, 512) for _ in range(29)]
         data, first = prefill(source, "p", prompt, GREEDY)
-        other_block0 = prefill(source, "o", other, GREEDY)[0][:, :, 0]
         out = []
-        cases = {"none (the KV as sent)": ("data", lambda d: d), **faults(kind, fp8, other_block0)}
-        for n, (name, (how, fn)) in enumerate(cases.items()):
+        for n, fault in enumerate((None, *SINK_FAULTS)):
             rid = f"r{n}"
-            ids = sink.import_request(rid, prompt, first, GREEDY)
-            order = [ids[-1], *ids[1:-1], ids[0]] if how == "order" else ids
-            sink.kv_cache.write_blocks(order, fn(data) if how == "data" else data)
-            saved = None if sink.kv_cache.scales is None else sink.kv_cache.scales.clone()
-            if how == "scales":
-                sink.kv_cache.scales[[0, 1]] = saved[[1, 0]]
+            sink.kv_cache.write_blocks(sink.import_request(rid, prompt, first, GREEDY), data)
+            try:
+                if fault is not None:
+                    sink.inject_fault(rid, fault)
+            except ValueError:  # a fault this model's cache cannot have
+                sink.abort(rid)
+                continue
             began = time.perf_counter()
             try:
                 check = sink.verify_import(rid)
             except MeaningMismatch as e:
                 check = e.check
             ms = (time.perf_counter() - began) * 1e3
-            if saved is not None:
-                sink.kv_cache.scales.copy_(saved)
             sink.abort(rid)
             label = f"{kind}{' fp8 KV' if fp8 else ''}"
             verdict = "passed" if check.ok else f"caught ({check.check})"
@@ -113,6 +100,7 @@ def fault_rows(kind: str, fp8: bool) -> list[list[str]]:
                 if check.check == "kv" or check.ok
                 else check.detail
             )
+            name = "none (the KV as sent)" if fault is None else fault.value
             out.append([label, name, verdict, error, f"{ms:.1f}"])
         return out
 
@@ -161,6 +149,7 @@ def cost(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip-cost", action="store_true")
+    ap.add_argument("--skip-cluster", action="store_true")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--requests", type=int, default=32)
@@ -184,9 +173,41 @@ def main(argv: list[str] | None = None) -> int:
     caught = sum(r[2].startswith("caught") for r in faulted)
     clean = all(r[2] == "passed" for r in rows if r[1].startswith("none"))
     print(f"\ncaught {caught}/{len(faulted)} placement faults; the KV as sent passed: {clean}\n", flush=True)
+    ok = caught == len(faulted) and clean
+    if not args.skip_cluster:
+        ok = through_the_cluster() and ok
     if not args.skip_cost:
         cost(args)
-    return 0 if caught == len(faulted) and clean else 1
+    return 0 if ok else 1
+
+
+def through_the_cluster() -> bool:
+    """The cluster part: every fault caught with the check on, the clean requests' tokens
+    equal; with it off, what the placement faults do unseen. Whether all were caught."""
+    from splitserve.bench import cluster_faults as cf
+
+    rows, on = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for setup in cf.SETUPS:
+            got = cf.run_setup(setup, Path(tmp), 1.0, log=lambda m: print(m, file=sys.stderr, flush=True))
+            on += got
+            rows += cf.table(setup, got, 1.0)
+        for setup in cf.SETUPS:  # the mutation check: the placement faults with the check off
+            sink = dataclasses.replace(setup, faults=tuple(f for f in setup.faults if f.side == "sink"))
+            rows += cf.table(sink, cf.run_setup(sink, Path(tmp), 0.0)[1:], 0.0)
+    print("| " + " | ".join(cf.HEADER) + " |")
+    print("|" + "---|" * len(cf.HEADER))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    faulted = [r for r in on if r.fault is not None]
+    caught = sum(r.caught and r.tokens_equal and r.held_after == 0 for r in faulted)
+    clean = all(r.caught_by == "" and r.tokens_equal for r in on if r.fault is None)
+    print(
+        f"\nthrough the cluster: {caught}/{len(faulted)} faults caught, recomputed to the engine's "
+        f"tokens, nothing held after; the correct handoffs passed untouched: {clean}\n",
+        flush=True,
+    )
+    return caught == len(faulted) and clean
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ from splitserve.wire.faults import HandoffFault
 
 def inject(fault: HandoffFault, kv_cache: KVCache, block_ids: list[int], rope_dim: int | None) -> None:
     """Apply ``fault`` to ``block_ids`` (a request's blocks, in its block table's order) in
-    ``kv_cache``. Raises ``ValueError`` where the fault cannot apply (one block, one KV
-    head, not an FP8 cache, not MLA)."""
+    ``kv_cache``. Raises ``ValueError`` where this cache cannot have the fault (one block,
+    one KV head, one plane, not an FP8 cache, not MLA), changing nothing."""
     if fault is HandoffFault.SOURCE_BYTES_CHANGED:  # one byte of the first block's first layer
         raw = kv_cache.tensor.view(torch.uint8)
         raw[0, 0, block_ids[0], 0, 0, 0] ^= 0x5A
@@ -46,6 +46,9 @@ def _misplaced(fault: HandoffFault, data: torch.Tensor, rope_dim: int | None) ->
     if fault is HandoffFault.KV_HEADS_SWAPPED:
         _need(data.shape[-2] > 1, "two KV heads")
         return data[..., [1, 0, *range(2, data.shape[-2])], :]
+    if fault is HandoffFault.K_AND_V_SWAPPED:
+        _need(data.shape[1] == 2, "K and V planes")
+        return data[:, [1, 0]]
     if fault is HandoffFault.MLA_PARTS_SWAPPED:
         _need(rope_dim is not None, "an MLA cache")
         return torch.roll(data, rope_dim, dims=-1)  # the rope part first, the latent after it

@@ -30,6 +30,7 @@ class HandoffFault(enum.Enum):
     BLOCK_TABLE_PERMUTED = "the decode block table permuted (first and last swapped)"
     LAYERS_SWAPPED = "two layers swapped"
     KV_HEADS_SWAPPED = "two KV heads swapped"
+    K_AND_V_SWAPPED = "K and V swapped"
     FP8_SCALES_SWAPPED = "FP8 scales of two layers swapped"
     PREFIX_BLOCK_OTHER_TOKENS = "a prefix block credited to other tokens"
     MLA_PARTS_SWAPPED = "the MLA latent and rope parts swapped"

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.bench.handoff_faults import faults, prefill
+from splitserve.bench.handoff_faults import SINK_FAULTS, prefill
 from splitserve.bench.tiny_models import make_hf_checkpoint
 from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import MeaningMismatch
+from splitserve.wire.faults import HandoffFault as F
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
 
@@ -62,35 +63,41 @@ def test_the_kv_as_it_was_passes_and_the_request_runs_on(engines, params):
     assert sink.block_manager.num_used_blocks == 0
 
 
+# the faults each model's cache can have (``Engine.inject_fault`` refuses the others)
+SHARED = {F.BLOCK_TABLE_PERMUTED, F.LAYERS_SWAPPED, F.PREFIX_BLOCK_OTHER_TOKENS}
+LLAMA = SHARED | {F.KV_HEADS_SWAPPED, F.K_AND_V_SWAPPED}
+APPLICABLE = {
+    "llama": LLAMA,
+    "llama-fp8": LLAMA | {F.FP8_SCALES_SWAPPED},
+    "deepseek_v3": SHARED | {F.MLA_PARTS_SWAPPED},  # one plane, one latent "head"
+}
+
+
 def test_every_placement_fault_is_caught(engines):
-    """Each fault of ``bench.handoff_faults``' list (what ``faults`` gives for the model)."""
+    """Each placement fault of ``wire.faults`` (at the sink: the bytes are the source's)
+    the model's cache can have, injected as a harness does (``Engine.inject_fault``)."""
     name, source, sink = engines
-    kind, fp8 = name.split("-")[0], name.endswith("fp8")
     prompt = random_prompts([29], 512, seed=3)[0]  # 4 blocks of 8
     data, first = prefill(source, "p", prompt, GREEDY)
-    other = prefill(source, "other", random_prompts([29], 512, seed=11)[0], GREEDY)[0][:, :, 0]
-    rows = faults(kind, fp8, other)
-    caught = {}
-    for fault, (how, change) in rows.items():
-        rid = f"fault-{len(caught)}"
-        # "order": the first and the last block's places swapped (a permutation of whole
-        # blocks the position's attention reads is no fault to it: keys carry their positions)
-        order = [3, 1, 2, 0] if how == "order" else None
-        _import(sink, rid, prompt, first, GREEDY, change(data) if how == "data" else data, order)
-        scales = sink.kv_cache.scales
-        saved = None if scales is None else scales.clone()
-        if how == "scales":
-            scales[[0, 1]] = saved[[1, 0]]
+    caught, refused = {}, set()
+    for fault in SINK_FAULTS:
+        rid = f"fault-{fault.name}"
+        ids = _import(sink, rid, prompt, first, GREEDY, data)
+        try:
+            sink.inject_fault(rid, fault)
+        except ValueError:  # refused: the KV is left as it was
+            assert torch.equal(sink.kv_cache.read_blocks(ids).view(torch.uint8), data.view(torch.uint8))
+            refused.add(fault)
+            sink.abort(rid)
+            continue
         try:
             with pytest.raises(MeaningMismatch) as info:
                 sink.verify_import(rid)
             caught[fault] = info.value.check
         finally:
-            if saved is not None:
-                scales.copy_(saved)
             sink.abort(rid)
+    assert set(caught) == APPLICABLE[name] and refused == set(SINK_FAULTS) - APPLICABLE[name], caught
     assert all(not c.ok for c in caught.values()), caught
-    assert len(caught) == len(rows) >= 4, caught
     assert sink.block_manager.num_used_blocks == 0
     # the error names the layer, the position and by how much
     kv = [c for c in caught.values() if c.check == "kv"]
