@@ -29,7 +29,9 @@ VOCAB = 512
 
 def tiny_config(checkpoint: str, mode: str = "disaggregated", **overrides) -> ClusterConfig:
     """A cluster of the tiny model. Every prompt goes to a prefill worker (the decider
-    is off), so each request exercises the KV handover; tests of the decider turn it on."""
+    is off), so each request exercises the KV handover; tests of the decider turn it on.
+    Every handoff and move is checked by meaning (``transfer.verify_meaning: always``,
+    unless ``transfer`` says otherwise): the cluster tests' tokens hold with it on."""
     pool = {"num_cpus": 1, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
     data = {
         "policy": {"conditional_disaggregation": False},
@@ -41,6 +43,7 @@ def tiny_config(checkpoint: str, mode: str = "disaggregated", **overrides) -> Cl
         "router": {"port": 0, "http_port": 0, "shutdown_grace_s": 1},
         "limits": {"max_inflight_requests": 64},
     }
+    overrides["transfer"] = {"verify_meaning": "always", **overrides.get("transfer", {})}
     data.update(overrides)
     return ClusterConfig.model_validate(data)
 

@@ -53,6 +53,12 @@ def test_tp2_prefill_group_serves_tp1_decode_exactly(cluster, reference, client)
     assert len({f.prefill_worker for f in finals}) == 1  # the one TP group
     assert_kv_moved(finals, client)  # KV pulled from both ranks
     assert idle(wait_kv_free(client))  # every shard's lease ended; blocks released
+    # each handoff (a request that went past its first token), its heads merged from both
+    # ranks, was checked by meaning and passed
+    decode = cluster.cluster.pools["decode"]
+    (worker,) = decode.workers
+    stats = ray.get(decode.actors(worker.worker_id)[0].stats.remote(), timeout=60)
+    assert dict(stats.engine.meaning_checks) == {"ok": sum(len(t) > 1 for t in expected)}
 
 
 def test_cancel_releases_both_ranks(client):
