@@ -38,6 +38,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+import ray
+
 from splitserve.bench import harness
 from splitserve.client import AsyncClient, Chunk
 from splitserve.cluster.config import ClusterConfig
@@ -85,9 +87,15 @@ def served(
     ``fresh`` as a Poisson stream at half the request rate that batch achieved."""
     with harness.served(config, cpus) as cluster:
         asyncio.run(_generate(cluster.address, prompts[:2], 8))  # warm-up
+        pool = cluster.cluster.pools["colocated"]
+        (worker,) = pool.workers
+        actor = pool.actors(worker.worker_id)[0]
+        before = ray.get(actor.engine_thread.remote())
         t0 = time.perf_counter()
         tokens = asyncio.run(_generate(cluster.address, prompts, output_len))
         elapsed = time.perf_counter() - t0
+        window = ray.get(actor.engine_thread.remote()).minus(before)
+        log(f"the worker's engine thread while serving: {window.describe()}")
         rate = len(prompts) / elapsed / 2
         half = asyncio.run(_poisson(cluster.address, fresh, output_len, rate, seed))
     if tokens != len(prompts) * output_len:

@@ -99,7 +99,7 @@ from splitserve.wire.engine_commands import (
 from splitserve.wire.errors import InvalidRequest, UnknownRequest, WorkerLost
 from splitserve.wire.faults import ArmedFault
 from splitserve.wire.kv import Confirmation, KVHandoff
-from splitserve.wire.outputs import RequestOutput
+from splitserve.wire.outputs import RequestOutput, ThreadTimes
 from splitserve.wire.prefill import PrefixLoan
 from splitserve.wire.prefix import PrefixCursor
 
@@ -314,6 +314,10 @@ class DecodeWorker:
         a pull after its lease, or a placement fault in its KV before its check)."""
         self._require_sink()
         self._side.faults.arm(armed)
+
+    async def engine_thread(self) -> ThreadTimes:
+        """Where its engine loop's thread spent its time (``EngineLoop.thread_times``)."""
+        return self.loop.thread_times()
 
     async def stats(self, prefix_since: PrefixCursor | None = None) -> DecodeStats:
         """Load figures, and the prefix cache's changes since ``prefix_since``."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
@@ -49,7 +50,7 @@ from splitserve.engine.parallel.group import TPGroup
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.engine_commands import EngineCommand
 from splitserve.wire.errors import EngineStopped
-from splitserve.wire.outputs import RequestOutput
+from splitserve.wire.outputs import RequestOutput, ThreadTimes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,6 +89,11 @@ class EngineLoop:
         self._paced = paced
         self._untaken = 0  # hand-overs the consumer has not taken yet (paced)
         self._taking = threading.Condition()
+        # where the thread's time goes (thread_times): set and summed on the loop thread
+        self._native_id: int | None = None
+        self._since = 0.0
+        self._waited_paced_s = self._waited_idle_s = 0.0
+        self._pacing_since: float | None = None  # a paced wait under way began then
 
     def build(self) -> Engine:
         """Start the loop thread and build the engine there; return it once built (or
@@ -147,6 +153,21 @@ class EngineLoop:
             self._untaken -= 1
             self._taking.notify()
 
+    def thread_times(self) -> ThreadTimes:
+        """Where the loop's thread spent its time since it started (``wire.outputs.ThreadTimes``;
+        any thread; its parts read one after another, so a window's may be off by a wait's end)."""
+        on_cpu = runnable = 0.0
+        if self._native_id is not None:
+            try:
+                with open(f"/proc/self/task/{self._native_id}/schedstat") as f:
+                    on_cpu, runnable = (int(v) / 1e9 for v in f.read().split()[:2])
+            except OSError:  # not Linux, or the thread ended
+                pass
+        wall = time.monotonic() - self._since if self._native_id is not None else 0.0
+        since = self._pacing_since  # a wait under way counts up to now
+        paced = self._waited_paced_s + (time.perf_counter() - since if since is not None else 0.0)
+        return ThreadTimes(wall, on_cpu, runnable, paced, self._waited_idle_s)
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
         self._calls.put(None)
@@ -156,6 +177,7 @@ class EngineLoop:
 
     # ---- the loop thread ----------------------------------------------------------
     def _run(self) -> None:
+        self._since, self._native_id = time.monotonic(), threading.get_native_id()
         try:
             if self._build is not None:
                 self.engine = self._build()
@@ -195,19 +217,29 @@ class EngineLoop:
     def _await_consumer(self) -> None:
         """Paced: wait until at most the last hand-over is untaken (ticking meanwhile, as
         idle; the loop's stop ends the wait)."""
-        while self._paced:
+        if not self._paced:
+            return
+        while True:
             with self._taking:
                 if self._untaken <= 1 or self._stopping:
-                    return
+                    break
+                self._pacing_since = self._pacing_since or time.perf_counter()
                 if self._taking.wait(self._idle_s):
                     continue
             self._on_tick()
+        if self._pacing_since is not None:
+            self._waited_paced_s += time.perf_counter() - self._pacing_since
+            self._pacing_since = None
 
     def _run_calls(self, block: bool) -> None:
+        began = time.perf_counter()
         try:
             item = self._calls.get(timeout=self._idle_s) if block else self._calls.get_nowait()
         except queue.Empty:
             return
+        finally:
+            if block:
+                self._waited_idle_s += time.perf_counter() - began
         while item is not None:
             fn, fut = item
             if fut.set_running_or_notify_cancel():

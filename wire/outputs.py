@@ -194,6 +194,47 @@ def rank_loads(expert_tokens: Sequence[int], ranks: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class ThreadTimes:
+    """Where an engine loop's thread spent its time (seconds, since the loop started;
+    ``minus`` gives a window). ``on_cpu_s`` and ``runnable_s`` (ready, waiting for a core)
+    are the kernel's (Linux ``schedstat``; 0 elsewhere); ``paced_s`` (waiting for its
+    consumer to take outputs) and ``idle_s`` (waiting for work) the loop's own; what is
+    left, ``blocked_s``, is time blocked otherwise: on this machine, the GIL, held by the
+    worker's other threads (``bench.serving_efficiency`` prints the split)."""
+
+    wall_s: float
+    on_cpu_s: float
+    runnable_s: float
+    paced_s: float
+    idle_s: float
+
+    @property
+    def blocked_s(self) -> float:
+        return self.wall_s - self.on_cpu_s - self.runnable_s - self.paced_s - self.idle_s
+
+    def minus(self, earlier: ThreadTimes) -> ThreadTimes:
+        return ThreadTimes(
+            self.wall_s - earlier.wall_s,
+            self.on_cpu_s - earlier.on_cpu_s,
+            self.runnable_s - earlier.runnable_s,
+            self.paced_s - earlier.paced_s,
+            self.idle_s - earlier.idle_s,
+        )
+
+    def describe(self) -> str:
+        """Each part as a share of the wall time."""
+        parts = {
+            "on CPU": self.on_cpu_s,
+            "waiting for a core": self.runnable_s,
+            "waiting for the outputs to be taken": self.paced_s,
+            "idle": self.idle_s,
+            "blocked otherwise (the GIL)": self.blocked_s,
+        }
+        wall = max(self.wall_s, 1e-9)
+        return ", ".join(f"{name} {s / wall:.1%}" for name, s in parts.items())
+
+
+@dataclass(frozen=True)
 class FinishingPrefill:
     """A prefill-only request whose prompt completes in the step about to run: after
     that step's layer ``i`` returns, layer ``i`` of its KV is final in ``block_ids``."""

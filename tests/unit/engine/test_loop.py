@@ -143,3 +143,24 @@ def test_a_paced_loop_steps_at_most_once_past_the_outputs_not_taken(engine):
         assert len(handed) == 2 and sum(len(o.new_token_ids) for outs in handed for o in outs) == 2
     finally:
         loop.stop()
+
+
+def test_the_loop_says_where_its_threads_time_went(engine):
+    """``thread_times``: a loop with no work counts its time idle; a paced loop whose
+    consumer takes nothing counts its time waiting for it; the kernel's on-CPU time is
+    read for the loop's own thread; the parts never add up to more than the wall time."""
+    loop = EngineLoop(engine, lambda outs: None, paced=True).start()
+    try:
+        start = loop.thread_times()
+        wait_until(lambda: loop.thread_times().minus(start).idle_s > 0.2, 30)  # nothing to do
+        idle = loop.thread_times().minus(start)
+        assert idle.paced_s == 0 and idle.idle_s <= idle.wall_s
+        loop.call(lambda e: e.add_request([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True)))
+        before = loop.thread_times()
+        wait_until(lambda: loop.thread_times().minus(before).paced_s > 0.2, 30)  # two steps, none taken
+        waiting = loop.thread_times().minus(before)
+        assert waiting.on_cpu_s > 0  # the steps ran on this thread (Linux)
+        parts = waiting.on_cpu_s + waiting.runnable_s + waiting.paced_s + waiting.idle_s
+        assert parts <= waiting.wall_s * 1.05 and "waiting for the outputs to be taken" in waiting.describe()
+    finally:
+        loop.stop()
