@@ -351,7 +351,7 @@ class ModelRunner:
     ) -> StepContext:
         dev = self.device
         if self.loras is not None:
-            self.loras.begin_step(inputs.lora_rows)
+            self.loras.begin_step(inputs.lora_rows, len(inputs.input_ids))
         delta_spans = None
         if inputs.state_slots:  # a hybrid model's linear layers: each span's state, fresh at position 0
             delta_spans = [
