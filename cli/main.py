@@ -254,6 +254,7 @@ def _status(args: argparse.Namespace) -> int:
                 f"{w.restarts:>8} {failed:>12}  {w.revision or '-':<17} {node}"
                 + (f"  {w.error}" if w.error else "")
             )
+    _print_adapters(st)
     _print_capacity(st)
     _print_expert_load(st)
     _print_prefix_reuse(st)
@@ -439,6 +440,15 @@ def _print_prefix_reuse(st) -> None:
                     f"dropped {r.host_dropped_blocks:,}, corrupt {r.host_corrupt_blocks:,}"
                 )
             print(line)
+
+
+def _print_adapters(st) -> None:
+    """Each worker's LoRA adapters (name and a digest of its weights), where it serves any."""
+    for pool in st.pools:
+        for w in pool.workers:
+            if w.lora_adapters:
+                served = ", ".join(f"{n} ({d})" for n, d in sorted(w.lora_adapters.items()))
+                print(f"LoRA adapters on {w.worker_id}: {served}")
 
 
 def _print_trace(t) -> None:

@@ -214,6 +214,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         max_kv_tokens=capacity.num_tokens,
         tokenizer=tokenizer,
         defaults=defaults,
+        adapters=dict(loras.digests) if loras is not None else {},
     )
     summary = _summary(config, mc, dtype, device, tp, ep is not None, runner.backend.name, capacity, tier)
     if slot_pool is not None:

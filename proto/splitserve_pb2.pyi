@@ -344,7 +344,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self, traces: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "alive", "running", "waiting", "queued_prompt_tokens", "kv_blocks_total", "kv_blocks_used", "kv_exports_held", "error", "state", "waiting_for_blocks", "pulling", "router_active", "prefill_tokens_per_s", "prefix_blocks", "node_id", "node_type", "waiting_for_node", "preemptions", "kv_cache_tokens", "max_model_len", "max_concurrency", "kv_bytes_per_token", "expert_tokens", "expert_window_s", "expert_ranks", "prefix_reuse", "restarts", "sequence_errors", "revision", "speculation")
+    __slots__ = ("worker_id", "role", "alive", "running", "waiting", "queued_prompt_tokens", "kv_blocks_total", "kv_blocks_used", "kv_exports_held", "error", "state", "waiting_for_blocks", "pulling", "router_active", "prefill_tokens_per_s", "prefix_blocks", "node_id", "node_type", "waiting_for_node", "preemptions", "kv_cache_tokens", "max_model_len", "max_concurrency", "kv_bytes_per_token", "expert_tokens", "expert_window_s", "expert_ranks", "prefix_reuse", "restarts", "sequence_errors", "revision", "speculation", "lora_adapters")
     class SequenceErrorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +352,13 @@ class WorkerStatus(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LoraAdaptersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +391,7 @@ class WorkerStatus(_message.Message):
     SEQUENCE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     alive: bool
@@ -416,7 +424,8 @@ class WorkerStatus(_message.Message):
     sequence_errors: _containers.ScalarMap[str, int]
     revision: str
     speculation: Speculation
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_exports_held: _Optional[int] = ..., error: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for_blocks: _Optional[int] = ..., pulling: _Optional[int] = ..., router_active: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_blocks: _Optional[int] = ..., node_id: _Optional[str] = ..., node_type: _Optional[str] = ..., waiting_for_node: _Optional[bool] = ..., preemptions: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrency: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., expert_window_s: _Optional[float] = ..., expert_ranks: _Optional[int] = ..., prefix_reuse: _Optional[_Union[PrefixReuse, _Mapping]] = ..., restarts: _Optional[int] = ..., sequence_errors: _Optional[_Mapping[str, int]] = ..., revision: _Optional[str] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+    lora_adapters: _containers.ScalarMap[str, str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_exports_held: _Optional[int] = ..., error: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for_blocks: _Optional[int] = ..., pulling: _Optional[int] = ..., router_active: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_blocks: _Optional[int] = ..., node_id: _Optional[str] = ..., node_type: _Optional[str] = ..., waiting_for_node: _Optional[bool] = ..., preemptions: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrency: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., expert_window_s: _Optional[float] = ..., expert_ranks: _Optional[int] = ..., prefix_reuse: _Optional[_Union[PrefixReuse, _Mapping]] = ..., restarts: _Optional[int] = ..., sequence_errors: _Optional[_Mapping[str, int]] = ..., revision: _Optional[str] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., lora_adapters: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Speculation(_message.Message):
     __slots__ = ("method", "draft_tokens", "accepted_tokens", "drafts")

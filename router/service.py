@@ -444,6 +444,7 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
         out.max_concurrency = v.max_kv_tokens / v.max_model_len
         out.kv_bytes_per_token = w.info.kv_bytes_per_token
         out.revision = w.revision
+        out.lora_adapters.update(v.adapters)
     s = w.stats
     if s is not None:
         e = s.engine

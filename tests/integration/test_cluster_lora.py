@@ -14,9 +14,12 @@ import urllib.error
 import urllib.request
 
 import pytest
+from transformers import AutoConfig
 
+from splitserve.cli.main import main
 from splitserve.client import Client
 from splitserve.client.errors import InvalidArgument
+from splitserve.engine.lora import load_adapter
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
     VOCAB,
@@ -86,6 +89,23 @@ def test_each_request_runs_under_the_adapter_it_names_through_the_handoff(served
         assert [m.id for m in client.list_models()] == ["tiny", "a1", "a2"]
         with pytest.raises(InvalidArgument, match="unknown model 'a3'"):
             client.generate(prompts[0], model="a3", max_tokens=2)
+
+
+def test_status_lists_each_workers_adapters(served, capsys):
+    """Every worker (the prefill worker, the decode group) lists both adapters, each with
+    the digest of the files it loaded; ``splitserve status`` prints them."""
+    cluster, _, _ = served
+    layers = AutoConfig.from_pretrained(cluster.cluster.config.model.name).num_hidden_layers
+    files = cluster.cluster.config.model.lora_modules
+    want = {n: load_adapter(n, path, layers, max_rank=8).digest for n, path in files.items()}
+    with Client(cluster.address, timeout=60) as client:
+        workers = [w for p in client.cluster_status().pools for w in p.workers]
+    assert sorted(w.role for w in workers) == ["decode", "prefill"]
+    assert all(dict(w.lora_adapters) == want for w in workers), [dict(w.lora_adapters) for w in workers]
+    assert main(["status", "--server", cluster.address]) == 0
+    printed = capsys.readouterr().out
+    for w in workers:
+        assert f"LoRA adapters on {w.worker_id}: a1 ({want['a1']}), a2 ({want['a2']})" in printed
 
 
 def test_the_openai_door_lists_the_adapters_and_serves_them(served):
