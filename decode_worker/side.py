@@ -6,6 +6,7 @@ migration reaches nothing of the worker's beyond them."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -27,6 +28,7 @@ from splitserve.wire.faults import ArmedFaults
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.prefill import PrefillPeer
 
+log = logging.getLogger(__name__)
 Submit = Callable[[EngineCommand], Awaitable[Any]]  # runs a command on the engine's thread
 
 
@@ -49,7 +51,7 @@ class WorkerSide:
         self._puller = puller
         self._free = free
         self._background = background
-        self.faults = ArmedFaults()  # a harness's, injected once each (``wire.faults``)
+        self.faults = ArmedFaults(spec.worker_id, ("pull", "sink"))  # a harness's (``wire.faults``)
 
     async def hold_prefix(self, task: DecodeTask) -> int:
         rid, prompt, params = task.request_id, task.prompt_token_ids, task.params
@@ -84,7 +86,10 @@ class WorkerSide:
         request is recomputed). A fault a harness armed for it is injected first."""
         fault = self.faults.take(request_id, "sink")
         if fault is not None:
-            await self._submit(InjectFault(request_id, fault))
+            try:
+                await self._submit(InjectFault(request_id, fault))
+            except ValueError as e:  # logged; the request goes on unharmed (ArmedFaults.inject)
+                log.warning("fault %s not injected into request %s: %s", fault.name, request_id, e)
         if random.random() < self.spec.verify_meaning:
             await self._submit(VerifyImport(request_id, output_token_ids))
 

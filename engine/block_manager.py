@@ -412,6 +412,25 @@ class BlockManager:
                     self.block_group[block] = g + 1
                     self._window_hashes[g][h] = block
 
+    def uncache(self, blocks: list[int]) -> None:
+        """Take ``blocks`` (held by one sequence alone) out of the prefix cache: their
+        contents are about to change (a harness's fault: ``Engine.inject_fault``), and no
+        later prompt may find them. ``ValueError`` if another sequence holds one of them
+        (nothing changed then)."""
+        shared = [b for b in blocks if self.ref_counts[b] > 1]
+        if shared:
+            raise ValueError(f"blocks {shared} are shared with another request")
+        for block in blocks:
+            h, self.block_hashes[block], self.block_tokens[block] = self.block_hashes[block], None, None
+            if h is None:
+                continue
+            group = self.block_group[block] if self.window_groups else 0
+            owner = self._window_hashes[group - 1] if group else self.hash_to_block
+            if owner.get(h) == block:
+                del owner[h]
+                if not group:
+                    self._forget(h)
+
     def hash_of(self, seq: Sequence, block: int) -> int | None:
         """The hash of ``seq``'s ``block``-th block, once registered (``commit_computed``)."""
         hashes = self._seq_hashes.get(seq.seq_no, [])

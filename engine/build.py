@@ -372,8 +372,10 @@ def _attention(
             " read it"
         )
     use_graphs = config.cuda_graphs
-    if use_graphs is None:
-        use_graphs = device.type == "cuda" and backend.name == "triton" and tp_size == 1 and not sparse
+    if use_graphs is None:  # not with LoRA: a graph replays no step's adapters (config refuses True)
+        use_graphs = (
+            device.type == "cuda" and backend.name == "triton" and tp_size == 1 and not sparse
+        ) and not config.enable_lora
     return backend, use_graphs
 
 

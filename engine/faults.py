@@ -14,7 +14,8 @@ from splitserve.wire.faults import HandoffFault
 def inject(fault: HandoffFault, kv_cache: KVCache, block_ids: list[int], rope_dim: int | None) -> None:
     """Apply ``fault`` to ``block_ids`` (a request's blocks, in its block table's order) in
     ``kv_cache``. Raises ``ValueError`` where this cache cannot have the fault (one block,
-    one KV head, one plane, not an FP8 cache, not MLA), changing nothing."""
+    one KV head, one plane, not an FP8 cache, not MLA), changing nothing. The caller makes
+    sure no other request reads these blocks (``Engine.inject_fault``)."""
     if fault is HandoffFault.SOURCE_BYTES_CHANGED:  # one byte of the first block's first layer
         raw = kv_cache.tensor.view(torch.uint8)
         raw[0, 0, block_ids[0], 0, 0, 0] ^= 0x5A
@@ -59,6 +60,8 @@ def _read_with_swapped_scales(kv_cache: KVCache, block_ids: list[int]) -> None:
     """The request's FP8 KV of layers 0 and 1 rescaled so that the engine reads each as
     if it had been quantized with the other layer's scales."""
     _need(kv_cache.scales is not None and kv_cache.scales.shape[0] > 1, "an FP8 cache of two layers")
+    _need(not kv_cache.layout.grouped, "a cache without layer groups")
+    _need(not torch.equal(kv_cache.scales[0], kv_cache.scales[1]), "layers 0 and 1 of different FP8 scales")
     true = kv_cache.scales
     swapped = true.clone()
     swapped[[0, 1]] = true[[1, 0]]

@@ -425,7 +425,9 @@ class KVRequests:
     def inject_fault(self, request_id: str, fault: HandoffFault) -> None:
         """A harness's fault (``wire.faults``) applied to the KV this engine holds for
         ``request_id`` (``engine.faults``): a PREFILLED request's exported blocks, or an
-        IMPORTING request's blocks, all of them. ``ValueError`` where it cannot apply."""
+        IMPORTING request's blocks, all of them. Those blocks leave the prefix cache first, so
+        no later request is served the fault; ``ValueError`` where it cannot apply, or where
+        another request holds one of them too (nothing changed)."""
         state = self.requests.get(request_id)
         status = None if state is None else state.seq.status
         if status is SequenceStatus.PREFILLED:
@@ -435,6 +437,7 @@ class KVRequests:
         else:
             raise UnknownRequest(f"no exported or importing request with id {request_id!r}")
         mla = self.model_config.mla
+        self.block_manager.uncache(blocks)  # the fault stays this request's (ValueError if shared)
         faults.inject(fault, self.kv_cache, blocks, None if mla is None else mla.qk_rope_head_dim)
 
     def activate(self, request_id: str, output_token_ids: list[int] | None = None) -> None:

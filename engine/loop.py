@@ -90,8 +90,8 @@ class EngineLoop:
         self._untaken = 0  # hand-overs the consumer has not taken yet (paced)
         self._taking = threading.Condition()
         # where the thread's time goes (thread_times): set and summed on the loop thread
-        self._native_id: int | None = None
-        self._since = 0.0
+        self._native_id: int | None = None  # set as the loop starts stepping
+        self._since, self._sched_base = 0.0, (0.0, 0.0)
         self._waited_paced_s = self._waited_idle_s = 0.0
         self._pacing_since: float | None = None  # a paced wait under way began then
 
@@ -154,16 +154,13 @@ class EngineLoop:
             self._taking.notify()
 
     def thread_times(self) -> ThreadTimes:
-        """Where the loop's thread spent its time since it started (``wire.outputs.ThreadTimes``;
-        any thread; its parts read one after another, so a window's may be off by a wait's end)."""
-        on_cpu = runnable = 0.0
-        if self._native_id is not None:
-            try:
-                with open(f"/proc/self/task/{self._native_id}/schedstat") as f:
-                    on_cpu, runnable = (int(v) / 1e9 for v in f.read().split()[:2])
-            except OSError:  # not Linux, or the thread ended
-                pass
-        wall = time.monotonic() - self._since if self._native_id is not None else 0.0
+        """Where the loop's thread spent its time since it began stepping
+        (``wire.outputs.ThreadTimes``; any thread; its parts read one after another, so a
+        window's may be off by a wait's end)."""
+        if self._native_id is None:  # not stepping yet
+            return ThreadTimes(0.0, 0.0, 0.0, 0.0, 0.0)
+        on_cpu, runnable = (now - then for now, then in zip(_schedstat(self._native_id), self._sched_base))
+        wall = time.monotonic() - self._since
         since = self._pacing_since  # a wait under way counts up to now
         paced = self._waited_paced_s + (time.perf_counter() - since if since is not None else 0.0)
         return ThreadTimes(wall, on_cpu, runnable, paced, self._waited_idle_s)
@@ -177,7 +174,6 @@ class EngineLoop:
 
     # ---- the loop thread ----------------------------------------------------------
     def _run(self) -> None:
-        self._since, self._native_id = time.monotonic(), threading.get_native_id()
         try:
             if self._build is not None:
                 self.engine = self._build()
@@ -187,6 +183,9 @@ class EngineLoop:
         finally:
             self._built.set()
         self._go.wait()
+        native_id = threading.get_native_id()  # from here on: the steps' times (thread_times)
+        self._since, self._sched_base = time.monotonic(), _schedstat(native_id)
+        self._native_id = native_id  # last: thread_times reads the two above once it is set
         try:
             while not self._stopping:
                 busy = self.engine.has_unfinished()
@@ -264,3 +263,14 @@ class EngineLoop:
                 return
             if item is not None and item[1].set_running_or_notify_cancel():
                 item[1].set_exception(EngineStopped("the engine loop has stopped"))
+
+
+def _schedstat(native_id: int) -> tuple[float, float]:
+    """Thread ``native_id``'s (on-CPU, waiting for a core) seconds since it began (Linux's
+    ``schedstat``; zeros elsewhere)."""
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat") as f:
+            on_cpu, runnable = f.read().split()[:2]
+    except OSError:  # not Linux, or the thread ended
+        return 0.0, 0.0
+    return int(on_cpu) / 1e9, int(runnable) / 1e9

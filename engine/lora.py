@@ -308,10 +308,12 @@ class LoRAAdapters:
         if not rows:
             self.step.one_hot = None
             return
-        one_hot = torch.zeros(num_rows, self.max_loras, dtype=self.dtype, device=self.device)
+        one_hot = torch.zeros(num_rows, self.max_loras, dtype=self.dtype)  # made here, moved once
         for first, count, slot in rows:
+            if slot is None:
+                raise ValueError(f"rows {first}..{first + count - 1} name an adapter in no slot")
             one_hot[first : first + count, slot] = 1
-        self.step.one_hot = one_hot
+        self.step.one_hot = one_hot.to(self.device, non_blocking=True)
 
 
 @dataclass(frozen=True)

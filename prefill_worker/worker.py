@@ -108,7 +108,7 @@ class PrefillWorker:
         self.shards = OtherRanks(self.tp, self.ledger)  # the other TP ranks' exports
         self._heartbeats = Heartbeats(self.tp, spec.tp)
         self._source_lock = threading.Lock()
-        self._faults = ArmedFaults()  # a harness's, injected once each after an export
+        self._faults = ArmedFaults(spec.worker_id, ("source",))  # a harness's, after an export
         # hashes each layer as prefill writes it (a TP group's other ranks: theirs at export)
         self.streams_kv = spec.stream_kv and self.source.streams and self.tp.size == 1
         self.exporter = LayerExporter(
@@ -376,7 +376,7 @@ class PrefillWorker:
         descriptor = self.exporter.export(rid, pre.block_ids, pre.num_kv_tokens, readers[0], pre.window_from)
         self.ledger.opened(rid, descriptor.transfer_id)
         if (fault := self._faults.take(rid, "source")) is not None:
-            self.engine.inject_fault(rid, fault)
+            self._faults.inject(lambda: self.engine.inject_fault(rid, fault), rid, fault)
         try:
             shards = self.shards.export(rid, pre.block_ids, pre.num_kv_tokens, readers, pre.window_from)
         except KVTransferError:

@@ -20,7 +20,13 @@ Nothing here runs unless a harness arms it.
 from __future__ import annotations
 
 import enum
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from splitserve.wire.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
 
 
 class HandoffFault(enum.Enum):
@@ -56,11 +62,30 @@ class ArmedFault:
 class ArmedFaults:
     """A worker's armed faults, each taken once by the request it names."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker_id: str, sides: tuple[str, ...]) -> None:
+        """``sides``: where this worker injects (``HandoffFault.side``)."""
+        self.worker_id, self.sides = worker_id, sides
         self._armed: dict[str, HandoffFault] = {}
 
     def arm(self, armed: ArmedFault) -> None:
+        """``InvalidRequest`` for a fault another kind of worker injects."""
+        if armed.fault.side not in self.sides:
+            raise InvalidRequest(
+                f"{self.worker_id} injects faults at the {' and '.join(self.sides)}; "
+                f"{armed.fault.name} strikes at the {armed.fault.side}"
+            )
         self._armed[armed.request_id] = armed.fault
+
+    def inject(self, apply: Callable[[], object], request_id: str, fault: HandoffFault) -> None:
+        """Run ``apply`` (the injection); a fault that cannot apply (``ValueError``: this
+        cache cannot have it, or its blocks are shared) is logged and the request goes on
+        unharmed: the harness sees it not caught."""
+        try:
+            apply()
+        except ValueError as e:
+            log.warning(
+                "%s: fault %s not injected into request %s: %s", self.worker_id, fault.name, request_id, e
+            )
 
     def take(self, request_id: str, side: str) -> HandoffFault | None:
         """The fault armed for ``request_id`` on ``side``, disarmed; None if there is none."""

@@ -199,8 +199,9 @@ class ThreadTimes:
     ``minus`` gives a window). ``on_cpu_s`` and ``runnable_s`` (ready, waiting for a core)
     are the kernel's (Linux ``schedstat``; 0 elsewhere); ``paced_s`` (waiting for its
     consumer to take outputs) and ``idle_s`` (waiting for work) the loop's own; what is
-    left, ``blocked_s``, is time blocked otherwise: on this machine, the GIL, held by the
-    worker's other threads (``bench.serving_efficiency`` prints the split)."""
+    left, ``blocked_s``, is time blocked otherwise: on a CPU worker, the GIL held by the
+    worker's other threads (on a GPU, device syncs and TP collectives too;
+    ``bench.serving_efficiency`` prints the split)."""
 
     wall_s: float
     on_cpu_s: float
@@ -228,7 +229,7 @@ class ThreadTimes:
             "waiting for a core": self.runnable_s,
             "waiting for the outputs to be taken": self.paced_s,
             "idle": self.idle_s,
-            "blocked otherwise (the GIL)": self.blocked_s,
+            "blocked otherwise (a CPU worker: the GIL)": self.blocked_s,
         }
         wall = max(self.wall_s, 1e-9)
         return ", ".join(f"{name} {s / wall:.1%}" for name, s in parts.items())

@@ -47,6 +47,14 @@ def cluster(checkpoint):
 def test_tp2_prefill_group_serves_tp1_decode_exactly(cluster, reference, client):
     prompts, params = mixed_workload(32)
     expected = reference_tokens(reference, prompts, params)
+    decode = cluster.cluster.pools["decode"]
+    (worker,) = decode.workers
+    decode_rank0 = decode.actors(worker.worker_id)[0]
+
+    def checked() -> dict[str, int]:  # the decode worker's meaning checks so far, by result
+        return dict(ray.get(decode_rank0.stats.remote(), timeout=60).engine.meaning_checks)
+
+    before = checked()
     results = stream_all(cluster.address, prompts, params)
     assert [out.token_ids for out, _ in results] == expected
     finals = [out.final for out, _ in results]
@@ -55,10 +63,8 @@ def test_tp2_prefill_group_serves_tp1_decode_exactly(cluster, reference, client)
     assert idle(wait_kv_free(client))  # every shard's lease ended; blocks released
     # each handoff (a request that went past its first token), its heads merged from both
     # ranks, was checked by meaning and passed
-    decode = cluster.cluster.pools["decode"]
-    (worker,) = decode.workers
-    stats = ray.get(decode.actors(worker.worker_id)[0].stats.remote(), timeout=60)
-    assert dict(stats.engine.meaning_checks) == {"ok": sum(len(t) > 1 for t in expected)}
+    after = checked()
+    assert {k: after[k] - before.get(k, 0) for k in after} == {"ok": sum(len(t) > 1 for t in expected)}
 
 
 def test_cancel_releases_both_ranks(client):

@@ -104,6 +104,33 @@ def test_every_placement_fault_is_caught(engines):
     assert kv and all(c.error > c.tolerance and c.position == len(prompt) - 1 for c in kv)
 
 
+def test_a_fault_never_reaches_another_request(engines):
+    """A fault goes only into blocks its request holds alone, and those leave the prefix
+    cache first: blocks another request holds too are refused (nothing changed), and a
+    prompt prefilled again after a faulted export finds nothing cached and computes the
+    clean tokens."""
+    name, source, sink = engines
+    prompt = random_prompts([29], 512, seed=5)[0]
+    sink.generate([prompt], GREEDY)  # its full blocks stay cached here
+    held = sink.hold_prefix("one", prompt, GREEDY)
+    assert held >= 2 * BLOCK and sink.hold_prefix("two", prompt, GREEDY) == held  # both hold them
+    before = sink.kv_cache.tensor.clone()
+    with pytest.raises(ValueError, match="shared with another request"):
+        sink.inject_fault("one", F.BLOCK_TABLE_PERMUTED)
+    assert torch.equal(sink.kv_cache.tensor.view(torch.uint8), before.view(torch.uint8))
+    sink.abort("one")
+    sink.abort("two")
+    other = random_prompts([29], 512, seed=6)[0]
+    clean = sink.generate([other], GREEDY)[0].token_ids  # (another engine: nothing cached there)
+    source.add_request(other, GREEDY, "faulted", prefill_only=True)
+    while source.has_unfinished():
+        source.step()
+    source.inject_fault("faulted", F.SOURCE_BLOCK_REUSED)  # its blocks were cached: no more
+    source.release("faulted")
+    again = source.generate([other], GREEDY)[0]
+    assert again.num_cached_tokens == 0 and again.token_ids == clean
+
+
 def test_without_the_check_the_faulted_kv_goes_unseen(engines):
     """The mutation the issue asks for: the same faults, activated unchecked, run without
     an error (the checksums would have passed them: the bytes are the source's) and the
