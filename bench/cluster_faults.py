@@ -230,7 +230,7 @@ def table(setup: Setup, rows: list[Row], verify_meaning: float) -> list[list[str
             setup.name,
             "none (a correct handoff)" if r.fault is None else r.fault.value,
             check,
-            r.caught_by or "not caught",
+            r.caught_by or ("nothing failed" if r.fault is None else "not caught"),
             "equal" if r.tokens_equal else "DIFFERENT",
             str(r.held_after),
             "" if r.detect_ms is None else f"{r.detect_ms:.0f}",
