@@ -100,6 +100,7 @@ from splitserve.wire.errors import (
     PrefillLost,
     PrefillUnreachable,
     RequestCrashesWorkers,
+    UnknownModel,
     WorkerLost,
     WorkerUnreachable,
 )
@@ -171,13 +172,13 @@ class Dispatcher:
 
     def check_model(self, name: str) -> str | None:
         """The LoRA adapter a request naming model ``name`` runs under (None: the served
-        model, or an empty name). ``InvalidRequest`` for any other name."""
+        model, or an empty name). ``UnknownModel`` (NOT_FOUND) for any other name."""
         if not name or name == self.served_model:
             return None
         if name in self.adapters:
             return name
         served = ", ".join(repr(n) for n in (self.served_model, *self.adapters))
-        raise InvalidRequest(f"unknown model {name!r}; this server serves {served}")
+        raise UnknownModel(f"unknown model {name!r}; this server serves {served}")
 
     def unroutable_roles(self) -> list[Role]:
         """The pools this router cannot serve without that have no routable worker now:

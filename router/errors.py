@@ -22,6 +22,7 @@ from splitserve.wire.errors import (
     PrefillLost,
     RequestCrashesWorkers,
     SequenceFailed,
+    UnknownModel,
     UnknownRequest,
     WorkerLost,
 )
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (UnknownModel, grpc.StatusCode.NOT_FOUND),  # before InvalidRequest, its base
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),

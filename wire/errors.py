@@ -40,6 +40,11 @@ class InvalidRequest(SplitserveError, ValueError):
     """A request (prompt, sampling parameters, ...) is malformed or out of range."""
 
 
+class UnknownModel(InvalidRequest):
+    """A request named a model (or a LoRA adapter) this server does not serve: NOT_FOUND
+    (HTTP 404), as vLLM and OpenAI answer it."""
+
+
 class SequenceFailed(SplitserveError):
     """One sequence failed inside a running engine and ended alone with this error; the
     engine and every other sequence in its batch went on, their tokens unchanged.

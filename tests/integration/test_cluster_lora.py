@@ -18,7 +18,7 @@ from transformers import AutoConfig
 
 from splitserve.cli.main import main
 from splitserve.client import Client
-from splitserve.client.errors import InvalidArgument
+from splitserve.client.errors import NotFound
 from splitserve.engine.lora import load_adapter
 from tests.conftest import random_prompts
 from tests.integration.cluster_util import (
@@ -87,7 +87,7 @@ def test_each_request_runs_under_the_adapter_it_names_through_the_handoff(served
 
         wait_until(counted, "each adapter's requests and tokens in /metrics")
         assert [m.id for m in client.list_models()] == ["tiny", "a1", "a2"]
-        with pytest.raises(InvalidArgument, match="unknown model 'a3'"):
+        with pytest.raises(NotFound, match="unknown model 'a3'"):
             client.generate(prompts[0], model="a3", max_tokens=2)
 
 
@@ -129,4 +129,4 @@ def test_the_openai_door_lists_the_adapters_and_serves_them(served):
     )
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=120)
-    assert e.value.code == 400 and "unknown model 'a3'" in e.value.read().decode()
+    assert e.value.code == 404 and "unknown model 'a3'" in e.value.read().decode()

@@ -14,6 +14,7 @@ import pytest
 
 from splitserve.client import (
     InvalidArgument,
+    NotFound,
     ResourceExhausted,
 )
 from splitserve.router.balancer import Prompt
@@ -59,7 +60,6 @@ BAD_INPUTS = [
     ({"prompt": list(range(2)) * 600}, "context"),
     ({"prompt": [1, 2, 3], "max_tokens": 0}, "max_tokens"),
     ({"prompt": [1, 2, 3], "max_tokens": 10**6}, "max_tokens"),
-    ({"prompt": [1, 2, 3], "model": "gpt-5"}, "unknown model"),
     ({"prompt": [1, 2, 3], "temperature": -1.0}, "temperature"),
     ({"prompt": [1, 2, 3], "top_p": 1.5}, "top_p"),
     ({"prompt": [1, VOCAB + 5]}, "token ids"),
@@ -83,6 +83,8 @@ def test_bad_input_is_refused_clearly_while_good_requests_complete(cluster, refe
         with pytest.raises(InvalidArgument) as e:
             client.generate(prompt, **kwargs)
         assert needle in e.value.details, e.value.details
+    with pytest.raises(NotFound, match="unknown model 'gpt-5'; this server serves"):  # as vLLM: 404
+        client.generate([1, 2, 3], model="gpt-5")
     t.join(120)
     assert [out.token_ids for out, _ in good] == expected
     assert wait_kv_free(client) == {"prefill-0": 0, "decode-0": 0}
@@ -270,7 +272,7 @@ def test_openai_http_endpoint_with_the_official_client(cluster, client, checkpoi
     _check_logprobs(api, model.id, prompt, checkpoint)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         api.completions.create(model=model.id, prompt=prompt, max_tokens=5000)
-    with pytest.raises(openai.BadRequestError, match="unknown model"):
+    with pytest.raises(openai.NotFoundError, match="unknown model"):
         api.completions.create(model="gpt-5", prompt=prompt, max_tokens=5)
     with pytest.raises(openai.BadRequestError, match="`best_of`"):
         api.completions.create(model=model.id, prompt=prompt, max_tokens=5, best_of=2)

@@ -25,11 +25,11 @@ from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.policy import LimitsSpec, PolicySpec
 from splitserve.router.registry import NodePlacement, WorkerRegistry
 from splitserve.wire.errors import (
-    InvalidRequest,
     LeaseExpired,
     Overloaded,
     PeerLost,
     RequestCrashesWorkers,
+    UnknownModel,
     WorkerLost,
     WorkerUnreachable,
 )
@@ -151,7 +151,7 @@ def test_admission_limits():
         await busy
 
     asyncio.run(queued())
-    with pytest.raises(InvalidRequest, match="unknown model"):
+    with pytest.raises(UnknownModel, match="unknown model"):
         asyncio.run(_collect(d, [1], model="gpt-5"))
 
 

@@ -185,7 +185,7 @@ def test_honoured_fields_reach_the_workers_as_sent(door):
     assert (p.include_stop_str_in_output, p.skip_special_tokens) == (True, False)
     assert payload["usage"]["completion_tokens"] == 9
     status, payload = door.request("/v1/completions", body | {"model": "other"})
-    assert status == 400 and "unknown model" in payload["error"]["message"]
+    assert status == 404 and "unknown model" in payload["error"]["message"]  # as vLLM and OpenAI
 
 
 def test_unset_fields_get_the_servers_defaults_and_completions_16_tokens(door):

@@ -11,7 +11,7 @@ import threading
 import grpc
 import pytest
 
-from splitserve.client import Client, InvalidArgument, Unavailable
+from splitserve.client import Client, InvalidArgument, NotFound, Unavailable
 from splitserve.client.errors import FailedPrecondition, ServerError
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.registry import WorkerRegistry
@@ -75,7 +75,7 @@ def test_unary_calls_and_errors_without_workers(plain):
             c.detokenize([1, 2])
         with pytest.raises(InvalidArgument, match=r"token ids must be integers in \[0, 100\)"):
             c.detokenize([1, 100])
-        with pytest.raises(InvalidArgument, match="unknown model"):
+        with pytest.raises(NotFound, match="unknown model 'other'; this server serves 'tiny'"):
             c.detokenize([1], model="other")
         with pytest.raises(InvalidArgument, match="context"):
             c.generate(list(range(70)))
@@ -191,7 +191,7 @@ def test_openai_http_errors_without_workers():
             ("/v1/completions", {"prompt": [1, 2], "best_of": 2}, 400, "`best_of`"),
             ("/v1/completions", {"prompt": [1, 2], "frequency_penalty": 5}, 400, "frequency_penalty"),
             ("/v1/completions", {"prompt": [1, 2], "suffix": "x"}, 400, "`suffix`"),
-            ("/v1/completions", {"prompt": [1, 2], "model": "other"}, 400, "unknown model"),
+            ("/v1/completions", {"prompt": [1, 2], "model": "other"}, 404, "unknown model"),
             ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2}, 503, "no decode worker"),
             ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "stream": True}, 503, "no decode worker"),
         ]
