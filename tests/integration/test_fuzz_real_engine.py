@@ -162,7 +162,8 @@ def test_generated_requests_through_a_real_engine_fail_only_themselves(door, req
 def check(door: RealDoor, request: pb.GenerateRequest) -> str:
     """Send ``request``; the answer is whole valid streams of its ``n`` sequences ("ok"),
     or ``INVALID_ARGUMENT`` with a sentence ("invalid": at once, or after some tokens
-    when the request's own constraints left no token to sample), or, for a request
+    when the request's own constraints left no token to sample; ``NOT_FOUND`` for a model
+    it does not serve), or, for a request
     that set its own ``timeout_ms``, ``DEADLINE_EXCEEDED`` with a sentence."""
     responses = []
     try:
@@ -172,7 +173,8 @@ def check(door: RealDoor, request: pb.GenerateRequest) -> str:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and request.timeout_ms:
             assert len(e.details()) > 10, e.details()  # it asked for so short a deadline
             return "deadline"
-        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+        unknown = e.code() == grpc.StatusCode.NOT_FOUND and e.details().startswith("unknown model")
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT or unknown, (e.code(), e.details())
         assert len(e.details()) > 10 and (not responses or "no token can be sampled" in e.details())
         return "invalid"
     n = max(1, request.sampling.n)
