@@ -207,6 +207,8 @@ def _idle(client) -> int:
 
 def run_setup(setup: Setup, directory: Path, verify_meaning: float, log=print) -> list[Row]:
     """``setup``'s cluster on a Ray of its own, its clean request and its faults."""
+    from transformers import AutoConfig
+
     from splitserve.bench import harness
     from splitserve.bench.tiny_models import make_hf_checkpoint
 
@@ -214,8 +216,6 @@ def run_setup(setup: Setup, directory: Path, verify_meaning: float, log=print) -
     if not Path(model).exists():
         make_hf_checkpoint(setup.kind, Path(model))
     faults = (None, *setup.faults)
-    from transformers import AutoConfig
-
     prompts = prompts_for(len(faults), AutoConfig.from_pretrained(model).vocab_size)
     want = reference(model, setup, prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     log(f"{setup.name}, meaning check {'on' if verify_meaning else 'off'}: starting the cluster")

@@ -6,7 +6,6 @@ migration reaches nothing of the worker's beyond them."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -28,7 +27,6 @@ from splitserve.wire.faults import ArmedFaults
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.prefill import PrefillPeer
 
-log = logging.getLogger(__name__)
 Submit = Callable[[EngineCommand], Awaitable[Any]]  # runs a command on the engine's thread
 
 
@@ -75,6 +73,8 @@ class WorkerSide:
     async def pull(
         self, handoff: KVHandoff, blocks: list[int], timeout: float
     ) -> tuple[list[Confirmation], float]:
+        """The puller's pull. A harness's ``PULL_AFTER_LEASE`` makes it start only once the
+        source's lease ended (a wait the request's cancel or deadline still ends)."""
         desc = handoff.descriptors[0]
         if self.faults.take(desc.request_id, "pull") is not None:  # starts once its lease ended
             await asyncio.sleep(max(d.lease_expiry for d in handoff.descriptors) - time.time() + 0.1)
@@ -86,10 +86,8 @@ class WorkerSide:
         request is recomputed). A fault a harness armed for it is injected first."""
         fault = self.faults.take(request_id, "sink")
         if fault is not None:
-            try:
+            with self.faults.injecting(request_id, fault):
                 await self._submit(InjectFault(request_id, fault))
-            except ValueError as e:  # logged; the request goes on unharmed (ArmedFaults.inject)
-                log.warning("fault %s not injected into request %s: %s", fault.name, request_id, e)
         if random.random() < self.spec.verify_meaning:
             await self._submit(VerifyImport(request_id, output_token_ids))
 

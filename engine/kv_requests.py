@@ -426,8 +426,9 @@ class KVRequests:
         """A harness's fault (``wire.faults``) applied to the KV this engine holds for
         ``request_id`` (``engine.faults``): a PREFILLED request's exported blocks, or an
         IMPORTING request's blocks, all of them. Those blocks leave the prefix cache first, so
-        no later request is served the fault; ``ValueError`` where it cannot apply, or where
-        another request holds one of them too (nothing changed)."""
+        no later request is served the fault. ``ValueError`` where another request holds one
+        of them too (nothing changed), or where the cache cannot have the fault (nothing
+        written; the blocks are out of the prefix cache, computed again when next asked)."""
         state = self.requests.get(request_id)
         status = None if state is None else state.seq.status
         if status is SequenceStatus.PREFILLED:

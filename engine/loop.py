@@ -231,13 +231,13 @@ class EngineLoop:
             self._pacing_since = None
 
     def _run_calls(self, block: bool) -> None:
-        began = time.perf_counter()
+        began = time.perf_counter() if block else None  # an idle wait: counted (thread_times)
         try:
             item = self._calls.get(timeout=self._idle_s) if block else self._calls.get_nowait()
         except queue.Empty:
             return
         finally:
-            if block:
+            if began is not None:
                 self._waited_idle_s += time.perf_counter() - began
         while item is not None:
             fn, fut = item

@@ -109,8 +109,8 @@ class PrefillWorker:
         self._heartbeats = Heartbeats(self.tp, spec.tp)
         self._source_lock = threading.Lock()
         self._faults = ArmedFaults(spec.worker_id, ("source",))  # a harness's, after an export
-        # hashes each layer as prefill writes it (a TP group's other ranks: theirs at export)
         self.streams_kv = spec.stream_kv and self.source.streams and self.tp.size == 1
+        # hashes each layer as prefill writes it (a TP group's other ranks: theirs at export)
         self.exporter = LayerExporter(
             self.source,
             stream=self.streams_kv,
@@ -129,10 +129,8 @@ class PrefillWorker:
             )
             self.puller = KVPuller(spec.worker_id, sink, (), None)
             submit = lambda command: asyncio.wrap_future(self.loop.submit(command))  # noqa: E731
-            timeout = spec.transfer_timeout_s or spec.lease_s
-            self.borrower = PrefixBorrower(
-                spec.worker_id, self.puller, spec.engine.block_size, submit, timeout
-            )
+            bs, timeout = spec.engine.block_size, spec.transfer_timeout_s or spec.lease_s
+            self.borrower = PrefixBorrower(spec.worker_id, self.puller, bs, submit, timeout)
         # before the loop starts: its first tick takes the lease ends the poller reported
         self._poller = SourcePoller(self.source, self._source_lock, f"{spec.worker_id}-kv-poll")
         self.loop.add_lender(PREFILL, self)
@@ -376,7 +374,8 @@ class PrefillWorker:
         descriptor = self.exporter.export(rid, pre.block_ids, pre.num_kv_tokens, readers[0], pre.window_from)
         self.ledger.opened(rid, descriptor.transfer_id)
         if (fault := self._faults.take(rid, "source")) is not None:
-            self._faults.inject(lambda: self.engine.inject_fault(rid, fault), rid, fault)
+            with self._faults.injecting(rid, fault):
+                self.engine.inject_fault(rid, fault)
         try:
             shards = self.shards.export(rid, pre.block_ids, pre.num_kv_tokens, readers, pre.window_from)
         except KVTransferError:

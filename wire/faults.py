@@ -19,9 +19,10 @@ Nothing here runs unless a harness arms it.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from splitserve.wire.errors import InvalidRequest
@@ -76,12 +77,13 @@ class ArmedFaults:
             )
         self._armed[armed.request_id] = armed.fault
 
-    def inject(self, apply: Callable[[], object], request_id: str, fault: HandoffFault) -> None:
-        """Run ``apply`` (the injection); a fault that cannot apply (``ValueError``: this
-        cache cannot have it, or its blocks are shared) is logged and the request goes on
-        unharmed: the harness sees it not caught."""
+    @contextlib.contextmanager
+    def injecting(self, request_id: str, fault: HandoffFault) -> Iterator[None]:
+        """Around the injection (a call or an await): a fault that cannot apply
+        (``ValueError``: this cache cannot have it, or its blocks are shared) is logged and
+        the request goes on unharmed: the harness sees it not caught."""
         try:
-            apply()
+            yield
         except ValueError as e:
             log.warning(
                 "%s: fault %s not injected into request %s: %s", self.worker_id, fault.name, request_id, e

@@ -28,8 +28,6 @@ def test_a_fault_of_another_side_is_refused_at_arming():
 
 
 def test_a_fault_that_cannot_apply_is_logged_and_the_request_goes_on(caplog):
-    def cannot():
-        raise ValueError("this fault needs two KV heads")
-
-    ArmedFaults("decode-0", ("sink",)).inject(cannot, "r1", HandoffFault.KV_HEADS_SWAPPED)
+    with ArmedFaults("decode-0", ("sink",)).injecting("r1", HandoffFault.KV_HEADS_SWAPPED):
+        raise ValueError("this fault needs two KV heads")  # stays inside: the test goes on
     assert "fault KV_HEADS_SWAPPED not injected into request r1: this fault needs two KV heads" in caplog.text
