@@ -130,7 +130,6 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         loras = LoRAAdapters(model, mc, layer_tp, config.num_lora_slots, config.max_lora_rank, dtype, device)
         for name, path in config.lora_modules.items():
             loras.load(name, path)
-        revision = f"{revision}+lora-{loras.signature()}"  # KV moves only between alike adapters
     tokenizer, defaults, eos_token_ids = _tokenizer_and_defaults(config, source, mc, tokenizer)
     fp8_kv = config.kv_cache_dtype == "fp8"
     layout = _kv_layout(config, mc, layer_tp, kv_quant.FP8 if fp8_kv else dtype)
@@ -214,7 +213,6 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         max_kv_tokens=capacity.num_tokens,
         tokenizer=tokenizer,
         defaults=defaults,
-        adapters=dict(loras.digests) if loras is not None else {},
     )
     summary = _summary(config, mc, dtype, device, tp, ep is not None, runner.backend.name, capacity, tier)
     if slot_pool is not None:

@@ -77,7 +77,11 @@ def run(engine: Engine, command: c.EngineCommand, lenders: Mapping[str, Lender])
                 command.request_id, command.prompt_token_ids, command.output_token_ids, command.params
             )
         case c.Activate():
-            return engine.activate(command.request_id, command.output_token_ids)
+            return engine.activate(command.request_id, command.output_token_ids, command.adapter_digest)
+        case c.LoadAdapter():
+            return engine.load_adapter(command.name, command.path)
+        case c.UnloadAdapter():
+            return engine.unload_adapter(command.name)
         case c.VerifyImport():
             return engine.verify_import(command.request_id, command.output_token_ids)
         case c.InjectFault():

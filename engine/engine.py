@@ -42,6 +42,7 @@ from typing import Any
 from splitserve.engine.build import build_engine
 from splitserve.engine.containment import Containment, Ran, contained
 from splitserve.engine.kv_requests import KVRequests
+from splitserve.engine.lora import LoRAAdapters
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.scheduler import ScheduledSeq
@@ -64,7 +65,7 @@ from splitserve.wire.outputs import (
     SpeculationCounters,
     TierCounters,
 )
-from splitserve.wire.prefix import PrefixCursor, PrefixUpdate
+from splitserve.wire.prefix import PrefixCursor, PrefixUpdate, prefix_root
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -199,12 +200,50 @@ class Engine(KVRequests):
                     f"request names LoRA adapter {params.adapter!r}, but LoRA adapters are not enabled "
                     "on this engine (enable_lora)"
                 )
-            if self.loras.slot(params.adapter) is None:
-                loaded = ", ".join(sorted(self.loras.slots)) or "none"
+            if params.adapter not in self.loras.digests:
+                loaded = ", ".join(sorted(self.loras.digests)) or "none"
                 raise InvalidRequest(
                     f"no LoRA adapter named {params.adapter!r} is loaded here (loaded: {loaded})"
                 )
         return self.validator.validate(prompt, params, messages)
+
+    def load_adapter(self, name: str, path: str) -> str:
+        """Serve LoRA adapter ``name`` from ``path`` (a PEFT directory every rank of the
+        group can read) to the requests added from here on; returns its digest
+        (``LoRAAdapter.digest``). Every rank writes its share into one free slot, or
+        the adapter is served nowhere: ``ModelLoadError`` with the first refusal's
+        sentence (a name served already, every slot taken, a file this engine cannot
+        run). ``InvalidRequest`` when this engine has LoRA off. Driver only, between
+        steps (the other ranks write as they follow)."""
+        loras = self._lora_adapters()
+        loras.reclaim({st.seq.lora_slot for st in self.requests.values()})
+        slot = loras.free_slot(name)
+        digest = self.runner.write_adapter(name, str(path), slot)
+        loras.register(name, slot, digest)
+        log.info("LoRA adapter %r (%s) loaded from %s into slot %d", name, digest, path, slot)
+        return digest
+
+    def unload_adapter(self, name: str) -> None:
+        """Serve LoRA adapter ``name`` to no new request (``InvalidRequest`` if it is not
+        served here). The requests that run under it finish under it; its slot is taken
+        again only once they have (``LoRAAdapters.reclaim``)."""
+        loras = self._lora_adapters()
+        if name not in loras.digests:
+            raise InvalidRequest(f"no LoRA adapter named {name!r} is loaded here")
+        loras.unload(name)
+
+    def adapter_digest(self, request_id: str) -> str:
+        """The digest of the LoRA adapter ``request_id`` runs under ("" for the base model):
+        its KV's identity beside the weights' revision (``wire.kv.KVHandoff``)."""
+        state = self.requests.get(request_id)
+        if state is None:
+            raise UnknownRequest(f"no request with id {request_id!r}")
+        return state.seq.lora_digest
+
+    def _lora_adapters(self) -> LoRAAdapters:
+        if self.loras is None:
+            raise InvalidRequest("LoRA adapters are not enabled on this engine (enable_lora)")
+        return self.loras
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in any state and free its blocks. False if unknown or done."""
@@ -253,6 +292,7 @@ class Engine(KVRequests):
             host_tier=self.host_tier.counters() if self.host_tier is not None else TierCounters(),
             speculation=self.speculation.counters() if self.speculation else SpeculationCounters(),
             meaning_checks=tuple(sorted(self.meaning_checks.items())),
+            lora_adapters=tuple(sorted(self.loras.digests.items())) if self.loras is not None else (),
         )
 
     def prefix_update(self, cursor: PrefixCursor | None) -> PrefixUpdate:
@@ -482,6 +522,10 @@ class Engine(KVRequests):
         tokens appended to it from here on advance the grammar), its bad words as tokens."""
         params = self.validator.with_bad_words_ids(params)
         seq = Sequence(request_id, prompt_ids, params, prefill_only=prefill_only)
+        if params.adapter is not None:  # validated: served here
+            name = params.adapter
+            seq.lora_slot, seq.lora_digest = self.loras.slots[name], self.loras.digests[name]
+            seq.hash_root = prefix_root(seq.lora_digest)
         if params.structured is not None:
             seq.grammar = self.validator.grammar(params.structured)
         return seq

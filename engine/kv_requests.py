@@ -38,7 +38,13 @@ from splitserve.engine import faults
 from splitserve.engine.meaning import check_import
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.sequence import Sequence, SequenceStatus
-from splitserve.wire.errors import InvalidRequest, MeaningMismatch, Overloaded, UnknownRequest
+from splitserve.wire.errors import (
+    AdapterMismatch,
+    InvalidRequest,
+    MeaningMismatch,
+    Overloaded,
+    UnknownRequest,
+)
 from splitserve.wire.faults import HandoffFault
 from splitserve.wire.kv import MeaningCheck
 from splitserve.wire.outputs import PrefilledRequest
@@ -65,6 +71,7 @@ class KVRequests:
             seq.num_computed_tokens - skip * self.block_manager.block_size,
             seq.num_cached_tokens,
             window_from,
+            seq.lora_digest,
         )
 
     def transfer_ids(self, seq: Sequence, first: int, kv_tokens: int) -> tuple[list[int], int]:
@@ -441,11 +448,22 @@ class KVRequests:
         self.block_manager.uncache(blocks)  # the fault stays this request's (ValueError if shared)
         faults.inject(fault, self.kv_cache, blocks, None if mla is None else mla.qk_rope_head_dim)
 
-    def activate(self, request_id: str, output_token_ids: list[int] | None = None) -> None:
+    def activate(
+        self, request_id: str, output_token_ids: list[int] | None = None, adapter_digest: str | None = None
+    ) -> None:
         """The KV of an IMPORTING request is in place: start decoding it. The first
-        sampled token comes here if ``import_request`` did not have it."""
+        sampled token comes here if ``import_request`` did not have it. ``adapter_digest``:
+        the LoRA adapter its KV was computed under ("" the base model; None: not known):
+        ``AdapterMismatch`` (nothing changed) unless it is the one the request runs under
+        here, as after an adapter was loaded again with other weights on one side."""
         state = self._get(request_id, SequenceStatus.IMPORTING)
         seq = state.seq
+        if adapter_digest is not None and adapter_digest != seq.lora_digest:
+            raise AdapterMismatch(
+                f"the KV of request {request_id} was computed under "
+                f"{_adapter_named(adapter_digest, seq.params.adapter)}, but it runs here under "
+                f"{_adapter_named(seq.lora_digest, seq.params.adapter)}: it is not used"
+            )
         if output_token_ids:
             if seq.num_output_tokens:
                 raise InvalidRequest(f"request {request_id} already has its first token")
@@ -456,3 +474,7 @@ class KVRequests:
             raise InvalidRequest("an imported request needs its first sampled token")
         self.block_manager.commit_computed(state.seq)
         self.scheduler.add_running(state.seq)
+
+
+def _adapter_named(digest: str, name: str | None) -> str:
+    return f"LoRA adapter {name!r} with weights {digest}" if digest else "the base model"

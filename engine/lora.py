@@ -22,6 +22,13 @@ part's output rows and rank columns (block-diagonal), so one pair of matmuls ser
 every part. ``scaling`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) is folded
 into ``B`` at load.
 
+Adapters load at start (``lora_modules``) and at run time (``Engine.load_adapter``:
+every rank writes its share into the slot the driver picked, or none does) and unload
+(``Engine.unload_adapter``): no new request runs under it, and its slot is written over
+only once no request that runs under it is left (``reclaim``). A request keeps the slot
+it started in (``Sequence.lora_slot``), so an adapter unloaded and loaded again under
+the same name never changes a running request's tokens.
+
 Refused, with a sentence naming the file: a rank above ``max_lora_rank``, a target
 the model lacks (a MoE layer has no ``gate_proj``), DoRA, per-module rank or alpha
 patterns, trained biases, ``modules_to_save``, ``fan_in_fan_out`` weights, a layer
@@ -232,10 +239,9 @@ class LoRAAdapters:
         self.num_layers = len(model.layers)
         self.step = LoRAStep()
         self.dtype, self.device = dtype, device
-        self.slots: dict[str, int] = {}  # adapter name -> its slot
-        self.digests: dict[
-            str, str
-        ] = {}  # adapter name -> ``LoRAAdapter.digest`` (its weights live in the slots)
+        self.slots: dict[str, int] = {}  # adapter served -> its slot
+        self.digests: dict[str, str] = {}  # adapter served -> ``LoRAAdapter.digest``
+        self._retired: set[int] = set()  # slots of adapters unloaded that requests may still run in
         self._modules: dict[tuple[int, str], LoRALinear] = {}  # (layer, engine module path) -> wrapper
         self._shards = _shards(mc, tp)
         for index, layer in enumerate(model.layers):
@@ -254,10 +260,34 @@ class LoRAAdapters:
                     setattr(owner, attr, wrapped)
                 self._modules[(index, path)] = wrapped
 
-    def load(self, name: str, path: str | Path) -> None:
-        """Load adapter ``name`` from ``path`` into a free slot (replacing one of that name).
-        ``ModelLoadError`` as ``load_adapter``, for a target this model lacks, or when every
-        slot is taken."""
+    def load(self, name: str, path: str | Path) -> str:
+        """Load adapter ``name`` from ``path`` into a free slot and serve it (``free_slot``,
+        ``write``, ``register``: what one rank does alone); returns its digest."""
+        slot = self.free_slot(name)
+        digest = self.write(name, path, slot)
+        self.register(name, slot, digest)
+        return digest
+
+    def free_slot(self, name: str) -> int:
+        """A slot for adapter ``name`` to be written into: one no adapter served holds and
+        none unloaded still runs in (``reclaim``). ``ModelLoadError`` when ``name`` is
+        served already (unload it first: requests may run under it) or every slot is taken."""
+        if name in self.slots:
+            raise ModelLoadError(f"a LoRA adapter named {name!r} is loaded already; unload it first")
+        free = sorted(set(range(self.max_loras)) - set(self.slots.values()) - self._retired)
+        if not free:
+            retired = len(self._retired)
+            draining = f"; {retired} unloaded still serve running requests" if retired else ""
+            raise ModelLoadError(
+                f"LoRA adapter {name!r}: all {self.max_loras} slots (max_loras) hold adapters "
+                f"({', '.join(sorted(self.slots)) or 'none served'}{draining})"
+            )
+        return free[0]
+
+    def write(self, name: str, path: str | Path, slot: int) -> str:
+        """Read adapter ``name`` from ``path`` and write it into ``slot`` (this rank's share);
+        returns its digest. ``ModelLoadError`` as ``load_adapter``, or for a target this
+        model lacks, leaving the slot as it was. The caller picks a slot no row selects."""
         adapter = load_adapter(name, path, self.num_layers, self.max_rank)
         for layer, module in adapter.weights:
             if (layer, TARGETS[module][0]) not in self._modules:
@@ -265,19 +295,10 @@ class LoRAAdapters:
                     f"LoRA adapter {name!r} ({adapter.path}) adapts layer {layer}'s {module}, which this "
                     "model does not have there"
                 )
-        slot = self.slots.get(name)
-        if slot is None:
-            free = sorted(set(range(self.max_loras)) - set(self.slots.values()))
-            if not free:
-                raise ModelLoadError(
-                    f"LoRA adapter {name!r}: all {self.max_loras} slots (max_loras) hold adapters "
-                    f"({', '.join(sorted(self.slots))})"
-                )
-            slot = free[0]
         writes = []  # every tensor checked before the slot changes: a refused adapter leaves it as it was
-        for (layer, path), wrapped in self._modules.items():
+        for (layer, path_), wrapped in self._modules.items():
             for part in wrapped.parts:
-                module = next(m for m, (p, pt) in TARGETS.items() if p == path and pt == part)
+                module = next(m for m, (p, pt) in TARGETS.items() if p == path_ and pt == part)
                 pair = adapter.weights.get((layer, module))
                 try:
                     a, b = (None, None) if pair is None else self._shards[module].of(*pair)
@@ -289,18 +310,24 @@ class LoRAAdapters:
                 writes.append((wrapped, part, a, b))
         for wrapped, part, a, b in writes:
             wrapped.set(slot, part, a, b)
-        self.slots[name], self.digests[name] = slot, adapter.digest
+        return adapter.digest
 
-    def signature(self) -> str:
-        """A fingerprint of the adapters loaded (names and weights): part of the engine's
-        revision (``engine.build``), so that KV moves only between workers whose adapters
-        compute alike, and the router never mixes workers whose adapters differ."""
-        pairs = sorted(self.digests.items())
-        return hashlib.blake2b(json.dumps(pairs).encode(), digest_size=6).hexdigest()
+    def register(self, name: str, slot: int, digest: str) -> None:
+        """Serve adapter ``name``, written into ``slot`` on every rank, to new requests."""
+        self.slots[name], self.digests[name] = slot, digest
 
-    def slot(self, name: str | None) -> int | None:
-        """The slot of adapter ``name`` (None: the base model, or no such adapter)."""
-        return None if name is None else self.slots.get(name)
+    def unload(self, name: str) -> int:
+        """Serve ``name`` to no new request; its slot stays as it is for the requests that
+        run under it until ``reclaim`` frees it. Returns the slot. ``KeyError`` if not served."""
+        slot = self.slots.pop(name)
+        del self.digests[name]
+        self._retired.add(slot)
+        return slot
+
+    def reclaim(self, in_use: set[int]) -> None:
+        """The slots of unloaded adapters no request runs in (``in_use``: the slots the
+        engine's requests hold) are free from here on."""
+        self._retired &= in_use
 
     def begin_step(self, rows: list[tuple[int, int, int]], num_rows: int) -> None:
         """The next forward's rows by adapter: ``rows`` [(first packed row, rows, slot)] of

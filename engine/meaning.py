@@ -68,6 +68,7 @@ def check_import(
     asked = dataclasses.replace(seq.params, logprobs=True, top_logprobs=MAX_TOP_LOGPROBS)
     shadow = Sequence(seq.request_id, list(seq.prompt_token_ids), asked)
     shadow.block_table, shadow.window_tables = seq.block_table, seq.window_tables
+    shadow.lora_slot = seq.lora_slot
     shadow.window_start, shadow.num_computed_tokens = seq.window_start, p
     try:
         _, sampled, _ = runner.execute([ScheduledSeq(shadow, 1)])

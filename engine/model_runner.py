@@ -38,6 +38,7 @@ from splitserve.engine.sampler import Sampler, SampleRequest, SampleResult
 from splitserve.engine.scheduler import ScheduledSeq
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.speculative.verify import kept
+from splitserve.wire.errors import ModelLoadError
 from splitserve.wire.outputs import PromptLogprob
 
 
@@ -140,6 +141,16 @@ class TakeExpertLoad:
     """The driver asks every rank for its experts' counts (``take_expert_load``)."""
 
 
+@dataclass(frozen=True)
+class WriteAdapter:
+    """Driver to every rank: write this rank's share of LoRA adapter ``name`` from
+    ``path`` into ``slot`` (``LoRAAdapters.write``), then report (``gather_object``)."""
+
+    name: str
+    path: str
+    slot: int
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -208,9 +219,8 @@ class ModelRunner:
                 inputs.add_windows(seq, inputs.spans[first:], start, end, bs)
             if seq.state_slot is not None:
                 inputs.state_slots.append(_state_slots(seq, start, end, bs))
-            if seq.params.adapter is not None and self.loras is not None:
-                slot = self.loras.slot(seq.params.adapter)
-                inputs.lora_rows.append((len(inputs.input_ids), s.num_new_tokens, slot))
+            if seq.lora_slot is not None:
+                inputs.lora_rows.append((len(inputs.input_ids), s.num_new_tokens, seq.lora_slot))
             inputs.input_ids.extend(s.input_ids)
             inputs.positions.extend(range(start, end))
             table = seq.block_table
@@ -390,6 +400,34 @@ class ModelRunner:
         per_layer = [m.take_routed() for m in self.model.moe_layers()]
         return [sum(c) for c in zip(*per_layer)]
 
+    def write_adapter(self, name: str, path: str, slot: int) -> str:
+        """Driver: every rank writes its share of LoRA adapter ``name`` from ``path`` into
+        ``slot`` (no row selects it yet); returns its digest. ``ModelLoadError`` with the
+        first refusal's sentence, naming the rank in a group; what the other ranks wrote
+        is garbage in a slot no row selects."""
+        order = WriteAdapter(name, path, slot)
+        if self.tp.size > 1:
+            self.tp.broadcast_object(order)
+        own = self._write_adapter(order)
+        outcomes = self.tp.gather_object(own) if self.tp.size > 1 else [own]
+        for rank, outcome in enumerate(outcomes):
+            if isinstance(outcome, ModelLoadError):
+                where = f"TP rank {rank}: " if self.tp.size > 1 else ""
+                raise ModelLoadError(f"{where}{outcome}")
+        return own
+
+    def _write_adapter(self, order: WriteAdapter) -> str | ModelLoadError:
+        """This rank's part of ``write_adapter``: the digest, or why not (never raised: a
+        follower that raised would leave its group)."""
+        try:
+            if self.loras is None:
+                raise ModelLoadError("LoRA adapters are not enabled on this engine (enable_lora)")
+            return self.loras.write(order.name, order.path, order.slot)
+        except ModelLoadError as e:
+            return e
+        except Exception as e:  # a file that is not what it claims (JSON, safetensors)
+            return ModelLoadError(f"LoRA adapter {order.name!r} ({order.path}): {type(e).__name__}: {e}")
+
     def follow(self, on_message: Callable[[Any], None] | None = None) -> int:
         """Non-driver ranks: run every step the driver broadcasts until it stops us;
         any other message goes to ``on_message``. Returns the number of steps run."""
@@ -400,6 +438,8 @@ class ModelRunner:
                 steps += 1
             elif isinstance(msg, TakeExpertLoad):
                 self.tp.gather_object(self._held_load())
+            elif isinstance(msg, WriteAdapter):
+                self.tp.gather_object(self._write_adapter(msg))
             elif on_message is not None:
                 on_message(msg)
             else:

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.wire.outputs import PromptLogprob, TopLogprobs
-from splitserve.wire.prefix import prefix_root
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
@@ -93,8 +92,13 @@ class Sequence:
         self.state_marked: int | None = None
         self.state_from: int | None = None
         self.scheduled_at: float | None = None  # time.time() when first scheduled (or imported)
-        # the parent of its first block's hash: its LoRA adapter's (``wire.prefix.prefix_root``)
-        self.hash_root: int | None = prefix_root(self.params.adapter)
+        # under a LoRA adapter (``params.adapter``; set by the engine as it makes the
+        # sequence): the slot its rows select, the adapter's digest, and the parent of its
+        # first block's hash (``wire.prefix.prefix_root`` of the digest: no other adapter's
+        # KV, nor the base's, is ever taken from the prefix cache for it)
+        self.lora_slot: int | None = None
+        self.lora_digest = ""
+        self.hash_root: int | None = None
 
     def mark_scheduled(self) -> None:
         """The engine takes this sequence into its running batch (the first time counts)."""

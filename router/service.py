@@ -444,7 +444,6 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
         out.max_concurrency = v.max_kv_tokens / v.max_model_len
         out.kv_bytes_per_token = w.info.kv_bytes_per_token
         out.revision = w.revision
-        out.lora_adapters.update(v.adapters)
     s = w.stats
     if s is not None:
         e = s.engine
@@ -453,6 +452,7 @@ def _worker_status(w: WorkerRecord) -> pb.WorkerStatus:
         out.kv_blocks_total, out.kv_blocks_used = e.num_blocks, e.num_used_blocks
         out.preemptions = e.num_preemptions
         out.sequence_errors.update(dict(e.sequence_errors))
+        out.lora_adapters.update(dict(e.lora_adapters))
         sp = e.speculation
         out.speculation.CopyFrom(
             pb.Speculation(

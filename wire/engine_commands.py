@@ -68,10 +68,28 @@ class ImportRequest:
 
 @dataclass(frozen=True)
 class Activate:
-    """``Engine.activate``: an imported request, its KV in place, joins the batch."""
+    """``Engine.activate``: an imported request, its KV in place, joins the batch; with
+    ``adapter_digest`` (the source's ``KVHandoff.adapter_digest``) once it is the KV of
+    the LoRA adapter the request runs under here."""
 
     request_id: str
     output_token_ids: list[int]
+    adapter_digest: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    """``Engine.load_adapter``: serve LoRA adapter ``name`` from ``path``; its digest."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    """``Engine.unload_adapter``: serve LoRA adapter ``name`` to no new request."""
+
+    name: str
 
 
 @dataclass(frozen=True)
@@ -179,6 +197,8 @@ EngineCommand = (
     | VerifyImport
     | InjectFault
     | Activate
+    | LoadAdapter
+    | UnloadAdapter
     | ReserveMoving
     | FillMoving
     | ReservePrefix

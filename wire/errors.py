@@ -182,6 +182,11 @@ class LeaseExpired(KVTransferError):
     """The source's lease on the blocks ran out, so it may have reused them."""
 
 
+class AdapterMismatch(KVTransferError):
+    """The KV came computed under another LoRA adapter (or other weights of one of the
+    same name, or the base model) than the one the request runs under here."""
+
+
 class MeaningMismatch(KVTransferError):
     """The KV received is not what the prompt computes here (``engine.meaning``): the
     right bytes in the wrong place (a block table, a layer or head mapping, scales, a

@@ -116,6 +116,8 @@ class PrefilledRequest:
     num_cached_tokens: int
     # the sliding layers' KV to send starts at block_ids[window_from] (wire.kv.KVDescriptor)
     window_from: int = 0
+    # the LoRA adapter its KV was computed under: its digest ("" for the base model)
+    adapter_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,8 @@ class EngineStats:
     speculation: SpeculationCounters = SpeculationCounters()  # speculative decoding, since it started
     # imported requests' KV checked by meaning (engine.meaning), by result: ok, mismatch, skipped
     meaning_checks: tuple[tuple[str, int], ...] = ()
+    # the LoRA adapters it serves now, as (name, digest of its weights), by name
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_used_blocks(self) -> int:

@@ -43,13 +43,16 @@ def block_hash(parent: int | None, tokens: tuple[int, ...] | list[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def prefix_root(adapter: str | None) -> int | None:
-    """The parent of a prompt's first block under LoRA adapter ``adapter`` (None: the
-    base model's, no parent): every chain of an adapter's blocks starts from it, so
-    the prefix cache never gives one adapter's KV to another, or to the base."""
-    if adapter is None:
+def prefix_root(adapter_digest: str | None) -> int | None:
+    """The parent of a prompt's first block under the LoRA adapter whose weights have
+    ``adapter_digest`` (``engine.lora.LoRAAdapter.digest``; None: the base model's, no
+    parent): every chain of an adapter's blocks starts from it, so the prefix cache never
+    gives one adapter's KV to another (nor to one loaded again under the same name with
+    other weights), or to the base."""
+    if adapter_digest is None:
         return None
-    return int.from_bytes(hashlib.blake2b(b"lora:" + adapter.encode(), digest_size=8).digest(), "little")
+    root = hashlib.blake2b(b"lora:" + adapter_digest.encode(), digest_size=8).digest()
+    return int.from_bytes(root, "little")
 
 
 def prompt_block_hashes(token_ids: list[int], block_size: int, root: int | None = None) -> list[int]:

@@ -48,8 +48,6 @@ class RequestValidator:
     # the server's chat template in place of the model's (``router.chat_template``); a
     # request's own (``ChatTemplating.template``) wins over it
     chat_template: str | None = None
-    # the LoRA adapters it serves (``engine.lora``): name -> a digest of the adapter's weights
-    adapters: dict[str, str] = field(default_factory=dict)
 
     def validate(
         self,

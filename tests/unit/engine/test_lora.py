@@ -13,8 +13,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from splitserve.engine.engine import Engine
+from splitserve.engine.lora import load_adapter
 from splitserve.wire.config import EngineConfig
-from splitserve.wire.errors import InvalidRequest, ModelLoadError
+from splitserve.wire.errors import AdapterMismatch, InvalidRequest, ModelLoadError
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint, random_prompts
 from tests.lora_util import make_adapter, merged_greedy
@@ -142,13 +143,76 @@ def test_an_adapter_the_engine_cannot_run_is_refused_at_load_naming_its_file(ser
         make_engine(checkpoint, {"wrong": wrong})
 
 
-def test_kv_moves_only_between_engines_whose_adapters_are_alike(served, tmp_path):
-    """The adapters loaded are part of the engine's revision, hence of the KV
-    compatibility hash: the same files under the same names agree; other weights
-    under a name, or no adapters, do not (a handoff between them is refused)."""
-    checkpoint, dirs, _, _ = served
+def test_an_adapter_loaded_at_run_time_serves_and_unloads_without_touching_running_requests(served):
+    """An engine started with no adapter loads one and serves it as one loaded at start
+    would; unloaded, it serves no new request while the one running under it finishes
+    under it; loaded again under the same name with other weights, the new requests get
+    the new weights and none of the old one's cached KV; a slot is taken again only once
+    no request runs in it."""
+    checkpoint, dirs, prompts, expected = served
+    first, second = dirs.values()
+    engine = make_engine(checkpoint, {}, max_loras=2, enable_prefix_caching=True)
+    digest = engine.load_adapter("a1", str(first))
+    assert digest == load_adapter("a1", first, 64, 8).digest
+    assert dict(engine.stats().lora_adapters) == {"a1": digest}
+    (out,) = engine.generate([prompts[2]], params("a1"))
+    assert out.token_ids == expected["a1"][2]
+    with pytest.raises(ModelLoadError, match="'a1' is loaded already"):
+        engine.load_adapter("a1", str(second))
+    engine.add_request(prompts[2], params("a1"), "old")  # runs under the first weights
+    tokens = [t for o in engine.step() for t in o.new_token_ids]
+    engine.unload_adapter("a1")
+    assert engine.stats().lora_adapters == ()
+    with pytest.raises(InvalidRequest, match="no LoRA adapter named 'a1'"):
+        engine.add_request(prompts[0], params("a1"))
+    again = engine.load_adapter("a1", str(second))  # slot 0 still runs "old": slot 1
+    assert again != digest
+    with pytest.raises(ModelLoadError, match="all 2 slots"):
+        engine.load_adapter("a3", str(first))
+    engine.add_request(prompts[2], params("a1"), "new")
+    got: dict[str, list[int]] = {"old": tokens, "new": []}
+    cached = set()
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+            if o.request_id == "new":
+                cached.add(o.num_cached_tokens)
+    assert got["old"] == expected["a1"][2]  # the old weights to the end
+    assert got["new"] == expected["a2"][2] and cached == {0}
+    engine.load_adapter("a3", str(first))  # "old" ended: its slot is free
+    (out,) = engine.generate([prompts[1]], params("a3"))
+    assert out.token_ids == expected["a1"][1]
+    with pytest.raises(InvalidRequest, match="no LoRA adapter named 'a9'"):
+        engine.unload_adapter("a9")
+
+
+def test_kv_computed_under_another_adapter_is_refused_at_activation(served):
+    """Workers whose adapters differ still share a KV layout (the adapters are not part
+    of the revision); a request's KV names the adapter it was computed under, and an
+    engine where that name holds other weights refuses it (nothing activated)."""
+    checkpoint, dirs, prompts, expected = served
     (name, first), (_, second) = list(dirs.items())[:2]
-    one = make_engine(checkpoint, {name: first}).kv_compat().hash
-    assert make_engine(checkpoint, {name: first}).kv_compat().hash == one
-    assert make_engine(checkpoint, {name: second}).kv_compat().hash != one  # other weights, same name
-    assert make_engine(checkpoint, {}, enable_lora=False).kv_compat().hash != one
+    source = make_engine(checkpoint, {name: first})
+    alike, other = make_engine(checkpoint, {name: first}), make_engine(checkpoint, {name: second})
+    assert source.kv_compat().hash == other.kv_compat().hash == make_engine(checkpoint, {}).kv_compat().hash
+    source.add_request(prompts[4], params(name), "r", prefill_only=True)
+    while source.has_unfinished():
+        source.step()
+    kv = source.prefilled("r")
+    assert kv.adapter_digest == source.adapter_digest("r") == load_adapter(name, first, 64, 8).digest
+    data = source.kv_cache.read_blocks(kv.block_ids)
+    for sink in (other, alike):
+        ids = sink.import_request("r", prompts[4], kv.output_token_ids, params(name))
+        sink.kv_cache.write_blocks(ids, data)
+    with pytest.raises(
+        AdapterMismatch, match=f"computed under LoRA adapter '{name}' with weights {kv.adapter_digest}"
+    ):
+        other.activate("r", adapter_digest=kv.adapter_digest)
+    with pytest.raises(AdapterMismatch, match="computed under the base model"):
+        other.activate("r", adapter_digest="")
+    assert other.abort("r") and other.block_manager.num_used_blocks == 0
+    alike.activate("r", adapter_digest=kv.adapter_digest)
+    tokens = list(kv.output_token_ids)
+    while alike.has_unfinished():
+        tokens += [t for o in alike.step() for t in o.new_token_ids]
+    assert tokens == expected[name][4]
