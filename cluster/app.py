@@ -23,6 +23,7 @@ import yaml
 from splitserve.cluster import router_parts as parts
 from splitserve.cluster.autoscale import Autoscaler
 from splitserve.cluster.config import ClusterConfig
+from splitserve.cluster.lora_admin import LoRAAdmin
 from splitserve.cluster.planner import Planner
 from splitserve.cluster.pools import START_TIMEOUT_S, WorkerPool
 from splitserve.cluster.replicas import Ports, Replicas, reachable, share
@@ -226,8 +227,11 @@ class ServingCluster:
                     f"SLO planner on: TTFT {cfg.planner.ttft_ms:g} ms, TPOT {cfg.planner.tpot_ms:g} ms"
                 )
             if r.http_port is not None:
+                lora = LoRAAdmin(
+                    self._pool_config, self._reconfigure, self.registry, dispatcher, self._upgrading
+                )
                 self.http = parts.http_server(
-                    cfg, dispatcher, self.metrics, self.api_keys, r.http_port, reuse_port=r.replicas > 1
+                    cfg, dispatcher, self.metrics, self.api_keys, r.http_port, r.replicas > 1, lora
                 )
                 await self.http.start()
             if r.metrics_port is not None:
@@ -253,6 +257,14 @@ class ServingCluster:
             http += " (metrics at /metrics)"
         self.progress(f"serving {cfg.model.public_name} ({cfg.mode}) on {self.address} (gRPC){http}")
         return self.address
+
+    def _pool_config(self) -> ClusterConfig:
+        """The config the pools start workers from now (an upgrade's, runtime LoRA loads)."""
+        return next(iter(self.pools.values())).config
+
+    def _reconfigure(self, config: ClusterConfig) -> None:
+        for pool in self.pools.values():
+            pool.reconfigure(config)
 
     async def routers(self) -> list[RouterInfo]:
         """Every router of the cluster: this one (index 0), then its replicas and node routers."""

@@ -39,6 +39,8 @@ What the routers share, and how:
   counter, and a router that dies takes its share with it. The price: the kernel
   (or the load balancer) spreads connections, not requests, so a client that
   sends everything over one long-lived connection meets one router's share.
+- **LoRA adapters loaded or unloaded at run time** (``/v1/load_lora_adapter``, which
+  only the primary answers) reach the others with the next sync.
 - **Config, API keys, the served model and its validator** are the primary's:
   a router gets the config and the validator the primary built at start, and
   reads the same API keys file (on its own node: the same path).
@@ -163,11 +165,13 @@ class RouterReplica:
         self.metrics_server: MetricsServer | None = None
         self._watching: asyncio.Future | None = None  # the API keys file, reread when it changes
 
-    async def sync(self, workers: list[Member], limits: LimitsSpec) -> None:
+    async def sync(self, workers: list[Member], limits: LimitsSpec, adapters: tuple[str, ...]) -> None:
         """Make this registry's membership the primary's: add (and activate) the new
         workers, drain the draining, remove the gone (closing their token streams); admit
-        within ``limits`` (this router's share) from now on."""
+        within ``limits`` (this router's share), and serve the LoRA ``adapters`` the
+        primary serves (loaded and unloaded at run time there), from now on."""
         self.dispatcher.limits = limits
+        self.dispatcher.adapters = adapters
         clients = {Role.PREFILL.value: RayPrefillWorker}
         known = {w.worker_id for w in self.registry.workers()}
         for m in workers:
@@ -370,7 +374,7 @@ class Replicas:
         fails). Its streams end at their clients; the workers abort what it started."""
         if s.actor is not None:
             try:
-                await s.actor.sync.remote(members(self.registry), self.limits)
+                await s.actor.sync.remote(members(self.registry), self.limits, self.dispatcher.adapters)
                 return
             except Exception as e:
                 log.warning("router %d is lost (%s); starting another", s.index, e)
@@ -395,7 +399,7 @@ class Replicas:
             .remote(self.config, s.index, self.validator, s.ports, self.limits)
         )
         try:
-            await actor.sync.remote(members(self.registry), self.limits)
+            await actor.sync.remote(members(self.registry), self.limits, self.dispatcher.adapters)
             bound = await actor.start.remote()
         except BaseException:
             ray.kill(actor)  # a router half started holds a port share it cannot serve

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 
 from splitserve.cluster.config import ClusterConfig
+from splitserve.cluster.lora_admin import LoRAAdmin
 from splitserve.router.auth import ApiKeys
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.metrics import PoolSize, RouterMetrics
@@ -81,9 +82,10 @@ def http_server(
     api_keys: ApiKeys | None,
     port: int,
     reuse_port: bool,
+    lora: LoRAAdmin | None = None,
 ) -> OpenAIServer:
     """The OpenAI-compatible HTTP server on ``port`` (shared with other routers on this
-    machine where ``reuse_port``)."""
+    machine where ``reuse_port``); ``lora``: the primary's (runtime LoRA loads)."""
     r = config.router
     return OpenAIServer(
         d,
@@ -96,6 +98,7 @@ def http_server(
         tool_parser=r.openai.tool_call_parser,
         reasoning_parser=r.openai.reasoning_parser,
         reuse_port=reuse_port,
+        lora=lora,
     )
 
 

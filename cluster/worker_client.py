@@ -45,6 +45,7 @@ from splitserve.wire.decode import (
     TokenBatch,
     merge,
 )
+from splitserve.wire.engine_commands import LoadAdapter, UnloadAdapter
 from splitserve.wire.errors import EngineStopped, WorkerLost, WorkerStopped, WorkerUnreachable
 from splitserve.wire.kv import Confirmation, Handshake, KVDescriptor, KVHandoff
 from splitserve.wire.prefill import (
@@ -115,6 +116,11 @@ class _EveryWorker:
 
     async def abort(self, request_id: str) -> bool:
         return await _call(self.actor, self.prefix + "abort", request_id)
+
+    async def change_adapters(self, change: LoadAdapter | UnloadAdapter) -> str | None:
+        """Load a LoRA adapter (its digest) or unload one, on the worker's engine (one
+        engine for both halves of an elastic worker: no prefix)."""
+        return await _call(self.actor, "change_adapters", change)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

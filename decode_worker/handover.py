@@ -149,8 +149,9 @@ class DecodeSide(Protocol):
         """Check the pulled KV by meaning (``engine.meaning``), where the worker does."""
         ...
 
-    async def activate(self, request_id: str, output_token_ids: list[int]) -> None:
-        """Put the request, its KV in place, into the engine's decode batch."""
+    async def activate(self, request_id: str, output_token_ids: list[int], adapter_digest: str) -> None:
+        """Put the request, its KV in place, into the engine's decode batch: ``AdapterMismatch``
+        unless ``adapter_digest`` (``KVHandoff.adapter_digest``) is its LoRA adapter's here."""
 
     def free(self, request_id: str) -> None:
         """Free the request's blocks in the engine (not awaited; idempotent)."""
@@ -192,6 +193,7 @@ class WayIn:
         self._phase = first
         self._allowed = allowed
         self._lease: LeasedPull | None = None  # the export's pull, from LINKING on
+        self._adapter_digest = ""  # the LoRA adapter the KV pulled was computed under
 
     @property
     def phase(self) -> Phase:
@@ -203,6 +205,7 @@ class WayIn:
         side, rid = self._side, self.request_id
         what = f"moved request {rid}" if self.task.moved is not None else f"request {rid}"
         self._lease = LeasedPull(side, lender, rid, side.background, what)
+        self._adapter_digest = handoff.adapter_digest
         await self._lease.link(handoff)
         self._to(Phase.WAITING_FOR_BLOCKS)
         blocks = await side.admit(self.task, self._deadline, handoff.remaining_lease())
@@ -220,7 +223,7 @@ class WayIn:
         self._outbox.put(
             TokenBatch(self.request_id, [], "", [], [], None, 0, pulled_s, started_at=time.time())
         )
-        await self._side.activate(self.request_id, output_token_ids)
+        await self._side.activate(self.request_id, output_token_ids, self._adapter_digest)
         self._to(Phase.RUNNING)
 
     async def _end(self) -> None:

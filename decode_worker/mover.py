@@ -59,7 +59,7 @@ class RequestMover:
         ``MoveOut``, ``LendRunning`` and ``LendPrefix`` commands runs before)."""
         desc = lend(self.source, self._lock, self.ledger, request_id, kv, lambda: engine.release(request_id))
         self._poller.wake()
-        return KVHandoff(self.worker_id, (desc,))
+        return KVHandoff(self.worker_id, (desc,), kv.adapter_digest)
 
     def leases(self) -> Leases:  # engine thread
         return self.ledger.leases()

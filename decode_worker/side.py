@@ -91,8 +91,8 @@ class WorkerSide:
         if random.random() < self.spec.verify_meaning:
             await self._submit(VerifyImport(request_id, output_token_ids))
 
-    async def activate(self, request_id: str, output_token_ids: list[int]) -> None:
-        await self._submit(Activate(request_id, output_token_ids))
+    async def activate(self, request_id: str, output_token_ids: list[int], adapter_digest: str) -> None:
+        await self._submit(Activate(request_id, output_token_ids, adapter_digest))
 
     def free(self, request_id: str) -> None:
         self._free(request_id)

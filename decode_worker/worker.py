@@ -91,9 +91,11 @@ from splitserve.wire.engine_commands import (
     EngineCommand,
     LendPrefix,
     LendRunning,
+    LoadAdapter,
     MeasureRates,
     MoveOut,
     Snapshot,
+    UnloadAdapter,
     Withdraw,
 )
 from splitserve.wire.errors import InvalidRequest, UnknownRequest, WorkerLost
@@ -308,6 +310,10 @@ class DecodeWorker:
                 return True
             self.requests.end(request_id, abort=False)
         return await asyncio.wrap_future(self._abort_in_engine(request_id))
+
+    async def change_adapters(self, change: LoadAdapter | UnloadAdapter) -> str | None:
+        """Load a LoRA adapter (its digest) or unload one: ``Engine.load_adapter``, ``unload_adapter``."""
+        return await self._submit(change)
 
     async def arm_fault(self, armed: ArmedFault) -> None:
         """Inject a harness's fault into the handoff of a request yet to come (``wire.faults``:

@@ -212,10 +212,13 @@ class Engine(KVRequests):
         group can read) to the requests added from here on; returns its digest
         (``LoRAAdapter.digest``). Every rank writes its share into one free slot, or
         the adapter is served nowhere: ``ModelLoadError`` with the first refusal's
-        sentence (a name served already, every slot taken, a file this engine cannot
-        run). ``InvalidRequest`` when this engine has LoRA off. Driver only, between
+        sentence (a name served already with other weights, every slot taken, a file
+        this engine cannot run); the same weights under a name served already change
+        nothing. ``InvalidRequest`` when this engine has LoRA off. Driver only, between
         steps (the other ranks write as they follow)."""
         loras = self._lora_adapters()
+        if name in loras.digests and loras.digests[name] == loras.read(name, path).digest:
+            return loras.digests[name]
         loras.reclaim({st.seq.lora_slot for st in self.requests.values()})
         slot = loras.free_slot(name)
         digest = self.runner.write_adapter(name, str(path), slot)

@@ -273,7 +273,9 @@ class LoRAAdapters:
         none unloaded still runs in (``reclaim``). ``ModelLoadError`` when ``name`` is
         served already (unload it first: requests may run under it) or every slot is taken."""
         if name in self.slots:
-            raise ModelLoadError(f"a LoRA adapter named {name!r} is loaded already; unload it first")
+            raise ModelLoadError(
+                f"a LoRA adapter named {name!r} is loaded already, with other weights; unload it first"
+            )
         free = sorted(set(range(self.max_loras)) - set(self.slots.values()) - self._retired)
         if not free:
             retired = len(self._retired)
@@ -284,11 +286,15 @@ class LoRAAdapters:
             )
         return free[0]
 
+    def read(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Adapter ``name`` from ``path`` as this engine would load it (``load_adapter``)."""
+        return load_adapter(name, path, self.num_layers, self.max_rank)
+
     def write(self, name: str, path: str | Path, slot: int) -> str:
         """Read adapter ``name`` from ``path`` and write it into ``slot`` (this rank's share);
         returns its digest. ``ModelLoadError`` as ``load_adapter``, or for a target this
         model lacks, leaving the slot as it was. The caller picks a slot no row selects."""
-        adapter = load_adapter(name, path, self.num_layers, self.max_rank)
+        adapter = self.read(name, path)
         for layer, module in adapter.weights:
             if (layer, TARGETS[module][0]) not in self._modules:
                 raise ModelLoadError(

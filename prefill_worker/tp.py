@@ -46,7 +46,8 @@ from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.worker_group import Heartbeat, RankFollower, join_group
 from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.exports import ExportLedger
-from splitserve.wire.errors import KVTransferError
+from splitserve.kv_transfer.tp_mapping import readers_per_rank
+from splitserve.wire.errors import InvalidRequest, KVTransferError
 from splitserve.wire.kv import Handshake, KVDescriptor
 from splitserve.wire.prefill import PrefillWorkerSpec
 
@@ -123,6 +124,27 @@ class OtherRanks:
             self.group.broadcast_object(PollShards())
             for rank, ended in enumerate(self.group.gather_object(None)):
                 self.ledger.shards_ended(rank, ended or ())
+
+
+class ReaderCounts:
+    """Per rank of a prefill group, how many ranks of a decode group of a given size read
+    its export (``readers_per_rank``), kept by that size."""
+
+    def __init__(self, tp_size: int, num_kv_heads: int):
+        self._tp_size, self._heads = tp_size, num_kv_heads
+        self._by_size: dict[int, tuple[int, ...]] = {}
+
+    def of(self, reader_tp: int) -> tuple[int, ...]:
+        """``InvalidRequest`` for a size the model's KV heads do not split over or
+        replicate across."""
+        readers = self._by_size.get(reader_tp)
+        if readers is None:
+            try:
+                readers = readers_per_rank(self._tp_size, reader_tp, self._heads)
+            except ValueError as e:
+                raise InvalidRequest(f"no decode group of TP={reader_tp} can take this KV: {e}") from None
+            self._by_size[reader_tp] = readers
+        return readers
 
 
 def join_prefill_group(spec: PrefillWorkerSpec) -> TPGroup:

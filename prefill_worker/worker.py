@@ -24,8 +24,6 @@ handoff at once, so the decode worker pulls layer k while layer k+1 computes::
                          -> KVStreaming(handoff)   the last step's forward pass begins
                          -> PrefillResult           first token sampled (same handoff)
 
-(``PrefillAccepted``: the request reached this worker; a loss before it is not its.)
-
 Prefixes between prefill workers (TP=1): a task whose ``prefix_from`` names
 another prefill worker first copies the prompt's leading blocks from it
 (``prefill_worker.borrow``) and computes only the rest, or everything if the copy
@@ -54,11 +52,18 @@ from splitserve.kv_transfer.exports import ExportLedger, lend
 from splitserve.kv_transfer.layerwise import LayerExporter
 from splitserve.kv_transfer.polling import SourcePoller
 from splitserve.kv_transfer.puller import KVPuller
-from splitserve.kv_transfer.tp_mapping import RankSink, readers_per_rank
+from splitserve.kv_transfer.tp_mapping import RankSink
 from splitserve.prefill_worker.borrow import PrefixBorrower
-from splitserve.prefill_worker.tp import OtherRanks, join_prefill_group
+from splitserve.prefill_worker.tp import OtherRanks, ReaderCounts, join_prefill_group
 from splitserve.prefill_worker.waiter import Waiter, first_text
-from splitserve.wire.engine_commands import Abort, AddRequest, LendPrefix, Snapshot
+from splitserve.wire.engine_commands import (
+    Abort,
+    AddRequest,
+    LendPrefix,
+    LoadAdapter,
+    Snapshot,
+    UnloadAdapter,
+)
 from splitserve.wire.errors import EngineStopped, InvalidRequest, KVTransferError, UnknownRequest
 from splitserve.wire.faults import ArmedFault, ArmedFaults
 from splitserve.wire.kv import Confirmation, KVDescriptor, KVHandoff, Leases
@@ -100,7 +105,7 @@ class PrefillWorker:
         backend = get_backend(spec.backend)
         self.source = backend.source(spec.worker_id, self.engine.kv_cache.tensor, compat, spec.lease_s)
         self.handshakes = tuple(self.tp.gather_object(self.source.handshake()))  # every rank's
-        self._readers_by_tp: dict[int, tuple[int, ...]] = {}  # see _readers
+        self._readers = ReaderCounts(self.tp.size, self.engine.model_config.num_kv_heads)
         self._waiters: dict[str, Waiter] = {}  # requests whose prefill() is awaiting
         self._texts = Texts(self.engine.tokenizer)  # their first tokens' text (engine thread)
         self._text_failures = 0  # requests failed because that text could not be made
@@ -180,7 +185,7 @@ class PrefillWorker:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         loop = asyncio.get_running_loop()
         deadline = None if task.timeout_s is None else loop.time() + task.timeout_s
-        readers = self._readers(task.reader_tp)
+        readers = self._readers.of(task.reader_tp)
         streamed = loop.create_future() if stream else None
         waiter = Waiter(loop, loop.create_future(), streamed, deadline, readers)
 
@@ -211,20 +216,6 @@ class PrefillWorker:
                 raise
         finally:
             self._waiters.pop(rid, None)
-
-    def _readers(self, reader_tp: int) -> tuple[int, ...]:
-        """Per rank here, how many ranks of a decode group of ``reader_tp`` read its export
-        (``readers_per_rank``). ``InvalidRequest`` for a size the model's KV heads do not
-        split over or replicate across."""
-        readers = self._readers_by_tp.get(reader_tp)
-        if readers is None:
-            heads = self.engine.model_config.num_kv_heads
-            try:
-                readers = readers_per_rank(self.tp.size, reader_tp, heads)
-            except ValueError as e:
-                raise InvalidRequest(f"no decode group of TP={reader_tp} can take this KV: {e}") from None
-            self._readers_by_tp[reader_tp] = readers
-        return readers
 
     def _stream_readers(self, request_id: str) -> int:  # engine thread
         """The readers of a streamed export (TP=1 here: rank 0's count)."""
@@ -258,6 +249,10 @@ class PrefillWorker:
         shards = tuple(c.transfer_id for c in confirmations if c.source_worker != self.worker_id)
         if shards:
             self.loop.call(lambda e: self.shards.confirm(shards))
+
+    async def change_adapters(self, change: LoadAdapter | UnloadAdapter) -> str | None:
+        """Load a LoRA adapter (its digest) or unload one: ``Engine.load_adapter``, ``unload_adapter``."""
+        return await asyncio.wrap_future(self.loop.submit(change))
 
     async def arm_fault(self, armed: ArmedFault) -> None:
         """Inject a harness's fault into the export of a request yet to come
@@ -304,7 +299,7 @@ class PrefillWorker:
         through this lender, ``"prefill"``); its blocks are released if that fails."""
         release = lambda: engine.release(request_id)  # noqa: E731
         desc = lend(self.source, self._source_lock, self.ledger, request_id, kv, release)
-        return KVHandoff(self.worker_id, (desc,))
+        return KVHandoff(self.worker_id, (desc,), kv.adapter_digest)
 
     def leases(self) -> Leases:
         return self.ledger.leases()
@@ -327,7 +322,8 @@ class PrefillWorker:
             self.ledger.opened(desc.request_id, desc.transfer_id)
             waiter = self._waiters.get(desc.request_id)
             if waiter is not None:
-                waiter.announce(KVHandoff(self.worker_id, (desc,)))
+                digest = self.engine.adapter_digest(desc.request_id)
+                waiter.announce(KVHandoff(self.worker_id, (desc,), digest))
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """Prefilled requests (engine thread): each has its first token's text made
@@ -381,7 +377,7 @@ class PrefillWorker:
         except KVTransferError:
             self.release(self.engine, rid)  # rank 0's own export
             raise
-        return KVHandoff(self.worker_id, (descriptor, *shards))
+        return KVHandoff(self.worker_id, (descriptor, *shards), pre.adapter_digest)
 
     def tick(self) -> None:
         """Lease ends (the poller's, and the other ranks') into the ledger; the blocks of

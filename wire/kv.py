@@ -246,6 +246,9 @@ class KVHandoff:
 
     source_worker: str  # the prefill worker (rank 0's id)
     descriptors: tuple[KVDescriptor, ...]
+    # the LoRA adapter the KV was computed under: its digest ("" for the base model;
+    # ``Engine.adapter_digest``); the taker's engine refuses KV of another (``Engine.activate``)
+    adapter_digest: str = ""
 
     def __post_init__(self) -> None:
         if not self.descriptors:

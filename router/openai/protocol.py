@@ -275,6 +275,26 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoRARequest(BaseModel):
+    """vLLM's ``/v1/load_lora_adapter`` body (``lora_int_id``, which it also takes, has
+    no meaning here: an adapter is its name)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
+class UnloadLoRARequest(BaseModel):
+    """vLLM's ``/v1/unload_lora_adapter`` body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 def text_of(content: Any) -> str:
     """Message content as text: a string, or OpenAI's list of text parts."""
     if isinstance(content, str):

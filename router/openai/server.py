@@ -28,6 +28,7 @@ import logging
 import ssl
 import uuid
 from importlib.metadata import version
+from typing import Protocol
 
 from aiohttp import web
 
@@ -41,8 +42,10 @@ from splitserve.router.openai.protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRARequest,
     OpenAIRequest,
     TokenizeRequest,
+    UnloadLoRARequest,
     json_object,
     text_of,
     validated,
@@ -58,6 +61,14 @@ from splitserve.wire.background import cancelled_by_caller
 from splitserve.wire.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
+
+
+class AdapterAdmin(Protocol):
+    """Loads and unloads LoRA adapters on every worker (``cluster.lora_admin.LoRAAdmin``)."""
+
+    async def load(self, name: str, path: str) -> None: ...
+
+    async def unload(self, name: str) -> None: ...
 
 
 class OpenAIServer:
@@ -76,8 +87,12 @@ class OpenAIServer:
         tool_parser: ToolParser = "hermes",
         reasoning_parser: ReasoningParser | None = None,
         reuse_port: bool = False,
+        lora: AdapterAdmin | None = None,
     ):
+        """``lora``: loads and unloads LoRA adapters on every worker (the primary router's;
+        another router answers those calls 501, naming the primary)."""
         self.dispatcher = dispatcher
+        self.lora = lora
         self.reuse_port = reuse_port  # other routers listen on this port too (router.replicas)
         self.responses = Responses(dispatcher)
         self.ignore_unknown_fields = ignore_unknown_fields
@@ -97,6 +112,8 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/load_lora_adapter", self._load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", self._unload_lora)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/version", self._version)
@@ -167,6 +184,29 @@ class OpenAIServer:
             for a in self.dispatcher.adapters
         ]
         return web.json_response({"object": "list", "data": [model, *adapters]})
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's runtime LoRA loading: ``{lora_name, lora_path}``; the adapter serves the
+        next request on every worker (``cluster.lora_admin``)."""
+        if self.lora is None:
+            return _no_pools()
+        try:
+            body = validated(LoadLoRARequest, json_object(await request.read()))
+            await self.lora.load(body.lora_name, body.lora_path)
+        except Exception as e:
+            return _error(e)
+        return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        """vLLM's runtime LoRA unloading: ``{lora_name}``; 404 for an adapter not served."""
+        if self.lora is None:
+            return _no_pools()
+        try:
+            body = validated(UnloadLoRARequest, json_object(await request.read()))
+            await self.lora.unload(body.lora_name)
+        except Exception as e:
+            return _error(e)
+        return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, ChatRequest, chat=True)
@@ -255,3 +295,10 @@ def _auth_error_body(message: str) -> dict:
 def _error(exc: BaseException) -> web.Response:
     status, kind, message = http_status_for(exc)
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def _no_pools() -> web.Response:
+    message = "this router runs no pools: load and unload LoRA adapters on the cluster's first router"
+    return web.json_response(
+        {"error": {"message": message, "type": "unimplemented", "code": 501}}, status=501
+    )

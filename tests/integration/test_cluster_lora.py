@@ -51,6 +51,7 @@ def served(checkpoint, tmp_path_factory):
     expected = {None: merged_greedy(checkpoint, None, prompts, MAX_NEW)}
     expected.update({n: merged_greedy(checkpoint, d, prompts, MAX_NEW) for n, d in dirs.items()})
     lora = {"enable_lora": True, "lora_modules": {n: str(d) for n, d in dirs.items()}, "max_lora_rank": 8}
+    lora["max_loras"] = 4  # room for adapters loaded at run time
     model = {"name": checkpoint, "dtype": "float32", "served_name": "tiny", **lora}
     engine = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}
     decode = {"num_cpus": 0.5, "tp_size": 2, "engine": engine}  # each rank its share of each adapter
@@ -130,3 +131,72 @@ def test_the_openai_door_lists_the_adapters_and_serves_them(served):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=120)
     assert e.value.code == 404 and "unknown model 'a3'" in e.value.read().decode()
+
+
+def _post(url: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_an_adapter_loaded_at_run_time_serves_the_next_request_on_every_worker(served, tmp_path):
+    """vLLM's ``/v1/load_lora_adapter`` on a running cluster: the prefill worker and both
+    ranks of the decode group load it (each rank its share), and the next requests run
+    under it through the handoff, as transformers + PEFT; a bad load changes nothing;
+    unloaded, it is NOT_FOUND and gone from every worker; loaded again under the same
+    name with other weights, the requests get the new weights (no KV of the old)."""
+    cluster, prompts, expected = served
+    checkpoint = cluster.cluster.config.model.name
+    d = tmp_path / "a3"
+    make_adapter(checkpoint, d, 8, 16, ["q_proj", "k_proj", "gate_proj", "down_proj"], False, seed=40)
+    want = merged_greedy(checkpoint, d, prompts, MAX_NEW)
+    assert want != expected[None]
+    base = f"http://{cluster.http_address}/v1"
+    layers = AutoConfig.from_pretrained(checkpoint).num_hidden_layers
+
+    def adapters_everywhere() -> list[dict[str, str]]:
+        with Client(cluster.address, timeout=60) as client:
+            return [dict(w.lora_adapters) for p in client.cluster_status().pools for w in p.workers]
+
+    assert _post(f"{base}/load_lora_adapter", {"lora_name": "a3", "lora_path": str(d)}) == (
+        200,
+        "Success: LoRA adapter 'a3' added successfully.",
+    )
+    digest = load_adapter("a3", d, layers, max_rank=8).digest
+    with Client(cluster.address, timeout=120) as client:
+        finals = []
+        for i, prompt in enumerate(prompts):  # one prefill worker, one decode group: both ran it
+            out = client.generate(prompt, model="a3", max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0)
+            assert out.token_ids == want[i], i
+            finals.append(out.final)
+        assert_kv_moved(finals, client)
+        assert [m.id for m in client.list_models()] == ["tiny", "a1", "a2", "a3"]
+    wait_until(lambda: all(a.get("a3") == digest for a in adapters_everywhere()), "a3 listed on every worker")
+
+    status, text = _post(f"{base}/load_lora_adapter", {"lora_name": "a3", "lora_path": str(d)})
+    assert status == 400 and "served already" in text
+    status, text = _post(
+        f"{base}/load_lora_adapter", {"lora_name": "a4", "lora_path": str(tmp_path / "none")}
+    )
+    assert status == 400 and "could not load it" in text and "adapter_config.json is missing" in text
+    with Client(cluster.address, timeout=60) as client:
+        assert "a4" not in [m.id for m in client.list_models()]
+        assert all("a4" not in a for a in adapters_everywhere())
+
+        assert _post(f"{base}/unload_lora_adapter", {"lora_name": "a3"}) == (
+            200,
+            "Success: LoRA adapter 'a3' removed successfully.",
+        )
+        with pytest.raises(NotFound, match="unknown model 'a3'"):
+            client.generate(prompts[0], model="a3", max_tokens=2)
+        wait_until(lambda: all("a3" not in a for a in adapters_everywhere()), "a3 gone from every worker")
+        assert _post(f"{base}/unload_lora_adapter", {"lora_name": "a3"})[0] == 404
+
+        a1_dir = cluster.cluster.config.model.lora_modules["a1"]
+        assert _post(f"{base}/load_lora_adapter", {"lora_name": "a3", "lora_path": a1_dir})[0] == 200
+        out = client.generate(prompts[2], model="a3", max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0)
+        assert out.token_ids == expected["a1"][2]
+        assert _post(f"{base}/unload_lora_adapter", {"lora_name": "a3"})[0] == 200

@@ -99,7 +99,7 @@ class FakeSide:
     async def verify(self, request_id: str, output_token_ids: list[int]) -> None:
         await self._step("verify")
 
-    async def activate(self, request_id: str, output_token_ids: list[int]) -> None:
+    async def activate(self, request_id: str, output_token_ids: list[int], adapter_digest: str) -> None:
         await self._step("activate")
         self.activated.append((request_id, output_token_ids))
 

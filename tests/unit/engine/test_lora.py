@@ -157,7 +157,8 @@ def test_an_adapter_loaded_at_run_time_serves_and_unloads_without_touching_runni
     assert dict(engine.stats().lora_adapters) == {"a1": digest}
     (out,) = engine.generate([prompts[2]], params("a1"))
     assert out.token_ids == expected["a1"][2]
-    with pytest.raises(ModelLoadError, match="'a1' is loaded already"):
+    assert engine.load_adapter("a1", str(first)) == digest  # the same weights: nothing changes
+    with pytest.raises(ModelLoadError, match="'a1' is loaded already, with other weights"):
         engine.load_adapter("a1", str(second))
     engine.add_request(prompts[2], params("a1"), "old")  # runs under the first weights
     tokens = [t for o in engine.step() for t in o.new_token_ids]

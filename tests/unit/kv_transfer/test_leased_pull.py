@@ -162,7 +162,7 @@ class Side:
     async def verify(self, request_id, output_token_ids) -> None:
         pass
 
-    async def activate(self, request_id, output_token_ids) -> None:
+    async def activate(self, request_id, output_token_ids, adapter_digest) -> None:
         pass
 
     def free(self, request_id: str) -> None:

@@ -1,0 +1,117 @@
+"""LoRA adapters loaded and unloaded while the cluster serves: on every worker of every
+pool, as vLLM's ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` do on
+its one server.
+
+The primary router owns the set of adapters the cluster serves (its dispatcher's
+``adapters``; the other routers get it with their next sync, ``cluster.replicas``).
+
+- **Load**: refused (``InvalidRequest``, nothing changed) where LoRA is off
+  (``model.enable_lora``), for a name already served (or the served model's), or for
+  a config the pools would not start from (more adapters than ``max_loras``). The
+  pools' config names the adapter first, so that a worker started from then on (a
+  replacement, the autoscaler's, an upgrade's) loads it at start; then every worker
+  loads it, all at once (each engine on every rank of its TP group:
+  ``Engine.load_adapter``); a worker that had it from its config already answers
+  alike. If one refuses, those that loaded it unload it, the config is restored, and
+  the refusal's sentence is the answer. Only then does the router route to it.
+- **Unload**: the router stops routing to it first (a request naming it from then on
+  is ``NOT_FOUND``), the config drops it, then every worker unloads it; the requests
+  running under it finish under it (``Engine.unload_adapter``).
+
+One change at a time, and none during a rolling upgrade. A worker that fails to unload
+(lost meanwhile) is logged and skipped: one that comes back starts from the config,
+without the adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from splitserve.cluster.config import ClusterConfig
+from splitserve.router.dispatch import Dispatcher
+from splitserve.router.registry import WorkerRegistry
+from splitserve.wire.engine_commands import LoadAdapter, UnloadAdapter
+from splitserve.wire.errors import InvalidRequest, ModelLoadError, UnknownModel
+
+log = logging.getLogger(__name__)
+
+
+class LoRAAdmin:
+    def __init__(
+        self,
+        config: Callable[[], ClusterConfig],
+        reconfigure: Callable[[ClusterConfig], None],
+        registry: WorkerRegistry,
+        dispatcher: Dispatcher,
+        changing: asyncio.Lock,
+    ):
+        """``config``: the config the pools start workers from now; ``reconfigure``: start
+        them from this one from now on (those running keep theirs); ``changing``: held
+        while the cluster's config changes (a rolling upgrade holds it too)."""
+        self._config, self._reconfigure = config, reconfigure
+        self._registry, self._dispatcher = registry, dispatcher
+        self._changing = changing
+
+    async def load(self, name: str, path: str) -> None:
+        """Serve adapter ``name`` from ``path`` (a PEFT directory every worker's node can
+        read) on every worker, or on none (see the module docstring)."""
+        async with self._changing:
+            config = self._config()
+            if not config.model.enable_lora:
+                raise InvalidRequest("this cluster serves no LoRA adapters: start it with --enable-lora")
+            if not name or name == self._dispatcher.served_model or name in self._dispatcher.adapters:
+                raise InvalidRequest(f"a model or LoRA adapter named {name!r} is served already")
+            changed = _with_modules(config, {**config.model.lora_modules, name: path})
+            self._reconfigure(changed)
+            loaded: list = []
+
+            async def load_on(record) -> None:
+                await record.client.change_adapters(LoadAdapter(name, path))
+                loaded.append(record)
+
+            workers = self._registry.workers()
+            outcomes = await asyncio.gather(*(load_on(w) for w in workers), return_exceptions=True)
+            refusals = [(w, e) for w, e in zip(workers, outcomes) if isinstance(e, BaseException)]
+            if refusals:
+                await asyncio.gather(*(_unload_on(w, name) for w in loaded))
+                self._reconfigure(config)
+                worker, error = refusals[0]
+                if isinstance(error, ModelLoadError | InvalidRequest):
+                    raise InvalidRequest(f"{worker.worker_id} could not load it: {error}") from None
+                raise error
+            self._dispatcher.adapters = (*self._dispatcher.adapters, name)
+            log.info("LoRA adapter %r from %s: loaded on %d worker(s)", name, path, len(workers))
+
+    async def unload(self, name: str) -> None:
+        """Serve adapter ``name`` no more (see the module docstring). ``UnknownModel`` if
+        it is not served."""
+        async with self._changing:
+            if name not in self._dispatcher.adapters:
+                raise UnknownModel(f"no LoRA adapter named {name!r} is served")
+            self._dispatcher.adapters = tuple(a for a in self._dispatcher.adapters if a != name)
+            config = self._config()
+            modules = {n: p for n, p in config.model.lora_modules.items() if n != name}
+            self._reconfigure(_with_modules(config, modules))
+            await asyncio.gather(*(_unload_on(w, name) for w in self._registry.workers()))
+            log.info("LoRA adapter %r unloaded", name)
+
+
+async def _unload_on(record, name: str) -> None:
+    try:
+        await record.client.change_adapters(UnloadAdapter(name))
+    except Exception as e:  # lost meanwhile, or never had it: its replacement starts without it
+        log.warning("%s: unloading LoRA adapter %r failed: %s", record.worker_id, name, e)
+
+
+def _with_modules(config: ClusterConfig, modules: dict[str, str]) -> ClusterConfig:
+    """``config`` whose workers start with LoRA adapters ``modules``; ``InvalidRequest``
+    where a pool's engine would not start from it."""
+    changed = config.model_copy(update={"model": config.model.model_copy(update={"lora_modules": modules})})
+    for role in changed.pools():
+        try:
+            changed.engine_config(role)
+        except ValueError as e:
+            raise InvalidRequest(f"the pools could not start with these adapters: {e}") from None
+    return changed
