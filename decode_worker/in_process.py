@@ -23,6 +23,7 @@ from splitserve.wire.decode import (
     PreCopy,
     TokenBatch,
 )
+from splitserve.wire.engine_commands import LoadAdapter, UnloadAdapter
 from splitserve.wire.prefix import PrefixCursor
 
 
@@ -42,6 +43,9 @@ class InProcessDecodeClient:
 
     async def abort(self, request_id: str) -> bool:
         return await self.worker.abort(request_id)
+
+    async def change_adapters(self, change: LoadAdapter | UnloadAdapter) -> str | None:
+        return await self.worker.change_adapters(change)
 
     async def move_out(self, request_id: str, export: bool = True, from_block: int = 0) -> MovedRequest:
         return await self.worker.move_out(request_id, export, from_block)

@@ -21,6 +21,7 @@ from splitserve.wire.decode import (
     PreCopy,
     TokenBatch,
 )
+from splitserve.wire.engine_commands import LoadAdapter, UnloadAdapter
 from splitserve.wire.prefill import PrefillStats, PrefillWorkerInfo
 from splitserve.wire.prefix import PrefixCursor
 
@@ -41,6 +42,10 @@ class WorkerClient(Protocol):
         ...
 
     async def abort(self, request_id: str) -> bool: ...
+
+    async def change_adapters(self, change: LoadAdapter | UnloadAdapter) -> str | None:
+        """Load a LoRA adapter on the worker's engine (its digest) or unload one."""
+        ...
 
     def generate(self, task: DecodeTask) -> AsyncIterator[TokenBatch]:
         """A decode worker's batches of ``task``, up to the one with ``finish_reason`` (or
