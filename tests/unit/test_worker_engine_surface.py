@@ -133,6 +133,8 @@ EXAMPLES = {
     engine_commands.ImportRequest: (engine_commands.ImportRequest("r1", [1, 2], [3], P), ["import_request"]),
     engine_commands.Activate: (engine_commands.Activate("r1", [3]), ["activate"]),
     engine_commands.VerifyImport: (engine_commands.VerifyImport("r1", [3]), ["verify_import"]),
+    engine_commands.LoadAdapter: (engine_commands.LoadAdapter("a1", "/adapters/a1"), ["load_adapter"]),
+    engine_commands.UnloadAdapter: (engine_commands.UnloadAdapter("a1"), ["unload_adapter"]),
     engine_commands.InjectFault: (
         engine_commands.InjectFault("r1", HandoffFault.LAYERS_SWAPPED),
         ["inject_fault"],
