@@ -69,7 +69,7 @@ class PreCopier:
             raise
         except SplitserveError as e:  # no room, or nothing to copy yet: the move copies it all
             return self._failed(task, e)
-        loan_id, lease = f"{rid}/precopy", None
+        loan_id, lease, digest = f"{rid}/precopy", None, None
         try:
             async with asyncio.timeout(task.timeout_s):
                 if blocks:
@@ -82,7 +82,8 @@ class PreCopier:
                     blocks = blocks[: len(loaned.descriptors[0].block_ids)]
                     await lease.link(loaned)
                     await lease.pull(loaned, blocks, task.timeout_s)
-                await self._submit(FillMoving(rid, held + len(blocks)))
+                    digest = loaned.adapter_digest
+                await self._submit(FillMoving(rid, held + len(blocks), digest))
         except asyncio.CancelledError:
             await self._give_up(rid, lease)
             raise

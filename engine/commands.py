@@ -91,7 +91,7 @@ def run(engine: Engine, command: c.EngineCommand, lenders: Mapping[str, Lender])
                 command.request_id, command.prompt_token_ids, command.output_token_ids, command.params
             )
         case c.FillMoving():
-            return engine.fill_moving(command.request_id, command.num_blocks)
+            return engine.fill_moving(command.request_id, command.num_blocks, command.adapter_digest)
         case c.ReservePrefix():
             return engine.reserve_prefix(command.loan_id, command.token_ids)
         case c.Withdraw():

@@ -54,7 +54,7 @@ from splitserve.engine.step_rates import DecodeSteps, ExpertLoad, PrefillRate
 from splitserve.engine.text import Texts
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.wire.config import EngineConfig
-from splitserve.wire.errors import InvalidRequest, SequenceFailed, UnknownRequest
+from splitserve.wire.errors import InvalidRequest, ModelLoadError, SequenceFailed, UnknownRequest
 from splitserve.wire.kv import CompatInfo
 from splitserve.wire.outputs import (
     CompletionOutput,
@@ -212,14 +212,23 @@ class Engine(KVRequests):
         group can read) to the requests added from here on; returns its digest
         (``LoRAAdapter.digest``). Every rank writes its share into one free slot, or
         the adapter is served nowhere: ``ModelLoadError`` with the first refusal's
-        sentence (a name served already with other weights, every slot taken, a file
-        this engine cannot run); the same weights under a name served already change
-        nothing. ``InvalidRequest`` when this engine has LoRA off. Driver only, between
-        steps (the other ranks write as they follow)."""
+        sentence (a name served already with other weights, or unloaded with other
+        weights that requests still run under, every slot taken, a file this engine
+        cannot run); the same weights under a name served already change nothing.
+        ``InvalidRequest`` when this engine has LoRA off. Driver only, between steps
+        (the other ranks write as they follow)."""
         loras = self._lora_adapters()
-        if name in loras.digests and loras.digests[name] == loras.read(name, path).digest:
-            return loras.digests[name]
         loras.reclaim({st.seq.lora_slot for st in self.requests.values()})
+        if name in loras.digests or loras.still_running(name):
+            digest = loras.read(name, path).digest
+            if loras.digests.get(name) == digest:
+                return digest
+            if loras.still_running(name) - {digest}:  # a request's weights would change mid-way
+                raise ModelLoadError(
+                    f"LoRA adapter {name!r} was unloaded, but requests still run here under its "
+                    "earlier weights; load other weights under this name once they have finished "
+                    "(or under another name now)"
+                )
         slot = loras.free_slot(name)
         digest = self.runner.write_adapter(name, str(path), slot)
         loras.register(name, slot, digest)

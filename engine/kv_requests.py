@@ -138,6 +138,7 @@ class KVRequests:
         loan = self._sequence(
             loan_id, seq.token_ids[: n * bs], SamplingParams(max_tokens=1), prefill_only=True
         )
+        loan.lora_slot, loan.lora_digest, loan.hash_root = seq.lora_slot, seq.lora_digest, seq.hash_root
         self.block_manager.share(loan, seq.block_table[:n])
         loan.export_from_block = from_block
         self.requests[loan_id] = state = RequestState(loan, loan.num_tokens)
@@ -296,12 +297,14 @@ class KVRequests:
         Safe from any thread (arithmetic on values fixed at construction)."""
         return self.block_manager.locate(blocks)
 
-    def fill_moving(self, request_id: str, num_blocks: int) -> int:
+    def fill_moving(self, request_id: str, num_blocks: int, adapter_digest: str | None = None) -> int:
         """The first ``num_blocks`` blocks ``reserve_moving`` made for ``request_id`` hold
         their KV now (held here, or copied in and verified); the others stay allocated for
-        the move to fill. Returns the tokens copied in (counted as moved in)."""
+        the move to fill. Returns the tokens copied in (counted as moved in).
+        ``adapter_digest``: as ``activate``'s (``AdapterMismatch``, nothing changed)."""
         state = self._get(request_id, SequenceStatus.IMPORTING)
         seq, bs = state.seq, self.block_manager.block_size
+        _check_adapter(seq, adapter_digest)
         held = seq.num_computed_tokens // bs
         if not seq.awaiting_import or not held <= num_blocks <= len(seq.block_table):
             raise InvalidRequest(
@@ -458,12 +461,7 @@ class KVRequests:
         here, as after an adapter was loaded again with other weights on one side."""
         state = self._get(request_id, SequenceStatus.IMPORTING)
         seq = state.seq
-        if adapter_digest is not None and adapter_digest != seq.lora_digest:
-            raise AdapterMismatch(
-                f"the KV of request {request_id} was computed under "
-                f"{_adapter_named(adapter_digest, seq.params.adapter)}, but it runs here under "
-                f"{_adapter_named(seq.lora_digest, seq.params.adapter)}: it is not used"
-            )
+        _check_adapter(seq, adapter_digest)
         if output_token_ids:
             if seq.num_output_tokens:
                 raise InvalidRequest(f"request {request_id} already has its first token")
@@ -474,6 +472,17 @@ class KVRequests:
             raise InvalidRequest("an imported request needs its first sampled token")
         self.block_manager.commit_computed(state.seq)
         self.scheduler.add_running(state.seq)
+
+
+def _check_adapter(seq: Sequence, adapter_digest: str | None) -> None:
+    """``AdapterMismatch`` unless KV computed under ``adapter_digest`` (None: not known)
+    is ``seq``'s: of the LoRA adapter it runs under here (``KVHandoff.adapter_digest``)."""
+    if adapter_digest is not None and adapter_digest != seq.lora_digest:
+        raise AdapterMismatch(
+            f"the KV of request {seq.request_id} was computed under "
+            f"{_adapter_named(adapter_digest, seq.params.adapter)}, but it runs here under "
+            f"{_adapter_named(seq.lora_digest, seq.params.adapter)}: it is not used"
+        )
 
 
 def _adapter_named(digest: str, name: str | None) -> str:

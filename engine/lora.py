@@ -241,7 +241,8 @@ class LoRAAdapters:
         self.dtype, self.device = dtype, device
         self.slots: dict[str, int] = {}  # adapter served -> its slot
         self.digests: dict[str, str] = {}  # adapter served -> ``LoRAAdapter.digest``
-        self._retired: set[int] = set()  # slots of adapters unloaded that requests may still run in
+        # slots of adapters unloaded that requests may still run in -> (name, digest)
+        self._retired: dict[int, tuple[str, str]] = {}
         self._modules: dict[tuple[int, str], LoRALinear] = {}  # (layer, engine module path) -> wrapper
         self._shards = _shards(mc, tp)
         for index, layer in enumerate(model.layers):
@@ -276,7 +277,7 @@ class LoRAAdapters:
             raise ModelLoadError(
                 f"a LoRA adapter named {name!r} is loaded already, with other weights; unload it first"
             )
-        free = sorted(set(range(self.max_loras)) - set(self.slots.values()) - self._retired)
+        free = sorted(set(range(self.max_loras)) - set(self.slots.values()) - set(self._retired))
         if not free:
             retired = len(self._retired)
             draining = f"; {retired} unloaded still serve running requests" if retired else ""
@@ -326,14 +327,17 @@ class LoRAAdapters:
         """Serve ``name`` to no new request; its slot stays as it is for the requests that
         run under it until ``reclaim`` frees it. Returns the slot. ``KeyError`` if not served."""
         slot = self.slots.pop(name)
-        del self.digests[name]
-        self._retired.add(slot)
+        self._retired[slot] = (name, self.digests.pop(name))
         return slot
 
     def reclaim(self, in_use: set[int]) -> None:
         """The slots of unloaded adapters no request runs in (``in_use``: the slots the
         engine's requests hold) are free from here on."""
-        self._retired &= in_use
+        self._retired = {slot: named for slot, named in self._retired.items() if slot in in_use}
+
+    def still_running(self, name: str) -> set[str]:
+        """The digests of adapters unloaded under ``name`` that requests still run under."""
+        return {digest for n, digest in self._retired.values() if n == name}
 
     def begin_step(self, rows: list[tuple[int, int, int]], num_rows: int) -> None:
         """The next forward's rows by adapter: ``rows`` [(first packed row, rows, slot)] of

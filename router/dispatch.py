@@ -94,6 +94,7 @@ from splitserve.router.trace import RequestTrace, TraceLog, TraceSink
 from splitserve.wire.background import Background, cancelled_by_caller
 from splitserve.wire.decode import DecodeTask
 from splitserve.wire.errors import (
+    AdapterMismatch,
     InvalidRequest,
     KVTransferError,
     Overloaded,
@@ -410,7 +411,9 @@ class Dispatcher:
             except KVTransferError as e:
                 if life.source is None and not life.moving:
                     raise
-                action = self.on_transfer_failure
+                # KV of another adapter's weights: recomputed here, the request would go on
+                # under other weights than its first tokens' (an adapter loaded again)
+                action = "fail" if isinstance(e, AdapterMismatch) else self.on_transfer_failure
                 self.transfer_failures[(type(e).__name__, action)] += 1
                 if action == "fail":
                     raise

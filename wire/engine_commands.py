@@ -122,10 +122,12 @@ class ReserveMoving:
 
 @dataclass(frozen=True)
 class FillMoving:
-    """``Engine.fill_moving``: the first ``num_blocks`` reserved blocks hold their KV."""
+    """``Engine.fill_moving``: the first ``num_blocks`` reserved blocks hold their KV,
+    computed under ``adapter_digest`` (the loan's ``KVHandoff.adapter_digest``)."""
 
     request_id: str
     num_blocks: int
+    adapter_digest: str | None = None
 
 
 @dataclass(frozen=True)

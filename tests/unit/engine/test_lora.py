@@ -146,9 +146,8 @@ def test_an_adapter_the_engine_cannot_run_is_refused_at_load_naming_its_file(ser
 def test_an_adapter_loaded_at_run_time_serves_and_unloads_without_touching_running_requests(served):
     """An engine started with no adapter loads one and serves it as one loaded at start
     would; unloaded, it serves no new request while the one running under it finishes
-    under it; loaded again under the same name with other weights, the new requests get
-    the new weights and none of the old one's cached KV; a slot is taken again only once
-    no request runs in it."""
+    under it, in its slot; other weights under that name wait until it has (a request's
+    weights never change mid-way), and then get none of the old weights' cached KV."""
     checkpoint, dirs, prompts, expected = served
     first, second = dirs.values()
     engine = make_engine(checkpoint, {}, max_loras=2, enable_prefix_caching=True)
@@ -166,11 +165,12 @@ def test_an_adapter_loaded_at_run_time_serves_and_unloads_without_touching_runni
     assert engine.stats().lora_adapters == ()
     with pytest.raises(InvalidRequest, match="no LoRA adapter named 'a1'"):
         engine.add_request(prompts[0], params("a1"))
-    again = engine.load_adapter("a1", str(second))  # slot 0 still runs "old": slot 1
-    assert again != digest
+    with pytest.raises(ModelLoadError, match="requests still run here under its earlier weights"):
+        engine.load_adapter("a1", str(second))
+    other = engine.load_adapter("a2", str(second))  # slot 0 still runs "old": slot 1
     with pytest.raises(ModelLoadError, match="all 2 slots"):
         engine.load_adapter("a3", str(first))
-    engine.add_request(prompts[2], params("a1"), "new")
+    engine.add_request(prompts[2], params("a2"), "new")
     got: dict[str, list[int]] = {"old": tokens, "new": []}
     cached = set()
     while engine.has_unfinished():
@@ -178,11 +178,11 @@ def test_an_adapter_loaded_at_run_time_serves_and_unloads_without_touching_runni
             got[o.request_id] += o.new_token_ids
             if o.request_id == "new":
                 cached.add(o.num_cached_tokens)
-    assert got["old"] == expected["a1"][2]  # the old weights to the end
+    assert got["old"] == expected["a1"][2]  # the first weights to the end
     assert got["new"] == expected["a2"][2] and cached == {0}
-    engine.load_adapter("a3", str(first))  # "old" ended: its slot is free
-    (out,) = engine.generate([prompts[1]], params("a3"))
-    assert out.token_ids == expected["a1"][1]
+    assert engine.load_adapter("a1", str(second)) == other  # "old" ended: its slot is free
+    (out,) = engine.generate([prompts[2]], params("a1"))
+    assert out.token_ids == expected["a2"][2]  # none of the first weights' cached KV
     with pytest.raises(InvalidRequest, match="no LoRA adapter named 'a9'"):
         engine.unload_adapter("a9")
 
