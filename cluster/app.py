@@ -230,6 +230,8 @@ class ServingCluster:
                 lora = LoRAAdmin(
                     self._pool_config, self._reconfigure, self.registry, dispatcher, self._upgrading
                 )
+                if cfg.model.enable_lora:
+                    self._tasks.append(asyncio.create_task(lora.keep()))
                 self.http = parts.http_server(
                     cfg, dispatcher, self.metrics, self.api_keys, r.http_port, r.replicas > 1, lora
                 )
@@ -283,13 +285,19 @@ class ServingCluster:
     async def upgrade(self, config_yaml: str = "", model: str = "", pace: int = 1) -> UpgradeReport:
         """A rolling upgrade (``cluster.upgrade``) to the config ``config_yaml`` (YAML; empty:
         the running one) with its model replaced by ``model`` (if given). One at a time:
-        ``InvalidRequest`` while another runs, or for a config that does not fit."""
+        ``InvalidRequest`` while another runs, or for a config that does not fit. The LoRA
+        adapters served now (loaded at run time too) are kept unless the YAML names
+        ``model.lora_modules``: those not named are served no more from its start, those
+        named are served once it is done."""
         if self._upgrading.locked():
-            raise InvalidRequest("an upgrade is already running")
+            raise InvalidRequest("an upgrade (or a LoRA adapter's load or unload) is running")
         try:
-            config = self.config
+            config = self._pool_config()
             if config_yaml:
                 config = ClusterConfig.model_validate(yaml.safe_load(config_yaml))
+                if "lora_modules" not in config.model.model_fields_set:
+                    kept = {"lora_modules": self._pool_config().model.lora_modules}
+                    config = config.model_copy(update={"model": config.model.model_copy(update=kept)})
             if model:
                 config = config.model_copy(update={"model": config.model.model_copy(update={"name": model})})
             if config.mode != self.config.mode:
@@ -302,7 +310,11 @@ class ServingCluster:
             way = await self._upgrade_way(config, pace)
             scaling = [p.spec.autoscaling for p in self.pools.values() if p.spec.autoscaling is not None]
             timeout = max((a.drain_timeout_s for a in scaling), default=UPGRADE_DRAIN_TIMEOUT_S)
-            return await rolling_upgrade(self.pools, config, pace, timeout, self.progress, way)
+            d, named = self.server.dispatcher, tuple(config.model.lora_modules)
+            d.adapters = tuple(a for a in d.adapters if a in named)
+            report = await rolling_upgrade(self.pools, config, pace, timeout, self.progress, way)
+            d.adapters = named if config.model.enable_lora else ()
+            return report
 
     async def _upgrade_way(self, config: ClusterConfig, pace: int) -> Way:
         """How an upgrade to ``config`` runs with the room Ray has now (``plan_upgrade``;

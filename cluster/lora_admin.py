@@ -12,15 +12,19 @@ The primary router owns the set of adapters the cluster serves (its dispatcher's
   replacement, the autoscaler's, an upgrade's) loads it at start; then every worker
   loads it, all at once (each engine on every rank of its TP group:
   ``Engine.load_adapter``); a worker that had it from its config already answers
-  alike. If one refuses, those that loaded it unload it, the config is restored, and
-  the refusal's sentence is the answer. Only then does the router route to it.
+  alike. If one refuses, or two read different files at the path (their digests
+  differ), those that loaded it unload it, the config is restored, and the refusal's
+  sentence is the answer. Only then does the router route to it.
 - **Unload**: the router stops routing to it first (a request naming it from then on
   is ``NOT_FOUND``), the config drops it, then every worker unloads it; the requests
   running under it finish under it (``Engine.unload_adapter``).
+- **Kept in step** (``keep``): every ``KEEP_S``, an active worker whose adapters (its
+  last stats) are not the ones served loads the missing and unloads the others: a
+  worker Ray restarted comes back with the adapters it was first started with, and one
+  started while a change ran may have missed it.
 
-One change at a time, and none during a rolling upgrade. A worker that fails to unload
-(lost meanwhile) is logged and skipped: one that comes back starts from the config,
-without the adapter.
+One change at a time, and none during a rolling upgrade (they share its lock). A
+change runs to its end once begun, even if the caller leaves (the HTTP door shields it).
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ from collections.abc import Callable
 
 from splitserve.cluster.config import ClusterConfig
 from splitserve.router.dispatch import Dispatcher
-from splitserve.router.registry import WorkerRegistry
+from splitserve.router.registry import Membership, WorkerRecord, WorkerRegistry
 from splitserve.wire.engine_commands import LoadAdapter, UnloadAdapter
 from splitserve.wire.errors import InvalidRequest, ModelLoadError, UnknownModel
 
 log = logging.getLogger(__name__)
+
+KEEP_S = 5.0  # how often the workers' adapters are checked against those served
 
 
 class LoRAAdmin:
@@ -65,24 +71,26 @@ class LoRAAdmin:
                 raise InvalidRequest(f"a model or LoRA adapter named {name!r} is served already")
             changed = _with_modules(config, {**config.model.lora_modules, name: path})
             self._reconfigure(changed)
-            loaded: list = []
-
-            async def load_on(record) -> None:
-                await record.client.change_adapters(LoadAdapter(name, path))
-                loaded.append(record)
-
             workers = self._registry.workers()
-            outcomes = await asyncio.gather(*(load_on(w) for w in workers), return_exceptions=True)
-            refusals = [(w, e) for w, e in zip(workers, outcomes) if isinstance(e, BaseException)]
-            if refusals:
-                await asyncio.gather(*(_unload_on(w, name) for w in loaded))
-                self._reconfigure(config)
-                worker, error = refusals[0]
+            outcomes = await asyncio.gather(
+                *(w.client.change_adapters(LoadAdapter(name, path)) for w in workers), return_exceptions=True
+            )
+            loaded = {w.worker_id: d for w, d in zip(workers, outcomes) if not isinstance(d, BaseException)}
+            refusal = next(((w, e) for w, e in zip(workers, outcomes) if isinstance(e, BaseException)), None)
+            if refusal is None and len(set(loaded.values())) > 1:
+                digests = ", ".join(f"{wid}: {d}" for wid, d in sorted(loaded.items()))
+                error = InvalidRequest(f"the workers read different files at {path} ({digests})")
+            elif refusal is not None:
+                worker, error = refusal
                 if isinstance(error, ModelLoadError | InvalidRequest):
-                    raise InvalidRequest(f"{worker.worker_id} could not load it: {error}") from None
-                raise error
-            self._dispatcher.adapters = (*self._dispatcher.adapters, name)
-            log.info("LoRA adapter %r from %s: loaded on %d worker(s)", name, path, len(workers))
+                    error = InvalidRequest(f"{worker.worker_id} could not load it: {error}")
+            else:
+                self._dispatcher.adapters = (*self._dispatcher.adapters, name)
+                log.info("LoRA adapter %r from %s: loaded on %d worker(s)", name, path, len(workers))
+                return
+            await asyncio.gather(*(_unload_on(w, name) for w in workers if w.worker_id in loaded))
+            self._reconfigure(config)
+            raise error
 
     async def unload(self, name: str) -> None:
         """Serve adapter ``name`` no more (see the module docstring). ``UnknownModel`` if
@@ -97,11 +105,41 @@ class LoRAAdmin:
             await asyncio.gather(*(_unload_on(w, name) for w in self._registry.workers()))
             log.info("LoRA adapter %r unloaded", name)
 
+    async def keep(self, interval_s: float = KEEP_S) -> None:
+        """Forever: every ``interval_s``, ``align`` the active workers."""
+        while True:
+            await asyncio.sleep(interval_s)
+            async with self._changing:
+                await self.align()
 
-async def _unload_on(record, name: str) -> None:
+    async def align(self) -> int:
+        """Each active worker whose last stats list other adapters than those served
+        loads the missing (from the config's paths) and unloads the others; returns the
+        changes made. What fails is logged and tried again next time."""
+        served = set(self._dispatcher.adapters)
+        paths = self._config().model.lora_modules
+        changes = []
+        for w in self._registry.workers():
+            if w.state != Membership.ACTIVE or w.stats is None:
+                continue
+            has = {n for n, _ in w.stats.engine.lora_adapters}
+            changes += [(w, LoadAdapter(n, paths[n])) for n in sorted(served - has) if n in paths]
+            changes += [(w, UnloadAdapter(n)) for n in sorted(has - served)]
+        outcomes = await asyncio.gather(
+            *(w.client.change_adapters(c) for w, c in changes), return_exceptions=True
+        )
+        for (w, change), outcome in zip(changes, outcomes):
+            if isinstance(outcome, BaseException):
+                log.warning("%s: %s failed: %s", w.worker_id, change, outcome)
+            else:
+                log.info("%s: %s (its adapters were not those served)", w.worker_id, change)
+        return len(changes)
+
+
+async def _unload_on(record: WorkerRecord, name: str) -> None:
     try:
         await record.client.change_adapters(UnloadAdapter(name))
-    except Exception as e:  # lost meanwhile, or never had it: its replacement starts without it
+    except Exception as e:  # lost meanwhile, or never had it: ``align`` sees to it
         log.warning("%s: unloading LoRA adapter %r failed: %s", record.worker_id, name, e)
 
 
