@@ -56,7 +56,11 @@ def serve_config(args: argparse.Namespace, config):
         "generation_config": None if args.generation_config is None else args.generation_config == "auto",
     }
     data["model"].update({k: v for k, v in model.items() if v is not None})
-    lora = {"max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
+    lora = {
+        "max_loras": args.max_loras,
+        "max_cpu_loras": args.max_cpu_loras,
+        "max_lora_rank": args.max_lora_rank,
+    }
     if args.lora_modules:
         lora["lora_modules"] = lora_modules(args.lora_modules, data["model"])
     if args.enable_lora or args.lora_modules:
@@ -648,7 +652,10 @@ def _add_serve_parser(sub) -> None:
         help="LoRA adapters (PEFT directories) a request names as its model; each NAME=PATH, or vLLM's "
         'JSON form {"name": ..., "path": ..., "base_model_name": ...}',
     )
-    srv.add_argument("--max-loras", type=int, default=None, help="adapters a worker holds at once")
+    srv.add_argument("--max-loras", type=int, default=None, help="adapters in one batch (device slots)")
+    srv.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (default: --max-loras)"
+    )
     srv.add_argument("--max-lora-rank", type=int, default=None, help="the highest adapter rank taken")
     srv.add_argument("--help-config", action="store_true", help="list every config field and exit")
     srv.set_defaults(func=_serve)

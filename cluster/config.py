@@ -78,13 +78,20 @@ class ModelSpec(_Strict):
     )
     lora_modules: dict[str, str] = Field(
         default_factory=dict,
-        description="LoRA adapters by name: a PEFT adapter directory each, loaded by every worker at start "
-        "(vLLM's --lora-modules NAME=PATH)",
+        description="LoRA adapters by name: a PEFT adapter directory each, served by every worker from "
+        "the start (vLLM's --lora-modules NAME=PATH); more are loaded at run time (/v1/load_lora_adapter)",
     )
     max_loras: int | None = Field(
         _engine_default("max_loras"),
         ge=1,
-        description="adapters a worker holds at once (a batch mixes them); unset: one per adapter",
+        description="adapters in a worker's slots at once (a batch mixes them; the others wait for a "
+        "slot); unset: one per adapter of lora_modules",
+    )
+    max_cpu_loras: int | None = Field(
+        _engine_default("max_cpu_loras"),
+        ge=1,
+        description="adapters a worker keeps read in host memory (the others are read again when a "
+        "slot needs them); unset: max_loras",
     )
     max_lora_rank: int = Field(
         _engine_default("max_lora_rank"), ge=1, description="the highest adapter rank a worker takes"

@@ -127,7 +127,9 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
     )
     loras = None
     if config.enable_lora:  # every targeted projection wrapped, then each adapter in a slot
-        loras = LoRAAdapters(model, mc, layer_tp, config.num_lora_slots, config.max_lora_rank, dtype, device)
+        slots = config.num_lora_slots
+        host = config.max_cpu_loras or slots
+        loras = LoRAAdapters(model, mc, layer_tp, slots, host, config.max_lora_rank, dtype, device)
         for name, path in config.lora_modules.items():
             loras.load(name, path)
     tokenizer, defaults, eos_token_ids = _tokenizer_and_defaults(config, source, mc, tokenizer)

@@ -42,7 +42,7 @@ from typing import Any
 from splitserve.engine.build import build_engine
 from splitserve.engine.containment import Containment, Ran, contained
 from splitserve.engine.kv_requests import KVRequests
-from splitserve.engine.lora import LoRAAdapters
+from splitserve.engine.lora_requests import LoRARequests
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.request_state import RequestState
 from splitserve.engine.scheduler import ScheduledSeq
@@ -71,7 +71,7 @@ from splitserve.wire.sampling import FinishReason, SamplingParams
 log = logging.getLogger(__name__)
 
 
-class Engine(KVRequests):
+class Engine(KVRequests, LoRARequests):
     def __init__(
         self,
         config: EngineConfig,
@@ -109,6 +109,9 @@ class Engine(KVRequests):
         self.runner = parts.runner
         self.validator = parts.validator
         self.loras = parts.loras  # its LoRA adapters (engine.lora), or None
+        self._unbound: list[tuple[Sequence, SequenceFailed]] = []  # whose adapter no slot could take
+        if self.loras is not None:  # a request runs once its adapter has a slot (lora_requests)
+            self.scheduler.ready = self._lora_ready
         self.summary = parts.summary  # one line: dtype, threads or device, attention backend, KV blocks
         self.revision = parts.revision  # which weights (engine.model.revision): in the KV compat hash
         self.requests: dict[str, RequestState] = {}
@@ -200,62 +203,12 @@ class Engine(KVRequests):
                     f"request names LoRA adapter {params.adapter!r}, but LoRA adapters are not enabled "
                     "on this engine (enable_lora)"
                 )
-            if params.adapter not in self.loras.digests:
-                loaded = ", ".join(sorted(self.loras.digests)) or "none"
+            if params.adapter not in self.loras.served:
+                loaded = ", ".join(sorted(self.loras.served)) or "none"
                 raise InvalidRequest(
                     f"no LoRA adapter named {params.adapter!r} is loaded here (loaded: {loaded})"
                 )
         return self.validator.validate(prompt, params, messages)
-
-    def load_adapter(self, name: str, path: str) -> str:
-        """Serve LoRA adapter ``name`` from ``path`` (a PEFT directory every rank of the
-        group can read) to the requests added from here on; returns its digest
-        (``LoRAAdapter.digest``). Every rank writes its share into one free slot, or
-        the adapter is served nowhere: ``ModelLoadError`` with the first refusal's
-        sentence (a name served already with other weights, or unloaded with other
-        weights that requests still run under, every slot taken, a file this engine
-        cannot run); the same weights under a name served already change nothing.
-        ``InvalidRequest`` when this engine has LoRA off. Driver only, between steps
-        (the other ranks write as they follow)."""
-        loras = self._lora_adapters()
-        loras.reclaim({st.seq.lora_slot for st in self.requests.values()})
-        if name in loras.digests or loras.still_running(name):
-            digest = loras.read(name, path).digest
-            if loras.digests.get(name) == digest:
-                return digest
-            if loras.still_running(name) - {digest}:  # a request's weights would change mid-way
-                raise ModelLoadError(
-                    f"LoRA adapter {name!r} was unloaded, but requests still run here under its "
-                    "earlier weights; load other weights under this name once they have finished "
-                    "(or under another name now)"
-                )
-        slot = loras.free_slot(name)
-        digest = self.runner.write_adapter(name, str(path), slot)
-        loras.register(name, slot, digest)
-        log.info("LoRA adapter %r (%s) loaded from %s into slot %d", name, digest, path, slot)
-        return digest
-
-    def unload_adapter(self, name: str) -> None:
-        """Serve LoRA adapter ``name`` to no new request (``InvalidRequest`` if it is not
-        served here). The requests that run under it finish under it; its slot is taken
-        again only once they have (``LoRAAdapters.reclaim``)."""
-        loras = self._lora_adapters()
-        if name not in loras.digests:
-            raise InvalidRequest(f"no LoRA adapter named {name!r} is loaded here")
-        loras.unload(name)
-
-    def adapter_digest(self, request_id: str) -> str:
-        """The digest of the LoRA adapter ``request_id`` runs under ("" for the base model):
-        its KV's identity beside the weights' revision (``wire.kv.KVHandoff``)."""
-        state = self.requests.get(request_id)
-        if state is None:
-            raise UnknownRequest(f"no request with id {request_id!r}")
-        return state.seq.lora_digest
-
-    def _lora_adapters(self) -> LoRAAdapters:
-        if self.loras is None:
-            raise InvalidRequest("LoRA adapters are not enabled on this engine (enable_lora)")
-        return self.loras
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in any state and free its blocks. False if unknown or done."""
@@ -304,7 +257,7 @@ class Engine(KVRequests):
             host_tier=self.host_tier.counters() if self.host_tier is not None else TierCounters(),
             speculation=self.speculation.counters() if self.speculation else SpeculationCounters(),
             meaning_checks=tuple(sorted(self.meaning_checks.items())),
-            lora_adapters=tuple(sorted(self.loras.digests.items())) if self.loras is not None else (),
+            lora_adapters=tuple(sorted(self.loras.served.items())) if self.loras is not None else (),
         )
 
     def prefix_update(self, cursor: PrefixCursor | None) -> PrefixUpdate:
@@ -349,6 +302,9 @@ class Engine(KVRequests):
         spec = self.speculation
         sched = self.scheduler.schedule(spec.drafts(self.scheduler.running, self.requests) if spec else None)
         outputs: list[RequestOutput] = []
+        for seq, error in self._unbound:
+            outputs.append(self._fail(self.requests[seq.request_id], error))
+        self._unbound.clear()
         for seq in sched.unschedulable:
             state = self.requests[seq.request_id]
             self._finish(state, FinishReason.LENGTH)
@@ -535,8 +491,7 @@ class Engine(KVRequests):
         params = self.validator.with_bad_words_ids(params)
         seq = Sequence(request_id, prompt_ids, params, prefill_only=prefill_only)
         if params.adapter is not None:  # validated: served here
-            name = params.adapter
-            seq.lora_slot, seq.lora_digest = self.loras.slots[name], self.loras.digests[name]
+            seq.lora_digest = self.loras.served[params.adapter]  # its slot: bind_lora
             seq.hash_root = prefix_root(seq.lora_digest)
         if params.structured is not None:
             seq.grammar = self.validator.grammar(params.structured)
@@ -559,6 +514,18 @@ class Engine(KVRequests):
         if state is None or state.seq.status != status:
             raise UnknownRequest(f"no {status.value} request with id {request_id!r}")
         return state
+
+    def _lora_ready(self, seq: Sequence) -> bool:
+        """The scheduler's ``ready``: ``bind_lora``; a request whose adapter no slot can
+        take (its files changed or are gone) waits to fail alone after the schedule."""
+        try:
+            return self.bind_lora(seq)
+        except ModelLoadError as e:
+            if all(s is not seq for s, _ in self._unbound):
+                self._unbound.append(
+                    (seq, SequenceFailed("lora", f"its LoRA adapter could not be loaded: {e}"))
+                )
+            return False
 
     def _park_prefilled(self, state: RequestState) -> None:
         self.scheduler.remove(state.seq)

@@ -138,7 +138,7 @@ class KVRequests:
         loan = self._sequence(
             loan_id, seq.token_ids[: n * bs], SamplingParams(max_tokens=1), prefill_only=True
         )
-        loan.lora_slot, loan.lora_digest, loan.hash_root = seq.lora_slot, seq.lora_digest, seq.hash_root
+        loan.lora_digest, loan.hash_root = seq.lora_digest, seq.hash_root  # it never runs: no slot
         self.block_manager.share(loan, seq.block_table[:n])
         loan.export_from_block = from_block
         self.requests[loan_id] = state = RequestState(loan, loan.num_tokens)
@@ -400,6 +400,7 @@ class KVRequests:
         have, total = seq.num_computed_tokens, seq.num_prompt_tokens + max(0, generated - 1)
         if not self.block_manager.can_allocate(seq, total - have, arriving=True):
             raise Overloaded(f"not enough free KV blocks for {total - have} tokens")
+        self._bind_or_overloaded(seq)  # its LoRA adapter's slot, as its blocks
         self.block_manager.allocate(seq, total - have, arriving=True)
         for t in outputs:
             seq.append_token(t)

@@ -3,10 +3,11 @@
 An adapter (PEFT's format: ``adapter_config.json`` and ``adapter_model.safetensors``)
 adds to a projection ``W`` of the base the low-rank ``scaling * B @ A``; a request
 names the adapter it runs under (``SamplingParams.adapter``), or none (the base).
-``LoRAAdapters`` loads adapters into ``max_loras`` slots; each targeted projection of
-the model is wrapped in a ``LoRALinear`` holding every slot's ``A`` and ``B`` side by
-side. A step (``LoRAAdapters.begin_step``) marks each row's slot (a one-hot row; zeros
-for a base row), and each wrapped projection adds ``((x @ A_all) * one_hot) @ B_all``
+``LoRAAdapters`` serves any number of adapters and holds up to ``max_loras`` of them
+in slots (those of one step); each targeted projection of the model is wrapped in a
+``LoRALinear`` holding every slot's ``A`` and ``B`` side by side. A step
+(``LoRAAdapters.begin_step``) marks each row's slot (a one-hot row; zeros for a base
+row), and each wrapped projection adds ``((x @ A_all) * one_hot) @ B_all``
 to its output: every slot's low-rank product for every row, the rows' own kept, in
 two plain matmuls and a multiply whatever the adapters present (no gather, no
 scatter, no per-row Python). A step of base rows only skips it. On this CPU it runs
@@ -22,12 +23,12 @@ part's output rows and rank columns (block-diagonal), so one pair of matmuls ser
 every part. ``scaling`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) is folded
 into ``B`` at load.
 
-Adapters load at start (``lora_modules``) and at run time (``Engine.load_adapter``:
-every rank writes its share into the slot the driver picked, or none does) and unload
-(``Engine.unload_adapter``): no new request runs under it, and its slot is written over
-only once no request that runs under it is left (``reclaim``). A request keeps the slot
-it started in (``Sequence.lora_slot``), so an adapter unloaded and loaded again under
-the same name never changes a running request's tokens.
+Adapters are served from the start (``lora_modules``) or from a load at run time, and
+unloaded (``engine.lora_requests``: which request takes which slot, when). A served
+adapter is read once and kept in host memory (``max_cpu_loras`` copies, the least
+recently used that no request holds dropped past that, read again from its path when
+needed); a slot is written, on every rank of a TP group (the driver picks it:
+``ModelRunner.write_adapter``), when a request needs it and no slot holds it.
 
 Refused, with a sentence naming the file: a rank above ``max_lora_rank``, a target
 the model lacks (a MoE layer has no ``gate_proj``), DoRA, per-module rank or alpha
@@ -37,10 +38,12 @@ outside the model, a tensor whose shape does not fit.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +66,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "up_proj": ("mlp.gate_up_proj", "up"),
     "down_proj": ("mlp.down_proj", "down"),
 }
+Key = tuple[str, str]  # an adapter: its name and its weights' digest
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -220,8 +224,9 @@ class LoRALinear(nn.Module):
 
 
 class LoRAAdapters:
-    """The adapters an engine serves: up to ``max_loras`` loaded, each in a slot of every
-    ``LoRALinear`` the model's projections were wrapped in (at construction)."""
+    """The adapters an engine serves (``served``, the driver's), their host copies, and
+    the ``max_loras`` slots of every ``LoRALinear`` the model's projections were wrapped
+    in (at construction), each holding one adapter's weights or none."""
 
     def __init__(
         self,
@@ -229,20 +234,24 @@ class LoRAAdapters:
         mc: ModelConfig,
         tp: TPGroup,
         max_loras: int,
+        max_cpu_loras: int,
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
     ):
         """``model``, this rank's shard of ``mc`` in group ``tp``: each projection takes
-        its share of an adapter as of its base weights (``_shards``)."""
-        self.max_loras, self.max_rank = max_loras, max_rank
+        its share of an adapter as of its base weights (``_shards``). ``max_loras`` slots
+        (adapters in one step), ``max_cpu_loras`` host copies."""
+        self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
         self.num_layers = len(model.layers)
         self.step = LoRAStep()
         self.dtype, self.device = dtype, device
-        self.slots: dict[str, int] = {}  # adapter served -> its slot
-        self.digests: dict[str, str] = {}  # adapter served -> ``LoRAAdapter.digest``
-        # slots of adapters unloaded that requests may still run in -> (name, digest)
-        self._retired: dict[int, tuple[str, str]] = {}
+        self.served: dict[str, str] = {}  # adapter served -> ``LoRAAdapter.digest`` (driver)
+        # (name, digest) -> its path and host copy (None once evicted), least recently used first
+        self._host: collections.OrderedDict[Key, tuple[str, LoRAAdapter | None]] = collections.OrderedDict()
+        self._slots: list[Key | None] = [None] * max_loras  # the adapter each slot holds
+        self._written = [0] * max_loras  # when each slot was last written (``_clock``)
+        self._clock = 0
         self._modules: dict[tuple[int, str], LoRALinear] = {}  # (layer, engine module path) -> wrapper
         self._shards = _shards(mc, tp)
         for index, layer in enumerate(model.layers):
@@ -261,48 +270,100 @@ class LoRAAdapters:
                     setattr(owner, attr, wrapped)
                 self._modules[(index, path)] = wrapped
 
+    # ---- what the engine serves (the driver's; the other ranks only ``write``) ---------
     def load(self, name: str, path: str | Path) -> str:
-        """Load adapter ``name`` from ``path`` into a free slot and serve it (``free_slot``,
-        ``write``, ``register``: what one rank does alone); returns its digest."""
-        slot = self.free_slot(name)
-        digest = self.write(name, path, slot)
-        self.register(name, slot, digest)
-        return digest
+        """Serve adapter ``name`` from ``path`` as an engine does at start (no request yet,
+        one rank: ``check_new``, ``write`` to check, ``serve``); returns its digest."""
+        adapter = self.read(name, path)
+        self.check_new(name, adapter.digest, set())
+        self.write(name, path, None, adapter)
+        self.serve(name, str(path), adapter, set())
+        return adapter.digest
 
-    def free_slot(self, name: str) -> int:
-        """A slot for adapter ``name`` to be written into: one no adapter served holds and
-        none unloaded still runs in (``reclaim``). ``ModelLoadError`` when ``name`` is
-        served already (unload it first: requests may run under it) or every slot is taken."""
-        if name in self.slots:
+    def check_new(self, name: str, digest: str, needed: set[Key]) -> None:
+        """``ModelLoadError`` unless weights ``digest`` may be served as ``name``: not while
+        ``name`` is served with other weights, nor while requests run under other weights
+        it was served with (``needed``: the (name, digest) of every request the engine holds)."""
+        if name in self.served and self.served[name] != digest:
             raise ModelLoadError(
                 f"a LoRA adapter named {name!r} is loaded already, with other weights; unload it first"
             )
-        free = sorted(set(range(self.max_loras)) - set(self.slots.values()) - set(self._retired))
-        if not free:
-            retired = len(self._retired)
-            draining = f"; {retired} unloaded still serve running requests" if retired else ""
+        if any(n == name and d != digest for n, d in needed):
             raise ModelLoadError(
-                f"LoRA adapter {name!r}: all {self.max_loras} slots (max_loras) hold adapters "
-                f"({', '.join(sorted(self.slots)) or 'none served'}{draining})"
+                f"LoRA adapter {name!r} was unloaded, but requests still run here under its earlier "
+                "weights; load other weights under this name once they have finished (or under "
+                "another name now)"
             )
-        return free[0]
 
+    def serve(self, name: str, path: str, adapter: LoRAAdapter, needed: set[Key]) -> None:
+        """Serve ``adapter`` (read from ``path``, checked: ``check_new``, ``write``) as
+        ``name`` to requests added from here on. Its host copy is kept, and past
+        ``max_cpu_loras`` copies the least recently used that no request holds
+        (``needed``) is dropped (read again from its path when a slot needs it); a slot
+        is written only when a request needs it (``slot_for``)."""
+        self.served[name] = adapter.digest
+        self._keep((name, adapter.digest), path, adapter, needed)
+
+    def unserve(self, name: str) -> None:
+        """Serve ``name`` to no new request (``KeyError`` if not served). The requests under
+        it run on in their slots, or get one as any other (its host copy stays theirs)."""
+        del self.served[name]
+
+    def slot_for(self, key: Key, in_use: Callable[[], set[int]]) -> tuple[int, bool] | None:
+        """A slot for adapter ``key`` (name, digest): (the one holding its weights, True),
+        else (one no request runs in, ``in_use()``, emptiest and least recently written
+        first, False: to ``write``), else None: every slot is in use."""
+        for slot, held in enumerate(self._slots):
+            if held == key:
+                return slot, True
+        busy = in_use()
+        free = [s for s in range(self.max_loras) if s not in busy]
+        if not free:
+            return None
+        return min(free, key=lambda s: (self._slots[s] is not None, self._written[s])), False
+
+    def forget(self, slot: int) -> None:
+        """Slot ``slot`` holds no adapter (a write that failed on some rank)."""
+        self._slots[slot] = None
+
+    def source(self, key: Key) -> tuple[str, LoRAAdapter | None]:
+        """Where adapter ``key``'s weights come from: its path, and its host copy if kept
+        (``KeyError`` for an adapter never served here)."""
+        entry = self._host[key]
+        self._host.move_to_end(key)
+        return entry
+
+    # ---- every rank ---------------------------------------------------------------
     def read(self, name: str, path: str | Path) -> LoRAAdapter:
         """Adapter ``name`` from ``path`` as this engine would load it (``load_adapter``)."""
         return load_adapter(name, path, self.num_layers, self.max_rank)
 
-    def write(self, name: str, path: str | Path, slot: int) -> str:
-        """Read adapter ``name`` from ``path`` and write it into ``slot`` (this rank's share);
-        returns its digest. ``ModelLoadError`` as ``load_adapter``, or for a target this
-        model lacks, leaving the slot as it was. The caller picks a slot no row selects."""
-        adapter = self.read(name, path)
+    def write(self, name: str, path: str | Path, slot: int | None, adapter: LoRAAdapter | None = None) -> str:
+        """Write adapter ``name`` (``adapter``, else read from ``path``) into ``slot``, this
+        rank's share (None: check only that it fits); returns its digest. ``ModelLoadError``
+        as ``load_adapter``, or for a target this model lacks, leaving the slot as it was.
+        The caller picks a slot no row selects."""
+        adapter = adapter or self.read(name, path)
+        writes = self._writes(adapter)
+        if slot is not None:
+            for wrapped, part, a, b in writes:
+                wrapped.set(slot, part, a, b)
+            self._slots[slot] = (name, adapter.digest)
+            self._clock += 1
+            self._written[slot] = self._clock
+        return adapter.digest
+
+    def _writes(self, adapter: LoRAAdapter) -> list:
+        """Every (module, part, A, B) ``adapter`` writes, this rank's share, each checked:
+        ``ModelLoadError`` for one that does not fit this model."""
+        name = adapter.name
         for layer, module in adapter.weights:
             if (layer, TARGETS[module][0]) not in self._modules:
                 raise ModelLoadError(
                     f"LoRA adapter {name!r} ({adapter.path}) adapts layer {layer}'s {module}, which this "
                     "model does not have there"
                 )
-        writes = []  # every tensor checked before the slot changes: a refused adapter leaves it as it was
+        writes = []
         for (layer, path_), wrapped in self._modules.items():
             for part in wrapped.parts:
                 module = next(m for m, (p, pt) in TARGETS.items() if p == path_ and pt == part)
@@ -315,29 +376,21 @@ class LoRAAdapters:
                         f"LoRA adapter {name!r} ({adapter.path}): layer {layer}'s {e}"
                     ) from None
                 writes.append((wrapped, part, a, b))
-        for wrapped, part, a, b in writes:
-            wrapped.set(slot, part, a, b)
-        return adapter.digest
+        return writes
 
-    def register(self, name: str, slot: int, digest: str) -> None:
-        """Serve adapter ``name``, written into ``slot`` on every rank, to new requests."""
-        self.slots[name], self.digests[name] = slot, digest
-
-    def unload(self, name: str) -> int:
-        """Serve ``name`` to no new request; its slot stays as it is for the requests that
-        run under it until ``reclaim`` frees it. Returns the slot. ``KeyError`` if not served."""
-        slot = self.slots.pop(name)
-        self._retired[slot] = (name, self.digests.pop(name))
-        return slot
-
-    def reclaim(self, in_use: set[int]) -> None:
-        """The slots of unloaded adapters no request runs in (``in_use``: the slots the
-        engine's requests hold) are free from here on."""
-        self._retired = {slot: named for slot, named in self._retired.items() if slot in in_use}
-
-    def still_running(self, name: str) -> set[str]:
-        """The digests of adapters unloaded under ``name`` that requests still run under."""
-        return {digest for n, digest in self._retired.values() if n == name}
+    def _keep(self, key: Key, path: str, adapter: LoRAAdapter, needed: set[Key]) -> None:
+        """Keep ``adapter``'s host copy, most recently used; past ``max_cpu_loras`` copies,
+        drop the least recently used that no request needs (``needed``), and forget
+        adapters no longer served that none needs."""
+        self._host[key] = (path, adapter)
+        self._host.move_to_end(key)
+        for old in [k for k in self._host if k != key]:
+            if old not in needed and self.served.get(old[0]) != old[1]:
+                del self._host[old]  # unloaded, and no request left under it
+        kept = [k for k, (_, a) in self._host.items() if a is not None]
+        for old in kept[: max(0, len(kept) - self.max_cpu_loras)]:
+            if old not in needed:
+                self._host[old] = (self._host[old][0], None)  # read again from its path when needed
 
     def begin_step(self, rows: list[tuple[int, int, int]], num_rows: int) -> None:
         """The next forward's rows by adapter: ``rows`` [(first packed row, rows, slot)] of

@@ -29,7 +29,7 @@ import torch
 from splitserve.engine.attention import AttentionBackend, SeqSpan
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.lora import LoRAAdapters
+from splitserve.engine.lora import LoRAAdapter, LoRAAdapters
 from splitserve.engine.model.decoder import DecoderModel
 from splitserve.engine.model.deltanet import DeltaSpan
 from splitserve.engine.model.llama import StepContext
@@ -144,11 +144,12 @@ class TakeExpertLoad:
 @dataclass(frozen=True)
 class WriteAdapter:
     """Driver to every rank: write this rank's share of LoRA adapter ``name`` from
-    ``path`` into ``slot`` (``LoRAAdapters.write``), then report (``gather_object``)."""
+    ``path`` into ``slot`` (None: check only that it fits; ``LoRAAdapters.write``), then
+    report (``gather_object``)."""
 
     name: str
     path: str
-    slot: int
+    slot: int | None
 
 
 class ModelRunner:
@@ -400,15 +401,18 @@ class ModelRunner:
         per_layer = [m.take_routed() for m in self.model.moe_layers()]
         return [sum(c) for c in zip(*per_layer)]
 
-    def write_adapter(self, name: str, path: str, slot: int) -> str:
-        """Driver: every rank writes its share of LoRA adapter ``name`` from ``path`` into
-        ``slot`` (no row selects it yet); returns its digest. ``ModelLoadError`` with the
-        first refusal's sentence, naming the rank in a group; what the other ranks wrote
-        is garbage in a slot no row selects."""
+    def write_adapter(
+        self, name: str, path: str, slot: int | None, adapter: LoRAAdapter | None = None
+    ) -> str:
+        """Driver: every rank writes its share of LoRA adapter ``name`` into ``slot`` (no
+        row selects it yet; None: checks that it fits), the driver from ``adapter`` if
+        given, the others reading ``path``; returns its digest (the driver's).
+        ``ModelLoadError`` with the first refusal's sentence, naming the rank in a group;
+        what the other ranks wrote is garbage in a slot no row selects."""
         order = WriteAdapter(name, path, slot)
         if self.tp.size > 1:
             self.tp.broadcast_object(order)
-        own = self._write_adapter(order)
+        own = self._write_adapter(order, adapter)
         outcomes = self.tp.gather_object(own) if self.tp.size > 1 else [own]
         for rank, outcome in enumerate(outcomes):
             if isinstance(outcome, ModelLoadError):
@@ -416,13 +420,13 @@ class ModelRunner:
                 raise ModelLoadError(f"{where}{outcome}")
         return own
 
-    def _write_adapter(self, order: WriteAdapter) -> str | ModelLoadError:
+    def _write_adapter(self, order: WriteAdapter, adapter: LoRAAdapter | None = None) -> str | ModelLoadError:
         """This rank's part of ``write_adapter``: the digest, or why not (never raised: a
         follower that raised would leave its group)."""
         try:
             if self.loras is None:
                 raise ModelLoadError("LoRA adapters are not enabled on this engine (enable_lora)")
-            return self.loras.write(order.name, order.path, order.slot)
+            return self.loras.write(order.name, order.path, order.slot, adapter)
         except ModelLoadError as e:
             return e
         except Exception as e:  # a file that is not what it claims (JSON, safetensors)

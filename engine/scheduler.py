@@ -15,7 +15,8 @@ sequence (of its shard, when the block manager is sharded) is preempted: its
 blocks are freed and it returns to the front of the waiting queue, to be
 recomputed later (its generated tokens are kept and recomputed as part of its
 prefix). The engine never crashes for lack of blocks;
-no new sequence is admitted in a step that preempted.
+no new sequence is admitted in a step that preempted. A waiting sequence that is not
+``ready`` (its LoRA adapter waits for a slot) keeps its place; those behind it go first.
 
 Speculative decoding: ``schedule(drafts)`` takes tokens proposed for decoding
 sequences (by request id). Such a sequence runs its last token and its draft in
@@ -26,6 +27,7 @@ dropped rather than preempt anything for it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.engine.block_manager import BlockManager
@@ -75,6 +77,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since start: sequences sent back to waiting for lack of blocks
+        # whether a waiting sequence may run now (its LoRA adapter has a slot: the engine's
+        # ``bind_lora``); one that may not keeps its place, and those behind it go first
+        self.ready: Callable[[Sequence], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -133,8 +138,12 @@ class Scheduler:
 
         if out.preempted:
             return out
+        skipped: list[Sequence] = []  # not ready: they keep their place at the front
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.ready is not None and not self.ready(seq):
+                skipped.append(self.waiting.popleft())
+                continue
             cached = bm.find_cached_prefix(seq) if not seq.block_table else []
             tiered = bm.tier_prefix(seq, cached) if not seq.block_table else 0
             n = min(seq.num_uncomputed_tokens - (len(cached) + tiered) * bm.block_size, budget)
@@ -159,6 +168,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         return out
 
     def _fitting_draft(self, seq: Sequence, draft: list[int] | None, budget: int) -> list[int]:

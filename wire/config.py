@@ -113,11 +113,13 @@ class EngineConfig:
     # the KV cache, so both ends must agree)
     mtp_layer: bool = False
     # multi-LoRA (engine.lora): PEFT adapters by name (a request picks one:
-    # SamplingParams.adapter), loaded at start into max_loras slots (None: one per
-    # adapter), each of rank at most max_lora_rank
+    # SamplingParams.adapter), served from the start, each of rank at most max_lora_rank;
+    # max_loras slots hold the adapters of one step (None: one per adapter named here),
+    # max_cpu_loras host copies those read lately (None: max_loras, as vLLM's)
     enable_lora: bool = False
     lora_modules: dict[str, str] = field(default_factory=dict)
     max_loras: int | None = None
+    max_cpu_loras: int | None = None
     max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
@@ -174,10 +176,11 @@ class EngineConfig:
             return
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
-        if self.max_loras is not None and self.max_loras < max(1, len(self.lora_modules)):
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.num_lora_slots:
             raise ValueError(
-                f"lora_modules names {len(self.lora_modules)} adapters; max_loras ({self.max_loras}) "
-                "slots hold them all at once here (none is swapped in and out yet): raise it"
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.num_lora_slots})"
             )
         why = (
             "expert parallelism"

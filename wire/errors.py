@@ -70,6 +70,7 @@ SEQUENCE_ERROR_KINDS = (
     "logprobs",
     "kv_cache",
     "forward",
+    "lora",
 )
 
 

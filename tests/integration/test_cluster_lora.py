@@ -51,7 +51,7 @@ def served(checkpoint, tmp_path_factory):
     expected = {None: merged_greedy(checkpoint, None, prompts, MAX_NEW)}
     expected.update({n: merged_greedy(checkpoint, d, prompts, MAX_NEW) for n, d in dirs.items()})
     lora = {"enable_lora": True, "lora_modules": {n: str(d) for n, d in dirs.items()}, "max_lora_rank": 8}
-    lora["max_loras"] = 4  # room for adapters loaded at run time
+    lora["max_loras"] = 2  # an adapter loaded at run time takes turns with these two
     model = {"name": checkpoint, "dtype": "float32", "served_name": "tiny", **lora}
     engine = {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}
     decode = {"num_cpus": 0.5, "tp_size": 2, "engine": engine}  # each rank its share of each adapter
@@ -145,7 +145,9 @@ def _post(url: str, body: dict) -> tuple[int, str]:
 def test_an_adapter_loaded_at_run_time_serves_the_next_request_on_every_worker(served, tmp_path):
     """vLLM's ``/v1/load_lora_adapter`` on a running cluster: the prefill worker and both
     ranks of the decode group load it (each rank its share), and the next requests run
-    under it through the handoff, as transformers + PEFT; a bad load changes nothing;
+    under it through the handoff, as transformers + PEFT, in a slot a1 or a2 held (two
+    slots, three adapters: written on both decode ranks as the request needs it), and
+    requests under a1 and a2 after them still as theirs; a bad load changes nothing;
     unloaded, it is NOT_FOUND and gone from every worker; loaded again under the same
     name with other weights, the requests get the new weights (no KV of the old)."""
     cluster, prompts, expected = served
@@ -172,6 +174,13 @@ def test_an_adapter_loaded_at_run_time_serves_the_next_request_on_every_worker(s
             out = client.generate(prompt, model="a3", max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0)
             assert out.token_ids == want[i], i
             finals.append(out.final)
+        for i, prompt in enumerate(prompts):  # the slots taken back
+            for name in ("a1", "a2"):
+                out = client.generate(
+                    prompt, model=name, max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0
+                )
+                assert out.token_ids == expected[name][i], (i, name)
+                finals.append(out.final)
         assert_kv_moved(finals, client)
         assert [m.id for m in client.list_models()] == ["tiny", "a1", "a2", "a3"]
     wait_until(lambda: all(a.get("a3") == digest for a in adapters_everywhere()), "a3 listed on every worker")

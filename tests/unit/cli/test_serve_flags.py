@@ -93,21 +93,26 @@ def test_vllm_lora_flags_give_every_worker_the_adapters():
         "/models/llama",
         "--lora-modules", "sql=/adapters/sql", chat,
         "--max-loras", "2",
+        "--max-cpu-loras", "3",
         "--max-lora-rank", "32",
     )  # fmt: skip
     assert cfg.model.enable_lora  # --lora-modules implies it, as in vLLM
     assert cfg.model.lora_modules == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
     for role in ("prefill", "decode"):
         engine = cfg.engine_config(role)
-        assert (engine.enable_lora, engine.lora_modules, engine.max_loras, engine.max_lora_rank) == (
-            True,
-            {"sql": "/adapters/sql", "chat": "/adapters/chat"},
-            2,
-            32,
+        lora = (
+            engine.enable_lora,
+            engine.lora_modules,
+            engine.max_loras,
+            engine.max_cpu_loras,
+            engine.max_lora_rank,
         )
+        assert lora == (True, {"sql": "/adapters/sql", "chat": "/adapters/chat"}, 2, 3, 32)
     with pytest.raises(ValueError, match="give NAME=PATH"):
         _config("--lora-modules", "sql")
     with pytest.raises(ValueError, match="is for 'other'"):
         _config("/models/llama", "--lora-modules", '{"name": "a", "path": "/a", "base_model_name": "other"}')
-    with pytest.raises(ValueError, match="raise it"):  # more adapters than slots
-        _config("--lora-modules", "a=/a", "b=/b", "--max-loras", "1").engine_config("decode")
+    more = _config("--lora-modules", "a=/a", "b=/b", "--max-loras", "1").engine_config("decode")
+    assert more.num_lora_slots == 1  # more adapters than slots: they take turns
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be at least max_loras \(2\)"):
+        _config("--lora-modules", "a=/a", "--max-loras", "2", "--max-cpu-loras", "1").engine_config("decode")

@@ -8,6 +8,7 @@ at load with a sentence naming the file; a request naming no loaded adapter is r
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -129,8 +130,8 @@ def test_an_adapter_the_engine_cannot_run_is_refused_at_load_naming_its_file(ser
     _rewrite_config(dora, use_dora=True)
     with pytest.raises(ModelLoadError, match=r"adapter_config.json uses DoRA"):
         make_engine(checkpoint, {"dora": dora})
-    with pytest.raises(ValueError, match="max_loras"):
-        make_engine(checkpoint, dirs, max_loras=1)
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be at least max_loras \(2\)"):
+        make_engine(checkpoint, dirs, max_loras=2, max_cpu_loras=1)
     wrong = tmp_path / "wrong"  # an adapter of another model: one B a row short
     wrong.mkdir()
     (wrong / "adapter_config.json").write_bytes((some / "adapter_config.json").read_bytes())
@@ -168,8 +169,6 @@ def test_an_adapter_loaded_at_run_time_serves_and_unloads_without_touching_runni
     with pytest.raises(ModelLoadError, match="requests still run here under its earlier weights"):
         engine.load_adapter("a1", str(second))
     other = engine.load_adapter("a2", str(second))  # slot 0 still runs "old": slot 1
-    with pytest.raises(ModelLoadError, match="all 2 slots"):
-        engine.load_adapter("a3", str(first))
     engine.add_request(prompts[2], params("a2"), "new")
     got: dict[str, list[int]] = {"old": tokens, "new": []}
     cached = set()
@@ -185,6 +184,34 @@ def test_an_adapter_loaded_at_run_time_serves_and_unloads_without_touching_runni
     assert out.token_ids == expected["a2"][2]  # none of the first weights' cached KV
     with pytest.raises(InvalidRequest, match="no LoRA adapter named 'a9'"):
         engine.unload_adapter("a9")
+
+
+def test_more_adapters_than_slots_take_turns_and_the_base_never_waits(served):
+    """One slot and one host copy, three adapters: each request waits for the slot until
+    no request runs in it (then it is written: from the host copy, or read again), the
+    base model's requests run meanwhile, and every request's tokens are as if each
+    adapter had a slot of its own."""
+    checkpoint, dirs, prompts, expected = served
+    first, second = dirs.values()
+    engine = make_engine(checkpoint, {"a1": first, "a2": second}, max_loras=1, max_cpu_loras=1)
+    engine.load_adapter("a3", str(first))  # more adapters than slots: served, in no slot yet
+    names = ["a1", None, "a2", "a3", None, "a2"]
+    want = {"a1": expected["a1"], "a3": expected["a1"], "a2": expected["a2"], None: expected[None]}
+    ids = [engine.add_request(prompts[i], params(n)) for i, n in enumerate(names)]
+    got: dict[str, list[int]] = {rid: [] for rid in ids}
+    adapters_per_step, first_token = [], {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        running = {s.params.adapter for s in engine.scheduler.running} - {None}
+        adapters_per_step.append(running)
+        for o in outs:
+            got[o.request_id] += o.new_token_ids
+            first_token.setdefault(o.request_id, len(adapters_per_step)) if o.new_token_ids else None
+    assert all(len(a) <= 1 for a in adapters_per_step)  # never two adapters in one step
+    assert first_token[ids[4]] < first_token[ids[2]]  # the base, added later, went past the waiting a2
+    for i, (rid, name) in enumerate(zip(ids, names)):
+        assert got[rid] == want[name][i], (i, name)
+    assert len(got[ids[1]]) == MAX_NEW
 
 
 def test_kv_computed_under_another_adapter_is_refused_at_activation(served):
@@ -217,3 +244,22 @@ def test_kv_computed_under_another_adapter_is_refused_at_activation(served):
     while alike.has_unfinished():
         tokens += [t for o in alike.step() for t in o.new_token_ids]
     assert tokens == expected[name][4]
+
+
+def test_an_adapter_whose_files_changed_fails_its_request_alone(served, tmp_path):
+    """A slot is written from the host copy, or read again from the adapter's path (past
+    ``max_cpu_loras``): files changed there since the load fail the request that needed
+    them, alone; the engine and the others go on."""
+    checkpoint, dirs, prompts, expected = served
+    first, second = dirs.values()
+    moved = tmp_path / "a1"
+    shutil.copytree(first, moved)
+    engine = make_engine(checkpoint, {"a1": moved, "a2": second}, max_loras=1, max_cpu_loras=1)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):  # a1's host copy is gone: a2's is kept
+        shutil.copy(second / f, moved / f)
+    bad, base = engine.generate([prompts[0], prompts[1]], [params("a1"), params(None)])
+    assert bad.error is not None and bad.error.kind == "lora"
+    assert "changed since it was loaded" in str(bad.error) and bad.token_ids == []
+    assert base.error is None and base.token_ids == expected[None][1]
+    (good,) = engine.generate([prompts[2]], params("a2"))
+    assert good.token_ids == expected["a2"][2]
