@@ -300,6 +300,7 @@ class Engine(KVRequests, LoRARequests):
         if not self.tp.is_driver:
             raise RuntimeError("only TP rank 0 steps the engine; the other ranks call follow()")
         spec = self.speculation
+        self._busy = None  # the LoRA slots held: found again if this schedule needs them
         sched = self.scheduler.schedule(spec.drafts(self.scheduler.running, self.requests) if spec else None)
         outputs: list[RequestOutput] = []
         for seq, error in self._unbound:
@@ -529,6 +530,7 @@ class Engine(KVRequests, LoRARequests):
 
     def _park_prefilled(self, state: RequestState) -> None:
         self.scheduler.remove(state.seq)
+        state.seq.lora_slot = None  # it runs no more here: its LoRA slot is free for others
         state.seq.status = SequenceStatus.PREFILLED
         state.seq.finish_reason = FinishReason.PREFILL_DONE
 

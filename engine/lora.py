@@ -302,7 +302,7 @@ class LoRAAdapters:
         (``needed``) is dropped (read again from its path when a slot needs it); a slot
         is written only when a request needs it (``slot_for``)."""
         self.served[name] = adapter.digest
-        self._keep((name, adapter.digest), path, adapter, needed)
+        self.keep((name, adapter.digest), path, adapter, needed)
 
     def unserve(self, name: str) -> None:
         """Serve ``name`` to no new request (``KeyError`` if not served). The requests under
@@ -338,12 +338,22 @@ class LoRAAdapters:
         """Adapter ``name`` from ``path`` as this engine would load it (``load_adapter``)."""
         return load_adapter(name, path, self.num_layers, self.max_rank)
 
-    def write(self, name: str, path: str | Path, slot: int | None, adapter: LoRAAdapter | None = None) -> str:
+    def write(
+        self,
+        name: str,
+        path: str | Path,
+        slot: int | None,
+        adapter: LoRAAdapter | None = None,
+        digest: str | None = None,
+    ) -> str:
         """Write adapter ``name`` (``adapter``, else read from ``path``) into ``slot``, this
         rank's share (None: check only that it fits); returns its digest. ``ModelLoadError``
-        as ``load_adapter``, or for a target this model lacks, leaving the slot as it was.
-        The caller picks a slot no row selects."""
+        as ``load_adapter``, for a target this model lacks, or for weights other than
+        ``digest`` (the files at ``path`` changed since), leaving the slot as it was. The
+        caller picks a slot no row selects."""
         adapter = adapter or self.read(name, path)
+        if digest is not None and adapter.digest != digest:
+            raise ModelLoadError(f"the files of LoRA adapter {name!r} at {path} changed since it was loaded")
         writes = self._writes(adapter)
         if slot is not None:
             for wrapped, part, a, b in writes:
@@ -378,19 +388,24 @@ class LoRAAdapters:
                 writes.append((wrapped, part, a, b))
         return writes
 
-    def _keep(self, key: Key, path: str, adapter: LoRAAdapter, needed: set[Key]) -> None:
+    def keep(self, key: Key, path: str, adapter: LoRAAdapter, needed: set[Key]) -> None:
         """Keep ``adapter``'s host copy, most recently used; past ``max_cpu_loras`` copies,
-        drop the least recently used that no request needs (``needed``), and forget
-        adapters no longer served that none needs."""
+        drop the least recently used that no request needs (``needed``) until there are
+        no more (or only needed ones are left), and forget adapters no longer served
+        that none needs."""
         self._host[key] = (path, adapter)
         self._host.move_to_end(key)
         for old in [k for k in self._host if k != key]:
             if old not in needed and self.served.get(old[0]) != old[1]:
                 del self._host[old]  # unloaded, and no request left under it
-        kept = [k for k, (_, a) in self._host.items() if a is not None]
-        for old in kept[: max(0, len(kept) - self.max_cpu_loras)]:
-            if old not in needed:
+        kept = [k for k, (_, a) in self._host.items() if a is not None]  # least recently used first
+        excess = len(kept) - self.max_cpu_loras
+        for old in kept:
+            if excess <= 0:
+                break
+            if old not in needed and old != key:
                 self._host[old] = (self._host[old][0], None)  # read again from its path when needed
+                excess -= 1
 
     def begin_step(self, rows: list[tuple[int, int, int]], num_rows: int) -> None:
         """The next forward's rows by adapter: ``rows`` [(first packed row, rows, slot)] of

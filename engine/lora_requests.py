@@ -37,6 +37,7 @@ class LoRARequests:
     loras: LoRAAdapters | None
     requests: dict[str, RequestState]
     runner: ModelRunner
+    _busy: set[int] | None = None  # the slots requests hold, this schedule (``_busy_slots``)
 
     def load_adapter(self, name: str, path: str) -> str:
         """Serve LoRA adapter ``name`` from ``path`` (a PEFT directory every rank of the
@@ -82,27 +83,40 @@ class LoRARequests:
             return True
         loras = self.loras
         key: Key = (seq.params.adapter, seq.lora_digest)
-        found = loras.slot_for(key, lambda: {st.seq.lora_slot for st in self.requests.values()})
+        found = loras.slot_for(key, self._busy_slots)
         if found is None:
             return False
         slot, written = found
         if not written:
             path, adapter = loras.source(key)
-            try:
-                digest = self.runner.write_adapter(key[0], path, slot, adapter)
-                if digest != key[1]:
+            if adapter is None:  # its host copy was dropped: read again, and kept
+                adapter = loras.read(key[0], path)
+                if adapter.digest != key[1]:
                     raise ModelLoadError(
                         f"the files of LoRA adapter {key[0]!r} at {path} changed since it was loaded"
                     )
+                loras.keep(key, path, adapter, self._adapters_needed())
+            try:
+                self.runner.write_adapter(key[0], path, slot, adapter)
             except ModelLoadError:
                 loras.forget(slot)  # some rank may have written part of it
                 raise
         seq.lora_slot = slot
+        if self._busy is not None:
+            self._busy.add(slot)
         return True
+
+    def _busy_slots(self) -> set[int]:
+        """The slots requests hold: found once per schedule (``Engine.step_tokens`` forgets
+        it before each; a slot freed since counts as held until then, never the reverse)."""
+        if self._busy is None:
+            self._busy = {st.seq.lora_slot for st in self.requests.values()} - {None}
+        return self._busy
 
     def _bind_or_overloaded(self, seq: Sequence) -> None:
         """``bind_lora`` for a request taken in from another engine: ``Overloaded`` while
         every slot is held (``SequenceFailed`` where its adapter cannot be written)."""
+        self._busy = None
         try:
             if self.bind_lora(seq):
                 return

@@ -150,6 +150,7 @@ class WriteAdapter:
     name: str
     path: str
     slot: int | None
+    digest: str  # the weights the driver serves under ``name``: a rank reading others refuses
 
 
 class ModelRunner:
@@ -220,7 +221,7 @@ class ModelRunner:
                 inputs.add_windows(seq, inputs.spans[first:], start, end, bs)
             if seq.state_slot is not None:
                 inputs.state_slots.append(_state_slots(seq, start, end, bs))
-            if seq.lora_slot is not None:
+            if seq.params.adapter is not None and self.loras is not None:  # no slot: begin_step refuses
                 inputs.lora_rows.append((len(inputs.input_ids), s.num_new_tokens, seq.lora_slot))
             inputs.input_ids.extend(s.input_ids)
             inputs.positions.extend(range(start, end))
@@ -401,15 +402,13 @@ class ModelRunner:
         per_layer = [m.take_routed() for m in self.model.moe_layers()]
         return [sum(c) for c in zip(*per_layer)]
 
-    def write_adapter(
-        self, name: str, path: str, slot: int | None, adapter: LoRAAdapter | None = None
-    ) -> str:
+    def write_adapter(self, name: str, path: str, slot: int | None, adapter: LoRAAdapter) -> str:
         """Driver: every rank writes its share of LoRA adapter ``name`` into ``slot`` (no
-        row selects it yet; None: checks that it fits), the driver from ``adapter`` if
-        given, the others reading ``path``; returns its digest (the driver's).
+        row selects it yet; None: checks that it fits), the driver from ``adapter``, the
+        others reading ``path`` and refusing other weights than its digest; returns it.
         ``ModelLoadError`` with the first refusal's sentence, naming the rank in a group;
         what the other ranks wrote is garbage in a slot no row selects."""
-        order = WriteAdapter(name, path, slot)
+        order = WriteAdapter(name, path, slot, adapter.digest)
         if self.tp.size > 1:
             self.tp.broadcast_object(order)
         own = self._write_adapter(order, adapter)
@@ -426,7 +425,7 @@ class ModelRunner:
         try:
             if self.loras is None:
                 raise ModelLoadError("LoRA adapters are not enabled on this engine (enable_lora)")
-            return self.loras.write(order.name, order.path, order.slot, adapter)
+            return self.loras.write(order.name, order.path, order.slot, adapter, order.digest)
         except ModelLoadError as e:
             return e
         except Exception as e:  # a file that is not what it claims (JSON, safetensors)

@@ -255,8 +255,11 @@ def test_an_adapter_whose_files_changed_fails_its_request_alone(served, tmp_path
     moved = tmp_path / "a1"
     shutil.copytree(first, moved)
     engine = make_engine(checkpoint, {"a1": moved, "a2": second}, max_loras=1, max_cpu_loras=1)
+    digest = engine.loras.served["a1"]
     for f in ("adapter_config.json", "adapter_model.safetensors"):  # a1's host copy is gone: a2's is kept
         shutil.copy(second / f, moved / f)
+    with pytest.raises(ModelLoadError, match="changed since it was loaded"):  # a TP rank's write, reading
+        engine.loras.write("a1", moved, 0, digest=digest)
     bad, base = engine.generate([prompts[0], prompts[1]], [params("a1"), params(None)])
     assert bad.error is not None and bad.error.kind == "lora"
     assert "changed since it was loaded" in str(bad.error) and bad.token_ids == []

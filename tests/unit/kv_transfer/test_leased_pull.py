@@ -124,7 +124,7 @@ class Engine:
         self.held[rid] = [5, 6]
         return 0, [5, 6]
 
-    def fill_moving(self, rid, num_blocks) -> None:
+    def fill_moving(self, rid, num_blocks, adapter_digest) -> None:
         pass
 
     def reserve_prefix(self, loan_id, prefix):
