@@ -1,0 +1,117 @@
+"""A checksum of KV blocks computed where the KV lives: one Triton kernel over a layer's
+blocks on the GPU, no byte copied to the host (``integrity.layer_checksum`` uses it
+for a CUDA cache; a host cache keeps xxh3, faster there).
+
+The function, ``kv64``: a layer's bytes as the stream a transfer moves them in (K of
+every block in order, then V; an MLA cache's one plane) read as little-endian 32-bit
+words ``w[0..n)``, and
+
+    mix(w, i) = fmix64((w + 1) * M0 ^ (i + 1) * M1)        # 64-bit, wrapping
+    kv64      = fmix64(sum_i mix(w[i], i) ^ n * M2)         # the sum wrapping too
+
+with ``fmix64`` MurmurHash3's 64-bit finalizer. Each word is mixed with its position,
+so a changed word, two words, blocks or planes swapped, or bytes shifted change it
+(not a cryptographic hash: a guard against bytes that went wrong, as xxh3 is here).
+The sum makes it a kernel's natural shape: each program mixes one tile of one block
+and stores its partial sum; the partials add up in any order to the same value.
+
+``reference`` is the same function in numpy on host memory: the specification the
+kernel is tested against (on the CPU, through Triton's interpreter) and what a host
+can compute for bytes a device hashed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+M0 = 0x9E3779B97F4A7C15
+M1 = 0xC2B2AE3D27D4EB4F
+M2 = 0x165667B19E3779F9
+F1 = 0xFF51AFD7ED558CCD  # fmix64's multipliers
+F2 = 0xC4CEB9FE1A85EC53
+MASK = (1 << 64) - 1
+TILE = 1024  # words a program mixes
+
+
+def _fmix(x: np.ndarray | int) -> np.ndarray | int:
+    if isinstance(x, int):
+        x ^= x >> 33
+        x = (x * F1) & MASK
+        x ^= x >> 33
+        x = (x * F2) & MASK
+        return x ^ (x >> 33)
+    x = x ^ (x >> np.uint64(33))
+    x = x * np.uint64(F1)
+    x = x ^ (x >> np.uint64(33))
+    x = x * np.uint64(F2)
+    return x ^ (x >> np.uint64(33))
+
+
+def reference(data: bytes | np.ndarray) -> int:
+    """``kv64`` of ``data`` (a whole number of 32-bit words), in numpy."""
+    w = np.frombuffer(data if isinstance(data, bytes) else data.tobytes(), dtype="<u4").astype(np.uint64)
+    i = np.arange(1, len(w) + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        mixed = _fmix(((w + np.uint64(1)) * np.uint64(M0)) ^ (i * np.uint64(M1)))
+        total = int(mixed.sum(dtype=np.uint64))
+    return _fmix(total ^ ((len(w) * M2) & MASK))
+
+
+@triton.jit
+def _fmix64(x):
+    x ^= x >> 33
+    x *= 0xFF51AFD7ED558CCD
+    x ^= x >> 33
+    x *= 0xC4CEB9FE1A85EC53
+    return x ^ (x >> 33)
+
+
+@triton.jit
+def _kv64_tiles(
+    words_ptr,  # the cache as int32 words
+    segments_ptr,  # [S] int64: the word offset of each segment (a block of one plane) in the cache
+    partials_ptr,  # [S, tiles] int64: each program's sum
+    seg_words,  # words per segment
+    tiles,
+    TILE: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    tile = tl.program_id(1)
+    at = tile * TILE + tl.arange(0, TILE)
+    ok = at < seg_words
+    base = tl.load(segments_ptr + seg)
+    w = tl.load(words_ptr + base + at, mask=ok, other=0).to(tl.uint32).to(tl.uint64)
+    i = (seg.to(tl.uint64) * seg_words + at.to(tl.uint64) + 1).to(tl.uint64)
+    mixed = _fmix64(((w + 1) * 0x9E3779B97F4A7C15) ^ (i * 0xC2B2AE3D27D4EB4F))
+    mixed = tl.where(ok, mixed, 0)
+    tl.store(partials_ptr + seg * tiles + tile, tl.sum(mixed, axis=0).to(tl.int64, bitcast=True))
+
+
+def layer_kv64(planes: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> int:
+    """``kv64`` of one layer's ``planes`` [k/v, block, ...] (contiguous from the block
+    dimension on; any device) over ``block_ids``: K of each block in order, then V.
+    One launch; only the 8-byte result reaches the host."""
+    words = planes.view(torch.int32) if planes.element_size() == 4 else _as_words(planes)
+    per_block = words[0, 0].numel()
+    plane_stride, block_stride = words.stride(0), words.stride(1)
+    ids = torch.tensor(list(block_ids), dtype=torch.int64)
+    offsets = (
+        torch.arange(planes.shape[0], dtype=torch.int64)[:, None] * plane_stride + ids[None, :] * block_stride
+    )
+    segments = offsets.reshape(-1).to(planes.device)
+    tiles = triton.cdiv(per_block, TILE)
+    partials = torch.empty(segments.numel(), tiles, dtype=torch.int64, device=planes.device)
+    _kv64_tiles[(segments.numel(), tiles)](words, segments, partials, per_block, tiles, TILE=TILE)
+    total = int(partials.sum().item()) & MASK  # int64 sums wrap as the uint64 sum does
+    n = segments.numel() * per_block
+    return _fmix(total ^ ((n * M2) & MASK))
+
+
+def _as_words(planes: torch.Tensor) -> torch.Tensor:
+    """``planes`` [k/v, block, ...] as int32 words per block (the bytes of each block
+    viewed whole: a block of bf16 or e4m3 values is a whole number of words)."""
+    flat = planes.reshape(planes.shape[0], planes.shape[1], -1)
+    return flat.view(torch.uint8).view(torch.int32)
