@@ -151,6 +151,10 @@ def _profiles(out: Path) -> dict:
     return {"profiles": found}
 
 
+# stages whose KV moves GPU to GPU over NIXL: UCX may not fall back to software emulation
+# (8 KiB active messages over TCP: ``kv_transfer.backends.nixl_backend.GPU_UCX_CONFIG``)
+NO_EMULATION = ("disaggregated", "handoff")
+
 STAGES = (
     Stage("environment", 45, False, _environment),
     Stage("gpu_tests", 130, True, _gpu_tests),
@@ -168,8 +172,11 @@ def run_stage(stage: Stage, out: Path, cuda: bool) -> dict:
         return {"stage": stage.name, "status": "skipped", "seconds": 0.0, "error": "needs CUDA"}
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "splitserve.bench.device_check", "--out", str(out), "--in-stage", stage.name]
+    env = dict(os.environ)
+    if cuda and stage.name in NO_EMULATION:  # a silent fallback to UCX's emulated GET fails loudly
+        env.setdefault("UCX_PROTO_EMULATION_ENABLE", "n")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=stage.timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=stage.timeout_s, env=env)
     except subprocess.TimeoutExpired:
         record = {"status": "timed out", "error": f"past its {stage.timeout_s:g} s bound"}
         partial = out / f"{stage.name}_rows.json"  # rows a stage wrote as it went

@@ -8,9 +8,9 @@ token, 512 MiB at 4k tokens, 4 GiB at 32k) filled with random bytes, and
 exports one request's blocks with their layer checksums; this process pulls
 them over NIXL into a pool of its own. On a GPU both pools are GPU memory
 (NIXL registers them as VRAM; UCX moves them GPU to GPU, nothing staged
-through the host) and the checksums are computed on the device; without CUDA
-both are host memory. Per size, the median of ``--repeats`` pulls after one
-that sets up the connection:
+through the host) and the checksums are computed on the device
+(``kv_transfer.device_hash``, no host copy); without CUDA both are host memory.
+Per size, the median of ``--repeats`` pulls after one that sets up the connection:
 
 - transfer GB/s: the bytes over the time spent moving them (``TransferStats.transfer_s``);
 - pull GB/s: the bytes over the whole pull (moved and verified);
@@ -33,7 +33,7 @@ import torch
 
 from splitserve.bench.kv_peers import Confirm, ExportRandom, SourceProcess, SourceSpec
 from splitserve.kv_transfer import get_backend
-from splitserve.wire.kv import CompatInfo
+from splitserve.wire.kv import CompatInfo, checksum_kind
 from splitserve.wire.kv_layout import KVLayout
 
 LLAMA_3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128)
@@ -81,7 +81,8 @@ def measure(tokens: int, device: torch.device, repeats: int) -> Row:
     try:
         shape = (layout.num_layers, 2, nblocks, BLOCK, layout.num_kv_heads, layout.head_dim)
         cache = torch.zeros(shape, dtype=torch.bfloat16, device=device)
-        sink = get_backend("nixl").sink("handoff-check", cache, CompatInfo(model="random", layout=layout))
+        compat = CompatInfo(model="random", layout=layout, checksum=checksum_kind(device.type))
+        sink = get_backend("nixl").sink("handoff-check", cache, compat)
         sink.connect(source.handshake)
         samples = []
         try:

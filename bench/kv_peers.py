@@ -30,7 +30,7 @@ from splitserve.kv_transfer import get_backend
 from splitserve.kv_transfer.integrity import layer_checksums
 from splitserve.kv_transfer.layerwise import LayerExporter
 from splitserve.wire.config import EngineConfig
-from splitserve.wire.kv import DEFAULT_LEASE_S, CompatInfo, KVDescriptor, LeaseEnd
+from splitserve.wire.kv import DEFAULT_LEASE_S, CompatInfo, KVDescriptor, LeaseEnd, checksum_kind
 from splitserve.wire.kv_layout import KVLayout
 from splitserve.wire.sampling import SamplingParams
 
@@ -162,7 +162,7 @@ class SourceServer:
             lay = spec.layout
             cache = allocate_zeros(lay.cache_shape, getattr(torch, lay.dtype), spec.device)
             cache.view(torch.uint8).random_()  # arbitrary bytes: only moved and hashed
-            compat = CompatInfo(model=spec.model, layout=lay)
+            compat = CompatInfo(model=spec.model, layout=lay, checksum=checksum_kind(cache.device.type))
         self.source = get_backend(spec.backend).source(spec.worker_id, cache, compat, spec.lease_s)
         self.lock = threading.Lock()
         self.released: list[str] = []

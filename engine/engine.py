@@ -55,7 +55,7 @@ from splitserve.engine.text import Texts
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import InvalidRequest, ModelLoadError, SequenceFailed, UnknownRequest
-from splitserve.wire.kv import CompatInfo
+from splitserve.wire.kv import CompatInfo, checksum_kind
 from splitserve.wire.outputs import (
     CompletionOutput,
     EngineStats,
@@ -143,7 +143,8 @@ class Engine(KVRequests, LoRARequests):
         KV transfer handshake's compatibility hash): the model, its revision, the layout;
         with an FP8 cache its scales."""
         kv = self.kv_cache
-        return CompatInfo(self.config.model, kv.layout, kv.scale_values(), self.revision)
+        checksum = checksum_kind(kv.tensor.device.type)
+        return CompatInfo(self.config.model, kv.layout, kv.scale_values(), self.revision, checksum)
 
     def add_request(
         self,

@@ -5,8 +5,9 @@ The KV cache tensor is ``[layer, k/v, block, slot, kv_head, head_dim]``
 contiguous, so for each (layer, k/v) a run
 of consecutive block ids is one contiguous byte range. A request's blocks are
 hashed and moved as such runs, in the order (layer, k/v, run). The checksum
-is one xxh3-64 per layer, so a sink can verify layer by layer while later
-layers are still moving (and a source can hash each layer as prefill writes it).
+is one 64-bit value per layer (xxh3-64 in host memory, ``device_hash``'s kv64 on
+a GPU, computed there), so a sink can verify layer by layer while later layers
+are still moving (and a source can hash each layer as prefill writes it).
 A sliding layer of a transfer with ``window_from`` moves and hashes only the
 blocks from there on, and a grouped layout's sliding layers their own group's
 blocks (``KVLayout.layer_blocks``, ``layer_runs``; ``pack``): the layer's row of
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from splitserve.wire.kv import CompatInfo
+from splitserve.wire.kv import CompatInfo, checksum_kind
 from splitserve.wire.kv_layout import KVLayout
 
 
@@ -61,16 +62,21 @@ def paired_runs(
 def layer_checksum(
     cache: torch.Tensor, layer: int, block_ids: list[int] | tuple[int, ...], layout: KVLayout | None = None
 ) -> int:
-    """xxh3-64 over one layer's bytes of the blocks: K of every block in order, then V
+    """The checksum of one layer's bytes of the blocks: K of every block in order, then V
     (an MLA cache: its latent rows). ``layout``: where the layer's row is (a grouped
-    layout's, ``KVLayout.row``); without it, row ``layer``.
+    layout's, ``KVLayout.row``); without it, row ``layer``. Which function
+    (``wire.kv.checksum_kind``) depends on where the cache lives:
 
-    A CPU tensor is hashed in place (~25-30 GB/s on one core here; the hash
-    releases the GIL, so another thread can move bytes meanwhile); from a GPU
-    cache only those blocks are copied to the host first (a device-side hash is
-    future work)."""
-    block_runs = runs(block_ids)
+    - host memory: xxh3-64, in place (~25-30 GB/s on one core here; the hash releases
+      the GIL, so another thread can move bytes meanwhile);
+    - a GPU: ``device_hash``'s kv64, one kernel over the blocks where they are (only its
+      8-byte result reaches the host)."""
     planes = cache[layer if layout is None else layout.row(layer)]  # [k/v, block, slot, head, dim]
+    if checksum_kind(cache.device.type) == "kv64":
+        from splitserve.kv_transfer.device_hash import layer_kv64  # Triton: where there is a GPU
+
+        return layer_kv64(planes, block_ids)
+    block_runs = runs(block_ids)
     if cache.device.type != "cpu":
         idx = torch.tensor(list(block_ids), device=cache.device)
         planes, block_runs = planes.index_select(1, idx).cpu(), [(0, len(block_ids))]

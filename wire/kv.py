@@ -143,6 +143,13 @@ def check_transition(old: TransferState | None, new: TransferState) -> TransferS
     return new
 
 
+def checksum_kind(device_type: str) -> str:
+    """How a transfer's bytes are checksummed in a cache on a device of ``device_type``
+    (torch's: "cpu", "cuda"): xxh3-64 in host memory, ``kv_transfer.device_hash``'s kv64
+    on a GPU, where the bytes are (``kv_transfer.integrity.layer_checksum``)."""
+    return "kv64" if device_type == "cuda" else "xxh3-64"
+
+
 @dataclass(frozen=True)
 class CompatInfo:
     """What two workers must agree on for one's KV bytes to mean the same to the other."""
@@ -156,13 +163,16 @@ class CompatInfo:
     # which weights (engine.model.revision: a fingerprint of the checkpoint's files, and
     # the quantization applied at load); "" for a bare pool of bytes (tests, benchmarks)
     revision: str = ""
+    # how the bytes are checksummed (``checksum_kind``): a cache on a GPU and one in host
+    # memory do not pair
+    checksum: str = "xxh3-64"
 
     def fields(self) -> dict[str, object]:
         """What the hash covers: the weights (their revision; a bare pool's model name,
         which has none) and the layout but its size."""
         layout = dataclasses.asdict(self.layout)
         layout.pop("num_blocks")
-        return {"weights": self.revision or self.model, **layout}
+        return {"weights": self.revision or self.model, "checksum": self.checksum, **layout}
 
     @property
     def hash(self) -> str:

@@ -53,10 +53,24 @@ def _nixl_api():
     raise ImportError("the nixl backend needs NIXL: pip install nixl-cu12 (or nixl)")
 
 
+# UCX settings for a cache on a GPU. The sink pulls with a READ (UCX's GET), and UCX 1.23
+# (nixl 1.5.1's) turns cuda_ipc's GET zero-copy off where NVML shows no active NVLink
+# (``CUDA_IPC_ENABLE_GET_ZCOPY=auto``): the pull then falls back to 8 KiB active messages
+# over TCP, ~0.4 GB/s GPU to GPU on one H200 (``shared/notes/gpu-kv-path.md``). On: the
+# pull is one device-to-device copy per descriptor. The environment still wins
+# (``UCX_CUDA_IPC_ENABLE_GET_ZCOPY``), as UCX applies it over a backend's config.
+GPU_UCX_CONFIG = "CUDA_IPC_ENABLE_GET_ZCOPY=y"
+
+
 def _make_agent(name: str, cache: torch.Tensor, board: torch.Tensor):
-    """An agent with ``cache`` and ``board`` (a host tensor) registered."""
+    """An agent with ``cache`` and ``board`` (a host tensor) registered; its UCX backend
+    made with ``GPU_UCX_CONFIG`` for a cache on a GPU."""
     api = _nixl_api()
-    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    if cache.is_cuda:
+        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        agent.create_backend("UCX", {"engine_config": GPU_UCX_CONFIG})
+    else:
+        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     if "UCX" not in agent.backends:
         raise KVTransferError("NIXL has no UCX backend on this machine")
     regs = [agent.register_memory(cache), agent.register_memory(board)]

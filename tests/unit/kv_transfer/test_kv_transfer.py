@@ -161,13 +161,18 @@ def test_corrupted_bytes_fail_the_transfer_and_yield_no_tokens(pair):
         (dict(dtype="bfloat16"), "dtype"),
         (dict(block_size=16), "block_size"),
         (dict(tp_size=2), "tp_size"),
+        (dict(checksum="kv64"), "checksum: 'xxh3-64' there vs 'kv64' here"),  # a cache on a GPU
     ],
 )
 def test_handshake_refuses_incompatible_peers(pair, change, field):
     pre, _, source, _ = pair
     layout = pre.kv_cache.layout
     layout_change = {k: v for k, v in change.items() if k in ("dtype", "block_size", "tp_size")}
-    other = CompatInfo(model=change.get("model", "tiny"), layout=dataclasses.replace(layout, **layout_change))
+    other = CompatInfo(
+        model=change.get("model", "tiny"),
+        layout=dataclasses.replace(layout, **layout_change),
+        checksum=change.get("checksum", "xxh3-64"),
+    )
     lay = other.layout
     cache = torch.zeros(
         lay.num_layers,
