@@ -6,9 +6,12 @@ once they are allocated it leaves the queue to pull its KV into them.
 
 Only the head is tried, so under block pressure requests are admitted in the
 order they arrived: a small request never overtakes a large one queued before
-it, and nothing starves. The head is tried again when the engine frees blocks
-(``wake``: a request finished or was aborted) and, as a fallback, every
-``retry_s``. A request leaves the queue without blocks when
+it, and nothing starves. A head that waits for a LoRA slot, not for blocks
+(``LoRASlotsBusy``: every slot holds an adapter in use), lets those behind it be
+tried in order, up to the first that waits for blocks: a request under another
+adapter, or the base model, never waits for a slot it does not need. The head
+is tried again when the engine frees blocks (``wake``: a request finished or was
+aborted) and, as a fallback, every ``retry_s``. A request leaves the queue without blocks when
 
 - the queue already holds ``max_waiting`` requests when it arrives: ``Overloaded``;
 - its deadline comes first: ``DeadlineExceeded``;
@@ -30,7 +33,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from splitserve.wire.errors import DeadlineExceeded, LeaseExpired, Overloaded
+from splitserve.wire.errors import DeadlineExceeded, LeaseExpired, LoRASlotsBusy, Overloaded
 
 Allocate = Callable[[], Awaitable[list[int] | None]]  # the blocks, or None while the cache is full
 
@@ -119,6 +122,10 @@ class AdmissionQueue:
             self._wake.clear()  # a wake during allocate() below is not lost
             try:
                 blocks = await head.allocate()
+            except LoRASlotsBusy:  # it waits for a slot: those behind it may go meanwhile
+                if await self._behind(head):
+                    continue
+                blocks = None
             except Exception as e:  # e.g. InvalidRequest: this request only
                 self._drop(head)
                 if not head.future.done():
@@ -134,6 +141,30 @@ class AdmissionQueue:
                 wait = min(wait, head.deadline - now)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), max(wait, 0.0))
+
+    async def _behind(self, head: _Waiting) -> bool:
+        """Try the requests behind ``head`` in order, up to the first that waits for blocks;
+        whether one was admitted (or left with its error)."""
+        for entry in list(self._queue)[1:]:
+            error = self._expired(entry, time.monotonic())
+            try:
+                if error is not None:
+                    raise error
+                blocks = await entry.allocate()
+            except LoRASlotsBusy:
+                continue
+            except Exception as e:
+                self._drop(entry)
+                if not entry.future.done():
+                    entry.future.set_exception(e)
+                return True
+            if blocks is None:  # block pressure: the order of arrival rules again
+                return False
+            self._drop(entry)
+            if not entry.future.done():
+                entry.future.set_result(blocks)
+            return True
+        return False
 
     def _expired(self, head: _Waiting, now: float) -> Exception | None:
         if head.deadline is not None and now >= head.deadline:

@@ -22,7 +22,7 @@ from splitserve.wire.engine_commands import (
     InjectFault,
     VerifyImport,
 )
-from splitserve.wire.errors import Overloaded
+from splitserve.wire.errors import LoRASlotsBusy, Overloaded
 from splitserve.wire.faults import ArmedFaults
 from splitserve.wire.kv import Confirmation, KVHandoff
 from splitserve.wire.prefill import PrefillPeer
@@ -62,6 +62,8 @@ class WorkerSide:
         async def allocate() -> list[int] | None:
             try:
                 return await self._submit(ImportRequest(rid, prompt, outputs, params))
+            except LoRASlotsBusy:  # the admission queue lets others go first
+                raise
             except Overloaded:
                 return None
 

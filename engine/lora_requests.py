@@ -13,8 +13,9 @@ its path), else none: it waits, and the requests behind it go first. A request k
 its slot until it ends, preempted too. So an adapter unloaded, or loaded again under
 its name, never changes what a running request computes; other weights under a name
 are refused while requests under the earlier ones run (``LoRAAdapters.serve``).
-A request taken in from another engine (an import, a move's pre-copy) takes its slot
-as its blocks are allocated: ``Overloaded`` while none is free, as for blocks.
+A request taken in from another engine (an import) takes its slot as its blocks are
+allocated: ``LoRASlotsBusy`` while none is free (the decode worker's admission queue
+then tries the requests behind it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from typing import TYPE_CHECKING
 
 from splitserve.engine.lora import Key, LoRAAdapters
 from splitserve.engine.sequence import Sequence
-from splitserve.wire.errors import InvalidRequest, ModelLoadError, Overloaded, SequenceFailed, UnknownRequest
+from splitserve.wire.errors import (
+    InvalidRequest,
+    LoRASlotsBusy,
+    ModelLoadError,
+    SequenceFailed,
+    UnknownRequest,
+)
 
 if TYPE_CHECKING:
     from splitserve.engine.model_runner import ModelRunner
@@ -114,15 +121,18 @@ class LoRARequests:
         return self._busy
 
     def _bind_or_overloaded(self, seq: Sequence) -> None:
-        """``bind_lora`` for a request taken in from another engine: ``Overloaded`` while
-        every slot is held (``SequenceFailed`` where its adapter cannot be written)."""
+        """``bind_lora`` for a request taken in from another engine: ``LoRASlotsBusy`` (an
+        ``Overloaded``) while every slot is held (``SequenceFailed`` where its adapter
+        cannot be written)."""
         self._busy = None
         try:
             if self.bind_lora(seq):
                 return
         except ModelLoadError as e:
             raise SequenceFailed("lora", f"its LoRA adapter could not be put in a slot: {e}") from None
-        raise Overloaded(f"every LoRA slot ({self.loras.max_loras}, max_loras) is in use by running requests")
+        raise LoRASlotsBusy(
+            f"every LoRA slot ({self.loras.max_loras}, max_loras) is in use by running requests"
+        )
 
     def _adapters_needed(self) -> set[Key]:
         """The adapters (name, digest) of every request this engine holds."""

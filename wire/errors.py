@@ -98,6 +98,12 @@ class Overloaded(SplitserveError):
     """A resource (KV blocks, queue space) is exhausted right now; retry later."""
 
 
+class LoRASlotsBusy(Overloaded):
+    """Every LoRA slot holds an adapter running requests still use, and this request's
+    adapter is in none (``engine.lora_requests``): it waits, and a request under
+    another adapter (or none) may go first."""
+
+
 class PreconditionFailed(SplitserveError):
     """An operation cannot proceed as the cluster stands (no room to start a worker, a
     role it would leave with none); nothing was changed. The message says what it needs,

@@ -13,7 +13,7 @@ import pytest
 from splitserve.decode_worker.admission import AdmissionQueue
 from splitserve.engine.engine import Engine
 from splitserve.wire.config import EngineConfig
-from splitserve.wire.errors import DeadlineExceeded, LeaseExpired, Overloaded
+from splitserve.wire.errors import DeadlineExceeded, LeaseExpired, LoRASlotsBusy, Overloaded
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint, random_prompts
 
@@ -94,5 +94,62 @@ def test_a_full_queue_and_an_expired_wait_are_refused_clearly(engine):
         with pytest.raises(LeaseExpired, match="ended before decode worker d0 got it"):
             await queue.admit("b", _allocator(engine, "b", b), None, 0.5)
         assert "b" not in engine.requests
+
+    asyncio.run(run())
+
+
+def _lora_allocator(engine: Engine, rid: str, prompt: list[int], params: SamplingParams):
+    """As ``side.WorkerSide.admit``'s: a wait for a LoRA slot is the queue's to see."""
+
+    async def allocate():
+        try:
+            return engine.import_request(rid, prompt, [1], params)
+        except LoRASlotsBusy:
+            raise
+        except Overloaded:
+            return None
+
+    return allocate
+
+
+def test_a_request_waiting_for_a_lora_slot_lets_the_others_go_first(tmp_path):
+    """One LoRA slot, held by a request under a1: a request under a2 waits for it, and
+    a base request behind it takes its blocks meanwhile; once the slot is free, a2's
+    request gets it."""
+    pytest.importorskip("peft")
+    from tests.lora_util import make_adapter
+
+    checkpoint = tmp_path / "model"
+    make_hf_checkpoint("llama", checkpoint)
+    dirs = {}
+    for i, name in enumerate(("a1", "a2")):
+        dirs[name] = tmp_path / name
+        make_adapter(checkpoint, dirs[name], 4, 8, ["q_proj", "v_proj"], False, seed=i)
+    lora = {"enable_lora": True, "lora_modules": {n: str(d) for n, d in dirs.items()}, "max_loras": 1}
+    engine = Engine(
+        EngineConfig(model=str(checkpoint), dtype="float32", block_size=16, num_kv_blocks=16, **lora)
+    )
+    held, under_a2, base = random_prompts([20, 20, 20], 512, seed=5)
+
+    async def run():
+        queue = AdmissionQueue("d0", max_waiting=8)
+        a1 = SamplingParams(max_tokens=4, adapter="a1")
+        engine.import_request("held", held, [1], a1)  # slot 0 is a1's while it runs
+        order: list[str] = []
+        waits = {}
+        for rid, prompt, adapter in (("a2", under_a2, "a2"), ("base", base, None)):
+            params = SamplingParams(max_tokens=4, adapter=adapter)
+            fut = asyncio.ensure_future(
+                queue.admit(rid, _lora_allocator(engine, rid, prompt, params), None, 60.0)
+            )
+            fut.add_done_callback(lambda f, rid=rid: order.append(rid))
+            waits[rid] = fut
+        await _settle()
+        assert order == ["base"] and len(queue) == 1  # the base went past the waiting a2
+        engine.abort("held")
+        queue.wake()
+        await asyncio.gather(*waits.values())
+        assert order == ["base", "a2"]
+        assert engine.requests["a2"].seq.lora_slot == 0
 
     asyncio.run(run())
