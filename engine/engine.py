@@ -110,6 +110,7 @@ class Engine(KVRequests, LoRARequests):
         self.validator = parts.validator
         self.loras = parts.loras  # its LoRA adapters (engine.lora), or None
         self._unbound: list[tuple[Sequence, SequenceFailed]] = []  # whose adapter no slot could take
+        self._slot_waited = False  # a request waits for a LoRA slot in this schedule (_lora_ready)
         if self.loras is not None:  # a request runs once its adapter has a slot (lora_requests)
             self.scheduler.ready = self._lora_ready
         self.summary = parts.summary  # one line: dtype, threads or device, attention backend, KV blocks
@@ -302,6 +303,7 @@ class Engine(KVRequests, LoRARequests):
             raise RuntimeError("only TP rank 0 steps the engine; the other ranks call follow()")
         spec = self.speculation
         self._busy = None  # the LoRA slots held: found again if this schedule needs them
+        self._slot_waited = False  # no request has waited for a LoRA slot in this schedule yet
         sched = self.scheduler.schedule(spec.drafts(self.scheduler.running, self.requests) if spec else None)
         outputs: list[RequestOutput] = []
         for seq, error in self._unbound:
@@ -518,10 +520,18 @@ class Engine(KVRequests, LoRARequests):
         return state
 
     def _lora_ready(self, seq: Sequence) -> bool:
-        """The scheduler's ``ready``: ``bind_lora``; a request whose adapter no slot can
-        take (its files changed or are gone) waits to fail alone after the schedule."""
+        """The scheduler's ``ready``: ``bind_lora``, in the waiting queue's order: once one
+        request waits for a slot, the adapter requests after it wait too (none joins a
+        held slot ahead of it, so the slots drain and it cannot starve); the base's go
+        on. A request whose adapter no slot can take (its files changed or are gone)
+        waits to fail alone after the schedule."""
+        if seq.lora_slot is not None or seq.params.adapter is None:
+            return True
+        if self._slot_waited:
+            return False
         try:
-            return self.bind_lora(seq)
+            self._slot_waited = not self.bind_lora(seq)
+            return not self._slot_waited
         except ModelLoadError as e:
             if all(s is not seq for s, _ in self._unbound):
                 self._unbound.append(

@@ -9,7 +9,9 @@ number are served. A request takes its adapter's digest as it is added (the weig
 runs under to its end: ``Sequence.lora_digest``) and a slot as it is scheduled
 (``bind_lora``, the scheduler's ``ready``): the slot holding those weights, else one
 no request holds, written then on every rank (from the host copy, or read again from
-its path), else none: it waits, and the requests behind it go first. A request keeps
+its path), else none: it waits, the base model's requests behind it go first, and
+those under adapters wait behind it (none joins a held slot ahead of it: the slots
+drain, so it cannot starve). A request keeps
 its slot until it ends, preempted too. So an adapter unloaded, or loaded again under
 its name, never changes what a running request computes; other weights under a name
 are refused while requests under the earlier ones run (``LoRAAdapters.serve``).

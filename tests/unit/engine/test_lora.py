@@ -266,3 +266,26 @@ def test_an_adapter_whose_files_changed_fails_its_request_alone(served, tmp_path
     assert base.error is None and base.token_ids == expected[None][1]
     (good,) = engine.generate([prompts[2]], params("a2"))
     assert good.token_ids == expected["a2"][2]
+
+
+def test_a_request_waiting_for_a_slot_is_not_overtaken_by_later_ones_under_the_adapter_in_it(served):
+    """One slot, held by a1's request: a2's request waits for it, and a1's requests that
+    come after a2's wait behind it (joining the held slot would keep it held for as long
+    as they keep coming: a2 would starve)."""
+    checkpoint, dirs, prompts, expected = served
+    engine = make_engine(checkpoint, dirs, max_loras=1)
+    engine.add_request(prompts[0], params("a1"), "first")
+    engine.step()
+    engine.add_request(prompts[1], params("a2"), "waiting")
+    engine.step()
+    engine.add_request(prompts[3], params("a1"), "later")
+    first_token, got = {}, {"first": [], "waiting": [], "later": []}
+    step = 0
+    while engine.has_unfinished():
+        step += 1
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+            if o.new_token_ids:
+                first_token.setdefault(o.request_id, step)
+    assert first_token["waiting"] < first_token["later"]
+    assert got["waiting"] == expected["a2"][1] and got["later"] == expected["a1"][3]
