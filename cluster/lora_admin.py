@@ -106,25 +106,19 @@ class LoRAAdmin:
             log.info("LoRA adapter %r unloaded", name)
 
     async def keep(self, interval_s: float = KEEP_S) -> None:
-        """Forever: every ``interval_s``, ``align`` the active workers."""
+        """Forever: every ``interval_s``, ``align`` the active workers where one drifted
+        (the lock is taken only then: an upgrade asked for meanwhile is not refused)."""
         while True:
             await asyncio.sleep(interval_s)
-            async with self._changing:
-                await self.align()
+            if self._drifted() and not self._changing.locked():
+                async with self._changing:
+                    await self.align()
 
     async def align(self) -> int:
         """Each active worker whose last stats list other adapters than those served
         loads the missing (from the config's paths) and unloads the others; returns the
         changes made. What fails is logged and tried again next time."""
-        served = set(self._dispatcher.adapters)
-        paths = self._config().model.lora_modules
-        changes = []
-        for w in self._registry.workers():
-            if w.state != Membership.ACTIVE or w.stats is None:
-                continue
-            has = {n for n, _ in w.stats.engine.lora_adapters}
-            changes += [(w, LoadAdapter(n, paths[n])) for n in sorted(served - has) if n in paths]
-            changes += [(w, UnloadAdapter(n)) for n in sorted(has - served)]
+        changes = self._drifted()
         outcomes = await asyncio.gather(
             *(w.client.change_adapters(c) for w, c in changes), return_exceptions=True
         )
@@ -134,6 +128,20 @@ class LoRAAdmin:
             else:
                 log.info("%s: %s (its adapters were not those served)", w.worker_id, change)
         return len(changes)
+
+    def _drifted(self) -> list[tuple[WorkerRecord, LoadAdapter | UnloadAdapter]]:
+        """What ``align`` would change: per active worker, the adapters served it lacks
+        (with the config's path) and those it has that are not served."""
+        served = set(self._dispatcher.adapters)
+        paths = self._config().model.lora_modules
+        changes: list[tuple[WorkerRecord, LoadAdapter | UnloadAdapter]] = []
+        for w in self._registry.workers():
+            if w.state != Membership.ACTIVE or w.stats is None:
+                continue
+            has = {n for n, _ in w.stats.engine.lora_adapters}
+            changes += [(w, LoadAdapter(n, paths[n])) for n in sorted(served - has) if n in paths]
+            changes += [(w, UnloadAdapter(n)) for n in sorted(has - served)]
+        return changes
 
 
 async def _unload_on(record: WorkerRecord, name: str) -> None:
