@@ -192,7 +192,7 @@ class OpenAIServer:
             return _no_pools()
         try:
             body = validated(LoadLoRARequest, json_object(await request.read()))
-            await self.lora.load(body.lora_name, body.lora_path)
+            await asyncio.shield(self.lora.load(body.lora_name, body.lora_path))  # done once begun
         except Exception as e:
             return _error(e)
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -203,7 +203,7 @@ class OpenAIServer:
             return _no_pools()
         try:
             body = validated(UnloadLoRARequest, json_object(await request.read()))
-            await self.lora.unload(body.lora_name)
+            await asyncio.shield(self.lora.unload(body.lora_name))
         except Exception as e:
             return _error(e)
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
