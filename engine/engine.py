@@ -54,7 +54,7 @@ from splitserve.engine.step_rates import DecodeSteps, ExpertLoad, PrefillRate
 from splitserve.engine.text import Texts
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.wire.config import EngineConfig
-from splitserve.wire.errors import InvalidRequest, ModelLoadError, SequenceFailed, UnknownRequest
+from splitserve.wire.errors import InvalidRequest, SequenceFailed, UnknownRequest
 from splitserve.wire.kv import CompatInfo, checksum_kind
 from splitserve.wire.outputs import (
     CompletionOutput,
@@ -109,10 +109,7 @@ class Engine(KVRequests, LoRARequests):
         self.runner = parts.runner
         self.validator = parts.validator
         self.loras = parts.loras  # its LoRA adapters (engine.lora), or None
-        self._unbound: list[tuple[Sequence, SequenceFailed]] = []  # whose adapter no slot could take
-        self._slot_waited = False  # a request waits for a LoRA slot in this schedule (_lora_ready)
-        if self.loras is not None:  # a request runs once its adapter has a slot (lora_requests)
-            self.scheduler.ready = self._lora_ready
+        self._init_lora_scheduling()  # a request runs once its adapter has a slot (lora_requests)
         self.summary = parts.summary  # one line: dtype, threads or device, attention backend, KV blocks
         self.revision = parts.revision  # which weights (engine.model.revision): in the KV compat hash
         self.requests: dict[str, RequestState] = {}
@@ -302,13 +299,9 @@ class Engine(KVRequests, LoRARequests):
         if not self.tp.is_driver:
             raise RuntimeError("only TP rank 0 steps the engine; the other ranks call follow()")
         spec = self.speculation
-        self._busy = None  # the LoRA slots held: found again if this schedule needs them
-        self._slot_waited = False  # no request has waited for a LoRA slot in this schedule yet
+        self._begin_lora_schedule()
         sched = self.scheduler.schedule(spec.drafts(self.scheduler.running, self.requests) if spec else None)
-        outputs: list[RequestOutput] = []
-        for seq, error in self._unbound:
-            outputs.append(self._fail(self.requests[seq.request_id], error))
-        self._unbound.clear()
+        outputs = [self._fail(self.requests[s.request_id], error) for s, error in self._end_lora_schedule()]
         for seq in sched.unschedulable:
             state = self.requests[seq.request_id]
             self._finish(state, FinishReason.LENGTH)
@@ -518,26 +511,6 @@ class Engine(KVRequests, LoRARequests):
         if state is None or state.seq.status != status:
             raise UnknownRequest(f"no {status.value} request with id {request_id!r}")
         return state
-
-    def _lora_ready(self, seq: Sequence) -> bool:
-        """The scheduler's ``ready``: ``bind_lora``, in the waiting queue's order: once one
-        request waits for a slot, the adapter requests after it wait too (none joins a
-        held slot ahead of it, so the slots drain and it cannot starve); the base's go
-        on. A request whose adapter no slot can take (its files changed or are gone)
-        waits to fail alone after the schedule."""
-        if seq.lora_slot is not None or seq.params.adapter is None:
-            return True
-        if self._slot_waited:
-            return False
-        try:
-            self._slot_waited = not self.bind_lora(seq)
-            return not self._slot_waited
-        except ModelLoadError as e:
-            if all(s is not seq for s, _ in self._unbound):
-                self._unbound.append(
-                    (seq, SequenceFailed("lora", f"its LoRA adapter could not be loaded: {e}"))
-                )
-            return False
 
     def _park_prefilled(self, state: RequestState) -> None:
         self.scheduler.remove(state.seq)

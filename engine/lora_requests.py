@@ -38,6 +38,7 @@ from splitserve.wire.errors import (
 if TYPE_CHECKING:
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.engine.request_state import RequestState
+    from splitserve.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,48 @@ class LoRARequests:
     loras: LoRAAdapters | None
     requests: dict[str, RequestState]
     runner: ModelRunner
+    scheduler: Scheduler
     _busy: set[int] | None = None  # the slots requests hold, this schedule (``_busy_slots``)
+
+    # ---- the scheduler's side (``Engine.step_tokens``) --------------------------------
+    def _init_lora_scheduling(self) -> None:
+        """With adapters, the scheduler takes a waiting request only once it has a slot."""
+        self._slot_waited = False  # a request waited for a slot in this schedule
+        self._unbound: list[tuple[Sequence, SequenceFailed]] = []  # whose adapter no slot could take
+        if self.loras is not None:
+            self.scheduler.ready = self._lora_ready
+
+    def _begin_lora_schedule(self) -> None:
+        """Before each schedule: the slots held are found again if needed, none waited yet."""
+        self._busy, self._slot_waited = None, False
+
+    def _end_lora_schedule(self) -> list[tuple[Sequence, SequenceFailed]]:
+        """After each schedule: the requests whose adapter no slot could take (its files
+        changed or are gone), each with its error; the caller fails them alone."""
+        unbound, self._unbound = self._unbound, []
+        return unbound
+
+    def _lora_ready(self, seq: Sequence) -> bool:
+        """The scheduler's ``ready``: ``bind_lora``, in the waiting queue's order: once one
+        request waits for a slot, the adapter requests after it wait too (none joins a
+        held slot ahead of it, so the slots drain and it cannot starve); the base's go
+        on. A request whose adapter no slot can take waits to fail alone after the
+        schedule (``_end_lora_schedule``)."""
+        if seq.lora_slot is not None or seq.params.adapter is None:
+            return True
+        if self._slot_waited:
+            return False
+        try:
+            self._slot_waited = not self.bind_lora(seq)
+            return not self._slot_waited
+        except ModelLoadError as e:
+            if all(s is not seq for s, _ in self._unbound):
+                self._unbound.append(
+                    (seq, SequenceFailed("lora", f"its LoRA adapter could not be loaded: {e}"))
+                )
+            return False
+
+    # ---- adapters served ----------------------------------------------------------
 
     def load_adapter(self, name: str, path: str) -> str:
         """Serve LoRA adapter ``name`` from ``path`` (a PEFT directory every rank of the
