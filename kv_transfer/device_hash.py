@@ -36,18 +36,19 @@ MASK = (1 << 64) - 1
 TILE = 1024  # words a program mixes
 
 
-def _fmix(x: np.ndarray | int) -> np.ndarray | int:
-    if isinstance(x, int):
-        x ^= x >> 33
-        x = (x * F1) & MASK
-        x ^= x >> 33
-        x = (x * F2) & MASK
-        return x ^ (x >> 33)
+def _fmix(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finalizer, elementwise (uint64, wrapping)."""
     x = x ^ (x >> np.uint64(33))
     x = x * np.uint64(F1)
     x = x ^ (x >> np.uint64(33))
     x = x * np.uint64(F2)
     return x ^ (x >> np.uint64(33))
+
+
+def _finish(total: int, num_words: int) -> int:
+    """kv64 from the sum of the words' mixes (mod 2**64) and the number of words."""
+    with np.errstate(over="ignore"):
+        return int(_fmix(np.array([(total ^ (num_words * M2)) & MASK], dtype=np.uint64))[0])
 
 
 def reference(data: bytes | np.ndarray) -> int:
@@ -57,7 +58,7 @@ def reference(data: bytes | np.ndarray) -> int:
     with np.errstate(over="ignore"):
         mixed = _fmix(((w + np.uint64(1)) * np.uint64(M0)) ^ (i * np.uint64(M1)))
         total = int(mixed.sum(dtype=np.uint64))
-    return _fmix(total ^ ((len(w) * M2) & MASK))
+    return _finish(total, len(w))
 
 
 @triton.jit
@@ -106,8 +107,7 @@ def layer_kv64(planes: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> 
     partials = torch.empty(segments.numel(), tiles, dtype=torch.int64, device=planes.device)
     _kv64_tiles[(segments.numel(), tiles)](words, segments, partials, per_block, tiles, TILE=TILE)
     total = int(partials.sum().item()) & MASK  # int64 sums wrap as the uint64 sum does
-    n = segments.numel() * per_block
-    return _fmix(total ^ ((n * M2) & MASK))
+    return _finish(total, segments.numel() * per_block)
 
 
 def _as_words(planes: torch.Tensor) -> torch.Tensor:
