@@ -24,7 +24,9 @@ The primary router owns the set of adapters the cluster serves (its dispatcher's
   started while a change ran may have missed it.
 
 One change at a time, and none during a rolling upgrade (they share its lock). A
-change runs to its end once begun, even if the caller leaves (the HTTP door shields it).
+change runs to its end once begun, even if the caller leaves (the HTTP door shields it),
+and a worker that does not answer within ``CALL_TIMEOUT_S`` refuses the load
+(``WorkerLost``, 503: nothing served) or is left to ``align`` (an unload).
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ from splitserve.cluster.config import ClusterConfig
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.registry import Membership, WorkerRecord, WorkerRegistry
 from splitserve.wire.engine_commands import LoadAdapter, UnloadAdapter
-from splitserve.wire.errors import InvalidRequest, ModelLoadError, UnknownModel
+from splitserve.wire.errors import InvalidRequest, ModelLoadError, UnknownModel, WorkerLost
 
 log = logging.getLogger(__name__)
 
 KEEP_S = 5.0  # how often the workers' adapters are checked against those served
+# how long one worker may take to load or unload an adapter (a starting one answers once
+# its model is loaded); past it the change is refused, or (an unload) left to ``align``
+CALL_TIMEOUT_S = 120.0
 
 
 class LoRAAdmin:
@@ -52,6 +57,7 @@ class LoRAAdmin:
         registry: WorkerRegistry,
         dispatcher: Dispatcher,
         changing: asyncio.Lock,
+        call_timeout_s: float = CALL_TIMEOUT_S,
     ):
         """``config``: the config the pools start workers from now; ``reconfigure``: start
         them from this one from now on (those running keep theirs); ``changing``: held
@@ -59,6 +65,7 @@ class LoRAAdmin:
         self._config, self._reconfigure = config, reconfigure
         self._registry, self._dispatcher = registry, dispatcher
         self._changing = changing
+        self._call_timeout_s = call_timeout_s
 
     async def load(self, name: str, path: str) -> None:
         """Serve adapter ``name`` from ``path`` (a PEFT directory every worker's node can
@@ -73,7 +80,7 @@ class LoRAAdmin:
             self._reconfigure(changed)
             workers = self._registry.workers()
             outcomes = await asyncio.gather(
-                *(w.client.change_adapters(LoadAdapter(name, path)) for w in workers), return_exceptions=True
+                *(self._change(w, LoadAdapter(name, path)) for w in workers), return_exceptions=True
             )
             loaded = {w.worker_id: d for w, d in zip(workers, outcomes) if not isinstance(d, BaseException)}
             refusal = next(((w, e) for w, e in zip(workers, outcomes) if isinstance(e, BaseException)), None)
@@ -88,7 +95,7 @@ class LoRAAdmin:
                 self._dispatcher.adapters = (*self._dispatcher.adapters, name)
                 log.info("LoRA adapter %r from %s: loaded on %d worker(s)", name, path, len(workers))
                 return
-            await asyncio.gather(*(_unload_on(w, name) for w in workers if w.worker_id in loaded))
+            await asyncio.gather(*(self._unload_on(w, name) for w in workers if w.worker_id in loaded))
             self._reconfigure(config)
             raise error
 
@@ -102,7 +109,7 @@ class LoRAAdmin:
             config = self._config()
             modules = {n: p for n, p in config.model.lora_modules.items() if n != name}
             self._reconfigure(_with_modules(config, modules))
-            await asyncio.gather(*(_unload_on(w, name) for w in self._registry.workers()))
+            await asyncio.gather(*(self._unload_on(w, name) for w in self._registry.workers()))
             log.info("LoRA adapter %r unloaded", name)
 
     async def keep(self, interval_s: float = KEEP_S) -> None:
@@ -119,15 +126,30 @@ class LoRAAdmin:
         loads the missing (from the config's paths) and unloads the others; returns the
         changes made. What fails is logged and tried again next time."""
         changes = self._drifted()
-        outcomes = await asyncio.gather(
-            *(w.client.change_adapters(c) for w, c in changes), return_exceptions=True
-        )
+        outcomes = await asyncio.gather(*(self._change(w, c) for w, c in changes), return_exceptions=True)
         for (w, change), outcome in zip(changes, outcomes):
             if isinstance(outcome, BaseException):
                 log.warning("%s: %s failed: %s", w.worker_id, change, outcome)
             else:
                 log.info("%s: %s (its adapters were not those served)", w.worker_id, change)
         return len(changes)
+
+    async def _change(self, record: WorkerRecord, change: LoadAdapter | UnloadAdapter) -> str | None:
+        """``change`` on ``record``'s worker; ``WorkerLost`` if it does not answer within
+        the call timeout (a change never holds the lock, or its caller, for longer)."""
+        try:
+            return await asyncio.wait_for(record.client.change_adapters(change), self._call_timeout_s)
+        except TimeoutError:
+            raise WorkerLost(
+                f"{record.worker_id} did not answer within {self._call_timeout_s:g} s (LoRA adapter "
+                f"{change.name!r})"
+            ) from None
+
+    async def _unload_on(self, record: WorkerRecord, name: str) -> None:
+        try:
+            await self._change(record, UnloadAdapter(name))
+        except Exception as e:  # lost meanwhile, or never had it: ``align`` sees to it
+            log.warning("%s: unloading LoRA adapter %r failed: %s", record.worker_id, name, e)
 
     def _drifted(self) -> list[tuple[WorkerRecord, LoadAdapter | UnloadAdapter]]:
         """What ``align`` would change: per active worker, the adapters served it lacks
@@ -142,13 +164,6 @@ class LoRAAdmin:
             changes += [(w, LoadAdapter(n, paths[n])) for n in sorted(served - has) if n in paths]
             changes += [(w, UnloadAdapter(n)) for n in sorted(has - served)]
         return changes
-
-
-async def _unload_on(record: WorkerRecord, name: str) -> None:
-    try:
-        await record.client.change_adapters(UnloadAdapter(name))
-    except Exception as e:  # lost meanwhile, or never had it: ``align`` sees to it
-        log.warning("%s: unloading LoRA adapter %r failed: %s", record.worker_id, name, e)
 
 
 def _with_modules(config: ClusterConfig, modules: dict[str, str]) -> ClusterConfig:

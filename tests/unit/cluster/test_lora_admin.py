@@ -18,7 +18,7 @@ from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.lora_admin import LoRAAdmin
 from splitserve.router.registry import Membership, WorkerRegistry
 from splitserve.wire.engine_commands import LoadAdapter, UnloadAdapter
-from splitserve.wire.errors import InvalidRequest, ModelLoadError, UnknownModel
+from splitserve.wire.errors import InvalidRequest, ModelLoadError, UnknownModel, WorkerLost
 
 DIGESTS = {"/a/x": "d-x", "/a/y": "d-y"}  # what every worker reads at each path
 
@@ -49,7 +49,15 @@ class Worker:
         return digest
 
 
-def _cluster(*workers: Worker, modules: dict[str, str] | None = None):
+class HungWorker(Worker):
+    """A worker whose calls are never answered (its actor hangs)."""
+
+    async def change_adapters(self, change):
+        self.calls.append(change)
+        await asyncio.Event().wait()
+
+
+def _cluster(*workers: Worker, modules: dict[str, str] | None = None, call_timeout_s: float = 60.0):
     config = ClusterConfig.load()
     lora = {"enable_lora": True, "lora_modules": modules or {}, "max_loras": 4}
     config = config.model_copy(update={"model": config.model.model_copy(update=lora)})
@@ -61,7 +69,7 @@ def _cluster(*workers: Worker, modules: dict[str, str] | None = None):
         record.state = Membership.ACTIVE
     dispatcher = types.SimpleNamespace(served_model="base", adapters=tuple(modules or {}))
     reconfigure = lambda c: setattr(state, "config", c)  # noqa: E731
-    admin = LoRAAdmin(lambda: state.config, reconfigure, registry, dispatcher, asyncio.Lock())
+    admin = LoRAAdmin(lambda: state.config, reconfigure, registry, dispatcher, asyncio.Lock(), call_timeout_s)
     return admin, state, registry, dispatcher
 
 
@@ -119,3 +127,15 @@ def test_align_brings_a_drifted_worker_back_to_the_adapters_served():
     assert asyncio.run(admin.align()) == 2
     assert restarted.calls == [LoadAdapter("x", "/a/x"), UnloadAdapter("old")]
     assert restarted.adapters == {"x": "d-x"} and kept.calls == [] and starting.calls == []
+
+
+def test_a_worker_that_never_answers_refuses_the_load_within_the_timeout():
+    good, hung = Worker(), HungWorker()
+    admin, state, _, dispatcher = _cluster(good, hung, call_timeout_s=0.2)
+
+    async def run():
+        with pytest.raises(WorkerLost, match="w1 did not answer within 0.2 s"):
+            await asyncio.wait_for(admin.load("x", "/a/x"), 30)
+
+    asyncio.run(run())
+    assert dispatcher.adapters == () and good.adapters == {} and state.config.model.lora_modules == {}
