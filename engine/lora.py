@@ -335,8 +335,15 @@ class LoRAAdapters:
 
     # ---- every rank ---------------------------------------------------------------
     def read(self, name: str, path: str | Path) -> LoRAAdapter:
-        """Adapter ``name`` from ``path`` as this engine would load it (``load_adapter``)."""
-        return load_adapter(name, path, self.num_layers, self.max_rank)
+        """Adapter ``name`` from ``path`` as this engine would load it (``load_adapter``);
+        files that do not parse are a ``ModelLoadError`` too (never another error: a slot
+        written as a request is scheduled reads here, and must fail that request alone)."""
+        try:
+            return load_adapter(name, path, self.num_layers, self.max_rank)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # JSON, safetensors, a field missing
+            raise ModelLoadError(f"LoRA adapter {name!r} ({path}): {type(e).__name__}: {e}") from None
 
     def write(
         self,

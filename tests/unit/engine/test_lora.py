@@ -266,6 +266,11 @@ def test_an_adapter_whose_files_changed_fails_its_request_alone(served, tmp_path
     assert base.error is None and base.token_ids == expected[None][1]
     (good,) = engine.generate([prompts[2]], params("a2"))
     assert good.token_ids == expected["a2"][2]
+    (moved / "adapter_config.json").write_text("{")  # files that no longer parse: the same
+    (broken,) = engine.generate([prompts[0]], params("a1"))
+    assert broken.error is not None and broken.error.kind == "lora" and "JSONDecodeError" in str(broken.error)
+    (good,) = engine.generate([prompts[2]], params("a2"))
+    assert good.token_ids == expected["a2"][2]
 
 
 def test_a_request_waiting_for_a_slot_is_not_overtaken_by_later_ones_under_the_adapter_in_it(served):
