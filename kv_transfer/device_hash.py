@@ -95,19 +95,44 @@ def layer_kv64(planes: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> 
     """``kv64`` of one layer's ``planes`` [k/v, block, ...] (contiguous from the block
     dimension on; any device) over ``block_ids``: K of each block in order, then V.
     One launch; only the 8-byte result reaches the host."""
-    words = planes.view(torch.int32) if planes.element_size() == 4 else _as_words(planes)
-    per_block = words[0, 0].numel()
-    plane_stride, block_stride = words.stride(0), words.stride(1)
-    ids = torch.tensor(list(block_ids), dtype=torch.int64)
-    offsets = (
-        torch.arange(planes.shape[0], dtype=torch.int64)[:, None] * plane_stride + ids[None, :] * block_stride
-    )
-    segments = offsets.reshape(-1).to(planes.device)
-    tiles = triton.cdiv(per_block, TILE)
-    partials = torch.empty(segments.numel(), tiles, dtype=torch.int64, device=planes.device)
-    _kv64_tiles[(segments.numel(), tiles)](words, segments, partials, per_block, tiles, TILE=TILE)
-    total = int(partials.sum().item()) & MASK  # int64 sums wrap as the uint64 sum does
-    return _finish(total, segments.numel() * per_block)
+    pending = PendingKV64()
+    pending.add(planes, block_ids)
+    return pending.values()[0]
+
+
+class PendingKV64:
+    """``kv64`` of several layers, launched as each is added and read back together:
+    ``add`` queues one kernel on the current stream and returns at once (no
+    synchronisation: a pull hashes a layer while the next one moves); ``values`` waits
+    once and gives each added layer's ``kv64``, in order. One owner (not thread-safe)."""
+
+    def __init__(self) -> None:
+        self._sums: list[torch.Tensor] = []  # per layer: the sum of its words' mixes, on the device
+        self._words: list[int] = []  # per layer: how many words
+        self._ids: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # block ids on their device
+
+    def add(self, planes: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> None:
+        """Queue ``kv64`` of ``planes`` [k/v, block, ...] (as ``layer_kv64``) over ``block_ids``."""
+        words = planes.view(torch.int32) if planes.element_size() == 4 else _as_words(planes)
+        per_block = words[0, 0].numel()
+        key = (str(planes.device), tuple(block_ids))
+        ids = self._ids.get(key)
+        if ids is None:  # a pull's layers mostly share one list of blocks: one upload
+            ids = self._ids[key] = torch.tensor(key[1], dtype=torch.int64).to(planes.device)
+        planes_at = torch.arange(planes.shape[0], dtype=torch.int64, device=planes.device)
+        segments = (planes_at[:, None] * words.stride(0) + ids[None, :] * words.stride(1)).reshape(-1)
+        tiles = triton.cdiv(per_block, TILE)
+        partials = torch.empty(segments.numel(), tiles, dtype=torch.int64, device=planes.device)
+        _kv64_tiles[(segments.numel(), tiles)](words, segments, partials, per_block, tiles, TILE=TILE)
+        self._sums.append(partials.sum())  # int64 sums wrap as the uint64 sum does
+        self._words.append(segments.numel() * per_block)
+
+    def values(self) -> list[int]:
+        """Each added layer's ``kv64``, in the order added (one wait for the device)."""
+        if not self._sums:
+            return []
+        totals = torch.stack(self._sums).tolist()
+        return [_finish(total & MASK, n) for total, n in zip(totals, self._words, strict=True)]
 
 
 def _as_words(planes: torch.Tensor) -> torch.Tensor:

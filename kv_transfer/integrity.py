@@ -88,6 +88,16 @@ def layer_checksum(
     return h.intdigest()
 
 
+def device_checksums(cache: torch.Tensor):
+    """A ``device_hash.PendingKV64`` for a cache whose checksums a kernel computes where
+    it lives (``checksum_kind`` "kv64": a GPU's), else None (the host hashes it)."""
+    if checksum_kind(cache.device.type) != "kv64":
+        return None
+    from splitserve.kv_transfer.device_hash import PendingKV64  # Triton: where there is a GPU
+
+    return PendingKV64()
+
+
 def layer_checksums(
     cache: torch.Tensor,
     block_ids: list[int] | tuple[int, ...],
@@ -96,6 +106,15 @@ def layer_checksums(
 ) -> tuple[int, ...]:
     """``layer_checksum`` of every layer, in layer order; with ``layout``, a sliding
     layer's over its blocks from ``window_from`` on (``KVLayout.layer_blocks``)."""
+    pending = device_checksums(cache)
+    if pending is not None:  # every layer queued, one wait for the GPU
+        for layer in range(cache.shape[0] if layout is None else layout.num_layers):
+            row = layer if layout is None else layout.row(layer)
+            pending.add(
+                cache[row],
+                block_ids if layout is None else layout.layer_blocks(layer, block_ids, window_from),
+            )
+        return tuple(pending.values())
     if layout is None:
         return tuple(layer_checksum(cache, layer, block_ids) for layer in range(cache.shape[0]))
     return tuple(

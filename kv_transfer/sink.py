@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from splitserve.engine.kv_quant import as_bytes
-from splitserve.kv_transfer.integrity import check_cache, layer_checksum
+from splitserve.kv_transfer.integrity import check_cache, device_checksums, layer_checksum
 from splitserve.wire.errors import (
     IncompatiblePeer,
     IntegrityError,
@@ -45,7 +45,10 @@ class KVSink:
 
     backend = ""
     chunked = False  # whether _transfer can move a range of layers
-    MIN_CHUNK_BYTES = 32 << 20  # layers are grouped into chunks of at least this much
+    MIN_CHUNK_BYTES = 32 << 20  # layers are grouped into chunks of at least this much (host memory)
+    # GPU memory: one READ of 512 MiB takes ~0.45 ms on an H200, the set-up of a READ ~0.15 ms
+    # (docs/gpu.md, third run): chunks of 32 MiB left the 4k-token handoff at 0.09 of a copy
+    MIN_DEVICE_CHUNK_BYTES = 512 << 20
     MAX_POLL_S = 0.001  # the longest a streamed pull sleeps between reads of the source's progress
 
     def __init__(self, worker_id: str, cache: torch.Tensor, compat: CompatInfo):
@@ -182,7 +185,8 @@ class KVSink:
         if not self.chunked:
             return self.compat.layout.num_layers
         layer_bytes = self.compat.layout.planes * self.compat.layout.block_bytes * num_blocks
-        return max(1, -(-self.MIN_CHUNK_BYTES // layer_bytes))
+        least = self.MIN_CHUNK_BYTES if self.cache.device.type == "cpu" else self.MIN_DEVICE_CHUNK_BYTES
+        return max(1, -(-least // layer_bytes))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -230,9 +234,11 @@ class KVSink:
 
 
 class _Verifier:
-    """Checks a pull's layers against their checksums on one helper thread, as soon as
-    a layer has both moved and a trusted checksum; ``finish`` waits and raises
-    ``IntegrityError`` for the first bad layer. Used only by the pulling thread."""
+    """Checks a pull's layers against their checksums as soon as a layer has both moved
+    and a trusted checksum: a host cache's on one helper thread, a GPU cache's by a
+    kernel queued on the device (the pulling thread only launches it, then moves the
+    next chunk while it runs); ``finish`` waits and raises ``IntegrityError`` for the
+    first bad layer. Used only by the pulling thread."""
 
     def __init__(self, sink: KVSink, desc: KVDescriptor, dst_blocks: list[int]):
         self.sink, self.desc, self.dst = sink, desc, list(dst_blocks)
@@ -241,6 +247,7 @@ class _Verifier:
         self.shown_ready = 0  # a streamed export: layers an earlier read showed ready
         self._submitted = 0
         self._futures: list[tuple[int, Future[int]]] = []
+        self._device = device_checksums(sink.cache)  # None: hashed on the host
 
     def __enter__(self) -> _Verifier:
         return self
@@ -264,8 +271,11 @@ class _Verifier:
     def finish(self) -> None:
         if self._submitted < self.sink.compat.layout.num_layers:
             raise RuntimeError(f"verifying {self.desc.transfer_id}: layers moved or checksums missing")
-        for layer, fut in self._futures:
-            got = fut.result()
+        if self._device is not None:
+            got_all = enumerate(self._device.values())
+        else:
+            got_all = ((layer, fut.result()) for layer, fut in self._futures)
+        for layer, got in got_all:
             if got != self.checksums[layer]:
                 raise IntegrityError(
                     f"KV of request {self.desc.request_id} arrived corrupted from "
@@ -274,10 +284,15 @@ class _Verifier:
                 )
 
     def _submit(self) -> None:
-        pool = self.sink._verify_pool()
+        lay = self.sink.compat.layout
         while self._submitted < min(self.num_moved, len(self.checksums)):
             layer = self._submitted
-            blocks = self.sink.compat.layout.layer_blocks(layer, self.dst, self.desc.window_from)
-            lay = self.sink.compat.layout
-            self._futures.append((layer, pool.submit(layer_checksum, self.sink.cache, layer, blocks, lay)))
+            blocks = lay.layer_blocks(layer, self.dst, self.desc.window_from)
+            if self._device is not None:
+                self._device.add(self.sink.cache[lay.row(layer)], blocks)
+            else:
+                pool = self.sink._verify_pool()
+                self._futures.append(
+                    (layer, pool.submit(layer_checksum, self.sink.cache, layer, blocks, lay))
+                )
             self._submitted += 1
