@@ -126,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory(prefix="disagg-check-") as tmp:
-        results = [check(m, kv, device, Path(tmp)) for m, kv in rows(args.models, args.kv)]
+        results = []
+        for m, kv in rows(args.models, args.kv):
+            results.append(check(m, kv, device, Path(tmp)))
+            if args.json:  # as it goes: a run stopped at its bound still shows the rows it did
+                Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     print("| model | KV | device | requests | tokens equal | streamed | KV MB | s | error |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -134,8 +138,6 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r.model} | {r.kv_cache_dtype} | {r.device} | {r.requests} | {r.equal} | {r.streamed} "
             f"| {r.kv_bytes / 1e6:.2f} | {r.seconds:.1f} | {r.error} |"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     return 0 if all(r.equal for r in results) else 1
 
 

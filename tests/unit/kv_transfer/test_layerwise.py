@@ -78,7 +78,31 @@ def stream_prefill(pre: Engine, source, prompts, sink_job, observer=None) -> dic
     return firsts
 
 
-def test_streamed_pull_moves_layers_while_prefill_computes_and_matches_monolithic(pair, checkpoint):
+# kv64: a GPU cache's checksums (the kernel, interpreted here over host memory): the exporter
+# hashes each layer as it is computed, the sink queues a kernel per layer as it lands
+CHECKSUMS = pytest.mark.parametrize("checksum", ["xxh3-64", "kv64"])
+
+
+def use_checksum(monkeypatch, checksum: str) -> None:
+    if checksum != "kv64":
+        return
+    from splitserve.kv_transfer.device_hash import PendingKV64
+
+    monkeypatch.setattr(integrity, "checksum_kind", lambda device_type: "kv64")
+    lock, add = threading.Lock(), PendingKV64.add
+
+    def one_at_a_time(self, planes, block_ids):  # Triton's interpreter is not thread-safe
+        with lock:
+            add(self, planes, block_ids)
+
+    monkeypatch.setattr(PendingKV64, "add", one_at_a_time)
+
+
+@CHECKSUMS
+def test_streamed_pull_moves_layers_while_prefill_computes_and_matches_monolithic(
+    pair, checkpoint, monkeypatch, checksum
+):
+    use_checksum(monkeypatch, checksum)
     pre, dec, source, sink = pair
     prompts = random_prompts([9, 30, 44], 512, seed=11)
     reference = make_engine(checkpoint).generate(prompts, PARAMS)
@@ -109,7 +133,9 @@ def test_streamed_pull_moves_layers_while_prefill_computes_and_matches_monolithi
     assert {e.request_id for e in source.poll()} == set(firsts)  # every lease confirmed by the pull
 
 
-def test_a_corrupted_layer_fails_a_streamed_pull_and_yields_no_tokens(pair):
+@CHECKSUMS
+def test_a_corrupted_layer_fails_a_streamed_pull_and_yields_no_tokens(pair, monkeypatch, checksum):
+    use_checksum(monkeypatch, checksum)
     pre, dec, source, sink = pair
     (prompt,) = random_prompts([40], 512, seed=12)
     real_transfer = sink._transfer
