@@ -17,6 +17,8 @@ Per size, the median of ``--repeats`` pulls after one that sets up the connectio
 - copy GB/s: ``copy_`` of as many bytes between two buffers on the device
   (best of ``--repeats``), measured in the same run: the ceiling;
 - of copy: transfer GB/s / copy GB/s (the goal on a GPU: >= 0.5 at 32k tokens).
+- verify, hash, confirm, other ms: the pull's time beside the transfer: waiting for the
+  checksums after the last chunk, queuing them during the pull, telling the source, the rest.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class Row:
     copy_gbps: float
     of_copy: float
     verify_ms: float
+    hash_ms: float  # queuing the checksums of moved layers (during the pull)
+    confirm_ms: float
+    other_ms: float  # the rest of the pull: checks, set-up
 
 
 def copy_gbps(nbytes: int, device: torch.device, repeats: int) -> float:
@@ -92,13 +97,13 @@ def measure(tokens: int, device: torch.device, repeats: int) -> Row:
                 if not confirmation.delivered:
                     source.call(Confirm(confirmation.transfer_id))
                 st = sink.last_stats
-                samples.append((st.transfer_s, st.total_s, st.verify_s))
+                samples.append((st.transfer_s, st.total_s, st.verify_s, st.hash_s, st.confirm_s))
         finally:
             sink.close()
     finally:
         source.stop()
     nbytes = exported.descriptor.num_bytes
-    transfer_s, total_s, verify_s = (statistics.median(x) for x in zip(*samples[1:]))
+    transfer_s, total_s, verify_s, hash_s, confirm_s = (statistics.median(x) for x in zip(*samples[1:]))
     ceiling = copy_gbps(nbytes, device, repeats)
     transfer = nbytes / transfer_s / 1e9
     return Row(
@@ -110,18 +115,23 @@ def measure(tokens: int, device: torch.device, repeats: int) -> Row:
         ceiling,
         transfer / ceiling,
         verify_s * 1e3,
+        hash_s * 1e3,
+        confirm_s * 1e3,
+        (total_s - transfer_s - verify_s - hash_s - confirm_s) * 1e3,
     )
 
 
 def markdown(rows: list[Row]) -> str:
     lines = [
-        "| tokens | device | MB | transfer GB/s | pull GB/s | copy GB/s | of copy | verify ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tokens | device | MB | transfer GB/s | pull GB/s | copy GB/s | of copy | verify ms "
+        "| hash ms | confirm ms | other ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.tokens} | {r.device} | {r.mbytes:.0f} | {r.transfer_gbps:.1f} | {r.pull_gbps:.1f} "
-            f"| {r.copy_gbps:.1f} | {r.of_copy:.2f} | {r.verify_ms:.1f} |"
+            f"| {r.copy_gbps:.1f} | {r.of_copy:.2f} | {r.verify_ms:.1f} | {r.hash_ms:.1f} "
+            f"| {r.confirm_ms:.1f} | {r.other_ms:.1f} |"
         )
     return "\n".join(lines) + "\n"
 

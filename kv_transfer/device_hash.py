@@ -109,18 +109,18 @@ class PendingKV64:
     def __init__(self) -> None:
         self._sums: list[torch.Tensor] = []  # per layer: the sum of its words' mixes, on the device
         self._words: list[int] = []  # per layer: how many words
-        self._ids: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # block ids on their device
+        self._segments: dict[tuple, torch.Tensor] = {}  # the word offsets of a set of blocks, on the device
 
     def add(self, planes: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> None:
         """Queue ``kv64`` of ``planes`` [k/v, block, ...] (as ``layer_kv64``) over ``block_ids``."""
         words = planes.view(torch.int32) if planes.element_size() == 4 else _as_words(planes)
         per_block = words[0, 0].numel()
-        key = (str(planes.device), tuple(block_ids))
-        ids = self._ids.get(key)
-        if ids is None:  # a pull's layers mostly share one list of blocks: one upload
-            ids = self._ids[key] = torch.tensor(key[1], dtype=torch.int64).to(planes.device)
-        planes_at = torch.arange(planes.shape[0], dtype=torch.int64, device=planes.device)
-        segments = (planes_at[:, None] * words.stride(0) + ids[None, :] * words.stride(1)).reshape(-1)
+        key = (str(planes.device), tuple(block_ids), planes.shape[0], words.stride(0), words.stride(1))
+        segments = self._segments.get(key)
+        if segments is None:  # a pull's layers mostly share one list of blocks: one upload, three launches
+            ids = torch.tensor(key[1], dtype=torch.int64)
+            at = torch.arange(planes.shape[0], dtype=torch.int64)[:, None] * key[3] + ids[None, :] * key[4]
+            segments = self._segments[key] = at.reshape(-1).to(planes.device)
         tiles = triton.cdiv(per_block, TILE)
         partials = torch.empty(segments.numel(), tiles, dtype=torch.int64, device=planes.device)
         _kv64_tiles[(segments.numel(), tiles)](words, segments, partials, per_block, tiles, TILE=TILE)

@@ -127,7 +127,9 @@ class KVSink:
             check_transition(state, TransferState.FAILED)
             raise
         check_transition(state, TransferState.DONE)
+        t = time.monotonic()
         delivered = self._confirm(desc)
+        stats.confirm_s = time.monotonic() - t
         stats.total_s = time.monotonic() - t0
         self.last_stats = stats
         return Confirmation(desc.transfer_id, desc.source_worker, delivered)
@@ -159,7 +161,9 @@ class KVSink:
             t = time.monotonic()
             self._transfer(desc, dst_blocks, deadline, range(moved, stop))
             stats.transfer_s += time.monotonic() - t
+            t = time.monotonic()
             verifier.moved(stop)
+            stats.hash_s += time.monotonic() - t
             moved = stop
         if desc.stream is not None:  # the last layers' checksums: a read after they were shown ready
             verifier.trust(self._progress(desc, deadline).checksums)

@@ -322,6 +322,8 @@ class TransferStats:
     transfer_s: float = 0.0  # moving bytes only (summed over the chunks)
     verify_s: float = 0.0  # waiting for verification after the last chunk moved (the rest overlaps)
     wait_s: float = 0.0  # a streamed export: waiting for the source to finish layers
+    hash_s: float = 0.0  # starting the verification of moved layers (a GPU's kernels queued)
+    confirm_s: float = 0.0  # telling the source (a NIXL notification)
     total_s: float = 0.0
 
 

@@ -20,6 +20,7 @@ from splitserve.cluster.config import ClusterConfig
 from splitserve.engine.engine import Engine
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import random_prompts
+from tests.integration.holding import hold
 from tests.waiting import wait_until
 
 __all__ = ["wait_until"]  # re-exported: the integration tests take it from here
@@ -196,20 +197,27 @@ def assert_move_pulled(trace, to: str) -> None:
 
 def drain_mid_stream(cluster, client: Client, prompt: list[int], request_id: str, max_tokens: int):
     """A greedy stream of ``prompt`` whose decode worker is drained (``splitserve drain``)
-    once 10 tokens came: (its tokens, its ``Final``, the drained worker's id)."""
+    once 10 tokens came: (its tokens, its ``Final``, the drained worker's id). The request
+    is held there at its 10th token (``holding.hold``) until the drain returns: the drain
+    finds it running, however fast the worker decodes and however long the drain takes to
+    come (a request that ended first would finish on the drained worker, moved by nothing)."""
     tokens, final, drained = [], None, None
     options = dict(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, request_id=request_id)
-    for item in client.stream(prompt, **options):
-        if isinstance(item, Final):
-            final = item
-            continue
-        tokens += item.token_ids
-        if drained is None and len(tokens) >= 10:
-            st = client.cluster_status()
-            (drained,) = [
-                w.worker_id for p in st.pools for w in p.workers if w.role == "decode" and w.running
-            ]
-            assert main(["drain", drained, "--server", cluster.address]) == 0
+    with hold(cluster, request_id, at=10) as held:
+        for item in client.stream(prompt, **options):
+            if isinstance(item, Final):
+                final = item
+                continue
+            tokens += item.token_ids
+            if drained is None and len(tokens) >= 10:
+                st = client.cluster_status()
+                (drained,) = [
+                    w.worker_id for p in st.pools for w in p.workers if w.role == "decode" and w.running
+                ]
+                try:
+                    assert main(["drain", drained, "--server", cluster.address]) == 0
+                finally:
+                    held.release()
     return tokens, final, drained
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from splitserve.client import Client, Final
 from splitserve.engine.engine import Engine
+from splitserve.router.registry import Membership
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import WorkerLost
 from splitserve.wire.sampling import SamplingParams
@@ -32,6 +33,7 @@ from tests.integration.cluster_util import (
     wait_kv_free,
     wait_until,
 )
+from tests.integration.holding import Hold, hold
 from tests.waiting import until
 
 POOL = {"num_cpus": 0.5, "engine": {"kv_cache_memory_mib": 16, "max_num_batched_tokens": 256}}
@@ -43,6 +45,17 @@ def cluster(checkpoint):
     config = tiny_config(checkpoint, prefill=POOL, decode={**POOL, "replicas": 2})
     with live_cluster(config) as c:
         yield c
+
+
+@pytest.fixture(autouse=True)
+def undrained(cluster):
+    """After each test, a decode worker it drained is routed to again, whether the test
+    passed or failed (a drained worker stays so until removed: the tests after it would
+    find one decode worker where they move requests between two)."""
+    yield
+    for w in cluster.registry.workers("decode"):
+        if w.state is Membership.DRAINING and w.alive:
+            cluster.run(cluster.registry.activate(w.worker_id), timeout=60)
 
 
 def test_draining_the_worker_a_request_streams_from_moves_it_whole(cluster, checkpoint, capsys):
@@ -61,20 +74,22 @@ def test_draining_the_worker_a_request_streams_from_moves_it_whole(cluster, chec
     assert_move_pulled(trace_of(st.traces, "moving"), to=final.decode_worker)
     taker = cluster.run(cluster.registry.get(final.decode_worker).client.stats(), timeout=60).engine
     assert taker.import_precopied_tokens > 0  # its full blocks were copied ahead of the switch
-    cluster.run(cluster.registry.activate(drained))  # routed to again, for the tests below
 
 
 def _moving_stream(cluster, prompt, rid: str, on_tokens) -> tuple[list[int], Final]:
-    """A greedy stream of ``prompt``; ``on_tokens(n)`` after each chunk (n tokens so far)."""
+    """A greedy stream of ``prompt``, held on its decode worker at its 10th token
+    (``holding.hold``); ``on_tokens(n, held)`` after each chunk (n tokens so far), which
+    releases ``held`` once it moved the request (the stream would hang at 10 otherwise;
+    the hold ends with the stream in any case)."""
     tokens, final = [], None
     options = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0, request_id=rid)
-    with Client(cluster.address, timeout=120) as client:
+    with hold(cluster, rid, at=10) as held, Client(cluster.address, timeout=120) as client:
         for item in client.stream(prompt, **options):
             if isinstance(item, Final):
                 final = item
                 continue
             tokens += item.token_ids
-            on_tokens(len(tokens))
+            on_tokens(len(tokens), held)
     return tokens, final
 
 
@@ -106,7 +121,7 @@ def test_a_worker_killed_during_a_move_leaves_the_request_whole(cluster, checkpo
             await asyncio.sleep(0.05)
         await until(lambda: process_exited(pid), f"{w.worker_id}'s process {pid} exited")
 
-    def kill_during_move(n: int) -> None:
+    def kill_during_move(n: int, held: Hold) -> None:
         if moved or n < 10:
             return
         life = d.moves.lives[rid]
@@ -125,7 +140,10 @@ def test_a_worker_killed_during_a_move_leaves_the_request_whole(cluster, checkpo
             monkeypatch.setattr(old.client, "move_out", move_out_then_die)
         else:
             ray.kill(new.client.actor, no_restart=True)
-        cluster.run(d.moves.migrate(rid, to=new.worker_id), timeout=120)
+        try:
+            cluster.run(d.moves.migrate(rid, to=new.worker_id), timeout=120)
+        finally:
+            held.release()
         moved.append((old.worker_id, new.worker_id))
 
     wait_until(lambda: len(cluster.registry.routable("decode")) == 2, "two decode workers to move between")
