@@ -18,10 +18,11 @@ the base projection's time at a rank of 16 whatever the method.
 
 The engine's projections fuse PEFT's modules: ``qkv_proj`` holds q, k and v (in that
 order), ``gate_up_proj`` gate and up. A fused projection's ``A`` stacks its parts'
-``A`` (rank ``parts x max_lora_rank``) and its ``B`` places each part's ``B`` in that
-part's output rows and rank columns (block-diagonal), so one pair of matmuls serves
-every part. ``scaling`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) is folded
-into ``B`` at load.
+``A`` (rank ``parts x max_lora_rank``), so one matmul serves every part, and its ``B``
+holds each part's ``B`` in that part's output columns: the ``B`` product is one matmul
+per part into its own columns (the zeros of a block-diagonal ``B``, two thirds of
+``qkv_proj``'s and half of ``gate_up_proj``'s, are never multiplied). ``scaling``
+(``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) is folded into ``B`` at load.
 
 Adapters are served from the start (``lora_modules``) or from a load at run time, and
 unloaded (``engine.lora_requests``: which request takes which slot, when). A served
@@ -165,10 +166,13 @@ class LoRALinear(nn.Module):
     each step row's adapter: ``parts`` [(name, first output row, rows)] are the PEFT
     modules it fuses, in output order.
 
-    ``a`` [in, W x L] and ``b`` [W x L, out] hold every slot's ``A`` and ``B`` transposed,
-    a column (row) ``w * L + slot`` for rank column ``w`` of ``W`` (``parts x max_rank``)
-    and slot ``slot`` of ``L`` (``max_loras``): a row's one-hot slot, broadcast over ``W``,
-    keeps its own adapter's columns of ``x @ a``."""
+    ``a`` [in, W x L] holds every slot's ``A`` transposed, a column ``w * L + slot`` for
+    rank column ``w`` of ``W`` (``parts x R``, R = ``max_rank``) and slot ``slot`` of ``L``
+    (``max_loras``): a row's one-hot slot, broadcast over ``W``, keeps its own adapter's
+    columns of ``x @ a``; part ``i``'s are the ``R x L`` columns from ``i x R x L``.
+    ``b`` [R x L, out] holds every slot's ``B`` transposed, a row ``r * L + slot``, each
+    part's in its own output columns: part ``i``'s columns of ``x @ a`` times ``b``'s
+    columns of part ``i`` is its product (no block-diagonal zeros multiplied)."""
 
     def __init__(
         self,
@@ -187,9 +191,12 @@ class LoRALinear(nn.Module):
         self.max_rank, self.max_loras = max_rank, max_loras
         self.step = step
         out = sum(rows for _, _, rows in parts)
-        width = len(parts) * max_rank
-        self.register_buffer("a", torch.zeros(in_features, width * max_loras, dtype=dtype, device=device))
-        self.register_buffer("b", torch.zeros(width * max_loras, out, dtype=dtype, device=device))
+        width = max_rank * max_loras  # the columns of x @ a of one part
+        self.spans = [
+            (i * width, (i + 1) * width, first, first + rows) for i, (_, first, rows) in enumerate(parts)
+        ]
+        self.register_buffer("a", torch.zeros(in_features, len(parts) * width, dtype=dtype, device=device))
+        self.register_buffer("b", torch.zeros(width, out, dtype=dtype, device=device))
 
     def check(self, part: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """``ValueError`` unless ``A`` and ``B`` fit ``part`` (None: the adapter leaves it)."""
@@ -204,14 +211,14 @@ class LoRALinear(nn.Module):
         i, first, rows = self.parts[part]
         r0, loras = i * self.max_rank, self.max_loras
         at = self.a.view(self.a.shape[0], -1, loras)  # [in, W, L]
-        bt = self.b.view(-1, loras, self.b.shape[1])  # [W, L, out]
+        bt = self.b.view(self.max_rank, loras, self.b.shape[1])  # [R, L, out]
         at[:, r0 : r0 + self.max_rank, slot].zero_()
-        bt[r0 : r0 + self.max_rank, slot, first : first + rows].zero_()
+        bt[:, slot, first : first + rows].zero_()
         if a is None:
             return
         r = a.shape[0]
         at[:, r0 : r0 + r, slot] = a.T.to(self.a.dtype)
-        bt[r0 : r0 + r, slot, first : first + rows] = b.T.to(self.b.dtype)
+        bt[:r, slot, first : first + rows] = b.T.to(self.b.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -220,7 +227,11 @@ class LoRALinear(nn.Module):
             return y
         t = torch.mm(x, self.a)
         t.view(t.shape[0], -1, self.max_loras).mul_(one_hot[:, None, :])
-        return y.addmm_(t, self.b)
+        if len(self.spans) == 1:
+            return y.addmm_(t, self.b)
+        for t0, t1, y0, y1 in self.spans:  # each part's rank columns into its own output columns
+            y[:, y0:y1].addmm_(t[:, t0:t1], self.b[:, y0:y1])
+        return y
 
 
 class LoRAAdapters:
