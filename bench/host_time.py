@@ -10,8 +10,13 @@ block manager, sampling, outputs, text. ``--batch`` random prompts of
   loop making text and filling outboxes), read by an in-process client: the worker's
   serving path without Ray or gRPC (``bench.serving_efficiency`` measures those).
 
-For each: microseconds of wall time per output token, and of host time (wall time less
-the time inside the model's forward pass, ``ModelRunner.forward``). With ``--against
+For each: microseconds of wall time per output token, of host time (wall time less
+the time inside the model's forward pass, ``ModelRunner.forward``; on a GPU the
+forward's time runs until the device finished it), and the host's share of the wall
+time. ``--shape llama3-8b --device cuda`` measures the same on a GPU with
+Llama-3-8B's shapes (random bf16 weights; SmolLM2's tokenizer, so its 49152-token
+vocabulary): how much of a decode step at ``--batch`` 64 the engine's own work
+takes (issue 66's goal: at most 10 %). With ``--against
 REV`` the same workload runs with that commit's ``splitserve`` too (a temporary git
 worktree, fresh processes alternated round by round, as ``bench.engine_guard``), and
 the table gives both trees' medians::
@@ -23,6 +28,7 @@ the table gives both trees' medians::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -41,9 +47,13 @@ from splitserve.wire.config import EngineConfig
 from splitserve.wire.sampling import SamplingParams
 
 model = sys.argv[1]
-batch, input_len, output_len, threads = map(int, sys.argv[2:6])
+batch, input_len, output_len, threads, kv_mib = map(int, sys.argv[2:7])
+device, dtype, random_weights = sys.argv[7], sys.argv[8], sys.argv[9] == "1"
 torch.set_num_threads(threads)
-config = EngineConfig(model=model, dtype="float32", kv_cache_memory_mib=256)
+config = EngineConfig(
+    model=model, dtype=dtype, device=device, random_weights=random_weights, kv_cache_memory_mib=kv_mib
+)
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 params = SamplingParams(max_tokens=output_len, ignore_eos=True)
 rng = random.Random(0)
 prompts = [[rng.randrange(1000, 30000) for _ in range(input_len)] for _ in range(batch)]
@@ -57,7 +67,9 @@ class Clock:
         def timed(*a, **k):
             t = time.perf_counter()
             try:
-                return forward(*a, **k)
+                out = forward(*a, **k)
+                sync()  # the device's work is the forward's time, not the host's
+                return out
             finally:
                 self.s += time.perf_counter() - t
 
@@ -113,21 +125,34 @@ for name, fn in (("offline", offline), ("served", served)):
     wall, model_s, n = fn()
     got[name] = 1e6 * wall / n
     got[name + "_host"] = 1e6 * (wall - model_s) / n
+    got[name + "_share"] = 100 * (wall - model_s) / wall
 print("RATES " + json.dumps(got))
 """
 
-ROWS = ("offline", "offline_host", "served", "served_host")
+ROWS = ("offline", "offline_host", "offline_share", "served", "served_host", "served_share")
+VOCAB = 49152  # SmolLM2's tokenizer's
 
 
-def make_model(directory: Path) -> str:
-    """The tiny model, saved with SmolLM2's tokenizer files; its path."""
+def make_model(directory: Path, shape: str) -> str:
+    """The model (``tiny``: 2 layers, hidden 32, saved; ``llama3-8b``: its config only,
+    for random weights), with SmolLM2's tokenizer files; its path."""
     from splitserve.bench.tiny_models import make_hf_checkpoint
     from splitserve.engine.model.loader import resolve_source
 
     source = resolve_source("smollm2").directory
-    make_hf_checkpoint(
-        "llama", directory, max_position=2048, vocab_size=49152, hidden_size=32, intermediate_size=64
-    )
+    if shape == "tiny":
+        make_hf_checkpoint(
+            "llama", directory, max_position=2048, vocab_size=VOCAB, hidden_size=32, intermediate_size=64
+        )
+    else:
+        from splitserve.bench.gpu_bench import SHAPES
+
+        config = {**SHAPES[shape], "vocab_size": VOCAB, "architectures": ["LlamaForCausalLM"]}
+        config.update(
+            model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16"
+        )
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text(json.dumps(config))
     for f in Path(source).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("vocab.json", "merges.txt"):
             shutil.copy(f, directory / f.name)
@@ -142,10 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    ap.add_argument("--shape", choices=["tiny", "llama3-8b"], default="tiny")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on a GPU")
+    ap.add_argument("--kv-mib", type=int, default=None, help="KV cache (default 256 MiB; 4 GiB for 8B)")
     args = ap.parse_args(argv)
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    kv_mib = args.kv_mib or (256 if args.shape == "tiny" else 4096)
     with tempfile.TemporaryDirectory(prefix="host-time-") as tmp:
-        model = make_model(Path(tmp) / "model")
-        argv_side = [model, *map(str, (args.batch, args.input_len, args.output_len, args.threads))]
+        model = make_model(Path(tmp) / "model", args.shape)
+        numbers = (args.batch, args.input_len, args.output_len, args.threads, kv_mib)
+        argv_side = [model, *map(str, numbers), args.device, dtype, "0" if args.shape == "tiny" else "1"]
         with checked_out(args.against) as package:
             sides = [("this tree", None)] + ([(args.against, package)] if args.against else [])
             samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in sides}
@@ -156,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                     figures = ", ".join(f"{k} {got[k]:.1f}" for k in ROWS)
                     print(f"round {r + 1}: {name} ({got['tree']}): {figures} us/token", flush=True)
     names = [name for name, _ in sides]
-    print("\n| us per output token | " + " | ".join(names) + " |")
+    print("\n| us per output token (share: % of the wall time) | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for row in ROWS:
         cells = [f"{statistics.median(s[row] for s in samples[n]):.1f}" for n in names]
