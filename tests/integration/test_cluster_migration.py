@@ -15,6 +15,7 @@ import os
 import pytest
 
 from splitserve.client import Client, Final
+from splitserve.cluster.pools import START_TIMEOUT_S
 from splitserve.engine.engine import Engine
 from splitserve.router.registry import Membership
 from splitserve.wire.config import EngineConfig
@@ -146,7 +147,10 @@ def test_a_worker_killed_during_a_move_leaves_the_request_whole(cluster, checkpo
             held.release()
         moved.append((old.worker_id, new.worker_id))
 
-    wait_until(lambda: len(cluster.registry.routable("decode")) == 2, "two decode workers to move between")
+    def two() -> bool:  # the pool replaces a killed worker: as long as a start may take
+        return len(cluster.registry.routable("decode")) == 2
+
+    wait_until(two, "two decode workers to move between", timeout=START_TIMEOUT_S)
     with Client(cluster.address, timeout=120) as client:
         failures = transfer_failures(client)
         tokens, final = _moving_stream(cluster, prompt, rid, kill_during_move)
@@ -165,7 +169,5 @@ def test_a_worker_killed_during_a_move_leaves_the_request_whole(cluster, checkpo
             assert ("redirected", old) in marks or ("resumed", old) in marks, str(marks)
             assert final.decode_worker == old, final
             assert failed == failures
-        wait_until(
-            lambda: len(cluster.registry.routable("decode")) == 2, "the pool replaced the killed worker"
-        )
+        wait_until(two, "the pool replaced the killed worker", timeout=START_TIMEOUT_S)
         wait_kv_free(client, timeout=60)
