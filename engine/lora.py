@@ -10,11 +10,11 @@ in slots (those of one step); each targeted projection of the model is wrapped i
 row), and each wrapped projection adds ``((x @ A_all) * one_hot) @ B_all``
 to its output: every slot's low-rank product for every row, the rows' own kept, in
 two plain matmuls and a multiply whatever the adapters present (no gather, no
-scatter, no per-row Python). A step of base rows only skips it. On this CPU it runs
+scatter, no per-row Python). A step of base rows only skips it. On an AMD EPYC it ran
 as fast as the batched matmuls over each adapter's gathered rows it replaced
 (``bench.lora_bench``, same run: 0.68x and 0.66x the base's tokens/s, against 0.69x and
-0.66x); its cost is the ``B`` product's pass over the projection's output, about half
-the base projection's time at a rank of 16 whatever the method.
+0.66x), its cost mostly the ``B`` product's pass over the projection's output; that
+product now skips a fused projection's block-diagonal zeros (below).
 
 The engine's projections fuse PEFT's modules: ``qkv_proj`` holds q, k and v (in that
 order), ``gate_up_proj`` gate and up. A fused projection's ``A`` stacks its parts'
