@@ -16,11 +16,16 @@ the tensor (``KVLayout.row``) holds them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import xxhash
 
 from splitserve.wire.kv import CompatInfo, checksum_kind
 from splitserve.wire.kv_layout import KVLayout
+
+if TYPE_CHECKING:
+    from splitserve.kv_transfer.device_hash import PendingKV64  # imports Triton
 
 
 def check_cache(cache: torch.Tensor, compat: CompatInfo) -> None:
@@ -88,7 +93,7 @@ def layer_checksum(
     return h.intdigest()
 
 
-def device_checksums(cache: torch.Tensor):
+def device_checksums(cache: torch.Tensor) -> PendingKV64 | None:
     """A ``device_hash.PendingKV64`` for a cache whose checksums a kernel computes where
     it lives (``checksum_kind`` "kv64": a GPU's), else None (the host hashes it)."""
     if checksum_kind(cache.device.type) != "kv64":
