@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from splitserve.engine.engine import Engine
-from splitserve.engine.lora import load_adapter
+from splitserve.engine.lora import LoRAAdapters, load_adapter
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.errors import AdapterMismatch, InvalidRequest, ModelLoadError
 from splitserve.wire.sampling import SamplingParams
@@ -70,7 +70,14 @@ def params(adapter: str | None) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, adapter=adapter)
 
 
-def test_one_batch_mixes_adapters_and_the_base_each_as_transformers_and_peft(served):
+# LoRAAdapters.MIN_RUN_ROWS: every adapter row in a run of its own (decode rows too);
+# chunks of 4+ rows as runs, the rest one-hot (a step holds both); every row one-hot
+RUN_ROWS = [1, 4, 10**9]
+
+
+@pytest.mark.parametrize("run_rows", RUN_ROWS, ids=["runs", "both", "one-hot"])
+def test_one_batch_mixes_adapters_and_the_base_each_as_transformers_and_peft(served, run_rows, monkeypatch):
+    monkeypatch.setattr(LoRAAdapters, "MIN_RUN_ROWS", run_rows)
     checkpoint, dirs, prompts, expected = served
     for name in dirs:  # each adapter changes the tokens: a base forward would fail here
         assert expected[name] != expected[None], name
