@@ -30,13 +30,16 @@ from typing import Protocol
 @dataclass(frozen=True)
 class ProposalRequest:
     """What a proposer sees of one decoding sequence: its tokens so far (prompt then
-    output), how many to propose at most, and the target cache's blocks holding the KV
-    of all but its last token (a self-speculation draft reads its own layers' there)."""
+    output), how many to propose at most, the target cache's blocks holding the KV of
+    all but its last token (a self-speculation draft reads its own layers' there), and
+    the LoRA slot of the adapter it runs under (None: the base model; a
+    self-speculation draft runs the target's layers under it)."""
 
     request_id: str
     token_ids: list[int]
     k: int
     block_table: list[int] = field(default_factory=list)
+    lora_slot: int | None = None
 
 
 class Proposer(Protocol):

@@ -95,7 +95,10 @@ def _self_proposer(spec: SpeculativeConfig, target: Target) -> Proposer:
     cache = KVCache(layout, target.device)
     backend = draft_attention(target.config, target.model_config, target.device)
     model = EarlyExit(target.model, spec.draft_layers)
-    runner = ModelRunner(model, cache, backend, Sampler(target.config.seed), target.device)
+    # the target's projections, LoRA adapters and all: each draft row runs under its request's
+    runner = ModelRunner(
+        model, cache, backend, Sampler(target.config.seed), target.device, loras=target.runner.loras
+    )
     # the target's first layers hold the draft's KV of every computed token (an FP8 target
     # cache does not hold it in the draft's dtype: the draft recomputes it then)
     shared = target.runner.kv_cache if target.runner.kv_cache.layout.dtype == layout.dtype else None

@@ -99,7 +99,7 @@ class ModelProposer:
             seq = self._seqs[r.request_id]
             if self.shared is not None and r.block_table:
                 self._copy_computed(seq, r)
-            self._add_span(inputs, seq, r.token_ids[len(seq.tokens) :], len(seq.tokens))
+            self._add_span(inputs, seq, r.token_ids[len(seq.tokens) :], len(seq.tokens), r.lora_slot)
             seq.tokens = list(r.token_ids)
         picked = self._argmax(inputs)
         for i, token in zip(active, picked):
@@ -112,7 +112,7 @@ class ModelProposer:
             inputs = StepInputs([], [], [], [], len(active), [])
             for i in active:
                 seq = self._seqs[requests[i].request_id]
-                self._add_span(inputs, seq, [drafts[i][-1]], len(seq.tokens))
+                self._add_span(inputs, seq, [drafts[i][-1]], len(seq.tokens), requests[i].lora_slot)
                 seq.tokens.append(drafts[i][-1])
             for i, token in zip(active, self._argmax(inputs)):
                 drafts[i].append(token)
@@ -169,9 +169,16 @@ class ModelProposer:
         if seq is not None:
             self._free.extend(seq.blocks)
 
-    def _add_span(self, inputs: StepInputs, seq: _DraftSeq, tokens: list[int], start: int) -> None:
+    def _add_span(
+        self, inputs: StepInputs, seq: _DraftSeq, tokens: list[int], start: int, lora_slot: int | None
+    ) -> None:
+        """``tokens`` of ``seq`` from position ``start`` as the next rows of ``inputs``,
+        under the LoRA adapter in ``lora_slot`` (None: the base's; a draft model that
+        has no adapters ignores it)."""
         bs, table = self.block_size, seq.blocks
         end = start + len(tokens)
+        if lora_slot is not None:
+            inputs.lora_rows.append((len(inputs.input_ids), len(tokens), lora_slot))
         inputs.spans.append(SeqSpan(len(inputs.input_ids), len(tokens), end, table))
         inputs.input_ids.extend(tokens)
         inputs.positions.extend(range(start, end))

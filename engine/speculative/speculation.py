@@ -55,7 +55,9 @@ class Speculation:
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
             k = min(state.acceptance.k(min_gain) if self.config.adaptive else self.config.num_tokens, room)
             if k > 0 and not (seq.grammar is not None and seq.grammar.done):
-                wanted.append(ProposalRequest(seq.request_id, seq.token_ids, k, seq.block_table))
+                wanted.append(
+                    ProposalRequest(seq.request_id, seq.token_ids, k, seq.block_table, seq.lora_slot)
+                )
         if not wanted:
             return {}
         started = time.perf_counter()

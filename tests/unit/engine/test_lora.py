@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from splitserve.engine.engine import Engine
 from splitserve.engine.lora import LoRAAdapters, load_adapter
-from splitserve.wire.config import EngineConfig
+from splitserve.wire.config import EngineConfig, SpeculativeConfig
 from splitserve.wire.errors import AdapterMismatch, InvalidRequest, ModelLoadError
 from splitserve.wire.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint, random_prompts
@@ -88,6 +88,55 @@ def test_one_batch_mixes_adapters_and_the_base_each_as_transformers_and_peft(ser
     outs = engine.generate(batch, [params(n) for n in which])
     for i, (out, name) in enumerate(zip(outs, which)):
         assert out.token_ids == expected[name][i % len(prompts)], (i, name)
+
+
+def test_a_self_speculation_draft_proposes_under_each_request_s_adapter(served, monkeypatch):
+    """The draft runs the target's first layers: under a request's adapter, its first
+    proposed token is the greedy token of transformers' model cut to those layers (its
+    final norm and LM head after them) with the adapter merged."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, dirs, prompts, expected = served
+    spec = SpeculativeConfig(method="self", num_tokens=2, draft_layers=1, adaptive=False)
+    engine = make_engine(checkpoint, dirs, speculative=spec)
+    proposer = engine.speculation.proposer
+    seen = []  # (request id, its tokens, the draft's first token)
+    propose = proposer.propose
+
+    def spy(requests):
+        drafts = propose(requests)
+        seen.extend((r.request_id, list(r.token_ids), d[0]) for r, d in zip(requests, drafts) if d)
+        return drafts
+
+    monkeypatch.setattr(proposer, "propose", spy)
+    names = [None, *dirs]
+    which = {f"r{i}": names[i % len(names)] for i in range(len(prompts))}
+    for i, rid in enumerate(which):
+        engine.add_request(prompts[i], params(which[rid]), rid)
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for i, (rid, name) in enumerate(which.items()):
+        assert outs[rid] == expected[name][i], (rid, name)  # verified: the target's tokens
+    assert engine.speculation.counters().proposer_errors == 0
+
+    def cut(name):  # transformers' model, the adapter merged, its first layer only
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+        if name is not None:
+            model = PeftModel.from_pretrained(model, str(dirs[name])).merge_and_unload()
+        model.model.layers = model.model.layers[:1]
+        model.config.num_hidden_layers = 1
+        return model
+
+    references = {name: cut(name) for name in names}
+    assert {which[rid] for rid, _, _ in seen} == set(names)  # every adapter's requests were drafted
+    with torch.no_grad():
+        for rid, tokens, first in seen:
+            logits = references[which[rid]](torch.tensor([tokens])).logits[0, -1]
+            assert first == int(logits.argmax()), (rid, which[rid], len(tokens))
 
 
 def test_the_prefix_cache_serves_a_prompt_only_under_the_adapter_that_computed_it(served):
