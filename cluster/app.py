@@ -226,6 +226,7 @@ class ServingCluster:
                 self.progress(
                     f"SLO planner on: TTFT {cfg.planner.ttft_ms:g} ms, TPOT {cfg.planner.tpot_ms:g} ms"
                 )
+            lora = None  # runtime LoRA changes: through the HTTP door
             if r.http_port is not None:
                 lora = LoRAAdmin(
                     self._pool_config, self._reconfigure, self.registry, dispatcher, self._upgrading
@@ -241,7 +242,7 @@ class ServingCluster:
                 await self.metrics_server.start()
             if r.replicas > 1 or (r.node_resource is not None and cfg.ray.address):
                 ports = Ports(self.server.port, self.http.port if self.http is not None else None)
-                self.replicas = Replicas(cfg, self.registry, validator, ports, dispatcher)
+                self.replicas = Replicas(cfg, self.registry, validator, ports, dispatcher, lora)
                 await self.replicas.start()
                 for info in await self.replicas.infos():
                     here = info.node_id == self.replicas.node_id

@@ -3,7 +3,10 @@ pool, as vLLM's ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` d
 its one server.
 
 The primary router owns the set of adapters the cluster serves (its dispatcher's
-``adapters``; the other routers get it with their next sync, ``cluster.replicas``).
+``adapters``). A change asked of another router reaches it through the desk
+(``cluster.adapter_desk``), and every other router serves the change before it is
+answered (``spread``: ``Replicas.spread_adapters``), so that the next request anywhere
+finds it.
 
 - **Load**: refused (``InvalidRequest``, nothing changed) where LoRA is off
   (``model.enable_lora``), for a name already served (or the served model's), or for
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from splitserve.cluster.config import ClusterConfig
 from splitserve.router.dispatch import Dispatcher
@@ -66,6 +69,8 @@ class LoRAAdmin:
         self._registry, self._dispatcher = registry, dispatcher
         self._changing = changing
         self._call_timeout_s = call_timeout_s
+        # tells every other router the adapters served now (set where there are others)
+        self.spread: Callable[[tuple[str, ...]], Awaitable[None]] | None = None
 
     async def load(self, name: str, path: str) -> None:
         """Serve adapter ``name`` from ``path`` (a PEFT directory every worker's node can
@@ -92,7 +97,7 @@ class LoRAAdmin:
                 if isinstance(error, ModelLoadError | InvalidRequest):
                     error = InvalidRequest(f"{worker.worker_id} could not load it: {error}")
             else:
-                self._dispatcher.adapters = (*self._dispatcher.adapters, name)
+                await self._serve((*self._dispatcher.adapters, name))
                 log.info("LoRA adapter %r from %s: loaded on %d worker(s)", name, path, len(workers))
                 return
             await asyncio.gather(*(self._unload_on(w, name) for w in workers if w.worker_id in loaded))
@@ -105,7 +110,7 @@ class LoRAAdmin:
         async with self._changing:
             if name not in self._dispatcher.adapters:
                 raise UnknownModel(f"no LoRA adapter named {name!r} is served")
-            self._dispatcher.adapters = tuple(a for a in self._dispatcher.adapters if a != name)
+            await self._serve(tuple(a for a in self._dispatcher.adapters if a != name))
             config = self._config()
             modules = {n: p for n, p in config.model.lora_modules.items() if n != name}
             self._reconfigure(_with_modules(config, modules))
@@ -133,6 +138,12 @@ class LoRAAdmin:
             else:
                 log.info("%s: %s (its adapters were not those served)", w.worker_id, change)
         return len(changes)
+
+    async def _serve(self, adapters: tuple[str, ...]) -> None:
+        """Route requests to ``adapters`` from now on, on this router and every other."""
+        self._dispatcher.adapters = adapters
+        if self.spread is not None:
+            await self.spread(adapters)
 
     async def _change(self, record: WorkerRecord, change: LoadAdapter | UnloadAdapter) -> str | None:
         """``change`` on ``record``'s worker; ``WorkerLost`` if it does not answer within

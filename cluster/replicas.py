@@ -39,8 +39,10 @@ What the routers share, and how:
   counter, and a router that dies takes its share with it. The price: the kernel
   (or the load balancer) spreads connections, not requests, so a client that
   sends everything over one long-lived connection meets one router's share.
-- **LoRA adapters loaded or unloaded at run time** (``/v1/load_lora_adapter``, which
-  only the primary answers) reach the others with the next sync.
+- **LoRA adapters loaded or unloaded at run time** (``/v1/load_lora_adapter``) are
+  the primary's to change: another router passes the change to it through the desk
+  (``cluster.adapter_desk``), and every router serves the result before the change is
+  answered (``spread_adapters``).
 - **Config, API keys, the served model and its validator** are the primary's:
   a router gets the config and the validator the primary built at start, and
   reads the same API keys file (on its own node: the same path).
@@ -69,7 +71,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from splitserve.cluster import router_parts as parts
+from splitserve.cluster.adapter_desk import AdapterDesk, ForwardedAdapters, serve_desk
 from splitserve.cluster.config import ClusterConfig
+from splitserve.cluster.lora_admin import LoRAAdmin
 from splitserve.cluster.worker_client import RayDecodeWorker, RayPrefillWorker
 from splitserve.router.auth import ApiKeys
 from splitserve.router.dispatch import Dispatcher
@@ -151,10 +155,19 @@ class RouterReplica:
     it first, then ``start`` it."""
 
     def __init__(
-        self, config: ClusterConfig, index: int, validator: RequestValidator, ports: Ports, limits: LimitsSpec
+        self,
+        config: ClusterConfig,
+        index: int,
+        validator: RequestValidator,
+        ports: Ports,
+        limits: LimitsSpec,
+        desk: Any = None,
     ):
+        """``desk``: the primary's ``AdapterDesk`` (None: this router refuses runtime LoRA
+        changes, 501)."""
         cfg, r = config, config.router
         self.config, self.index, self.ports = config, index, ports
+        self.desk = desk
         self.registry = WorkerRegistry()
         self.dispatcher = parts.dispatcher(cfg, self.registry, validator, limits)
         # the workers' figures are the primary's to export: a scrape of every router sums
@@ -211,8 +224,9 @@ class RouterReplica:
         )
         await self.server.start()
         if self.ports.http is not None:
+            lora = ForwardedAdapters(self.desk) if self.desk is not None else None
             self.http = parts.http_server(
-                cfg, self.dispatcher, self.metrics, self.api_keys, self.ports.http, reuse_port=True
+                cfg, self.dispatcher, self.metrics, self.api_keys, self.ports.http, reuse_port=True, lora=lora
             )
             await self.http.start()
         if r.metrics_port is not None:  # a port of its own: a scrape of each sums correctly
@@ -222,6 +236,10 @@ class RouterReplica:
         if self.api_keys is not None:
             self._watching = asyncio.ensure_future(self.api_keys.watch())
         return Ports(self.server.port, self.http.port if self.http is not None else None)
+
+    async def serve_adapters(self, adapters: tuple[str, ...]) -> None:
+        """Route to the LoRA ``adapters`` from now on (the primary changed them)."""
+        self.dispatcher.adapters = adapters
 
     async def info(self) -> RouterInfo:
         """This router as ``ClusterStatus`` reports it."""
@@ -283,9 +301,16 @@ class Replicas:
         validator: RequestValidator,
         ports: Ports,
         dispatcher: Dispatcher,
+        lora: LoRAAdmin | None = None,
     ):
+        """``lora``: the primary's runtime LoRA loads (its HTTP door's), which the other
+        routers' doors reach through a desk (``cluster.adapter_desk``); None: they
+        refuse them."""
         self.config, self.registry, self.validator = config, registry, validator
         self.dispatcher = dispatcher  # the primary's: it admits within its share too
+        self.lora = lora
+        self.desk: Any = None  # the AdapterDesk actor, from ``start``
+        self._serving_desk: asyncio.Task | None = None
         self.node_id = ray.get_runtime_context().get_node_id()  # the primary's
         self.slots = [_Slot(i, self.node_id, ports, None) for i in range(1, config.router.replicas)]
         self.limits = self.dispatcher.limits
@@ -298,6 +323,15 @@ class Replicas:
         return [s.actor for s in self.slots]
 
     async def start(self) -> None:
+        if self.lora is not None:
+            where = NodeAffinitySchedulingStrategy(self.node_id, soft=False)
+            self.desk = (
+                ray.remote(AdapterDesk)
+                .options(num_cpus=0, scheduling_strategy=where, max_restarts=0)
+                .remote()
+            )
+            self._serving_desk = asyncio.create_task(serve_desk(self.desk, self.lora))
+            self.lora.spread = self.spread_adapters
         await self._place_node_routers()
         await asyncio.gather(*(self._launch(s) for s in self.slots))
 
@@ -322,6 +356,14 @@ class Replicas:
 
         return list(await asyncio.gather(*(ask(s) for s in self.slots)))
 
+    async def spread_adapters(self, adapters: tuple[str, ...]) -> None:
+        """Every router routes to the LoRA ``adapters`` from now on (``LoRAAdmin.spread``;
+        one lost meanwhile is synced with them when it is replaced)."""
+        await asyncio.gather(
+            *(s.actor.serve_adapters.remote(adapters) for s in self.slots if s.actor is not None),
+            return_exceptions=True,
+        )
+
     async def cpu_seconds(self) -> list[float]:
         """Each router's process CPU time so far."""
         return list(await asyncio.gather(*(s.actor.cpu_seconds.remote() for s in self.slots)))
@@ -333,6 +375,9 @@ class Replicas:
         for s in self.slots:
             if s.actor is not None:
                 ray.kill(s.actor)
+        if self._serving_desk is not None:
+            self._serving_desk.cancel()
+            ray.kill(self.desk)
 
     async def _place_node_routers(self) -> None:
         """A slot for every live node offering ``router.node_resource`` (but the
@@ -396,7 +441,7 @@ class Replicas:
         actor = (
             ray.remote(RouterReplica)
             .options(num_cpus=0, resources=resources, scheduling_strategy=where, max_restarts=0)
-            .remote(self.config, s.index, self.validator, s.ports, self.limits)
+            .remote(self.config, s.index, self.validator, s.ports, self.limits, self.desk)
         )
         try:
             await actor.sync.remote(members(self.registry), self.limits, self.dispatcher.adapters)

@@ -89,8 +89,9 @@ class OpenAIServer:
         reuse_port: bool = False,
         lora: AdapterAdmin | None = None,
     ):
-        """``lora``: loads and unloads LoRA adapters on every worker (the primary router's;
-        another router answers those calls 501, naming the primary)."""
+        """``lora``: loads and unloads LoRA adapters on every worker (the primary router's
+        ``LoRAAdmin``; another router's passes the change to it, ``cluster.adapter_desk``;
+        None: those calls are answered 501)."""
         self.dispatcher = dispatcher
         self.lora = lora
         self.reuse_port = reuse_port  # other routers listen on this port too (router.replicas)
