@@ -34,9 +34,10 @@ from splitserve.wire.config import EngineConfig
 from splitserve.wire.sampling import SamplingParams
 
 
-def write_adapter(directory: Path, engine: Engine, rank: int, seed: int) -> None:
+def write_adapter(directory: Path, engine: Engine, rank: int, seed: int, scale: float = 0.01) -> None:
     """A random PEFT LoRA adapter of ``engine``'s model (all seven projections, rank
-    ``rank``), in PEFT's file layout, shaped from the model's own config."""
+    ``rank``, weights of standard deviation ``scale``), in PEFT's file layout, shaped
+    from the model's own config."""
     mc = engine.model_config
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
     shapes = {
@@ -53,8 +54,8 @@ def write_adapter(directory: Path, engine: Engine, rank: int, seed: int) -> None
     for layer in range(mc.num_layers):
         for module, (fan_in, fan_out) in shapes.items():
             key = f"base_model.model.model.layers.{layer}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.01
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * scale
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}

@@ -177,7 +177,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         # a verification step's draft tokens are decode rows too (``ModelRunner.spread_drafts``)
         drafts = config.speculative.num_tokens if config.speculative is not None else 0
         rows = config.max_num_seqs * (1 + drafts)
-        graphs = DecodeGraphs.for_engine(model, kv_cache, backend, rows, max_model_len, tp.size)
+        graphs = DecodeGraphs.for_engine(model, kv_cache, backend, rows, max_model_len, tp.size, loras)
     # one shard of blocks per rank of an expert-parallel group (each rank caches its own sequences)
     shards = config.ep_size
     tier = None

@@ -18,6 +18,9 @@ Shapes inside a recording never change: block tables are as wide as the
 longest sequence allowed (``max_model_len``), which the Triton paged-decode
 kernel (the only backend allowed here) reads only up to each sequence's length.
 Steps with prefill chunks, or more decodes than the largest size, run eagerly.
+With LoRA adapters (``engine.lora``), each recording runs the adapters' one-hot pass
+over a static buffer of the rows' slots, which a replay fills first (a base row's and
+a padding row's: zeros).
 
 ``record`` is how a step is captured: on CUDA ``cuda_graph_recorder`` (capture,
 then replay); on other devices (tests, with Triton's interpreter) a plain
@@ -34,6 +37,7 @@ import torch
 from splitserve.engine.attention.base import AttentionBackend
 from splitserve.engine.attention.sdpa import SdpaMetadata
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.lora import LoRAAdapters
 from splitserve.engine.model.decoder import DecoderModel
 from splitserve.engine.model.llama import StepContext
 
@@ -77,6 +81,7 @@ class DecodeGraphs:
         max_rows: int,
         max_model_len: int,
         tp_size: int,
+        loras: LoRAAdapters | None = None,
     ) -> DecodeGraphs:
         """Recordings for an engine whose decode steps have up to ``max_rows`` rows
         (sequences, plus their draft tokens when drafts are verified as decode rows):
@@ -89,7 +94,7 @@ class DecodeGraphs:
             raise ValueError("cuda_graphs needs at least 2 KV blocks (one is its scratch block)")
         on_cuda = kv_cache.tensor.device.type == "cuda"
         record = cuda_graph_recorder if on_cuda else rerun_recorder
-        return cls(model, kv_cache, backend, max_rows, max_model_len, num_blocks - 1, record)
+        return cls(model, kv_cache, backend, max_rows, max_model_len, num_blocks - 1, record, loras)
 
     def __init__(
         self,
@@ -100,6 +105,7 @@ class DecodeGraphs:
         max_model_len: int,
         scratch_block: int,
         record: Recorder = cuda_graph_recorder,
+        loras: LoRAAdapters | None = None,
     ):
         if backend.name != "triton":
             raise ValueError("CUDA graphs need the triton attention backend (fixed shapes in paged decode)")
@@ -120,11 +126,16 @@ class DecodeGraphs:
         self.tables = torch.full((n, width), scratch_block, dtype=torch.int32, device=dev)
         self.lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
+        self.loras = loras
+        if loras is not None:
+            loras.make_static(n)
         for b in reversed(self.sizes):  # largest first: later captures reuse its memory
             meta = TritonMetadata(SdpaMetadata(0, None, None, []), b, self.tables[:b], self.lens[:b])
             ctx = StepContext(self.slots[:b], backend, meta)
 
             def step(b=b, ctx=ctx) -> torch.Tensor:
+                if loras is not None:  # no kernel: which buffer the adapters' pass reads
+                    loras.use_static(b)
                 hidden = model(self.ids[:b], self.positions[:b], kv_cache, ctx)
                 return model.compute_logits(hidden)
 
@@ -135,9 +146,15 @@ class DecodeGraphs:
         return num_tokens == num_decodes == num_sampled and 0 < num_decodes <= self.sizes[-1]
 
     def run(
-        self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+        lora_rows: list[tuple[int, int, int]] = (),
     ) -> torch.Tensor:
-        """Logits [n, vocab] of n decoding sequences (row i: ``ids[i]`` at ``positions[i]``)."""
+        """Logits [n, vocab] of n decoding sequences (row i: ``ids[i]`` at ``positions[i]``;
+        ``lora_rows``: those under a LoRA adapter, as ``LoRAAdapters.begin_step`` takes them)."""
         n = len(ids)
         b = next(size for size in self.sizes if size >= n)
         dev = self.ids.device
@@ -154,4 +171,6 @@ class DecodeGraphs:
         self.slots[n:b] = self.scratch_block * self.block_size
         self.lens[n:b] = 1
         self.tables[n:b] = self.scratch_block
+        if self.loras is not None:
+            self.loras.fill_static(lora_rows, b)
         return self.replays[b]()[:n]

@@ -18,7 +18,10 @@ projection adds each row's ``B @ A x`` to its output:
   low-rank product for every row, the rows' own kept, in two plain matmuls and a
   multiply whatever the adapters present (no gather, no scatter, no per-row Python).
 
-A step of base rows only skips both. The split is for prefill: over a prompt's rows the
+A step of base rows only skips both; a decode step replayed from a CUDA graph
+(``engine.cuda_graphs``) always runs the one-hot pass, over the graph's static one-hot
+rows (``use_static``, ``fill_static``: zeros for a base row or a padding one). The split
+is for prefill: over a prompt's rows the
 one-hot pass costs every slot's rank (``max_loras`` times the work) and a second pass
 over the output; a run's slice costs its own. On this project's 2-vCPU Xeon, one layer
 of SmolLM2's four projections over 512 rows in four runs of 128 (4 adapters of rank 16)
@@ -298,6 +301,7 @@ class LoRAAdapters:
         self._written = [0] * max_loras  # when each slot was last written (``_clock``)
         self._clock = 0
         self._modules: dict[tuple[int, str], LoRALinear] = {}  # (layer, engine module path) -> wrapper
+        self._static: torch.Tensor | None = None  # a CUDA graph's one-hot rows (``use_static``)
         self._shards = _shards(mc, tp)
         for index, layer in enumerate(model.layers):
             for path, parts in _fused_parts(layer).items():
@@ -484,6 +488,29 @@ class LoRAAdapters:
             one_hot[first - s0 : end - s0, slot] = 1
         self.step.span = (s0, s1)
         self.step.one_hot = one_hot.to(self.device, non_blocking=True)
+
+    def make_static(self, max_rows: int) -> None:
+        """The static buffer of CUDA graphs' one-hot rows, ``max_rows`` of them (made once,
+        before any recording)."""
+        self._static = torch.zeros(max_rows, self.max_loras, dtype=self.dtype, device=self.device)
+
+    def use_static(self, rows: int) -> None:
+        """The next forward (a CUDA graph's, recorded or replayed, of ``rows`` rows) reads
+        its rows' slots from the static buffer (``make_static``) that ``fill_static``
+        writes: every row through the one-hot pass, none as a run."""
+        self.step.runs = []
+        self.step.span = (0, rows)
+        self.step.one_hot = self._static[:rows]
+
+    def fill_static(self, rows: list[tuple[int, int, int]], num_rows: int) -> None:
+        """A graph replay's rows by adapter (``begin_step``'s ``rows``) into the static
+        buffer's first ``num_rows`` (the recorded size; the rest of them padding: zeros)."""
+        one_hot = torch.zeros(num_rows, self.max_loras, dtype=self.dtype)
+        for first, count, slot in rows:
+            if slot is None:
+                raise ValueError(f"rows {first}..{first + count - 1} name an adapter in no slot")
+            one_hot[first : first + count, slot] = 1
+        self._static[:num_rows].copy_(one_hot, non_blocking=True)
 
 
 @dataclass(frozen=True)

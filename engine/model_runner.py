@@ -247,7 +247,7 @@ class ModelRunner:
             and graphs.fits(len(inputs.input_ids), inputs.num_decodes, len(rows))
         ):
             tables = [s.block_table for s in inputs.spans]
-            logits = graphs.run(inputs.input_ids, inputs.positions, inputs.slots, tables)
+            logits = graphs.run(inputs.input_ids, inputs.positions, inputs.slots, tables, inputs.lora_rows)
         else:
             logits = self.run(inputs, on_layer)
         _swap_states(ordered, bs)

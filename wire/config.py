@@ -187,8 +187,6 @@ class EngineConfig:
             if self.ep_size > 1
             else "weight quantization"
             if self.quantization != "none"
-            else "CUDA graphs"
-            if self.cuda_graphs
             else None
         )
         if why is not None:

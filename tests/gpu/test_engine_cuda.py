@@ -107,3 +107,44 @@ def test_verification_steps_replay_the_decode_graphs_and_keep_transformers_token
     assert tokens == expected
     assert engine.stats().speculation.accepted_tokens > 0
     assert max(replayed) > 3, replayed  # a step with drafts replayed a graph (3 sequences)
+
+
+def test_decode_graphs_with_lora_adapters_keep_the_eager_tokens(tmp_path):
+    """Decode steps of base and adapter rows replayed from CUDA graphs (the adapters'
+    one-hot pass over the graph's static buffer) give the tokens of the same engine run
+    eagerly, whose LoRA path the CPU tests hold to transformers + PEFT."""
+    from splitserve.bench.lora_bench import write_adapter
+
+    make_hf_checkpoint("llama", tmp_path / "model")
+    cpu = Engine(EngineConfig(model=str(tmp_path / "model"), dtype="float32", num_kv_blocks=8))
+    modules = {}
+    for i, name in enumerate(("a1", "a2")):
+        write_adapter(tmp_path / name, cpu, rank=4 * (i + 1), seed=i, scale=0.3)  # it changes the tokens
+        modules[name] = str(tmp_path / name)
+    prompts = random_prompts([5, 40, 77, 130, 9, 21], 512)
+    which = [None, "a1", "a2", "a1", None, "a2"]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, adapter=a) for a in which]
+    tokens = {}
+    for graphs in (False, True):
+        engine = Engine(
+            EngineConfig(
+                model=str(tmp_path / "model"),
+                dtype="float32",
+                device="cuda",
+                attention_backend="triton",
+                cuda_graphs=graphs,
+                max_num_seqs=8,
+                max_model_len=512,
+                num_kv_blocks=128,
+                enable_lora=True,
+                lora_modules=modules,
+                max_lora_rank=8,
+            )
+        )
+        tokens[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert tokens[True] == tokens[False]
+    base = Engine(EngineConfig(model=str(tmp_path / "model"), dtype="float32", device="cuda"))
+    plain = [
+        o.token_ids for o in base.generate(prompts, [SamplingParams(max_tokens=16, ignore_eos=True)] * 6)
+    ]
+    assert [t != p for t, p, a in zip(tokens[True], plain, which) if a] == [True] * 4  # the adapters ran

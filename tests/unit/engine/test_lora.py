@@ -90,6 +90,30 @@ def test_one_batch_mixes_adapters_and_the_base_each_as_transformers_and_peft(ser
         assert out.token_ids == expected[name][i % len(prompts)], (i, name)
 
 
+def test_decode_steps_replayed_from_cuda_graphs_run_each_row_under_its_adapter(served, monkeypatch):
+    """``cuda_graphs``: a pure-decode step of base and adapter rows replays a recording
+    whose adapters' pass reads the rows' slots from a static buffer (off CUDA the
+    recording re-runs over the same buffers: the filling and padding are the same);
+    prefill steps run eagerly, as runs and one-hot. Tokens as transformers + PEFT."""
+    checkpoint, dirs, prompts, expected = served
+    graphed = dict(attention_backend="triton", cuda_graphs=True, num_kv_blocks=64, max_num_seqs=8)
+    try:
+        engine = make_engine(checkpoint, dirs, max_model_len=256, **graphed)
+    except ValueError as e:  # a MoE model: no graphs, adapters or not
+        assert "does not run with cuda_graphs" in str(e)
+        pytest.skip(str(e))
+    graphs = engine.runner.graphs
+    replayed = []
+    run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda ids, *rest: replayed.append(len(ids)) or run(ids, *rest))
+    names = [None, *dirs]
+    which = [names[i % len(names)] for i in range(len(prompts))]
+    outs = engine.generate(prompts, [params(n) for n in which])
+    for i, (out, name) in enumerate(zip(outs, which)):
+        assert out.token_ids == expected[name][i], (i, name)
+    assert max(replayed) == len(prompts)  # decode steps of the whole batch were replayed
+
+
 def test_a_self_speculation_draft_proposes_under_each_request_s_adapter(served, monkeypatch):
     """The draft runs the target's first layers: under a request's adapter, its first
     proposed token is the greedy token of transformers' model cut to those layers (its
