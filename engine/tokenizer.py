@@ -88,6 +88,12 @@ class IncrementalDetokenizer:
     Decodes a short window (``prefix_offset:``) and emits what lies beyond the
     already-emitted part (``prefix_offset:read_offset``); holds text back while
     it ends in an incomplete UTF-8 sequence (U+FFFD).
+
+    Where a Rust ``tokenizers.Tokenizer`` decodes for the tokenizer and no spaces are
+    cleaned up after (``clean_up_tokenization_spaces``), the same algorithm runs there
+    (``tokenizers.decoders.DecodeStream``): SmolLM2's tokenizer took 2.2 us a token
+    against 17.6 for the two Python decodes, with the same text (session 48, a 2-vCPU
+    Xeon); the interpreter, which the engine's step shares, is held that much less.
     """
 
     WINDOW = 5
@@ -95,12 +101,25 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Tokenizer, token_ids: list[int], num_emitted: int, skip_special_tokens: bool = True
     ):
+        """``token_ids``: the first ``num_emitted`` (at least) are the text's context,
+        never emitted; ``step`` is then given the list as it grows."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.read_offset = num_emitted
         self.prefix_offset = max(0, num_emitted - self.WINDOW)
+        context = token_ids[self.prefix_offset : num_emitted]
+        self._rust, self._stream = _decode_stream(tokenizer, context, skip_special_tokens)
+        self._fed = num_emitted  # tokens the stream has seen
 
     def step(self, token_ids: list[int]) -> str:
+        """The text that ``token_ids`` (the list given before, grown) adds, or "" while
+        none is complete."""
+        if self._stream is not None:
+            new, self._fed = token_ids[self._fed :], len(token_ids)
+            if not new:
+                return ""
+            return self._stream.step(self._rust, new) or ""
+
         def decode(ids: list[int]) -> str:
             return self.tokenizer.decode(ids, self.skip_special_tokens)
 
@@ -111,3 +130,21 @@ class IncrementalDetokenizer:
             self.read_offset = len(token_ids)
             return full[len(prefix) :]
         return ""
+
+
+def _decode_stream(tokenizer: Tokenizer, context: list[int], skip_special_tokens: bool) -> tuple[Any, Any]:
+    """(Rust tokenizer, ``DecodeStream`` past ``context``) where ``IncrementalDetokenizer``
+    may use them (see its docstring), else (None, None)."""
+    hf = tokenizer.hf
+    rust = getattr(hf, "_tokenizer", None)
+    if getattr(hf, "clean_up_tokenization_spaces", False):
+        return None, None
+    try:
+        from tokenizers import Tokenizer as RustTokenizer
+        from tokenizers.decoders import DecodeStream
+
+        if not isinstance(rust, RustTokenizer):
+            return None, None
+        return rust, DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+    except (ImportError, TypeError):  # a tokenizers release without DecodeStream(ids=...)
+        return None, None

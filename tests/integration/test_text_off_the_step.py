@@ -13,6 +13,7 @@ import threading
 from splitserve.decode_worker.in_process import InProcessDecodeClient
 from splitserve.decode_worker.worker import DecodeWorker
 from splitserve.engine.engine import Engine
+from splitserve.engine.tokenizer import IncrementalDetokenizer
 from splitserve.prefill_worker.worker import PrefillWorker
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec
@@ -37,7 +38,7 @@ def _stop_inside(text: str) -> tuple[str, str]:
     return stop, text[: text.index(stop)]
 
 
-def test_a_decode_worker_makes_text_off_the_engine_thread_and_stops_within_a_step(smollm2):
+def test_a_decode_worker_makes_text_off_the_engine_thread_and_stops_within_a_step(smollm2, monkeypatch):
     library = Engine(CONFIG)
     prompts = [_chat(library, q) for q in QUESTIONS]
     plain = SamplingParams(max_tokens=40)
@@ -49,14 +50,13 @@ def test_a_decode_worker_makes_text_off_the_engine_thread_and_stops_within_a_ste
     kept = len(want_stopped.token_ids)
 
     worker = DecodeWorker(DecodeWorkerSpec("decode-0", CONFIG, None, 30.0, 8, torch_threads=1))
-    tok = worker.engine.tokenizer
-    decode, threads = tok.decode, set()
+    step, threads = IncrementalDetokenizer.step, set()
 
-    def recording_decode(ids, skip_special_tokens=True):
+    def recording_step(self, token_ids):  # where each token's text is made
         threads.add(threading.current_thread().name)
-        return decode(ids, skip_special_tokens)
+        return step(self, token_ids)
 
-    tok.decode = recording_decode
+    monkeypatch.setattr(IncrementalDetokenizer, "step", recording_step)
     sampled = []  # the engine's tokens for the stopped request, step by step, before any text
 
     def on_outputs(outs, deliver=worker.loop._on_outputs):

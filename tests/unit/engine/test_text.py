@@ -1,14 +1,18 @@
 """Text off the step (``engine.text``): the engine's step emits token ids; a consumer's
 ``Texts`` makes the text, equal to a whole decode of the tokens, and ends a request at
 a stop string, cutting its tokens where the stop string completed. References: the
-tokenizer's whole decode, and the text itself searched for the stop string."""
+tokenizer's whole decode, and the text itself searched for the stop string. Every test
+runs with the detokenizer's two forms (``engine.tokenizer.IncrementalDetokenizer``):
+the Rust ``DecodeStream`` (SmolLM2's tokenizer allows it) and the Python decodes."""
 
 from __future__ import annotations
 
 import pytest
 
+from splitserve.engine import tokenizer as tokenizer_module
 from splitserve.engine.engine import Engine
 from splitserve.engine.text import Texts, TextStream, text_start
+from splitserve.engine.tokenizer import IncrementalDetokenizer
 from splitserve.wire.config import EngineConfig
 from splitserve.wire.outputs import RequestOutput
 from splitserve.wire.sampling import FinishReason, SamplingParams
@@ -19,6 +23,30 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Wr
 @pytest.fixture(scope="module")
 def engine(smollm2):
     return Engine(EngineConfig(model="smollm2", dtype="float32", block_size=16))
+
+
+@pytest.fixture(autouse=True, params=["rust", "python"])
+def detokenizer(request, engine, monkeypatch):
+    """The detokenizer's form for the test: "rust" (checked to be in use) or "python"."""
+    if request.param == "python":
+        monkeypatch.setattr(tokenizer_module, "_decode_stream", lambda *args: (None, None))
+    else:
+        assert IncrementalDetokenizer(engine.tokenizer, [1, 2], 2)._stream is not None
+    return request.param
+
+
+def test_incremental_text_equals_a_whole_decode_across_split_characters(engine):
+    """Characters of several bytes (accents, CJK, emoji) whose bytes fall in different
+    tokens are held back until whole, with and without special tokens skipped."""
+    tok = engine.tokenizer
+    ids = tok.encode_plain("Ünïcödé: 日本語のテキスト 🙂🚀🧪 — ok.") + [tok.eos_token_id]
+    assert any("\ufffd" in tok.decode([t]) for t in ids)  # some token is part of a character
+    for skip in (True, False):
+        for context in (0, 3):
+            d = IncrementalDetokenizer(tok, ids, context, skip)
+            pieces = [d.step(ids[: n + 1]) for n in range(context, len(ids))]
+            assert "".join(pieces) == tok.decode(ids, skip)[len(tok.decode(ids[:context], skip)) :]
+            assert all("\ufffd" not in p for p in pieces)
 
 
 def _chat(engine: Engine, q: str) -> list[int]:
