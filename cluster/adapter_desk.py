@@ -17,7 +17,8 @@ the primary's node that the primary creates with its routers:
 
 Before the primary answers a change (its own door's or the desk's), every router
 serves the result (``LoRAAdmin.spread``). A desk that does not answer (the primary is
-gone: it takes the desk with it) is ``WorkerLost`` (503), and the change was not made.
+gone: it takes the desk with it) is ``WorkerLost`` (503): the cluster is then without
+the router that owns its pools, whatever became of the change.
 """
 
 from __future__ import annotations
