@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         rows["lora, base requests"].append(run(lora, prompts, [None] * args.batch, args.output_len))
         rows["lora, mixed"].append(run(lora, prompts, mixed, args.output_len))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()), file=sys.stderr)
+    rounds = ", ".join(f"{m / b:.2f}x" for m, b in zip(rows["lora, mixed"], rows["base"]))
+    print(f"mixed / base by round: {rounds}", file=sys.stderr)
     best = {k: max(v) for k, v in rows.items()}
     print(
         f"{args.model} ({base.dtype}), {args.batch} x {args.input_len}/{args.output_len}, "

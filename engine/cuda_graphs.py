@@ -30,7 +30,7 @@ tested without a GPU, with no speed gained.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -151,7 +151,7 @@ class DecodeGraphs:
         positions: list[int],
         slots: list[int],
         tables: list[list[int]],
-        lora_rows: list[tuple[int, int, int]] = (),
+        lora_rows: Sequence[tuple[int, int, int]] = (),
     ) -> torch.Tensor:
         """Logits [n, vocab] of n decoding sequences (row i: ``ids[i]`` at ``positions[i]``;
         ``lora_rows``: those under a LoRA adapter, as ``LoRAAdapters.begin_step`` takes them)."""

@@ -58,7 +58,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -504,7 +504,7 @@ class LoRAAdapters:
         self.step.span = (0, rows)
         self.step.one_hot = self._static[:rows]
 
-    def fill_static(self, rows: list[tuple[int, int, int]], num_rows: int) -> None:
+    def fill_static(self, rows: Sequence[tuple[int, int, int]], num_rows: int) -> None:
         """A graph replay's rows by adapter (``begin_step``'s ``rows``) into the static
         buffer's first ``num_rows`` (the recorded size; the rest of them padding: zeros)."""
         one_hot = torch.zeros(num_rows, self.max_loras, dtype=self.dtype)
