@@ -4,8 +4,10 @@ and waiting for KV occupancy to drain (as the status service reports it)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -321,3 +323,14 @@ def process_exited(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def post_json(url: str, body: dict) -> tuple[int, str]:
+    """POST ``body`` as JSON to ``url`` on a connection of its own: (HTTP status, body text),
+    an error status included."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()

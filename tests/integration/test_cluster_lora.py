@@ -25,6 +25,7 @@ from tests.integration.cluster_util import (
     VOCAB,
     assert_kv_moved,
     live_cluster,
+    post_json,
     scrape,
     tiny_config,
     total,
@@ -133,15 +134,6 @@ def test_the_openai_door_lists_the_adapters_and_serves_them(served):
     assert e.value.code == 404 and "unknown model 'a3'" in e.value.read().decode()
 
 
-def _post(url: str, body: dict) -> tuple[int, str]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def test_an_adapter_loaded_at_run_time_serves_the_next_request_on_every_worker(served, tmp_path):
     """vLLM's ``/v1/load_lora_adapter`` on a running cluster: the prefill worker and both
     ranks of the decode group load it (each rank its share), and the next requests run
@@ -163,7 +155,7 @@ def test_an_adapter_loaded_at_run_time_serves_the_next_request_on_every_worker(s
         with Client(cluster.address, timeout=60) as client:
             return [dict(w.lora_adapters) for p in client.cluster_status().pools for w in p.workers]
 
-    assert _post(f"{base}/load_lora_adapter", {"lora_name": "a3", "lora_path": str(d)}) == (
+    assert post_json(f"{base}/load_lora_adapter", {"lora_name": "a3", "lora_path": str(d)}) == (
         200,
         "Success: LoRA adapter 'a3' added successfully.",
     )
@@ -185,9 +177,9 @@ def test_an_adapter_loaded_at_run_time_serves_the_next_request_on_every_worker(s
         assert [m.id for m in client.list_models()] == ["tiny", "a1", "a2", "a3"]
     wait_until(lambda: all(a.get("a3") == digest for a in adapters_everywhere()), "a3 listed on every worker")
 
-    status, text = _post(f"{base}/load_lora_adapter", {"lora_name": "a3", "lora_path": str(d)})
+    status, text = post_json(f"{base}/load_lora_adapter", {"lora_name": "a3", "lora_path": str(d)})
     assert status == 400 and "served already" in text
-    status, text = _post(
+    status, text = post_json(
         f"{base}/load_lora_adapter", {"lora_name": "a4", "lora_path": str(tmp_path / "none")}
     )
     assert status == 400 and "could not load it" in text and "adapter_config.json is missing" in text
@@ -195,17 +187,17 @@ def test_an_adapter_loaded_at_run_time_serves_the_next_request_on_every_worker(s
         assert "a4" not in [m.id for m in client.list_models()]
         assert all("a4" not in a for a in adapters_everywhere())
 
-        assert _post(f"{base}/unload_lora_adapter", {"lora_name": "a3"}) == (
+        assert post_json(f"{base}/unload_lora_adapter", {"lora_name": "a3"}) == (
             200,
             "Success: LoRA adapter 'a3' removed successfully.",
         )
         with pytest.raises(NotFound, match="unknown model 'a3'"):
             client.generate(prompts[0], model="a3", max_tokens=2)
         wait_until(lambda: all("a3" not in a for a in adapters_everywhere()), "a3 gone from every worker")
-        assert _post(f"{base}/unload_lora_adapter", {"lora_name": "a3"})[0] == 404
+        assert post_json(f"{base}/unload_lora_adapter", {"lora_name": "a3"})[0] == 404
 
         a1_dir = cluster.cluster.config.model.lora_modules["a1"]
-        assert _post(f"{base}/load_lora_adapter", {"lora_name": "a3", "lora_path": a1_dir})[0] == 200
+        assert post_json(f"{base}/load_lora_adapter", {"lora_name": "a3", "lora_path": a1_dir})[0] == 200
         out = client.generate(prompts[2], model="a3", max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0)
         assert out.token_ids == expected["a1"][2]
-        assert _post(f"{base}/unload_lora_adapter", {"lora_name": "a3"})[0] == 200
+        assert post_json(f"{base}/unload_lora_adapter", {"lora_name": "a3"})[0] == 200

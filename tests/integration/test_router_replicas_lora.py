@@ -8,17 +8,13 @@ router takes it. (A module of its own: one live cluster at a time.)"""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import pytest
 import ray
 
 from splitserve.client import Client
 from splitserve.client.errors import NotFound
 from tests.conftest import random_prompts
-from tests.integration.cluster_util import VOCAB, live_cluster, tiny_config
+from tests.integration.cluster_util import VOCAB, live_cluster, post_json, tiny_config
 from tests.lora_util import make_adapter, merged_greedy
 
 pytest.importorskip("peft")
@@ -45,15 +41,6 @@ def two_routers(checkpoint, tmp_path_factory):
         yield c, dirs, prompt, expected
 
 
-def _post(url: str, body: dict) -> tuple[int, str]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def test_a_router_other_than_the_first_loads_and_unloads_adapters_for_the_cluster(two_routers):
     """Every router takes ``/v1/load_lora_adapter``: one that runs no pools passes the
     change to the first (the desk), and the answer comes once every router serves the
@@ -67,15 +54,15 @@ def test_a_router_other_than_the_first_loads_and_unloads_adapters_for_the_cluste
     for round_ in range(40):
         name = ("a1", "a2")[round_ % 2]
         before = ray.get(desk.forwarded.remote(), timeout=60)
-        assert _post(f"{base}/load_lora_adapter", {"lora_name": name, "lora_path": dirs[name]})[0] == 200
+        assert post_json(f"{base}/load_lora_adapter", {"lora_name": name, "lora_path": dirs[name]})[0] == 200
         answered_first += ray.get(desk.forwarded.remote(), timeout=60) == before
         with Client(cluster.address, timeout=120) as client:  # a connection of its own: either router
             out = client.generate(prompt, model=name, max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0)
             assert out.token_ids == expected[name], (round_, name)
-        assert _post(f"{base}/unload_lora_adapter", {"lora_name": name})[0] == 200
+        assert post_json(f"{base}/unload_lora_adapter", {"lora_name": name})[0] == 200
         with Client(cluster.address, timeout=120) as client, pytest.raises(NotFound, match=f"'{name}'"):
             client.generate(prompt, model=name, max_tokens=2)
-        status, text = _post(f"{base}/unload_lora_adapter", {"lora_name": name})  # either router
+        status, text = post_json(f"{base}/unload_lora_adapter", {"lora_name": name})  # either router
         assert status == 404 and f"no LoRA adapter named '{name}'" in text, (status, text)
         forwarded = ray.get(desk.forwarded.remote(), timeout=60)
         if answered_first and forwarded >= 2:
