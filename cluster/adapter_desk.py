@@ -112,7 +112,10 @@ class ForwardedAdapters:
 
 async def serve_desk(desk: Any, lora: AdapterAdmin) -> None:
     """The primary's side, until cancelled or the desk is gone: each change the desk
-    holds, made with ``lora`` in the order asked, its outcome handed back."""
+    holds, made with ``lora`` in the order asked, its outcome handed back (a failure
+    other than a ``SplitserveError`` too, as one: a router's caller never waits on a
+    change that ended). Whoever cancels it kills the desk (``Replicas.stop``), so the
+    routers waiting on it get ``WorkerLost`` rather than wait on."""
     while True:
         try:
             change = await desk.next.remote()

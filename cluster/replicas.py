@@ -89,6 +89,7 @@ from splitserve.wire.validation import RequestValidator
 log = logging.getLogger(__name__)
 
 SYNC_S = 1.0  # how often the primary sends each router the membership
+SPREAD_TIMEOUT_S = 10.0  # how long a LoRA change waits for each other router to serve it
 NODES_S = 5.0  # how often it looks for nodes that want a router, and nodes gone
 
 
@@ -357,12 +358,16 @@ class Replicas:
         return list(await asyncio.gather(*(ask(s) for s in self.slots)))
 
     async def spread_adapters(self, adapters: tuple[str, ...]) -> None:
-        """Every router routes to the LoRA ``adapters`` from now on (``LoRAAdmin.spread``;
-        one lost meanwhile is synced with them when it is replaced)."""
-        await asyncio.gather(
-            *(s.actor.serve_adapters.remote(adapters) for s in self.slots if s.actor is not None),
-            return_exceptions=True,
-        )
+        """Every router routes to the LoRA ``adapters`` from now on (``LoRAAdmin.spread``).
+        Waits at most ``SPREAD_TIMEOUT_S`` for each: a router that does not answer (lost
+        or stuck) gets them with its next sync, or its replacement at launch, and does
+        not hold the change's answer."""
+
+        async def tell(actor: Any) -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(actor.serve_adapters.remote(adapters), SPREAD_TIMEOUT_S)
+
+        await asyncio.gather(*(tell(s.actor) for s in self.slots if s.actor is not None))
 
     async def cpu_seconds(self) -> list[float]:
         """Each router's process CPU time so far."""

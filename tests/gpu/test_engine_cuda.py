@@ -13,6 +13,21 @@ from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def triton_config(model: str, cuda_graphs: bool = True, **extra) -> EngineConfig:
+    """A float32 CUDA engine on the Triton backend (decode graphs unless told not)."""
+    return EngineConfig(
+        model=model,
+        dtype="float32",
+        device="cuda",
+        attention_backend="triton",
+        cuda_graphs=cuda_graphs,
+        max_num_seqs=8,
+        max_model_len=512,
+        num_kv_blocks=128,
+        **extra,
+    )
+
+
 def test_cuda_engine_matches_hf(tmp_path):
     hf = make_hf_checkpoint("llama", tmp_path)
     prompts = random_prompts([5, 40, 77, 130], 512)
@@ -30,18 +45,7 @@ def test_cuda_engine_with_triton_attention_and_decode_graphs_matches_hf(tmp_path
     hf = make_hf_checkpoint("llama", tmp_path)
     prompts = random_prompts([5, 40, 77, 130, 9], 512)
     expected = [hf_greedy(hf, p, 16) for p in prompts]
-    engine = Engine(
-        EngineConfig(
-            model=str(tmp_path),
-            dtype="float32",
-            device="cuda",
-            attention_backend="triton",
-            cuda_graphs=True,
-            max_num_seqs=8,
-            max_model_len=512,
-            num_kv_blocks=128,
-        )
-    )
+    engine = Engine(triton_config(str(tmp_path)))
     out = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in out] == expected
 
@@ -126,21 +130,8 @@ def test_decode_graphs_with_lora_adapters_keep_the_eager_tokens(tmp_path):
     params = [SamplingParams(max_tokens=16, ignore_eos=True, adapter=a) for a in which]
     tokens = {}
     for graphs in (False, True):
-        engine = Engine(
-            EngineConfig(
-                model=str(tmp_path / "model"),
-                dtype="float32",
-                device="cuda",
-                attention_backend="triton",
-                cuda_graphs=graphs,
-                max_num_seqs=8,
-                max_model_len=512,
-                num_kv_blocks=128,
-                enable_lora=True,
-                lora_modules=modules,
-                max_lora_rank=8,
-            )
-        )
+        lora = dict(enable_lora=True, lora_modules=modules, max_lora_rank=8)
+        engine = Engine(triton_config(str(tmp_path / "model"), cuda_graphs=graphs, **lora))
         tokens[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
     assert tokens[True] == tokens[False]
     base = Engine(EngineConfig(model=str(tmp_path / "model"), dtype="float32", device="cuda"))
