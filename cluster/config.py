@@ -315,6 +315,12 @@ class PoolSpec(_Strict):
         "launch a node with its resources); past it the worker is given up with an error",
     )
     engine: EngineOptions = Field(default_factory=EngineOptions, description="engine options of this pool")
+    engine_process: bool = Field(
+        False,
+        description="colocated pool, tp_size and ep_size 1: each worker runs its engine in a process of its "
+        "own (engine/process.py), so that no other thread of the worker (Ray's, the one making text, the "
+        "token server) shares the engine's interpreter; measured in docs/benchmarks.md",
+    )
     autoscaling: AutoscalingSpec | None = Field(
         None, description="scale this pool on its phase's load (None: fixed)"
     )
@@ -337,6 +343,8 @@ class PoolSpec(_Strict):
             raise ValueError("engine.cuda_graphs needs tp_size 1")
         if self.ep_size > 1 and self.tp_size > 1:
             raise ValueError("ep_size > 1 runs attention data-parallel: tp_size must be 1 with it")
+        if self.engine_process and self.ranks > 1:
+            raise ValueError("engine_process needs tp_size and ep_size 1 (a group's ranks step together)")
         return self
 
     @property
@@ -575,6 +583,11 @@ class ClusterConfig(_Strict):
                     f"prefill and decode pools must use the same kv_cache_dtype (prefill {kv_dtypes[0]}, "
                     f"decode {kv_dtypes[1]}): the KV is handed over as it is stored"
                 )
+        if self.mode != "colocated" and (self.prefill.engine_process or self.decode.engine_process):
+            raise ValueError(
+                "engine_process is for colocated pools: a worker that hands KV over keeps its engine in "
+                "its own process, where the transfer library registers the KV cache"
+            )
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ValueError("colocated mode needs at least one worker")
         if self.runs_mtp and any(p.tp_size * p.ep_size > 1 for p in self.pools().values()):

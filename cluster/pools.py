@@ -212,6 +212,7 @@ class WorkerPool:
             cpus,
             lease_s=t.lease_s,
             verify_meaning=t.verify_meaning,
+            engine_process=self.spec.engine_process,
         )
 
     async def add(self, n: int, timeout_s: float = START_TIMEOUT_S) -> list[WorkerRecord]:

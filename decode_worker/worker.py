@@ -39,14 +39,10 @@ is first allowed to end, its bytes still landing in the blocks; an export not
 confirmed is released on the source). When a stream's consumer goes (closes it,
 or dies), every request of its outbox is aborted.
 
-With ``spec.tp`` set the worker is rank 0 of a tensor-parallel group whose other
-ranks are ``DecodeRank``s (``splitserve.decode_worker.tp`` describes the
-protocol): its steps drive theirs, each pull runs on every rank at once (each
-pulling its own KV heads into the same blocks), and if the group breaks every
-request ends with ``WorkerLost``. An expert-parallel group (``engine.ep_size``) is
-the same group, but each rank caches its own sequences (attention data-parallel):
-a request's pull runs on the one rank whose share of the blocks holds it, into
-its own block ids.
+With ``spec.tp`` set the worker is rank 0 of a tensor- (or expert-) parallel group
+whose other ranks are ``DecodeRank``s; ``decode_worker.tp`` describes the protocol.
+With ``spec.engine_process`` (colocated, one process) the engine runs in a process of
+its own (``engine.process``): the worker holds its ``EngineFacts`` and sends commands.
 
 The class imports no Ray: ``cluster`` wraps it with ``ray.remote``, the source is
 whatever client the router put in the task, and the other ranks whatever
@@ -69,8 +65,10 @@ from splitserve.decode_worker.requests import RequestTable
 from splitserve.decode_worker.side import WorkerSide
 from splitserve.decode_worker.token_server import TokenServer
 from splitserve.decode_worker.tp import join_decode_group, rank_sink
+from splitserve.engine.facts import EngineFacts
 from splitserve.engine.loop import EngineLoop
 from splitserve.engine.parallel.worker_group import Heartbeats
+from splitserve.engine.process import EngineProcess
 from splitserve.engine.text import with_text_failures
 from splitserve.kv_transfer.puller import KVPuller
 from splitserve.wire.background import Background
@@ -107,11 +105,9 @@ from splitserve.wire.prefix import PrefixCursor
 
 log = logging.getLogger(__name__)
 
-# A decode worker that takes KV from elsewhere measures its prompt rate on a prompt of this
-# many tokens, and its decode step time, before its first request: the router's decider
-# needs both to judge a prefill here (its cost, and the stall budget in decode steps).
-# Without them it would go by the prefill pool's rate, measured on other prompts (long ones,
-# slower per token), and allow no stall, which can keep every prompt away from here for good.
+# A decode worker that takes KV from elsewhere measures its prompt rate on a prompt of this many
+# tokens, and its decode step time, before its first request: the router's decider judges a
+# prefill here by both (without them: by the prefill pool's rate, on other prompts, and no stall).
 RATE_PROBE_TOKENS = 128
 MOVES = "moves"  # the name of the mover, this worker's lender, on its engine loop
 
@@ -130,26 +126,34 @@ class DecodeWorker:
         group_size = spec.tp.size if spec.tp is not None else 1
         if spec.backend is not None and len(ranks) != group_size - 1:
             raise ValueError(f"a TP group of {group_size} takes KV through {group_size - 1} other ranks")
+        if spec.engine_process and (spec.backend or spec.tp or spec.engine.ep_size > 1 or loop is not None):
+            raise ValueError("only a colocated worker of one process runs its engine in a process of its own")
         self.spec = spec
         self.worker_id = spec.worker_id
         self.ranks = tuple(ranks)
         self.tp = join_decode_group(spec)
         self._heartbeats = Heartbeats(self.tp, spec.tp)
         own = loop is None
-        self.loop = loop or EngineLoop.for_worker(
-            spec.worker_id, spec.engine, self.tp, self.on_outputs, self.tick, self.on_error, paced=True
-        )
-        self.engine = self.loop.build()
+        if spec.engine_process:  # the engine is not here (self.engine None), only its facts
+            self.engine = None
+            self.loop = EngineProcess(
+                spec.worker_id, spec.engine, self.on_outputs, self.on_error, spec.torch_threads
+            )
+            self.facts = self.loop.build()
+        else:
+            self.loop = loop or EngineLoop.for_worker(
+                spec.worker_id, spec.engine, self.tp, self.on_outputs, self.tick, self.on_error, paced=True
+            )
+            self.engine = self.loop.build()
+            self.facts = EngineFacts.of(self.engine)
         # Pulls this rank's KV heads from any source group (its staging caches for sources of
         # another TP size hold one request of max_model_len per source rank, for good), and
         # has the other ranks pull theirs. None: colocated, it takes no KV from elsewhere.
         sink = rank_sink(spec.worker_id, spec, self.engine)
         locate = self.engine.locate if spec.engine.ep_size > 1 else None
         self.puller = None if sink is None else KVPuller(spec.worker_id, sink, self.ranks, locate)
-        # The mover exports the KV of the requests it moves away (live migration), and the
-        # pre-copier copies the KV of requests moving here ahead of their moves: both on a
-        # worker of one process that takes KV from elsewhere (a TP or EP group moves a
-        # request by recompute).
+        # The mover exports the KV of requests moved away (live migration), the pre-copier copies
+        # that of requests moving here: on a worker of one process that takes KV (a group recomputes).
         self.mover = self.precopier = None
         if sink is not None and group_size == 1 and spec.engine.ep_size == 1:
             self.mover = RequestMover(spec.worker_id, self.engine, spec.backend, spec.lease_s)
@@ -165,7 +169,7 @@ class DecodeWorker:
             self._side = WorkerSide(spec, *parts)
         self._aloop: asyncio.AbstractEventLoop | None = None  # the actor's loop, once a request came
         # the requests started and not yet ended, their outboxes and their text
-        self.requests = RequestTable(self._abort_in_engine, self.engine.tokenizer)
+        self.requests = RequestTable(self._abort_in_engine, self.facts.tokenizer)
         self._tokens: TokenServer | None = None  # serves stream() over gRPC, from token_address()
         if own:
             self.start_engine()
@@ -181,11 +185,11 @@ class DecodeWorker:
     async def info(self) -> DecodeWorkerInfo:
         return DecodeWorkerInfo(
             self.worker_id,
-            self.engine.validator,
+            self.facts.validator,
             colocated=self.puller is None,
-            engine=self.engine.summary,
-            kv_bytes_per_token=self.engine.capacity.bytes_per_token,
-            revision=self.engine.revision,
+            engine=self.facts.summary,
+            kv_bytes_per_token=self.facts.kv_bytes_per_token,
+            revision=self.facts.revision,
             handshakes=(self.mover.handshake(),) if self.mover is not None else (),
         )
 
@@ -254,7 +258,7 @@ class DecodeWorker:
             moved = await self._submit(MoveOut(request_id, from_block, MOVES))
         else:
             outputs = await self._submit(Withdraw(request_id))
-            moved = MovedRequest(request_id, self.worker_id, None, outputs, self.engine.revision)
+            moved = MovedRequest(request_id, self.worker_id, None, outputs, self.facts.revision)
         # every step's tokens reached the outbox before this call's result did (one FIFO loop)
         req.outbox.put(TokenBatch.moved_away(request_id))
         self.requests.end(request_id, abort=False)
@@ -340,7 +344,7 @@ class DecodeWorker:
 
     def shutdown(self) -> None:
         self.loop.stop()
-        if self.loop.error is None:
+        if self.engine is not None and self.loop.error is None:
             self.engine.stop_followers()
         if self.puller is not None:
             self.puller.close()

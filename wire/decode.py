@@ -36,6 +36,8 @@ class DecodeWorkerSpec:
     # the share of the KV it takes in (a handoff, a move) checked by meaning before the
     # request runs (``engine.meaning``): 0 never, 1 always
     verify_meaning: float = 0.0
+    # run the engine in a process of its own (``engine.process``): colocated, TP and EP 1 only
+    engine_process: bool = False
 
 
 class DecodeRankPeer(Protocol):
