@@ -26,6 +26,7 @@ against two references measured in this process on the same engine config:
     python -m splitserve.bench.serving_efficiency                      # SmolLM2, 48 x 256/128
     python -m splitserve.bench.serving_efficiency --requests 16 --output-len 64
     python -m splitserve.bench.serving_efficiency --worker-env GOMP_SPINCOUNT=2000
+    python -m splitserve.bench.serving_efficiency --engine-process   # the engine in its own process
 """
 
 from __future__ import annotations
@@ -199,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=VALUE",
         help="environment of the served worker's process only (its pool's env), e.g. GOMP_SPINCOUNT=2000",
     )
+    ap.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="the worker runs its engine in a process of its own (the pool's engine_process)",
+    )
     harness.add_json_argument(ap)
     args = ap.parse_args(argv)
     if args.output_len < 2:
@@ -211,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "mode": "colocated",
             "model": {"name": args.model},
-            "colocated": {"replicas": 1, "num_cpus": cpus, "env": env},
+            "colocated": {"replicas": 1, "num_cpus": cpus, "env": env, "engine_process": args.engine_process},
             "router": {"port": 0, "http_port": None},
         }
     )
@@ -246,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     replay_ms = replayed(engine, [r.prompt_ids for r in fresh], args.output_len, half.rate, args.seed)
     print(
         f"model {args.model}, {args.requests} requests x {args.input_len}/{args.output_len} tokens, "
-        f"{cpus} CPUs, max_num_seqs {engine_cfg.max_num_seqs}"
+        f"{cpus} CPUs, max_num_seqs {engine_cfg.max_num_seqs}, "
+        f"engine {'in a process of its own' if args.engine_process else 'on a thread of the worker'}"
     )
     print(harness.table(["path", "output tok/s"], [["offline", offline_tps], ["served", served_tps]]))
     harness.report(

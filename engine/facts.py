@@ -20,7 +20,7 @@ class EngineFacts:
     an engine in a process of its own (``engine.process``) hands them to its worker."""
 
     validator: RequestValidator
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: a checkpoint without one (token ids only)
     summary: str
     kv_bytes_per_token: int
     revision: str

@@ -50,6 +50,7 @@ from splitserve.wire.outputs import RequestOutput, ThreadTimes
 
 log = logging.getLogger(__name__)
 TIMES_TIMEOUT_S = 10.0  # thread_times waits this long for the engine process's answer
+STOP_TIMEOUT_S = 10.0  # how long an engine process may take to exit when told to (killed after)
 
 
 class EngineProcess:
@@ -94,16 +95,16 @@ class EngineProcess:
         try:
             self._conn.send(self._setup)
             ok, value = self._conn.recv()
-        except (EOFError, OSError):
-            ok, value = (
-                False,
-                EngineStopped(f"the engine process exited while building ({self._exit_code()})"),
-            )
+        except (EOFError, OSError):  # it died building (e.g. out of memory)
+            ok, value = False, None
         if not ok:
             self._closed = True
             self._conn.close()
-            self._proc.wait()
-            raise value
+            try:
+                self._proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+            raise value or EngineStopped(f"the engine process exited while building ({self._exit_code()})")
         self._facts = value
         name = f"{self._setup[0]}-engine-outputs"
         self._reader = threading.Thread(target=self._read, name=name, daemon=True)
@@ -121,7 +122,7 @@ class EngineProcess:
         the future holds its result or error (``EngineStopped`` once the process is gone)."""
         future: Future = Future()
         with self._lock:
-            if self._closed or self._stopping:
+            if self._closed or self._stopping or self._conn is None:
                 future.set_exception(
                     EngineStopped(f"the engine process has stopped ({self.error or 'shut down'})")
                 )
@@ -157,7 +158,7 @@ class EngineProcess:
         except Exception:
             return ThreadTimes(0.0, 0.0, 0.0, 0.0, 0.0)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop the engine and wait up to ``timeout`` for its process to exit (killed after)."""
         with self._lock:
             self._stopping = True

@@ -25,7 +25,7 @@ from splitserve.wire.config import EngineConfig
 from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec
 from splitserve.wire.errors import EngineStopped, InvalidRequest, WorkerLost
 from splitserve.wire.sampling import FinishReason, SamplingParams
-from tests.waiting import wait_until
+from tests.integration.cluster_util import process_exited, wait_until
 
 DEADLINE_S = 300
 CONFIG = EngineConfig(model="smollm2", dtype="float32", block_size=16, kv_cache_memory_mib=64)
@@ -91,7 +91,7 @@ def test_tokens_and_text_equal_the_library_engine_s_from_the_other_process(libra
     assert worker.engine is None and worker.loop.pid not in (None, os.getpid())
     assert not any(t.name == "decode-0-engine" for t in threading.enumerate())
     assert times.on_cpu_s > 0 and times.wall_s > times.on_cpu_s
-    wait_until(lambda: _free_blocks(worker) == free, DEADLINE_S)
+    wait_until(lambda: _free_blocks(worker) == free, "the engine did not free its blocks", DEADLINE_S)
 
 
 def test_bad_input_is_refused_there_and_the_worker_serves_on(library, worker):
@@ -144,15 +144,6 @@ def test_a_lost_engine_process_ends_its_requests_and_fails_what_comes_after_at_o
     assert isinstance(worker.loop.error, EngineStopped)
 
 
-def _gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (a zombie no one reaps counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_a_worker_killed_with_sigkill_takes_its_engine_process_with_it(smollm2):
     script = (
         "import time\n"
@@ -166,9 +157,9 @@ def test_a_worker_killed_with_sigkill_takes_its_engine_process_with_it(smollm2):
     holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         engine_pid = int(holder.stdout.readline())
-        assert not _gone(engine_pid)
+        assert not process_exited(engine_pid)
         holder.kill()
         holder.wait(DEADLINE_S)
-        wait_until(lambda: _gone(engine_pid), DEADLINE_S)
+        wait_until(lambda: process_exited(engine_pid), "the engine process outlived its worker", DEADLINE_S)
     finally:
         holder.kill()

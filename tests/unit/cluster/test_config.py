@@ -54,6 +54,8 @@ def test_every_field_is_described():
         ("router: {chat_template: /nonexistent/template.jinja}\n", "router.chat_template: no file"),
         ("router: {openai: {tool_call_parser: xml}}\n", "tool_call_parser"),
         ("model: [unclosed\n", "not valid YAML"),
+        ("decode: {engine_process: true}\n", "engine_process is for colocated pools"),
+        ("mode: colocated\ncolocated: {engine_process: true, tp_size: 2}\n", "engine_process needs tp_size"),
     ],
 )
 def test_invalid_configs_name_the_problem(tmp_path, text, needle):
