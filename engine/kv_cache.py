@@ -142,14 +142,18 @@ def _fault_in(cache: torch.Tensor, stop: threading.Event) -> None:
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
     planes = cache.flatten(0, 1)  # [layers * planes, blocks, ...]
-    block_bytes = planes[0, 0].numel() * cache.element_size()
+    block_bytes = planes.stride(1) * cache.element_size()  # a plane's blocks lie one after another
     step = max(_FAULT_IN_BLOCKS, _FAULT_IN_BYTES // block_bytes)
+    # every address up front: between two calls (each releases the GIL) the loop holds the
+    # GIL for a few integer operations only, not for torch's indexing; at nice 19 a thread
+    # holding the GIL may wait long for a core, and every other thread of the process with it
+    bases = [plane.data_ptr() for plane in planes]
     for start in range(0, cache.shape[2], step):
         n = min(step, cache.shape[2] - start)
         if stop.is_set():
             return
-        for plane in planes:
-            first = plane[start].data_ptr()
+        for base in bases:
+            first = base + start * block_bytes
             aligned = first - first % page  # madvise takes whole pages
             if libc.madvise(aligned, first + n * block_bytes - aligned, _MADV_POPULATE_WRITE) != 0:
                 return  # no such advice here (or no memory): the cache faults in as it is written

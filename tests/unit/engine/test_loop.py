@@ -1,9 +1,11 @@
 """EngineLoop: calls run on the loop thread between steps; outputs are routed."""
 
+import gc
 import threading
 
 import pytest
 
+from splitserve.engine import loop as loop_module
 from splitserve.engine.engine import Engine
 from splitserve.engine.loop import EngineLoop
 from splitserve.wire.config import EngineConfig
@@ -62,6 +64,21 @@ def test_a_failing_callback_stops_the_loop_loudly(engine):
     with pytest.raises(EngineStopped, match="stopped"):
         loop.call(lambda e: None).result(1)
     engine.abort(rid)
+    loop.stop()  # as its worker would: the heap it froze is let go
+
+
+def test_a_started_loop_keeps_the_heap_out_of_the_collectors_walk_until_it_stops(engine):
+    others = loop_module._heap_freezes  # loops of this process still running
+    loop = EngineLoop(engine, lambda outs: None).start()
+    try:
+        engine_objects = len(gc.get_referents(engine.model)) + 1
+        assert gc.get_freeze_count() >= engine_objects  # frozen: a full collection skips them
+        assert engine.model not in gc.get_objects()
+    finally:
+        loop.stop()
+    if others == 0:
+        assert gc.get_freeze_count() == 0 and loop_module._heap_freezes == 0
+        assert any(o is engine.model for o in gc.get_objects())  # collected as ever again
 
 
 def test_a_call_that_finds_the_engine_stopped_stops_the_loop(engine):
