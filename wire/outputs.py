@@ -203,9 +203,11 @@ class ThreadTimes:
     ``minus`` gives a window). ``on_cpu_s`` and ``runnable_s`` (ready, waiting for a core)
     are the kernel's (Linux ``schedstat``; 0 elsewhere); ``paced_s`` (waiting for its
     consumer to take outputs) and ``idle_s`` (waiting for work) the loop's own; what is
-    left, ``blocked_s``, is time blocked otherwise: on a CPU worker, the GIL held by the
-    worker's other threads (on a GPU, device syncs and TP collectives too;
-    ``bench.serving_efficiency`` prints the split)."""
+    left, ``blocked_s``, is time blocked otherwise: on a CPU worker, the GIL held by
+    another thread of its process, and OpenMP's barrier while torch's helper threads wait
+    for a core (an engine in a process of its own blocks about as long, ``docs/benchmarks.md``);
+    on a GPU, device syncs and TP collectives too (``bench.serving_efficiency`` prints the
+    split)."""
 
     wall_s: float
     on_cpu_s: float
@@ -233,7 +235,7 @@ class ThreadTimes:
             "waiting for a core": self.runnable_s,
             "waiting for the outputs to be taken": self.paced_s,
             "idle": self.idle_s,
-            "blocked otherwise (a CPU worker: the GIL)": self.blocked_s,
+            "blocked otherwise (the GIL, OpenMP's barrier)": self.blocked_s,
         }
         wall = max(self.wall_s, 1e-9)
         return ", ".join(f"{name} {s / wall:.1%}" for name, s in parts.items())
