@@ -282,10 +282,10 @@ _heap_freezes = 0  # loops of this process started and not stopped (each froze t
 
 def _freeze_heap() -> None:
     """Collect, then move every object the process holds into the collector's permanent
-    generation (``gc.freeze``). A full collection walks every object tracked: with a small
-    model's engine built (315,000 objects) one took 0.24 s, and holds the GIL throughout,
-    so every thread of the process, the engine's steps included, stood still for it (one
-    every ~13 s of offline decoding; 6 ms once frozen). Objects made later are collected
+    generation (``gc.freeze``). A full collection walks every object tracked and holds the
+    GIL throughout, so every thread of the process, the engine's steps included, stands
+    still for it: with a small model's engine built (375,000 objects) one took 0.25 s, twice
+    in 13 s of offline decoding; 4 ms once frozen (``bench/gc_pause``). Objects made later are collected
     as ever; the last loop's ``stop`` unfreezes, so a process that builds engine after
     engine (a test run) collects the cycles of those it let go, and so does the
     interpreter's exit (some native bindings count what it could not collect as leaks)."""
