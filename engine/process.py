@@ -83,7 +83,9 @@ class EngineProcess:
 
     def build(self) -> EngineFacts:
         """Start the engine process and build the engine there; its facts once built (or
-        raise what the build raised). It runs no steps until ``start``."""
+        raise what the build raised, or ``EngineStopped`` if the process died building).
+        It runs no steps until ``start``. Like ``EngineLoop.build`` it waits for the build
+        without a deadline (a model load takes what it takes)."""
         if self._facts is not None:
             return self._facts
         mine, theirs = socket.socketpair()
@@ -152,6 +154,7 @@ class EngineProcess:
             try:
                 self._conn.send(("times", n))
             except OSError:  # the process is gone
+                del self._futures[n]
                 return ThreadTimes(0.0, 0.0, 0.0, 0.0, 0.0)
         try:
             return future.result(TIMES_TIMEOUT_S)

@@ -11,6 +11,7 @@ from splitserve.router.events import FinalEvent, GenerateInput, TokenEvent
 from splitserve.router.policy import PolicySpec
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.roles import Role
+from splitserve.wire.decode import DecodeTask
 from splitserve.wire.sampling import FinishReason, SamplingParams
 
 
@@ -43,3 +44,13 @@ async def run(
 def blocks_held(worker: PrefillWorker | DecodeWorker) -> int:
     """The KV blocks ``worker``'s engine holds now (asked on its engine thread)."""
     return worker.loop.call(lambda e: e.block_manager.num_used_blocks).result(30)
+
+
+async def generated(client: InProcessDecodeClient, rid: str, prompt: list[int], params: SamplingParams):
+    """``rid``'s (token ids, text, finish reason) as ``client`` streams them from its worker."""
+    tokens, text, reason = [], "", None
+    async for batch in client.generate(DecodeTask(rid, prompt, params)):
+        tokens += batch.token_ids
+        text += batch.text
+        reason = batch.finish_reason or reason
+    return tokens, text, reason

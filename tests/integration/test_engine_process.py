@@ -26,6 +26,7 @@ from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec
 from splitserve.wire.errors import EngineStopped, InvalidRequest, WorkerLost
 from splitserve.wire.sampling import FinishReason, SamplingParams
 from tests.integration.cluster_util import process_exited, wait_until
+from tests.integration.in_process import generated
 
 DEADLINE_S = 300
 CONFIG = EngineConfig(model="smollm2", dtype="float32", block_size=16, kv_cache_memory_mib=64)
@@ -49,15 +50,6 @@ def _chat(engine: Engine, q: str) -> list[int]:
     return engine.tokenizer.apply_chat_template([{"role": "user", "content": q}])
 
 
-async def _one(client: InProcessDecodeClient, rid: str, prompt: list[int], params: SamplingParams):
-    tokens, text, reason = [], "", None
-    async for batch in client.generate(DecodeTask(rid, prompt, params)):
-        tokens += batch.token_ids
-        text += batch.text
-        reason = batch.finish_reason or reason
-    return tokens, text, reason
-
-
 def _free_blocks(worker: DecodeWorker) -> int:
     async def ask():
         return (await worker.stats()).engine.num_free_blocks
@@ -77,8 +69,8 @@ def test_tokens_and_text_equal_the_library_engine_s_from_the_other_process(libra
     client = InProcessDecodeClient(worker)
 
     async def serve():
-        runs = [_one(client, f"plain-{i}", p, plain) for i, p in enumerate(prompts)]
-        got = await asyncio.gather(*runs, _one(client, "stopped", prompts[0], stopping))
+        runs = [generated(client, f"plain-{i}", p, plain) for i, p in enumerate(prompts)]
+        got = await asyncio.gather(*runs, generated(client, "stopped", prompts[0], stopping))
         await client.close()
         return got, await worker.engine_thread()
 
@@ -102,8 +94,8 @@ def test_bad_input_is_refused_there_and_the_worker_serves_on(library, worker):
 
     async def serve():
         with pytest.raises(InvalidRequest, match="tokens"):
-            await _one(client, "too-long", too_long, SamplingParams(max_tokens=4))
-        got = await _one(client, "good", prompt, SamplingParams(max_tokens=12))
+            await generated(client, "too-long", too_long, SamplingParams(max_tokens=4))
+        got = await generated(client, "good", prompt, SamplingParams(max_tokens=12))
         await client.close()
         return got
 
@@ -134,7 +126,7 @@ def test_a_lost_engine_process_ends_its_requests_and_fails_what_comes_after_at_o
         with pytest.raises(WorkerLost, match="decode-0"):
             await reading
         with pytest.raises(EngineStopped):  # a start after it: refused, nothing held
-            await _one(client, "after", prompt, SamplingParams(max_tokens=4))
+            await generated(client, "after", prompt, SamplingParams(max_tokens=4))
         with pytest.raises(EngineStopped):  # the poll that has the pool replace the worker
             await worker.stats()
         await client.close()

@@ -20,7 +20,7 @@ from splitserve.wire.decode import DecodeTask, DecodeWorkerSpec
 from splitserve.wire.errors import SequenceFailed
 from splitserve.wire.prefill import PrefillWorkerSpec
 from splitserve.wire.sampling import FinishReason, SamplingParams
-from tests.integration.in_process import blocks_held, handing_over, run
+from tests.integration.in_process import blocks_held, generated, handing_over, run
 from tests.waiting import wait_until
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
@@ -66,17 +66,9 @@ def test_a_decode_worker_makes_text_off_the_engine_thread_and_stops_within_a_ste
     worker.loop._on_outputs = on_outputs
     client = InProcessDecodeClient(worker)
 
-    async def one(rid: str, prompt: list[int], params: SamplingParams):
-        tokens, text, reason = [], "", None
-        async for batch in client.generate(DecodeTask(rid, prompt, params)):
-            tokens += batch.token_ids
-            text += batch.text
-            reason = batch.finish_reason or reason
-        return tokens, text, reason
-
     async def serve():
-        runs = [one(f"plain-{i}", p, plain) for i, p in enumerate(prompts)]
-        got = await asyncio.gather(*runs, one("stopped", prompts[0], stopping))
+        runs = [generated(client, f"plain-{i}", p, plain) for i, p in enumerate(prompts)]
+        got = await asyncio.gather(*runs, generated(client, "stopped", prompts[0], stopping))
         await client.close()
         return got
 
