@@ -7,15 +7,30 @@ compiled from ``csrc/`` on first use with
 only the first start of a machine pays the ~30 s build; ``-march=native``, so
 the cache belongs to the machine that built it). If the build fails, callers
 fall back to pure torch (SDPA attention, torch norms); ``load()`` returns None
-then and logs why once."""
+then and logs why once.
+
+The build never waits forever: it goes into a directory named by a digest of its
+sources, flags, torch and Python (two checkouts of different kernels never share
+one, nor rebuild each other's), and processes building it take turns under an
+``flock`` that the kernel releases when its holder dies. torch's own ``lock`` file
+there is left behind by a builder that was killed, and every later build would
+wait on it without end; under the ``flock`` no one else is building, so one found
+there is stale and removed. A turn not had within ``BUILD_WAIT_S`` falls back as
+a failed build does."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
 import logging
 import os
+import platform
 import shutil
-from collections.abc import Callable
+import sys
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -42,6 +57,55 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
+_LDFLAGS = ("-fopenmp",)
+BUILD_WAIT_S = 900.0  # the longest a process waits for another's build of the kernels
+
+
+def build_directory() -> Path:
+    """Where this checkout's kernels are built: torch's extensions root
+    (``TORCH_EXTENSIONS_DIR`` if set), in a directory named by a digest of what the
+    build depends on."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    digest = hashlib.sha256()
+    for part in (torch.__version__, sys.version, platform.machine(), *_CFLAGS, *_LDFLAGS):
+        digest.update(part.encode() + b"\0")
+    for path in _SOURCES:
+        digest.update(path.read_bytes())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch reads it
+    return Path(root) / f"splitserve_cpu_kernels-{digest.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def build_turn(directory: Path, wait_s: float) -> Iterator[None]:
+    """Hold the build of ``directory`` for this process (an ``flock``, released by the
+    kernel if the process dies), waiting up to ``wait_s`` for another's turn to end
+    (``TimeoutError`` then); torch's ``lock`` file found there is a dead builder's and
+    is removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "splitserve.flock", "a") as f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process has built the kernels in {directory} for over {wait_s:.0f} s"
+                    ) from None
+                time.sleep(0.2)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a kernel build that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load() -> ModuleType | None:
     try:
@@ -49,15 +113,17 @@ def load() -> ModuleType | None:
 
         _ensure_ninja_on_path()
         log.info("loading native CPU kernels (compiled once on first use: about half a minute)")
-
-        return load_extension(
-            name="splitserve_cpu_kernels",
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # a compiler problem of any kind: fall back, say so once
+        directory = build_directory()
+        with build_turn(directory, BUILD_WAIT_S):
+            return load_extension(
+                name="splitserve_cpu_kernels",
+                sources=[str(p) for p in _SOURCES],
+                extra_cflags=list(_CFLAGS),  # lists torch appends to
+                extra_ldflags=list(_LDFLAGS),
+                build_directory=str(directory),
+                verbose=False,
+            )
+    except Exception as e:  # a compiler problem of any kind, a turn not had: fall back, say so once
         log.warning("CPU attention kernels unavailable (%s); using the SDPA path", e)
         return None
 
