@@ -27,6 +27,12 @@ against two references measured in this process on the same engine config:
     python -m splitserve.bench.serving_efficiency --requests 16 --output-len 64
     python -m splitserve.bench.serving_efficiency --worker-env GOMP_SPINCOUNT=2000
     python -m splitserve.bench.serving_efficiency --engine-process   # the engine in its own process
+    python -m splitserve.bench.serving_efficiency --cpus 1   # the engine on 1 core, offline and served
+
+``--cpus N`` gives the worker N CPUs (its engine N torch threads) and the offline
+engine N threads: with fewer than the machine's cores, the router, the client and
+Ray's processes run on the others, as a GPU worker's host does not share its
+device with them; what remains of the gap is the serving path's own cost.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import time
 from dataclasses import dataclass
 
 import ray
+import torch
 
 from splitserve.bench import harness
 from splitserve.client import AsyncClient, Chunk
@@ -205,14 +212,33 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the worker runs its engine in a process of its own (the pool's engine_process)",
     )
+    ap.add_argument(
+        "--cpus",
+        type=int,
+        default=None,
+        help="CPUs of the served worker and torch threads of both engines (default: every core)",
+    )
     harness.add_json_argument(ap)
     args = ap.parse_args(argv)
     if args.output_len < 2:
         ap.error("--output-len must be at least 2 (TPOT needs two tokens)")
-    cpus = os.cpu_count() or 1
+    machine = os.cpu_count() or 1
+    cpus = args.cpus or machine
+    if not 1 <= cpus <= machine:
+        ap.error(f"--cpus must be between 1 and this machine's {machine}")
     if any("=" not in pair for pair in args.worker_env):
         ap.error("--worker-env takes NAME=VALUE pairs")
     env = dict(pair.split("=", 1) for pair in args.worker_env)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cpus)  # the offline engine's, as the worker's (torch_threads: num_cpus)
+    try:
+        return run(args, cpus, machine, env)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(args: argparse.Namespace, cpus: int, machine: int, env: dict[str, str]) -> int:
+    """The measurements and the report (``main`` has checked the arguments)."""
     config = ClusterConfig.model_validate(
         {
             "mode": "colocated",
@@ -239,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     before = offline(engine, prompts, args.output_len)
     log(f"served: one colocated worker with {cpus} CPUs ...")
     served_tps, half = served(
-        config, prompts, [r.prompt_ids for r in fresh], args.output_len, cpus, args.seed
+        config, prompts, [r.prompt_ids for r in fresh], args.output_len, machine, args.seed
     )
     log("offline again ...")
     after = offline(engine, [r.prompt_ids for r in later], args.output_len)
@@ -252,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     replay_ms = replayed(engine, [r.prompt_ids for r in fresh], args.output_len, half.rate, args.seed)
     print(
         f"model {args.model}, {args.requests} requests x {args.input_len}/{args.output_len} tokens, "
-        f"{cpus} CPUs, max_num_seqs {engine_cfg.max_num_seqs}, "
+        f"{cpus} of {machine} CPUs for the engine, max_num_seqs {engine_cfg.max_num_seqs}, "
         f"engine {'in a process of its own' if args.engine_process else 'on a thread of the worker'}"
     )
     print(harness.table(["path", "output tok/s"], [["offline", offline_tps], ["served", served_tps]]))

@@ -18,9 +18,10 @@ from tests.integration.cluster_util import own_ray
 def test_serving_efficiency_runs_both_paths(tmp_path_factory, capsys):
     own_ray()  # the bench starts a Ray of its own
     checkpoint = tiny_checkpoint(tmp_path_factory)
-    args = ["--model", checkpoint, "--requests", "4", "--input-len", "20", "--output-len", "8"]
+    args = ["--model", checkpoint, "--requests", "4", "--input-len", "20", "--output-len", "8", "--cpus", "1"]
     assert serving_efficiency.main(args) == 0
     out = capsys.readouterr().out
+    assert re.search(r"\b1 of \d+ CPUs for the engine", out), out
     rates = {m[0]: float(m[1]) for m in re.findall(r"^(offline|served)\s+([\d.]+)$", out, re.M)}
     offline, served = rates["offline"], rates["served"]
     assert offline > 0 and served > 0
