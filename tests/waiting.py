@@ -13,6 +13,8 @@ def wait_until(
     condition: Callable[[], object], what: str, timeout: float = 120.0, every: float = 0.2
 ) -> None:
     """Poll ``condition`` until it holds; past ``timeout`` s, fail saying ``what`` did not happen."""
+    if not isinstance(what, str):  # a timeout passed where the sentence goes
+        raise TypeError(f"wait_until's second argument is what to wait for, a sentence; got {what!r}")
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -22,6 +24,8 @@ def wait_until(
 
 async def until(condition: Callable[[], object], what: str, timeout: float = 60.0) -> None:
     """``wait_until`` on the caller's event loop (it keeps running between polls)."""
+    if not isinstance(what, str):
+        raise TypeError(f"until's second argument is what to wait for, a sentence; got {what!r}")
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
         if asyncio.get_running_loop().time() > deadline:

@@ -62,7 +62,7 @@ def test_every_handoff_is_checked_and_a_placement_fault_is_recomputed(checkpoint
         trace = got["faulted"][2]
         assert "kv_recompute" in [m.name for m in trace.marks], trace.marks
         for worker in (prefill, decode):
-            wait_until(lambda w=worker: blocks_held(w) == 0, 60)
+            wait_until(lambda w=worker: blocks_held(w) == 0, "the worker freed every block", 60)
     finally:
         decode.shutdown()
         prefill.shutdown()

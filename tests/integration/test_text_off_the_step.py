@@ -80,7 +80,7 @@ def test_a_decode_worker_makes_text_off_the_engine_thread_and_stops_within_a_ste
         # text was made, never on the engine's thread
         assert threads and "decode-0-engine" not in threads
         # the engine sampled at most one step more for it than the client kept, then let it go
-        wait_until(lambda: blocks_held(worker) == 0, 60)
+        wait_until(lambda: blocks_held(worker) == 0, "the worker freed every block", 60)
         assert kept <= sum(sampled) <= kept + 1
     finally:
         worker.shutdown()
@@ -124,7 +124,7 @@ def test_stop_strings_through_a_handoff_at_the_first_token_and_after_it(smollm2)
             assert trace.prefill_worker == "prefill-0"
         assert got["at-first"][3].decode_worker == "" and got["later"][3].decode_worker == "decode-0"
         for worker in (prefill, decode):
-            wait_until(lambda w=worker: blocks_held(w) == 0, 60)
+            wait_until(lambda w=worker: blocks_held(w) == 0, "the worker freed every block", 60)
     finally:
         decode.shutdown()
         prefill.shutdown()
@@ -176,6 +176,6 @@ def test_text_that_cannot_be_made_fails_its_request_alone(smollm2):
         assert isinstance(error, SequenceFailed) and error.kind == "detokenization"
         assert "the tokenizer broke" in str(error) and tokens == want[1].token_ids[: len(tokens)]
         assert dict(stats.engine.sequence_errors) == {"detokenization": 1}
-        wait_until(lambda: blocks_held(worker) == 0, 60)
+        wait_until(lambda: blocks_held(worker) == 0, "the worker freed every block", 60)
     finally:
         worker.shutdown()

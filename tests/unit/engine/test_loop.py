@@ -148,15 +148,17 @@ def test_a_paced_loop_steps_at_most_once_past_the_outputs_not_taken(engine):
     try:
         rid = loop.call(lambda e: e.add_request([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True)))
         rid = rid.result(5)
-        wait_until(lambda: len(handed) == 2, 30)
+        wait_until(lambda: len(handed) == 2, "two steps handed over", 30)
         seen = ticks[0]
-        wait_until(lambda: ticks[0] >= seen + 20, 30)  # the loop goes round, waiting for the consumer
+        wait_until(
+            lambda: ticks[0] >= seen + 20, "the loop went round 20 times", 30
+        )  # waiting for the consumer
         assert len(handed) == 2
         aborted = loop.call(lambda e: e.abort(rid))  # asked while taking the first: runs before a third step
         loop.taken()
         assert aborted.result(10) is True
         loop.taken()
-        wait_until(lambda: not loop.call(lambda e: e.has_unfinished()).result(5), 30)
+        wait_until(lambda: not loop.call(lambda e: e.has_unfinished()).result(5), "the engine finished", 30)
         assert len(handed) == 2 and sum(len(o.new_token_ids) for outs in handed for o in outs) == 2
     finally:
         loop.stop()
@@ -169,12 +171,12 @@ def test_the_loop_says_where_its_threads_time_went(engine):
     loop = EngineLoop(engine, lambda outs: None, paced=True).start()
     try:
         start = loop.thread_times()
-        wait_until(lambda: loop.thread_times().minus(start).idle_s > 0.2, 30)  # nothing to do
+        wait_until(lambda: loop.thread_times().minus(start).idle_s > 0.2, "0.2 s counted idle", 30)
         idle = loop.thread_times().minus(start)
         assert idle.paced_s == 0 and idle.idle_s <= idle.wall_s
         loop.call(lambda e: e.add_request([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True)))
         before = loop.thread_times()
-        wait_until(lambda: loop.thread_times().minus(before).paced_s > 0.2, 30)  # two steps, none taken
+        wait_until(lambda: loop.thread_times().minus(before).paced_s > 0.2, "0.2 s counted paced", 30)
         waiting = loop.thread_times().minus(before)
         assert waiting.on_cpu_s > 0  # the steps ran on this thread (Linux)
         parts = waiting.on_cpu_s + waiting.runnable_s + waiting.paced_s + waiting.idle_s
