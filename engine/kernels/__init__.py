@@ -10,13 +10,13 @@ fall back to pure torch (SDPA attention, torch norms); ``load()`` returns None
 then and logs why once.
 
 The build never waits forever: it goes into a directory named by a digest of its
-sources, flags, torch and Python (two checkouts of different kernels never share
-one, nor rebuild each other's), and processes building it take turns under an
-``flock`` that the kernel releases when its holder dies. torch's own ``lock`` file
-there is left behind by a builder that was killed, and every later build would
-wait on it without end; under the ``flock`` no one else is building, so one found
-there is stale and removed. A turn not had within ``BUILD_WAIT_S`` falls back as
-a failed build does."""
+sources, flags, torch, Python and the CPU's features (two checkouts of different
+kernels never share one, nor rebuild each other's, nor do two kinds of CPU), and
+processes building it take turns under an ``flock`` that the kernel releases when
+its holder dies. torch's own ``lock`` file there is left behind by a builder that
+was killed, and every later build would wait on it without end; under the ``flock``
+no one else is building, so one found there is stale and removed. A turn not had
+within ``BUILD_WAIT_S`` falls back as a failed build does."""
 
 from __future__ import annotations
 
@@ -62,14 +62,26 @@ _LDFLAGS = ("-fopenmp",)
 BUILD_WAIT_S = 900.0  # the longest a process waits for another's build of the kernels
 
 
+def _cpu_features() -> str:
+    """The CPU's feature flags (Linux's ``/proc/cpuinfo``), which ``-march=native``
+    compiles for: a build directory shared by machines of other CPUs (a home directory
+    on NFS) must not hand one of them instructions it lacks."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
 def build_directory() -> Path:
     """Where this checkout's kernels are built: torch's extensions root
     (``TORCH_EXTENSIONS_DIR`` if set), in a directory named by a digest of what the
-    build depends on."""
+    build depends on (sources, flags, torch, Python, the CPU's features)."""
     from torch.utils.cpp_extension import get_default_build_root
 
     digest = hashlib.sha256()
-    for part in (torch.__version__, sys.version, platform.machine(), *_CFLAGS, *_LDFLAGS):
+    parts = (torch.__version__, sys.version, platform.machine(), _cpu_features(), *_CFLAGS, *_LDFLAGS)
+    for part in parts:
         digest.update(part.encode() + b"\0")
     for path in _SOURCES:
         digest.update(path.read_bytes())

@@ -123,3 +123,11 @@ def test_different_sources_build_in_different_directories(tmp_path, monkeypatch)
     assert kernels.build_directory() == here  # the same bytes: the same build
     copies[-1].write_text(copies[-1].read_text() + "\n// changed\n")
     assert kernels.build_directory() != here
+
+
+def test_another_kind_of_cpu_builds_in_another_directory(monkeypatch):
+    """``-march=native``: a cache shared with a machine of other CPU features (a home
+    directory on NFS) must not hand it a build with instructions it lacks."""
+    here = kernels.build_directory()
+    monkeypatch.setattr(kernels, "_cpu_features", lambda: "flags : fpu sse2")
+    assert kernels.build_directory() != here
