@@ -30,9 +30,10 @@ against two references measured in this process on the same engine config:
     python -m splitserve.bench.serving_efficiency --cpus 1   # the engine on 1 core, offline and served
 
 ``--cpus N`` gives the worker N CPUs (its engine N torch threads) and the offline
-engine N threads: with fewer than the machine's cores, the router, the client and
-Ray's processes run on the others, as a GPU worker's host does not share its
-device with them; what remains of the gap is the serving path's own cost.
+engine N threads. With fewer than the machine's cores, the router, the client and
+Ray's processes run on the others, and the engine no longer waits for a core they
+took (a GPU worker's device is not shared with them either); the engine thread's
+share "waiting for a core" shows whether it did.
 """
 
 from __future__ import annotations

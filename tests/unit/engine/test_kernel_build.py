@@ -32,6 +32,8 @@ def _env(extensions: Path) -> dict[str, str]:
 @pytest.mark.slow
 def test_a_builder_killed_mid_build_does_not_stop_the_next_start(tmp_path):
     """Kill a process while it compiles (its ``lock`` held); a new process builds."""
+    if kernels.load() is None:
+        pytest.skip("native CPU kernels do not build here (no compiler)")
     env = _env(tmp_path)
     first = subprocess.Popen([sys.executable, "-c", LOAD], env=env, start_new_session=True)
     try:
