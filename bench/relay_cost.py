@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import sys
 import time
@@ -103,7 +104,7 @@ async def measure(args) -> tuple[list[float], list[float]]:
     registry.add(Source.worker_id, "colocated", Source(), 16)
     await registry.activate(Source.worker_id)
     service = SplitserveService(Dispatcher(registry, VALIDATOR, "relay", colocated=True), "colocated")
-    ids = iter(range(1 << 30))
+    ids = itertools.count()
 
     async def us_per_token(one) -> float:
         c0 = time.process_time()

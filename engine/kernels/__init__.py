@@ -120,6 +120,9 @@ def build_turn(directory: Path, wait_s: float) -> Iterator[None]:
 
 @functools.cache
 def load() -> ModuleType | None:
+    """The native CPU kernels, built here if this machine has not built them yet; None
+    (said once) if they do not build or another process's build of them has not ended
+    within ``BUILD_WAIT_S``. Once per process."""
     try:
         from torch.utils.cpp_extension import load as load_extension
 
