@@ -135,7 +135,8 @@ def _profiles(out: Path) -> dict:
     """The kernels behind each goal ``gpu_bench`` measures (a goal not met is
     explained by its profile): bf16 decode at B=1, B=64 at 4k context with bf16
     and with FP8 KV, and the 8k prefill in bf16 and FP8 (Llama-3-8B shapes); and
-    the MoE decode step at B=16 (eager, far from its roofline)."""
+    the MoE decode step at B=16 (eager: where its GPU time goes, and how far the
+    host's launches are behind it)."""
     import torch
 
     from splitserve.bench import gpu_bench as gb

@@ -30,6 +30,7 @@ from splitserve.engine.kv_tier import HostKVTier
 from splitserve.engine.lora import LoRAAdapters
 from splitserve.engine.model.checkpoint import checkpoint_bytes, safetensors_tensors
 from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.decoder import DecoderModel
 from splitserve.engine.model.loader import build_model, load_hf_config, resolve_source
 from splitserve.engine.model.parallel_fit import check_ep_compatible, check_tp_compatible
 from splitserve.engine.model.revision import checkpoint_revision, random_revision, with_quantization
@@ -174,6 +175,7 @@ def build_engine(config: EngineConfig, hf_config, tokenizer: Tokenizer | None, t
         kv_cache.state_plan, kv_cache.kv_blocks = plan, num_blocks
     graphs = None
     if use_graphs:
+        _experts_for_graphs(model)
         # a verification step's draft tokens are decode rows too (``ModelRunner.spread_drafts``)
         drafts = config.speculative.num_tokens if config.speculative is not None else 0
         rows = config.max_num_seqs * (1 + drafts)
@@ -340,7 +342,7 @@ def _attention(
     config: EngineConfig, mc: ModelConfig, device: torch.device, tp_size: int
 ) -> tuple[AttentionBackend, bool]:
     """The attention backend, and whether decode runs in CUDA graphs; ``ValueError`` for
-    a combination that does not run (MLA or MoE with CUDA graphs, an FP8 KV cache on a
+    a combination that does not run (MLA with CUDA graphs, an FP8 KV cache on a
     backend that cannot read it, MLA with an FP8 KV cache, sliding windows or sinks on
     a backend without them). ``auto`` with an FP8 cache
     is the Triton kernel on CUDA (it reads e4m3 in place; graphs capture it) and SDPA
@@ -348,9 +350,8 @@ def _attention(
     fp8_kv = config.kv_cache_dtype == "fp8"
     if mc.mla is not None and fp8_kv:
         raise ValueError(f"{mc.model_type} (MLA) does not run with kv_cache_dtype fp8 yet")
-    sparse = mc.mla is not None or mc.moe is not None  # kernels that read sizes on the host
-    if sparse and config.cuda_graphs:
-        raise ValueError(f"{mc.model_type} (MoE / MLA) does not run with cuda_graphs yet")
+    if mc.mla is not None and config.cuda_graphs:  # its attention reads sizes on the host
+        raise ValueError(f"{mc.model_type} (MLA) does not run with cuda_graphs yet")
     attention = config.attention_backend
     if fp8_kv and attention == "auto":
         attention = "triton" if device.type == "cuda" else "sdpa"
@@ -373,10 +374,27 @@ def _attention(
         )
     use_graphs = config.cuda_graphs
     if use_graphs is None:  # not with LoRA: a graph replays no step's adapters (config refuses True)
+        # MoE layers only when asked (``cuda_graphs: true``) until a GPU has replayed their
+        # kernels (tests/gpu); then they join this default
         use_graphs = (
-            device.type == "cuda" and backend.name == "triton" and tp_size == 1 and not sparse
-        ) and not config.enable_lora
+            (device.type == "cuda" and backend.name == "triton" and tp_size == 1 and mc.mla is None)
+            and mc.moe is None
+            and not config.enable_lora
+        )
     return backend, use_graphs
+
+
+def _experts_for_graphs(model: DecoderModel) -> None:
+    """Routed experts in a recorded decode step run ``triton_moe.fused_experts`` (the
+    torch loop reads each expert's row count on the host, which a capture refuses):
+    on CUDA the Triton set already chose it; elsewhere it is Triton's interpreter,
+    which the triton attention backend that graphs need also runs on."""
+    layers = model.moe_layers()
+    if layers and any(m.grouped_kernel is None for m in layers):
+        from splitserve.engine.kernels.triton_moe import fused_experts
+
+        for m in layers:
+            m.grouped_kernel = fused_experts
 
 
 def draft_attention(config: EngineConfig, mc: ModelConfig, device: torch.device) -> AttentionBackend:

@@ -36,6 +36,7 @@ import torch
 
 from splitserve.engine.attention.base import AttentionBackend
 from splitserve.engine.attention.sdpa import SdpaMetadata
+from splitserve.engine.capture_guard import refuse_host_syncs
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.lora import LoRAAdapters
 from splitserve.engine.model.decoder import DecoderModel
@@ -67,7 +68,11 @@ def cuda_graph_recorder(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Te
 
 
 def rerun_recorder(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """Off CUDA, a "recording" is the step itself, run again over the same buffers."""
+    """Off CUDA, a "recording" is the step itself, run again over the same buffers;
+    recording runs it once with what a capture refuses made to raise
+    (``capture_guard.HostSync``), so a step a GPU could not capture fails here too."""
+    with refuse_host_syncs():
+        fn()
     return fn
 
 

@@ -3,7 +3,7 @@ rounding points as the native CPU kernel, so ``RMSNorm`` uses either through
 ``DecoderModel.use_kernels``), the weight-only int8 matmul of ``Int8Linear`` and
 the per-token FP8 quantization of ``Fp8Linear``'s activations; from ``fp8``,
 the norm and SiLU·up emitting FP8 activations and the block-scaled FP8 GEMM;
-and, from ``triton_moe``, the routed experts' grouped GEMMs.
+and, from ``triton_moe``, the routed experts' fused kernels.
 
 Each replaces a chain of small torch kernels whose launches, not their bytes,
 bound a decode step: a norm in torch is eight kernels, this is one. With
@@ -26,7 +26,7 @@ from splitserve.engine.kernels.fp8 import (  # noqa: F401  (part of the set)
     quantize_fp8_groups,
     silu_mul_fp8,
 )
-from splitserve.engine.kernels.triton_moe import grouped_experts_gemm  # noqa: F401  (part of the set)
+from splitserve.engine.kernels.triton_moe import fused_experts  # noqa: F401  (part of the set)
 
 
 @triton.jit

@@ -173,7 +173,7 @@ class DecoderModel(nn.Module):
     def use_kernels(self, kernels: Any) -> None:
         """Route the norms through a fused add+RMSNorm kernel (``add_rms_norm``), and
         GQA attention and dense MLPs through ``rope_and_cache`` / ``silu_mul``, and the
-        routed experts through ``grouped_experts_gemm``, where ``kernels`` has them (not
+        routed experts through ``fused_experts``, where ``kernels`` has them (not
         None: the Triton set on CUDA; the C++ set on CPU for bf16); with the Triton set,
         FP8 activations straight from the norms and SiLU·up (``_fp8_activations``)."""
         for m in self.modules():
@@ -182,7 +182,7 @@ class DecoderModel(nn.Module):
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.kernels = kernels
             elif isinstance(m, SparseMoE):
-                m.grouped_kernel = getattr(kernels, "grouped_experts_gemm", None)
+                m.grouped_kernel = getattr(kernels, "fused_experts", None)
         if hasattr(kernels, "add_rms_norm_fp8"):
             self._fp8_activations()
 

@@ -17,7 +17,7 @@ Expert weights keep their own layout, stacked: ``experts.gate_up_proj [E, 2I, H]
 ``experts.N.{gate,up,down}_proj`` (Mixtral's ``w1, w3, w2``) read into row N.
 gpt-oss's experts also have biases (``experts.gate_up_bias [E, 2I]``,
 ``experts.down_bias [E, H]``) and its clamped SwiGLU (``ExpertForm``); its router
-a bias. The grouped kernel runs neither: such a layer runs the torch loop.
+a bias. The Triton kernel runs both.
 
 Under tensor parallelism each rank holds every expert's slice of the intermediate
 width (gate/up rows and down columns [i0, i1), as a dense MLP's), and the partial
@@ -101,9 +101,12 @@ def grouped_experts(
     dtype. ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] hold experts
     [first_expert, first_expert + E); pairs routed to other experts add nothing
     (their expert lives on another rank). Tokens are grouped by expert (see the
-    module docstring): a Python loop over the experts that got tokens, none over tokens,
-    or ``kernel`` (``kernels.triton_moe.grouped_experts_gemm``: two launches in all),
-    which ``form`` (biases, another activation) rules out."""
+    module docstring): a Python loop over the experts that got tokens, none over
+    tokens, which reads the counts on the host; or ``kernel``
+    (``kernels.triton_moe.fused_experts``: two launches, nothing read back, so a CUDA
+    graph captures it), which takes the same arguments."""
+    if kernel is not None:
+        return kernel(x, weights, ids, first_expert, gate_up, down, form)
     t, k = ids.shape
     held = gate_up.shape[0]
     local = ids.reshape(-1) - first_expert
@@ -112,7 +115,7 @@ def grouped_experts(
     counts = torch.bincount(local, minlength=held + 1)[:held].tolist()
     order = order[: sum(counts)]
     token = order // k
-    out = _grouped(x, token, counts, gate_up, down, kernel, form)
+    out = _grouped(x.index_select(0, token), counts, gate_up, down, form)
     out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
     return torch.zeros_like(x).index_add_(0, token, out)
 
@@ -128,28 +131,25 @@ def expert_rows(
     """Row i through expert ``expert[i]`` (an index into the stacks ``gate_up``
     [E, 2I, H] and ``down`` [E, H, I]), unweighted, [N, H] in the rows' order (what an
     expert-parallel rank computes for the rows other ranks sent it)."""
+    if kernel is not None:  # each row one pair of weight 1
+        ones = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=rows.device)
+        return kernel(rows, ones, expert.reshape(-1, 1), 0, gate_up, down, form)
     order = expert.argsort(stable=True)
     counts = torch.bincount(expert, minlength=gate_up.shape[0]).tolist()
-    out = _grouped(rows, order, counts, gate_up, down, kernel, form)
+    out = _grouped(rows.index_select(0, order), counts, gate_up, down, form)
     return torch.empty_like(out).index_copy_(0, order, out)
 
 
 def _grouped(
-    x: torch.Tensor,
-    token: torch.Tensor,
+    rows: torch.Tensor,
     counts: list[int],
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    kernel: Callable | None = None,
     form: ExpertForm | None = None,
 ):
-    """Rows ``x[token]``, sorted by expert, ``counts[e]`` of them for expert e, each
-    through its expert: one GEMM pair per expert that has rows, in place of a loop
-    over tokens (or ``kernel``'s two grouped GEMMs, where there is no ``form``)."""
-    if kernel is not None and form is None:
-        return kernel(x, token, counts, gate_up, down)
+    """``rows`` sorted by expert, ``counts[e]`` of them for expert e, each through its
+    expert: one GEMM pair per expert that has rows, in place of a loop over tokens."""
     form = form or ExpertForm()
-    rows = x.index_select(0, token)
     out = torch.empty_like(rows)
     inter = down.shape[2]
     start = 0
@@ -216,7 +216,7 @@ class SparseMoE(nn.Module):
             MLP(cfg, tp, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         )
         self.shared_expert_gate = Router(1, cfg.hidden_size, False) if moe.shared_gate else None
-        self.routed: torch.Tensor | None = None  # made on the device of the first rows counted
+        self.routed: torch.Tensor | None = None  # made on the device of the first rows counted, then kept
         self.grouped_kernel: Callable | None = None  # DecoderModel.use_kernels: the Triton one on CUDA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -238,9 +238,12 @@ class SparseMoE(nn.Module):
         return out
 
     def take_routed(self) -> list[int]:
-        """Rows each held expert computed since the last call (and start counting again)."""
-        counts = self.routed.tolist() if self.routed is not None else [0] * self.shard.count
-        self.routed = None
+        """Rows each held expert computed since the last call (and start counting again).
+        Under CUDA graphs a replay's padding rows count too (token 0, routed as any)."""
+        if self.routed is None:
+            return [0] * self.shard.count
+        counts = self.routed.tolist()
+        self.routed.zero_()
         return counts
 
     def _held_experts(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
@@ -259,5 +262,9 @@ class SparseMoE(nn.Module):
         return ExpertForm(experts.gate_up_bias, down_bias, moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
 
     def _count(self, local_ids: torch.Tensor) -> None:
-        counts = torch.bincount(local_ids, minlength=self.shard.count)
-        self.routed = counts if self.routed is None else self.routed + counts
+        """Add the rows to ``routed`` in place, reading nothing back: a recorded CUDA
+        graph keeps counting into the same tensor when replayed."""
+        if self.routed is None:  # not an inference tensor: ``take_routed`` zeroes it outside a step
+            with torch.inference_mode(False):
+                self.routed = torch.zeros(self.shard.count, dtype=torch.long, device=local_ids.device)
+        self.routed.index_add_(0, local_ids, torch.ones_like(local_ids, dtype=torch.long))

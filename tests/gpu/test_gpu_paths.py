@@ -142,6 +142,26 @@ def test_decode_step_graph_replays_the_eager_result():
     assert eager.shape == (2, cfg.vocab_size) and torch.isfinite(eager).all()
 
 
+def test_a_moe_decode_step_graph_replays_the_eager_result():
+    """The MoE shape's decode step (``triton_moe.fused_experts``) captured in a CUDA
+    graph: the capture succeeds (nothing read back on the host) and a replay, with the
+    output zeroed in between, gives the eager logits; replays count experts in place."""
+    from splitserve.engine.kernels.triton_moe import fused_experts
+
+    cfg, model = gb._moe_model(CUDA, "tiny")
+    assert all(m.grouped_kernel is fused_experts for m in model.moe_layers())
+    run, cache = gb._decode_step(model, cfg, 4, 64, "triton")
+    eager = run().clone()
+    replay = gb.cuda_graph_recorder(run)
+    layer = model.moe_layers()[0]
+    layer.take_routed()
+    out = replay()
+    with torch.inference_mode():
+        out.zero_()
+    torch.testing.assert_close(replay(), eager)
+    assert sum(layer.take_routed()) == 2 * 4 * cfg.moe.top_k  # two replays of four rows
+
+
 @pytest.mark.parametrize("extra", [{}, {"window": 128, "sinks": True}, {"softcap": 30.0, "window": 64}])
 @pytest.mark.parametrize("splits", [1, 7])
 def test_triton_paged_decode_compiled_matches_sdpa(splits, extra):

@@ -154,7 +154,7 @@ def test_a_models_norms_hand_fp8_to_block_linears(monkeypatch):
     cuda = kernels.load_cuda()
     calls = []
     spied = type("Spy", (), {})()
-    for name in ("add_rms_norm", "rope_and_cache", "silu_mul", "grouped_experts_gemm", "silu_mul_fp8"):
+    for name in ("add_rms_norm", "rope_and_cache", "silu_mul", "fused_experts", "silu_mul_fp8"):
         setattr(spied, name, getattr(cuda, name))
     spied.add_rms_norm_fp8 = lambda *a: calls.append(a[4]) or cuda.add_rms_norm_fp8(*a)
     model.use_kernels(spied)
