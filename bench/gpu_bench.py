@@ -35,7 +35,7 @@ import argparse
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -524,6 +524,64 @@ def sweep(cfg: ModelConfig, dev: torch.device, log: Callable[[str], None]) -> No
         log(f"sweep attention ctx=1024: {line}")
 
 
+def moe_sweep(
+    dev: torch.device,
+    shape: str,
+    log: Callable[[str], None],
+    tokens: Sequence[int] = (16, 64, 4096),
+    tiles: Sequence | None = None,
+) -> list[tuple[int, object, float]]:
+    """Time ``triton_moe.fused_experts`` on one MoE layer of ``shape`` (random bf16
+    experts, tokens routed by the real rule from random logits) for each tile, the
+    same tile for both kernels: per token count, the best and the current default
+    (``UP_TILE`` / ``DOWN_TILE``), with the expert bytes touched per second. ``tiles``:
+    ``triton_moe.Tile`` choices (default 24: columns 32-128, depth 64-128, 4 or 8
+    warps, 3 or 4 stages). Returns (tokens, best tile, its ms) per token count."""
+    from transformers import Qwen3MoeConfig
+
+    from splitserve.engine.kernels import triton_moe
+    from splitserve.engine.model.moe import route
+
+    tiles = tiles or [
+        triton_moe.Tile(bn, bk, w, st)
+        for bn in (32, 64, 128)
+        for bk in (64, 128)
+        for w in (4, 8)
+        for st in (3, 4)
+    ]
+    cfg = ModelConfig.from_hf(Qwen3MoeConfig(**MOE_SHAPES[shape]))
+    e, h, inter = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
+    gate_up = torch.randn(e, 2 * inter, h, device=dev, dtype=torch.bfloat16) * 0.02
+    down = torch.randn(e, h, inter, device=dev, dtype=torch.bfloat16) * 0.02
+    per_expert = 3 * inter * h * 2
+    best = []
+    for t in tokens:
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        weights, ids = route(torch.randn(t, e, device=dev), None, cfg.moe)
+        touched = ids.unique().numel() * per_expert
+        default = cuda_time_ms(partial(triton_moe.fused_experts, x, weights, ids, 0, gate_up, down), iters=10)
+        results = []
+        for tile in tiles:
+            try:
+                ms = cuda_time_ms(
+                    partial(triton_moe.fused_experts, x, weights, ids, 0, gate_up, down, None, (tile, tile)),
+                    iters=10,
+                )
+            except Exception as err:  # a tile this GPU cannot run (shared memory): skip it
+                log(f"moe tile {tile}: {type(err).__name__}")
+                continue
+            results.append((ms, tile))
+        results.sort(key=lambda r: r[0])
+        ms, tile = results[0]
+        log(
+            f"sweep moe T={t:<5} best {tile} {ms:.3f} ms ({touched / ms / 1e6:.0f} GB/s of experts); "
+            f"default {default:.3f} ms ({touched / default / 1e6:.0f} GB/s); "
+            f"top3 {[(round(m, 3), (c.block_n, c.block_k, c.warps, c.stages)) for m, c in results[:3]]}"
+        )
+        best.append((t, tile, ms))
+    return best
+
+
 def _is_linear(m: torch.nn.Module) -> bool:
     return isinstance(m, (torch.nn.Linear, Fp8Linear, Int8Linear, PackedLinear))
 
@@ -557,6 +615,8 @@ def run(
     cfg = model_config(shape)
     if tune:
         sweep(cfg, dev, log)
+        if moe:
+            moe_sweep(dev, shape, log)
     report = Report(name, shape, bw / 1e9, gemm, peaks, source, [], [])
     for q in quantizations:
         if q == "fp8" and not fp8_gemm_supported(dev):

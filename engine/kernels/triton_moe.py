@@ -29,6 +29,8 @@ With ``TRITON_INTERPRET=1`` it runs on CPU tensors (how the unit tests check it)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -219,8 +221,27 @@ def align(
     return pairs, block_expert
 
 
-def _tiles(n: int, k: int) -> tuple[int, int]:
-    return min(64, max(16, triton.next_power_of_2(n))), min(64, max(16, triton.next_power_of_2(k)))
+@dataclass(frozen=True)
+class Tile:
+    """A kernel's launch shape: output columns and reduction width per program, warps,
+    pipeline stages (``bench.gpu_bench --sweep`` times the choices on a GPU)."""
+
+    block_n: int = 64
+    block_k: int = 64
+    warps: int = 4
+    stages: int = 3
+
+    def fit(self, n: int, k: int) -> Tile:
+        """This tile no wider than ``n`` columns and ``k`` deep (powers of two, >= 16)."""
+        return Tile(
+            min(self.block_n, max(16, triton.next_power_of_2(n))),
+            min(self.block_k, max(16, triton.next_power_of_2(k))),
+            self.warps,
+            self.stages,
+        )
+
+
+UP_TILE, DOWN_TILE = Tile(), Tile()
 
 
 def fused_experts(
@@ -231,11 +252,13 @@ def fused_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     form=None,
+    tiles: tuple[Tile, Tile] | None = None,
 ) -> torch.Tensor:
     """Sum over each token's chosen experts of weight x expert(x), [T, H] in ``x``'s
     dtype: the contract of ``moe.grouped_experts`` (``weights`` [T, k], ``ids`` [T, k],
     the stacks holding experts ``[first_expert, first_expert + E)``, ``form`` a
-    ``moe.ExpertForm`` or None for plain SwiGLU), in two launches and no host sync."""
+    ``moe.ExpertForm`` or None for plain SwiGLU), in two launches and no host sync.
+    ``tiles``: the two kernels' launch shapes (default ``UP_TILE``, ``DOWN_TILE``)."""
     t, k = ids.shape
     held, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
@@ -247,9 +270,10 @@ def fused_experts(
     up_bias = None if form is None else form.gate_up_bias
     down_bias = None if form is None else form.down_bias
     clamped = form is not None and form.activation != "silu"
+    up_tile, down_tile = tiles or (UP_TILE, DOWN_TILE)
     act = x.new_empty((pairs.shape[0], inter))
-    block_n, block_k = _tiles(inter, hidden)
-    _experts_up[(block_expert.shape[0], triton.cdiv(inter, block_n))](
+    tile = up_tile.fit(inter, hidden)
+    _experts_up[(block_expert.shape[0], triton.cdiv(inter, tile.block_n))](
         x,
         gate_up,
         gate_up if up_bias is None else up_bias,
@@ -269,14 +293,16 @@ def fused_experts(
         HAS_BIAS=up_bias is not None,
         ACTIVATION=CLAMPED_SWIGLU if clamped else SILU,
         BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
         FP32_DOT=fp32,
+        num_warps=tile.warps,
+        num_stages=tile.stages,
     )
     y = x.new_zeros((t * k, hidden))
     route = weights.reshape(-1).float().contiguous()
-    block_n, block_k = _tiles(hidden, inter)
-    _experts_down[(block_expert.shape[0], triton.cdiv(hidden, block_n))](
+    tile = down_tile.fit(hidden, inter)
+    _experts_down[(block_expert.shape[0], triton.cdiv(hidden, tile.block_n))](
         act,
         down,
         down if down_bias is None else down_bias,
@@ -293,8 +319,10 @@ def fused_experts(
         y.stride(0),
         HAS_BIAS=down_bias is not None,
         BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
         FP32_DOT=fp32,
+        num_warps=tile.warps,
+        num_stages=tile.stages,
     )
     return y.view(t, k, hidden).sum(dim=1)

@@ -162,6 +162,17 @@ def test_a_moe_decode_step_graph_replays_the_eager_result():
     assert sum(layer.take_routed()) == 2 * 4 * cfg.moe.top_k  # two replays of four rows
 
 
+def test_the_moe_tile_sweep_times_each_tile():
+    from splitserve.engine.kernels.triton_moe import Tile
+
+    lines = []
+    best = gb.moe_sweep(
+        CUDA, "tiny", lines.append, tokens=(4, 300), tiles=[Tile(32, 64), Tile(64, 128, 8, 4)]
+    )
+    assert [t for t, _, _ in best] == [4, 300] and all(ms > 0 for _, _, ms in best)
+    assert len(lines) == 2 and all("GB/s of experts" in line for line in lines)
+
+
 @pytest.mark.parametrize("extra", [{}, {"window": 128, "sinks": True}, {"softcap": 30.0, "window": 64}])
 @pytest.mark.parametrize("splits", [1, 7])
 def test_triton_paged_decode_compiled_matches_sdpa(splits, extra):

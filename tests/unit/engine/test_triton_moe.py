@@ -76,6 +76,20 @@ def test_fused_experts_equal_the_torch_loop(t, routing, form):
     )
 
 
+@pytest.mark.parametrize("tile", [(32, 128), (128, 16)])
+def test_every_tile_gives_the_same_experts(tile):
+    """Launch shapes (``triton_moe.Tile``: what ``gpu_bench --sweep`` times) change
+    the programs, not the result: columns and depth narrower and wider than the
+    widths, the gpt-oss form included."""
+    from splitserve.engine.kernels.triton_moe import Tile, fused_experts
+
+    x, gate_up, down, weights, ids = _case(21, "random", seed=2)
+    for form in (None, _gpt_oss_form()):
+        want = grouped_experts(x, gate_up, down, weights, ids, form=form)
+        got = fused_experts(x, weights, ids, 0, gate_up, down, form, (Tile(*tile), Tile(*tile)))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_the_clamped_activation_clamps_in_the_kernel():
     """A limit the products exceed: the kernel's clamp is what keeps it equal."""
     from splitserve.engine.kernels.triton_moe import fused_experts
