@@ -22,9 +22,13 @@ decode step with a bf16 and with an FP8 KV cache (e4m3 read in place by the
 Triton kernel) at a long context, and (``--moe``) a mixture-of-experts decode
 step (Qwen3-30B-A3B's layer shape, ``MOE_LAYERS`` layers, random routing
 weights: its roofline counts the experts a batch is expected to touch under
-uniform routing). Goals (issues 6 and 50): decode at B=1 within 85% of the
+uniform routing), eager and replayed from a CUDA graph, its experts through
+``triton_moe.fused_experts``; ``--moe-only`` runs just those rows, and with
+``--sweep`` times the fused experts' tiles (``moe_sweep``) instead of the dense
+kernels'. Goals (issues 6, 50 and 66): decode at B=1 within 85% of the
 roofline; FP8 prefill >= 1.6x bf16 and >= 50% of the FP8 dense peak at 8k
-tokens; the FP8-KV step at B=64 <= 0.8x the bf16-KV step. flash-attn is not installed on these machines; the
+tokens; the FP8-KV step at B=64 <= 0.8x the bf16-KV step; MoE decode at B=16
+>= 0.5 of its roofline. flash-attn is not installed on these machines; the
 SDPA backend's paged decode gathers each sequence's blocks first (extra KV
 traffic the roofline does not count), the Triton kernel reads them in place.
 """
@@ -613,10 +617,10 @@ def run(
         f"{name}: HBM {bw / 1e9:.0f} GB/s; GEMM " + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in gemm.items())
     )
     cfg = model_config(shape)
-    if tune:
+    if tune and quantizations:
         sweep(cfg, dev, log)
-        if moe:
-            moe_sweep(dev, shape, log)
+    if tune and moe:
+        moe_sweep(dev, shape, log)
     report = Report(name, shape, bw / 1e9, gemm, peaks, source, [], [])
     for q in quantizations:
         if q == "fp8" and not fp8_gemm_supported(dev):
@@ -688,6 +692,9 @@ def main(argv: list[str] | None = None) -> None:
         help="also decode at this context with bf16 and FP8 KV (e.g. 4096)",
     )
     ap.add_argument("--moe", action="store_true", help="also a mixture-of-experts decode step per batch")
+    ap.add_argument(
+        "--moe-only", action="store_true", help="only the MoE rows (and, with --sweep, only its tiles)"
+    )
     ap.add_argument("--result-json")
     args = ap.parse_args(argv)
     report = run(
@@ -695,13 +702,13 @@ def main(argv: list[str] | None = None) -> None:
         args.batch,
         args.context,
         args.prefill_tokens,
-        args.quantization,
+        [] if args.moe_only else args.quantization,
         attentions=args.attention,
         kernels=not args.no_kernels,
         profile=args.profile,
         tune=args.sweep,
         kv_context=args.kv_context,
-        moe=args.moe,
+        moe=args.moe or args.moe_only,
     )
     print(
         f"peaks ({report.peak_source}): " + ", ".join(f"{k} {v:.0f}" for k, v in report.peak_tflops.items())
