@@ -166,11 +166,9 @@ def test_the_moe_tile_sweep_times_each_tile():
     from splitserve.engine.kernels.triton_moe import Tile
 
     lines = []
-    best = gb.moe_sweep(
-        CUDA, "tiny", lines.append, tokens=(4, 300), tiles=[Tile(32, 64), Tile(64, 128, 8, 4)]
-    )
-    assert [t for t, _, _ in best] == [4, 300] and all(ms > 0 for _, _, ms in best)
-    assert len(lines) == 2 and all("GB/s of experts" in line for line in lines)
+    best = gb.moe_sweep(CUDA, "tiny", lines.append, tokens=(4,), tiles=[Tile(32, 64), Tile(64, 128, 8, 4)])
+    assert [t for t, _, _ in best] == [4] and best[0][2] > 0
+    assert len(lines) == 1 and "GB/s of experts" in lines[0]
 
 
 @pytest.mark.parametrize("extra", [{}, {"window": 128, "sinks": True}, {"softcap": 30.0, "window": 64}])
