@@ -101,7 +101,7 @@ class EngineConfig:
     # (each rank a whole attention replica with its own share of the KV cache); needs tp_size 1
     ep_size: int = 1
     cuda_graphs: bool | None = None  # replay decode steps from CUDA graphs; None: where they can be
-    # captured (CUDA, triton attention, TP=1); True requires that
+    # captured (CUDA, triton attention, TP=1, no MLA; MoE layers only with True); True requires that
     seed: int = 0  # random weights and unseeded sampling
     generation_config: bool = True  # the model's generation_config.json sets defaults of unset fields
     # speculative decoding of this engine's decodes (a dict of SpeculativeConfig's fields is
