@@ -191,6 +191,7 @@ def test_moe_decode_steps_recorded_as_graphs_keep_transformers_tokens(tmp_path, 
     from splitserve.wire.config import EngineConfig
     from splitserve.wire.sampling import SamplingParams
     from tests.conftest import hf_greedy, make_hf_checkpoint, random_prompts
+    from tests.unit.engine.attention.test_triton_decode import count_replays
 
     hf = make_hf_checkpoint(kind, tmp_path)
     prompts = random_prompts([5, 40, 23, 12], 512, seed=7)
@@ -212,14 +213,7 @@ def test_moe_decode_steps_recorded_as_graphs_keep_transformers_tokens(tmp_path, 
     assert all(m.grouped_kernel is fused_experts for m in engine.model.moe_layers())
     for m in engine.model.moe_layers():
         m.take_routed()  # the recordings' own runs
-    replays = {b: 0 for b in graphs.sizes}
-    for b, replay in list(graphs.replays.items()):
-
-        def counted(b=b, replay=replay):
-            replays[b] += 1
-            return replay()
-
-        graphs.replays[b] = counted
+    replays = count_replays(graphs)
     out = engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens])
     assert [o.token_ids for o in out] == expected
     assert replays[4] > 0 and replays[2] > 0 and replays[1] > 0

@@ -229,6 +229,20 @@ def test_gpu_bench_decode_step_runs_the_kernel(kv_dtype):
     torch.testing.assert_close(logits["triton"], logits["sdpa"], atol=2e-2, rtol=2e-2)
 
 
+def count_replays(graphs) -> dict[int, int]:
+    """Wrap each of ``graphs``' replays (a ``DecodeGraphs``) to count its calls: the
+    returned dict, by batch size, counts from now on."""
+    replays = {b: 0 for b in graphs.sizes}
+    for b, replay in list(graphs.replays.items()):
+
+        def counted(b=b, replay=replay):
+            replays[b] += 1
+            return replay()
+
+        graphs.replays[b] = counted
+    return replays
+
+
 def test_engine_with_decode_graphs_equals_hf(tmp_path):
     """``cuda_graphs``: pure-decode steps go through the static buffers, padded to the
     next recorded batch size (off CUDA the "recording" re-runs; the buffer logic is the
@@ -257,14 +271,7 @@ def test_engine_with_decode_graphs_equals_hf(tmp_path):
     graphs = engine.runner.graphs
     assert graphs.sizes == [1, 2, 4, 8] and graphs.scratch_block == 63
     assert engine.block_manager.num_blocks == 63  # the scratch block is never handed out
-    replays = {b: 0 for b in graphs.sizes}
-    for b, replay in list(graphs.replays.items()):
-
-        def counted(b=b, replay=replay):
-            replays[b] += 1
-            return replay()
-
-        graphs.replays[b] = counted
+    replays = count_replays(graphs)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
     out = engine.generate(prompts, params)
     assert [o.token_ids for o in out] == expected
