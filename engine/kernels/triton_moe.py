@@ -7,9 +7,9 @@ The T x k (token, expert) pairs are sorted by expert on the device (``align``), 
 each expert's run padded to a multiple of ``BLOCK_M``, so a block of positions
 belongs to one expert::
 
-    pair p = t * k + j: token t's j-th choice
+    pair p = t * k + j: token t's j-th choice; within an expert, pairs in order
     padded positions   [e0 e0 e0 -  | e2 e2 e2 e2 | e2 -  -  - | -  -  -  - ]   BLOCK_M = 4
-    pairs              [p7 p1 p3 -1 | p0 p2 p5 p6 | p9 -1 -1 -1| -1 -1 -1 -1]  (-1: padding)
+    pairs              [p1 p3 p7 -1 | p0 p2 p5 p6 | p9 -1 -1 -1| -1 -1 -1 -1]  (-1: padding)
     expert of block    [0           | 2           | 2          | -1         ]  (-1: unused)
 
     _experts_up(x, gate_up, pairs)     a [P, I]   act(x[p // k] @ gate_up[e]^T + bias)
@@ -257,7 +257,8 @@ def fused_experts(
     """Sum over each token's chosen experts of weight x expert(x), [T, H] in ``x``'s
     dtype: the contract of ``moe.grouped_experts`` (``weights`` [T, k], ``ids`` [T, k],
     the stacks holding experts ``[first_expert, first_expert + E)``, ``form`` a
-    ``moe.ExpertForm`` or None for plain SwiGLU), in two launches and no host sync.
+    ``moe.ExpertForm`` or None for plain SwiGLU): two kernels after ``align``'s few
+    torch ops, none of which reads a value back.
     ``tiles``: the two kernels' launch shapes (default ``UP_TILE``, ``DOWN_TILE``)."""
     t, k = ids.shape
     held, two_inter, hidden = gate_up.shape
