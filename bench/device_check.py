@@ -17,10 +17,11 @@ stage, not the lease), each result in ``DIR/<stage>.json``; then
 |                | bf16 and FP8 KV at 4k context; MoE); prefill 2k, 8k                    |       |
 | profiles       | the kernels of the steps behind each goal (decode B=1; B=64 at 4k with | 90 s  |
 |                | bf16 and FP8 KV; 8k prefill bf16 and FP8; MoE decode B=16)              |       |
+| host_time      | ``bench.host_time``: the engine's host share of a B=64 decode, 8B shapes | 240 s |
 
-At most 745 s if every stage ran to its bound: more than one device call (600 s), so a
+At most 985 s if every stage ran to its bound: more than one device call (600 s), so a
 lease runs it as two, ``--stages environment gpu_tests disaggregated`` (465 s at most)
-and ``--stages handoff gpu_bench profiles`` (280 s). On an H200 (2026-11-28) the six
+and ``--stages handoff gpu_bench profiles host_time`` (520 s). On an H200 (2026-11-28) the six
 took 6, 96, 112, 72, 47 and 17 s (358 s); on 2026-11-29 gpu_tests took 133 s and
 disaggregated passed its old 120 s bound once.
 
@@ -158,6 +159,20 @@ def _profiles(out: Path) -> dict:
 # stages whose KV moves GPU to GPU over NIXL: UCX may not fall back to software emulation
 # (8 KiB active messages over TCP: ``kv_transfer.backends.nixl_backend.GPU_UCX_CONFIG``)
 NO_EMULATION = ("disaggregated", "handoff")
+# SmolLM2's tokenizer files, which ``device_prepare.py install`` unpacks there
+TOKENIZER = Path(__file__).resolve().parents[1] / ".device_site" / "tokenizer"
+
+
+def _host_time(out: Path) -> dict:
+    """Issue 66's host-time goal: the engine's own work per output token at B=64 on
+    Llama-3-8B shapes, offline and through a decode worker (``bench.host_time``)."""
+    from splitserve.bench import host_time
+
+    path = out / "host_time_medians.json"
+    args = ["--shape", "llama3-8b", "--device", "cuda", "--batch", "64", "--rounds", "1", "--json", str(path)]
+    host_time.main(args + (["--tokenizer", str(TOKENIZER)] if TOKENIZER.exists() else []))
+    return {"medians": json.loads(path.read_text())["this tree"]}
+
 
 STAGES = (
     Stage("environment", 45, False, _environment),
@@ -166,6 +181,7 @@ STAGES = (
     Stage("handoff", 90, False, _handoff),
     Stage("gpu_bench", 100, True, _gpu_bench),
     Stage("profiles", 90, True, _profiles),
+    Stage("host_time", 240, True, _host_time),  # two 8B engines with random weights drawn on the host
 )
 
 
@@ -225,6 +241,18 @@ def markdown(records: list[dict]) -> str:
     bench = next((r.get("result") for r in records if r["stage"] == "gpu_bench"), None)
     if bench:
         lines += ["", *_bench_lines(bench)]
+    host = next((r.get("result") for r in records if r["stage"] == "host_time"), None)
+    if host:
+        m = host["medians"]
+        lines += [
+            "",
+            "| host time, B=64, Llama-3-8B shapes | us per token | host us | host share % |",
+            "|---|---|---|---|",
+            *(
+                f"| {side} | {m[side]:.1f} | {m[side + '_host']:.1f} | {m[side + '_share']:.1f} |"
+                for side in ("offline", "served")
+            ),
+        ]
     profiles = next((r.get("result") for r in records if r["stage"] == "profiles"), None)
     if profiles:
         lines += ["", "```", *profiles["profiles"], "```"]

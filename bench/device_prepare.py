@@ -7,8 +7,10 @@ only, run as a file (splitserve is not importable yet where it runs):
 ``fetch`` downloads the wheels the GPU image lacks (Python 3.12, x86_64: NIXL
 for CUDA 13 and xxhash, the KV checksums' hash; the image has torch, Triton,
 transformers, numpy and safetensors) into ``.device_wheels/`` (git ignores it;
-the device call carries it) and prints the size of the tracked tree plus the
-wheels, which must stay under the 64 MiB a device call carries.
+the device call carries it), packs SmolLM2's tokenizer files beside them
+(``tokenizer.tar.gz``, for the ``host_time`` stage's text; ``install`` unpacks it
+into ``.device_site/tokenizer``), and prints the size of the tracked tree plus all
+of it, which must stay under the 64 MiB a device call carries.
 
 ``install`` puts them into ``.device_site/`` (``pip --target``, no index, no
 registry needed) and links this tree there as the ``splitserve`` package, as
@@ -21,12 +23,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tarfile
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / ".device_wheels"
 SITE = ROOT / ".device_site"
+TOKENIZER_ARCHIVE = WHEELS / "tokenizer.tar.gz"  # SmolLM2's tokenizer files (0.6 of 3.4 MiB packed)
+TOKENIZER = SITE / "tokenizer"  # where install unpacks them, for bench.host_time there
+LOCATE_SMOLLM2 = (
+    "from splitserve.engine.model.loader import resolve_source; print(resolve_source('smollm2').directory)"
+)
 LIMIT_BYTES = 64 * 2**20
 # name==version (pinned: the GPU image is fixed) of every wheel the image lacks
 REQUIREMENTS = ("nixl-cu13==1.5.1", "xxhash==3.6.0")
@@ -40,14 +48,30 @@ def fetch() -> int:
             [sys.executable, "-m", "pip", "download", "--no-deps", *TARGET, "-d", str(WHEELS), requirement],
             check=True,
         )
+    _copy_tokenizer()
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     tree = sum((ROOT / name).stat().st_size for name in tracked.decode().split("\0") if name)
-    wheels = sum(p.stat().st_size for p in WHEELS.glob("*.whl"))
+    wheels = sum(p.stat().st_size for p in WHEELS.glob("*") if p.is_file())
     total = tree + wheels
     print(
         f"tree {tree / 2**20:.1f} MiB + wheels {wheels / 2**20:.1f} MiB = {total / 2**20:.1f} MiB (limit 64)"
     )
     return 0 if total < LIMIT_BYTES else 1
+
+
+def _copy_tokenizer() -> None:
+    """SmolLM2's tokenizer files (no weights) packed into ``TOKENIZER_ARCHIVE``: the
+    device check's ``host_time`` stage makes text with them (the GPU image has no
+    model package). Here splitserve is installed; a machine without SmolLM2's
+    package prints why and packs nothing."""
+    where = subprocess.run([sys.executable, "-c", LOCATE_SMOLLM2], cwd=ROOT, capture_output=True, text=True)
+    if where.returncode != 0:
+        print(f"no SmolLM2 tokenizer packed (the host_time stage will say so): {where.stderr.strip()[-300:]}")
+        return
+    with tarfile.open(TOKENIZER_ARCHIVE, "w:gz") as tar:
+        for f in sorted(Path(where.stdout.strip()).iterdir()):
+            if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+                tar.add(f, arcname=f.name)
 
 
 def install() -> int:
@@ -59,6 +83,10 @@ def install() -> int:
             + ["--target", str(SITE), *wheels],
             check=True,
         )
+    if TOKENIZER_ARCHIVE.exists():
+        TOKENIZER.mkdir(exist_ok=True)
+        with tarfile.open(TOKENIZER_ARCHIVE) as tar:
+            tar.extractall(TOKENIZER, filter="data")
     package = SITE / "splitserve"
     package.mkdir(exist_ok=True)
     folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]

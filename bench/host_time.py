@@ -133,13 +133,16 @@ ROWS = ("offline", "offline_host", "offline_share", "served", "served_host", "se
 VOCAB = 49152  # SmolLM2's tokenizer's
 
 
-def make_model(directory: Path, shape: str) -> str:
+def make_model(directory: Path, shape: str, tokenizer: Path | None = None) -> str:
     """The model (``tiny``: 2 layers, hidden 32, saved; ``llama3-8b``: its config only,
-    for random weights), with SmolLM2's tokenizer files; its path."""
+    for random weights), with the tokenizer files of ``tokenizer`` (a directory;
+    default SmolLM2's, from its package); its path."""
     from splitserve.bench.tiny_models import make_hf_checkpoint
     from splitserve.engine.model.loader import resolve_source
 
-    source = resolve_source("smollm2").directory
+    source = tokenizer if tokenizer is not None else resolve_source("smollm2").directory
+    if not (Path(source) / "tokenizer.json").exists():
+        raise SystemExit(f"{source} has no tokenizer.json (bench/device_prepare.py fetch copies SmolLM2's)")
     if shape == "tiny":
         make_hf_checkpoint(
             "llama", directory, max_position=2048, vocab_size=VOCAB, hidden_size=32, intermediate_size=64
@@ -171,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on a GPU")
     ap.add_argument("--kv-mib", type=int, default=None, help="KV cache (default 256 MiB; 4 GiB for 8B)")
+    ap.add_argument("--tokenizer", type=Path, help="a directory with tokenizer.json (default: SmolLM2's)")
+    ap.add_argument("--json", type=Path, help="also write the medians here, by tree and row")
     args = ap.parse_args(argv)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     kv_mib = args.kv_mib or (256 if args.shape == "tiny" else 4096)
     with tempfile.TemporaryDirectory(prefix="host-time-") as tmp:
-        model = make_model(Path(tmp) / "model", args.shape)
+        model = make_model(Path(tmp) / "model", args.shape, args.tokenizer)
         numbers = (args.batch, args.input_len, args.output_len, args.threads, kv_mib)
         argv_side = [model, *map(str, numbers), args.device, dtype, "0" if args.shape == "tiny" else "1"]
         with checked_out(args.against) as package:
@@ -190,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     names = [name for name, _ in sides]
     print("\n| us per output token (share: % of the wall time) | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
+    medians = {n: {row: statistics.median(s[row] for s in samples[n]) for row in ROWS} for n in names}
     for row in ROWS:
-        cells = [f"{statistics.median(s[row] for s in samples[n]):.1f}" for n in names]
-        print(f"| {row.replace('_', ' ')} | " + " | ".join(cells) + " |")
+        print(f"| {row.replace('_', ' ')} | " + " | ".join(f"{medians[n][row]:.1f}" for n in names) + " |")
+    if args.json is not None:
+        args.json.write_text(json.dumps(medians, indent=2) + "\n")
     return 0
 
 

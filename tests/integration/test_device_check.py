@@ -35,6 +35,7 @@ def test_the_device_check_passes_in_its_cpu_mode(tmp_path):
         "handoff": "passed",
         "gpu_bench": "skipped",
         "profiles": "skipped",
+        "host_time": "skipped",
     }
     assert records["environment"]["result"]["torch"] == torch.__version__
     rows = records["disaggregated"]["result"]["rows"]
@@ -73,6 +74,20 @@ def test_the_table_reads_gpu_benchs_report():
     assert "| dense | none | fp8 | 64 | 4096 | 20.00 | 12.00 | 16.00 | 1.33 |" in table
     assert "| decode B=64 ctx=4096, fp8 KV / bf16 KV step | 0.67 | 0.8 | True |" in table
     assert "| fp8 | 8192 | 150.0 | 933 | 0.47 |" in table
+
+
+def test_the_table_gives_the_host_times_medians():
+    from splitserve.bench.device_check import markdown
+
+    sides = {"offline": (900.0, 80.0, 8.9), "served": (1000.0, 150.0, 15.0)}
+    medians = {
+        f"{side}{suffix}": v[i]
+        for side, v in sides.items()
+        for i, suffix in enumerate(("", "_host", "_share"))
+    }
+    record = {"stage": "host_time", "status": "passed", "seconds": 90.0, "result": {"medians": medians}}
+    table = markdown([record])
+    assert "| offline | 900.0 | 80.0 | 8.9 |" in table and "| served | 1000.0 | 150.0 | 15.0 |" in table
 
 
 def test_the_table_carries_the_profiles_and_a_timed_out_stages_rows(tmp_path, monkeypatch):
