@@ -16,7 +16,8 @@ forward's time runs until the device finished it), and the host's share of the w
 time. ``--shape llama3-8b --device cuda`` measures the same on a GPU with
 Llama-3-8B's shapes (random bf16 weights; SmolLM2's tokenizer, so its 49152-token
 vocabulary): how much of a decode step at ``--batch`` 64 the engine's own work
-takes (issue 66's goal: at most 10 %). With ``--against
+takes (issue 66's goal: at most 10 %); ``--shape smollm2`` the same for the CPU
+engine on a real model. With ``--against
 REV`` the same workload runs with that commit's ``splitserve`` too (a temporary git
 worktree, fresh processes alternated round by round, as ``bench.engine_guard``), and
 the table gives both trees' medians::
@@ -136,10 +137,12 @@ VOCAB = 49152  # SmolLM2's tokenizer's
 def make_model(directory: Path, shape: str, tokenizer: Path | None = None) -> str:
     """The model (``tiny``: 2 layers, hidden 32, saved; ``llama3-8b``: its config only,
     for random weights), with the tokenizer files of ``tokenizer`` (a directory;
-    default SmolLM2's, from its package); its path."""
+    default SmolLM2's, from its package); its path. ``smollm2``: SmolLM2 itself."""
     from splitserve.bench.tiny_models import make_hf_checkpoint
     from splitserve.engine.model.loader import resolve_source
 
+    if shape == "smollm2":  # the real model as its package gives it
+        return str(resolve_source("smollm2").directory)
     source = tokenizer if tokenizer is not None else resolve_source("smollm2").directory
     if not (Path(source) / "tokenizer.json").exists():
         raise SystemExit(f"{source} has no tokenizer.json (bench/device_prepare.py fetch copies SmolLM2's)")
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
-    ap.add_argument("--shape", choices=["tiny", "llama3-8b"], default="tiny")
+    ap.add_argument("--shape", choices=["tiny", "llama3-8b", "smollm2"], default="tiny")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on a GPU")
     ap.add_argument("--kv-mib", type=int, default=None, help="KV cache (default 256 MiB; 4 GiB for 8B)")
@@ -182,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="host-time-") as tmp:
         model = make_model(Path(tmp) / "model", args.shape, args.tokenizer)
         numbers = (args.batch, args.input_len, args.output_len, args.threads, kv_mib)
-        argv_side = [model, *map(str, numbers), args.device, dtype, "0" if args.shape == "tiny" else "1"]
+        random_weights = "1" if args.shape == "llama3-8b" else "0"
+        argv_side = [model, *map(str, numbers), args.device, dtype, random_weights]
         with checked_out(args.against) as package:
             sides = [("this tree", None)] + ([(args.against, package)] if args.against else [])
             samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in sides}
