@@ -145,7 +145,9 @@ def make_model(directory: Path, shape: str, tokenizer: Path | None = None) -> st
         return str(resolve_source("smollm2").directory)
     source = tokenizer if tokenizer is not None else resolve_source("smollm2").directory
     if not (Path(source) / "tokenizer.json").exists():
-        raise SystemExit(f"{source} has no tokenizer.json (bench/device_prepare.py packs SmolLM2's for a GPU)")
+        raise SystemExit(
+            f"{source} has no tokenizer.json (bench/device_prepare.py packs SmolLM2's for a GPU)"
+        )
     if shape == "tiny":
         make_hf_checkpoint(
             "llama", directory, max_position=2048, vocab_size=VOCAB, hidden_size=32, intermediate_size=64
