@@ -19,6 +19,7 @@ captures for real.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -56,10 +57,16 @@ class _Refuse(TorchDispatchMode):
 
 @contextlib.contextmanager
 def refuse_host_syncs() -> Iterator[None]:
-    """Inside the block, what a CUDA graph capture refuses raises ``HostSync``."""
+    """Inside the block, what a CUDA graph capture refuses raises ``HostSync`` on this
+    thread (the dispatch mode is per thread; ``tolist``, patched on the class while
+    the block runs, refuses only this thread's calls). Not reentrant across threads:
+    one block at a time in a process."""
     original = torch.Tensor.tolist
+    owner = threading.get_ident()
 
     def tolist(self, *args, **kwargs):
+        if threading.get_ident() != owner:
+            return original(self, *args, **kwargs)
         raise HostSync("Tensor.tolist: reads a tensor's values on the host; a CUDA graph cannot capture it")
 
     torch.Tensor.tolist = tolist

@@ -245,3 +245,19 @@ def test_recording_a_moe_step_with_the_torch_loop_is_refused(tmp_path, monkeypat
     )
     with pytest.raises(HostSync, match="a CUDA graph cannot capture it"):
         Engine(config, hf_config=tiny_hf_config("qwen3_moe"))
+
+
+def test_the_guard_refuses_only_its_own_thread_s_host_reads():
+    """Another thread's ``tolist`` (a worker's poller, say) is not a capture's."""
+    import threading
+
+    from splitserve.engine.capture_guard import HostSync
+
+    got = []
+    with refuse_host_syncs():
+        other = threading.Thread(target=lambda: got.append(torch.arange(3).tolist()))
+        other.start()
+        other.join(30)
+        with pytest.raises(HostSync, match="tolist"):
+            torch.arange(3).tolist()
+    assert got == [[0, 1, 2]] and torch.arange(2).tolist() == [0, 1]
