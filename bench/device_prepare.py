@@ -48,7 +48,7 @@ def fetch() -> int:
             [sys.executable, "-m", "pip", "download", "--no-deps", *TARGET, "-d", str(WHEELS), requirement],
             check=True,
         )
-    _copy_tokenizer()
+    _pack_tokenizer()
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     tree = sum((ROOT / name).stat().st_size for name in tracked.decode().split("\0") if name)
     wheels = sum(p.stat().st_size for p in WHEELS.glob("*") if p.is_file())
@@ -59,7 +59,7 @@ def fetch() -> int:
     return 0 if total < LIMIT_BYTES else 1
 
 
-def _copy_tokenizer() -> None:
+def _pack_tokenizer() -> None:
     """SmolLM2's tokenizer files (no weights) packed into ``TOKENIZER_ARCHIVE``: the
     device check's ``host_time`` stage makes text with them (the GPU image has no
     model package). Here splitserve is installed; a machine without SmolLM2's

@@ -104,7 +104,8 @@ def grouped_experts(
     module docstring): a Python loop over the experts that got tokens, none over
     tokens, which reads the counts on the host; or ``kernel``
     (``kernels.triton_moe.fused_experts``: two launches, nothing read back, so a CUDA
-    graph captures it), which takes the same arguments."""
+    graph captures it), called as ``kernel(x, weights, ids, first_expert, gate_up,
+    down, form)``."""
     if kernel is not None:
         return kernel(x, weights, ids, first_expert, gate_up, down, form)
     t, k = ids.shape
@@ -239,7 +240,9 @@ class SparseMoE(nn.Module):
 
     def take_routed(self) -> list[int]:
         """Rows each held expert computed since the last call (and start counting again).
-        Under CUDA graphs a replay's padding rows count too (token 0, routed as any)."""
+        Call it between steps, on the thread that runs them: it reads the device's
+        counts (a sync). Under CUDA graphs a replay's padding rows count too (token 0,
+        routed as any)."""
         if self.routed is None:
             return [0] * self.shard.count
         counts = self.routed.tolist()
