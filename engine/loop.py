@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 from splitserve.engine import commands
@@ -94,8 +95,7 @@ class EngineLoop:
         # where the thread's time goes (thread_times): set and summed on the loop thread
         self._native_id: int | None = None  # set as the loop starts stepping
         self._since, self._sched_base = 0.0, (0.0, 0.0)
-        self._waited_paced_s = self._waited_idle_s = 0.0
-        self._pacing_since: float | None = None  # a paced wait under way began then
+        self._waits = _Waits()  # replaced whole, on the loop thread; read by any
         self._froze = False  # start froze the heap (stop lets it go)
 
     def build(self) -> Engine:
@@ -163,15 +163,17 @@ class EngineLoop:
 
     def thread_times(self) -> ThreadTimes:
         """Where the loop's thread spent its time since it began stepping
-        (``wire.outputs.ThreadTimes``; any thread; its parts read one after another, so a
-        window's may be off by a wait's end)."""
+        (``wire.outputs.ThreadTimes``; any thread). A wait counts only the time the thread
+        slept in it: what it ran or waited for a core meanwhile (ticks, wake-ups) is the
+        kernel's part, so no second is counted twice; the parts are read one after
+        another, the wall time last, so they add up to at most the wall time."""
         if self._native_id is None:  # not stepping yet
             return ThreadTimes(0.0, 0.0, 0.0, 0.0, 0.0)
-        on_cpu, runnable = (now - then for now, then in zip(_schedstat(self._native_id), self._sched_base))
+        sched = _schedstat(self._native_id)
+        on_cpu, runnable = (now - then for now, then in zip(sched, self._sched_base))
+        paced, idle = self._waits.slept(time.perf_counter(), sched)
         wall = time.monotonic() - self._since
-        since = self._pacing_since  # a wait under way counts up to now
-        paced = self._waited_paced_s + (time.perf_counter() - since if since is not None else 0.0)
-        return ThreadTimes(wall, on_cpu, runnable, paced, self._waited_idle_s)
+        return ThreadTimes(wall, on_cpu, runnable, paced, idle)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -222,6 +224,7 @@ class EngineLoop:
                 except Exception:
                     log.exception("the engine loop's error callback failed")
         finally:
+            self._end_wait()
             self._fail_pending()
 
     def _await_consumer(self) -> None:
@@ -233,23 +236,41 @@ class EngineLoop:
             with self._taking:
                 if self._untaken <= 1 or self._stopping:
                     break
-                self._pacing_since = self._pacing_since or time.perf_counter()
+                self._begin_wait("paced")
                 if self._taking.wait(self._idle_s):
                     continue
             self._on_tick()
-        if self._pacing_since is not None:
-            self._waited_paced_s += time.perf_counter() - self._pacing_since
-            self._pacing_since = None
+        self._end_wait("paced")
+
+    def _begin_wait(self, kind: str) -> None:
+        """A wait of ``kind`` ("paced" or "idle") begins, unless one is under way."""
+        if self._waits.open is not None and self._waits.open[0] == kind:
+            return
+        self._end_wait()
+        self._waits = _Waits(
+            self._waits.paced_s, self._waits.idle_s, (kind, time.perf_counter(), _schedstat(self._native_id))
+        )
+
+    def _end_wait(self, kind: str | None = None) -> None:
+        """The wait under way ends (only if of ``kind``, when given): its sleep is summed."""
+        open_ = self._waits.open
+        if open_ is None or (kind is not None and open_[0] != kind):
+            return
+        now = time.perf_counter()
+        self._waits = _Waits(*self._waits.slept(now, _schedstat(self._native_id)))
 
     def _run_calls(self, block: bool) -> None:
-        began = time.perf_counter() if block else None  # an idle wait: counted (thread_times)
+        """Run the queued calls; ``block``: wait up to ``idle_s`` for the first. An idle
+        wait stays open across the loop's idle turns, until a call comes or work does."""
+        if block:
+            self._begin_wait("idle")
+        else:
+            self._end_wait("idle")
         try:
             item = self._calls.get(timeout=self._idle_s) if block else self._calls.get_nowait()
         except queue.Empty:
             return
-        finally:
-            if began is not None:
-                self._waited_idle_s += time.perf_counter() - began
+        self._end_wait("idle")
         while item is not None:
             fn, fut = item
             if fut.set_running_or_notify_cancel():
@@ -309,6 +330,28 @@ def _unfreeze_heap() -> None:
 
 def _unfreeze_at_exit() -> None:
     gc.unfreeze()
+
+
+@dataclass(frozen=True)
+class _Waits:
+    """The loop thread's waits (``thread_times``): seconds slept waiting for the consumer
+    (``paced_s``) and for work (``idle_s``), and the wait under way, if any: its kind,
+    when it began (``perf_counter``) and the thread's ``_schedstat`` then."""
+
+    paced_s: float = 0.0
+    idle_s: float = 0.0
+    open: tuple[str, float, tuple[float, float]] | None = None
+
+    def slept(self, now: float, sched: tuple[float, float]) -> tuple[float, float]:
+        """(paced, idle) seconds, the open wait counted up to ``now`` (``sched`` read
+        then): its length less what the thread ran or waited for a core meanwhile."""
+        if self.open is None:
+            return self.paced_s, self.idle_s
+        kind, began, (cpu0, ready0) = self.open
+        asleep = max(0.0, now - began - (sched[0] - cpu0) - (sched[1] - ready0))
+        if kind == "paced":
+            return self.paced_s + asleep, self.idle_s
+        return self.paced_s, self.idle_s + asleep
 
 
 def _schedstat(native_id: int) -> tuple[float, float]:

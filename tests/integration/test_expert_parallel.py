@@ -74,7 +74,7 @@ def _exchange_rank(rank: int, port: int, case: str, out) -> None:
 
     x, weights, ids = _tokens(rank, case)
     got = dispatch_combine(group, x, weights, ids, shard.count, compute)
-    out.put((rank, got, computed[0]))
+    out.put((rank, got.numpy(), computed[0]))  # by value: a shared tensor's fd dies with its process
     group.destroy()
     _exit(out)
 
@@ -85,7 +85,9 @@ def test_all_to_all_dispatch_and_combine_equal_the_whole_layer(case):
     procs = [CTX.Process(target=_exchange_rank, args=(r, port, case, out), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
-    results = {rank: (got, rows) for rank, got, rows in (out.get(timeout=120) for _ in procs)}
+    results = {
+        rank: (torch.from_numpy(got), rows) for rank, got, rows in (out.get(timeout=120) for _ in procs)
+    }
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
