@@ -201,11 +201,11 @@ def rank_loads(expert_tokens: Sequence[int], ranks: int) -> list[int]:
 class ThreadTimes:
     """Where an engine loop's thread spent its time (seconds, since the loop started;
     ``minus`` gives a window). ``on_cpu_s`` and ``runnable_s`` (ready, waiting for a core)
-    are the kernel's (Linux ``schedstat``; 0 elsewhere); ``paced_s`` (waiting for its
-    consumer to take outputs) and ``idle_s`` (waiting for work) the loop's own; what is
-    left, ``blocked_s``, is time blocked otherwise: on a CPU worker, the GIL held by
-    another thread of its process, and OpenMP's barrier while torch's helper threads wait
-    for a core (an engine in a process of its own blocks about as long, ``docs/benchmarks.md``);
+    are the kernel's (Linux ``schedstat``; 0 elsewhere); ``paced_s`` (asleep waiting
+    for its consumer to take outputs) and ``idle_s`` (asleep waiting for work) the loop's
+    own, the parts disjoint; what is left, ``blocked_s``, is time blocked otherwise: on
+    a CPU worker, the GIL held by another thread of its process, and OpenMP's barrier
+    while torch's helper threads wait for a core (an engine in a process of its own blocks about as long, ``docs/benchmarks.md``);
     on a GPU, device syncs and TP collectives too (``bench.serving_efficiency`` prints the
     split)."""
 
