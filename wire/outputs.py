@@ -205,9 +205,9 @@ class ThreadTimes:
     for its consumer to take outputs) and ``idle_s`` (asleep waiting for work) the loop's
     own, the parts disjoint; what is left, ``blocked_s``, is time blocked otherwise: on
     a CPU worker, the GIL held by another thread of its process, and OpenMP's barrier
-    while torch's helper threads wait for a core (an engine in a process of its own blocks about as long, ``docs/benchmarks.md``);
-    on a GPU, device syncs and TP collectives too (``bench.serving_efficiency`` prints the
-    split)."""
+    while torch's helper threads wait for a core (an engine in a process of its own
+    blocks about as long, ``docs/benchmarks.md``); on a GPU, device syncs and TP
+    collectives too (``bench.serving_efficiency`` prints the split)."""
 
     wall_s: float
     on_cpu_s: float
