@@ -10,8 +10,9 @@ fall back to pure torch (SDPA attention, torch norms); ``load()`` returns None
 then and logs why once.
 
 The build never waits forever: it goes into a directory named by a digest of its
-sources, flags, torch, Python and the CPU's features (two checkouts of different
-kernels never share one, nor rebuild each other's, nor do two kinds of CPU), and
+sources, flags, torch, Python, the CPU's features and the ninja that runs it (two
+checkouts of different kernels never share one, nor rebuild each other's, nor do two
+kinds of CPU, nor two ninjas, whose logs each take the other's for stale), and
 processes building it take turns under an ``flock`` that the kernel releases when
 its holder dies. torch's own ``lock`` file there is left behind by a builder that
 was killed, and every later build would wait on it without end; under the ``flock``
@@ -28,6 +29,7 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -73,14 +75,36 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
+def _ninja_version() -> str:
+    """The version of the ``ninja`` on PATH, which torch's builder runs ("" if none).
+    Two versions keep incompatible logs (1.11's v5, 1.12's v7 hash commands differently),
+    so each takes the other's objects for stale and rebuilds them all: a process started
+    from an activated virtualenv (the ``ninja`` wheel) and one started without (a
+    system ninja) would rebuild the kernels in turn, each holding the build for a
+    minute and a half while the other's workers wait."""
+    path = shutil.which("ninja")
+    return "" if path is None else _version_of(path)
+
+
+@functools.cache
+def _version_of(ninja: str) -> str:
+    try:
+        return subprocess.run([ninja, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def build_directory() -> Path:
     """Where this checkout's kernels are built: torch's extensions root
     (``TORCH_EXTENSIONS_DIR`` if set), in a directory named by a digest of what the
-    build depends on (sources, flags, torch, Python, the CPU's features)."""
+    build depends on (sources, flags, torch, Python, the CPU's features, the ninja on
+    PATH)."""
     from torch.utils.cpp_extension import get_default_build_root
 
+    _ensure_ninja_on_path()
     digest = hashlib.sha256()
-    parts = (torch.__version__, sys.version, platform.machine(), _cpu_features(), *_CFLAGS, *_LDFLAGS)
+    parts = (torch.__version__, sys.version, platform.machine(), _cpu_features(), _ninja_version())
+    parts += _CFLAGS + _LDFLAGS
     for part in parts:
         digest.update(part.encode() + b"\0")
     for path in _SOURCES:
@@ -126,9 +150,8 @@ def load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        _ensure_ninja_on_path()
         log.info("loading native CPU kernels (compiled once on first use: about half a minute)")
-        directory = build_directory()
+        directory = build_directory()  # puts the ninja wheel on PATH if none is
         with build_turn(directory, BUILD_WAIT_S):
             return load_extension(
                 name="splitserve_cpu_kernels",

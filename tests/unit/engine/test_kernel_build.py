@@ -133,3 +133,18 @@ def test_another_kind_of_cpu_builds_in_another_directory(monkeypatch):
     here = kernels.build_directory()
     monkeypatch.setattr(kernels, "_cpu_features", lambda: "flags : fpu sse2")
     assert kernels.build_directory() != here
+
+
+def test_another_ninja_builds_in_another_directory(tmp_path, monkeypatch):
+    """ninja 1.11 and 1.12+ hash their logs' commands differently, each rebuilding all
+    the other built: processes that find different ninjas on PATH (one started from an
+    activated virtualenv, one not) must not share a build directory."""
+    here = kernels.build_directory()
+    other = tmp_path / "ninja"
+    other.write_text("#!/bin/sh\necho 1.10.0\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert kernels._ninja_version() == "1.10.0"
+    assert kernels.build_directory() != here
+    monkeypatch.setenv("PATH", os.environ["PATH"].split(os.pathsep, 1)[1])
+    assert kernels.build_directory() == here
