@@ -256,8 +256,7 @@ class EngineLoop:
         open_ = self._waits.open
         if open_ is None or (kind is not None and open_[0] != kind):
             return
-        now = time.perf_counter()
-        self._waits = _Waits(*self._waits.slept(now, _schedstat(self._native_id)))
+        self._waits = _Waits(*self._waits.slept(time.perf_counter(), _schedstat(self._native_id)))
 
     def _run_calls(self, block: bool) -> None:
         """Run the queued calls; ``block``: wait up to ``idle_s`` for the first. An idle

@@ -98,7 +98,8 @@ def build_directory() -> Path:
     """Where this checkout's kernels are built: torch's extensions root
     (``TORCH_EXTENSIONS_DIR`` if set), in a directory named by a digest of what the
     build depends on (sources, flags, torch, Python, the CPU's features, the ninja on
-    PATH)."""
+    PATH). Puts the ``ninja`` wheel's on this process's PATH first if PATH has none, so
+    the ninja named is the one the build runs."""
     from torch.utils.cpp_extension import get_default_build_root
 
     _ensure_ninja_on_path()
@@ -151,7 +152,7 @@ def load() -> ModuleType | None:
         from torch.utils.cpp_extension import load as load_extension
 
         log.info("loading native CPU kernels (compiled once on first use: about half a minute)")
-        directory = build_directory()  # puts the ninja wheel on PATH if none is
+        directory = build_directory()
         with build_turn(directory, BUILD_WAIT_S):
             return load_extension(
                 name="splitserve_cpu_kernels",
